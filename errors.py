@@ -1,0 +1,44 @@
+"""The one error hierarchy of shardsmith.
+
+Every class inherits the builtin a caller would naturally catch, so
+``except FileNotFoundError`` still works for a missing checkpoint. Messages say
+what was wrong, where (file, field, rank) and what to do.
+"""
+
+from __future__ import annotations
+
+
+class ShardsmithError(Exception):
+    """Base class of every error shardsmith raises on purpose."""
+
+
+class ConfigError(ShardsmithError, ValueError):
+    """A configuration value is out of range or inconsistent with another."""
+
+
+class LayoutError(ShardsmithError, ValueError):
+    """A parallel layout does not divide the model (names the dimension and what would work)."""
+
+
+class CheckpointError(ShardsmithError):
+    """Base class of problems with a checkpoint on storage."""
+
+
+class CheckpointNotFound(CheckpointError, FileNotFoundError):
+    """No committed checkpoint where one was asked for."""
+
+
+class ManifestError(CheckpointError, ValueError):
+    """A manifest is malformed, of an unknown version, or inconsistent (names field and file)."""
+
+
+class IntegrityError(CheckpointError, ValueError):
+    """Bytes on storage do not match the manifest's size or checksum (names the file)."""
+
+
+class StorageError(ShardsmithError, OSError):
+    """A storage operation failed after retries, or failed permanently (names the URL)."""
+
+
+class SaveError(CheckpointError, RuntimeError):
+    """A checkpoint save failed; the step was not committed."""

@@ -1,0 +1,222 @@
+"""Layout records: the model's shape and the parallel dims.
+
+These two small dataclasses are everything the sharding plan needs. They live in
+``reshard/`` (not ``trainer/``) because the offline resharder computes target
+layouts from them without building a model or a process group; the trainer
+re-exports them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardsmith.errors import ConfigError, LayoutError
+
+#: Mesh axis names, major to minor (tp innermost so TP groups are neighbouring ranks).
+MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Shape of a Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention).
+
+    Attributes:
+        num_layers: transformer blocks.
+        hidden_size: model width D.
+        num_attention_heads: query heads H; ``hidden_size % H == 0``.
+        num_kv_heads: key/value heads (GQA groups); ``H % num_kv_heads == 0``.
+        ffn_hidden_size: SwiGLU inner width F.
+        vocab_size: tokens V (unpadded; 256 for byte-level text).
+        seq_length: tokens per sample T.
+        tie_embeddings: output projection shares the input embedding matrix.
+        rope_theta: RoPE base (Su et al. 2021, "RoFormer", eq. 15).
+        norm_eps: RMSNorm epsilon (Zhang & Sennrich 2019).
+    """
+
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_kv_heads: int = 2
+    ffn_hidden_size: int = 352
+    vocab_size: int = 256
+    seq_length: int = 128
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
+                     "ffn_hidden_size", "vocab_size", "seq_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"model.{name}={value!r}: must be an integer >= 1")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_kv_heads={self.num_kv_heads}")
+        if (self.hidden_size // self.num_attention_heads) % 2:
+            raise ConfigError(
+                f"model head dim {self.hidden_size // self.num_attention_heads} must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width ``hidden_size // num_attention_heads``."""
+        return self.hidden_size // self.num_attention_heads
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-safe dict of every field."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "ModelConfig":
+        """Inverse of :meth:`to_json`; unknown keys raise :class:`ConfigError`."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown model config keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**data)
+
+
+@dataclass(kw_only=True)
+class ParallelDims:
+    """Degrees of the four mesh axes; the world size is their product.
+
+    Attributes:
+        pp: pipeline stages.
+        dp_replicate: data-parallel replicas (DDP/HSDP replication).
+        dp_shard: data-parallel shards (FSDP2 ZeRO-3 sharding).
+        tp: tensor-parallel degree (innermost: neighbouring ranks).
+        pipeline_split: layers per stage, one int per stage summing to num_layers;
+            empty = as even as possible, earlier stages taking the remainder.
+    """
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pipeline_split: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for axis in MESH_AXES:
+            value = getattr(self, axis)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"parallel.{axis}={value!r}: must be an integer >= 1")
+        self.pipeline_split = tuple(int(n) for n in self.pipeline_split)
+        if self.pipeline_split and len(self.pipeline_split) != self.pp:
+            raise ConfigError(
+                f"pipeline_split={','.join(map(str, self.pipeline_split))} has "
+                f"{len(self.pipeline_split)} stages but pp={self.pp}")
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks ``pp * dp_replicate * dp_shard * tp``."""
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Total data-parallel degree ``dp_replicate * dp_shard``."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """Mesh shape in :data:`MESH_AXES` order."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of a global rank (row-major over :data:`MESH_AXES`)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world size {self.world_size}")
+        out: dict[str, int] = {}
+        for axis, size in zip(reversed(MESH_AXES), reversed(self.shape)):
+            out[axis] = rank % size
+            rank //= size
+        return {axis: out[axis] for axis in MESH_AXES}
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        """Global rank of mesh coordinates (inverse of :meth:`coords`)."""
+        rank = 0
+        for axis, size in zip(MESH_AXES, self.shape):
+            rank = rank * size + coords[axis]
+        return rank
+
+    def describe(self) -> str:
+        """Short human form, e.g. ``pp2·dpr1·dps1·tp2``."""
+        return f"pp{self.pp}·dpr{self.dp_replicate}·dps{self.dp_shard}·tp{self.tp}"
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-safe dict of every field."""
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
+                "tp": self.tp, "pipeline_split": list(self.pipeline_split)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "ParallelDims":
+        """Inverse of :meth:`to_json`."""
+        return cls(pp=int(data["pp"]), dp_replicate=int(data["dp_replicate"]),
+                   dp_shard=int(data["dp_shard"]), tp=int(data["tp"]),
+                   pipeline_split=tuple(data.get("pipeline_split", ())))
+
+
+def stage_layers(model: ModelConfig, dims: ParallelDims) -> list[range]:
+    """Global layer indices owned by each pipeline stage.
+
+    Returns:
+        ``pp`` contiguous ranges covering ``0..num_layers-1``.
+
+    Raises:
+        LayoutError: a stage would hold no layer, or ``pipeline_split`` does not sum to
+            ``num_layers``.
+    """
+    if dims.pipeline_split:
+        counts = list(dims.pipeline_split)
+        if sum(counts) != model.num_layers or min(counts) < 1:
+            raise LayoutError(
+                f"pipeline_split={','.join(map(str, counts))} must be {dims.pp} positive counts "
+                f"summing to num_layers={model.num_layers}")
+    else:
+        if dims.pp > model.num_layers:
+            raise LayoutError(
+                f"pp={dims.pp} exceeds num_layers={model.num_layers}: every pipeline stage needs "
+                f"at least one layer; use pp <= {model.num_layers}")
+        base, extra = divmod(model.num_layers, dims.pp)
+        counts = [base + (1 if s < extra else 0) for s in range(dims.pp)]
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate_layout(model: ModelConfig, dims: ParallelDims) -> None:
+    """Check that ``dims`` can shard ``model``; raise naming the dimension otherwise.
+
+    Raises:
+        LayoutError: tp does not divide the heads, kv heads, FFN width or vocab, or pp
+            does not fit the layers, or tied embeddings with pp > 1.
+    """
+    checks = [
+        ("num_attention_heads", model.num_attention_heads),
+        ("num_kv_heads", model.num_kv_heads),
+        ("ffn_hidden_size", model.ffn_hidden_size),
+        ("vocab_size", model.vocab_size),
+    ]
+    for name, value in checks:
+        if value % dims.tp:
+            options = [d for d in _divisors(model.num_kv_heads) if all(v % d == 0 for _, v in checks)]
+            raise LayoutError(
+                f"tp={dims.tp} does not divide {name}={value}; tensor-parallel degrees that divide "
+                f"this model: {options}")
+    stage_layers(model, dims)
+    if model.tie_embeddings and dims.pp > 1:
+        raise LayoutError(
+            f"tie_embeddings with pp={dims.pp} is not supported yet (the tied matrix would live on "
+            "the first and the last stage); use pp=1 or untie the embeddings")

@@ -1,0 +1,185 @@
+"""The sharding plan: one pure function from (model config, parallel dims) to placements.
+
+The trainer uses it to check the boxes its DTensors hold and to decide which rank
+writes which replica; the offline resharder uses it to compute target boxes
+without building a model or a process group. The manifest stores the *saved*
+boxes, so loading never depends on the plan the checkpoint was written with.
+
+Placement convention: for every tensor dim, the mesh axes that split it, major to
+minor. ``wq.weight: dim0 by (tp, dp_shard)`` means dim 0 is first cut into ``tp``
+chunks (TP ``ColwiseParallel``) and each TP chunk is cut into ``dp_shard`` chunks
+(FSDP2 ``fully_shard`` over the TP-local tensor, DTensor ``_StridedShard``). Cuts
+follow ``torch.chunk`` (see :func:`shardsmith.storage.boxes.chunk_range`).
+Axes not named split nothing: the tensor is replicated over them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from shardsmith.storage.boxes import Box, chunk_range
+from shardsmith.storage.manifest import DTYPE_NBYTES
+from shardsmith.reshard.layout import ModelConfig, ParallelDims, stage_layers, validate_layout
+
+
+#: Prefixes of optimizer-state FQNs; the rest of the name is the parameter's FQN.
+OPTIM_PREFIXES: tuple[str, ...] = ("optim.exp_avg.", "optim.exp_avg_sq.", "optim.step.")
+
+COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+ROWWISE = ("attention.wo", "feed_forward.w2")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where a logical tensor lives under a layout.
+
+    Attributes:
+        fqn: global name, e.g. ``layers.17.attention.wq.weight``.
+        shape: global shape in elements (canonical: no padding, no fusion).
+        dtype: safetensors dtype name (``F32``, ``BF16`` ...).
+        dim_axes: per tensor dim, mesh axes splitting it, major to minor.
+        stage: pipeline stage holding it.
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    dim_axes: tuple[tuple[str, ...], ...]
+    stage: int
+
+    def box(self, dims: ParallelDims, coords: dict[str, int]) -> Box:
+        """The box held by the rank at mesh ``coords`` (which must be in this stage)."""
+        offsets, lengths = [], []
+        for size, axes in zip(self.shape, self.dim_axes):
+            start, length = 0, size
+            for axis in axes:
+                sub_start, length = chunk_range(length, getattr(dims, axis), coords[axis])
+                start += sub_start
+            offsets.append(start)
+            lengths.append(length)
+        return Box(tuple(offsets), tuple(lengths))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole logical tensor."""
+        return prod(self.shape) * DTYPE_NBYTES[self.dtype]
+
+
+def _param_shapes(model: ModelConfig) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """(fqn, shape, layer index or None) of every parameter, in module order."""
+    d, hd = model.hidden_size, model.head_dim
+    out: list[tuple[str, tuple[int, ...], int | None]] = [
+        ("tok_embeddings.weight", (model.vocab_size, d), None)]
+    for i in range(model.num_layers):
+        p = f"layers.{i}."
+        out += [
+            (p + "attention_norm.weight", (d,), i),
+            (p + "attention.wq.weight", (model.num_attention_heads * hd, d), i),
+            (p + "attention.wk.weight", (model.num_kv_heads * hd, d), i),
+            (p + "attention.wv.weight", (model.num_kv_heads * hd, d), i),
+            (p + "attention.wo.weight", (d, model.num_attention_heads * hd), i),
+            (p + "ffn_norm.weight", (d,), i),
+            (p + "feed_forward.w1.weight", (model.ffn_hidden_size, d), i),
+            (p + "feed_forward.w2.weight", (d, model.ffn_hidden_size), i),
+            (p + "feed_forward.w3.weight", (model.ffn_hidden_size, d), i),
+        ]
+    out.append(("norm.weight", (d,), None))
+    if not model.tie_embeddings:
+        out.append(("output.weight", (model.vocab_size, d), None))
+    return out
+
+
+def _dim_axes(fqn: str, ndim: int) -> tuple[tuple[str, ...], ...]:
+    """TP then FSDP placement of one parameter (see module docstring)."""
+    module = fqn.rsplit(".", 1)[0]
+    tp_dim = None
+    if fqn in ("tok_embeddings.weight", "output.weight") or module.endswith(COLWISE):
+        tp_dim = 0
+    elif module.endswith(ROWWISE):
+        tp_dim = 1
+    axes: list[tuple[str, ...]] = [() for _ in range(ndim)]
+    if tp_dim is not None:
+        axes[tp_dim] = ("tp",)
+    axes[0] = axes[0] + ("dp_shard",)
+    return tuple(axes)
+
+
+def param_specs(model: ModelConfig, dims: ParallelDims, dtype: str = "F32") -> dict[str, TensorSpec]:
+    """Specs of the model parameters under ``dims``.
+
+    Raises:
+        LayoutError: the layout does not divide the model (see
+            :func:`shardsmith.reshard.layout.validate_layout`).
+    """
+    validate_layout(model, dims)
+    stages = stage_layers(model, dims)
+    stage_of = {layer: s for s, layers in enumerate(stages) for layer in layers}
+    specs: dict[str, TensorSpec] = {}
+    for fqn, shape, layer in _param_shapes(model):
+        if layer is not None:
+            stage = stage_of[layer]
+        else:
+            stage = 0 if fqn == "tok_embeddings.weight" else dims.pp - 1
+        specs[fqn] = TensorSpec(fqn, shape, dtype, _dim_axes(fqn, len(shape)), stage)
+    return specs
+
+
+def optimizer_specs(params: dict[str, TensorSpec]) -> dict[str, TensorSpec]:
+    """AdamW state specs: ``exp_avg``/``exp_avg_sq`` follow their parameter; ``step`` is a
+    replicated 0-d float32 per parameter (as ``torch.optim.AdamW`` keeps it)."""
+    specs: dict[str, TensorSpec] = {}
+    for fqn, p in params.items():
+        for kind in ("exp_avg", "exp_avg_sq"):
+            name = f"optim.{kind}.{fqn}"
+            specs[name] = TensorSpec(name, p.shape, p.dtype, p.dim_axes, p.stage)
+        name = f"optim.step.{fqn}"
+        specs[name] = TensorSpec(name, (), "F32", (), p.stage)
+    return specs
+
+
+def checkpoint_specs(model: ModelConfig, dims: ParallelDims, *, with_optimizer: bool = True,
+                     dtype: str = "F32") -> dict[str, TensorSpec]:
+    """Every logical tensor a checkpoint of this layout holds, by FQN."""
+    params = param_specs(model, dims, dtype)
+    return {**params, **optimizer_specs(params)} if with_optimizer else params
+
+
+def rank_boxes(specs: dict[str, TensorSpec], dims: ParallelDims, rank: int) -> dict[str, Box]:
+    """Boxes of every tensor held by ``rank`` (those of its pipeline stage), empty ones included."""
+    coords = dims.coords(rank)
+    return {fqn: s.box(dims, coords) for fqn, s in specs.items() if s.stage == coords["pp"]}
+
+
+def shard_file_name(rank: int) -> str:
+    """Checkpoint-relative path of the safetensors file written by ``rank``."""
+    return f"shards/rank-{rank:05d}.safetensors"
+
+
+def write_assignment(specs: dict[str, TensorSpec], dims: ParallelDims) -> dict[int, list[tuple[str, Box]]]:
+    """Which rank writes which (fqn, box): each distinct non-empty box exactly once.
+
+    Replicas of a box (over dp_replicate, or tp for TP-replicated norms) are given to
+    the holder with the fewest bytes assigned so far, largest boxes first, ties to the
+    lowest rank (greedy longest-processing-time load balancing, Graham 1969). Pure and
+    deterministic, so a save and an offline reshard to the same layout write the same files.
+
+    Returns:
+        rank -> list of (fqn, box) in FQN order, for every rank (possibly empty lists).
+    """
+    holders: dict[tuple[str, Box], list[int]] = {}
+    for rank in range(dims.world_size):
+        for fqn, box in rank_boxes(specs, dims, rank).items():
+            if not box.is_empty:
+                holders.setdefault((fqn, box), []).append(rank)
+    load = [0] * dims.world_size
+    out: dict[int, list[tuple[str, Box]]] = {r: [] for r in range(dims.world_size)}
+    order = sorted(holders, key=lambda k: (-k[1].numel * DTYPE_NBYTES[specs[k[0]].dtype], k[0],
+                                           k[1].offsets))
+    for key in order:
+        writer = min(holders[key], key=lambda r: (load[r], r))
+        load[writer] += key[1].numel * DTYPE_NBYTES[specs[key[0]].dtype]
+        out[writer].append(key)
+    for items in out.values():
+        items.sort(key=lambda k: k[0])
+    return out

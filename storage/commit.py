@@ -1,0 +1,131 @@
+"""The commit protocol, which needs no rename.
+
+``<root>/step-NNNNNNNNN/shards/*`` (data, written by every rank) -> barrier ->
+``<root>/step-NNNNNNNNN/manifest.json`` (written last by the coordinator: its presence
+is the commit) -> ``<root>/latest`` (a hint naming the newest committed step).
+
+Readers ignore a step without a manifest; when ``latest`` is missing, stale or
+names an incomplete step they fall back to the newest committed step and say so.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+from shardsmith.errors import CheckpointNotFound
+from shardsmith.storage.fs import Store
+from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, parse_manifest
+
+log = logging.getLogger(__name__)
+
+LATEST_NAME = "latest"
+_STEP_RE = re.compile(r"^step-(\d{9,})$")
+
+
+def step_dir(step: int) -> str:
+    """Directory name of a step, e.g. ``step-000000040``."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step-{step:09d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """Step number of a directory name, or ``None`` when it is not a step directory."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass
+class StepInfo:
+    """A step directory under a checkpoint root."""
+
+    step: int
+    name: str
+    committed: bool
+
+
+def list_steps(root: Store) -> list[StepInfo]:
+    """All step directories under ``root``, oldest first, with commit status."""
+    out = []
+    for name in root.list_dir():
+        step = parse_step_dir(name)
+        if step is not None:
+            out.append(StepInfo(step, name, root.exists(f"{name}/{MANIFEST_NAME}")))
+    return sorted(out, key=lambda s: s.step)
+
+
+def read_latest_hint(root: Store) -> str | None:
+    """Contents of ``<root>/latest`` (a step directory name) or ``None``."""
+    try:
+        text = root.read(LATEST_NAME).decode("utf-8", "replace").strip()
+    except FileNotFoundError:
+        return None
+    return text or None
+
+
+def find_latest_committed(root: Store) -> int | None:
+    """The newest committed step under ``root``, or ``None`` when there is none.
+
+    ``latest`` is only a hint: if it names a committed step newer than or equal to every
+    other committed step it is used; otherwise the newest committed step wins and a
+    warning says why.
+    """
+    steps = [s for s in list_steps(root) if s.committed]
+    if not steps:
+        return None
+    newest = steps[-1].step
+    hint = read_latest_hint(root)
+    hinted = parse_step_dir(hint) if hint else None
+    if hinted != newest:
+        log.warning("%s/latest is %s; using newest committed step %s instead",
+                    root.url, "missing" if hint is None else repr(hint), step_dir(newest))
+    return newest
+
+
+def read_manifest(step_store: Store) -> Manifest:
+    """Read and validate ``manifest.json`` of a step directory.
+
+    Raises:
+        CheckpointNotFound: no manifest (the step is not committed).
+        ManifestError: the manifest is invalid.
+    """
+    try:
+        raw = step_store.read(MANIFEST_NAME)
+    except FileNotFoundError as exc:
+        raise CheckpointNotFound(
+            f"{step_store.url} is not a committed checkpoint (no {MANIFEST_NAME}); "
+            "`shardsmith ls` on its parent lists committed steps") from exc
+    return parse_manifest(raw, step_store.url_of(MANIFEST_NAME))
+
+
+def commit(root: Store, manifest: Manifest) -> None:
+    """Write the manifest (the commit point) and then the ``latest`` hint.
+
+    Called by the coordinator only, after every rank's data is written (barrier).
+    """
+    name = step_dir(manifest.step)
+    root.write(f"{name}/{MANIFEST_NAME}", manifest.dumps())
+    root.write(LATEST_NAME, (name + "\n").encode())
+
+
+def resolve_checkpoint(url: str, storage_options: dict | None = None) -> tuple[Store, Store, int]:
+    """Resolve a URL naming a root (use its newest committed step) or a step directory.
+
+    Returns:
+        (root store, step store, step).
+
+    Raises:
+        CheckpointNotFound: nothing committed there.
+    """
+    store = Store(url, storage_options)
+    name = store.url.rstrip("/").rsplit("/", 1)[-1]
+    step = parse_step_dir(name)
+    if step is not None:
+        parent = store.url.rstrip("/")[: -len(name) - 1] or "/"
+        return Store(parent, storage_options), store, step
+    latest = find_latest_committed(store)
+    if latest is None:
+        raise CheckpointNotFound(f"no committed checkpoint under {store.url}")
+    return store, store.child(step_dir(latest)), latest

@@ -1,0 +1,209 @@
+"""Checkpoint save and load inside a training job (every rank calls these, in the same order).
+
+Save: each rank writes the boxes the sharding plan assigns it (replicas once, spread
+over ranks) into one safetensors file, sends its manifest records to rank 0 as JSON
+over the process group (no pickle), and rank 0 validates coverage, writes
+``manifest.json`` (the commit) and then ``latest``.
+
+Load: each rank computes the boxes it holds under the *current* layout and fills
+them from whatever boxes the checkpoint saved, reading only intersecting byte ranges.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from shardsmith.errors import CheckpointError, SaveError
+from shardsmith.reshard.layout import ModelConfig, ParallelDims
+from shardsmith.reshard.plan import checkpoint_specs, rank_boxes, shard_file_name, write_assignment
+from shardsmith.storage.boxes import Box
+from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
+from shardsmith.storage.commit import commit, step_dir
+from shardsmith.storage.fs import Store
+from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord, TensorRecord, parse_manifest
+from shardsmith.storage.shards import DTYPE_NAMES, ReadStats, encode_and_record, read_box
+
+log = logging.getLogger(__name__)
+
+
+def gather_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """All-gather a JSON-serializable object from every rank (UTF-8 bytes over the
+    process group; no pickle). Every rank of ``group`` must call it."""
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(out, padded, group=group)
+    return [json.loads(bytes(t[: int(s.item())].tolist())) for t, s in zip(out, sizes)]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly DTensor) parameter or state tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def model_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    """Global FQN -> local tensor, for parameters and (when given) AdamW state.
+
+    Optimizer state is keyed ``optim.exp_avg.<fqn>``, ``optim.exp_avg_sq.<fqn>``,
+    ``optim.step.<fqn>``; it must exist (see :func:`init_optimizer_state`).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for fqn, p in model.named_parameters():
+        out[fqn] = local_tensor(p.data if not isinstance(p, DTensor) else p)
+        if optimizer is not None:
+            state = optimizer.state[p]
+            out[f"optim.exp_avg.{fqn}"] = local_tensor(state["exp_avg"])
+            out[f"optim.exp_avg_sq.{fqn}"] = local_tensor(state["exp_avg_sq"])
+            out[f"optim.step.{fqn}"] = state["step"]
+    return out
+
+
+def init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW state (zeros, step 0) for every parameter that has none, matching the
+    parameter's placement, so a checkpoint can be loaded into it before the first step."""
+    for p in model.parameters():
+        if not optimizer.state[p]:
+            optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+
+
+@dataclass
+class SaveResult:
+    """What a save wrote (identical on every rank)."""
+
+    step: int
+    nbytes: int
+    seconds: float
+
+
+def _check_boxes(tensors: dict[str, torch.Tensor], boxes: dict[str, Box], rank: int) -> None:
+    missing = set(boxes) ^ set(tensors)
+    if missing:
+        raise CheckpointError(f"rank {rank}: model state and sharding plan disagree on {sorted(missing)[:5]}")
+    for fqn, box in boxes.items():
+        if tuple(tensors[fqn].shape) != box.lengths:
+            raise CheckpointError(f"rank {rank}: {fqn} holds local shape {tuple(tensors[fqn].shape)} but "
+                                  f"the sharding plan says {box.lengths} (internal error)")
+
+
+def save_checkpoint(root: Store, step: int, tensors: dict[str, torch.Tensor], *, model_cfg: ModelConfig,
+                    dims: ParallelDims, config: dict[str, Any], state: dict[str, Any],
+                    group: dist.ProcessGroup | None = None,
+                    chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> SaveResult:
+    """Write and commit one step. Called by every rank of the job, in the same order.
+
+    Args:
+        root: checkpoint root store.
+        step: optimizer step the state belongs to.
+        tensors: this rank's local tensors by global FQN (see :func:`model_state_tensors`).
+        model_cfg, dims: the model and layout (the plan decides who writes what).
+        config, state: JSON-safe root config and non-tensor state (scheduler, data, counters).
+
+    Raises:
+        SaveError: any rank failed to write, or coverage did not validate; nothing is committed.
+    """
+    t0 = time.perf_counter()
+    rank = dist.get_rank(group)
+    with_optim = any(k.startswith("optim.") for k in tensors)
+    specs = checkpoint_specs(model_cfg, dims, with_optimizer=with_optim)
+    _check_boxes(tensors, rank_boxes(specs, dims, rank), rank)
+    mine = write_assignment(specs, dims)[rank]
+    step_store = root.child(step_dir(step))
+    file_name = shard_file_name(rank)
+    error = ""
+    records: dict[str, Any] = {}
+    try:
+        if mine:
+            local = {fqn: (tensors[fqn].detach().to("cpu"), box) for fqn, box in mine}
+            encoded, shard_records = encode_and_record(local, file_name, chunk_nbytes)
+            step_store.write(file_name, encoded.data)
+            records = {"file": [file_name, encoded.record.nbytes, encoded.record.crc32c],
+                       "shards": {fqn: r.to_json() for fqn, r in shard_records.items()}}
+    except Exception as exc:  # reported to every rank below; nothing is committed
+        log.exception("rank %d: writing %s failed", rank, step_store.url_of(file_name))
+        error = f"rank {rank}: {type(exc).__name__}: {exc}"
+    gathered = gather_json({"error": error, **records}, group)
+    errors = [g["error"] for g in gathered if g["error"]]
+    if errors:
+        raise SaveError(f"checkpoint step {step} not committed: " + "; ".join(errors))
+    nbytes = sum(g["file"][1] for g in gathered if "file" in g)
+    if rank == 0:
+        manifest = _build_manifest(step, gathered, specs, model_cfg, dims, config, state, chunk_nbytes)
+        parse_manifest(manifest.dumps(), step_store.url_of("manifest.json"))   # coverage, before commit
+        commit(root, manifest)
+    dist.barrier(group)
+    return SaveResult(step, nbytes, time.perf_counter() - t0)
+
+
+def _build_manifest(step: int, gathered: list[dict[str, Any]], specs: dict, model_cfg: ModelConfig,
+                    dims: ParallelDims, config: dict[str, Any], state: dict[str, Any],
+                    chunk_nbytes: int) -> Manifest:
+    tensors = {fqn: TensorRecord(shape=list(s.shape), dtype=s.dtype) for fqn, s in specs.items()}
+    files: dict[str, FileRecord] = {}
+    for g in gathered:
+        if "file" not in g:
+            continue
+        name, nbytes, crc = g["file"]
+        files[name] = FileRecord(nbytes=nbytes, crc32c=crc)
+        for fqn, r in g["shards"].items():
+            tensors[fqn].shards.append(ShardRecord(**r))
+    for t in tensors.values():
+        t.shards.sort(key=lambda s: s.offsets)
+    return Manifest(step=step, layout={**dims.to_json(), "world_size": dims.world_size},
+                    model=model_cfg.to_json(), config=config, state=state, tensors=tensors,
+                    files=files, chunk_nbytes=chunk_nbytes,
+                    created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+
+def load_into(step_store: Store, manifest: Manifest, tensors: dict[str, torch.Tensor],
+              boxes: dict[str, Box], shapes: dict[str, tuple[int, ...]], *,
+              strict: bool = True) -> ReadStats:
+    """Fill this rank's local tensors from a checkpoint saved in any layout.
+
+    Args:
+        step_store: the step directory.
+        manifest: its parsed manifest.
+        tensors: FQN -> local tensor to overwrite in place (shape = its box's lengths).
+        boxes: FQN -> global box each local tensor holds (from the sharding plan).
+        shapes: FQN -> global shape the job expects.
+        strict: a tensor missing from the checkpoint raises; else it is left as is.
+
+    Raises:
+        CheckpointError: a tensor is missing, or its global shape or dtype differs.
+        IntegrityError: bytes read do not match their checksums.
+    """
+    stats = ReadStats()
+    for fqn, box in boxes.items():
+        rec = manifest.tensors.get(fqn)
+        if rec is None:
+            if strict:
+                raise CheckpointError(f"{step_store.url}: checkpoint has no tensor {fqn!r}")
+            continue
+        dest = tensors[fqn]
+        if tuple(rec.shape) != tuple(shapes[fqn]):
+            raise CheckpointError(f"{step_store.url}: {fqn} has global shape {tuple(rec.shape)} in the "
+                                  f"checkpoint but {tuple(shapes[fqn])} in this model; check the "
+                                  "model flags against `shardsmith inspect`")
+        if DTYPE_NAMES.get(dest.dtype) != rec.dtype:
+            raise CheckpointError(f"{step_store.url}: {fqn} is {rec.dtype} in the checkpoint but "
+                                  f"{dest.dtype} in the job")
+        if box.numel == 0:
+            continue
+        with torch.no_grad():
+            read_box(step_store, manifest, fqn, box, out=dest, stats=stats)
+    return stats

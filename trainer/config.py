@@ -1,0 +1,144 @@
+"""The trainer's configuration: one small dataclass per component, one root.
+
+The root :class:`TrainConfig` is saved in every manifest (``config``) and can be
+rebuilt from it with :meth:`TrainConfig.from_json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardsmith.errors import ConfigError
+from shardsmith.reshard.layout import ModelConfig, ParallelDims
+from shardsmith.trainer.data import DataConfig
+
+__all__ = ["ModelConfig", "ParallelDims", "DataConfig", "OptimConfig", "CheckpointConfig",
+           "TrainConfig"]
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW (Loshchilov & Hutter 2019) with linear warmup and cosine decay.
+
+    lr(step) = lr * (step+1)/warmup_steps during warmup, then
+    min_lr + (lr - min_lr) * (1 + cos(pi * progress)) / 2 (SGDR, Loshchilov & Hutter 2017),
+    where min_lr = lr * min_lr_ratio and progress runs 0 -> 1 over the remaining steps.
+    """
+
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ConfigError(f"optim.lr={self.lr}: must be > 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps={self.warmup_steps}: must be >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"optim.{name}={getattr(self, name)}: must be in [0, 1)")
+        if self.grad_clip < 0:
+            raise ConfigError(f"optim.grad_clip={self.grad_clip}: must be >= 0 (0 disables)")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Where and when to checkpoint.
+
+    Attributes:
+        url: checkpoint root (local dir or fsspec URL); empty = no checkpoints.
+        save_interval: save every this many steps (0 = only at the end).
+        resume: ``auto`` (newest committed step under ``url`` if any), ``none``, or a URL
+            of a root or step directory.
+        storage_options: fsspec options (credentials, endpoint).
+        save_final: save after the last step.
+    """
+
+    url: str = ""
+    save_interval: int = 0
+    resume: str = "auto"
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    save_final: bool = True
+
+    def __post_init__(self) -> None:
+        if self.save_interval < 0:
+            raise ConfigError(f"checkpoint.save_interval={self.save_interval}: must be >= 0")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Root config of a training run.
+
+    Attributes:
+        steps: optimizer steps to reach (absolute, so a resumed run stops at the same step).
+        global_batch_size: samples per optimizer step, over all DP ranks.
+        micro_batch_size: samples per forward pass; gradient accumulation (or pipeline
+            microbatches) makes up the rest: ``global / (micro * dp)`` per rank.
+        seed: model init and data order.
+        mixed_precision: ``fp32`` or ``bf16`` (autocast compute, fp32 master weights).
+        activation_checkpointing: recompute each block in backward.
+        log_interval: print every this many steps.
+        run_dir: where metrics.jsonl goes (default: the checkpoint root, else none).
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelDims = field(default_factory=ParallelDims)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    steps: int = 40
+    global_batch_size: int = 16
+    micro_batch_size: int = 2
+    seed: int = 1234
+    mixed_precision: str = "fp32"
+    activation_checkpointing: bool = False
+    log_interval: int = 1
+    run_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ConfigError(f"steps={self.steps}: must be >= 0")
+        if self.micro_batch_size < 1 or self.global_batch_size < 1:
+            raise ConfigError(f"global_batch_size={self.global_batch_size}, micro_batch_size="
+                              f"{self.micro_batch_size}: both must be >= 1")
+        if self.mixed_precision not in ("fp32", "bf16"):
+            raise ConfigError(f"mixed_precision={self.mixed_precision!r}: use 'fp32' or 'bf16'")
+
+    def num_microbatches(self) -> int:
+        """Microbatches per rank per step; raises ConfigError when the batch does not divide."""
+        dp = self.parallel.dp
+        per_rank = self.global_batch_size * 1.0 / (self.micro_batch_size * dp)
+        if per_rank != int(per_rank) or per_rank < 1:
+            good = [g for g in range(self.micro_batch_size * dp, 4 * self.global_batch_size + 1,
+                                     self.micro_batch_size * dp)][:4]
+            raise ConfigError(
+                f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size"
+                f"={self.micro_batch_size} x dp={dp}; use e.g. global_batch_size in {good}")
+        return int(per_rank)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-safe dict (credentials in storage_options are dropped)."""
+        out = dataclasses.asdict(self)
+        out["parallel"] = self.parallel.to_json()
+        out["data"]["sources"] = list(self.data.sources)
+        out["checkpoint"]["storage_options"] = {}
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "TrainConfig":
+        """Inverse of :meth:`to_json`."""
+        data = dict(data)
+        return cls(model=ModelConfig.from_json(data.pop("model")),
+                   parallel=ParallelDims.from_json(data.pop("parallel")),
+                   optim=OptimConfig(**data.pop("optim")),
+                   data=DataConfig(**{**data.pop("data")}),
+                   checkpoint=CheckpointConfig(**data.pop("checkpoint")), **data)

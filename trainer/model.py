@@ -1,0 +1,175 @@
+"""A Llama-style decoder, small enough to read top to bottom.
+
+RMSNorm (Zhang & Sennrich 2019), rotary position embeddings (Su et al. 2021),
+SwiGLU MLP (Shazeer 2020), grouped-query attention (Ainslie et al. 2023), optional
+tied input/output embeddings. Parameter names are the checkpoint's global FQNs:
+``layers`` is a ModuleDict keyed by the *global* layer index, so a pipeline stage
+that holds layers 8..15 still names them ``layers.8.…``.
+
+Shapes: B batch, T sequence, D hidden, H query heads, K kv heads, Dh head dim, V vocab.
+Under tensor parallelism the head counts seen here are the TP-local ones: every
+view below infers them from the (local) projection width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from shardsmith.reshard.layout import ModelConfig
+
+
+def rope_tables(head_dim: int, seq_length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (T, Dh/2) for rotary embeddings (RoFormer eq. 34)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_length, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x (B, T, heads, Dh) by position-dependent angles."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos[None, : x.shape[1], None, :], sin[None, : x.shape[1], None, :]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, over the last dim D."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with RoPE."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        self.head_dim = hd
+        self.wq = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape                                    # x: (B, T, D)
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)         # (B, T, H, Dh)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)         # (B, T, K, Dh)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        repeats = q.shape[2] // k.shape[2]                          # query heads per kv head
+        k = k.repeat_interleave(repeats, dim=2)
+        v = v.repeat_interleave(repeats, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True)        # (B, H, T, Dh)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
+        self.w3 = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+        self.activation_checkpointing = False
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+
+class Transformer(nn.Module):
+    """The decoder, or one pipeline stage of it.
+
+    A stage holds a subset of ``layers`` (global indices kept), the embedding only on
+    the first stage and the final norm and output projection only on the last.
+
+    forward: tokens (B, T) int64 on the first stage, hidden states (B, T, D) on later
+    stages; returns logits (B, T, V) on the last stage, hidden states otherwise.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_ids: range | None = None, *, first: bool = True,
+                 last: bool = True) -> None:
+        super().__init__()
+        self.cfg = cfg
+        layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if first or (
+            last and cfg.tie_embeddings) else None
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in layer_ids})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if last else None
+        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if (
+            last and not cfg.tie_embeddings) else None
+        self.first, self.last = first, last
+        cos, sin = rope_tables(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.first else x             # (B, T, D)
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        if not self.last:
+            return h
+        h = self.norm(h)
+        if self.output is not None:
+            return self.output(h)                                   # (B, T, V)
+        return tied_logits(h, self.tok_embeddings.weight)
+
+
+def tied_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits h @ E^T with the embedding matrix E (V, D); vocab-sharded when E is a DTensor."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(weight, DTensor) and not isinstance(h, DTensor):
+        h = DTensor.from_local(h, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim)
+    return F.linear(h, weight)
+
+
+def init_weights(model: Transformer, seed: int) -> None:
+    """Deterministic initialization of the *full* model: N(0, 0.02) matrices, unit norms.
+
+    Parameters are drawn in global FQN order from one generator, so every layout
+    starts from bitwise the same weights (the stage split does not change them).
+    Call before parallelizing, on a model that holds every layer.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    std_out = 0.02 / (2 * model.cfg.num_layers) ** 0.5              # GPT-2 scaled residual init
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                p.copy_(torch.randn(p.shape, generator=gen) * std_out)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
