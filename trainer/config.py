@@ -24,10 +24,13 @@ class OptimConfig:
 
     lr(step) = lr * (step+1)/warmup_steps during warmup, then
     min_lr + (lr - min_lr) * (1 + cos(pi * progress)) / 2 (SGDR, Loshchilov & Hutter 2017),
-    where min_lr = lr * min_lr_ratio and progress runs 0 -> 1 over the remaining steps.
+    where min_lr = lr * min_lr_ratio and progress runs 0 -> 1 from warmup_steps to
+    decay_steps (0 = the run's ``steps``; set it explicitly when a run will be extended on
+    resume, as Megatron's ``--lr-decay-iters``), constant at min_lr afterwards.
     """
 
     lr: float = 3e-3
+    decay_steps: int = 0
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
     weight_decay: float = 0.1
@@ -41,6 +44,8 @@ class OptimConfig:
             raise ConfigError(f"optim.lr={self.lr}: must be > 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"optim.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        if self.decay_steps < 0:
+            raise ConfigError(f"optim.decay_steps={self.decay_steps}: must be >= 0 (0 = steps)")
         if self.warmup_steps < 0:
             raise ConfigError(f"optim.warmup_steps={self.warmup_steps}: must be >= 0")
         for name in ("beta1", "beta2"):

@@ -114,7 +114,7 @@ class Trainer:
         parallelize(model, mesh, dims, bf16=cfg.mixed_precision == "bf16",
                     activation_checkpointing=cfg.activation_checkpointing)
         optimizer = build_optimizer(model, cfg.optim)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.steps))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.optim.decay_steps or cfg.steps))
         schedule = None
         if dims.pp > 1:
             pipe = PipelineStage(model, stage.index, stage.num_stages, torch.device(device_type()),

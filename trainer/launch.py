@@ -1,0 +1,62 @@
+"""Launching worker processes through torchrun's API (``torch.distributed.launcher``).
+
+``shardsmith train --nproc-per-node N`` calls :func:`launch`, which starts N workers
+with the elastic agent (c10d rendezvous on localhost, restarts up to ``max_restarts``);
+each worker runs :func:`shardsmith.trainer.train.run_training`. Under an external
+``torchrun`` the CLI runs the worker body directly instead (:func:`under_torchrun`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import uuid
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from shardsmith.errors import ShardsmithError
+from shardsmith.trainer.config import TrainConfig
+
+
+class LaunchError(ShardsmithError, RuntimeError):
+    """A worker process failed (its rank and exit code are named)."""
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun (or another torchelastic agent)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def config_payload(cfg: TrainConfig) -> dict:
+    """The config JSON handed to workers, storage options (credentials) included."""
+    data = cfg.to_json()
+    data["checkpoint"]["storage_options"] = cfg.checkpoint.storage_options
+    return data
+
+
+def launch(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0) -> None:
+    """Run training on ``nproc_per_node`` local worker processes and wait for them.
+
+    Raises:
+        LaunchError: a worker failed (after ``max_restarts`` restarts of the group).
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    fd, path = tempfile.mkstemp(prefix="shardsmith-config-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(config_payload(cfg), f)
+        lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node,
+                          run_id=f"shardsmith-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=max_restarts,
+                          monitor_interval=0.1, start_method="spawn")
+        try:
+            elastic_launch(lc, entrypoint=sys.executable)("-m", "shardsmith.trainer.worker", path)
+        except ChildFailedError as exc:
+            rank, failure = exc.get_first_failure()
+            raise LaunchError(f"worker rank {rank} failed with exit code {failure.exitcode} "
+                              f"(see its error above); {len(exc.failures)} worker(s) failed") from None
+    finally:
+        os.unlink(path)
