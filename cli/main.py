@@ -98,6 +98,8 @@ def make_dims(tp: int, pp: int, dp_shard: int, dp_replicate: int, pipeline_split
               help="Checkpoint root (local dir or fsspec URL). Empty = no checkpoints.")
 @click.option("--save-interval", type=int, default=0, show_default=True,
               help="Checkpoint every K steps (0 = only at the end).")
+@click.option("--async-save/--no-async-save", default=True, show_default=True,
+              help="Write checkpoints in the background after a host snapshot.")
 @click.option("--resume", "--load", "resume", default="auto", show_default=True, metavar="auto|none|URL",
               help="auto: newest committed step under --ckpt; none; or a root/step URL (Megatron: --load).")
 @click.option("--max-restarts", type=int, default=0, show_default=True,
@@ -109,7 +111,7 @@ def train(tp, pp, dp_shard, dp_replicate, pipeline_split, num_layers, hidden_siz
           num_kv_heads, ffn_hidden_size, vocab_size, seq_length, tie_embeddings, nproc_per_node, steps,
           global_batch_size, micro_batch_size, lr, decay_steps, min_lr_ratio, warmup_steps, weight_decay, grad_clip,
           seed, data, token_dtype, mixed_precision, bf16, activation_checkpointing, ckpt, save_interval,
-          resume, max_restarts, log_interval, run_dir, storage_options) -> None:
+          async_save, resume, max_restarts, log_interval, run_dir, storage_options) -> None:
     """Train a Llama-style model with TP x PP x DP and periodic checkpoints."""
     from shardsmith.reshard.layout import validate_layout
     from shardsmith.trainer import launch as launcher
@@ -128,7 +130,7 @@ def train(tp, pp, dp_shard, dp_replicate, pipeline_split, num_layers, hidden_siz
         optim=OptimConfig(lr=lr, decay_steps=decay_steps, min_lr_ratio=min_lr_ratio, warmup_steps=warmup_steps,
                           weight_decay=weight_decay, grad_clip=grad_clip),
         data=DataConfig(sources=tuple(data), token_dtype=token_dtype, seed=seed),
-        checkpoint=CheckpointConfig(url=ckpt, save_interval=save_interval, resume=resume,
+        checkpoint=CheckpointConfig(url=ckpt, save_interval=save_interval, resume=resume, async_save=async_save,
                                     storage_options=parse_storage_options(storage_options)),
         steps=steps, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, seed=seed,
         mixed_precision="bf16" if bf16 else mixed_precision,

@@ -135,6 +135,20 @@ class Store:
 
         self._retry("write", key, put)
 
+    def write_parts(self, key: str, parts: list[memoryview]) -> None:
+        """Create or replace an object with the concatenation of ``parts``, streamed in order
+        (no joined copy is built; multipart on object stores). Retried as a whole."""
+        path = self._path(key)
+
+        def put() -> None:
+            if self.is_local:
+                self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            with self.fs.open(path, "wb") as f:
+                for part in parts:
+                    f.write(part)
+
+        self._retry("write", key, put)
+
     def exists(self, key: str) -> bool:
         """True when ``key`` is an object (or a non-empty prefix)."""
         return bool(self._retry("stat", key, lambda: self.fs.exists(self._path(key))))

@@ -166,6 +166,79 @@ def read_box(store: Store, manifest: Manifest, fqn: str, box: Box, out: torch.Te
     return out
 
 
+def safetensors_header(entries: list[tuple[str, torch.Tensor]],
+                       metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """The safetensors header for ``entries`` laid out in the given order, back to back.
+
+    Format (https://github.com/huggingface/safetensors#format): 8-byte little-endian
+    header length N, N bytes of JSON ``{key: {dtype, shape, data_offsets}}`` padded with
+    spaces to a multiple of 8, then the data. Zero-element entries must be filtered out.
+
+    Returns:
+        (the 8 + N header bytes, key -> (absolute byte offset, nbytes) of its data).
+    """
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for key, t in entries:
+        nbytes = t.numel() * t.element_size()
+        header[key] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    prefix = struct.pack("<Q", len(raw)) + raw
+    spans = {key: (len(prefix) + h["data_offsets"][0], h["data_offsets"][1] - h["data_offsets"][0])  # type: ignore[index]
+             for key, h in header.items() if key != "__metadata__"}
+    return prefix, spans
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """Raw bytes of a contiguous CPU tensor, without a copy."""
+    flat = t.reshape(-1)
+    if flat.dtype == torch.bfloat16 or flat.dtype == torch.float16:
+        flat = flat.view(torch.int16)
+    elif flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def write_shard_file(store: Store, key: str, entries: list[tuple[str, torch.Tensor]], chunk_nbytes: int,
+                     box_of: dict[str, Box]) -> tuple[FileRecord, dict[str, ShardRecord]]:
+    """Stream one safetensors shard file to ``store`` (header, then each tensor's bytes) and
+    return its manifest records. No serialized copy of the file is built in memory.
+
+    Args:
+        store: the step directory store; ``key`` is checkpoint-relative (``shards/...``).
+        entries: (fqn, contiguous CPU tensor) in file order; empty tensors are skipped.
+        chunk_nbytes: checksum chunk size.
+        box_of: fqn -> the global box each tensor holds.
+
+    Raises:
+        StorageError / OSError: the write failed (after the store's retries).
+    """
+    entries = [(k, t.contiguous()) for k, t in entries if t.numel() > 0]
+    prefix, spans = safetensors_header(entries)
+    views = [_byte_view(t) for _, t in entries]
+    file_crc = crc32c(prefix)
+    records: dict[str, ShardRecord] = {}
+    for (fqn, _), view in zip(entries, views):
+        file_crc = _crc32c_update(view, file_crc)
+        start, nbytes = spans[fqn]
+        box = box_of[fqn]
+        records[fqn] = ShardRecord(offsets=list(box.offsets), lengths=list(box.lengths), file=key,
+                                   key=fqn, byte_offset=start, nbytes=nbytes,
+                                   crc32c=chunk_crc32c(view, chunk_nbytes))
+    store.write_parts(key, [memoryview(prefix), *views])
+    total = len(prefix) + sum(len(v) for v in views)
+    return FileRecord(nbytes=total, crc32c=file_crc), records
+
+
+def _crc32c_update(data: memoryview, value: int) -> int:
+    import crc32c as _lib
+
+    return int(_lib.crc32c(data, value))
+
+
 def encode_and_record(tensors: dict[str, tuple[torch.Tensor, Box]], file_name: str,
                       chunk_nbytes: int) -> tuple[EncodedFile, dict[str, ShardRecord]]:
     """Encode one rank's shards (``fqn -> (local tensor, box)``) and build their manifest records.

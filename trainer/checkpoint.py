@@ -30,7 +30,7 @@ from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord, TensorRecord, parse_manifest
-from shardsmith.storage.shards import DTYPE_NAMES, ReadStats, encode_and_record, read_box
+from shardsmith.storage.shards import DTYPE_NAMES, ReadStats, read_box, write_shard_file
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +84,19 @@ def init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
 @dataclass
 class SaveResult:
-    """What a save wrote (identical on every rank)."""
+    """What a save wrote (identical on every rank).
+
+    Attributes:
+        step: the step saved.
+        nbytes: bytes of all data files.
+        seconds: wall time of the whole save (write + commit).
+        blocked_seconds: time the training loop was blocked (the snapshot, for async saves).
+    """
 
     step: int
     nbytes: int
     seconds: float
+    blocked_seconds: float = 0.0
 
 
 def _check_boxes(tensors: dict[str, torch.Tensor], boxes: dict[str, Box], rank: int) -> None:
@@ -101,11 +109,76 @@ def _check_boxes(tensors: dict[str, torch.Tensor], boxes: dict[str, Box], rank: 
                                   f"the sharding plan says {box.lengths} (internal error)")
 
 
+@dataclass
+class WritePlan:
+    """What this rank writes in a save: (fqn, local tensor, global box) in file order."""
+
+    step: int
+    specs: dict
+    entries: list[tuple[str, torch.Tensor, Box]]
+
+
+def plan_local_writes(step: int, tensors: dict[str, torch.Tensor], model_cfg: ModelConfig,
+                      dims: ParallelDims, rank: int) -> WritePlan:
+    """Check this rank's tensors against the sharding plan and pick the ones it writes
+    (each distinct box once over all ranks; see ``reshard.plan.write_assignment``)."""
+    with_optim = any(k.startswith("optim.") for k in tensors)
+    specs = checkpoint_specs(model_cfg, dims, with_optimizer=with_optim)
+    _check_boxes(tensors, rank_boxes(specs, dims, rank), rank)
+    mine = write_assignment(specs, dims)[rank]
+    return WritePlan(step, specs, [(fqn, tensors[fqn], box) for fqn, box in mine])
+
+
+def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, dims: ParallelDims,
+                     config: dict[str, Any], state: dict[str, Any], group: dist.ProcessGroup | None,
+                     chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> int:
+    """Write this rank's shard file, gather every rank's records on ``group`` (JSON, no
+    pickle), and on rank 0 validate coverage, write the manifest (commit) and ``latest``.
+
+    Every rank of ``group`` calls it with the same step. Returns total data bytes.
+
+    Raises:
+        SaveError: some rank failed to write or coverage did not validate; not committed.
+    """
+    rank = dist.get_rank(group)
+    step_store = root.child(step_dir(plan.step))
+    file_name = shard_file_name(dist.get_rank())
+    error, records = "", {}
+    try:
+        if plan.entries:
+            entries = [(fqn, t.detach().to("cpu")) for fqn, t, _ in plan.entries]
+            file_rec, shard_recs = write_shard_file(step_store, file_name, entries, chunk_nbytes,
+                                                    {fqn: box for fqn, _, box in plan.entries})
+            records = {"file": [file_name, file_rec.nbytes, file_rec.crc32c],
+                       "shards": {fqn: r.to_json() for fqn, r in shard_recs.items()}}
+    except Exception as exc:  # reported to every rank below; nothing is committed
+        log.exception("rank %d: writing %s failed", rank, step_store.url_of(file_name))
+        error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+    gathered = gather_json({"error": error, **records}, group)
+    errors = [g["error"] for g in gathered if g["error"]]
+    if errors:
+        raise SaveError(f"checkpoint step {plan.step} not committed: " + "; ".join(errors))
+    commit_error = ""
+    if rank == 0:
+        try:
+            manifest = _build_manifest(plan.step, gathered, plan.specs, model_cfg, dims, config, state,
+                                       chunk_nbytes)
+            parse_manifest(manifest.dumps(), step_store.url_of("manifest.json"))   # coverage first
+            commit(root, manifest)
+        except Exception as exc:
+            log.exception("committing step %d failed", plan.step)
+            commit_error = f"commit: {type(exc).__name__}: {exc}"
+    outcome = gather_json(commit_error, group)
+    if outcome[0]:
+        raise SaveError(f"checkpoint step {plan.step} not committed: {outcome[0]}")
+    return sum(g["file"][1] for g in gathered if "file" in g)
+
+
 def save_checkpoint(root: Store, step: int, tensors: dict[str, torch.Tensor], *, model_cfg: ModelConfig,
                     dims: ParallelDims, config: dict[str, Any], state: dict[str, Any],
                     group: dist.ProcessGroup | None = None,
                     chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> SaveResult:
-    """Write and commit one step. Called by every rank of the job, in the same order.
+    """Write and commit one step synchronously. Called by every rank, in the same order.
 
     Args:
         root: checkpoint root store.
@@ -118,36 +191,11 @@ def save_checkpoint(root: Store, step: int, tensors: dict[str, torch.Tensor], *,
         SaveError: any rank failed to write, or coverage did not validate; nothing is committed.
     """
     t0 = time.perf_counter()
-    rank = dist.get_rank(group)
-    with_optim = any(k.startswith("optim.") for k in tensors)
-    specs = checkpoint_specs(model_cfg, dims, with_optimizer=with_optim)
-    _check_boxes(tensors, rank_boxes(specs, dims, rank), rank)
-    mine = write_assignment(specs, dims)[rank]
-    step_store = root.child(step_dir(step))
-    file_name = shard_file_name(rank)
-    error = ""
-    records: dict[str, Any] = {}
-    try:
-        if mine:
-            local = {fqn: (tensors[fqn].detach().to("cpu"), box) for fqn, box in mine}
-            encoded, shard_records = encode_and_record(local, file_name, chunk_nbytes)
-            step_store.write(file_name, encoded.data)
-            records = {"file": [file_name, encoded.record.nbytes, encoded.record.crc32c],
-                       "shards": {fqn: r.to_json() for fqn, r in shard_records.items()}}
-    except Exception as exc:  # reported to every rank below; nothing is committed
-        log.exception("rank %d: writing %s failed", rank, step_store.url_of(file_name))
-        error = f"rank {rank}: {type(exc).__name__}: {exc}"
-    gathered = gather_json({"error": error, **records}, group)
-    errors = [g["error"] for g in gathered if g["error"]]
-    if errors:
-        raise SaveError(f"checkpoint step {step} not committed: " + "; ".join(errors))
-    nbytes = sum(g["file"][1] for g in gathered if "file" in g)
-    if rank == 0:
-        manifest = _build_manifest(step, gathered, specs, model_cfg, dims, config, state, chunk_nbytes)
-        parse_manifest(manifest.dumps(), step_store.url_of("manifest.json"))   # coverage, before commit
-        commit(root, manifest)
-    dist.barrier(group)
-    return SaveResult(step, nbytes, time.perf_counter() - t0)
+    plan = plan_local_writes(step, tensors, model_cfg, dims, dist.get_rank())
+    nbytes = write_and_commit(root, plan, model_cfg=model_cfg, dims=dims, config=config, state=state,
+                              group=group, chunk_nbytes=chunk_nbytes)
+    seconds = time.perf_counter() - t0
+    return SaveResult(step, nbytes, seconds, seconds)
 
 
 def _build_manifest(step: int, gathered: list[dict[str, Any]], specs: dict, model_cfg: ModelConfig,

@@ -66,6 +66,8 @@ class CheckpointConfig:
             of a root or step directory.
         storage_options: fsspec options (credentials, endpoint).
         save_final: save after the last step.
+        async_save: snapshot to host memory, then write and commit in the background
+            (training is blocked only for the snapshot; at most one save in flight).
     """
 
     url: str = ""
@@ -73,6 +75,7 @@ class CheckpointConfig:
     resume: str = "auto"
     storage_options: dict[str, Any] = field(default_factory=dict)
     save_final: bool = True
+    async_save: bool = True
 
     def __post_init__(self) -> None:
         if self.save_interval < 0:

@@ -27,7 +27,8 @@ from shardsmith.reshard.layout import validate_layout
 from shardsmith.reshard.plan import checkpoint_specs, param_specs, rank_boxes
 from shardsmith.storage.commit import find_latest_committed, read_manifest, resolve_checkpoint, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.trainer.checkpoint import (gather_json, init_optimizer_state, load_into,
+from shardsmith.trainer.async_save import AsyncCheckpointer
+from shardsmith.trainer.checkpoint import (SaveResult, gather_json, init_optimizer_state, load_into,
                                            model_state_tensors, save_checkpoint)
 from shardsmith.trainer.config import OptimConfig, TrainConfig
 from shardsmith.trainer.data import GlobalBatchSampler, TokenDataset, load_tokens, vocab_size_needed
@@ -90,6 +91,7 @@ class Trainer:
     tokens_seen: int = 0
     history: list[StepMetrics] = field(default_factory=list)
     root: Store | None = None
+    checkpointer: AsyncCheckpointer | None = None
 
     @classmethod
     def create(cls, cfg: TrainConfig) -> "Trainer":
@@ -121,9 +123,12 @@ class Trainer:
                                  group=mesh["pp"].get_group())
             schedule = Schedule1F1B(pipe, n_microbatches=num_mb, loss_fn=_loss_fn)
         root = Store(cfg.checkpoint.url, cfg.checkpoint.storage_options) if cfg.checkpoint.url else None
-        return cls(cfg=cfg, rank=rank, coords=coords, model=model, optimizer=optimizer,
-                   scheduler=scheduler, sampler=sampler, schedule=schedule,
-                   num_microbatches=num_mb, root=root)
+        trainer = cls(cfg=cfg, rank=rank, coords=coords, model=model, optimizer=optimizer,
+                      scheduler=scheduler, sampler=sampler, schedule=schedule,
+                      num_microbatches=num_mb, root=root)
+        if root is not None and cfg.checkpoint.async_save:
+            trainer.checkpointer = AsyncCheckpointer(root, cfg.model, dims, on_commit=trainer._on_commit)
+        return trainer
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -224,14 +229,30 @@ class Trainer:
                 "data": self.sampler.state_dict(), "lr_scheduler": self.scheduler.state_dict()}
 
     def save(self) -> None:
-        """Save and commit the current step (collective)."""
+        """Checkpoint the current step (collective). With ``async_save`` this returns after
+        the host snapshot and the commit happens in the background (see :meth:`wait_for_save`).
+
+        Raises:
+            SaveError: this save failed (sync) or the previous background save failed (async).
+        """
         assert self.root is not None
         init_optimizer_state(self.model, self.optimizer)
-        result = save_checkpoint(self.root, self.step, model_state_tensors(self.model, self.optimizer),
-                                 model_cfg=self.cfg.model, dims=self.cfg.parallel,
-                                 config=self.cfg.to_json(), state=self.state_json())
-        self._event({"event": "save", "step": self.step, "nbytes": result.nbytes,
-                     "seconds": round(result.seconds, 4)})
+        tensors = model_state_tensors(self.model, self.optimizer)
+        if self.checkpointer is not None:
+            self.checkpointer.save(self.step, tensors, config=self.cfg.to_json(), state=self.state_json())
+            return
+        result = save_checkpoint(self.root, self.step, tensors, model_cfg=self.cfg.model,
+                                 dims=self.cfg.parallel, config=self.cfg.to_json(), state=self.state_json())
+        self._on_commit(result)
+
+    def wait_for_save(self) -> None:
+        """Wait for an in-flight background save; raises SaveError if it failed."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+
+    def _on_commit(self, result: SaveResult) -> None:
+        self._event({"event": "save", "step": result.step, "nbytes": result.nbytes,
+                     "seconds": round(result.seconds, 4), "blocked_seconds": round(result.blocked_seconds, 4)})
 
     def resume_source(self) -> tuple[Store, int] | None:
         """Which step directory to resume from, per ``checkpoint.resume``."""
@@ -306,6 +327,7 @@ class Trainer:
         if self.root is not None and ckpt.save_final and self.history and (
                 not ckpt.save_interval or self.step % ckpt.save_interval):
             self.save()
+        self.wait_for_save()
         return self.history
 
 
