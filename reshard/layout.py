@@ -200,23 +200,22 @@ def validate_layout(model: ModelConfig, dims: ParallelDims) -> None:
     """Check that ``dims`` can shard ``model``; raise naming the dimension otherwise.
 
     Raises:
-        LayoutError: tp does not divide the heads, kv heads, FFN width or vocab, or pp
-            does not fit the layers, or tied embeddings with pp > 1.
+        LayoutError: tp does not divide the attention heads or the FFN width, tp and the
+            kv heads do not divide one another, or pp does not fit the layers. (The
+            vocabulary needs no divisibility: it is padded to a multiple of tp.)
     """
-    checks = [
-        ("num_attention_heads", model.num_attention_heads),
-        ("num_kv_heads", model.num_kv_heads),
-        ("ffn_hidden_size", model.ffn_hidden_size),
-        ("vocab_size", model.vocab_size),
-    ]
-    for name, value in checks:
-        if value % dims.tp:
-            options = [d for d in _divisors(model.num_kv_heads) if all(v % d == 0 for _, v in checks)]
-            raise LayoutError(
-                f"tp={dims.tp} does not divide {name}={value}; tensor-parallel degrees that divide "
-                f"this model: {options}")
-    stage_layers(model, dims)
-    if model.tie_embeddings and dims.pp > 1:
+    if model.num_attention_heads % dims.tp or model.ffn_hidden_size % dims.tp:
+        ok = [d for d in _divisors(model.num_attention_heads) if model.ffn_hidden_size % d == 0]
+        name, value = (("num_attention_heads", model.num_attention_heads)
+                       if model.num_attention_heads % dims.tp else ("ffn_hidden_size", model.ffn_hidden_size))
         raise LayoutError(
-            f"tie_embeddings with pp={dims.pp} is not supported yet (the tied matrix would live on "
-            "the first and the last stage); use pp=1 or untie the embeddings")
+            f"tp={dims.tp} does not divide {name}={value}; tensor-parallel degrees that divide "
+            f"this model: {ok}")
+    kv = model.num_kv_heads
+    if (dims.tp <= kv and kv % dims.tp) or (dims.tp > kv and dims.tp % kv):
+        ok = [d for d in _divisors(model.num_attention_heads) if model.ffn_hidden_size % d == 0
+              and (kv % d == 0 or d % kv == 0)]
+        raise LayoutError(
+            f"tp={dims.tp} and num_kv_heads={kv}: one must divide the other (kv heads are split "
+            f"over tp, or replicated when tp > num_kv_heads); tensor-parallel degrees that work: {ok}")
+    stage_layers(model, dims)

@@ -39,31 +39,73 @@ class TensorSpec:
         shape: global shape in elements (canonical: no padding, no fusion).
         dtype: safetensors dtype name (``F32``, ``BF16`` ...).
         dim_axes: per tensor dim, mesh axes splitting it, major to minor.
-        stage: pipeline stage holding it.
+        stages: pipeline stages holding a copy (two for tied embeddings with pp > 1).
+        pad_dim0_to: dim 0 is padded to this length before splitting (vocab padded to a
+            multiple of tp, Megatron-style); boxes are clipped back to ``shape``, so the
+            padding rows are never stored. 0 = no padding.
+        tp_replicas: consecutive TP ranks sharing one copy (GQA with tp > num_kv_heads:
+            tp/num_kv_heads ranks hold the same kv head); the tp axis then splits into
+            ``tp // tp_replicas`` parts.
     """
 
     fqn: str
     shape: tuple[int, ...]
     dtype: str
     dim_axes: tuple[tuple[str, ...], ...]
-    stage: int
+    stages: tuple[int, ...]
+    pad_dim0_to: int = 0
+    tp_replicas: int = 1
 
-    def box(self, dims: ParallelDims, coords: dict[str, int]) -> Box:
-        """The box held by the rank at mesh ``coords`` (which must be in this stage)."""
+    @property
+    def stage(self) -> int:
+        """The first stage holding this tensor."""
+        return self.stages[0]
+
+    def local_lengths(self, dims: ParallelDims, coords: dict[str, int]) -> tuple[int, ...]:
+        """Shape of the local tensor the rank at ``coords`` holds (padding included)."""
+        return self._split(dims, coords)[1]
+
+    def _split(self, dims: ParallelDims, coords: dict[str, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         offsets, lengths = [], []
-        for size, axes in zip(self.shape, self.dim_axes):
+        for d, (size, axes) in enumerate(zip(self.shape, self.dim_axes)):
+            if d == 0 and self.pad_dim0_to:
+                size = self.pad_dim0_to
             start, length = 0, size
             for axis in axes:
-                sub_start, length = chunk_range(length, getattr(dims, axis), coords[axis])
+                parts, index = getattr(dims, axis), coords[axis]
+                if axis == "tp":
+                    parts, index = parts // self.tp_replicas, index // self.tp_replicas
+                sub_start, length = chunk_range(length, parts, index)
                 start += sub_start
             offsets.append(start)
             lengths.append(length)
-        return Box(tuple(offsets), tuple(lengths))
+        return tuple(offsets), tuple(lengths)
+
+    def box(self, dims: ParallelDims, coords: dict[str, int]) -> Box:
+        """The box of real (unpadded) elements held by the rank at ``coords`` (in a holding
+        stage). With padding it is a prefix of the local tensor along dim 0."""
+        offsets, lengths = self._split(dims, coords)
+        if self.pad_dim0_to and offsets:
+            valid = max(0, min(lengths[0], self.shape[0] - offsets[0]))
+            offsets = (min(offsets[0], self.shape[0]),) + offsets[1:]
+            lengths = (valid,) + lengths[1:]
+        return Box(offsets, lengths)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the whole logical tensor."""
         return prod(self.shape) * DTYPE_NBYTES[self.dtype]
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Vocabulary rows after padding to a multiple of ``tp`` (Megatron pads the same way,
+    to make the vocab-parallel embedding and output split evenly)."""
+    return -(-vocab_size // tp) * tp
+
+
+def kv_replicas(model: ModelConfig, dims: ParallelDims) -> int:
+    """TP ranks sharing each kv head: ``tp // num_kv_heads`` when tp > num_kv_heads, else 1."""
+    return dims.tp // model.num_kv_heads if dims.tp > model.num_kv_heads else 1
 
 
 def _param_shapes(model: ModelConfig) -> list[tuple[str, tuple[int, ...], int | None]]:
@@ -115,13 +157,19 @@ def param_specs(model: ModelConfig, dims: ParallelDims, dtype: str = "F32") -> d
     validate_layout(model, dims)
     stages = stage_layers(model, dims)
     stage_of = {layer: s for s, layers in enumerate(stages) for layer in layers}
+    last = dims.pp - 1
+    vocab_pad = padded_vocab_size(model.vocab_size, dims.tp)
     specs: dict[str, TensorSpec] = {}
     for fqn, shape, layer in _param_shapes(model):
         if layer is not None:
-            stage = stage_of[layer]
+            holders: tuple[int, ...] = (stage_of[layer],)
+        elif fqn == "tok_embeddings.weight":
+            holders = (0, last) if model.tie_embeddings and last > 0 else (0,)
         else:
-            stage = 0 if fqn == "tok_embeddings.weight" else dims.pp - 1
-        specs[fqn] = TensorSpec(fqn, shape, dtype, _dim_axes(fqn, len(shape)), stage)
+            holders = (last,)
+        pad = vocab_pad if fqn in ("tok_embeddings.weight", "output.weight") and vocab_pad != shape[0] else 0
+        replicas = kv_replicas(model, dims) if fqn.endswith(("attention.wk.weight", "attention.wv.weight")) else 1
+        specs[fqn] = TensorSpec(fqn, shape, dtype, _dim_axes(fqn, len(shape)), holders, pad, replicas)
     return specs
 
 
@@ -132,9 +180,10 @@ def optimizer_specs(params: dict[str, TensorSpec]) -> dict[str, TensorSpec]:
     for fqn, p in params.items():
         for kind in ("exp_avg", "exp_avg_sq"):
             name = f"optim.{kind}.{fqn}"
-            specs[name] = TensorSpec(name, p.shape, p.dtype, p.dim_axes, p.stage)
+            specs[name] = TensorSpec(name, p.shape, p.dtype, p.dim_axes, p.stages, p.pad_dim0_to,
+                                     p.tp_replicas)
         name = f"optim.step.{fqn}"
-        specs[name] = TensorSpec(name, (), "F32", (), p.stage)
+        specs[name] = TensorSpec(name, (), "F32", (), p.stages)
     return specs
 
 
@@ -148,7 +197,7 @@ def checkpoint_specs(model: ModelConfig, dims: ParallelDims, *, with_optimizer: 
 def rank_boxes(specs: dict[str, TensorSpec], dims: ParallelDims, rank: int) -> dict[str, Box]:
     """Boxes of every tensor held by ``rank`` (those of its pipeline stage), empty ones included."""
     coords = dims.coords(rank)
-    return {fqn: s.box(dims, coords) for fqn, s in specs.items() if s.stage == coords["pp"]}
+    return {fqn: s.box(dims, coords) for fqn, s in specs.items() if coords["pp"] in s.stages}
 
 
 def shard_file_name(rank: int) -> str:
@@ -183,3 +232,31 @@ def write_assignment(specs: dict[str, TensorSpec], dims: ParallelDims) -> dict[i
     for items in out.values():
         items.sort(key=lambda k: k[0])
     return out
+
+
+def grad_sum_groups(spec: TensorSpec, dims: ParallelDims) -> list[list[int]]:
+    """Groups of ranks whose copies of ``spec`` are *tied*: each computes part of the
+    gradient, and the parts must be summed so every copy takes the same update.
+
+    Tied copies are kv heads shared by ``tp_replicas`` consecutive TP ranks (GQA with
+    tp > num_kv_heads, as Megatron replicates them) and the embedding held by the first
+    and the last pipeline stage with tied embeddings (Megatron's embedding group). DP
+    replicas are not tied copies (FSDP averages them) and neither are TP-replicated
+    norms (their gradients are already complete on every TP rank).
+
+    Returns:
+        Rank lists of size >= 2, in rank order; empty when the tensor has no tied copies.
+    """
+    if spec.tp_replicas == 1 and len(spec.stages) == 1:
+        return []
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(dims.world_size):
+        c = dims.coords(rank)
+        if c["pp"] not in spec.stages:
+            continue
+        pp_key = c["pp"] if len(spec.stages) == 1 else -1
+        key = (pp_key, c["dp_replicate"], c["dp_shard"], c["tp"] // spec.tp_replicas)
+        if spec.tp_replicas == 1:
+            key = key[:3] + (c["tp"],)
+        groups.setdefault(key, []).append(rank)
+    return [g for g in groups.values() if len(g) > 1]

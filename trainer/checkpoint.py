@@ -30,7 +30,7 @@ from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord, TensorRecord, parse_manifest
-from shardsmith.storage.shards import DTYPE_NAMES, ReadStats, read_box, write_shard_file
+from shardsmith.storage.shards import DTYPE_NAMES, ReadStats, read_boxes, write_shard_file
 
 log = logging.getLogger(__name__)
 
@@ -99,14 +99,15 @@ class SaveResult:
     blocked_seconds: float = 0.0
 
 
-def _check_boxes(tensors: dict[str, torch.Tensor], boxes: dict[str, Box], rank: int) -> None:
-    missing = set(boxes) ^ set(tensors)
+def _check_boxes(tensors: dict[str, torch.Tensor], local_shapes: dict[str, tuple[int, ...]],
+                 rank: int) -> None:
+    missing = set(local_shapes) ^ set(tensors)
     if missing:
         raise CheckpointError(f"rank {rank}: model state and sharding plan disagree on {sorted(missing)[:5]}")
-    for fqn, box in boxes.items():
-        if tuple(tensors[fqn].shape) != box.lengths:
+    for fqn, shape in local_shapes.items():
+        if tuple(tensors[fqn].shape) != shape:
             raise CheckpointError(f"rank {rank}: {fqn} holds local shape {tuple(tensors[fqn].shape)} but "
-                                  f"the sharding plan says {box.lengths} (internal error)")
+                                  f"the sharding plan says {shape} (internal error)")
 
 
 @dataclass
@@ -124,9 +125,19 @@ def plan_local_writes(step: int, tensors: dict[str, torch.Tensor], model_cfg: Mo
     (each distinct box once over all ranks; see ``reshard.plan.write_assignment``)."""
     with_optim = any(k.startswith("optim.") for k in tensors)
     specs = checkpoint_specs(model_cfg, dims, with_optimizer=with_optim)
-    _check_boxes(tensors, rank_boxes(specs, dims, rank), rank)
+    coords = dims.coords(rank)
+    boxes = rank_boxes(specs, dims, rank)
+    _check_boxes(tensors, {f: specs[f].local_lengths(dims, coords) for f in boxes}, rank)
     mine = write_assignment(specs, dims)[rank]
-    return WritePlan(step, specs, [(fqn, tensors[fqn], box) for fqn, box in mine])
+    return WritePlan(step, specs, [(fqn, unpadded(tensors[fqn], box), box) for fqn, box in mine])
+
+
+def unpadded(local: torch.Tensor, box: Box) -> torch.Tensor:
+    """The part of a local tensor that holds real elements: with vocab padding the local
+    tensor has extra trailing rows (dim 0) beyond its box; a view, no copy."""
+    if local.ndim and local.shape[0] != box.lengths[0]:
+        return local.narrow(0, 0, box.lengths[0])
+    return local
 
 
 def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, dims: ParallelDims,
@@ -236,13 +247,14 @@ def load_into(step_store: Store, manifest: Manifest, tensors: dict[str, torch.Te
         IntegrityError: bytes read do not match their checksums.
     """
     stats = ReadStats()
+    requests: list[tuple[str, Box, torch.Tensor | None]] = []
     for fqn, box in boxes.items():
         rec = manifest.tensors.get(fqn)
         if rec is None:
             if strict:
                 raise CheckpointError(f"{step_store.url}: checkpoint has no tensor {fqn!r}")
             continue
-        dest = tensors[fqn]
+        dest = unpadded(tensors[fqn], box)
         if tuple(rec.shape) != tuple(shapes[fqn]):
             raise CheckpointError(f"{step_store.url}: {fqn} has global shape {tuple(rec.shape)} in the "
                                   f"checkpoint but {tuple(shapes[fqn])} in this model; check the "
@@ -252,6 +264,7 @@ def load_into(step_store: Store, manifest: Manifest, tensors: dict[str, torch.Te
                                   f"{dest.dtype} in the job")
         if box.numel == 0:
             continue
-        with torch.no_grad():
-            read_box(step_store, manifest, fqn, box, out=dest, stats=stats)
+        requests.append((fqn, box, dest))
+    with torch.no_grad():
+        read_boxes(step_store, manifest, requests, stats=stats)   # coalesced, concurrent reads
     return stats

@@ -15,7 +15,7 @@ from shardsmith.reshard.layout import ModelConfig, ParallelDims
 from shardsmith.trainer.data import DataConfig
 
 __all__ = ["ModelConfig", "ParallelDims", "DataConfig", "OptimConfig", "CheckpointConfig",
-           "TrainConfig"]
+           "FaultConfig", "TrainConfig"]
 
 
 @dataclass(kw_only=True)
@@ -83,6 +83,53 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class FaultConfig:
+    """How the trainer survives failures (see :mod:`shardsmith.trainer.fault`).
+
+    Attributes:
+        preempt_deadline: seconds from the first SIGTERM/SIGUSR1 to a committed checkpoint
+            and exit 0; a rank still busy after that exits 1 (stacks dumped).
+        collective_timeout: seconds any collective (all groups, gloo and NCCL) may wait for
+            its peers before it fails (``init_process_group(timeout=...)``).
+        hang_factor: the watchdog dumps every thread's stack of a rank whose current step
+            has run longer than ``max(hang_min_seconds, hang_factor * median step time)``.
+        hang_min_seconds: lower bound of that threshold (the first step's threshold is
+            ``hang_factor * hang_min_seconds``: no median exists yet).
+        max_bad_steps: this many consecutive steps with a non-finite loss or gradient norm
+            (each skipped) roll back to the last committed checkpoint and skip their data.
+        max_rollbacks: more rollbacks than this in one process fail the run.
+        peak_flops: peak FLOP/s of one device for model-FLOPs utilization (e.g. 989e12 for
+            an H100 SXM in bf16 dense); 0 = do not report MFU.
+        derive_dp_shard: ``dp_shard`` was not fixed by the user (``--dp-shard -1``): when the
+            job's world size differs from the layout (an elastic restart with fewer or more
+            processes) it is re-derived as ``world / (pp * dp_replicate * tp)``.
+    """
+
+    preempt_deadline: float = 300.0
+    collective_timeout: float = 600.0
+    hang_factor: float = 10.0
+    hang_min_seconds: float = 60.0
+    max_bad_steps: int = 3
+    max_rollbacks: int = 3
+    peak_flops: float = 0.0
+    derive_dp_shard: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("preempt_deadline", "collective_timeout", "hang_min_seconds"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"fault.{name}={getattr(self, name)}: must be > 0 seconds")
+        if not self.hang_factor > 1:
+            raise ConfigError(f"fault.hang_factor={self.hang_factor}: must be > 1 (a multiple of the "
+                              "median step time)")
+        if self.max_bad_steps < 1:
+            raise ConfigError(f"fault.max_bad_steps={self.max_bad_steps}: must be >= 1")
+        if self.max_rollbacks < 0:
+            raise ConfigError(f"fault.max_rollbacks={self.max_rollbacks}: must be >= 0")
+        if self.peak_flops < 0:
+            raise ConfigError(f"fault.peak_flops={self.peak_flops}: must be >= 0 FLOP/s (0 = no MFU)")
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     """Root config of a training run.
 
@@ -96,6 +143,7 @@ class TrainConfig:
         activation_checkpointing: recompute each block in backward.
         log_interval: print every this many steps.
         run_dir: where metrics.jsonl goes (default: the checkpoint root, else none).
+        fault: preemption, hang, bad-step and elastic settings.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -103,6 +151,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     steps: int = 40
     global_batch_size: int = 16
     micro_batch_size: int = 2
@@ -149,4 +198,5 @@ class TrainConfig:
                    parallel=ParallelDims.from_json(data.pop("parallel")),
                    optim=OptimConfig(**data.pop("optim")),
                    data=DataConfig(**{**data.pop("data")}),
-                   checkpoint=CheckpointConfig(**data.pop("checkpoint")), **data)
+                   checkpoint=CheckpointConfig(**data.pop("checkpoint")),
+                   fault=FaultConfig(**data.pop("fault", {})), **data)

@@ -4,6 +4,13 @@
 with the elastic agent (c10d rendezvous on localhost, restarts up to ``max_restarts``);
 each worker runs :func:`shardsmith.trainer.train.run_training`. Under an external
 ``torchrun`` the CLI runs the worker body directly instead (:func:`under_torchrun`).
+
+Elastic restarts: when a worker dies, the agent stops the others (SIGTERM, then SIGKILL
+after 30 s) and starts the whole group again, up to ``max_restarts`` times; every rank
+then resumes from the newest committed checkpoint (``TORCHELASTIC_RESTART_COUNT`` > 0).
+Under ``torchrun --nnodes MIN:MAX`` the new group may have another world size:
+``run_training`` re-derives ``dp_shard`` when the user left it free (``--dp-shard -1``)
+and the checkpoint loads by resharding.
 """
 
 from __future__ import annotations
@@ -31,9 +38,20 @@ def under_torchrun() -> bool:
 
 
 def config_payload(cfg: TrainConfig) -> dict:
-    """The config JSON handed to workers, storage options (credentials) included."""
+    """The config JSON handed to workers, storage options (credentials) included.
+
+    Local checkpoint and run directories are made absolute, so every worker start (the
+    first and each elastic restart, wherever its working directory) finds the same
+    checkpoint root; with ``resume`` at ``auto`` (the default) a restarted group resumes
+    from its newest committed step (``Trainer.resume_source`` says how ``none`` and URLs
+    behave on a restart).
+    """
     data = cfg.to_json()
     data["checkpoint"]["storage_options"] = cfg.checkpoint.storage_options
+    for section, key in (("checkpoint", "url"), (None, "run_dir")):
+        holder = data[section] if section else data
+        if holder[key] and "://" not in holder[key]:
+            holder[key] = os.path.abspath(holder[key])
     return data
 
 

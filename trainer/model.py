@@ -50,15 +50,19 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with RoPE."""
+    """Causal grouped-query self-attention with RoPE.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    ``kv_copies`` > 1 stores each kv head that many times (consecutive copies), so that
+    tensor parallelism with tp > num_kv_heads gives every TP rank its own copy.
+    """
+
+    def __init__(self, cfg: ModelConfig, kv_copies: int = 1) -> None:
         super().__init__()
         hd = cfg.head_dim
         self.head_dim = hd
         self.wq = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=False)
-        self.wk = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=False)
-        self.wv = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * kv_copies * hd, bias=False)
+        self.wv = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * kv_copies * hd, bias=False)
         self.wo = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -91,10 +95,10 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kv_copies: int = 1) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, kv_copies)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
         self.activation_checkpointing = False
@@ -116,19 +120,24 @@ class Transformer(nn.Module):
     the first stage and the final norm and output projection only on the last.
 
     forward: tokens (B, T) int64 on the first stage, hidden states (B, T, D) on later
-    stages; returns logits (B, T, V) on the last stage, hidden states otherwise.
+    stages; returns logits (B, T, Vp) on the last stage, hidden states otherwise.
+
+    ``padded_vocab`` (Vp >= V) rows are allocated for the embedding and output (vocab
+    padded to a multiple of tp); logits of the padding rows are masked to the dtype's
+    minimum, so they never take probability mass. ``kv_copies``: see :class:`Attention`.
     """
 
     def __init__(self, cfg: ModelConfig, layer_ids: range | None = None, *, first: bool = True,
-                 last: bool = True) -> None:
+                 last: bool = True, padded_vocab: int = 0, kv_copies: int = 1) -> None:
         super().__init__()
         self.cfg = cfg
+        self.padded_vocab = padded_vocab or cfg.vocab_size
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if first or (
+        self.tok_embeddings = nn.Embedding(self.padded_vocab, cfg.hidden_size) if first or (
             last and cfg.tie_embeddings) else None
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, kv_copies) for i in layer_ids})
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if last else None
-        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if (
+        self.output = nn.Linear(cfg.hidden_size, self.padded_vocab, bias=False) if (
             last and not cfg.tie_embeddings) else None
         self.first, self.last = first, last
         cos, sin = rope_tables(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
@@ -143,8 +152,31 @@ class Transformer(nn.Module):
             return h
         h = self.norm(h)
         if self.output is not None:
-            return self.output(h)                                   # (B, T, V)
-        return tied_logits(h, self.tok_embeddings.weight)
+            logits = self.output(h)                                 # (B, T, Vp)
+        else:
+            logits = tied_logits(h, self.tok_embeddings.weight)
+        if self.padded_vocab != self.cfg.vocab_size:
+            logits = mask_vocab_padding(logits, self.cfg.vocab_size)
+        return logits
+
+
+def mask_vocab_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Set logits of vocabulary ids >= ``vocab_size`` to the dtype's minimum.
+
+    ``logits`` (B, T, Vp) is a plain tensor or a DTensor sharded over the vocab (last dim)
+    on a 1-D TP mesh, in which case each rank masks the columns it holds.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(logits, DTensor):
+        local = logits.to_local()
+        start = logits.device_mesh.get_local_rank() * local.shape[-1]
+        ids = torch.arange(start, start + local.shape[-1], device=local.device)
+        masked = local.masked_fill(ids >= vocab_size, torch.finfo(local.dtype).min)
+        return DTensor.from_local(masked, logits.device_mesh, logits.placements,
+                                  shape=logits.shape, stride=logits.stride())
+    ids = torch.arange(logits.shape[-1], device=logits.device)
+    return logits.masked_fill(ids >= vocab_size, torch.finfo(logits.dtype).min)
 
 
 def tied_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

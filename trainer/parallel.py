@@ -19,6 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from shardsmith.reshard.layout import MESH_AXES, ModelConfig, ParallelDims, stage_layers
+from shardsmith.reshard.plan import grad_sum_groups, kv_replicas, padded_vocab_size, param_specs
 from shardsmith.trainer.model import Transformer, init_weights
 
 
@@ -82,9 +83,22 @@ def build_stage_model(cfg: ModelConfig, dims: ParallelDims, pp_rank: int, seed: 
     init_weights(full, seed)
     ranges = stage_layers(cfg, dims)
     info = StageInfo(pp_rank, dims.pp, ranges[pp_rank])
-    stage = Transformer(cfg, info.layers, first=info.first, last=info.last)
-    stage.load_state_dict({k: v for k, v in full.state_dict().items()
-                           if k in stage.state_dict()}, strict=True)
+    vocab = padded_vocab_size(cfg.vocab_size, dims.tp)
+    copies = kv_replicas(cfg, dims)
+    stage = Transformer(cfg, info.layers, first=info.first, last=info.last, padded_vocab=vocab,
+                        kv_copies=copies)
+    wanted = stage.state_dict()
+    weights = {}
+    for k, v in full.state_dict().items():
+        if k not in wanted:
+            continue
+        if k.endswith(("attention.wk.weight", "attention.wv.weight")) and copies > 1:
+            # (K*Dh, D) -> (K*copies*Dh, D): each kv head repeated for the TP ranks sharing it
+            v = v.view(cfg.num_kv_heads, cfg.head_dim, -1).repeat_interleave(copies, dim=0).flatten(0, 1)
+        if k in ("tok_embeddings.weight", "output.weight") and vocab != cfg.vocab_size:
+            v = torch.cat([v, v.new_zeros(vocab - cfg.vocab_size, v.shape[1])])   # padding rows
+        weights[k] = v
+    stage.load_state_dict(weights, strict=True)
     return stage, info
 
 
@@ -132,3 +146,50 @@ def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, *, bf1
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
         apply_fsdp(model, dp_mesh, bf16=bf16, pipelined=dims.pp > 1)
     return model
+
+
+def build_grad_sum_groups(cfg: ModelConfig, dims: ParallelDims) -> dict[str, dist.ProcessGroup]:
+    """Process groups summing the gradients of tied copies (see
+    :func:`shardsmith.reshard.plan.grad_sum_groups`), keyed by parameter FQN, for this rank.
+
+    Collective: every rank creates every group, in the same order.
+    """
+    rank = dist.get_rank()
+    made: dict[tuple[tuple[int, ...], ...], list] = {}
+    out: dict[str, dist.ProcessGroup] = {}
+    for fqn, spec in param_specs(cfg, dims).items():
+        groups = grad_sum_groups(spec, dims)
+        if not groups:
+            continue
+        key = tuple(tuple(g) for g in groups)
+        if key not in made:
+            made[key] = [(g, dist.new_group(g)) for g in groups]
+        for ranks, group in made[key]:
+            if rank in ranks:
+                out[fqn] = group
+    return out
+
+
+def finalize_grads(model: torch.nn.Module, groups: dict[str, dist.ProcessGroup]) -> None:
+    """Make every rank's local gradient shard match its parameter's shard, then sum tied copies.
+
+    1. A DTensor gradient whose placement differs from its parameter's (the vocab-parallel
+       embedding's gradient comes back ``Replicate`` while the weight is ``Shard(0)``) is
+       redistributed to the parameter's placement, so local gradient and parameter shards
+       correspond element for element (the gradient norm and tied sums rely on it).
+    2. Local gradient shards of tied copies are all-reduced (summed) over their groups
+       (see :func:`build_grad_sum_groups`).
+
+    Collective over the TP groups and the tied-copy groups; every rank calls it after backward.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for fqn, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        group = groups.get(fqn)
+        if group is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(g, group=group)

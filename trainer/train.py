@@ -1,6 +1,12 @@
 """The training loop: build the stage, parallelize, resume, step, checkpoint.
 
-Every rank runs :func:`run_training` with the same config (launched by torchrun).
+Every rank runs :func:`run_training` with the same config (launched by torchrun). The
+loop survives failures (see :mod:`shardsmith.trainer.fault`): after an elastic restart it
+resumes from the newest committed checkpoint, in whatever layout the new world size
+gives; SIGTERM/SIGUSR1 checkpoint at the next step boundary and return; a non-finite
+loss or gradient norm skips the update, and too many in a row roll back; a watchdog
+dumps the stacks of a hung step. What happened goes to ``metrics.jsonl``
+(:mod:`shardsmith.trainer.metrics`).
 """
 
 from __future__ import annotations
@@ -10,10 +16,11 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from math import prod
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,17 +29,24 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from shardsmith.errors import CheckpointNotFound
 from shardsmith.reshard.layout import validate_layout
 from shardsmith.reshard.plan import checkpoint_specs, param_specs, rank_boxes
 from shardsmith.storage.commit import find_latest_committed, read_manifest, resolve_checkpoint, step_dir
 from shardsmith.storage.fs import Store
+from shardsmith.storage.manifest import MANIFEST_NAME
 from shardsmith.trainer.async_save import AsyncCheckpointer
 from shardsmith.trainer.checkpoint import (SaveResult, gather_json, init_optimizer_state, load_into,
                                            model_state_tensors, save_checkpoint)
 from shardsmith.trainer.config import OptimConfig, TrainConfig
 from shardsmith.trainer.data import GlobalBatchSampler, TokenDataset, load_tokens, vocab_size_needed
-from shardsmith.trainer.parallel import build_mesh, build_stage_model, device_type, init_distributed, parallelize
+from shardsmith.trainer.fault import (BadStepPolicy, FaultHooks, PreemptionHandler, StepWatchdog,
+                                      TrainingDiverged, any_rank, apply_collective_timeout,
+                                      elastic_restart_count, fit_world_size)
+from shardsmith.trainer.metrics import (MetricsWriter, flops_per_token, iter_json_lines,  # noqa: F401
+                                        model_flops_utilization)
+from shardsmith.trainer.parallel import (build_grad_sum_groups, build_mesh, build_stage_model, device_type,
+                                        init_distributed, parallelize, finalize_grads)
+from shardsmith.trainer.rng import capture_rng, pack_rng_states, restore_rng, rng_role, seed_rng, select_rng_state
 
 log = logging.getLogger("shardsmith.train")
 
@@ -64,7 +78,17 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Ada
 
 @dataclass
 class StepMetrics:
-    """What one optimizer step produced (the same on every rank)."""
+    """What one optimizer step produced (the same on every rank).
+
+    Attributes:
+        step: global step number (1-based).
+        loss: mean loss over the global batch (not finite for a bad step).
+        grad_norm: global L2 norm of the gradients, before clipping.
+        lr: learning rate of the step.
+        seconds: wall time of the step on this rank.
+        tokens: tokens in the global batch.
+        skipped: the update was not applied (non-finite loss or gradient norm).
+    """
 
     step: int
     loss: float
@@ -72,11 +96,18 @@ class StepMetrics:
     lr: float
     seconds: float
     tokens: int
+    skipped: bool = False
 
 
 @dataclass
 class Trainer:
-    """All state of one rank's training job. Build with :meth:`create`."""
+    """All state of one rank's training job. Build with :meth:`create`.
+
+    Attributes (beyond the model and its optimizer):
+        restarts: torchrun's restart count of this worker group.
+        preempted: :meth:`run` returned early after a preemption checkpoint.
+        last_saved_step: step of the newest checkpoint saved or loaded by this job.
+    """
 
     cfg: TrainConfig
     rank: int
@@ -92,10 +123,21 @@ class Trainer:
     history: list[StepMetrics] = field(default_factory=list)
     root: Store | None = None
     checkpointer: AsyncCheckpointer | None = None
+    grad_sum_groups: dict = field(default_factory=dict)
+    bad_steps: BadStepPolicy = field(default_factory=lambda: BadStepPolicy(max_bad_steps=3))
+    hooks: FaultHooks = field(default_factory=lambda: FaultHooks(0, env={}))
+    metrics: MetricsWriter = field(default_factory=lambda: MetricsWriter(""))
+    flops_token: float = 0.0
+    restarts: int = 0
+    preempted: bool = False
+    last_saved_step: int = -1
+    watchdog: StepWatchdog | None = field(default=None, repr=False)
+    preemption: PreemptionHandler | None = field(default=None, repr=False)
 
     @classmethod
     def create(cls, cfg: TrainConfig) -> "Trainer":
         """Build everything for this rank; every rank must call it (collective)."""
+        apply_collective_timeout(cfg.fault.collective_timeout)
         init_distributed()
         dims = cfg.parallel
         validate_layout(cfg.model, dims)
@@ -112,6 +154,7 @@ class Trainer:
         sampler = GlobalBatchSampler(dataset, global_batch_size=cfg.global_batch_size,
                                      dp_degree=dims.dp, dp_rank=dp_rank)
         model, stage = build_stage_model(cfg.model, dims, coords["pp"], cfg.seed)
+        seed_rng(cfg.seed, 0, coords)
         model = model.to(device_type())
         parallelize(model, mesh, dims, bf16=cfg.mixed_precision == "bf16",
                     activation_checkpointing=cfg.activation_checkpointing)
@@ -125,7 +168,11 @@ class Trainer:
         root = Store(cfg.checkpoint.url, cfg.checkpoint.storage_options) if cfg.checkpoint.url else None
         trainer = cls(cfg=cfg, rank=rank, coords=coords, model=model, optimizer=optimizer,
                       scheduler=scheduler, sampler=sampler, schedule=schedule,
-                      num_microbatches=num_mb, root=root)
+                      num_microbatches=num_mb, root=root,
+                      bad_steps=BadStepPolicy(max_bad_steps=cfg.fault.max_bad_steps),
+                      hooks=FaultHooks(rank), metrics=MetricsWriter(run_dir(cfg) if rank == 0 else ""),
+                      flops_token=flops_per_token(cfg.model), restarts=elastic_restart_count())
+        trainer.grad_sum_groups = build_grad_sum_groups(cfg.model, dims)
         if root is not None and cfg.checkpoint.async_save:
             trainer.checkpointer = AsyncCheckpointer(root, cfg.model, dims, on_commit=trainer._on_commit)
         return trainer
@@ -185,6 +232,7 @@ class Trainer:
             grads.append(g)
             used = {a for axes in specs[fqn].dim_axes for a in axes}
             replicas = prod(getattr(dims, a) for a in ("dp_replicate", "dp_shard", "tp") if a not in used)
+            replicas *= specs[fqn].tp_replicas * len(specs[fqn].stages)   # tied copies
             total += g.double().pow(2).sum().cpu() / replicas
         dist.all_reduce(total)
         norm = float(total.sqrt())
@@ -204,46 +252,105 @@ class Trainer:
         return float(t.item() / self.cfg.parallel.dp)
 
     def train_step(self) -> StepMetrics:
-        """One optimizer step on the next global batch."""
+        """One optimizer step on the next global batch (collective: every rank calls it).
+
+        A non-finite global loss or gradient norm skips the update: gradients are dropped,
+        neither optimizer nor LR scheduler steps, the step number still advances (as
+        Megatron counts skipped iterations); :attr:`bad_steps` counts it and says when a
+        rollback is due. The decision uses all-reduced values, so it is the same on all ranks.
+        """
         t0 = time.perf_counter()
+        step = self.step + 1
+        self._skip_bad_data()
+        start = self.sampler.sample_index
         inputs, targets = self.sampler.next_local_batch()
         self.optimizer.zero_grad(set_to_none=True)
         local_loss = self._forward_backward(inputs, targets)
+        finalize_grads(self.model, self.grad_sum_groups)
+        local_loss = self._inject_nan(start // self.cfg.global_batch_size, local_loss)
+        self.hooks.in_step(step)
+        loss = self._global_loss(local_loss)
         grad_norm = self._grad_norm_and_clip()
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.step += 1
+        verdict = self.bad_steps.observe(loss, grad_norm, start, self.sampler.sample_index)
         tokens = self.cfg.global_batch_size * self.cfg.model.seq_length
-        self.tokens_seen += tokens
-        metrics = StepMetrics(self.step, self._global_loss(local_loss), grad_norm, lr,
-                              time.perf_counter() - t0, tokens)
+        if verdict == "ok":
+            self.optimizer.step()
+            self.scheduler.step()
+            self.tokens_seen += tokens
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.step = step
+        metrics = StepMetrics(step, loss, grad_norm, lr, time.perf_counter() - t0, tokens,
+                              skipped=verdict != "ok")
         self.history.append(metrics)
         return metrics
+
+    def _skip_bad_data(self) -> None:
+        """Jump over a data window that a rollback marked bad."""
+        index = self.bad_steps.next_sample(self.sampler.sample_index)
+        if index != self.sampler.sample_index:
+            self._event({"event": "data_skip", "step": self.step, "from_sample": self.sampler.sample_index,
+                         "to_sample": index})
+            self.sampler.load_state_dict({"sample_index": index})
+
+    def _inject_nan(self, batch: int, local_loss: torch.Tensor) -> torch.Tensor:
+        """Test hook (``SHARDSMITH_TEST_NAN_AT``): a NaN local loss or gradient."""
+        target = self.hooks.nan_target(batch)
+        if target == "loss":
+            return local_loss * float("nan")
+        if target == "grad":
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).fill_(float("nan"))
+                    break
+        return local_loss
 
     # ---- checkpoints ----------------------------------------------------------------------
 
     def state_json(self) -> dict[str, Any]:
-        """Non-tensor state saved in the manifest."""
+        """Non-tensor state saved in the manifest (without ``rng``: :meth:`save` gathers it)."""
         return {"step": self.step, "tokens_seen": self.tokens_seen,
-                "data": self.sampler.state_dict(), "lr_scheduler": self.scheduler.state_dict()}
+                "data": self.sampler.state_dict(), "lr_scheduler": self.scheduler.state_dict(),
+                "fault": self.bad_steps.state_json()}
 
     def save(self) -> None:
         """Checkpoint the current step (collective). With ``async_save`` this returns after
         the host snapshot and the commit happens in the background (see :meth:`wait_for_save`).
 
+        The state includes every rank's RNG state by role (all-gathered, see
+        :mod:`shardsmith.trainer.rng`). A step that is already committed (a job sent back to
+        an older step) is un-committed first, so no reader ever sees old manifest + new data.
+
         Raises:
             SaveError: this save failed (sync) or the previous background save failed (async).
         """
         assert self.root is not None
+        self._uncommit(self.step)
         init_optimizer_state(self.model, self.optimizer)
         tensors = model_state_tensors(self.model, self.optimizer)
+        rng = gather_json({"rank": self.rank, "role": rng_role(self.coords), "state": capture_rng()})
+        state = {**self.state_json(), "rng": pack_rng_states(rng, self.cfg.parallel)}
+        self.last_saved_step = self.step
         if self.checkpointer is not None:
-            self.checkpointer.save(self.step, tensors, config=self.cfg.to_json(), state=self.state_json())
+            self.checkpointer.save(self.step, tensors, config=self.cfg.to_json(), state=state)
             return
         result = save_checkpoint(self.root, self.step, tensors, model_cfg=self.cfg.model,
-                                 dims=self.cfg.parallel, config=self.cfg.to_json(), state=self.state_json())
+                                 dims=self.cfg.parallel, config=self.cfg.to_json(), state=state)
         self._on_commit(result)
+
+    def _uncommit(self, step: int) -> None:
+        """Rank 0 deletes the manifest of ``step`` if committed; the all-reduce keeps every
+        rank from writing that step's data before (collective)."""
+        existed = False
+        if self.rank == 0:
+            key = f"{step_dir(step)}/{MANIFEST_NAME}"
+            if self.root is not None and self.root.exists(key):
+                log.warning("step %d is already committed under %s: un-committing it before saving "
+                            "it again", step, self.root.url)
+                self.root.delete(key)
+                existed = True
+        any_rank(existed)
 
     def wait_for_save(self) -> None:
         """Wait for an in-flight background save; raises SaveError if it failed."""
@@ -255,17 +362,27 @@ class Trainer:
                      "seconds": round(result.seconds, 4), "blocked_seconds": round(result.blocked_seconds, 4)})
 
     def resume_source(self) -> tuple[Store, int] | None:
-        """Which step directory to resume from, per ``checkpoint.resume``."""
+        """Which step directory to resume from.
+
+        * ``resume=auto``: the newest committed step under the checkpoint root, if any.
+        * ``resume=none``: nothing, unless this is an elastic restart (then as ``auto``).
+        * ``resume=URL``: that checkpoint, unless the root already holds a committed step
+          and this is an elastic restart or the URL lies outside the root (a requeued job
+          continues from its own newest checkpoint instead of starting over).
+        """
         how = self.cfg.checkpoint.resume
-        if how == "none":
-            return None
-        if how == "auto":
-            if self.root is None:
-                return None
+        explicit: tuple[Store, int] | None = None
+        inside = False
+        if how not in ("auto", "none"):
+            src_root, step_store, step = resolve_checkpoint(how, self.cfg.checkpoint.storage_options)
+            explicit = (step_store, step)
+            inside = self.root is not None and src_root.url.rstrip("/") == self.root.url.rstrip("/")
+        prefer_root = how == "auto" or self.restarts > 0 or (explicit is not None and not inside)
+        if self.root is not None and prefer_root:
             latest = find_latest_committed(self.root)
-            return None if latest is None else (self.root.child(step_dir(latest)), latest)
-        _, step_store, step = resolve_checkpoint(how, self.cfg.checkpoint.storage_options)
-        return step_store, step
+            if latest is not None:
+                return self.root.child(step_dir(latest)), latest
+        return explicit
 
     def resume(self) -> bool:
         """Load the checkpoint chosen by :meth:`resume_source` into the current layout.
@@ -276,7 +393,13 @@ class Trainer:
         src = self.resume_source()
         if src is None:
             return False
-        step_store, step = src
+        self._load(*src, reason="resume")
+        return True
+
+    def _load(self, step_store: Store, step: int, *, reason: str) -> None:
+        """Load tensors (resharding by box intersection), counters, data position, LR
+        schedule, bad-step state and RNG (restored, or re-derived on a new layout)."""
+        t0 = time.perf_counter()
         manifest = read_manifest(step_store)
         init_optimizer_state(self.model, self.optimizer)
         tensors = model_state_tensors(self.model, self.optimizer)
@@ -291,44 +414,180 @@ class Trainer:
         self.scheduler.load_state_dict(state["lr_scheduler"])
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
+        self.bad_steps.load_state_json(state.get("fault", {}), keep_counters=reason == "rollback")
+        rng = select_rng_state(state.get("rng"), self.cfg.parallel, self.rank, self.coords)
+        if rng is None:
+            seed_rng(self.cfg.seed, self.step, self.coords)
+        else:
+            restore_rng(rng)
+        self.last_saved_step = step
         read = gather_json([stats.nbytes_read, stats.nbytes_needed])
-        self._event({"event": "resume", "step": step, "from": step_store.url,
-                     "saved_layout": manifest.layout, "layout": self.cfg.parallel.to_json(),
+        layout = self.cfg.parallel.to_json()
+        self._event({"event": "resume", "reason": reason, "step": step, "from": step_store.url,
+                     "saved_layout": manifest.layout, "layout": layout,
+                     "resharded": any(manifest.layout.get(k) != v for k, v in layout.items()),
+                     "restart_count": self.restarts, "rng": "rederived" if rng is None else "restored",
+                     "seconds": round(time.perf_counter() - t0, 4),
                      "nbytes_read": sum(r[0] for r in read), "nbytes_needed": sum(r[1] for r in read)})
-        return True
+
+    def _roll_back(self) -> None:
+        """After ``max_bad_steps`` bad steps in a row: load the newest committed checkpoint
+        and mark the streak's data window to be skipped (collective; all ranks decide alike).
+
+        Raises:
+            TrainingDiverged: no committed checkpoint, or more than ``max_rollbacks``.
+        """
+        bad_step, streak = self.step, self.bad_steps.consecutive
+        window = self.bad_steps.start_rollback()
+        if self.bad_steps.rollbacks > self.cfg.fault.max_rollbacks:
+            raise TrainingDiverged(f"step {bad_step}: {streak} bad steps in a row after "
+                                   f"{self.cfg.fault.max_rollbacks} rollbacks already; the run diverges. "
+                                   "Lower --lr, check the data, or raise --max-rollbacks")
+        self.wait_for_save()
+        latest = find_latest_committed(self.root) if self.root is not None else None
+        if latest is None:
+            raise TrainingDiverged(f"steps {bad_step - streak + 1}..{bad_step} had a non-finite loss or "
+                                   "gradient norm and there is no committed checkpoint to roll back to; "
+                                   "set --ckpt and --save-interval, or lower --lr")
+        self._load(self.root.child(step_dir(latest)), latest, reason="rollback")
+        self._event({"event": "rollback", "from_step": bad_step, "to_step": latest, "skip_samples": window,
+                     "rollbacks": self.bad_steps.rollbacks, "skipped_steps": self.bad_steps.skipped_steps})
 
     # ---- loop -----------------------------------------------------------------------------
 
     def _event(self, record: dict[str, Any]) -> None:
+        """Rank 0 appends a record to metrics.jsonl (events are also logged)."""
         if self.rank != 0:
             return
         record = {"time": round(time.time(), 3), **record}
         if "event" in record:
             log.info("%s", json.dumps(record))
-        run_dir = self.cfg.run_dir or (self.cfg.checkpoint.url if self.root is not None and self.root.is_local else "")
-        if run_dir:
-            os.makedirs(run_dir, exist_ok=True)
-            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(record) + "\n")
+        self.metrics.write(record)
+
+    def _log_step(self, m: StepMetrics) -> None:
+        tokens_per_s = m.tokens / max(m.seconds, 1e-9)
+        mfu = model_flops_utilization(tokens_per_s, self.flops_token, self.cfg.fault.peak_flops,
+                                      self.cfg.parallel.world_size)
+        record = {"step": m.step, "loss": _finite(m.loss), "lr": m.lr, "grad_norm": _finite(m.grad_norm),
+                  "tokens_per_s": round(tokens_per_s, 1), "flops_per_s": tokens_per_s * self.flops_token,
+                  "seconds": round(m.seconds, 4), "skipped": m.skipped,
+                  "skipped_steps": self.bad_steps.skipped_steps, "rollbacks": self.bad_steps.rollbacks,
+                  "restarts": self.restarts}
+        if mfu is not None:
+            record["mfu"] = round(mfu, 6)
+        self._event(record)
+        if m.skipped:
+            self._event({"event": "bad_step", "step": m.step, "loss": repr(m.loss), "grad_norm": repr(m.grad_norm),
+                         "consecutive": self.bad_steps.consecutive, "skipped_steps": self.bad_steps.skipped_steps})
+        if self.rank == 0 and self.cfg.log_interval and m.step % self.cfg.log_interval == 0:
+            extra = "  SKIPPED (non-finite)" if m.skipped else ""
+            extra += f"  MFU {mfu:.1%}" if mfu is not None else ""
+            print(f"step {m.step:6d}  loss {m.loss:.4f}  lr {m.lr:.2e}  grad_norm {m.grad_norm:.3f}  "
+                  f"{tokens_per_s:,.0f} tok/s{extra}", flush=True)
 
     def run(self) -> list[StepMetrics]:
-        """Resume if asked, train to ``cfg.steps``, checkpointing as configured."""
-        self.resume()
+        """Resume if asked, train to ``cfg.steps``, checkpointing as configured.
+
+        Returns early, with :attr:`preempted` set, after a SIGTERM/SIGUSR1 on any rank:
+        the step boundary's all-reduce makes every rank checkpoint that step and return.
+        Collective: every rank calls it.
+
+        Raises:
+            TrainingDiverged: bad steps could not be rolled back.
+            SaveError: a checkpoint failed.
+        """
+        self._arm()
+        try:
+            self.resume()
+            while self.step < self.cfg.steps and not self.preempted:
+                self._iteration()
+            if not self.preempted:
+                ckpt = self.cfg.checkpoint
+                if self.root is not None and ckpt.save_final and self.step != self.last_saved_step:
+                    self.save()
+            self.wait_for_save()
+        finally:
+            self._disarm()
+        return self.history
+
+    def _iteration(self) -> None:
+        """One step, then its boundary: agree on preemption, roll back or save."""
+        assert self.watchdog is not None and self.preemption is not None
+        self.hooks.at_step_start(self.step + 1)
+        self.watchdog.begin(self.step + 1)
+        m = self.train_step()
+        preempt = any_rank(self.preemption.requested is not None)
+        self.watchdog.end()
+        self._log_step(m)
         ckpt = self.cfg.checkpoint
-        while self.step < self.cfg.steps:
-            m = self.train_step()
-            self._event({"step": m.step, "loss": m.loss, "lr": m.lr, "grad_norm": m.grad_norm,
-                         "tokens_per_s": round(m.tokens / m.seconds, 1), "seconds": round(m.seconds, 4)})
-            if self.rank == 0 and self.cfg.log_interval and m.step % self.cfg.log_interval == 0:
-                print(f"step {m.step:6d}  loss {m.loss:.4f}  lr {m.lr:.2e}  grad_norm {m.grad_norm:.3f}  "
-                      f"{m.tokens / m.seconds:,.0f} tok/s", flush=True)
-            if self.root is not None and ckpt.save_interval and m.step % ckpt.save_interval == 0:
-                self.save()
-        if self.root is not None and ckpt.save_final and self.history and (
-                not ckpt.save_interval or self.step % ckpt.save_interval):
+        if self.bad_steps.consecutive >= self.bad_steps.max_bad_steps:
+            self._roll_back()
+        elif self.root is not None and ckpt.save_interval and m.step % ckpt.save_interval == 0:
+            self.save()
+        if preempt:
+            self._preempt()
+
+    def _preempt(self) -> None:
+        """Checkpoint the current step (unless just saved), wait for the commit, and mark
+        the run preempted (collective)."""
+        assert self.preemption is not None
+        t0 = time.perf_counter()
+        if self.root is None:
+            log.warning("preempted with no checkpoint root (--ckpt): progress since the start is lost")
+        elif self.step != self.last_saved_step:
             self.save()
         self.wait_for_save()
-        return self.history
+        self.preemption.done()
+        self.preempted = True
+        sig = self.preemption.requested
+        self._event({"event": "preempt", "step": self.step, "seconds": round(time.perf_counter() - t0, 4),
+                     "signal": "peer" if sig is None else _signal_name(sig),
+                     "checkpoint": self.root is not None})
+        if self.rank == 0:
+            print(f"preempted: checkpoint of step {self.step} committed; exiting", file=sys.stderr, flush=True)
+
+    def _arm(self) -> None:
+        """Start the watchdog, install the signal handlers, log the start."""
+        fc, directory = self.cfg.fault, run_dir(self.cfg)
+        dump = os.path.join(directory, "hang-stacks", f"rank-{self.rank:05d}.txt") if directory else ""
+        self.watchdog = StepWatchdog(factor=fc.hang_factor, min_seconds=fc.hang_min_seconds, dump_path=dump,
+                                     on_hang=self._on_hang)
+        self.preemption = PreemptionHandler(fc.preempt_deadline, is_hung=self.watchdog.is_hung)
+        self.preemption.install()
+        self._event({"event": "start", "restart_count": self.restarts, "world_size": self.cfg.parallel.world_size,
+                     "layout": self.cfg.parallel.to_json(), "steps": self.cfg.steps})
+
+    def _disarm(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
+        if self.preemption is not None:
+            self.preemption.uninstall()
+        self.metrics.close()
+
+    def _on_hang(self, step: int, seconds: float, threshold: float) -> None:
+        self._event({"event": "hang_suspected", "step": step, "seconds": round(seconds, 3),
+                     "threshold": round(threshold, 3)})
+
+
+def run_dir(cfg: TrainConfig) -> str:
+    """Where metrics.jsonl and hang stack dumps go: ``cfg.run_dir``, else a local
+    checkpoint root, else nowhere ("")."""
+    if cfg.run_dir:
+        return cfg.run_dir
+    url = cfg.checkpoint.url
+    if url.startswith("file://"):
+        return url[len("file://"):]
+    return url if url and "://" not in url else ""
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _signal_name(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -341,18 +600,13 @@ def _loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def run_training(cfg: TrainConfig) -> list[StepMetrics]:
-    """Entry point of one rank (collective): build, resume, train, checkpoint, tear down."""
-    trainer = Trainer.create(cfg)
+    """Entry point of one rank (collective): fit the layout to the world size, build,
+    resume, train, checkpoint, tear down. Returns early (exit 0 for the worker) after a
+    preemption checkpoint."""
+    world = int(os.environ.get("WORLD_SIZE", cfg.parallel.world_size))
+    trainer = Trainer.create(fit_world_size(cfg, world))
     try:
         return trainer.run()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def iter_json_lines(path: str) -> Iterator[dict[str, Any]]:
-    """Records of a metrics.jsonl file."""
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)

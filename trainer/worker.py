@@ -1,13 +1,18 @@
 """Worker process body: ``python -m shardsmith.trainer.worker CONFIG.json`` (started by torchrun).
 
-Errors are printed as one line prefixed by the rank, and the process exits 1.
+Errors are printed as one line prefixed by the rank, and the process exits 1. A run that
+returns early after a preemption checkpoint exits 0. Fatal signals (SIGSEGV, SIGABRT...)
+print every thread's Python stack (:mod:`faulthandler`); ``kill -USR2 PID`` prints them
+on demand.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import warnings
 
@@ -20,6 +25,8 @@ def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
                         format="%(message)s")
+    faulthandler.enable()                                 # stacks on SIGSEGV/SIGABRT/...
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 PID` dumps stacks
     with open(argv[0]) as f:
         cfg = TrainConfig.from_json(json.load(f))
     from shardsmith.trainer.train import run_training

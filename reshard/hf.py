@@ -1,0 +1,227 @@
+"""Hugging Face Llama <-> shardsmith: tensor names, the q/k row permutation, config mapping.
+
+Pure functions, no I/O (the streaming export and import are in
+:mod:`shardsmith.reshard.hf_io`).
+
+Names (ours -> ``transformers`` ``LlamaForCausalLM``)::
+
+    tok_embeddings.weight                    model.embed_tokens.weight
+    layers.{i}.attention.wq/wk/wv/wo.weight  model.layers.{i}.self_attn.q_proj/k_proj/v_proj/o_proj.weight
+    layers.{i}.feed_forward.w1/w3/w2.weight  model.layers.{i}.mlp.gate_proj/up_proj/down_proj.weight
+    layers.{i}.attention_norm.weight         model.layers.{i}.input_layernorm.weight
+    layers.{i}.ffn_norm.weight               model.layers.{i}.post_attention_layernorm.weight
+    norm.weight                              model.norm.weight
+    output.weight                            lm_head.weight   (absent when embeddings are tied)
+
+RoPE convention: :func:`shardsmith.trainer.model.apply_rope` rotates interleaved pairs
+``(x[2i], x[2i+1])`` of each head (Meta's original Llama and torchtitan); ``transformers``
+rotates ``(x[i], x[i + Dh/2])`` (``rotate_half``), both with frequency
+``theta ** (-2i / Dh)``. Attention scores are dot products within a head, so permuting the
+rows of ``wq`` and ``wk`` the same way inside every head makes the two conventions compute
+the same function: HF row ``h*Dh + j`` is our row ``h*Dh + 2j`` for ``j < Dh/2`` and our row
+``h*Dh + 2(j - Dh/2) + 1`` otherwise. This is ``permute`` of ``transformers``'
+``models/llama/convert_llama_weights_to_hf.py``:
+``w.view(n_heads, Dh // 2, 2, D).transpose(1, 2).reshape(n_heads * Dh, D)``.
+``wv``, ``wo`` and everything else are copied unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from shardsmith.errors import ConfigError
+from shardsmith.reshard.layout import ModelConfig
+
+#: The ``architectures`` entry and ``model_type`` of exported configs.
+HF_ARCHITECTURE = "LlamaForCausalLM"
+HF_MODEL_TYPE = "llama"
+
+#: (our FQN pattern, HF name pattern), ``{i}`` standing for a layer index.
+NAME_MAP: tuple[tuple[str, str], ...] = (
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+    ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
+    ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+)
+
+#: HF tensors that carry no weights of the model and are skipped on import (old
+#: checkpoints stored the RoPE frequency buffer).
+HF_IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    return re.compile("^" + re.escape(pattern).replace(re.escape("{i}"), r"(\d+)") + "$")
+
+
+_TO_HF = [(_compile(ours), hf) for ours, hf in NAME_MAP]
+_FROM_HF = [(_compile(hf), ours) for ours, hf in NAME_MAP]
+
+
+def _translate(name: str, table: list[tuple[re.Pattern[str], str]], what: str) -> str:
+    for pattern, target in table:
+        m = pattern.match(name)
+        if m:
+            return target.replace("{i}", m.group(1)) if m.groups() else target
+    raise KeyError(f"{what} {name!r} has no counterpart; known patterns: "
+                   f"{[p.pattern for p, _ in table]}")
+
+
+def to_hf_name(fqn: str) -> str:
+    """HF ``LlamaForCausalLM`` name of one of our parameter FQNs.
+
+    Raises:
+        KeyError: not a parameter of our model.
+    """
+    return _translate(fqn, _TO_HF, "shardsmith tensor")
+
+
+def from_hf_name(name: str) -> str:
+    """Our parameter FQN of an HF ``LlamaForCausalLM`` tensor name.
+
+    Raises:
+        KeyError: not a tensor shardsmith's Llama has (e.g. a bias).
+    """
+    return _translate(name, _FROM_HF, "Hugging Face tensor")
+
+
+def rope_heads(fqn: str, model: ModelConfig) -> int | None:
+    """Number of heads whose rows must be permuted for ``fqn`` (wq: H, wk: K), else None."""
+    if fqn.endswith(".attention.wq.weight"):
+        return model.num_attention_heads
+    if fqn.endswith(".attention.wk.weight"):
+        return model.num_kv_heads
+    return None
+
+
+def permute_to_hf(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Reorder the rows of a q/k projection from interleaved RoPE pairs to HF's halves.
+
+    Args:
+        w: ``(num_heads * Dh, D)``, our row order (whole heads).
+        num_heads: heads in ``w``.
+
+    Returns:
+        ``(num_heads * Dh, D)`` in HF row order (``permute`` of ``convert_llama_weights_to_hf.py``).
+    """
+    rows, cols = w.shape
+    return w.reshape(num_heads, rows // num_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def permute_from_hf(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of :func:`permute_to_hf`: HF row order ``(num_heads * Dh, D)`` back to ours."""
+    rows, cols = w.shape
+    return w.reshape(num_heads, 2, rows // num_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def hf_config(model: ModelConfig, torch_dtype: str) -> dict[str, Any]:
+    """``config.json`` of a ``transformers`` ``LlamaConfig`` equivalent to ``model``.
+
+    Args:
+        model: our model shape.
+        torch_dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (the weights' dtype).
+
+    Returns:
+        A JSON-safe dict readable by ``transformers`` 4.x (``rope_theta``, ``torch_dtype``)
+        and 5.x (``rope_parameters``, ``dtype``). Token ids are null: shardsmith's byte-level
+        data has no BOS/EOS/pad token.
+    """
+    return {
+        "architectures": [HF_ARCHITECTURE],
+        "model_type": HF_MODEL_TYPE,
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.ffn_hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_kv_heads,
+        "num_hidden_layers": model.num_layers,
+        "head_dim": model.head_dim,
+        "vocab_size": model.vocab_size,
+        "max_position_embeddings": model.seq_length,
+        "rms_norm_eps": model.norm_eps,
+        "rope_theta": model.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
+        "rope_scaling": None,
+        "tie_word_embeddings": model.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "torch_dtype": torch_dtype,
+        "dtype": torch_dtype,
+    }
+
+
+def _field_error(source: str, name: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"{source}: {name}={value!r}: {why}; shardsmith's Llama cannot represent "
+                       "this model, so it was not imported")
+
+
+def _rope_theta(cfg: dict[str, Any], source: str) -> float:
+    """RoPE base from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x)."""
+    theta = cfg.get("rope_theta", 10000.0)
+    for key in ("rope_parameters", "rope_scaling"):
+        params = cfg.get(key)
+        if params is None:
+            continue
+        if not isinstance(params, dict):
+            raise _field_error(source, key, params, "expected an object or null")
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            raise _field_error(source, f"{key}.rope_type", kind,
+                               "only plain RoPE ('default', no scaling) is supported")
+        extra = sorted(set(params) - {"rope_type", "type", "rope_theta"})
+        if extra and key == "rope_parameters":
+            raise _field_error(source, key, params, f"unsupported RoPE options {extra}")
+        theta = params.get("rope_theta", theta)
+    return float(theta)
+
+
+def model_config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Our :class:`ModelConfig` of an HF Llama ``config.json``.
+
+    ``max_position_embeddings`` becomes ``seq_length`` (the training sequence length; set
+    another one with the trainer's flags when starting from the import).
+
+    Raises:
+        ConfigError: naming the field, when the model is not a Llama shardsmith can
+            represent: another ``model_type``, attention or MLP biases, an activation other
+            than SiLU, a ``head_dim`` other than ``hidden_size / num_attention_heads``,
+            scaled RoPE (``rope_scaling``), or a missing size field.
+    """
+    model_type = cfg.get("model_type")
+    if model_type != HF_MODEL_TYPE:
+        raise _field_error(source, "model_type", model_type, "only 'llama' checkpoints are supported")
+    for key, allowed in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
+        if cfg.get(key, allowed) != allowed:
+            raise _field_error(source, key, cfg[key], f"only {allowed!r} is supported")
+    sizes = {}
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
+                "vocab_size", "max_position_embeddings"):
+        if not isinstance(cfg.get(key), int):
+            raise _field_error(source, key, cfg.get(key), "missing or not an integer")
+        sizes[key] = cfg[key]
+    heads = sizes["num_attention_heads"]
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and head_dim * heads != sizes["hidden_size"]:
+        raise _field_error(source, "head_dim", head_dim,
+                           f"must equal hidden_size / num_attention_heads = {sizes['hidden_size'] / heads}")
+    return ModelConfig(
+        num_layers=sizes["num_hidden_layers"], hidden_size=sizes["hidden_size"],
+        num_attention_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        ffn_hidden_size=sizes["intermediate_size"], vocab_size=sizes["vocab_size"],
+        seq_length=sizes["max_position_embeddings"],
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_theta=_rope_theta(cfg, source), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)))

@@ -1,0 +1,419 @@
+"""Streaming Hugging Face export and import of shardsmith checkpoints.
+
+Export (:func:`export_hf`) writes a directory ``transformers`` loads with
+``LlamaForCausalLM.from_pretrained``: ``config.json`` and the weights as safetensors,
+split into ``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``
+when larger than the shard size (the layout ``transformers``' ``save_pretrained``
+writes). Each file's safetensors header is computed up front from the manifest's
+shapes, then the tensors are streamed into it one at a time: peak memory is one
+logical tensor, whatever the model size.
+
+Import (:func:`import_hf`) reads a local HF Llama directory lazily (``safe_open``
+slices: only the rows each target box needs) and writes a model-only shardsmith
+checkpoint in any layout, one target file at a time, committed like a save
+(data first, manifest last, then ``latest``).
+
+Name mapping, the q/k permutation and the config mapping are in :mod:`shardsmith.reshard.hf`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from math import prod
+from typing import Any, BinaryIO
+
+import torch
+from safetensors import safe_open
+
+from shardsmith.errors import CheckpointError, ConfigError
+from shardsmith.reshard.hf import (HF_IGNORED, from_hf_name, hf_config, model_config_from_hf,
+                                   permute_from_hf, permute_to_hf, rope_heads, to_hf_name)
+from shardsmith.reshard.layout import ModelConfig, ParallelDims
+from shardsmith.reshard.plan import TensorSpec, param_specs, shard_file_name, write_assignment
+from shardsmith.storage.boxes import Box
+from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
+from shardsmith.storage.commit import commit, parse_step_dir, read_manifest, resolve_checkpoint, step_dir
+from shardsmith.storage.fs import Store
+from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord, parse_manifest
+from shardsmith.storage.shards import DTYPE_NAMES, encode_and_record, read_box
+
+#: Export dtypes: CLI name -> (torch dtype, config.json name).
+EXPORT_DTYPES: dict[str, tuple[torch.dtype, str]] = {
+    "fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"),
+    "fp16": (torch.float16, "float16")}
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_WEIGHT_FILE_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_nbytes(text: str | int) -> int:
+    """``"5GB"`` -> 5e9 bytes, ``"2MiB"`` -> 2 * 2**20, ``"1000"`` -> 1000 (as ``transformers``).
+
+    Raises:
+        ValueError: not a positive size.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"size {text!r}: expected a positive number with an optional unit "
+                         f"{sorted(u for u in _UNITS if u)}, e.g. 5GB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+# ---- export -------------------------------------------------------------------------------------
+
+@dataclass
+class HFExportReport:
+    """What :func:`export_hf` wrote: weight files, bytes (weights only), tensors, seconds."""
+
+    source: str
+    out_dir: str
+    step: int
+    files: list[str] = field(default_factory=list)
+    nbytes: int = 0
+    num_tensors: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class WeightEntry:
+    """One exported tensor: HF name, our FQN, global shape."""
+
+    hf_name: str
+    fqn: str
+    shape: tuple[int, ...]
+
+
+def plan_weight_files(entries: list[WeightEntry], itemsize: int, max_nbytes: int) -> list[list[WeightEntry]]:
+    """Split tensors, in order, into files of at most ``max_nbytes`` data bytes each
+    (a tensor larger than that gets a file of its own, as in ``save_pretrained``)."""
+    files: list[list[WeightEntry]] = [[]]
+    size = 0
+    for e in entries:
+        nbytes = prod(e.shape) * itemsize
+        if files[-1] and size + nbytes > max_nbytes:
+            files.append([])
+            size = 0
+        files[-1].append(e)
+        size += nbytes
+    return files
+
+
+def safetensors_header(entries: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
+    """The first bytes of a safetensors file holding ``(name, dtype, shape, nbytes)`` in order.
+
+    Format (huggingface/safetensors README): u64 little-endian header length, then a JSON
+    object ``name -> {dtype, shape, data_offsets: [begin, end)}`` (offsets relative to the
+    data region) plus ``__metadata__``, padded with spaces to a multiple of 8 bytes.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _check_out_dir(out: Store, overwrite: bool) -> None:
+    existing = [n for n in out.list_dir() if n == "config.json" or _WEIGHT_FILE_RE.match(n)]
+    if existing and not overwrite:
+        raise FileExistsError(f"{out.url} already holds a Hugging Face model ({', '.join(existing)}); "
+                              "choose an empty directory or pass --overwrite")
+    for name in existing:
+        out.delete(name)
+
+
+def _export_entries(manifest: Manifest, model: ModelConfig, source: str) -> list[WeightEntry]:
+    entries = []
+    for fqn, spec in param_specs(model, ParallelDims()).items():
+        rec = manifest.tensors.get(fqn)
+        if rec is None or tuple(rec.shape) != spec.shape:
+            found = "missing" if rec is None else f"of shape {tuple(rec.shape)}"
+            raise CheckpointError(f"{source}: tensor {fqn} is {found} but the model config needs "
+                                  f"{spec.shape}; the checkpoint is incomplete or not a shardsmith Llama")
+        entries.append(WeightEntry(to_hf_name(fqn), fqn, spec.shape))
+    return entries
+
+
+def _hf_tensor(step_store: Store, manifest: Manifest, entry: WeightEntry, model: ModelConfig,
+               dtype: torch.dtype) -> torch.Tensor:
+    """One whole tensor read from the checkpoint, in HF row order and the export dtype."""
+    t = read_box(step_store, manifest, entry.fqn, Box((0,) * len(entry.shape), entry.shape))
+    heads = rope_heads(entry.fqn, model)
+    if heads is not None:
+        t = permute_to_hf(t, heads)
+    return t.to(dtype).contiguous()
+
+
+def _write_weight_file(f: BinaryIO, entries: list[WeightEntry], step_store: Store, manifest: Manifest,
+                       model: ModelConfig, dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    header = safetensors_header([(e.hf_name, DTYPE_NAMES[dtype], e.shape, prod(e.shape) * itemsize)
+                                 for e in entries])
+    f.write(header)
+    nbytes = len(header)
+    for e in entries:
+        t = _hf_tensor(step_store, manifest, e, model, dtype)
+        data = t.reshape(-1).view(torch.uint8).numpy()
+        f.write(data.data)
+        nbytes += data.nbytes
+    return nbytes
+
+
+def export_hf(ckpt_url: str, out_dir: str, *, dtype: str = "fp32", max_shard_nbytes: int = 5 * 10**9,
+              overwrite: bool = False, storage_options: dict | None = None) -> HFExportReport:
+    """Write the model weights of a checkpoint as a ``transformers`` Llama directory.
+
+    Optimizer state is not exported. Tied embeddings give ``tie_word_embeddings: true``
+    and no ``lm_head.weight``.
+
+    Args:
+        ckpt_url: a step directory, or a root (its newest committed step).
+        out_dir: target directory (any fsspec URL; local for ``from_pretrained``).
+        dtype: ``fp32``, ``bf16`` or ``fp16`` (see :data:`EXPORT_DTYPES`).
+        max_shard_nbytes: largest weight file's data bytes before splitting into several
+            files with an index.
+        overwrite: replace an existing ``config.json`` / ``model*.safetensors*`` in ``out_dir``.
+        storage_options: fsspec options for both URLs.
+
+    Raises:
+        CheckpointNotFound / ManifestError / IntegrityError: bad source checkpoint.
+        CheckpointError: a model tensor is missing or misshapen.
+        FileExistsError: ``out_dir`` already holds a model and ``overwrite`` is false.
+        ValueError: unknown ``dtype``.
+    """
+    t0 = time.perf_counter()
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype {dtype!r}: use one of {sorted(EXPORT_DTYPES)}")
+    torch_dtype, dtype_name = EXPORT_DTYPES[dtype]
+    _, step_store, step = resolve_checkpoint(ckpt_url, storage_options)
+    manifest = read_manifest(step_store)
+    model = ModelConfig.from_json(manifest.model)
+    entries = _export_entries(manifest, model, step_store.url)
+    out = Store(out_dir, storage_options)
+    if out.is_local:
+        out.fs.makedirs(out.root, exist_ok=True)
+    _check_out_dir(out, overwrite)
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    groups = plan_weight_files(entries, itemsize, max_shard_nbytes)
+    names = [SINGLE_FILE] if len(groups) == 1 else [
+        f"model-{k:05d}-of-{len(groups):05d}.safetensors" for k in range(1, len(groups) + 1)]
+    report = HFExportReport(source=step_store.url, out_dir=out.url, step=step, files=names,
+                            num_tensors=len(entries))
+    weight_map: dict[str, str] = {}
+    for name, group in zip(names, groups):
+        with out.fs.open(out.child(name).root, "wb") as f:
+            report.nbytes += _write_weight_file(f, group, step_store, manifest, model, torch_dtype)
+        weight_map.update({e.hf_name: name for e in group})
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": sum(prod(e.shape) * itemsize for e in entries)},
+                 "weight_map": weight_map}
+        out.write(INDEX_FILE, json.dumps(index, indent=2).encode())
+    out.write("config.json", json.dumps(hf_config(model, dtype_name), indent=2).encode())
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+# ---- import -------------------------------------------------------------------------------------
+
+class HFSource:
+    """A local Hugging Face model directory, read lazily (``safetensors.safe_open`` slices).
+
+    Args:
+        hf_dir: directory with ``config.json`` and ``model.safetensors`` or
+            ``model.safetensors.index.json`` plus the files it names.
+
+    Raises:
+        FileNotFoundError: no config or no safetensors weights (pickled ``*.bin`` weights
+            are refused: loading them can run code).
+        ConfigError: an index that names files outside the directory, or invalid JSON.
+    """
+
+    def __init__(self, hf_dir: str) -> None:
+        self.dir = hf_dir
+        self.config = self._json("config.json")
+        if os.path.exists(os.path.join(hf_dir, SINGLE_FILE)):
+            with safe_open(os.path.join(hf_dir, SINGLE_FILE), framework="pt") as f:
+                self.file_of = {k: SINGLE_FILE for k in f.keys()}
+        elif os.path.exists(os.path.join(hf_dir, INDEX_FILE)):
+            weight_map = self._json(INDEX_FILE).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ConfigError(f"{hf_dir}/{INDEX_FILE}: no weight_map object")
+            for name, file in weight_map.items():
+                if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", ".."):
+                    raise ConfigError(f"{hf_dir}/{INDEX_FILE}: {name} is in {file!r}, which is not a "
+                                      "file of this directory")
+            self.file_of = dict(weight_map)
+        else:
+            raise FileNotFoundError(
+                f"{hf_dir}: no {SINGLE_FILE} or {INDEX_FILE}; shardsmith imports safetensors only "
+                "(pickled pytorch_model.bin can run code: re-save it with save_pretrained)")
+        self._open: dict[str, Any] = {}
+
+    def _json(self, name: str) -> dict[str, Any]:
+        path = os.path.join(self.dir, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"{path} does not exist; is {self.dir} a Hugging Face model "
+                                    "directory?") from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
+        return data
+
+    def _slice(self, name: str) -> Any:
+        file = self.file_of[name]
+        if file not in self._open:
+            self._open[file] = safe_open(os.path.join(self.dir, file), framework="pt")
+        return self._open[file].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Global shape of tensor ``name``."""
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """The part ``index`` of tensor ``name`` (only those bytes are read)."""
+        return self._slice(name)[index]
+
+
+def read_model_config(hf_dir: str) -> ModelConfig:
+    """Our :class:`ModelConfig` of the HF model in ``hf_dir`` (see :func:`model_config_from_hf`)."""
+    return model_config_from_hf(HFSource(hf_dir).config, os.path.join(hf_dir, "config.json"))
+
+
+def _match_tensors(src: HFSource, specs: dict[str, TensorSpec], model: ModelConfig) -> dict[str, str]:
+    """Our FQN -> HF name for every parameter; refuses missing, misshapen or unknown tensors."""
+    wanted = {to_hf_name(fqn): fqn for fqn in specs}
+    for name in src.file_of:
+        if name in wanted or HF_IGNORED.match(name) or (model.tie_embeddings and name == "lm_head.weight"):
+            continue
+        try:
+            from_hf_name(name)
+        except KeyError:
+            raise ConfigError(f"{src.dir}: tensor {name} has no place in shardsmith's Llama (biases and "
+                              "extra modules are not supported); it was not imported") from None
+        raise ConfigError(f"{src.dir}: tensor {name} is not part of the model its config.json describes")
+    for name, fqn in wanted.items():
+        if name not in src.file_of:
+            raise ConfigError(f"{src.dir}: tensor {name} (for {fqn}) is missing")
+        if src.shape(name) != specs[fqn].shape:
+            raise ConfigError(f"{src.dir}: tensor {name} has shape {src.shape(name)} but config.json "
+                              f"implies {specs[fqn].shape}")
+    return {fqn: name for name, fqn in wanted.items()}
+
+
+def read_hf_box(src: HFSource, name: str, fqn: str, box: Box, model: ModelConfig) -> torch.Tensor:
+    """``box`` (our row order) of parameter ``fqn`` read from HF tensor ``name``, as float32.
+
+    For q/k projections the whole heads covering the box's rows are read and un-permuted
+    (:func:`permute_from_hf`); other tensors are read exactly.
+    """
+    index = tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))
+    heads = rope_heads(fqn, model)
+    if heads is None:
+        return src.read(name, index).to(torch.float32).contiguous()
+    hd = model.head_dim
+    r0, r1 = box.offsets[0], box.offsets[0] + box.lengths[0]
+    h0, h1 = r0 // hd, -(-r1 // hd)
+    rows = src.read(name, (slice(h0 * hd, h1 * hd),) + index[1:])
+    ours = permute_from_hf(rows, h1 - h0)[r0 - h0 * hd:r1 - h0 * hd]
+    return ours.to(torch.float32).contiguous()
+
+
+@dataclass
+class HFImportReport:
+    """What :func:`import_hf` wrote."""
+
+    target: str
+    step: int
+    model: ModelConfig
+    num_files: int = 0
+    nbytes_written: int = 0
+    seconds: float = 0.0
+
+
+def _target(ckpt_url: str, step: int | None, storage_options: dict | None) -> tuple[Store, int]:
+    """(root store, step) of a target given as a root or a step directory."""
+    url = ckpt_url.rstrip("/")
+    name = url.rsplit("/", 1)[-1]
+    named = parse_step_dir(name)
+    if named is not None:
+        if step is not None and step != named:
+            raise ConfigError(f"target {ckpt_url} names step {named} but --step is {step}")
+        url, step = url[: -len(name) - 1] or "/", named
+    return Store(url, storage_options), step or 0
+
+
+def import_hf(hf_dir: str, ckpt_url: str, dims: ParallelDims, *, step: int | None = None,
+              config: dict[str, Any] | None = None, storage_options: dict | None = None,
+              chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> HFImportReport:
+    """Write the HF Llama in ``hf_dir`` as a model-only shardsmith checkpoint in layout ``dims``.
+
+    Tensors are stored in float32 (the trainer's master weights) whatever the source dtype.
+    The manifest's state is ``{"step", "tokens_seen": 0, "data": {"sample_index": 0},
+    "source"}``; it holds no optimizer state and no LR schedule, so a run starts from
+    it with fresh optimizer state (``train --init-from``).
+
+    Args:
+        hf_dir: local directory (see :class:`HFSource`).
+        ckpt_url: target root, or step directory ``.../step-NNNNNNNNN``.
+        dims: target layout.
+        step: step number to commit (default 0, or the one the target names).
+        config: root training config to record (JSON); default ``{"model", "parallel"}``.
+
+    Raises:
+        ConfigError: the HF model is not one shardsmith can represent (names the field or tensor).
+        LayoutError: ``dims`` does not divide the model.
+        FileExistsError: the target step is already committed.
+    """
+    t0 = time.perf_counter()
+    src = HFSource(hf_dir)
+    model = model_config_from_hf(src.config, os.path.join(hf_dir, "config.json"))
+    specs = param_specs(model, dims)
+    names = _match_tensors(src, specs, model)
+    root, step = _target(ckpt_url, step, storage_options)
+    dst = root.child(step_dir(step))
+    if dst.exists(MANIFEST_NAME):
+        raise FileExistsError(f"{dst.url} is already a committed checkpoint; choose another root or --step")
+    report = HFImportReport(target=dst.url, step=step, model=model)
+    tensors = {fqn: TensorRecord(shape=list(s.shape), dtype=s.dtype) for fqn, s in specs.items()}
+    files: dict[str, FileRecord] = {}
+    for rank, items in write_assignment(specs, dims).items():
+        if not items:
+            continue
+        file_name = shard_file_name(rank)
+        local = {fqn: (read_hf_box(src, names[fqn], fqn, box, model), box) for fqn, box in items}
+        encoded, records = encode_and_record(local, file_name, chunk_nbytes)
+        del local
+        dst.write(file_name, encoded.data)
+        files[file_name] = encoded.record
+        for fqn, rec in records.items():
+            tensors[fqn].shards.append(rec)
+        report.num_files += 1
+        report.nbytes_written += encoded.record.nbytes
+    for t in tensors.values():
+        t.shards.sort(key=lambda s: s.offsets)
+    state = {"step": step, "tokens_seen": 0, "data": {"sample_index": 0},
+             "source": {"format": "huggingface", "path": os.path.abspath(hf_dir)}}
+    manifest = Manifest(step=step, layout={**dims.to_json(), "world_size": dims.world_size},
+                        model=model.to_json(), config=config or {"model": model.to_json(),
+                                                                 "parallel": dims.to_json()},
+                        state=state, tensors=tensors, files=files, chunk_nbytes=chunk_nbytes,
+                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    parse_manifest(manifest.dumps(), dst.url_of(MANIFEST_NAME))     # coverage check before commit
+    commit(root, manifest)
+    report.seconds = time.perf_counter() - t0
+    return report

@@ -1,0 +1,410 @@
+"""The reshard planner: (source manifest, target layout, options) -> where every byte goes.
+
+Pure: no I/O, no torch. The plan lists, for every target file, its entries (fqn,
+target box, dtype) in file order, each cut into *slabs* along dim 0 (consecutive
+rows of the target box, so a slab's bytes are contiguous in the target file), and
+for each slab the *pieces*: the byte range of a source file to read (widened to the
+source's checksum chunks, exactly what is verified) and the global box it supplies.
+
+The safetensors header of every target file is computed here from shapes and dtypes
+alone, so the executor writes each file front to back, tensor by tensor. Header
+layout follows the safetensors format
+(https://github.com/huggingface/safetensors#format): 8-byte little-endian header
+length, compact JSON ``{key: {dtype, shape, data_offsets}}`` padded with spaces to
+a multiple of 8, then the data; entries ordered like ``safetensors.torch.save``
+(dtype alignment descending, then key), so a reshard writes the same bytes as a
+save in the target layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from math import gcd, prod
+
+from shardsmith.errors import ConfigError, LayoutError
+from shardsmith.reshard.layout import ModelConfig, ParallelDims
+from shardsmith.reshard.plan import checkpoint_specs, shard_file_name, write_assignment
+from shardsmith.storage.boxes import Box, row_major_span
+from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
+from shardsmith.storage.manifest import DTYPE_NBYTES, Manifest, ShardRecord
+
+#: Float dtypes ``--dtype`` may convert between (safetensors names).
+FLOAT_DTYPES: tuple[str, ...] = ("F64", "F32", "F16", "BF16")
+
+#: Order of entries in a safetensors file: dtype rank descending, then key (as
+#: ``safetensors`` sorts them; checked against the library in the tests).
+SAFETENSORS_DTYPE_ORDER: tuple[str, ...] = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16",
+                                            "I8", "U8", "BOOL")
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReshardOptions:
+    """What a reshard produces and how much memory it may use.
+
+    Attributes:
+        dtype: convert floating tensors to this safetensors dtype (``BF16``, ``F16``,
+            ``F32``); ``None`` keeps each tensor's saved dtype. ``optim.step.*``
+            counters stay as saved (bf16 cannot count past 256 exactly).
+        model_only: drop the optimizer state (``optim.*``).
+        chunk_nbytes: checksum chunk size of the target, bytes.
+        max_buffer_nbytes: bytes of slabs held in memory at once (read-ahead budget).
+        workers: I/O threads (reads) and target files written concurrently.
+        slab_nbytes: bytes per slab (rows of a tensor shard assembled at once); 0 = an
+            eighth of the buffer (so ~4 slabs, each with its read span, are in flight),
+            clamped to [1 MiB, 64 MiB].
+    """
+
+    dtype: str | None = None
+    model_only: bool = False
+    chunk_nbytes: int = DEFAULT_CHUNK_NBYTES
+    max_buffer_nbytes: int = 256 * MiB
+    workers: int = 4
+    slab_nbytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in FLOAT_DTYPES:
+            raise ConfigError(f"reshard dtype={self.dtype!r}: choose one of {list(FLOAT_DTYPES)}")
+        for name in ("chunk_nbytes", "max_buffer_nbytes", "workers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"reshard {name}={getattr(self, name)}: must be >= 1")
+        if self.slab_nbytes < 0:
+            raise ConfigError(f"reshard slab_nbytes={self.slab_nbytes}: must be >= 0 (0 = auto)")
+
+    @property
+    def slab_target_nbytes(self) -> int:
+        """Bytes per slab actually planned (see ``slab_nbytes``)."""
+        return self.slab_nbytes or max(MiB, min(64 * MiB, self.max_buffer_nbytes // 8))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One verified ranged read of a source shard and the part of a slab it supplies.
+
+    Attributes:
+        shard: the source shard record (file, byte offset, chunk checksums).
+        saved: the source shard's box (global elements).
+        common: the global box copied into the slab.
+        read_start, read_end: bytes to read, relative to the shard's data, chunk-aligned.
+        first, last: bytes ``[first, last)`` (relative to the shard) spanning ``common``'s
+            elements in the shard's row-major storage.
+    """
+
+    shard: ShardRecord
+    saved: Box
+    common: Box
+    read_start: int
+    read_end: int
+    first: int
+    last: int
+
+    @property
+    def read_nbytes(self) -> int:
+        return self.read_end - self.read_start
+
+
+@dataclass(frozen=True)
+class Slab:
+    """Consecutive dim-0 rows of a target entry: contiguous bytes of the target file.
+
+    Attributes:
+        box: global box of the slab.
+        pieces: source reads that fill it (their ``common`` boxes tile ``box``).
+        src_nbytes: bytes in the source dtype; nbytes: bytes written (target dtype).
+        converts: the executor converts the dtype (holding a converted copy).
+    """
+
+    box: Box
+    pieces: tuple[Piece, ...]
+    src_nbytes: int
+    nbytes: int
+    converts: bool = False
+
+    @property
+    def buffer_nbytes(self) -> int:
+        """Memory the executor holds for this slab: the assembled slab, the largest
+        piece read (pieces are read one at a time), and the converted copy if any."""
+        largest = max((p.read_nbytes for p in self.pieces), default=0)
+        return self.src_nbytes + largest + (self.nbytes if self.converts else 0)
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One tensor shard of a target file: ``fqn``'s ``box`` at ``byte_offset``."""
+
+    fqn: str
+    box: Box
+    src_dtype: str
+    dtype: str
+    byte_offset: int
+    nbytes: int
+    slabs: tuple[Slab, ...]
+
+
+@dataclass(frozen=True)
+class TargetFile:
+    """A target shard file: header bytes, then its entries' data in order."""
+
+    name: str
+    rank: int
+    header: bytes
+    entries: tuple[PlanEntry, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + sum(e.nbytes for e in self.entries)
+
+
+@dataclass
+class ReshardPlan:
+    """Everything a reshard will do; built by :func:`plan_reshard`, pure data.
+
+    Attributes:
+        source: the source manifest.
+        dims: the target layout.
+        options: the options planned with.
+        tensors: target fqn -> (shape, dtype) of every logical tensor written.
+        files: target files in rank order.
+        dropped: source tensors not in the target (optimizer state with ``model_only``).
+    """
+
+    source: Manifest
+    dims: ParallelDims
+    options: ReshardOptions
+    tensors: dict[str, tuple[tuple[int, ...], str]]
+    files: list[TargetFile]
+    dropped: list[str]
+
+    @property
+    def nbytes_write(self) -> int:
+        """Bytes of all target files."""
+        return sum(f.nbytes for f in self.files)
+
+    @property
+    def nbytes_read(self) -> int:
+        """Bytes of source data the executor reads (chunk-aligned ranges)."""
+        return sum(p.read_nbytes for s in self.slabs() for p in s.pieces)
+
+    @property
+    def largest_shard_nbytes(self) -> int:
+        """Largest single tensor shard, source or target, bytes."""
+        src = max((s.nbytes for t in self.source.tensors.values() for s in t.shards), default=0)
+        dst = max((e.nbytes for f in self.files for e in f.entries), default=0)
+        return max(src, dst)
+
+    @property
+    def peak_buffer_nbytes(self) -> int:
+        """Upper bound of the executor's buffer: ``max_buffer`` or one slab if larger."""
+        largest = max((s.buffer_nbytes for s in self.slabs()), default=0)
+        return max(min(self.options.max_buffer_nbytes, sum(s.buffer_nbytes for s in self.slabs())),
+                   largest)
+
+    def slabs(self) -> list[Slab]:
+        return [s for f in self.files for e in f.entries for s in e.slabs]
+
+    @property
+    def plan_id(self) -> str:
+        """Hash naming what the target files will contain (source identity, layout,
+        boxes, headers); a resumed run reuses files only when it is unchanged."""
+        h = hashlib.sha256()
+        h.update(json.dumps({"step": self.source.step, "chunk": self.options.chunk_nbytes,
+                             "src": {n: [f.nbytes, f.crc32c] for n, f in sorted(self.source.files.items())}},
+                            sort_keys=True).encode())
+        for f in self.files:
+            h.update(f.name.encode() + f.header)
+            for e in f.entries:
+                h.update(json.dumps([e.fqn, e.box.to_json(), e.src_dtype]).encode())
+        return h.hexdigest()[:32]
+
+
+def target_dtype(fqn: str, saved: str, options: ReshardOptions) -> str:
+    """The dtype ``fqn`` is written in: ``options.dtype`` for floats, except step counters."""
+    if options.dtype and saved in FLOAT_DTYPES and not fqn.startswith("optim.step."):
+        return options.dtype
+    return saved
+
+
+def safetensors_header(entries: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[bytes, list[int]]:
+    """Header bytes of a safetensors file and the data offset of each entry.
+
+    Args:
+        entries: (key, dtype, shape, nbytes) in file order (see :func:`file_order`).
+
+    Returns:
+        (8-byte length + padded JSON, data offsets relative to the data region).
+    """
+    header, offsets, pos = {}, [], 0
+    for key, dtype, shape, nbytes in entries:
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        offsets.append(pos)
+        pos += nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, offsets
+
+
+def file_order(key: str, dtype: str) -> tuple[int, str]:
+    """Sort key of an entry in a safetensors file (dtype rank, then key)."""
+    return SAFETENSORS_DTYPE_ORDER.index(dtype), key
+
+
+def _pieces(manifest: Manifest, fqn: str, box: Box) -> tuple[Piece, ...]:
+    """Source reads covering ``box`` of ``fqn``: one per intersecting saved shard."""
+    rec = manifest.tensors[fqn]
+    itemsize, chunk = DTYPE_NBYTES[rec.dtype], manifest.chunk_nbytes
+    out = []
+    for shard in rec.shards:
+        saved = Box(tuple(shard.offsets), tuple(shard.lengths))
+        common = saved.intersect(box)
+        if common is None or common.numel == 0:
+            continue
+        first, last = row_major_span(tuple(rec.shape), saved, common)
+        start = first * itemsize // chunk * chunk
+        end = min(-(-last * itemsize // chunk) * chunk, shard.nbytes)
+        out.append(Piece(shard, saved, common, start, end, first * itemsize, last * itemsize))
+    return tuple(out)
+
+
+def _row_bytes(box: Box, itemsize: int) -> int:
+    return prod(box.lengths[1:]) * itemsize
+
+
+def _cut_geometry(shard: ShardRecord, tail: Box, itemsize: int) -> tuple[int, int, int, int] | None:
+    """(first row, row bytes, first needed byte in a row, end of needed bytes in a row) of a
+    source shard for target boxes with dims 1.. equal to ``tail``; ``None`` if disjoint."""
+    saved_tail = Box(tuple(shard.offsets[1:]), tuple(shard.lengths[1:]))
+    inner = saved_tail.intersect(tail)
+    if inner is None or inner.numel == 0:
+        return None
+    first, last = row_major_span((), saved_tail, inner)
+    return shard.offsets[0], saved_tail.numel * itemsize, first * itemsize, last * itemsize
+
+
+def _aligned_end(manifest: Manifest, fqn: str, box: Box, start: int, end: int) -> int:
+    """Largest row ``e`` in ``[start + (end - start) // 2, end]`` at which every source
+    shard cut by it has a checksum-chunk boundary between the slab's last needed byte and
+    the next slab's first, so consecutive slabs never read (and verify) the same chunk
+    twice; ``end`` when there is none."""
+    rec = manifest.tensors[fqn]
+    itemsize, chunk = DTYPE_NBYTES[rec.dtype], manifest.chunk_nbytes
+    tail = Box(box.offsets[1:], box.lengths[1:])
+    shards = []                       # ((row0, width, f, l), stop row) of intersecting shards
+    for s in rec.shards:
+        geometry = _cut_geometry(s, tail, itemsize)
+        if geometry is not None:
+            shards.append((geometry, s.offsets[0] + s.lengths[0]))
+
+    def cut_ok(e: int) -> bool:
+        for (row0, width, f, l), stop in shards:
+            if row0 < e < stop:
+                m = e - row0
+                if -(-((m - 1) * width + l) // chunk) > (m * width + f) // chunk:
+                    return False
+        return True
+
+    lowest = start + max(1, (end - start) // 2)
+    cut = [g for g, stop in shards if g[0] < end < stop]
+    if not cut:
+        return end
+    row0, width, f, l = cut[0]
+    if f == 0 and l == width:         # whole rows: aligned cuts repeat every `period` rows
+        period = chunk // gcd(chunk, width)
+        e = row0 + (end - row0) // period * period
+        candidates: range = range(e, lowest - 1, -period) if period > 0 else range(0)
+    else:
+        candidates = range(end, lowest - 1, -1)
+    for e in candidates[:4096]:
+        if e > start and cut_ok(e):
+            return e
+    return end
+
+
+def _slabs(manifest: Manifest, fqn: str, box: Box, dtype: str, slab_nbytes: int) -> tuple[Slab, ...]:
+    """Cut ``box`` into dim-0 slabs of about ``slab_nbytes`` (at least one row each)."""
+    src_dtype = manifest.tensors[fqn].dtype
+    src_item, dst_item = DTYPE_NBYTES[src_dtype], DTYPE_NBYTES[dtype]
+    converts = src_dtype != dtype
+    if not box.lengths:                               # 0-d: one slab
+        return (Slab(box, _pieces(manifest, fqn, box), src_item, dst_item, converts),)
+    widest = max([_row_bytes(box, src_item)] + [
+        prod(s.lengths[1:]) * src_item for s in manifest.tensors[fqn].shards])
+    rows = max(1, slab_nbytes // max(1, widest))
+    out, row, stop = [], box.offsets[0], box.offsets[0] + box.lengths[0]
+    while row < stop:
+        end = min(stop, row + rows)
+        if end < stop:
+            end = _aligned_end(manifest, fqn, box, row, end)
+        sub = Box((row,) + box.offsets[1:], (end - row,) + box.lengths[1:])
+        out.append(Slab(sub, _pieces(manifest, fqn, sub), sub.numel * src_item, sub.numel * dst_item,
+                        converts))
+        row = end
+    return tuple(out)
+
+
+def _check_source(manifest: Manifest, specs: dict, source_url: str) -> None:
+    problems = []
+    for fqn, spec in specs.items():
+        rec = manifest.tensors.get(fqn)
+        if rec is None or tuple(rec.shape) != spec.shape:
+            problems.append(f"{fqn} is {'missing' if rec is None else tuple(rec.shape)}, "
+                            f"the model config needs {spec.shape}")
+    if problems:
+        raise LayoutError(f"{source_url}: {len(problems)} tensors do not fit the model config: "
+                          + "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
+
+
+def plan_reshard(manifest: Manifest, dims: ParallelDims, options: ReshardOptions | None = None,
+                 source_url: str = "source") -> ReshardPlan:
+    """Plan the conversion of a checkpoint to layout ``dims``. Pure; any process may call it.
+
+    Target files, their entries and writers come from the sharding plan
+    (:func:`shardsmith.reshard.plan.write_assignment`), so the result has the files,
+    keys and boxes a job saving directly in ``dims`` would write.
+
+    Args:
+        manifest: the source step's manifest.
+        dims: target layout.
+        options: dtype, model-only, chunk size, buffer (see :class:`ReshardOptions`).
+        source_url: used in error messages.
+
+    Returns:
+        The :class:`ReshardPlan`.
+
+    Raises:
+        LayoutError: ``dims`` does not fit the model (heads, kv heads, FFN width or vocab
+            not divisible by tp, layers not splittable into pp stages ...), or a source
+            tensor is missing or has the wrong shape.
+    """
+    options = options or ReshardOptions()
+    model = ModelConfig.from_json(manifest.model)
+    with_optim = not options.model_only and any(k.startswith("optim.") for k in manifest.tensors)
+    specs = checkpoint_specs(model, dims, with_optimizer=with_optim)     # validates the layout
+    _check_source(manifest, specs, source_url)
+    specs = {fqn: dataclasses.replace(s, dtype=target_dtype(fqn, manifest.tensors[fqn].dtype, options))
+             for fqn, s in specs.items()}
+    files = []
+    for rank, items in write_assignment(specs, dims).items():
+        if items:
+            files.append(_plan_file(manifest, rank, items, specs, options))
+    tensors = {fqn: (s.shape, s.dtype) for fqn, s in specs.items()}
+    dropped = sorted(set(manifest.tensors) - set(specs))
+    return ReshardPlan(manifest, dims, options, tensors, files, dropped)
+
+
+def _plan_file(manifest: Manifest, rank: int, items: list[tuple[str, Box]], specs: dict,
+               options: ReshardOptions) -> TargetFile:
+    """Header and entries of the file written by target ``rank``."""
+    items = sorted(items, key=lambda it: file_order(it[0], specs[it[0]].dtype))
+    sizes = [(fqn, specs[fqn].dtype, box.lengths, box.numel * DTYPE_NBYTES[specs[fqn].dtype])
+             for fqn, box in items]
+    header, offsets = safetensors_header(sizes)
+    entries = tuple(
+        PlanEntry(fqn, box, manifest.tensors[fqn].dtype, dtype, len(header) + off, nbytes,
+                  _slabs(manifest, fqn, box, dtype, options.slab_target_nbytes))
+        for (fqn, box), (_, dtype, _, nbytes), off in zip(items, sizes, offsets))
+    return TargetFile(shard_file_name(rank), rank, header, entries)

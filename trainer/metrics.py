@@ -1,0 +1,233 @@
+"""What a run reports: per-step metrics and events as JSON lines (and TensorBoard when
+installed), model-FLOPs utilization, and the loss-curve plot of ``shardsmith plot``.
+
+Records of ``<run_dir>/metrics.jsonl`` (written by rank 0, one ``write()`` per line so a
+SIGKILL never leaves half a line):
+
+* step records: ``{"step", "loss", "lr", "grad_norm", "tokens_per_s", "seconds",
+  "flops_per_s", "mfu"?, "skipped", "skipped_steps", "rollbacks", "restarts"}``;
+* events, with an ``"event"`` key: ``start`` (``restart_count``, ``world_size``, ``layout``),
+  ``resume`` (``step``, ``saved_layout``, ``layout``, ``resharded``, ``reason``, ``seconds``,
+  ``nbytes_read``, ``rng``), ``save`` (``step``, ``nbytes``, ``seconds``, ``blocked_seconds``),
+  ``bad_step``, ``rollback`` (``from_step``, ``to_step``, ``skip_samples``), ``data_skip``,
+  ``preempt``, ``hang_suspected``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from math import prod
+from typing import Any, Iterator
+
+from shardsmith.reshard.layout import ModelConfig, ParallelDims
+from shardsmith.reshard.plan import param_specs
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+#: Step-record fields also written to TensorBoard as scalars (``train/<name>``).
+TB_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "skipped_steps", "rollbacks", "restarts")
+
+
+def flops_per_token(model: ModelConfig) -> float:
+    """Model FLOPs of one training token (forward + backward), without recomputation.
+
+    ``6 * N + 12 * L * H * Q * T`` (Chowdhery et al. 2022, "PaLM", appendix B): N is the
+    number of parameters that take part in matrix multiplies (all but the input embedding
+    table, which is a lookup; with tied embeddings the output projection still counts),
+    L layers, H query heads, Q = head dim, T = sequence length; the second term is the
+    attention score and value matmuls (counted for the full T x T matrix, as PaLM does).
+    The same convention as nanoGPT's ``estimate_mfu`` and torchtitan's
+    ``get_num_flop_per_token``.
+
+    Returns:
+        FLOPs per token (float, unitless count).
+    """
+    specs = param_specs(model, ParallelDims())
+    num_params = sum(prod(s.shape) for fqn, s in specs.items() if fqn != "tok_embeddings.weight")
+    if model.tie_embeddings:
+        num_params += model.vocab_size * model.hidden_size          # the output matmul
+    head_dim = model.hidden_size // model.num_attention_heads
+    return 6.0 * num_params + 12.0 * model.num_layers * model.num_attention_heads * head_dim * model.seq_length
+
+
+def model_flops_utilization(tokens_per_s: float, flops_token: float, peak_flops: float,
+                            num_devices: int) -> float | None:
+    """MFU = achieved model FLOP/s / (peak FLOP/s per device * devices) (PaLM, section 4.1).
+
+    Args:
+        tokens_per_s: global training throughput, tokens per second.
+        flops_token: :func:`flops_per_token`.
+        peak_flops: peak FLOP/s of one device (``--peak-flops``); 0 = unknown.
+        num_devices: devices of the job (the world size).
+
+    Returns:
+        A fraction in [0, 1] (more only if ``peak_flops`` is wrong), or None when
+        ``peak_flops`` is 0.
+    """
+    if peak_flops <= 0:
+        return None
+    return tokens_per_s * flops_token / (peak_flops * num_devices)
+
+
+class MetricsWriter:
+    """Appends records to ``<run_dir>/metrics.jsonl`` and, when ``tensorboard`` is
+    installed, to a TensorBoard event file under ``<run_dir>/tensorboard``.
+
+    Only rank 0 makes one (the others pass ``run_dir=""``, which writes nothing).
+    Thread-safe: the watchdog and the background save report through it too.
+
+    Args:
+        run_dir: directory of the run; empty = write nothing.
+        tensorboard: also write TensorBoard scalars when the package is importable.
+    """
+
+    def __init__(self, run_dir: str, *, tensorboard: bool = True) -> None:
+        self.run_dir = run_dir
+        self.path = os.path.join(run_dir, METRICS_FILE) if run_dir else ""
+        self._lock = threading.Lock()
+        self._tb: Any = None
+        if run_dir:
+            os.makedirs(run_dir, exist_ok=True)
+            if tensorboard:
+                self._tb = _tensorboard_writer(os.path.join(run_dir, "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record (a JSON-safe dict) as one line; scalars of step records go to
+        TensorBoard at ``global_step=record["step"]``."""
+        if not self.path:
+            return
+        line = (json.dumps(record) + "\n").encode()
+        with self._lock:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)              # one write(): a kill never splits a line
+            finally:
+                os.close(fd)
+            if self._tb is not None and "event" not in record and "step" in record:
+                for name in TB_SCALARS:
+                    if isinstance(record.get(name), (int, float)):
+                        self._tb.add_scalar(f"train/{name}", record[name], record["step"])
+            elif self._tb is not None and "event" in record:
+                self._tb.add_text("events", json.dumps(record), record.get("step", 0))
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer (the JSONL file is never held open)."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _tensorboard_writer(log_dir: str) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:                  # optional: `pip install tensorboard`
+        return None
+    return SummaryWriter(log_dir=log_dir)
+
+
+def iter_json_lines(path: str) -> Iterator[dict[str, Any]]:
+    """Records of a metrics.jsonl file, in order.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a line is not JSON (names the file and line number).
+    """
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{number}: not a JSON record ({exc})") from None
+
+
+# ---- the loss-curve plot ---------------------------------------------------------------
+
+
+def loss_segments(records: list[dict[str, Any]]) -> list[list[tuple[int, float]]]:
+    """The loss curve split where the run went back in steps (a restart or rollback
+    re-runs steps): each segment is ``[(step, loss), ...]`` with increasing steps.
+    Skipped steps (non-finite loss) are left out."""
+    segments: list[list[tuple[int, float]]] = []
+    last = None
+    for r in records:
+        if "event" in r or "loss" not in r:
+            continue
+        if r.get("skipped") or not isinstance(r["loss"], (int, float)) or r["loss"] != r["loss"]:
+            continue
+        if last is None or r["step"] <= last:
+            segments.append([])
+        segments[-1].append((int(r["step"]), float(r["loss"])))
+        last = r["step"]
+    return segments
+
+
+def run_markers(records: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """Steps to mark on the plot: ``restarts`` (a process group resumed from a checkpoint:
+    elastic restart or relaunch), ``reshards`` (that resume changed the layout) and
+    ``rollbacks`` (bad steps rolled back to a checkpoint), each at the step resumed from."""
+    out: dict[str, list[int]] = {"restarts": [], "reshards": [], "rollbacks": []}
+    for r in records:
+        kind = r.get("event")
+        if kind == "resume" and r.get("reason", "resume") != "rollback":
+            out["restarts"].append(int(r["step"]))
+            if r.get("resharded"):
+                out["reshards"].append(int(r["step"]))
+        elif kind == "rollback":
+            out["rollbacks"].append(int(r["to_step"]))
+    return out
+
+
+def plot_run(run_dir: str, out_path: str = "") -> str:
+    """Draw ``<run_dir>/metrics.jsonl``'s loss curve as a PNG, restarts, reshards and
+    rollbacks marked by vertical lines.
+
+    Args:
+        run_dir: a run directory holding ``metrics.jsonl``.
+        out_path: where to write (default ``<run_dir>/loss.png``).
+
+    Returns:
+        The path written.
+
+    Raises:
+        FileNotFoundError: no metrics.jsonl in ``run_dir``.
+        ValueError: it holds no step with a finite loss.
+        ImportError: matplotlib is missing (``pip install 'shardsmith[plot]'``).
+    """
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist; pass the --run-dir (or local --ckpt) of a "
+                                "training run")
+    records = list(iter_json_lines(path))
+    segments = loss_segments(records)
+    if not segments:
+        raise ValueError(f"{path} has no step with a finite loss to plot")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("shardsmith plot needs matplotlib: pip install 'shardsmith[plot]'") from exc
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, seg in enumerate(segments):
+        ax.plot([s for s, _ in seg], [v for _, v in seg], color="C0", lw=1.2,
+                alpha=1.0 if i == len(segments) - 1 else 0.55, label="loss" if i == 0 else None)
+    styles = {"restarts": ("C1", "--", "restart"), "reshards": ("C2", ":", "reshard"),
+              "rollbacks": ("C3", "-.", "rollback")}
+    for kind, steps in run_markers(records).items():
+        color, ls, label = styles[kind]
+        for j, step in enumerate(steps):
+            ax.axvline(step, color=color, ls=ls, lw=1.2, label=label if j == 0 else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(os.path.basename(os.path.abspath(run_dir)))
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    out_path = out_path or os.path.join(run_dir, "loss.png")
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return out_path

@@ -1,0 +1,94 @@
+"""Random number generator state per rank role: seeded, saved, restored or re-derived.
+
+A rank's *role* is its ``(pp, tp)`` coordinates. As in Megatron-LM (``_set_random_seed``:
+the seed is offset by the pipeline rank; the tensor-parallel RNG tracker by the TP rank;
+data-parallel ranks share a seed), ranks that differ only in their data-parallel
+coordinates run the same generator, so one state per role is saved in the manifest
+(``state["rng"]``, JSON lists of bytes). A rank whose state differs from its role's is
+saved under its own rank number too, so nothing is dropped.
+
+On load in the same layout every rank gets back exactly its state. In a layout with the
+same pp, tp and stage split (only DP changed) each rank gets its role's state. Otherwise
+(new roles, or per-rank states that no longer map onto ranks) every rank's generator is
+re-derived from ``(seed, global step, role)``, deterministically, and the resume event
+says ``"rng": "rederived"``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from shardsmith.reshard.layout import ParallelDims
+
+
+def rng_role(coords: dict[str, int]) -> str:
+    """The role key of mesh coordinates, e.g. ``"pp1.tp0"``."""
+    return f"pp{coords['pp']}.tp{coords['tp']}"
+
+
+def role_seed(seed: int, step: int, coords: dict[str, int]) -> int:
+    """A seed in ``[0, 2**63)`` from (run seed, global step, role): SHA-256, so it is the
+    same on every machine and Python version."""
+    digest = hashlib.sha256(f"shardsmith-rng/{seed}/{step}/{rng_role(coords)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def seed_rng(seed: int, step: int, coords: dict[str, int]) -> None:
+    """Seed this process's CPU and CUDA generators for its role at ``step``."""
+    torch.manual_seed(role_seed(seed, step, coords))
+
+
+def capture_rng() -> dict[str, list[int]]:
+    """This process's generator states as JSON-safe byte lists (``cpu``; ``cuda`` for the
+    current device when CUDA is available)."""
+    state = {"cpu": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
+    return state
+
+
+def restore_rng(state: dict[str, list[int]]) -> None:
+    """Inverse of :func:`capture_rng` (a ``cuda`` entry is ignored on CPU-only hosts).
+
+    Raises:
+        ValueError: ``state`` has no ``cpu`` entry.
+    """
+    if "cpu" not in state:
+        raise ValueError(f"rng state has keys {sorted(state)}; expected 'cpu' (and 'cuda')")
+    torch.set_rng_state(torch.tensor(state["cpu"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+def pack_rng_states(gathered: list[dict[str, Any]], dims: ParallelDims) -> dict[str, Any]:
+    """The manifest's ``rng`` entry from every rank's ``{"rank", "role", "state"}``
+    (all-gathered, in rank order): one state per role, plus ranks that differ from it."""
+    roles: dict[str, Any] = {}
+    ranks: dict[str, Any] = {}
+    for g in gathered:
+        if g["role"] not in roles:
+            roles[g["role"]] = g["state"]
+        elif g["state"] != roles[g["role"]]:
+            ranks[str(g["rank"])] = g["state"]
+    return {"layout": dims.to_json(), "roles": roles, "ranks": ranks}
+
+
+def select_rng_state(saved: dict[str, Any] | None, dims: ParallelDims, rank: int,
+                     coords: dict[str, int]) -> dict[str, list[int]] | None:
+    """This rank's saved state in layout ``dims``, or None when it must be re-derived
+    (see the module docstring). The decision is the same on every rank."""
+    if not saved or "roles" not in saved:
+        return None
+    layout = saved.get("layout", {})
+    current = dims.to_json()
+    same_roles = all(layout.get(k) == current[k] for k in ("pp", "tp", "pipeline_split"))
+    if not same_roles:
+        return None
+    if layout == current:
+        return saved.get("ranks", {}).get(str(rank)) or saved["roles"].get(rng_role(coords))
+    if saved.get("ranks"):
+        return None                       # per-rank states have no rank to go to
+    return saved["roles"].get(rng_role(coords))
