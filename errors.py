@@ -40,5 +40,13 @@ class StorageError(ShardsmithError, OSError):
     """A storage operation failed after retries, or failed permanently (names the URL)."""
 
 
+class StorageNotFound(StorageError, FileNotFoundError):
+    """An object, prefix or bucket does not exist (names the URL and the server's reason)."""
+
+
+class StorageAccessDenied(StorageError, PermissionError):
+    """The storage refused the credentials or the operation (names the URL; check credentials)."""
+
+
 class SaveError(CheckpointError, RuntimeError):
     """A checkpoint save failed; the step was not committed."""

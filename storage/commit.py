@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from shardsmith.errors import CheckpointNotFound
+from shardsmith.errors import CheckpointNotFound, ManifestError, SaveError
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, parse_manifest
 
@@ -89,7 +90,8 @@ def read_manifest(step_store: Store) -> Manifest:
 
     Raises:
         CheckpointNotFound: no manifest (the step is not committed).
-        ManifestError: the manifest is invalid.
+        ManifestError: the manifest is invalid, or its ``step`` is not the one its
+            directory name says.
     """
     try:
         raw = step_store.read(MANIFEST_NAME)
@@ -97,16 +99,67 @@ def read_manifest(step_store: Store) -> Manifest:
         raise CheckpointNotFound(
             f"{step_store.url} is not a committed checkpoint (no {MANIFEST_NAME}); "
             "`shardsmith ls` on its parent lists committed steps") from exc
-    return parse_manifest(raw, step_store.url_of(MANIFEST_NAME))
+    url = step_store.url_of(MANIFEST_NAME)
+    manifest = parse_manifest(raw, url)
+    name = step_store.url.rstrip("/").rsplit("/", 1)[-1]
+    dir_step = parse_step_dir(name)
+    if dir_step is not None and dir_step != manifest.step:
+        raise ManifestError(f"{url}: step: the manifest says step {manifest.step} but its directory is "
+                            f"{name}; the checkpoint was tampered with or copied wrongly — do not load it")
+    return manifest
 
 
-def commit(root: Store, manifest: Manifest) -> None:
-    """Write the manifest (the commit point) and then the ``latest`` hint.
+def check_files_written(step_store: Store, manifest: Manifest, max_workers: int = 16) -> None:
+    """Check that every data file the manifest lists exists with its recorded size.
+
+    The coordinator calls it just before the commit, so a step is never committed
+    before every byte of it is on storage (one size query per file, in parallel).
+
+    Raises:
+        SaveError: naming each missing or wrongly sized file; nothing was committed.
+    """
+    def problem(item: tuple[str, int]) -> str:
+        name, nbytes = item
+        try:
+            size = step_store.size(name)
+        except FileNotFoundError:
+            return f"{step_store.url_of(name)} is missing"
+        return "" if size == nbytes else f"{step_store.url_of(name)} has {size} bytes, expected {nbytes}"
+
+    items = [(name, f.nbytes) for name, f in sorted(manifest.files.items())]
+    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(items)))) as pool:
+        problems = [p for p in pool.map(problem, items) if p]
+    if problems:
+        raise SaveError(f"step {manifest.step} not committed: " + "; ".join(problems[:20])
+                        + "; the data files were not fully written — the previous committed step "
+                        "is untouched")
+
+
+def commit(root: Store, manifest: Manifest, *, check_files: bool = True) -> None:
+    """Validate, then write the manifest (the commit point) and then the ``latest`` hint.
 
     Called by the coordinator only, after every rank's data is written (barrier).
+    The manifest is re-parsed first (schema, coverage, byte ranges) and, with
+    ``check_files``, every listed file's size is checked, so nothing inconsistent or
+    incomplete is ever committed. ``latest`` is not moved back when it already names a
+    newer committed step (e.g. resharding an old step into a live root).
+
+    Raises:
+        ManifestError: the manifest does not validate; nothing was committed.
+        SaveError: a data file is missing or has the wrong size; nothing was committed.
     """
     name = step_dir(manifest.step)
-    root.write(f"{name}/{MANIFEST_NAME}", manifest.dumps())
+    step_store = root.child(name)
+    raw = manifest.dumps()
+    parse_manifest(raw, step_store.url_of(MANIFEST_NAME))
+    if check_files:
+        check_files_written(step_store, manifest)
+    root.write(f"{name}/{MANIFEST_NAME}", raw)
+    hint = read_latest_hint(root)
+    hinted = parse_step_dir(hint) if hint else None
+    if hinted is not None and hinted > manifest.step and root.exists(f"{hint}/{MANIFEST_NAME}"):
+        log.info("committed %s; %s/latest stays at the newer %s", name, root.url, hint)
+        return
     root.write(LATEST_NAME, (name + "\n").encode())
 
 

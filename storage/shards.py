@@ -3,16 +3,22 @@
 Writing: :func:`encode_shard_file` turns ``{key: tensor}`` into the file's bytes plus
 the per-key byte ranges and chunked CRC-32C checksums that go into the manifest.
 
-Reading: :func:`read_box` fills a target box of a logical tensor from the saved
-shards it intersects, reading for each only the contiguous byte span covering the
-intersection (widened to checksum-chunk boundaries so every byte read is verified).
+Reading: :func:`read_boxes` (and :func:`read_box` for one) fills target boxes of logical
+tensors from the saved shards they intersect, reading only the checksum chunks that hold
+needed bytes (so every byte read is verified), coalesced per file, concurrently, and
+straight into the destination where the piece is contiguous.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from math import prod
+from typing import Sequence
 
 import torch
 from safetensors.torch import save as safetensors_save
@@ -22,6 +28,7 @@ from shardsmith.storage.boxes import Box, row_major_span
 from shardsmith.storage.checksum import chunk_crc32c, crc32c
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import DTYPE_NBYTES, FileRecord, Manifest, ShardRecord
+from shardsmith.storage.verify import check_file_once
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -85,25 +92,18 @@ def encode_shard_file(tensors: dict[str, torch.Tensor], chunk_nbytes: int,
     return EncodedFile(data=data, record=FileRecord(nbytes=len(data), crc32c=crc32c(data)), spans=spans)
 
 
-def _read_verified(store: Store, shard: ShardRecord, first: int, last: int, chunk_nbytes: int,
-                   source: str) -> tuple[bytes, int]:
-    """Read shard data bytes covering ``[first, last)`` (relative to the shard), widened to
-    checksum chunks and verified. Returns (bytes, relative offset of the bytes)."""
-    c0, c1 = first // chunk_nbytes, -(-last // chunk_nbytes)
-    rel_start, rel_end = c0 * chunk_nbytes, min(c1 * chunk_nbytes, shard.nbytes)
-    data = store.read_range(shard.file, shard.byte_offset + rel_start, shard.byte_offset + rel_end)
-    if len(data) != rel_end - rel_start:
-        raise IntegrityError(f"{source}/{shard.file}: truncated — expected {rel_end - rel_start} bytes "
-                             f"at offset {shard.byte_offset + rel_start}, got {len(data)}; "
-                             "the file is damaged, resume from another step")
-    view = memoryview(data)
-    for i, c in enumerate(range(c0, c1)):
-        piece = view[i * chunk_nbytes:(i + 1) * chunk_nbytes]
-        if crc32c(piece) != shard.crc32c[c]:
-            raise IntegrityError(f"{source}/{shard.file}: checksum mismatch in {shard.key!r} bytes "
-                                 f"[{c * chunk_nbytes}, {c * chunk_nbytes + len(piece)}) — the file is "
-                                 "corrupt; resume from another step or restore the file")
-    return data, rel_start
+# ---- reading: ranged, coalesced, concurrent; every byte read is verified --------------------
+
+#: Ranged reads in flight at once in one :func:`read_boxes` call (threads: local
+#: ``preadv`` and object-store GETs both release the GIL).
+READ_WORKERS = 8
+#: Ranges of one file that touch are merged into one request up to this many bytes.
+MAX_MERGED_READ_NBYTES = 32 * 2**20
+#: Scratch bytes (for pieces that cannot be read straight into their destination) one
+#: :func:`read_boxes` call holds at once; beyond it the reads planned so far are run first.
+MAX_SCRATCH_NBYTES = 256 * 2**20
+#: An intersection split into more row runs than this is read as one span (bounds planning).
+_MAX_RUNS = 2**16
 
 
 @dataclass
@@ -114,9 +114,290 @@ class ReadStats:
     nbytes_needed: int = 0
 
 
+@dataclass
+class _Part:
+    """Checksum chunks ``[c0, c1)`` of one shard, read into ``dests`` (in order, no gaps).
+
+    ``start``/``end`` are absolute byte offsets in the shard's file."""
+
+    shard: ShardRecord
+    c0: int
+    c1: int
+    start: int
+    end: int
+    dests: list[memoryview]
+
+
+@dataclass
+class _Piece:
+    """Where one saved shard's part of a requested box goes, when it is read via scratch:
+    ``scratch[first:last]`` holds the saved shard's row-major elements covering ``common``."""
+
+    out: torch.Tensor
+    box: Box
+    saved: Box
+    common: Box
+    scratch: torch.Tensor
+    first: int
+    last: int
+
+
+def _strides(lengths: tuple[int, ...]) -> list[int]:
+    """Row-major element strides of a contiguous tensor of shape ``lengths``."""
+    strides = [1] * len(lengths)
+    for d in range(len(lengths) - 2, -1, -1):
+        strides[d] = strides[d + 1] * lengths[d + 1]
+    return strides
+
+
+def _chunk_groups(saved: Box, common: Box, itemsize: int, chunk: int, a: int, b: int) -> list[tuple[int, int]]:
+    """Runs ``[c0, c1)`` of consecutive checksum chunks of ``saved`` holding bytes of ``common``.
+
+    ``[a, b)`` is the byte span of ``common`` in the saved shard. When the gaps between the
+    intersection's rows are at least a chunk long, the chunks that hold only gap bytes are
+    left out (e.g. a TP column slice of a saved row slice with long rows); otherwise one group.
+    """
+    whole = [(a // chunk, -(-b // chunk))]
+    strides = _strides(saved.lengths)
+    j = len(saved.lengths) - 1
+    while j > 0 and common.lengths[j] == saved.lengths[j]:
+        j -= 1
+    if j == 0:
+        return whole                                          # contiguous in the shard
+    run = common.lengths[j] * strides[j] * itemsize           # bytes of one row segment
+    if strides[j - 1] * itemsize - run < chunk or prod(common.lengths[:j]) > _MAX_RUNS:
+        return whole                                          # every chunk of the span is touched
+    rel = [c - s for c, s in zip(common.offsets, saved.offsets)]
+    groups: list[tuple[int, int]] = []
+    for index in itertools.product(*(range(n) for n in common.lengths[:j])):
+        begin = (sum((r + i) * s for r, i, s in zip(rel, index, strides)) + rel[j] * strides[j]) * itemsize
+        c0, c1 = begin // chunk, -(-(begin + run) // chunk)
+        if groups and c0 <= groups[-1][1]:
+            groups[-1] = (groups[-1][0], max(groups[-1][1], c1))
+        else:
+            groups.append((c0, c1))
+    return groups
+
+
+def _plan_piece(shard: ShardRecord, saved: Box, common: Box, box: Box, out: torch.Tensor, itemsize: int,
+                chunk: int) -> tuple[_Piece | None, list[_Part]]:
+    """Plan the reads of ``common`` (the part of ``box`` in ``saved``), widened to whole
+    checksum chunks. When ``common`` is contiguous both in the shard and in ``out`` its bytes
+    are read straight into ``out`` (only the chunk-widening margins go to small buffers);
+    otherwise into a scratch buffer, copied into ``out`` after verification (the ``_Piece``)."""
+    first, last = row_major_span((), saved, common)
+    a, b = first * itemsize, last * itemsize
+    o_first, o_last = row_major_span((), box, common)
+    if last - first == common.numel and o_last - o_first == common.numel and out.is_contiguous():
+        c0, c1 = a // chunk, -(-b // chunk)
+        lo, hi = c0 * chunk, min(c1 * chunk, shard.nbytes)
+        dests = [memoryview(bytearray(a - lo))] if a > lo else []
+        dests.append(_byte_view(out)[o_first * itemsize:o_last * itemsize])
+        if hi > b:
+            dests.append(memoryview(bytearray(hi - b)))
+        return None, [_Part(shard, c0, c1, shard.byte_offset + lo, shard.byte_offset + hi, dests)]
+    groups = _chunk_groups(saved, common, itemsize, chunk, a, b)
+    base, top = groups[0][0] * chunk, min(groups[-1][1] * chunk, shard.nbytes)
+    scratch = torch.empty(top - base, dtype=torch.uint8)
+    view = memoryview(scratch.numpy())
+    parts = []
+    for c0, c1 in groups:
+        lo, hi = c0 * chunk, min(c1 * chunk, shard.nbytes)
+        parts.append(_Part(shard, c0, c1, shard.byte_offset + lo, shard.byte_offset + hi, [view[lo - base:hi - base]]))
+    return _Piece(out, box, saved, common, scratch, a - base, b - base), parts
+
+
+def _fill_from_scratch(piece: _Piece) -> None:
+    """Copy a verified scratch piece into its place in ``out``."""
+    dtype = piece.out.dtype
+    raw = piece.scratch[piece.first:piece.last]
+    if piece.first % torch.empty((), dtype=dtype).element_size():
+        raw = raw.clone()                                     # realign (odd chunk sizes only)
+    elems = raw.view(dtype)
+    # elems covers the saved box's row-major storage from the intersection's first element:
+    # view it through the saved box's strides.
+    src = elems.as_strided(piece.common.lengths, _strides(piece.saved.lengths)) if piece.common.lengths \
+        else elems.view(())
+    piece.out[piece.common.relative_to(piece.box)] = src
+
+
+def _preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
+    """Fill ``views`` in order from ``offset`` of ``fd``; returns bytes read (short at EOF)."""
+    total, pending = 0, [v for v in views if len(v)]
+    while pending:
+        n = os.preadv(fd, pending[:1024], offset + total)      # IOV_MAX is 1024 on Linux
+        if n == 0:
+            break
+        total += n
+        while pending and n >= len(pending[0]):
+            n -= len(pending[0])
+            pending.pop(0)
+        if n:
+            pending[0] = pending[0][n:]
+    return total
+
+
+def _read_into(store: Store, key: str, start: int, end: int, dests: list[memoryview]) -> int:
+    """Read bytes ``[start, end)`` of ``key`` into ``dests`` (scatter); returns bytes read.
+
+    Local files: one ``preadv`` straight into the destinations. Object stores: one ranged GET."""
+    if store.is_local:
+        path = store._path(key)
+
+        def pread() -> int:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                return _preadv_all(fd, dests, start)
+            finally:
+                os.close(fd)
+
+        return store._call("read", key, pread)
+    data = memoryview(store.read_range(key, start, end))
+    pos = 0
+    for d in dests:
+        take = min(len(d), len(data) - pos)
+        d[:take] = data[pos:pos + take]
+        pos += take
+    return pos
+
+
+def _verify(part: _Part, chunk: int, source: str) -> None:
+    """Check every chunk of a part against the manifest's CRC-32C (over its scattered bytes)."""
+    shard = part.shard
+    views = iter(part.dests)
+    view = memoryview(b"")
+    for c in range(part.c0, part.c1):
+        need = min(chunk, shard.nbytes - c * chunk)
+        value = 0
+        while need:
+            if not len(view):
+                view = next(views)
+            take = view[:need]
+            value = _crc32c_update(take, value)
+            need -= len(take)
+            view = view[len(take):]
+        if c >= len(shard.crc32c) or value != shard.crc32c[c]:
+            raise IntegrityError(f"{source}/{shard.file}: checksum mismatch in {shard.key!r} bytes "
+                                 f"[{c * chunk}, {c * chunk + min(chunk, shard.nbytes - c * chunk)}) — the "
+                                 "file is corrupt; resume from another step or restore the file")
+
+
+def _merge(parts: list[_Part]) -> list[list[_Part]]:
+    """Group parts into requests: per file, by offset, touching ranges merged up to
+    :data:`MAX_MERGED_READ_NBYTES`."""
+    reads: list[list[_Part]] = []
+    for p in sorted(parts, key=lambda p: (p.shard.file, p.start)):
+        last = reads[-1] if reads else None
+        if (last and last[-1].shard.file == p.shard.file and last[-1].end == p.start
+                and p.end - last[0].start <= MAX_MERGED_READ_NBYTES):
+            last.append(p)
+        else:
+            reads.append([p])
+    return reads
+
+
+def _run_reads(store: Store, parts: list[_Part], chunk: int, source: str) -> int:
+    """Read and verify all parts, concurrently; returns bytes read."""
+    def one(read: list[_Part]) -> int:
+        start, end = read[0].start, read[-1].end
+        got = _read_into(store, read[0].shard.file, start, end, [d for p in read for d in p.dests])
+        if got != end - start:
+            raise IntegrityError(f"{source}/{read[0].shard.file}: truncated — expected {end - start} bytes "
+                                 f"at offset {start}, got {got}; the file is damaged, resume from "
+                                 "another step")
+        for p in read:
+            _verify(p, chunk, source)
+        return got
+
+    reads = _merge(parts)
+    if len(reads) <= 1:
+        return sum(one(r) for r in reads)
+    with ThreadPoolExecutor(min(READ_WORKERS, len(reads))) as pool:
+        return sum(pool.map(one, reads))
+
+
+def read_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, Box, torch.Tensor | None]],
+               stats: ReadStats | None = None, source: str = "") -> list[torch.Tensor]:
+    """Assemble several boxes of logical tensors from a checkpoint's shards in one go.
+
+    For every (request, saved shard) intersection only the checksum chunks holding needed
+    bytes are read (row segments of strided intersections when the gaps are long), ranges
+    of a file that touch are coalesced, the reads run concurrently, and every byte read is
+    verified against the manifest's chunk checksums before it is used. Contiguous pieces
+    are read straight into their destination (no intermediate copy).
+
+    Args:
+        store: the step directory's store (shard file paths are relative to it).
+        manifest: the parsed manifest of that step.
+        requests: (fqn, global box in elements, destination or ``None``); a destination has
+            shape ``box.lengths`` and the tensor's dtype (it is overwritten).
+        stats: optional counters updated with bytes read and needed.
+        source: URL for messages (default: the store's).
+
+    Returns:
+        One tensor per request, of shape ``box.lengths`` (the destination when given).
+
+    Raises:
+        KeyError: an fqn is not in the checkpoint.
+        ValueError: a destination has the wrong shape or dtype.
+        IntegrityError: a read byte does not match its checksum, or a file it touches is
+            truncated, oversized or has a safetensors header that disagrees with the manifest,
+            or the saved shards do not cover a box.
+    """
+    source = source or store.url
+    chunk = manifest.chunk_nbytes
+    outs: list[torch.Tensor] = []
+    parts: list[_Part] = []
+    pieces: list[_Piece] = []
+    scratch_nbytes = 0
+
+    def flush() -> None:
+        nonlocal parts, pieces, scratch_nbytes
+        nbytes = _run_reads(store, parts, chunk, source)
+        for piece in pieces:
+            _fill_from_scratch(piece)
+        if stats is not None:
+            stats.nbytes_read += nbytes
+        parts, pieces, scratch_nbytes = [], [], 0
+
+    for fqn, box, out in requests:
+        rec = manifest.tensors[fqn]
+        dtype, itemsize = TORCH_DTYPES[rec.dtype], DTYPE_NBYTES[rec.dtype]
+        if out is None:
+            out = torch.empty(box.lengths, dtype=dtype)
+        elif tuple(out.shape) != box.lengths or out.dtype != dtype:
+            raise ValueError(f"read_box({fqn!r}): destination is {out.dtype} {tuple(out.shape)}, the box "
+                             f"needs {dtype} {box.lengths}")
+        outs.append(out)
+        out = out.detach()                                    # same memory; writable under autograd
+        filled = 0
+        for shard in rec.shards:
+            saved = Box(tuple(shard.offsets), tuple(shard.lengths))
+            common = saved.intersect(box) if box.lengths else saved
+            if common is None or common.numel == 0:
+                continue
+            check_file_once(store, manifest, shard.file, source)   # size + header, once per file
+            piece, new_parts = _plan_piece(shard, saved, common, box, out, itemsize, chunk)
+            parts += new_parts
+            if piece is not None:
+                pieces.append(piece)
+                scratch_nbytes += piece.scratch.numel()
+            filled += common.numel
+            if stats is not None:
+                stats.nbytes_needed += common.numel * itemsize
+            if scratch_nbytes > MAX_SCRATCH_NBYTES:
+                flush()
+        if filled != box.numel:
+            raise IntegrityError(f"{source}: saved shards of {fqn!r} cover {filled} of the "
+                                 f"{box.numel} elements of box {box}")
+    flush()
+    return outs
+
+
 def read_box(store: Store, manifest: Manifest, fqn: str, box: Box, out: torch.Tensor | None = None,
              stats: ReadStats | None = None, source: str = "") -> torch.Tensor:
-    """Assemble ``box`` of logical tensor ``fqn`` from a checkpoint's shards.
+    """Assemble ``box`` of logical tensor ``fqn`` from a checkpoint's shards (see
+    :func:`read_boxes`, which batches many boxes into fewer, concurrent reads).
 
     Args:
         store: the step directory's store (shard file paths are relative to it).
@@ -131,39 +412,10 @@ def read_box(store: Store, manifest: Manifest, fqn: str, box: Box, out: torch.Te
 
     Raises:
         KeyError: ``fqn`` is not in the checkpoint.
-        IntegrityError: a read byte does not match its checksum or a file is truncated.
+        IntegrityError: a read byte does not match its checksum, or a file it touches is
+            truncated, oversized or has a safetensors header that disagrees with the manifest.
     """
-    rec = manifest.tensors[fqn]
-    dtype = TORCH_DTYPES[rec.dtype]
-    itemsize = DTYPE_NBYTES[rec.dtype]
-    if out is None:
-        out = torch.empty(box.lengths, dtype=dtype)
-    filled = 0
-    for shard in rec.shards:
-        saved = Box(tuple(shard.offsets), tuple(shard.lengths))
-        common = saved.intersect(box) if box.lengths else saved
-        if common is None or common.numel == 0:
-            continue
-        first, last = row_major_span(tuple(rec.shape), saved, common)
-        data, rel = _read_verified(store, shard, first * itemsize, last * itemsize,
-                                   manifest.chunk_nbytes, source or store.url)
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        elems = flat[first * itemsize - rel:last * itemsize - rel].view(dtype)
-        # elems covers saved's row-major storage from element `first`: view it through
-        # the saved box's strides, starting at the intersection's first element.
-        strides = [1] * len(saved.lengths)
-        for d in range(len(saved.lengths) - 2, -1, -1):
-            strides[d] = strides[d + 1] * saved.lengths[d + 1]
-        piece = elems.as_strided(common.lengths, strides) if common.lengths else elems.view(())
-        out[common.relative_to(box)] = piece
-        filled += common.numel
-        if stats is not None:
-            stats.nbytes_read += len(data)
-            stats.nbytes_needed += common.numel * itemsize
-    if filled != box.numel:
-        raise IntegrityError(f"{source or store.url}: saved shards of {fqn!r} cover {filled} of the "
-                             f"{box.numel} elements of box {box}")
-    return out
+    return read_boxes(store, manifest, [(fqn, box, out)], stats, source)[0]
 
 
 def safetensors_header(entries: list[tuple[str, torch.Tensor]],
@@ -222,12 +474,15 @@ def write_shard_file(store: Store, key: str, entries: list[tuple[str, torch.Tens
     file_crc = crc32c(prefix)
     records: dict[str, ShardRecord] = {}
     for (fqn, _), view in zip(entries, views):
-        file_crc = _crc32c_update(view, file_crc)
+        chunk_crcs = []
+        for i in range(0, len(view), chunk_nbytes):       # one pass: the chunk is in cache
+            piece = view[i:i + chunk_nbytes]               # for the whole-file CRC update
+            chunk_crcs.append(crc32c(piece))
+            file_crc = _crc32c_update(piece, file_crc)
         start, nbytes = spans[fqn]
         box = box_of[fqn]
         records[fqn] = ShardRecord(offsets=list(box.offsets), lengths=list(box.lengths), file=key,
-                                   key=fqn, byte_offset=start, nbytes=nbytes,
-                                   crc32c=chunk_crc32c(view, chunk_nbytes))
+                                   key=fqn, byte_offset=start, nbytes=nbytes, crc32c=chunk_crcs)
     store.write_parts(key, [memoryview(prefix), *views])
     total = len(prefix) + sum(len(v) for v in views)
     return FileRecord(nbytes=total, crc32c=file_crc), records

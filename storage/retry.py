@@ -1,0 +1,223 @@
+"""Which storage errors are worth retrying, and the bounded backoff that retries them.
+
+fsspec backends raise a mix of builtins and library exceptions: s3fs turns botocore
+``ClientError`` into ``OSError``/``PermissionError``/``FileNotFoundError`` (keeping the
+``ClientError`` as ``__cause__``, see ``s3fs.errors.translate_boto_error``), botocore raises
+its own connection errors, aiohttp its own. :func:`classify` maps all of them onto four
+verdicts; :func:`call_with_retries` retries only :attr:`Verdict.TRANSIENT` ones.
+
+Retryable S3 codes and HTTP statuses follow botocore's "standard" retry mode
+(``botocore/retries/standard.py``: throttling codes, transient codes, 500/502/503/504);
+backoff is capped exponential with jitter ("Exponential Backoff And Jitter", AWS
+Architecture Blog, 2015).
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Verdict(enum.Enum):
+    """What a storage error means for the caller."""
+
+    TRANSIENT = "transient"      # retry: 5xx, throttling, timeouts, dropped connections
+    NOT_FOUND = "not found"      # permanent: no such key / prefix / bucket
+    DENIED = "access denied"     # permanent: credentials or permissions
+    PERMANENT = "permanent"      # permanent: the request itself is wrong
+
+
+#: S3 error codes retried (botocore standard mode: throttled + transient codes).
+TRANSIENT_CODES = frozenset({
+    "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottledException",
+    "TooManyRequestsException", "ProvisionedThroughputExceededException",
+    "TransactionInProgressException", "RequestLimitExceeded", "BandwidthLimitExceeded",
+    "LimitExceededException", "RequestThrottled", "SlowDown", "PriorRequestNotComplete",
+    "EC2ThrottledException", "RequestTimeout", "RequestTimeoutException", "InternalError",
+    "InternalServerError", "ServiceUnavailable", "OperationAborted", "XAmzContentSHA256Mismatch",
+})
+#: HTTP statuses retried whatever the code says.
+TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
+NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "NotFound", "404"})
+DENIED_CODES = frozenset({
+    "AccessDenied", "403", "AccountProblem", "AllAccessDisabled", "InvalidAccessKeyId",
+    "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "InvalidSecurity", "NotSignedUp",
+    "RequestTimeTooSkewed", "InvalidObjectState", "InvalidPayer", "CrossLocationLoggingProhibited",
+})
+#: errno values of a dropped connection, a busy server or a timeout (s3fs maps SlowDown/503
+#: to EBUSY and InternalError/500 to EREMOTEIO).
+TRANSIENT_ERRNOS = frozenset(getattr(errno, name) for name in (
+    "EIO", "EBUSY", "EAGAIN", "EINTR", "ETIMEDOUT", "ECONNRESET", "ECONNREFUSED", "ECONNABORTED",
+    "EPIPE", "ENETDOWN", "ENETUNREACH", "ENETRESET", "EHOSTUNREACH", "EHOSTDOWN", "EREMOTEIO")
+    if hasattr(errno, name))
+
+
+def _library_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """(transient, denied) exception classes of the HTTP stacks fsspec backends use."""
+    transient: list[type[BaseException]] = []
+    denied: list[type[BaseException]] = []
+    try:
+        from botocore import exceptions as bc
+        from botocore.parsers import ResponseParserError    # throttling replies can be bad XML
+
+        transient += [getattr(bc, name) for name in (
+            "HTTPClientError", "ConnectionError", "IncompleteReadError", "ResponseStreamingError")
+            if hasattr(bc, name)] + [ResponseParserError]
+        denied += [bc.NoCredentialsError, bc.PartialCredentialsError]
+    except ImportError:  # s3fs not installed
+        pass
+    try:
+        import aiohttp
+        transient += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
+    except ImportError:
+        pass
+    return tuple(transient), tuple(denied)
+
+
+_LIBRARY_TRANSIENT, _LIBRARY_DENIED = _library_types()
+
+
+def client_error_info(exc: BaseException) -> tuple[str, int] | None:
+    """(error code, HTTP status) of the botocore ``ClientError`` in ``exc``'s cause chain."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict) and "Error" in response:
+            code = str(response["Error"].get("Code", ""))
+            status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            return code, status
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _classify_code(code: str, status: int) -> Verdict:
+    if code in TRANSIENT_CODES or status in TRANSIENT_STATUSES:
+        return Verdict.TRANSIENT
+    if code in NOT_FOUND_CODES or status == 404:
+        return Verdict.NOT_FOUND
+    if code in DENIED_CODES or status in (401, 403):
+        return Verdict.DENIED
+    return Verdict.PERMANENT
+
+
+def classify(exc: BaseException) -> Verdict:
+    """Decide whether a storage error is transient (retry) or permanent (and which kind).
+
+    A server's error code wins over the builtin type a backend translated it into, so
+    s3fs's ``OSError(EBUSY)`` for ``SlowDown`` is transient and ``FileNotFoundError`` for
+    ``NoSuchBucket`` is not-found. Unknown non-``OSError`` exceptions (programming errors,
+    parameter validation) are permanent; unknown ``OSError``\\ s are transient (bounded).
+    """
+    info = client_error_info(exc)
+    if info is not None:
+        return _classify_code(*info)
+    status = getattr(exc, "status", None)        # aiohttp.ClientResponseError (http, gcsfs)
+    if isinstance(status, int) and status >= 400:
+        return _classify_code("", status)
+    if isinstance(exc, FileNotFoundError):
+        return Verdict.NOT_FOUND
+    if isinstance(exc, (PermissionError,) + _LIBRARY_DENIED):
+        return Verdict.DENIED
+    if isinstance(exc, (TimeoutError, ConnectionError) + _LIBRARY_TRANSIENT):
+        return Verdict.TRANSIENT
+    if isinstance(exc, (FileExistsError, IsADirectoryError, NotADirectoryError)):
+        return Verdict.PERMANENT
+    if isinstance(exc, OSError):
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return Verdict.DENIED
+        if exc.errno is None or exc.errno in TRANSIENT_ERRNOS:
+            return Verdict.TRANSIENT
+    return Verdict.PERMANENT
+
+
+def _env_number(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a number") from None
+
+
+@dataclass(kw_only=True)
+class RetryPolicy:
+    """Bounded exponential backoff with jitter for transient storage errors.
+
+    Attempt ``n`` (1-based) that fails transiently sleeps
+    ``min(max_backoff_s, backoff_s * 2**(n-1)) * U(0.5, 1)`` seconds before the next one.
+
+    Attributes:
+        max_attempts: tries per operation, >= 1 (1 = no retry).
+        backoff_s: first delay in seconds, >= 0.
+        max_backoff_s: cap on one delay in seconds, >= backoff_s.
+    """
+
+    max_attempts: int = 5
+    backoff_s: float = 0.2
+    max_backoff_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if int(self.max_attempts) != self.max_attempts or self.max_attempts < 1:
+            raise ValueError(f"max_attempts={self.max_attempts!r}: must be an integer >= 1")
+        self.max_attempts = int(self.max_attempts)
+        if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
+            raise ValueError(f"backoff_s={self.backoff_s!r}, max_backoff_s={self.max_backoff_s!r}: "
+                             "need 0 <= backoff_s <= max_backoff_s")
+
+    @classmethod
+    def from_env(cls) -> "RetryPolicy":
+        """Defaults, overridden by ``SHARDSMITH_STORAGE_MAX_ATTEMPTS``,
+        ``SHARDSMITH_STORAGE_BACKOFF_S`` and ``SHARDSMITH_STORAGE_MAX_BACKOFF_S``
+        (inherited by torchrun workers)."""
+        d = cls()
+        return cls(max_attempts=int(_env_number("SHARDSMITH_STORAGE_MAX_ATTEMPTS", d.max_attempts)),
+                   backoff_s=_env_number("SHARDSMITH_STORAGE_BACKOFF_S", d.backoff_s),
+                   max_backoff_s=_env_number("SHARDSMITH_STORAGE_MAX_BACKOFF_S", d.max_backoff_s))
+
+    def delay_s(self, attempt: int, rng: random.Random) -> float:
+        """Seconds to sleep after failed attempt ``attempt`` (1-based)."""
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)) * rng.uniform(0.5, 1.0)
+
+
+_RNG = random.Random()
+
+
+def call_with_retries(fn: Callable[[], T], policy: RetryPolicy,
+                      on_fail: Callable[[BaseException, Verdict, int], BaseException],
+                      describe: str = "storage call") -> T:
+    """Run ``fn``, retrying transient failures under ``policy``.
+
+    Args:
+        fn: the operation (idempotent: it may run up to ``policy.max_attempts`` times).
+        policy: attempts and backoff.
+        on_fail: builds the exception to raise from (original error, verdict, attempts made);
+            it is raised ``from`` the original.
+        describe: what is being done, for the retry log line.
+
+    Raises:
+        whatever ``on_fail`` returns, on a permanent error or when attempts run out.
+    """
+    for attempt in range(1, policy.max_attempts + 1):
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - classified right here
+            verdict = classify(exc)
+            if verdict is not Verdict.TRANSIENT or attempt == policy.max_attempts:
+                raise on_fail(exc, verdict, attempt) from exc
+            delay = policy.delay_s(attempt, _RNG)
+            log.warning("%s failed (%s: %s); retry %d/%d in %.2fs", describe, type(exc).__name__,
+                        exc, attempt, policy.max_attempts - 1, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")

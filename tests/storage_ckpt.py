@@ -1,0 +1,84 @@
+"""A model-shaped checkpoint written without processes, for storage and reshard tests.
+
+:func:`save_offline` writes what a job in layout ``dims`` would save (same files, keys,
+boxes, writer assignment from the sharding plan) using the storage API only: each
+"rank"'s shard file via ``write_shard_file``, then ``commit``. The result loads with
+``read_box`` and reshards with ``shardsmith.reshard.engine.reshard``.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import torch
+
+from shardsmith.reshard.layout import ModelConfig, ParallelDims
+from shardsmith.reshard.plan import checkpoint_specs, shard_file_name, write_assignment
+from shardsmith.storage.boxes import Box
+from shardsmith.storage.commit import commit, read_manifest, step_dir
+from shardsmith.storage.fs import Store
+from shardsmith.storage.manifest import FileRecord, Manifest, TensorRecord
+from shardsmith.storage.shards import TORCH_DTYPES, read_box, write_shard_file
+
+#: Small, but every layout used in the tests shards something (4 heads, 2 kv heads).
+MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
+                    ffn_hidden_size=64, vocab_size=256, seq_length=16)
+#: Small checksum chunks so ranged reads hit several chunks per shard.
+CHUNK_NBYTES = 256
+
+
+def full_tensors(model: ModelConfig = MODEL, seed: int = 0, *,
+                 with_optimizer: bool = False) -> dict[str, torch.Tensor]:
+    """Random logical tensors of ``model`` by FQN: parameters, and with ``with_optimizer``
+    the AdamW state too (3x the tensors, hence 3x the requests on S3)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    specs = checkpoint_specs(model, ParallelDims(), with_optimizer=with_optimizer)
+    for fqn, spec in sorted(specs.items()):
+        t = torch.randn(spec.shape, generator=g) if spec.shape else torch.tensor(float(seed + 3))
+        out[fqn] = t.to(TORCH_DTYPES[spec.dtype])
+    return out
+
+
+def save_offline(root: Store, step: int, dims: ParallelDims, full: dict[str, torch.Tensor],
+                 model: ModelConfig = MODEL) -> Manifest:
+    """Write and commit ``full`` as step ``step`` under ``root`` in layout ``dims``.
+
+    Raises whatever the store raises; on failure nothing is committed.
+    """
+    specs = checkpoint_specs(model, dims, with_optimizer=any(k.startswith("optim.") for k in full))
+    step_store = root.child(step_dir(step))
+    tensors = {fqn: TensorRecord(shape=list(s.shape), dtype=s.dtype) for fqn, s in specs.items()}
+    files: dict[str, FileRecord] = {}
+    for rank, items in sorted(write_assignment(specs, dims).items()):
+        if not items:
+            continue
+        name = shard_file_name(rank)
+        entries = [(fqn, full[fqn][box.relative_to(Box((0,) * len(box.lengths), specs[fqn].shape))])
+                   for fqn, box in items]
+        file_rec, records = write_shard_file(step_store, name, entries, CHUNK_NBYTES, dict(items))
+        files[name] = file_rec
+        for fqn, rec in records.items():
+            tensors[fqn].shards.append(rec)
+    for t in tensors.values():
+        t.shards.sort(key=lambda s: s.offsets)
+    manifest = Manifest(step=step, layout={**dims.to_json(), "world_size": dims.world_size},
+                        model=model.to_json(), config={}, state={"step": step}, tensors=tensors,
+                        files=files, chunk_nbytes=CHUNK_NBYTES,
+                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    commit(root, manifest)
+    return manifest
+
+
+def load_full(step_store: Store) -> dict[str, torch.Tensor]:
+    """Every logical tensor of a committed step, read whole (checksum-verified ranged reads)."""
+    manifest = read_manifest(step_store)
+    return {fqn: read_box(step_store, manifest, fqn, Box((0,) * len(rec.shape), tuple(rec.shape)))
+            for fqn, rec in manifest.tensors.items()}
+
+
+def assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], where: str) -> None:
+    """Same FQNs, dtypes, shapes and bits."""
+    assert sorted(got) == sorted(want), f"{where}: FQNs differ: {sorted(set(got) ^ set(want))[:8]}"
+    bad = [f for f in want if got[f].dtype != want[f].dtype or not torch.equal(got[f], want[f])]
+    assert not bad, f"{where}: {len(bad)} tensors differ, e.g. {bad[:5]}"
