@@ -104,6 +104,22 @@ def make_dims(tp: int, pp: int, dp_shard: int, dp_replicate: int, pipeline_split
               help="auto: newest committed step under --ckpt; none; or a root/step URL (Megatron: --load).")
 @click.option("--max-restarts", type=int, default=0, show_default=True,
               help="Restart the worker group this many times after a failure (torchrun elastic).")
+@click.option("--preempt-deadline", type=float, default=300.0, show_default=True,
+              help="Seconds from SIGTERM/SIGUSR1 to a committed checkpoint and exit 0.")
+@click.option("--collective-timeout", type=float, default=600.0, show_default=True,
+              help="Seconds a collective waits for its peers before the job fails (from the first step on).")
+@click.option("--init-timeout", type=float, default=600.0, show_default=True,
+              help="Collective timeout during start-up, resume and the first step.")
+@click.option("--hang-factor", type=float, default=10.0, show_default=True,
+              help="Dump every rank's stacks when a step runs this many times the median step.")
+@click.option("--hang-min-seconds", type=float, default=60.0, show_default=True,
+              help="...but never before a step has run this long.")
+@click.option("--max-bad-steps", type=int, default=3, show_default=True,
+              help="Non-finite steps in a row (each skipped) before rolling back to the last checkpoint.")
+@click.option("--max-rollbacks", type=int, default=3, show_default=True,
+              help="Fail the run after this many rollbacks.")
+@click.option("--peak-flops", type=float, default=0.0, show_default=True,
+              help="Peak FLOP/s of one device, for MFU (e.g. 989e12: H100 SXM bf16); 0 = no MFU.")
 @click.option("--log-interval", type=int, default=1, show_default=True, help="Print every N steps.")
 @click.option("--run-dir", default="", help="Where metrics.jsonl goes (default: --ckpt when local).")
 @storage_option
@@ -111,12 +127,14 @@ def train(tp, pp, dp_shard, dp_replicate, pipeline_split, num_layers, hidden_siz
           num_kv_heads, ffn_hidden_size, vocab_size, seq_length, tie_embeddings, nproc_per_node, steps,
           global_batch_size, micro_batch_size, lr, decay_steps, min_lr_ratio, warmup_steps, weight_decay, grad_clip,
           seed, data, token_dtype, mixed_precision, bf16, activation_checkpointing, ckpt, save_interval,
-          async_save, resume, max_restarts, log_interval, run_dir, storage_options) -> None:
+          async_save, resume, max_restarts, preempt_deadline, collective_timeout, init_timeout, hang_factor,
+          hang_min_seconds, max_bad_steps, max_rollbacks, peak_flops, log_interval, run_dir,
+          storage_options) -> None:
     """Train a Llama-style model with TP x PP x DP and periodic checkpoints."""
     from shardsmith.reshard.layout import validate_layout
     from shardsmith.trainer import launch as launcher
-    from shardsmith.trainer.config import (CheckpointConfig, DataConfig, ModelConfig, OptimConfig,
-                                           TrainConfig)
+    from shardsmith.trainer.config import (CheckpointConfig, DataConfig, FaultConfig, ModelConfig,
+                                           OptimConfig, TrainConfig)
 
     external = launcher.under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if external else nproc_per_node
@@ -134,7 +152,11 @@ def train(tp, pp, dp_shard, dp_replicate, pipeline_split, num_layers, hidden_siz
                                     storage_options=parse_storage_options(storage_options)),
         steps=steps, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, seed=seed,
         mixed_precision="bf16" if bf16 else mixed_precision,
-        activation_checkpointing=activation_checkpointing, log_interval=log_interval, run_dir=run_dir)
+        activation_checkpointing=activation_checkpointing, log_interval=log_interval, run_dir=run_dir,
+        fault=FaultConfig(preempt_deadline=preempt_deadline, collective_timeout=collective_timeout,
+                          init_timeout=init_timeout,
+                          hang_factor=hang_factor, hang_min_seconds=hang_min_seconds, max_bad_steps=max_bad_steps,
+                          max_rollbacks=max_rollbacks, peak_flops=peak_flops, derive_dp_shard=dp_shard == -1))
     validate_layout(model, dims)          # refuse before any process starts
     cfg.num_microbatches()
     if external:
@@ -144,37 +166,6 @@ def train(tp, pp, dp_shard, dp_replicate, pipeline_split, num_layers, hidden_siz
         return
     click.echo(f"training {dims.describe()} on {dims.world_size} processes to step {steps}", err=True)
     launcher.launch(cfg, dims.world_size, max_restarts=max_restarts)
-
-
-@cli.command()
-@click.argument("src")
-@click.argument("dst")
-@layout_options
-@click.option("--dry-run", is_flag=True, help="Validate the target layout and print the plan only.")
-@storage_option
-def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, dry_run, storage_options) -> None:
-    """Convert checkpoint SRC (a step directory, or a root: its newest step) to a new layout at DST.
-
-    DST is a step directory or a root; the result is committed there (manifest last)
-    and the root's `latest` updated, so `train --resume auto` finds it.
-    """
-    from shardsmith.reshard.engine import reshard as do_reshard
-    from shardsmith.reshard.layout import ModelConfig, validate_layout
-    from shardsmith.storage.commit import read_manifest, resolve_checkpoint
-
-    options = parse_storage_options(storage_options)
-    _, src_store, step = resolve_checkpoint(src, options)
-    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None)
-    if dry_run:
-        manifest = read_manifest(src_store)
-        validate_layout(ModelConfig.from_json(manifest.model), dims)
-        click.echo(f"step {step}: {manifest.layout} -> {dims.describe()} ({dims.world_size} files max), "
-                   f"{manifest.nbytes:,} bytes in {len(manifest.files)} source files")
-        return
-    report = do_reshard(src_store, dst, dims, storage_options=options)
-    click.echo(f"resharded step {report.step} to {dims.describe()}: {report.num_files} files, "
-               f"{report.nbytes_written:,} bytes written, {report.stats.nbytes_read:,} read, "
-               f"{report.seconds:.2f}s -> {report.target}")
 
 
 @cli.command()
@@ -217,6 +208,21 @@ def demo(workdir, steps, more_steps) -> None:
     from shardsmith.trainer.demo import run_demo
 
     run_demo(workdir, steps, more_steps)
+
+
+from shardsmith.cli.hf_commands import register as _register_hf  # noqa: E402
+
+_register_hf(cli)
+from shardsmith.cli.ckpt_commands import register as _register_ckpt  # noqa: E402
+
+_register_ckpt(cli)
+from shardsmith.cli.reshard_commands import register as _register_reshard  # noqa: E402
+
+_register_reshard(cli)
+
+from shardsmith.cli.run_commands import register as _register_run  # noqa: E402
+
+_register_run(cli)
 
 
 def main() -> None:

@@ -236,9 +236,9 @@ def _overlapping_pairs(boxes: list[tuple[list[int], list[int], int]]) -> list[tu
     return sorted(pairs)
 
 
-def _check_coverage(fqn: str, rec: TensorRecord, problems: _Problems) -> None:
-    """Boxes of the tensor's rank, inside its shape, byte counts matching, disjoint,
-    covering it exactly once."""
+def _check_coverage(fqn: str, rec: TensorRecord, problems: _Problems, raw_nbytes: bool = True) -> None:
+    """Boxes of the tensor's rank, inside its shape, byte counts matching (``raw_nbytes``:
+    safetensors; zarr records the bytes as stored, encoded), disjoint, covering it exactly once."""
     ndim = len(rec.shape)
     total = 0
     boxes = []
@@ -252,7 +252,7 @@ def _check_coverage(fqn: str, rec: TensorRecord, problems: _Problems) -> None:
             problems.add(where, f"box offsets={s.offsets} lengths={s.lengths} outside shape {rec.shape}")
             return
         numel = prod(s.lengths)
-        if s.nbytes != numel * DTYPE_NBYTES[rec.dtype]:
+        if raw_nbytes and s.nbytes != numel * DTYPE_NBYTES[rec.dtype]:
             problems.add(where + ".nbytes", f"{s.nbytes} but the box holds {numel} {rec.dtype} "
                          f"elements ({numel * DTYPE_NBYTES[rec.dtype]} bytes)")
         total += numel
@@ -406,7 +406,7 @@ def parse_manifest(raw: bytes, source: str = "manifest.json") -> Manifest:
     tensors = {fqn: _parse_tensor(fqn, t, source) for fqn, t in data["tensors"].items()}
     problems = _Problems(source)
     for fqn, rec in tensors.items():
-        _check_coverage(fqn, rec, problems)
+        _check_coverage(fqn, rec, problems, raw_nbytes=data["tensor_format"] == "safetensors")
         _check_bytes(fqn, rec, files, chunk, problems)
     _check_files_disjoint(tensors, problems)
     problems.raise_if_any()

@@ -344,6 +344,9 @@ def read_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, B
             truncated, oversized or has a safetensors header that disagrees with the manifest,
             or the saved shards do not cover a box.
     """
+    if manifest.tensor_format == "zarr":                      # one array per tensor, see zarr_format
+        from shardsmith.storage.zarr_format import read_zarr_boxes
+        return read_zarr_boxes(store, manifest, requests, stats, source)
     source = source or store.url
     chunk = manifest.chunk_nbytes
     outs: list[torch.Tensor] = []
