@@ -27,6 +27,7 @@ import gc
 import json
 import os
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -40,7 +41,8 @@ from shardsmith.trainer.train import Trainer
 
 
 def _with_checkpoint(cfg: TrainConfig, **kwargs: Any) -> TrainConfig:
-    return dataclasses.replace(cfg, checkpoint=CheckpointConfig(**kwargs))
+    """``cfg`` with these checkpoint fields; the others (e.g. ``tensor_format``) from ``cfg``."""
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, **kwargs))
 
 
 def task_logits(cfg: TrainConfig, task: dict[str, Any]) -> None:
@@ -73,6 +75,7 @@ def task_reload(cfg: TrainConfig, task: dict[str, Any]) -> None:
     if not trainer.resume():
         raise RuntimeError(f"nothing resumed from {task['src']}")
     trainer.save()
+    trainer.wait_for_save()
 
 
 def task_train(cfg: TrainConfig, task: dict[str, Any]) -> None:
@@ -99,8 +102,12 @@ def main(argv: list[str]) -> int:
     cfg = TrainConfig.from_json(spec["config"])
     try:
         for task in spec["tasks"]:
+            t0 = time.perf_counter()
             TASKS[task["kind"]](cfg, task)
             gc.collect()
+            if dist.get_rank() == 0:
+                print(f"[scenario] {task['kind']} {task.get('src', '')} took "
+                      f"{time.perf_counter() - t0:.2f}s", flush=True)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
