@@ -15,11 +15,13 @@ and CRC-32C under the plan's id. A rerun of the same plan re-reads and re-checks
 files instead of rewriting them (a file that no longer matches is written again). The
 manifest is written last (:func:`shardsmith.storage.commit.commit`), so nothing
 half-done ever looks committed.
+
+Scale-out: several processes (torchrun, or ``--nproc-per-node``) each convert a share of
+the target files and rank 0 commits (:mod:`shardsmith.reshard.scaleout`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import posixpath
@@ -29,25 +31,24 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import IO, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
-import crc32c as _crc32c
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
-from shardsmith.errors import CheckpointError, IntegrityError, LayoutError
+from shardsmith.errors import CheckpointError, LayoutError
 from shardsmith.reshard.layout import ParallelDims
-from shardsmith.reshard.planner import Piece, PlanEntry, ReshardOptions, ReshardPlan, Slab, TargetFile, plan_reshard
+from shardsmith.reshard.planner import PlanEntry, ReshardOptions, ReshardPlan, Slab, TargetFile, plan_reshard
+from shardsmith.reshard.scaleout import Share, assign_files, cleanup, gather, publish
+from shardsmith.reshard.stream import (BufferBudget, BufferPool, ChunkedCrc, FileResult, assemble_slab,
+                                       crc32c_update, return_freed_buffers_to_os, target_stream)
 from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import commit, parse_step_dir, read_manifest, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import DTYPE_NBYTES, MANIFEST_NAME, FileRecord, Manifest, ShardRecord, TensorRecord
-from shardsmith.storage.verify import check_file_once
+from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, Manifest, ShardRecord, TensorRecord
 
 log = logging.getLogger(__name__)
 
 PROGRESS_NAME = ".reshard-progress.json"
-_RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}   # element-size views: dtype-agnostic copies
 
 
 @dataclass
@@ -61,6 +62,7 @@ class ReshardReport:
         nbytes_read / nbytes_needed: source bytes read (chunk-aligned) / bytes used.
         peak_buffer_nbytes: the executor's buffer high-water mark (its accounting).
         seconds: wall time.
+        committed: this process committed the result (rank 0, or the only process).
     """
 
     step: int
@@ -73,137 +75,7 @@ class ReshardReport:
     nbytes_needed: int = 0
     peak_buffer_nbytes: int = 0
     seconds: float = 0.0
-
-
-class BufferBudget:
-    """A byte-counting semaphore: a reservation is admitted when it fits in ``capacity``
-    or when nothing else is held (so one slab larger than the budget still runs, alone).
-    ``peak`` is the high-water mark of bytes held."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.in_use = 0
-        self.peak = 0
-        self._cond = threading.Condition()
-
-    def acquire(self, nbytes: int, block: bool = True) -> bool:
-        """Reserve ``nbytes``; returns False (without reserving) when it does not fit and
-        ``block`` is False."""
-        with self._cond:
-            while self.in_use and self.in_use + nbytes > self.capacity:
-                if not block:
-                    return False
-                self._cond.wait()
-            self.in_use += nbytes
-            self.peak = max(self.peak, self.in_use)
-            return True
-
-    def release(self, nbytes: int) -> None:
-        with self._cond:
-            self.in_use -= nbytes
-            assert self.in_use >= 0, self.in_use
-            self._cond.notify_all()
-
-
-class ChunkedCrc:
-    """CRC-32C of each consecutive ``chunk_nbytes`` piece of a byte stream fed in any
-    pieces (equals :func:`shardsmith.storage.checksum.chunk_crc32c` of the whole)."""
-
-    def __init__(self, chunk_nbytes: int) -> None:
-        self.chunk_nbytes = chunk_nbytes
-        self.done: list[int] = []
-        self._crc = 0
-        self._fill = 0
-
-    def update(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        while len(view):
-            take = min(len(view), self.chunk_nbytes - self._fill)
-            self._crc = crc32c_update(view[:take], self._crc)
-            self._fill += take
-            view = view[take:]
-            if self._fill == self.chunk_nbytes:
-                self.done.append(self._crc)
-                self._crc, self._fill = 0, 0
-
-    def finish(self) -> list[int]:
-        return self.done + ([self._crc] if self._fill else [])
-
-
-def crc32c_update(data: Any, value: int) -> int:
-    """CRC-32C of ``data`` continuing from the CRC ``value`` of the bytes before it."""
-    return int(_crc32c.crc32c(data, value))
-
-
-def _read_piece(src: Store, manifest: Manifest, piece: Piece) -> bytes:
-    """Read a piece's chunk-aligned range and verify every chunk against the manifest
-    (and, the first time a file is touched, its size and header).
-
-    Raises:
-        IntegrityError: missing, short or oversized file, header or checksum mismatch
-            (names the file and byte range).
-    """
-    shard, chunk_nbytes = piece.shard, manifest.chunk_nbytes
-    check_file_once(src, manifest, shard.file)
-    data = src.read_range(shard.file, shard.byte_offset + piece.read_start,
-                          shard.byte_offset + piece.read_end)
-    if len(data) != piece.read_nbytes:
-        raise IntegrityError(f"{src.url_of(shard.file)}: truncated — expected {piece.read_nbytes} bytes "
-                             f"at offset {shard.byte_offset + piece.read_start}, got {len(data)}; "
-                             "restore the file or reshard another step")
-    view = memoryview(data)
-    for i in range(0, len(data), chunk_nbytes):
-        c = (piece.read_start + i) // chunk_nbytes
-        if crc32c(view[i:i + chunk_nbytes]) != shard.crc32c[c]:
-            raise IntegrityError(f"{src.url_of(shard.file)}: checksum mismatch in {shard.key!r} bytes "
-                                 f"[{c * chunk_nbytes}, {c * chunk_nbytes + len(view[i:i + chunk_nbytes])}) "
-                                 "— the file is corrupt; restore it or reshard another step")
-    return data
-
-
-def assemble_slab(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry) -> np.ndarray:
-    """The slab's bytes in the target dtype, as a contiguous 1-d ``uint8`` array.
-
-    Each piece is read, verified, and copied through a strided view of the source
-    shard's row-major storage into the slab; pieces are read one at a time.
-    """
-    itemsize = DTYPE_NBYTES[entry.src_dtype]
-    raw = _RAW[itemsize]
-    out = np.empty(slab.box.lengths, dtype=raw)
-    for piece in slab.pieces:
-        data = _read_piece(src, manifest, piece)
-        seg = np.frombuffer(data, dtype=np.uint8, count=piece.last - piece.first,
-                            offset=piece.first - piece.read_start).view(raw)
-        strides = [itemsize] * len(piece.saved.lengths)
-        for d in range(len(strides) - 2, -1, -1):
-            strides[d] = strides[d + 1] * piece.saved.lengths[d + 1]
-        out[piece.common.relative_to(slab.box)] = as_strided(seg, piece.common.lengths, strides,
-                                                             writeable=False)
-        del data, seg
-    if entry.dtype != entry.src_dtype:
-        out = convert_dtype(out, entry.src_dtype, entry.dtype)
-    return out.reshape(-1).view(np.uint8)
-
-
-def convert_dtype(raw: np.ndarray, src: str, dst: str) -> np.ndarray:
-    """Convert raw elements between float dtypes with torch's rounding (round to nearest
-    even), returning raw elements of ``dst``. Imports torch only when called."""
-    import torch
-
-    from shardsmith.storage.shards import TORCH_DTYPES
-
-    converted = torch.from_numpy(raw).view(TORCH_DTYPES[src]).to(TORCH_DTYPES[dst])
-    return converted.view(torch.uint8).numpy().view(_RAW[DTYPE_NBYTES[dst]])
-
-
-@dataclass
-class FileResult:
-    """A finished target file: its manifest records; ``written`` False when kept."""
-
-    name: str
-    record: FileRecord
-    shards: dict[str, ShardRecord]
-    written: bool
+    committed: bool = False
 
 
 class _Stopped(Exception):
@@ -217,15 +89,19 @@ class _Executor:
     plan: ReshardPlan
     src: Store
     dst: Store
+    files: list[TargetFile]
+    progress_name: str
     progress: Callable[[int], None] | None = None
     report: ReshardReport = field(default_factory=lambda: ReshardReport(0, ""))
     budget: BufferBudget = field(init=False)
+    pool: BufferPool = field(init=False)
     stop: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     reads: ThreadPoolExecutor | None = None
 
     def __post_init__(self) -> None:
         self.budget = BufferBudget(self.plan.options.max_buffer_nbytes)
+        self.pool = BufferPool(self.plan.options.max_buffer_nbytes)
 
     def _count(self, **deltas: int) -> None:
         with self.lock:
@@ -235,10 +111,10 @@ class _Executor:
         if self.progress is not None and done:
             self.progress(done)
 
-    def _read(self, slab: Slab, entry: PlanEntry) -> np.ndarray:
-        data = assemble_slab(self.src, self.plan.source, slab, entry)
+    def _read(self, slab: Slab, entry: PlanEntry) -> tuple[np.ndarray, np.ndarray | None]:
+        out = assemble_slab(self.src, self.plan.source, slab, entry, self.pool)
         self._count(nbytes_read=sum(p.read_nbytes for p in slab.pieces), nbytes_needed=slab.src_nbytes)
-        return data
+        return out
 
     def run_file(self, tf: TargetFile, kept: dict[str, Any] | None) -> FileResult:
         """Keep ``tf`` if a previous run finished it and it still checks out, else write it."""
@@ -262,7 +138,7 @@ class _Executor:
         self._count(num_files=1, nbytes_written=len(tf.header))
         return FileResult(tf.name, FileRecord(tf.nbytes, file_crc), _records(tf, crcs), True)
 
-    def _slab_stream(self, tf: TargetFile):  # type: ignore[no-untyped-def]
+    def _slab_stream(self, tf: TargetFile) -> Iterator[tuple[int, np.ndarray]]:
         """Yield (entry index, slab bytes) in file order, reading ahead within the budget."""
         assert self.reads is not None
         work = deque((i, s) for i, e in enumerate(tf.entries) for s in e.slabs)
@@ -274,19 +150,23 @@ class _Executor:
                     pending.append((i, slab.buffer_nbytes,
                                     self.reads.submit(self._read, slab, tf.entries[i])))
                 i, cost, fut = pending.popleft()
+                buf = None
                 try:
-                    data = fut.result()
+                    data, buf = fut.result()
                     if self.stop.is_set():
                         raise _Stopped()
-                    yield i, data
+                    yield i, data                      # the writer is done with it on resume
                 finally:
-                    data = None
+                    if buf is not None:
+                        self.pool.give(buf)
                     self.budget.release(cost)
         finally:
             for _, cost, fut in pending:
                 fut.cancel()
-                if not fut.cancelled():
-                    fut.exception()                    # wait: its buffer is still held
+                if not fut.cancelled() and fut.exception() is None:   # waits: its buffer is held
+                    held = fut.result()[1]
+                    if held is not None:
+                        self.pool.give(held)
                 self.budget.release(cost)
 
     def _verify(self, tf: TargetFile, kept: dict[str, Any]) -> FileResult | None:
@@ -321,19 +201,19 @@ class _Executor:
         return FileResult(tf.name, FileRecord(tf.nbytes, file_crc), _records(tf, crcs), False)
 
     def run(self, on_file_done: Callable[[str], None] | None) -> list[FileResult]:
-        """Every target file, ``workers`` at a time; progress saved after each."""
+        """This process's target files, ``workers`` at a time; progress saved after each."""
         kept = _load_progress(self.dst, self.plan.plan_id)
         results: dict[str, FileResult] = {}
         workers = self.plan.options.workers
         with ThreadPoolExecutor(workers, "reshard-read") as reads, \
-                ThreadPoolExecutor(max(1, min(workers, len(self.plan.files))), "reshard-file") as files:
+                ThreadPoolExecutor(max(1, min(workers, len(self.files))), "reshard-file") as files:
             self.reads = reads
-            futures = {files.submit(self.run_file, tf, kept.get(tf.name)): tf for tf in self.plan.files}
+            futures = {files.submit(self.run_file, tf, kept.get(tf.name)): tf for tf in self.files}
             try:
                 for fut in as_completed(futures):
                     result = fut.result()
                     results[result.name] = result
-                    _save_progress(self.dst, self.plan.plan_id, results)
+                    _save_progress(self.dst, self.progress_name, self.plan.plan_id, results)
                     if on_file_done is not None:
                         on_file_done(result.name)
             except BaseException:
@@ -342,20 +222,7 @@ class _Executor:
                     fut.cancel()
                 raise
         self.report.peak_buffer_nbytes = self.budget.peak
-        return [results[tf.name] for tf in self.plan.files]
-
-
-@contextlib.contextmanager
-def target_stream(dst: Store, key: str, nbytes: int) -> Iterator[IO[bytes]]:
-    """A file to write ``key`` front to back; it appears only when the block exits cleanly.
-
-    :meth:`Store.open_writer`: local, a hidden temporary file renamed into place; S3, a
-    multipart upload of parallel, individually retried parts (sized for ``nbytes``),
-    completed on success and aborted on error; other backends, fsspec's file committed
-    on success.
-    """
-    with dst.open_writer(key, nbytes_hint=nbytes) as f:
-        yield f
+        return [results[tf.name] for tf in self.files]
 
 
 def _records(tf: TargetFile, crcs: list[ChunkedCrc]) -> dict[str, ShardRecord]:
@@ -365,25 +232,29 @@ def _records(tf: TargetFile, crcs: list[ChunkedCrc]) -> dict[str, ShardRecord]:
 
 
 def _load_progress(dst: Store, plan_id: str) -> dict[str, dict[str, Any]]:
-    """Files an interrupted run of the same plan finished: name -> {nbytes, crc32c}."""
-    try:
-        data = json.loads(dst.read(PROGRESS_NAME))
-    except FileNotFoundError:
-        return {}
-    except ValueError:
-        log.warning("%s is unreadable; starting over", dst.url_of(PROGRESS_NAME))
-        return {}
-    if not isinstance(data, dict) or data.get("plan_id") != plan_id or not isinstance(data.get("files"), dict):
-        log.warning("%s belongs to a different reshard (source, layout or options changed); "
-                    "starting over", dst.url_of(PROGRESS_NAME))
-        return {}
-    log.info("resuming: %d target files already written by an interrupted run", len(data["files"]))
-    return {k: v for k, v in data["files"].items() if isinstance(v, dict)}
+    """Files an interrupted run of the same plan finished (any rank's): name -> {nbytes, crc32c}."""
+    kept: dict[str, dict[str, Any]] = {}
+    for name in dst.list_dir():
+        if not name.startswith(".reshard-progress"):
+            continue
+        try:
+            data = json.loads(dst.read(name))
+        except (FileNotFoundError, ValueError):
+            log.warning("%s is unreadable; its files will be written again", dst.url_of(name))
+            continue
+        if not isinstance(data, dict) or data.get("plan_id") != plan_id or not isinstance(data.get("files"), dict):
+            log.warning("%s belongs to a different reshard (source, layout or options changed); "
+                        "its files will be written again", dst.url_of(name))
+            continue
+        kept.update({k: v for k, v in data["files"].items() if isinstance(v, dict)})
+    if kept:
+        log.info("resuming: %d target files were written by an interrupted run", len(kept))
+    return kept
 
 
-def _save_progress(dst: Store, plan_id: str, results: dict[str, FileResult]) -> None:
-    files = {name: {"nbytes": r.record.nbytes, "crc32c": r.record.crc32c} for name, r in results.items()}
-    dst.write(PROGRESS_NAME, json.dumps({"plan_id": plan_id, "files": files}, indent=1).encode())
+def _save_progress(dst: Store, name: str, plan_id: str, results: dict[str, FileResult]) -> None:
+    files = {n: {"nbytes": r.record.nbytes, "crc32c": r.record.crc32c} for n, r in results.items()}
+    dst.write(name, json.dumps({"plan_id": plan_id, "files": files}, indent=1).encode())
 
 
 def build_manifest(plan: ReshardPlan, results: list[FileResult]) -> Manifest:
@@ -406,39 +277,68 @@ def build_manifest(plan: ReshardPlan, results: list[FileResult]) -> Manifest:
                     created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
 
-def execute(plan: ReshardPlan, src: Store, dst_root: Store, *,
+def execute(plan: ReshardPlan, src: Store, dst_root: Store, *, share: Share | None = None,
             progress: Callable[[int], None] | None = None,
-            on_file_done: Callable[[str], None] | None = None) -> ReshardReport:
-    """Write and commit ``plan`` under ``dst_root`` (``<dst_root>/step-NNNNNNNNN``).
+            on_file_done: Callable[[str], None] | None = None,
+            wait_timeout_s: float = 24 * 3600.0) -> ReshardReport:
+    """Write this process's share of ``plan`` under ``dst_root`` (``<dst_root>/step-NNNNNNNNN``);
+    the coordinator (rank 0, or the only process) commits once every share is written.
+
+    Every process of a scale-out calls it with the same plan and its own ``share``.
 
     Args:
         plan: from :func:`shardsmith.reshard.planner.plan_reshard`.
         src: the source step directory.
         dst_root: the target checkpoint root.
+        share: rank, world size and attempt (:class:`~shardsmith.reshard.scaleout.Share`);
+            default: the only process.
         progress: called with byte increments (written or re-verified) from worker threads.
         on_file_done: called with each finished file's name after its progress is saved.
+        wait_timeout_s: how long the coordinator waits for the other ranks.
 
     Raises:
-        CheckpointError: the target step is already committed.
+        CheckpointError: the target step is already committed, or another rank failed.
         IntegrityError: a source byte does not match its checksum.
         StorageError / OSError: reading or writing failed; a rerun resumes.
     """
     t0 = time.perf_counter()
+    share = share or Share()
     dst = dst_root.child(step_dir(plan.source.step))
     if dst.exists(MANIFEST_NAME):
         raise CheckpointError(f"{dst.url} is already a committed checkpoint; delete it or choose "
                               "another target")
-    executor = _Executor(plan, src, dst, progress, ReshardReport(plan.source.step, dst.url))
-    results = executor.run(on_file_done)
-    manifest = build_manifest(plan, results)
+    return_freed_buffers_to_os()
+    mine = assign_files(plan.files, share.world_size)[share.rank]
+    progress_name = PROGRESS_NAME if share.world_size == 1 else f".reshard-progress-{share.rank:05d}.json"
+    executor = _Executor(plan, src, dst, mine, progress_name, progress, ReshardReport(plan.source.step, dst.url))
+    try:
+        results = executor.run(on_file_done)
+    except BaseException as exc:
+        if share.world_size > 1:
+            publish(dst, share, plan.plan_id, [], error=f"{type(exc).__name__}: {exc}")
+        raise
+    if share.world_size > 1:
+        publish(dst, share, plan.plan_id, results)
+        if share.rank != 0:
+            executor.report.seconds = time.perf_counter() - t0
+            return executor.report
+        results = gather(dst, share, plan, wait_timeout_s)
+    _commit(plan, dst_root, dst, results)
+    executor.report.committed = True
+    executor.report.seconds = time.perf_counter() - t0
+    return executor.report
+
+
+def _commit(plan: ReshardPlan, dst_root: Store, dst: Store, results: list[FileResult]) -> None:
+    """Manifest last (after dropping shard files no plan file names), then clean up."""
+    order = {tf.name: i for i, tf in enumerate(plan.files)}
+    manifest = build_manifest(plan, sorted(results, key=lambda r: order[r.name]))
     wanted = {posixpath.basename(tf.name) for tf in plan.files}
     for name in dst.list_dir("shards"):
         if name not in wanted:                                      # left by an earlier, other plan
             dst.delete(f"shards/{name}")
     commit(dst_root, manifest)          # validates coverage and file sizes, then writes the manifest
-    dst.delete(PROGRESS_NAME)
-    executor.report.seconds = time.perf_counter() - t0
-    return executor.report
+    cleanup(dst)
 
 
 def split_step_url(url: str) -> tuple[str, int | None]:
@@ -463,7 +363,8 @@ def target_root(dst_url: str, step: int, storage_options: dict | None = None) ->
 
 
 def reshard(src: Store, dst_url: str, dims: ParallelDims, *, options: ReshardOptions | None = None,
-            storage_options: dict | None = None, progress: Callable[[int], None] | None = None,
+            storage_options: dict | None = None, share: Share | None = None,
+            progress: Callable[[int], None] | None = None,
             on_file_done: Callable[[str], None] | None = None) -> ReshardReport:
     """Write the checkpoint in step directory ``src`` again under layout ``dims`` and commit it.
 
@@ -473,7 +374,7 @@ def reshard(src: Store, dst_url: str, dims: ParallelDims, *, options: ReshardOpt
         dims: target layout.
         options: dtype, model-only, buffer, workers (:class:`ReshardOptions`).
         storage_options: fsspec options of the target.
-        progress, on_file_done: see :func:`execute`.
+        share, progress, on_file_done: see :func:`execute`.
 
     Returns:
         A :class:`ReshardReport`.
@@ -485,5 +386,5 @@ def reshard(src: Store, dst_url: str, dims: ParallelDims, *, options: ReshardOpt
     """
     manifest = read_manifest(src)
     plan = plan_reshard(manifest, dims, options, src.url)
-    return execute(plan, src, target_root(dst_url, manifest.step, storage_options),
+    return execute(plan, src, target_root(dst_url, manifest.step, storage_options), share=share,
                    progress=progress, on_file_done=on_file_done)

@@ -126,10 +126,21 @@ class Slab:
     converts: bool = False
 
     @property
+    def zero_copy(self) -> bool:
+        """True when one source read holds the slab's bytes contiguously, as they are
+        written (same rows, whole rows, same dtype): the executor writes a view of it."""
+        if self.converts or len(self.pieces) != 1:
+            return False
+        p = self.pieces[0]
+        return p.common == self.box and p.last - p.first == self.src_nbytes
+
+    @property
     def buffer_nbytes(self) -> int:
-        """Memory the executor holds for this slab: the assembled slab, the largest
-        piece read (pieces are read one at a time), and the converted copy if any."""
+        """Memory the executor holds for this slab: the largest piece read (pieces are
+        read one at a time), plus the assembled slab and the converted copy if any."""
         largest = max((p.read_nbytes for p in self.pieces), default=0)
+        if self.zero_copy:
+            return largest
         return self.src_nbytes + largest + (self.nbytes if self.converts else 0)
 
 

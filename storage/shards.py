@@ -25,7 +25,7 @@ from safetensors.torch import save as safetensors_save
 
 from shardsmith.errors import IntegrityError
 from shardsmith.storage.boxes import Box, row_major_span
-from shardsmith.storage.checksum import chunk_crc32c, crc32c
+from shardsmith.storage.checksum import chunk_crc32c, crc32c, crc32c_combine
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import DTYPE_NBYTES, FileRecord, Manifest, ShardRecord
 from shardsmith.storage.verify import check_file_once
@@ -345,7 +345,7 @@ def read_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, B
             or the saved shards do not cover a box.
     """
     if manifest.tensor_format == "zarr":                      # one array per tensor, see zarr_format
-        from shardsmith.storage.zarr_format import read_zarr_boxes
+        from shardsmith.storage.zarr_read import read_zarr_boxes
         return read_zarr_boxes(store, manifest, requests, stats, source)
     source = source or store.url
     chunk = manifest.chunk_nbytes
@@ -460,7 +460,8 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 def write_shard_file(store: Store, key: str, entries: list[tuple[str, torch.Tensor]], chunk_nbytes: int,
                      box_of: dict[str, Box]) -> tuple[FileRecord, dict[str, ShardRecord]]:
     """Stream one safetensors shard file to ``store`` (header, then each tensor's bytes) and
-    return its manifest records. No serialized copy of the file is built in memory.
+    return its manifest records. No serialized copy of the file is built in memory, and the
+    checksums are computed by a second thread while the bytes are written (one pass each).
 
     Args:
         store: the step directory store; ``key`` is checkpoint-relative (``shards/...``).
@@ -474,21 +475,33 @@ def write_shard_file(store: Store, key: str, entries: list[tuple[str, torch.Tens
     entries = [(k, t.contiguous()) for k, t in entries if t.numel() > 0]
     prefix, spans = safetensors_header(entries)
     views = [_byte_view(t) for _, t in entries]
-    file_crc = crc32c(prefix)
+    with ThreadPoolExecutor(1, thread_name_prefix="shardsmith-crc") as pool:
+        checksums = pool.submit(_file_checksums, prefix, views, chunk_nbytes)
+        store.write_parts(key, [memoryview(prefix), *views])
+        file_crc, chunk_crcs = checksums.result()
     records: dict[str, ShardRecord] = {}
-    for (fqn, _), view in zip(entries, views):
-        chunk_crcs = []
-        for i in range(0, len(view), chunk_nbytes):       # one pass: the chunk is in cache
-            piece = view[i:i + chunk_nbytes]               # for the whole-file CRC update
-            chunk_crcs.append(crc32c(piece))
-            file_crc = _crc32c_update(piece, file_crc)
+    for (fqn, _), crcs in zip(entries, chunk_crcs):
         start, nbytes = spans[fqn]
         box = box_of[fqn]
         records[fqn] = ShardRecord(offsets=list(box.offsets), lengths=list(box.lengths), file=key,
-                                   key=fqn, byte_offset=start, nbytes=nbytes, crc32c=chunk_crcs)
-    store.write_parts(key, [memoryview(prefix), *views])
+                                   key=fqn, byte_offset=start, nbytes=nbytes, crc32c=crcs)
     total = len(prefix) + sum(len(v) for v in views)
     return FileRecord(nbytes=total, crc32c=file_crc), records
+
+
+def _file_checksums(prefix: bytes, views: list[memoryview], chunk_nbytes: int) -> tuple[int, list[list[int]]]:
+    """(CRC-32C of the whole file, per-entry chunk CRC-32Cs) in one pass over the bytes: the
+    file's CRC is combined from the chunks' (crc32c releases the GIL on large buffers)."""
+    file_crc = crc32c(prefix)
+    out = []
+    for view in views:
+        crcs = []
+        for i in range(0, len(view), chunk_nbytes):
+            piece = view[i:i + chunk_nbytes]
+            crcs.append(crc32c(piece))
+            file_crc = crc32c_combine(file_crc, crcs[-1], len(piece))
+        out.append(crcs)
+    return file_crc, out
 
 
 def _crc32c_update(data: memoryview, value: int) -> int:

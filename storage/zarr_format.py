@@ -33,8 +33,14 @@ Codecs: ``bytes`` (little endian), optionally followed by ``zstd`` or ``gzip`` (
 :func:`parse_codec`). Reading never hands stored metadata to zarr: it checks the fields
 against the manifest and a whitelist of codecs and rebuilds the metadata itself, so an
 untrusted checkpoint cannot select arbitrary codecs (e.g. ``numcodecs.pickle``).
-Encoding and decoding are zarr's own (in-memory arrays); bytes move through
-:class:`~shardsmith.storage.fs.Store` (retries, any fsspec URL) and are checksummed.
+Encoding and decoding of compressed chunks are zarr's own (in-memory arrays); bytes move
+through :class:`~shardsmith.storage.fs.Store` (retries, any fsspec URL) and are checksummed.
+Reading is in :mod:`shardsmith.storage.zarr_read`: uncompressed chunks by byte range (only
+what a box needs, as for safetensors), compressed chunks whole.
+
+Costs (``bench/format_bench.py``): one object per chunk plus one ``zarr.json`` per tensor,
+so many more objects than safetensors' one file per rank; with nested uneven splits the
+gcd grid can cut boxes into several chunks each.
 """
 
 from __future__ import annotations
@@ -44,21 +50,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import reduce
 from itertools import product
-from math import gcd, prod
+from math import gcd
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
 import zarr
-from zarr.core.buffer import default_buffer_prototype
+from zarr.codecs import GzipCodec, ZstdCodec
 from zarr.storage import MemoryStore
 
 from shardsmith.errors import ConfigError, IntegrityError
 from shardsmith.storage.boxes import Box
 from shardsmith.storage.checksum import chunk_crc32c, crc32c
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import DTYPE_NBYTES, FileRecord, Manifest, ShardRecord, TensorRecord
-from shardsmith.storage.verify import check_file_once
+from shardsmith.storage.manifest import FileRecord, ShardRecord, TensorRecord
 
 ZARR_DIR = "zarr"
 #: zarr v3 data type of each manifest dtype (BF16: its bit patterns, see module docstring).
@@ -139,11 +144,11 @@ class ZarrArray:
     def create_kwargs(self) -> dict[str, Any]:
         """Arguments of ``zarr.create_array`` / ``Group.create_array`` for this array."""
         name, level = parse_codec(self.codec)
-        compressors = None
+        compressors: ZstdCodec | GzipCodec | None = None
         if name == "zstd":
-            compressors = zarr.codecs.ZstdCodec(level=level)
+            compressors = ZstdCodec(level=level)
         elif name == "gzip":
-            compressors = zarr.codecs.GzipCodec(level=level)
+            compressors = GzipCodec(level=level)
         attrs: dict[str, Any] = {"dtype": self.dtype}
         if self.dtype == "BF16":
             attrs["note"] = "uint16 bit patterns of bfloat16 values; view the data as bfloat16"
@@ -184,14 +189,16 @@ class ZarrArray:
 # ---- torch <-> numpy (zero copy) ------------------------------------------------------------
 
 
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
+def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's elements as numpy (BF16 as uint16 bit patterns), no copy when contiguous."""
     t = t.detach().to("cpu").contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy()
 
 
-def _to_torch(a: np.ndarray, dtype: str) -> torch.Tensor:
+def numpy_to_torch(a: np.ndarray, dtype: str) -> torch.Tensor:
+    """Inverse of :func:`torch_to_numpy` for manifest dtype ``dtype``."""
     a = np.ascontiguousarray(a)
     if dtype == "BF16":
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
@@ -214,7 +221,7 @@ def encode_box(array: ZarrArray, tensor: torch.Tensor, box: Box) -> list[tuple[B
     """
     store: dict[str, Any] = {}
     arr = array.in_memory(store)
-    data = _to_numpy(tensor)
+    data = torch_to_numpy(tensor)
     arr[box.relative_to(Box((0,) * len(box.lengths), array.shape)) if box.lengths else ()] = data
     out = []
     for region in array.chunks_of(box):
@@ -297,10 +304,11 @@ def write_metadata(step_store: Store, arrays: Iterable[ZarrArray]) -> dict[str, 
     return {key: FileRecord(nbytes=len(data), crc32c=crc32c(data)) for key, data in files.items()}
 
 
-# ---- reading ---------------------------------------------------------------------------------
+# ---- metadata checks (used by zarr_read) -------------------------------------------------
 
 
-def _bad(url: str, what: str) -> IntegrityError:
+def damaged(url: str, what: str) -> IntegrityError:
+    """An IntegrityError naming ``url``, saying what is wrong and what to do."""
     return IntegrityError(f"{url}: {what} — the checkpoint is damaged or was not written by "
                           "shardsmith; resume from another step or restore the file")
 
@@ -310,15 +318,15 @@ def _codec_of(codecs: Any, url: str) -> str:
     if not isinstance(codecs, list) or not codecs or not isinstance(codecs[0], dict) \
             or codecs[0].get("name") != "bytes" \
             or (codecs[0].get("configuration") or {}).get("endian", "little") != "little" or len(codecs) > 2:
-        raise _bad(url, f"unsupported codecs {json.dumps(codecs)[:200]} (expected bytes/little, "
-                   f"optionally followed by one of {sorted(CODEC_LEVELS)})")
+        raise damaged(url, f"unsupported codecs {json.dumps(codecs)[:200]} (expected bytes/little, "
+                      f"optionally followed by one of {sorted(CODEC_LEVELS)})")
     if len(codecs) == 1:
         return ""
     extra = codecs[1]
     name = extra.get("name") if isinstance(extra, dict) else None
     level = (extra.get("configuration") or {}).get("level") if isinstance(extra, dict) else None
     if name not in CODEC_LEVELS or type(level) is not int:
-        raise _bad(url, f"unsupported codec {json.dumps(extra)[:200]} (allowed: {sorted(CODEC_LEVELS)})")
+        raise damaged(url, f"unsupported codec {json.dumps(extra)[:200]} (allowed: {sorted(CODEC_LEVELS)})")
     return f"{name}:{level}"
 
 
@@ -333,165 +341,19 @@ def parse_array_metadata(raw: bytes, fqn: str, rec: TensorRecord, url: str) -> Z
     try:
         meta = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise _bad(url, f"not valid JSON ({str(exc)[:100]})") from exc
+        raise damaged(url, f"not valid JSON ({str(exc)[:100]})") from exc
     if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
-        raise _bad(url, "not zarr v3 array metadata")
+        raise damaged(url, "not zarr v3 array metadata")
     if meta.get("shape") != rec.shape or meta.get("data_type") != ZARR_DTYPES[rec.dtype]:
-        raise _bad(url, f"array is {meta.get('data_type')!r:.20} {meta.get('shape')!r:.80}, the manifest "
-                   f"says {fqn} is {rec.dtype} {rec.shape}")
+        raise damaged(url, f"array is {meta.get('data_type')!r:.20} {meta.get('shape')!r:.80}, the manifest "
+                      f"says {fqn} is {rec.dtype} {rec.shape}")
     grid = meta.get("chunk_grid")
     chunks = (grid.get("configuration") or {}).get("chunk_shape") if isinstance(grid, dict) else None
     if not isinstance(grid, dict) or grid.get("name") != "regular" or not isinstance(chunks, list) \
             or len(chunks) != len(rec.shape) or any(type(c) is not int or c < 1 for c in chunks):
-        raise _bad(url, f"unsupported chunk grid {json.dumps(grid)[:200]}")
+        raise damaged(url, f"unsupported chunk grid {json.dumps(grid)[:200]}")
     if meta.get("chunk_key_encoding") != {"name": "default", "configuration": {"separator": "/"}}:
-        raise _bad(url, f"unsupported chunk key encoding {json.dumps(meta.get('chunk_key_encoding'))[:120]}")
+        raise damaged(url, f"unsupported chunk key encoding {json.dumps(meta.get('chunk_key_encoding'))[:120]}")
     if meta.get("storage_transformers") not in (None, []):
-        raise _bad(url, "storage transformers are not supported")
+        raise damaged(url, "storage transformers are not supported")
     return ZarrArray(fqn, tuple(rec.shape), rec.dtype, tuple(chunks), _codec_of(meta.get("codecs"), url))
-
-
-def _load_array(store: Store, manifest: Manifest, fqn: str, rec: TensorRecord, source: str) -> tuple[ZarrArray, int]:
-    """The array description of ``fqn`` from its verified ``zarr.json``; (array, bytes read)."""
-    key = f"{ZARR_DIR}/{fqn}/zarr.json"
-    url = f"{source}/{key}"
-    record = manifest.files.get(key)
-    if record is None:
-        raise _bad(f"{source}/manifest.json", f"no metadata file {key} listed for tensor {fqn}")
-    try:
-        raw = store.read(key)
-    except FileNotFoundError as exc:
-        raise IntegrityError(f"{url}: missing, but the manifest lists it; the checkpoint is incomplete — "
-                             "resume from another step or restore the file") from exc
-    if len(raw) != record.nbytes or crc32c(raw) != record.crc32c:
-        raise _bad(url, f"{len(raw)} bytes with CRC-32C {crc32c(raw):#010x}, the manifest records "
-                   f"{record.nbytes} bytes with {record.crc32c:#010x}")
-    return parse_array_metadata(raw, fqn, rec, url), len(raw)
-
-
-def _check_chunk_record(array: ZarrArray, shard: ShardRecord, manifest: Manifest, source: str) -> None:
-    """A shard record must name the chunk file its box is, whole (byte offset 0, file size)."""
-    saved = Box(tuple(shard.offsets), tuple(shard.lengths))
-    index = [o // c for o, c in zip(saved.offsets, array.chunks)]
-    if array.chunk_region(index) != saved or array.chunk_key(saved) != shard.file:
-        raise _bad(f"{source}/manifest.json", f"shard {saved} of {array.fqn} in {shard.file} is not a "
-                   f"chunk of the grid {array.chunks} (expected {array.chunk_key(saved)})")
-    if shard.byte_offset != 0 or shard.nbytes != manifest.files[shard.file].nbytes:
-        raise _bad(f"{source}/manifest.json", f"shard of {array.fqn} in {shard.file} must span the whole "
-                   f"chunk file (byte offset 0, {manifest.files[shard.file].nbytes} bytes)")
-
-
-def _read_chunk(store: Store, manifest: Manifest, shard: ShardRecord, source: str) -> bytes:
-    """A whole chunk file, its size and every checksum chunk verified."""
-    check_file_once(store, manifest, shard.file, source)
-    data = store.read(shard.file)
-    url = f"{source}/{shard.file}"
-    if len(data) != shard.nbytes:
-        raise _bad(url, f"{len(data)} bytes, the manifest records {shard.nbytes}")
-    chunk = manifest.chunk_nbytes
-    for c, (got, want) in enumerate(zip(chunk_crc32c(data, chunk), shard.crc32c)):
-        if got != want:
-            raise IntegrityError(f"{url}: checksum mismatch in chunk of {shard.key!r} bytes "
-                                 f"[{c * chunk}, {min((c + 1) * chunk, len(data))}) — the file is corrupt; "
-                                 "resume from another step or restore the file")
-    return data
-
-
-@dataclass
-class _Request:
-    array: ZarrArray
-    box: Box
-    out: torch.Tensor
-    shards: list[ShardRecord]
-
-
-def _decode(request: _Request, chunk_bytes: dict[str, bytes]) -> None:
-    """Decode the request's chunks with zarr and copy its box into ``out``."""
-    array = request.array
-    prototype = default_buffer_prototype()
-    store = {s.file[len(array.path) + 1:]: prototype.buffer.from_bytes(chunk_bytes[s.file])
-             for s in request.shards}
-    arr = array.in_memory(store)
-    box = request.box
-    data = arr[box.relative_to(Box((0,) * len(box.lengths), array.shape)) if box.lengths else ()]
-    request.out.copy_(_to_torch(np.asarray(data), array.dtype).reshape(box.lengths))
-
-
-def read_zarr_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, Box, torch.Tensor | None]],
-                    stats: Any = None, source: str = "") -> list[torch.Tensor]:
-    """:func:`shardsmith.storage.shards.read_boxes` for zarr checkpoints (same contract).
-
-    Reads the ``zarr.json`` of each tensor touched and every chunk file intersecting a
-    requested box (whole files: chunks may be compressed), concurrently, verifies sizes
-    and checksums, then decodes with zarr. Memory: at most about
-    :data:`MAX_PENDING_NBYTES` of chunk bytes at once, plus the outputs.
-
-    Raises:
-        KeyError: an fqn is not in the checkpoint.
-        ValueError: a destination has the wrong shape or dtype.
-        IntegrityError: a file is missing, has the wrong size or checksum, its metadata
-            disagrees with the manifest, or the saved chunks do not cover a box.
-    """
-    from shardsmith.storage.shards import TORCH_DTYPES
-
-    source = source or store.url
-    arrays: dict[str, ZarrArray] = {}
-    outs: list[torch.Tensor] = []
-    batch: list[_Request] = []
-    batch_nbytes = 0
-    for fqn, box, out in requests:
-        rec = manifest.tensors[fqn]
-        dtype = TORCH_DTYPES[rec.dtype]
-        if out is None:
-            out = torch.empty(box.lengths, dtype=dtype)
-        elif tuple(out.shape) != box.lengths or out.dtype != dtype:
-            raise ValueError(f"read_box({fqn!r}): destination is {out.dtype} {tuple(out.shape)}, the box "
-                             f"needs {dtype} {box.lengths}")
-        outs.append(out)
-        if fqn not in arrays:
-            arrays[fqn], nbytes = _load_array(store, manifest, fqn, rec, source)
-            if stats is not None:
-                stats.nbytes_read += nbytes
-        request = _Request(arrays[fqn], box, out.detach(), [])
-        filled = 0
-        for shard in rec.shards:
-            saved = Box(tuple(shard.offsets), tuple(shard.lengths))
-            common = saved.intersect(box) if box.lengths else saved
-            if common is None or common.numel == 0:
-                continue
-            _check_chunk_record(request.array, shard, manifest, source)
-            request.shards.append(shard)
-            filled += common.numel
-            batch_nbytes += shard.nbytes
-        if filled != box.numel:
-            raise IntegrityError(f"{source}: saved chunks of {fqn!r} cover {filled} of the "
-                                 f"{box.numel} elements of box {box}")
-        if stats is not None:
-            stats.nbytes_needed += box.numel * DTYPE_NBYTES[rec.dtype]
-        batch.append(request)
-        if batch_nbytes > MAX_PENDING_NBYTES:
-            _run_batch(store, manifest, batch, stats, source)
-            batch, batch_nbytes = [], 0
-    _run_batch(store, manifest, batch, stats, source)
-    return outs
-
-
-def _run_batch(store: Store, manifest: Manifest, batch: list[_Request], stats: Any, source: str) -> None:
-    """Read the batch's distinct chunk files concurrently, then decode every request."""
-    needed = {s.file: s for r in batch for s in r.shards}
-    if not needed:
-        return
-    workers = max(1, min(IO_WORKERS, len(needed)))
-    with ThreadPoolExecutor(workers) as pool:
-        datas = list(pool.map(lambda s: _read_chunk(store, manifest, s, source), needed.values()))
-    chunk_bytes = dict(zip(needed, datas))
-    if stats is not None:
-        stats.nbytes_read += sum(len(d) for d in datas)
-    with torch.no_grad():
-        for request in batch:
-            _decode(request, chunk_bytes)
-
-
-def array_nbytes(arrays: Iterable[ZarrArray]) -> int:
-    """Bytes of the arrays' data, decoded (for reports)."""
-    return sum(prod(a.shape) * DTYPE_NBYTES[a.dtype] for a in arrays)

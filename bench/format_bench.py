@@ -1,0 +1,208 @@
+"""Benchmark: safetensors vs zarr (raw, and zstd on the optimizer state) on the same state.
+
+    python bench/format_bench.py [--mb 80] [--runs 3] [--dir /tmp/format-bench] [--codec zstd] [--keep]
+
+1. Builds one model state in memory: a Llama-shaped model (hidden 512, 8 heads, 4 kv
+   heads, FFN 1408, vocab 8192; layers scaled to about ``--mb`` MB of float32 parameters)
+   plus AdamW state (``exp_avg`` ~ N(0, 1e-3), ``exp_avg_sq`` its square, step counters),
+   so about 3x ``--mb`` MB in all.
+2. For each format, alternating, ``--runs`` times (medians reported):
+   - **save**: what the ranks of a ``--save-layout`` (default tp2·pp2) job write, each
+     rank's boxes in turn in this one process (safetensors: one file per rank via
+     ``write_shard_file``; zarr: chunks via ``write_chunks`` plus the metadata), then the
+     commit. The same process and writer order for every format, so the ratio is fair;
+     a real job writes the ranks' shares in parallel.
+   - **reshard-load**: every rank of ``--load-layout`` (default dp_shard=4, a different
+     split of every matrix) reads its boxes with ``read_boxes`` (as ``load_into`` does),
+     one rank after another; bytes read vs bytes needed give the read amplification
+     (zarr reads whole chunks: they may be compressed).
+   Objects and bytes stored are counted on disk (every file of the step, manifest included).
+3. Prints a table and, as the last line, one JSON object: per format its numbers and the
+   ratios to safetensors (the baseline measured in the same run).
+
+Local disk, warm page cache: the times compare CPU and per-object costs, not a network.
+Random mantissas hardly compress (zstd saves a few percent of the optimizer state);
+real optimizer state compresses somewhat better. Not a test: nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardsmith.reshard.layout import ModelConfig, ParallelDims
+from shardsmith.reshard.plan import checkpoint_specs, rank_boxes, shard_file_name, write_assignment
+from shardsmith.reshard.zarr_convert import layout_arrays
+from shardsmith.storage.boxes import Box
+from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
+from shardsmith.storage.commit import commit, read_manifest, step_dir
+from shardsmith.storage.fs import Store
+from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord, TensorRecord
+from shardsmith.storage.shards import ReadStats, read_boxes, write_shard_file
+from shardsmith.storage.zarr_format import write_chunks, write_metadata
+
+STEP = 100
+MB = 1_000_000
+
+
+def model_config(mb: float) -> ModelConfig:
+    """Layers (even, >= 2) so the float32 parameters come to about ``mb`` MB."""
+    base = ModelConfig(num_layers=2, hidden_size=512, num_attention_heads=8, num_kv_heads=4,
+                       ffn_hidden_size=1408, vocab_size=8192, seq_length=256)
+    d, f, kv = base.hidden_size, base.ffn_hidden_size, base.num_kv_heads * base.head_dim
+    layer = (2 * d * d + 2 * kv * d + 3 * d * f + 2 * d) * 4
+    fixed = (2 * base.vocab_size * d + d) * 4
+    layers = max(2, 2 * round(max(0.0, mb * MB - fixed) / layer / 2))
+    return ModelConfig(**{**base.to_json(), "num_layers": layers})
+
+
+def build_state(model: ModelConfig) -> dict[str, torch.Tensor]:
+    """Full logical tensors: parameters and AdamW state (see module docstring)."""
+    g = torch.Generator().manual_seed(0)
+    out: dict[str, torch.Tensor] = {}
+    for fqn, spec in checkpoint_specs(model, ParallelDims()).items():
+        if not spec.shape:
+            out[fqn] = torch.tensor(float(STEP))
+        elif fqn.startswith("optim.exp_avg_sq."):
+            out[fqn] = out[fqn.replace("exp_avg_sq", "exp_avg")] ** 2
+        elif fqn.startswith("optim.exp_avg."):
+            out[fqn] = torch.randn(spec.shape, generator=g) * 1e-3
+        else:
+            out[fqn] = torch.randn(spec.shape, generator=g) * 0.02
+    return out
+
+
+def _piece(full: dict[str, torch.Tensor], fqn: str, box: Box) -> torch.Tensor:
+    return full[fqn][box.relative_to(Box((0,) * len(box.lengths), tuple(full[fqn].shape)))]
+
+
+def save(root: Store, full: dict[str, torch.Tensor], model: ModelConfig, dims: ParallelDims,
+         tensor_format: str, codec: str) -> None:
+    """Write and commit ``full`` as a ``dims`` job would, one rank's share after another."""
+    specs = checkpoint_specs(model, dims)
+    step_store = root.child(step_dir(STEP))
+    tensors = {fqn: TensorRecord(shape=list(s.shape), dtype=s.dtype) for fqn, s in specs.items()}
+    files: dict[str, FileRecord] = {}
+    shards: dict[str, list[ShardRecord]] = {}
+    arrays = layout_arrays(specs, dims, codec) if tensor_format == "zarr" else {}
+    for rank, items in sorted(write_assignment(specs, dims).items()):
+        entries = [(fqn, _piece(full, fqn, box), box) for fqn, box in items]
+        if tensor_format == "zarr":
+            f, s = write_chunks(step_store, arrays, entries, DEFAULT_CHUNK_NBYTES)
+            files.update(f)
+            for fqn, recs in s.items():
+                shards.setdefault(fqn, []).extend(recs)
+        elif entries:
+            name = shard_file_name(rank)
+            files[name], recs1 = write_shard_file(step_store, name, [(f, t) for f, t, _ in entries],
+                                                  DEFAULT_CHUNK_NBYTES, {f: b for f, _, b in entries})
+            for fqn, rec in recs1.items():
+                shards.setdefault(fqn, []).append(rec)
+    if tensor_format == "zarr":
+        files.update(write_metadata(step_store, arrays.values()))
+    for fqn, recs in shards.items():
+        tensors[fqn].shards = sorted(recs, key=lambda r: r.offsets)
+    commit(root, Manifest(step=STEP, layout={**dims.to_json(), "world_size": dims.world_size},
+                          model=model.to_json(), config={}, state={"step": STEP}, tensors=tensors, files=files,
+                          tensor_format=tensor_format, chunk_nbytes=DEFAULT_CHUNK_NBYTES,
+                          created=datetime.now(timezone.utc).isoformat(timespec="seconds")))
+
+
+def reshard_load(step_store: Store, model: ModelConfig, dims: ParallelDims) -> ReadStats:
+    """Every rank of ``dims`` reads its boxes (as ``load_into``), one rank after another."""
+    manifest = read_manifest(step_store)
+    specs = checkpoint_specs(model, dims)
+    stats = ReadStats()
+    for rank in range(dims.world_size):
+        boxes = [(f, b, None) for f, b in rank_boxes(specs, dims, rank).items() if not b.is_empty]
+        read_boxes(step_store, manifest, boxes, stats=stats)
+    return stats
+
+
+def on_disk(path: Path) -> tuple[int, int]:
+    """(objects, bytes) of every file under ``path``."""
+    files = [p for p in path.rglob("*") if p.is_file()]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    model = model_config(args.mb)
+    save_dims = ParallelDims(**json.loads(args.save_layout))
+    load_dims = ParallelDims(**json.loads(args.load_layout))
+    full = build_state(model)
+    nbytes = sum(t.numel() * t.element_size() for t in full.values())
+    print(f"state: {model.num_layers} layers, {len(full)} tensors, {nbytes / MB:.0f} MB; save in "
+          f"{save_dims.describe()}, load in {load_dims.describe()}", file=sys.stderr)
+    variants = {"safetensors": ("safetensors", ""), "zarr": ("zarr", ""), f"zarr+{args.codec}": ("zarr", args.codec)}
+    base = Path(args.dir or tempfile.mkdtemp(prefix="format-bench-"))
+    results: dict[str, dict[str, list[float]]] = {v: {"save": [], "load": []} for v in variants}
+    sizes: dict[str, dict[str, int]] = {}
+    try:
+        for r in range(args.runs):
+            for name, (fmt, codec) in variants.items():
+                root = base / f"{name}-{r}"
+                t0 = time.perf_counter()
+                save(Store(str(root)), full, model, save_dims, fmt, codec)
+                results[name]["save"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                stats = reshard_load(Store(str(root)).child(step_dir(STEP)), model, load_dims)
+                results[name]["load"].append(time.perf_counter() - t0)
+                objects, stored = on_disk(root / step_dir(STEP))
+                sizes[name] = {"objects": objects, "bytes_stored": stored, "bytes_read": stats.nbytes_read,
+                               "bytes_needed": stats.nbytes_needed}
+                print(f"  run {r + 1} {name:<14} save {results[name]['save'][-1]:6.2f}s  "
+                      f"load {results[name]['load'][-1]:6.2f}s", file=sys.stderr)
+                if not args.keep:
+                    shutil.rmtree(root)
+    finally:
+        if not args.keep and not args.dir:
+            shutil.rmtree(base, ignore_errors=True)
+    out: dict[str, Any] = {"state_bytes": nbytes, "num_tensors": len(full), "save_layout": save_dims.describe(),
+                           "load_layout": load_dims.describe(), "runs": args.runs, "formats": {}}
+    for name in variants:
+        med = {k: statistics.median(v) for k, v in results[name].items()}
+        out["formats"][name] = {**sizes[name], "save_s": med["save"], "reshard_load_s": med["load"]}
+    ref = out["formats"]["safetensors"]
+    for name, f in out["formats"].items():
+        f["ratio_vs_safetensors"] = {k: f[k] / ref[k] for k in ("objects", "bytes_stored", "save_s", "reshard_load_s")}
+    return out
+
+
+def print_table(out: dict[str, Any]) -> None:
+    print(f"\n{out['state_bytes'] / MB:.0f} MB state ({out['num_tensors']} tensors), saved in "
+          f"{out['save_layout']}, loaded in {out['load_layout']}; medians of {out['runs']} runs")
+    print(f"{'format':<16}{'objects':>9}{'MB stored':>11}{'save s':>9}{'load s':>9}{'MB read':>10}"
+          f"   vs safetensors (objects, bytes, save, load)")
+    for name, f in out["formats"].items():
+        r = f["ratio_vs_safetensors"]
+        print(f"{name:<16}{f['objects']:>9}{f['bytes_stored'] / MB:>11.1f}{f['save_s']:>9.2f}"
+              f"{f['reshard_load_s']:>9.2f}{f['bytes_read'] / MB:>10.1f}   "
+              f"{r['objects']:.0f}x {r['bytes_stored']:.3f}x {r['save_s']:.2f}x {r['reshard_load_s']:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mb", type=float, default=80, help="MB of float32 parameters (state is ~3x)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--dir", default="", help="work directory (default: a temporary one)")
+    parser.add_argument("--codec", default="zstd", help="zarr codec of the optimizer state")
+    parser.add_argument("--save-layout", default='{"pp": 2, "tp": 2}', help="ParallelDims fields as JSON")
+    parser.add_argument("--load-layout", default='{"dp_shard": 4}', help="ParallelDims fields as JSON")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    out = run(parser.parse_args())
+    print_table(out)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

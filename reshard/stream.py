@@ -1,0 +1,271 @@
+"""The streaming pieces of the reshard executor: memory budget, checksums on the fly,
+verified reads assembled into slabs, and target files written as streams.
+
+No torch here (``convert_dtype`` imports it only when a reshard converts dtypes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import posixpath
+import threading
+from dataclasses import dataclass
+from typing import IO, Any, Iterator
+
+import crc32c as _crc32c
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from shardsmith.errors import IntegrityError
+from shardsmith.reshard.planner import Piece, PlanEntry, Slab
+from shardsmith.storage.checksum import crc32c
+from shardsmith.storage.fs import Store
+from shardsmith.storage.manifest import DTYPE_NBYTES, FileRecord, Manifest, ShardRecord
+from shardsmith.storage.verify import check_file_once
+
+_RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}   # element-size views: dtype-agnostic copies
+
+
+@dataclass
+class FileResult:
+    """A finished target file: its manifest records; ``written`` False when kept."""
+
+    name: str
+    record: FileRecord
+    shards: dict[str, ShardRecord]
+    written: bool
+
+
+class BufferBudget:
+    """A byte-counting semaphore: a reservation is admitted when it fits in ``capacity``
+    or when nothing else is held (so one slab larger than the budget still runs, alone).
+    ``peak`` is the high-water mark of bytes held."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.in_use = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int, block: bool = True) -> bool:
+        """Reserve ``nbytes``; returns False (without reserving) when it does not fit and
+        ``block`` is False."""
+        with self._cond:
+            while self.in_use and self.in_use + nbytes > self.capacity:
+                if not block:
+                    return False
+                self._cond.wait()
+            self.in_use += nbytes
+            self.peak = max(self.peak, self.in_use)
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self.in_use -= nbytes
+            assert self.in_use >= 0, self.in_use
+            self._cond.notify_all()
+
+
+class ChunkedCrc:
+    """CRC-32C of each consecutive ``chunk_nbytes`` piece of a byte stream fed in any
+    pieces (equals :func:`shardsmith.storage.checksum.chunk_crc32c` of the whole)."""
+
+    def __init__(self, chunk_nbytes: int) -> None:
+        self.chunk_nbytes = chunk_nbytes
+        self.done: list[int] = []
+        self._crc = 0
+        self._fill = 0
+
+    def update(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), self.chunk_nbytes - self._fill)
+            self._crc = crc32c_update(view[:take], self._crc)
+            self._fill += take
+            view = view[take:]
+            if self._fill == self.chunk_nbytes:
+                self.done.append(self._crc)
+                self._crc, self._fill = 0, 0
+
+    def finish(self) -> list[int]:
+        return self.done + ([self._crc] if self._fill else [])
+
+
+def crc32c_update(data: Any, value: int) -> int:
+    """CRC-32C of ``data`` continuing from the CRC ``value`` of the bytes before it."""
+    return int(_crc32c.crc32c(data, value))
+
+
+class BufferPool:
+    """Byte buffers reused from slab to slab, so steady state allocates nothing (every
+    fresh allocation costs a page fault per 4 KiB) and RSS stays near the budget.
+
+    A request takes the smallest free buffer at most 1/8 + 1 MiB larger, else a new one
+    (rounded up to 1 MiB). Buffers given back are kept while all buffers together
+    (held and free) stay within ``keep_nbytes``; beyond that they are freed.
+    """
+
+    def __init__(self, keep_nbytes: int) -> None:
+        self.keep_nbytes = keep_nbytes
+        self.allocated = 0
+        self.free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A 1-d ``uint8`` buffer of at least ``nbytes`` (only the first ``nbytes`` are yours)."""
+        with self._lock:
+            fits = [i for i, b in enumerate(self.free) if nbytes <= b.nbytes <= nbytes + nbytes // 8 + (1 << 20)]
+            if fits:
+                return self.free.pop(min(fits, key=lambda i: self.free[i].nbytes))   # (arrays: no ==)
+            size = -(-max(nbytes, 1) // (1 << 20)) * (1 << 20)
+            while self.free and self.allocated + size > self.keep_nbytes:
+                self.allocated -= self.free.pop(0).nbytes             # make room: drop the oldest
+            self.allocated += size
+        return np.empty(size, dtype=np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        """Return a buffer from :meth:`take`."""
+        with self._lock:
+            if self.allocated > self.keep_nbytes:
+                self.allocated -= buf.nbytes
+            else:
+                self.free.append(buf)
+
+
+def _read_into(src: Store, key: str, start: int, out: np.ndarray) -> int:
+    """Read bytes ``[start, start + len(out))`` of ``key`` into ``out``; bytes read.
+    Local files with ``pread`` straight into the buffer, other stores by ranged GET."""
+    if src.is_local:
+        fd = os.open(posixpath.join(src.root, key), os.O_RDONLY)
+        try:
+            view, got = out.data, 0
+            while got < len(view):
+                n = os.preadv(fd, [view[got:]], start + got)
+                if n == 0:
+                    break
+                got += n
+            return got
+        finally:
+            os.close(fd)
+    data = src.read_range(key, start, start + len(out))
+    out[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return len(data)
+
+
+def read_piece(src: Store, manifest: Manifest, piece: Piece, pool: BufferPool) -> np.ndarray:
+    """Read a piece's chunk-aligned range into a pool buffer and verify every chunk against
+    the manifest (and, the first time a file is touched, its size and header).
+
+    Returns:
+        The pool buffer; its first ``piece.read_nbytes`` bytes hold the range.
+
+    Raises:
+        IntegrityError: missing, short or oversized file, header or checksum mismatch
+            (names the file and byte range).
+    """
+    shard, chunk_nbytes = piece.shard, manifest.chunk_nbytes
+    check_file_once(src, manifest, shard.file)
+    buf = pool.take(piece.read_nbytes)
+    try:
+        got = _read_into(src, shard.file, shard.byte_offset + piece.read_start, buf[:piece.read_nbytes])
+        if got != piece.read_nbytes:
+            raise IntegrityError(f"{src.url_of(shard.file)}: truncated — expected {piece.read_nbytes} bytes "
+                                 f"at offset {shard.byte_offset + piece.read_start}, got {got}; "
+                                 "restore the file or reshard another step")
+        view = buf.data[:got]
+        for i in range(0, got, chunk_nbytes):
+            c = (piece.read_start + i) // chunk_nbytes
+            if crc32c(view[i:i + chunk_nbytes]) != shard.crc32c[c]:
+                raise IntegrityError(
+                    f"{src.url_of(shard.file)}: checksum mismatch in {shard.key!r} bytes [{c * chunk_nbytes}, "
+                    f"{c * chunk_nbytes + len(view[i:i + chunk_nbytes])}) — the file is corrupt; restore it "
+                    "or reshard another step")
+    except BaseException:
+        pool.give(buf)
+        raise
+    return buf
+
+
+def assemble_slab(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry,
+                  pool: BufferPool) -> tuple[np.ndarray, np.ndarray | None]:
+    """The slab's bytes in the target dtype, as a contiguous 1-d ``uint8`` array.
+
+    Each piece is read, verified, and copied through a strided view of the source
+    shard's row-major storage into the slab; pieces are read one at a time. A slab that
+    one read holds as it is written (:attr:`Slab.zero_copy`) is returned as a view of it.
+
+    Returns:
+        (bytes, the pool buffer holding them, to give back once written; ``None`` when
+        converted to a new array).
+    """
+    if slab.zero_copy:
+        piece = slab.pieces[0]
+        buf = read_piece(src, manifest, piece, pool)
+        return buf[piece.first - piece.read_start:piece.last - piece.read_start], buf
+    itemsize = DTYPE_NBYTES[entry.src_dtype]
+    raw = _RAW[itemsize]
+    held = pool.take(slab.src_nbytes)
+    try:
+        out = held[:slab.src_nbytes].view(raw).reshape(slab.box.lengths)
+        for piece in slab.pieces:
+            buf = read_piece(src, manifest, piece, pool)
+            try:
+                seg = buf[piece.first - piece.read_start:piece.last - piece.read_start].view(raw)
+                strides = [itemsize] * len(piece.saved.lengths)
+                for d in range(len(strides) - 2, -1, -1):
+                    strides[d] = strides[d + 1] * piece.saved.lengths[d + 1]
+                out[piece.common.relative_to(slab.box)] = as_strided(seg, piece.common.lengths, strides,
+                                                                     writeable=False)
+            finally:
+                pool.give(buf)
+        if entry.dtype == entry.src_dtype:
+            return held[:slab.src_nbytes], held
+        converted = convert_dtype(out, entry.src_dtype, entry.dtype).reshape(-1).view(np.uint8)
+    except BaseException:
+        pool.give(held)
+        raise
+    pool.give(held)
+    return converted, None
+
+
+def convert_dtype(raw: np.ndarray, src: str, dst: str) -> np.ndarray:
+    """Convert raw elements between float dtypes with torch's rounding (round to nearest
+    even), returning raw elements of ``dst``. Imports torch only when called."""
+    import torch
+
+    from shardsmith.storage.shards import TORCH_DTYPES
+
+    converted = torch.from_numpy(raw).view(TORCH_DTYPES[src]).to(TORCH_DTYPES[dst])
+    return converted.view(torch.uint8).numpy().view(_RAW[DTYPE_NBYTES[dst]])
+
+
+@contextlib.contextmanager
+def target_stream(dst: Store, key: str, nbytes: int) -> Iterator[IO[bytes]]:
+    """A file to write ``key`` front to back; it appears only when the block exits cleanly.
+
+    :meth:`Store.open_writer`: local, a hidden temporary file renamed into place; S3, a
+    multipart upload of parallel, individually retried parts (sized for ``nbytes``),
+    completed on success and aborted on error; other backends, fsspec's file committed
+    on success.
+    """
+    with dst.open_writer(key, nbytes_hint=nbytes) as f:
+        yield f
+
+
+def return_freed_buffers_to_os(threshold_nbytes: int = 1 << 20) -> bool:
+    """Make glibc serve allocations >= ``threshold_nbytes`` with their own mmap, returned
+    to the OS on free (``mallopt(M_MMAP_THRESHOLD)``, see mallopt(3)).
+
+    By default glibc raises that threshold dynamically up to 32 MiB after the first large
+    free, after which freed slabs stay cached in per-thread arenas and the process's RSS
+    exceeds the executor's buffer accounting by several slabs. Process-wide and harmless
+    elsewhere (large allocations behave as before the dynamic raise). Returns False where
+    there is no glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, int(threshold_nbytes)))       # -3 = M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False

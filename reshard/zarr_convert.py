@@ -1,0 +1,225 @@
+"""The zarr format under a layout, and conversion between tensor formats (any layout).
+
+:func:`layout_arrays` derives each logical tensor's zarr array (chunk grid on the saving
+layout's box boundaries, codec) from the sharding plan; a save and a conversion to the
+same layout agree on it. :func:`convert_format` rewrites a committed checkpoint of
+either format in a layout and format of choice, streaming one target box at a time: each
+box is read with :func:`~shardsmith.storage.shards.read_box` (ranged, verified reads of
+either source format) and written as zarr chunks or into the target rank's safetensors
+file, so peak memory is about the largest tensor box (plus encoded chunks awaiting upload,
+at most :data:`~shardsmith.storage.zarr_format.MAX_PENDING_NBYTES`).
+
+The safetensors-to-safetensors case is the streaming engine's
+(:mod:`shardsmith.reshard.engine`, resumable, scale-out); this module covers every
+conversion that involves zarr. A rerun after an interruption rewrites all files.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from typing import Iterator
+
+import torch
+
+from shardsmith.errors import CheckpointError, ConfigError, LayoutError
+from shardsmith.reshard.engine import ReshardReport, target_root
+from shardsmith.reshard.layout import ModelConfig, ParallelDims
+from shardsmith.reshard.plan import TensorSpec, checkpoint_specs, shard_file_name, write_assignment
+from shardsmith.reshard.planner import file_order, safetensors_header
+from shardsmith.reshard.stream import ChunkedCrc, crc32c_update, target_stream
+from shardsmith.storage.boxes import Box
+from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES, crc32c
+from shardsmith.storage.commit import commit, read_manifest, step_dir
+from shardsmith.storage.fs import Store
+from shardsmith.storage.manifest import (DTYPE_NBYTES, MANIFEST_NAME, TENSOR_FORMATS, FileRecord, Manifest,
+                                         ShardRecord, TensorRecord)
+from shardsmith.storage.shards import ReadStats, read_box
+from shardsmith.storage.zarr_format import ZarrArray, parse_codec, regular_chunks, write_chunks, write_metadata
+
+#: Prefix of the tensors the zarr codec compresses (optimizer state; parameters stay raw).
+COMPRESSED_PREFIX = "optim."
+
+
+def layout_arrays(specs: dict[str, TensorSpec], dims: ParallelDims, codec: str = "") -> dict[str, ZarrArray]:
+    """The zarr array of every tensor saved in layout ``dims``. Pure.
+
+    The chunk grid is :func:`~shardsmith.storage.zarr_format.regular_chunks` of the
+    distinct boxes the layout writes; ``codec`` (see
+    :func:`~shardsmith.storage.zarr_format.parse_codec`) compresses the optimizer state
+    (``optim.*``, except 0-d step counters).
+
+    Raises:
+        ConfigError: an unknown codec.
+    """
+    name, level = parse_codec(codec)
+    spec_codec = f"{name}:{level}" if name else ""
+    boxes: dict[str, list[Box]] = {fqn: [] for fqn in specs}
+    for items in write_assignment(specs, dims).values():
+        for fqn, box in items:
+            boxes[fqn].append(box)
+    return {fqn: ZarrArray(fqn, s.shape, s.dtype, regular_chunks(s.shape, boxes[fqn]),
+                           spec_codec if fqn.startswith(COMPRESSED_PREFIX) and s.shape else "")
+            for fqn, s in specs.items()}
+
+
+def _target_specs(manifest: Manifest, dims: ParallelDims, model_only: bool, url: str) -> dict[str, TensorSpec]:
+    """Specs of the target layout, with the source's dtypes; checks the source fits."""
+    model = ModelConfig.from_json(manifest.model)
+    with_optim = not model_only and any(k.startswith("optim.") for k in manifest.tensors)
+    specs = checkpoint_specs(model, dims, with_optimizer=with_optim)           # validates the layout
+    bad = [f for f, s in specs.items()
+           if f not in manifest.tensors or tuple(manifest.tensors[f].shape) != s.shape]
+    if bad:
+        raise LayoutError(f"{url}: {len(bad)} tensors are missing or do not fit the model config, "
+                          f"e.g. {bad[:5]}")
+    return {f: TensorSpec(f, s.shape, manifest.tensors[f].dtype, s.dim_axes, s.stages, s.pad_dim0_to,
+                          s.tp_replicas) for f, s in specs.items()}
+
+
+def _boxes(src: Store, manifest: Manifest, items: list[tuple[str, Box]],
+           stats: ReadStats) -> Iterator[tuple[str, torch.Tensor, Box]]:
+    for fqn, box in items:
+        yield fqn, read_box(src, manifest, fqn, box, stats=stats), box
+
+
+def _write_zarr(src: Store, manifest: Manifest, dst: Store, specs: dict[str, TensorSpec], dims: ParallelDims,
+                codec: str, chunk_nbytes: int, stats: ReadStats) -> tuple[dict, dict]:
+    arrays = layout_arrays(specs, dims, codec)
+    files: dict[str, FileRecord] = {}
+    shards: dict[str, list[ShardRecord]] = {}
+    for rank, items in sorted(write_assignment(specs, dims).items()):
+        f, s = write_chunks(dst, arrays, _boxes(src, manifest, items, stats), chunk_nbytes)
+        files.update(f)
+        for fqn, recs in s.items():
+            shards.setdefault(fqn, []).extend(recs)
+    files.update(write_metadata(dst, arrays.values()))           # before the manifest
+    return files, shards
+
+
+def _write_safetensors_file(src: Store, manifest: Manifest, dst: Store, rank: int, items: list[tuple[str, Box]],
+                            specs: dict[str, TensorSpec], chunk_nbytes: int,
+                            stats: ReadStats) -> tuple[FileRecord, dict[str, ShardRecord]]:
+    """Stream target ``rank``'s safetensors file: header, then each box as it is read
+    (entries in ``safetensors.torch.save`` order, as a save in the target layout writes)."""
+    items = sorted(items, key=lambda it: file_order(it[0], specs[it[0]].dtype))
+    sizes = [(fqn, specs[fqn].dtype, box.lengths, box.numel * DTYPE_NBYTES[specs[fqn].dtype]) for fqn, box in items]
+    header, offsets = safetensors_header(sizes)
+    name = shard_file_name(rank)
+    file_crc, records = crc32c(header), {}
+    with target_stream(dst, name, len(header) + sum(s[3] for s in sizes)) as f:
+        f.write(header)
+        for (fqn, box), (_, _, _, nbytes), offset in zip(items, sizes, offsets):
+            data = memoryview(read_box(src, manifest, fqn, box, stats=stats).reshape(-1).view(torch.uint8).numpy())
+            f.write(data)
+            crcs = ChunkedCrc(chunk_nbytes)
+            crcs.update(data)
+            file_crc = crc32c_update(data, file_crc)
+            records[fqn] = ShardRecord(offsets=list(box.offsets), lengths=list(box.lengths), file=name, key=fqn,
+                                       byte_offset=len(header) + offset, nbytes=nbytes, crc32c=crcs.finish())
+    return FileRecord(len(header) + sum(s[3] for s in sizes), file_crc), records
+
+
+def _write_safetensors(src: Store, manifest: Manifest, dst: Store, specs: dict[str, TensorSpec],
+                       dims: ParallelDims, chunk_nbytes: int, stats: ReadStats) -> tuple[dict, dict]:
+    files: dict[str, FileRecord] = {}
+    shards: dict[str, list[ShardRecord]] = {}
+    for rank, items in sorted(write_assignment(specs, dims).items()):
+        if items:
+            rec, recs = _write_safetensors_file(src, manifest, dst, rank, items, specs, chunk_nbytes, stats)
+            files[shard_file_name(rank)] = rec
+            for fqn, r in recs.items():
+                shards.setdefault(fqn, []).append(r)
+    return files, shards
+
+
+def convert_format(src: Store, dst_url: str, dims: ParallelDims, tensor_format: str, *, codec: str = "",
+                   model_only: bool = False, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+                   storage_options: dict | None = None) -> ReshardReport:
+    """Rewrite the committed step in ``src`` in layout ``dims`` and ``tensor_format``; commit it.
+
+    Single process. Files are written first, the zarr metadata next, the manifest last
+    (:func:`~shardsmith.storage.commit.commit`), then ``latest``.
+
+    Args:
+        src: source step directory (either format).
+        dst_url: target step directory (``.../step-NNNNNNNNN``, the source's step) or a root.
+        dims: target layout.
+        tensor_format: ``"safetensors"`` or ``"zarr"``.
+        codec: zarr compression of the optimizer state (``""``, ``"zstd"``, ``"gzip:9"`` ...).
+        model_only: drop the optimizer state.
+        chunk_nbytes: checksum chunk size of the target (bytes).
+        storage_options: fsspec options of the target.
+
+    Returns:
+        A :class:`~shardsmith.reshard.engine.ReshardReport` (``num_files``: data files).
+
+    Raises:
+        ConfigError: an unknown format or codec.
+        LayoutError: ``dims`` does not fit the model, or ``dst_url`` names another step.
+        CheckpointError: the target is already committed; IntegrityError: a bad source byte.
+    """
+    if tensor_format not in TENSOR_FORMATS:
+        raise ConfigError(f"tensor format {tensor_format!r}: choose one of {list(TENSOR_FORMATS)}")
+    parse_codec(codec)
+    t0 = time.perf_counter()
+    manifest = read_manifest(src)
+    specs = _target_specs(manifest, dims, model_only, src.url)
+    root = target_root(dst_url, manifest.step, storage_options)
+    dst = root.child(step_dir(manifest.step))
+    if dst.exists(MANIFEST_NAME):
+        raise CheckpointError(f"{dst.url} is already a committed checkpoint; delete it or choose another target")
+    stats = ReadStats()
+    if tensor_format == "zarr":
+        files, shards = _write_zarr(src, manifest, dst, specs, dims, codec, chunk_nbytes, stats)
+    else:
+        files, shards = _write_safetensors(src, manifest, dst, specs, dims, chunk_nbytes, stats)
+    tensors = {fqn: TensorRecord(shape=list(s.shape), dtype=s.dtype,
+                                 shards=sorted(shards.get(fqn, []), key=lambda r: r.offsets))
+               for fqn, s in specs.items()}
+    config = dict(manifest.config)
+    if "parallel" in config:
+        config["parallel"] = dims.to_json()
+    out = Manifest(step=manifest.step, layout={**dims.to_json(), "world_size": dims.world_size},
+                   model=manifest.model, config=config, state=manifest.state, tensors=tensors, files=files,
+                   tensor_format=tensor_format, chunk_nbytes=chunk_nbytes,
+                   created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    commit(root, out)
+    return ReshardReport(step=manifest.step, target=dst.url, num_files=len(files),
+                         nbytes_written=sum(f.nbytes for f in files.values()), nbytes_read=stats.nbytes_read,
+                         nbytes_needed=stats.nbytes_needed, seconds=time.perf_counter() - t0, committed=True)
+
+
+# ---- saving from a training job (see trainer/checkpoint.write_and_commit) ---------------------
+
+
+def save_rank_chunks(step_store: Store, entries: list[tuple[str, torch.Tensor, Box]], specs: dict[str, TensorSpec],
+                     dims: ParallelDims, codec: str, chunk_nbytes: int) -> dict:
+    """Write one rank's boxes as zarr chunks; the JSON records it sends to the coordinator
+    (``{"zarr": {"files": {path: [nbytes, crc32c]}, "shards": {fqn: [record, ...]}}}``).
+
+    Every rank calls it with the boxes ``write_assignment`` gives it (possibly none)."""
+    files, shards = write_chunks(step_store, layout_arrays(specs, dims, codec), entries, chunk_nbytes)
+    return {"zarr": {"files": {k: [f.nbytes, f.crc32c] for k, f in files.items()},
+                     "shards": {fqn: [r.to_json() for r in recs] for fqn, recs in shards.items()}}}
+
+
+def add_zarr_records(manifest: Manifest, gathered: list[dict], step_store: Store, specs: dict[str, TensorSpec],
+                     dims: ParallelDims, codec: str) -> None:
+    """Coordinator only, before the commit: write the zarr metadata and put every rank's
+    chunk records and the metadata files into ``manifest`` (``tensor_format`` = zarr)."""
+    manifest.tensor_format = "zarr"
+    manifest.files.update(write_metadata(step_store, layout_arrays(specs, dims, codec).values()))
+    for g in gathered:
+        part = g.get("zarr", {})
+        for name, (nbytes, crc) in part.get("files", {}).items():
+            manifest.files[name] = FileRecord(nbytes=nbytes, crc32c=crc)
+        for fqn, recs in part.get("shards", {}).items():
+            manifest.tensors[fqn].shards.extend(ShardRecord(**r) for r in recs)
+    for t in manifest.tensors.values():
+        t.shards.sort(key=lambda s: s.offsets)
+
+
+def gathered_zarr_nbytes(gathered: list[dict]) -> int:
+    """Bytes of the chunk files in gathered :func:`save_rank_chunks` records."""
+    return sum(f[0] for g in gathered for f in g.get("zarr", {}).get("files", {}).values())
