@@ -100,6 +100,11 @@ def make_dims(tp: int, pp: int, dp_shard: int, dp_replicate: int, pipeline_split
               help="Checkpoint every K steps (0 = only at the end).")
 @click.option("--async-save/--no-async-save", default=True, show_default=True,
               help="Write checkpoints in the background after a host snapshot.")
+@click.option("--format", "tensor_format", type=click.Choice(["safetensors", "zarr"]), default="safetensors",
+              show_default=True, help="Checkpoint tensor format: one safetensors file per rank, or one "
+              "zarr v3 array per tensor (opens in plain zarr).")
+@click.option("--zarr-codec", default="", metavar="CODEC",
+              help="With --format zarr: compress the optimizer state (zstd, gzip, zstd:5 ...).")
 @click.option("--resume", "--load", "resume", default="auto", show_default=True, metavar="auto|none|URL",
               help="auto: newest committed step under --ckpt; none; or a root/step URL (Megatron: --load).")
 @click.option("--max-restarts", type=int, default=0, show_default=True,
@@ -127,7 +132,7 @@ def train(tp, pp, dp_shard, dp_replicate, pipeline_split, num_layers, hidden_siz
           num_kv_heads, ffn_hidden_size, vocab_size, seq_length, tie_embeddings, nproc_per_node, steps,
           global_batch_size, micro_batch_size, lr, decay_steps, min_lr_ratio, warmup_steps, weight_decay, grad_clip,
           seed, data, token_dtype, mixed_precision, bf16, activation_checkpointing, ckpt, save_interval,
-          async_save, resume, max_restarts, preempt_deadline, collective_timeout, init_timeout, hang_factor,
+          async_save, tensor_format, zarr_codec, resume, max_restarts, preempt_deadline, collective_timeout, init_timeout, hang_factor,
           hang_min_seconds, max_bad_steps, max_rollbacks, peak_flops, log_interval, run_dir,
           storage_options) -> None:
     """Train a Llama-style model with TP x PP x DP and periodic checkpoints."""
@@ -149,7 +154,8 @@ def train(tp, pp, dp_shard, dp_replicate, pipeline_split, num_layers, hidden_siz
                           weight_decay=weight_decay, grad_clip=grad_clip),
         data=DataConfig(sources=tuple(data), token_dtype=token_dtype, seed=seed),
         checkpoint=CheckpointConfig(url=ckpt, save_interval=save_interval, resume=resume, async_save=async_save,
-                                    storage_options=parse_storage_options(storage_options)),
+                                    storage_options=parse_storage_options(storage_options),
+                                    tensor_format=tensor_format, zarr_codec=zarr_codec),
         steps=steps, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, seed=seed,
         mixed_precision="bf16" if bf16 else mixed_precision,
         activation_checkpointing=activation_checkpointing, log_interval=log_interval, run_dir=run_dir,

@@ -1,10 +1,18 @@
-"""Asynchronous checkpointing: training is blocked only while state is copied to host.
+"""Asynchronous checkpointing: training is blocked at most while state is copied to host.
 
 :class:`AsyncCheckpointer` keeps one set of host staging buffers (allocated at the
-first save, reused afterwards, pinned when CUDA is present), copies the tensors this
-rank writes into them (the only blocking part), then serializes, checksums, uploads
+first save, reused afterwards, pinned when CUDA is present) and, per save, copies the
+tensors this rank writes into them (the *snapshot*), then serializes, checksums, uploads
 and commits in a background thread, using a separate gloo process group for the
 commit's collectives so they never interleave with training collectives.
+
+The snapshot itself runs either in :meth:`~AsyncCheckpointer.save` (the default: the
+caller is blocked for one copy of its state) or, once :meth:`~AsyncCheckpointer.overlap_with`
+has been given the optimizer, in the background thread too: ``save`` then returns at
+once, the copy overlaps the next forward/backward (which read but never write parameters
+and optimizer state), and the optimizer's next ``step`` waits for the copy to finish (a
+step pre-hook), so the snapshot is exactly the state ``save`` was called with. On CUDA
+the copy runs on its own stream, ordered after the work queued before ``save``.
 
 At most one save is in flight: the next :meth:`save` and :meth:`wait` join it first.
 A background failure is logged when it happens, never committed, and raised as
@@ -13,6 +21,7 @@ A background failure is logged when it happens, never committed, and raised as
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -36,63 +45,123 @@ class AsyncCheckpointer:
         root: checkpoint root store.
         model_cfg, dims: model and layout.
         on_commit: called in the background thread after a successful commit.
+        tensor_format, zarr_codec: see :func:`~shardsmith.trainer.checkpoint.write_and_commit`.
+
+    Attributes:
+        snapshot_wait_seconds: total time callers waited for background snapshots
+            (:meth:`wait_snapshot`, e.g. in the optimizer's step pre-hook).
     """
 
     def __init__(self, root: Store, model_cfg: ModelConfig, dims: ParallelDims,
-                 on_commit: Callable[[SaveResult], None] | None = None) -> None:
+                 on_commit: Callable[[SaveResult], None] | None = None, *,
+                 tensor_format: str = "safetensors", zarr_codec: str = "") -> None:
         self.root, self.model_cfg, self.dims = root, model_cfg, dims
+        self.tensor_format, self.zarr_codec = tensor_format, zarr_codec
         self.group = dist.new_group(backend="gloo")
         self.on_commit = on_commit
+        self.overlap_snapshot = False
+        self.snapshot_wait_seconds = 0.0
         self._staging: dict[str, torch.Tensor] = {}
+        self._snapshot_done = threading.Event()
+        self._snapshot_done.set()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._waited = 0.0
         self.last_result: SaveResult | None = None
 
-    def _stage(self, plan: WritePlan) -> WritePlan:
-        """Copy the tensors to write into reused host buffers (the blocking part)."""
-        pin = torch.cuda.is_available()
+    def overlap_with(self, optimizer: torch.optim.Optimizer) -> None:
+        """Take snapshots in the background from now on; ``optimizer.step`` waits for the
+        snapshot in flight before it changes anything (a step pre-hook).
+
+        Only call it when nothing but this optimizer's steps modifies the saved tensors
+        between a :meth:`save` and the next one (anything else must call
+        :meth:`wait_snapshot` or :meth:`wait` first, as a rollback's load does).
+        """
+        optimizer.register_step_pre_hook(lambda *_: self.wait_snapshot())
+        self.overlap_snapshot = True
+
+    def _stage(self, plan: WritePlan, ready: Any) -> WritePlan:
+        """Copy the tensors to write into reused host buffers (the snapshot).
+
+        ``ready``: a CUDA event recorded on the caller's stream at :meth:`save` (or None);
+        the copies run on this saver's stream after it."""
+        pin = self._stream is not None
         entries = []
-        for fqn, t, box in plan.entries:
-            buf = self._staging.get(fqn)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-                self._staging[fqn] = buf
-            buf.copy_(t.detach(), non_blocking=pin)
-            entries.append((fqn, buf, box))
+        with torch.cuda.stream(self._stream) if pin else contextlib.nullcontext():
+            if ready is not None:
+                self._stream.wait_event(ready)
+            for fqn, t, box in plan.entries:
+                buf = self._staging.get(fqn)
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                    buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                    self._staging[fqn] = buf
+                buf.copy_(t.detach(), non_blocking=pin)
+                entries.append((fqn, buf, box))
         if pin:
-            torch.cuda.synchronize()
+            self._stream.synchronize()
         return WritePlan(plan.step, plan.specs, entries)
 
     def save(self, step: int, tensors: dict[str, torch.Tensor], *, config: dict[str, Any],
              state: dict[str, Any]) -> float:
         """Snapshot and start a background save. Collective over all ranks.
 
+        Without :meth:`overlap_with` the snapshot is taken before this returns; with it, in the
+        background (that optimizer's next step waits for it).
+
         Returns:
-            Seconds the caller was blocked (waiting for the previous save + the snapshot).
+            Seconds the caller was blocked (waiting for the previous save + planning +
+            the snapshot when it is not overlapped).
 
         Raises:
             SaveError: the previous background save failed.
+            CheckpointError: the tensors do not match the sharding plan.
         """
         t0 = time.perf_counter()
         self.wait()
-        plan = self._stage(plan_local_writes(step, tensors, self.model_cfg, self.dims, dist.get_rank()))
+        plan = plan_local_writes(step, tensors, self.model_cfg, self.dims, dist.get_rank())
+        self._waited = 0.0
+        self._snapshot_done.clear()
+        ready = None
+        if self._stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()
+        if not self.overlap_snapshot:
+            try:
+                plan = self._stage(plan, ready)
+            finally:
+                self._snapshot_done.set()
         blocked = time.perf_counter() - t0
-        self._thread = threading.Thread(target=self._run, args=(plan, config, state, blocked, t0),
+        self._thread = threading.Thread(target=self._run, args=(plan, config, state, blocked, t0, ready),
                                         name=f"shardsmith-save-{step}", daemon=True)
         self._thread.start()
         return blocked
 
     def _run(self, plan: WritePlan, config: dict[str, Any], state: dict[str, Any], blocked: float,
-             t0: float) -> None:
+             t0: float, ready: Any) -> None:
         try:
+            if not self._snapshot_done.is_set():
+                try:
+                    plan = self._stage(plan, ready)
+                finally:
+                    self._snapshot_done.set()
             nbytes = write_and_commit(self.root, plan, model_cfg=self.model_cfg, dims=self.dims,
-                                      config=config, state=state, group=self.group)
-            self.last_result = SaveResult(plan.step, nbytes, time.perf_counter() - t0, blocked)
+                                      config=config, state=state, group=self.group,
+                                      tensor_format=self.tensor_format, zarr_codec=self.zarr_codec)
+            self.last_result = SaveResult(plan.step, nbytes, time.perf_counter() - t0, blocked + self._waited)
             if self.on_commit is not None:
                 self.on_commit(self.last_result)
         except BaseException as exc:  # never dies silently: logged now, raised by the next call
             log.error("background save of step %d failed: %s", plan.step, exc)
             self._error = exc
+
+    def wait_snapshot(self) -> None:
+        """Block until the save in flight (if any) has copied its tensors; then they may change."""
+        if not self._snapshot_done.is_set():
+            t0 = time.perf_counter()
+            self._snapshot_done.wait()
+            self._waited += time.perf_counter() - t0
+            self.snapshot_wait_seconds += time.perf_counter() - t0
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) finishes; raise its failure.

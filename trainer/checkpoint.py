@@ -29,8 +29,9 @@ from shardsmith.storage.boxes import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord, TensorRecord, parse_manifest
+from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord, TensorRecord
 from shardsmith.storage.shards import DTYPE_NAMES, ReadStats, read_boxes, write_shard_file
+from shardsmith.reshard.zarr_convert import add_zarr_records, gathered_zarr_nbytes, save_rank_chunks
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,21 @@ def gather_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(out, padded, group=group)
     return [json.loads(bytes(t[: int(s.item())].tolist())) for t, s in zip(out, sizes)]
+
+
+def _broadcast_text(text: str, group: dist.ProcessGroup | None = None) -> str:
+    """Rank 0's ``text`` on every rank of ``group`` (UTF-8 over the process group; one small
+    collective when it is empty, the common case). Every rank of ``group`` must call it."""
+    data = text.encode() if dist.get_rank(group) == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(size, src=src, group=group)
+    if int(size.item()) == 0:
+        return ""
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size.item()),
+                                                                                          dtype=torch.uint8)
+    dist.broadcast(buf, src=src, group=group)
+    return bytes(buf.tolist()).decode()
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -119,16 +135,32 @@ class WritePlan:
     entries: list[tuple[str, torch.Tensor, Box]]
 
 
+#: (model, layout, rank, with optimizer) -> (specs, local shapes, this rank's writes): the
+#: plan is pure and a run saves with one layout, so it is computed once per run.
+_PLANS: dict[str, tuple[dict, dict[str, tuple[int, ...]], list[tuple[str, Box]]]] = {}
+
+
+def _rank_plan(model_cfg: ModelConfig, dims: ParallelDims, rank: int,
+               with_optim: bool) -> tuple[dict, dict[str, tuple[int, ...]], list[tuple[str, Box]]]:
+    key = json.dumps([model_cfg.to_json(), dims.to_json(), rank, with_optim], sort_keys=True)
+    if key not in _PLANS:
+        specs = checkpoint_specs(model_cfg, dims, with_optimizer=with_optim)
+        coords = dims.coords(rank)
+        shapes = {f: specs[f].local_lengths(dims, coords) for f in rank_boxes(specs, dims, rank)}
+        if len(_PLANS) >= 16:
+            _PLANS.clear()
+        _PLANS[key] = (specs, shapes, write_assignment(specs, dims)[rank])
+    return _PLANS[key]
+
+
 def plan_local_writes(step: int, tensors: dict[str, torch.Tensor], model_cfg: ModelConfig,
                       dims: ParallelDims, rank: int) -> WritePlan:
     """Check this rank's tensors against the sharding plan and pick the ones it writes
-    (each distinct box once over all ranks; see ``reshard.plan.write_assignment``)."""
+    (each distinct box once over all ranks; see ``reshard.plan.write_assignment``).
+    The plan is computed once per (model, layout, rank) and reused by later saves."""
     with_optim = any(k.startswith("optim.") for k in tensors)
-    specs = checkpoint_specs(model_cfg, dims, with_optimizer=with_optim)
-    coords = dims.coords(rank)
-    boxes = rank_boxes(specs, dims, rank)
-    _check_boxes(tensors, {f: specs[f].local_lengths(dims, coords) for f in boxes}, rank)
-    mine = write_assignment(specs, dims)[rank]
+    specs, shapes, mine = _rank_plan(model_cfg, dims, rank, with_optim)
+    _check_boxes(tensors, shapes, rank)
     return WritePlan(step, specs, [(fqn, unpadded(tensors[fqn], box), box) for fqn, box in mine])
 
 
@@ -142,9 +174,12 @@ def unpadded(local: torch.Tensor, box: Box) -> torch.Tensor:
 
 def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, dims: ParallelDims,
                      config: dict[str, Any], state: dict[str, Any], group: dist.ProcessGroup | None,
-                     chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> int:
+                     chunk_nbytes: int = DEFAULT_CHUNK_NBYTES, tensor_format: str = "safetensors",
+                     zarr_codec: str = "") -> int:
     """Write this rank's shard file, gather every rank's records on ``group`` (JSON, no
     pickle), and on rank 0 validate coverage, write the manifest (commit) and ``latest``.
+    With ``tensor_format="zarr"`` each rank writes its boxes as zarr chunks instead and
+    rank 0 writes the zarr metadata before the manifest (see ``reshard/zarr_convert.py``).
 
     Every rank of ``group`` calls it with the same step. Returns total data bytes.
 
@@ -156,7 +191,9 @@ def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, di
     file_name = shard_file_name(dist.get_rank())
     error, records = "", {}
     try:
-        if plan.entries:
+        if tensor_format == "zarr":
+            records = save_rank_chunks(step_store, plan.entries, plan.specs, dims, zarr_codec, chunk_nbytes)
+        elif plan.entries:
             entries = [(fqn, t.detach().to("cpu")) for fqn, t, _ in plan.entries]
             file_rec, shard_recs = write_shard_file(step_store, file_name, entries, chunk_nbytes,
                                                     {fqn: box for fqn, _, box in plan.entries})
@@ -174,21 +211,23 @@ def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, di
         try:
             manifest = _build_manifest(plan.step, gathered, plan.specs, model_cfg, dims, config, state,
                                        chunk_nbytes)
-            parse_manifest(manifest.dumps(), step_store.url_of("manifest.json"))   # coverage first
-            commit(root, manifest)
+            if tensor_format == "zarr":
+                add_zarr_records(manifest, gathered, step_store, plan.specs, dims, zarr_codec)
+            commit(root, manifest)                   # validates (schema, coverage) before writing
         except Exception as exc:
             log.exception("committing step %d failed", plan.step)
             commit_error = f"commit: {type(exc).__name__}: {exc}"
-    outcome = gather_json(commit_error, group)
-    if outcome[0]:
-        raise SaveError(f"checkpoint step {plan.step} not committed: {outcome[0]}")
-    return sum(g["file"][1] for g in gathered if "file" in g)
+    commit_error = _broadcast_text(commit_error, group)
+    if commit_error:
+        raise SaveError(f"checkpoint step {plan.step} not committed: {commit_error}")
+    return sum(g["file"][1] for g in gathered if "file" in g) + gathered_zarr_nbytes(gathered)
 
 
 def save_checkpoint(root: Store, step: int, tensors: dict[str, torch.Tensor], *, model_cfg: ModelConfig,
                     dims: ParallelDims, config: dict[str, Any], state: dict[str, Any],
                     group: dist.ProcessGroup | None = None,
-                    chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> SaveResult:
+                    chunk_nbytes: int = DEFAULT_CHUNK_NBYTES, tensor_format: str = "safetensors",
+                    zarr_codec: str = "") -> SaveResult:
     """Write and commit one step synchronously. Called by every rank, in the same order.
 
     Args:
@@ -197,6 +236,7 @@ def save_checkpoint(root: Store, step: int, tensors: dict[str, torch.Tensor], *,
         tensors: this rank's local tensors by global FQN (see :func:`model_state_tensors`).
         model_cfg, dims: the model and layout (the plan decides who writes what).
         config, state: JSON-safe root config and non-tensor state (scheduler, data, counters).
+        tensor_format: ``"safetensors"`` or ``"zarr"``; zarr_codec: zarr compression of ``optim.*``.
 
     Raises:
         SaveError: any rank failed to write, or coverage did not validate; nothing is committed.
@@ -204,7 +244,8 @@ def save_checkpoint(root: Store, step: int, tensors: dict[str, torch.Tensor], *,
     t0 = time.perf_counter()
     plan = plan_local_writes(step, tensors, model_cfg, dims, dist.get_rank())
     nbytes = write_and_commit(root, plan, model_cfg=model_cfg, dims=dims, config=config, state=state,
-                              group=group, chunk_nbytes=chunk_nbytes)
+                              group=group, chunk_nbytes=chunk_nbytes, tensor_format=tensor_format,
+                              zarr_codec=zarr_codec)
     seconds = time.perf_counter() - t0
     return SaveResult(step, nbytes, seconds, seconds)
 

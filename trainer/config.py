@@ -68,6 +68,10 @@ class CheckpointConfig:
         save_final: save after the last step.
         async_save: snapshot to host memory, then write and commit in the background
             (training is blocked only for the snapshot; at most one save in flight).
+        tensor_format: ``safetensors`` (one file per writing rank) or ``zarr`` (one zarr
+            array per tensor, chunked on shard boundaries; see ``storage/zarr_format.py``).
+        zarr_codec: compression of the optimizer state in zarr checkpoints: ``""`` (none),
+            ``zstd``, ``gzip``, optionally with a level (``zstd:5``).
     """
 
     url: str = ""
@@ -76,10 +80,21 @@ class CheckpointConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
     save_final: bool = True
     async_save: bool = True
+    tensor_format: str = "safetensors"
+    zarr_codec: str = ""
 
     def __post_init__(self) -> None:
         if self.save_interval < 0:
             raise ConfigError(f"checkpoint.save_interval={self.save_interval}: must be >= 0")
+        if self.tensor_format not in ("safetensors", "zarr"):
+            raise ConfigError(f"checkpoint.tensor_format={self.tensor_format!r}: choose 'safetensors' or 'zarr'")
+        if self.zarr_codec:
+            if self.tensor_format != "zarr":
+                raise ConfigError(f"checkpoint.zarr_codec={self.zarr_codec!r} needs tensor_format='zarr' "
+                                  "(safetensors checkpoints are not compressed)")
+            from shardsmith.storage.zarr_format import parse_codec
+
+            parse_codec(self.zarr_codec)
 
 
 @dataclass(kw_only=True)
@@ -89,8 +104,11 @@ class FaultConfig:
     Attributes:
         preempt_deadline: seconds from the first SIGTERM/SIGUSR1 to a committed checkpoint
             and exit 0; a rank still busy after that exits 1 (stacks dumped).
-        collective_timeout: seconds any collective (all groups, gloo and NCCL) may wait for
-            its peers before it fails (``init_process_group(timeout=...)``).
+        collective_timeout: seconds a training collective (every group of the mesh, gloo
+            and NCCL) may wait for its peers before it fails, from the first step on.
+        init_timeout: the timeout before that (``init_process_group(timeout=max(init_timeout,
+            collective_timeout))``): start-up, resume and the first step wait for the slowest
+            process; the background checkpoint group keeps it too.
         hang_factor: the watchdog dumps every thread's stack of a rank whose current step
             has run longer than ``max(hang_min_seconds, hang_factor * median step time)``.
         hang_min_seconds: lower bound of that threshold (the first step's threshold is
@@ -107,6 +125,7 @@ class FaultConfig:
 
     preempt_deadline: float = 300.0
     collective_timeout: float = 600.0
+    init_timeout: float = 600.0
     hang_factor: float = 10.0
     hang_min_seconds: float = 60.0
     max_bad_steps: int = 3
@@ -115,7 +134,7 @@ class FaultConfig:
     derive_dp_shard: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("preempt_deadline", "collective_timeout", "hang_min_seconds"):
+        for name in ("preempt_deadline", "collective_timeout", "init_timeout", "hang_min_seconds"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"fault.{name}={getattr(self, name)}: must be > 0 seconds")
         if not self.hang_factor > 1:

@@ -13,7 +13,10 @@ Every piece is small and owned by :class:`~shardsmith.trainer.train.Trainer`:
 * :class:`BadStepPolicy`: non-finite loss or gradient norm skips the update; too many in
   a row roll back and skip the data window that caused them (PaLM's remedy for loss
   spikes: Chowdhery et al. 2022, section 5.1).
-* :class:`FaultHooks`: fault injection for tests (environment variables, off by default).
+* :class:`FaultGuard`: the watchdog and the signal handlers around the training loop.
+* :func:`choose_resume`: where a (re)started job resumes from.
+
+Fault injection for tests lives in :mod:`shardsmith.trainer.fault_hooks`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import math
 import os
 import signal
 import statistics
-import sys
 import threading
 import time
 from collections import deque
@@ -36,7 +38,9 @@ import torch
 import torch.distributed as dist
 
 from shardsmith.errors import LayoutError, ShardsmithError
-from shardsmith.trainer.config import TrainConfig
+from shardsmith.storage.commit import find_latest_committed, resolve_checkpoint, step_dir
+from shardsmith.storage.fs import Store
+from shardsmith.trainer.config import FaultConfig, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,18 @@ def elastic_restart_count() -> int:
     """How many times torchrun's elastic agent has restarted this worker group (0 = first
     start; ``TORCHELASTIC_RESTART_COUNT``, set by the agent for every worker)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def warn_if_restarts_unsafe() -> None:
+    """Warn when torchrun may restart this group while sharing its agent's TCPStore:
+    restarted groups can then read the previous group's stale keys and fail to connect
+    (pytorch#135712). ``shardsmith train`` sets the fix; external torchrun users set
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if restarts > 0 and shared and os.environ.get("RANK", "0") == "0":
+        log.warning("torchrun --max-restarts %d with a shared agent TCPStore: restarted groups may fail "
+                    "to connect (pytorch#135712); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", restarts)
 
 
 def fit_world_size(cfg: TrainConfig, world_size: int) -> TrainConfig:
@@ -77,9 +93,38 @@ def fit_world_size(cfg: TrainConfig, world_size: int) -> TrainConfig:
         raise LayoutError(f"world size {world_size} is not a multiple of pp*dp_replicate*tp={fixed} "
                           f"({dims.describe()}); run on a multiple of {fixed} processes")
     new_dims = replace(dims, dp_shard=world_size // fixed)
-    log.warning("world size %d differs from layout %s: running as %s (dp_shard re-derived)",
-                world_size, dims.describe(), new_dims.describe())
+    if os.environ.get("RANK", "0") == "0":
+        log.warning("world size %d differs from layout %s: running as %s (dp_shard re-derived)",
+                    world_size, dims.describe(), new_dims.describe())
     return replace(cfg, parallel=new_dims)
+
+
+def choose_resume(how: str, root: Store | None, restarts: int,
+                  storage_options: dict[str, Any] | None = None) -> tuple[Store, int] | None:
+    """Which step directory a job resumes from (every rank decides alike).
+
+    * ``how="auto"``: the newest committed step under ``root``, if any.
+    * ``how="none"``: nothing, unless this is an elastic restart (``restarts`` > 0): then
+      as ``auto``, so a restarted group never starts over.
+    * ``how=URL``: that checkpoint, unless ``root`` already holds a committed step and this
+      is an elastic restart or the URL lies outside ``root`` (a requeued job continues
+      from its own newest checkpoint, not from the one it was first started from).
+
+    Raises:
+        CheckpointNotFound: ``how`` is a URL without a committed step.
+    """
+    explicit: tuple[Store, int] | None = None
+    inside = False
+    if how not in ("auto", "none"):
+        src_root, step_store, step = resolve_checkpoint(how, storage_options)
+        explicit = (step_store, step)
+        inside = root is not None and src_root.url.rstrip("/") == root.url.rstrip("/")
+    prefer_root = how == "auto" or restarts > 0 or (explicit is not None and not inside)
+    if root is not None and prefer_root:
+        latest = find_latest_committed(root)
+        if latest is not None:
+            return root.child(step_dir(latest)), latest
+    return explicit
 
 
 def apply_collective_timeout(seconds: float) -> None:
@@ -88,8 +133,10 @@ def apply_collective_timeout(seconds: float) -> None:
     ``init_process_group`` and ``new_group`` (which DeviceMesh uses for its sub-groups)
     fall back to ``torch.distributed.distributed_c10d``'s default timeouts when given
     none, so both defaults (gloo and NCCL) are set here; call before the process group
-    exists. A collective that waits longer raises (gloo) or aborts the process (NCCL's
-    watchdog), and torchrun then restarts or fails the job.
+    exists. The trainer calls it with the start-up timeout (``max(init_timeout,
+    collective_timeout)``: rendezvous waits for the slowest process to start) and tightens
+    the training groups with :func:`set_group_timeouts` after the first step, as
+    torchtitan does (``comm.init_timeout_seconds`` / ``comm.train_timeout_seconds``).
     """
     from torch.distributed import distributed_c10d
 
@@ -98,6 +145,19 @@ def apply_collective_timeout(seconds: float) -> None:
     distributed_c10d.default_pg_nccl_timeout = timeout
     if dist.is_initialized():
         log.warning("collective timeout set after init_process_group: applies to new groups only")
+
+
+def set_group_timeouts(seconds: float, groups: list[dist.ProcessGroup | None]) -> None:
+    """Set the timeout of existing process groups (``None`` = the default group): a
+    collective waiting longer fails (gloo raises; NCCL's watchdog aborts the process), and
+    torchrun then restarts or fails the job. Uses ``distributed_c10d._set_pg_timeout``
+    (private; the call torchtitan's ``set_pg_timeouts`` makes). Every rank calls it for
+    the groups it belongs to."""
+    from torch.distributed import distributed_c10d
+
+    timeout = timedelta(seconds=seconds)
+    for group in groups:
+        distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def any_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
@@ -119,20 +179,26 @@ class PreemptionHandler:
     checks the flag at each step boundary (all ranks agree via :func:`any_rank`), saves,
     waits for the commit, calls :meth:`done` and exits 0. A second signal, a signal while
     ``is_hung()`` is true, or the deadline passing exits at once with a stack dump on
-    stderr (``128 + signal`` / 1).
+    stderr (``128 + signal`` / 1). A repeat within ``repeat_grace`` seconds of the first
+    is the same notice, not a second signal: SLURM signals every process of a job step,
+    and torchrun's agent forwards the one it gets to its workers as well.
 
     Args:
         deadline: seconds from the first signal to :meth:`done`.
         is_hung: true while the current step is hung (then no step boundary will come).
         exit_fn: how to exit (``os._exit``; injectable for tests).
+        repeat_grace: seconds during which a repeated signal is ignored.
+        clock: monotonic seconds (injectable for tests).
     """
 
     def __init__(self, deadline: float, *, is_hung: Callable[[], bool] = lambda: False,
-                 exit_fn: Callable[[int], Any] = os._exit) -> None:
+                 exit_fn: Callable[[int], Any] = os._exit, repeat_grace: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.deadline = deadline
         self.requested: int | None = None
         self._is_hung = is_hung
         self._exit = exit_fn
+        self._grace, self._clock, self._first_at = repeat_grace, clock, 0.0
         self._previous: dict[int, Any] = {}
         self._timer: threading.Timer | None = None
 
@@ -159,13 +225,15 @@ class PreemptionHandler:
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
+        if self.requested is not None and self._clock() - self._first_at < self._grace:
+            return                                   # the same notice, delivered twice
         if self.requested is not None or self._is_hung():
             why = "second signal" if self.requested is not None else "the current step is hung"
             _say(f"rank {os.environ.get('RANK', '?')}: {name}: {why}; exiting now without a checkpoint")
-            faulthandler.dump_traceback(sys.stderr, all_threads=True)
+            faulthandler.dump_traceback(2, all_threads=True)
             self._exit(128 + signum)
             return
-        self.requested = signum
+        self.requested, self._first_at = signum, self._clock()
         _say(f"rank {os.environ.get('RANK', '?')}: {name}: checkpointing at the next step boundary, "
              f"then exiting (deadline {self.deadline:g}s; send it again to exit now)")
         self._timer = threading.Timer(self.deadline, self._deadline_passed)
@@ -175,7 +243,7 @@ class PreemptionHandler:
     def _deadline_passed(self) -> None:
         _say(f"rank {os.environ.get('RANK', '?')}: preemption checkpoint not committed within "
              f"--preempt-deadline {self.deadline:g}s; exiting without it (stacks follow)")
-        faulthandler.dump_traceback(sys.stderr, all_threads=True)
+        faulthandler.dump_traceback(2, all_threads=True)
         self._exit(1)
 
 
@@ -302,13 +370,52 @@ class StepWatchdog:
         header = (f"rank {os.environ.get('RANK', '?')}: step {step} has run {elapsed:.1f}s, over the "
                   f"hang threshold {limit:.1f}s; stacks of all threads:\n")
         _say(header.rstrip())
-        faulthandler.dump_traceback(sys.stderr, all_threads=True)
+        faulthandler.dump_traceback(2, all_threads=True)
         if self.dump_path:
             os.makedirs(os.path.dirname(self.dump_path) or ".", exist_ok=True)
             with open(self.dump_path, "a") as f:
                 f.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {header}")
                 f.flush()
                 faulthandler.dump_traceback(f, all_threads=True)
+
+
+class FaultGuard:
+    """The training loop's fault machinery for one process: the hang watchdog, the
+    preemption signal handlers and the step-boundary agreement. Close it when the loop ends.
+
+    Args:
+        cfg: the fault config.
+        dump_path: file each hang dump is appended to ("" = stderr only).
+        on_hang: see :class:`StepWatchdog`.
+    """
+
+    def __init__(self, cfg: FaultConfig, *, dump_path: str = "",
+                 on_hang: Callable[[int, float, float], None] | None = None) -> None:
+        self.watchdog = StepWatchdog(factor=cfg.hang_factor, min_seconds=cfg.hang_min_seconds,
+                                     dump_path=dump_path, on_hang=on_hang)
+        self.preemption = PreemptionHandler(cfg.preempt_deadline, is_hung=self.watchdog.is_hung)
+        self.preemption.install()
+
+    def begin(self, step: int) -> None:
+        """Step ``step`` starts (the watchdog times it)."""
+        self.watchdog.begin(step)
+
+    def end(self) -> bool:
+        """The step's boundary (collective): True on every rank when any rank got a
+        preemption signal. The agreement's all-reduce is inside the timed step."""
+        preempt = any_rank(self.preemption.requested is not None)
+        self.watchdog.end()
+        return preempt
+
+    def signal_name(self) -> str:
+        """The signal this rank got, or ``"peer"`` (another rank got it)."""
+        sig = self.preemption.requested
+        return "peer" if sig is None else signal.Signals(sig).name
+
+    def close(self) -> None:
+        """Stop the watchdog, restore the signal handlers, cancel the deadline."""
+        self.watchdog.close()
+        self.preemption.uninstall()
 
 
 # ---- bad steps ------------------------------------------------------------------------
@@ -396,79 +503,3 @@ def _merge_windows(windows: list[list[int]]) -> list[list[int]]:
         else:
             out.append([start, end])
     return out
-
-
-# ---- fault injection for tests --------------------------------------------------------
-
-
-class FaultHooks:
-    """Faults injected by tests through environment variables; inert when none is set.
-
-    ``SHARDSMITH_TEST_KILL_AT="RANK:STEP,..."``: that rank SIGKILLs itself as step STEP starts.
-    ``SHARDSMITH_TEST_SIGNAL_AT="RANK:STEP[:SIGNAME],..."``: sends itself SIGTERM (or SIGNAME).
-    ``SHARDSMITH_TEST_HANG_AT="RANK:STEP,..."``: sleeps (an hour) inside step STEP, before
-    its first world collective, so the other ranks wait in it.
-    ``SHARDSMITH_TEST_NAN_AT="RANK:BATCH[:loss|grad],..."``: makes the local loss (default)
-    or a gradient of the step that trains on global batch BATCH (sample index / global
-    batch size) NaN.
-    ``SHARDSMITH_TEST_MARKER_DIR``: kills, signals and hangs fire once per (rank, step)
-    across restarts (a marker file each); without it, once per process.
-    """
-
-    def __init__(self, rank: int, env: dict[str, str] | None = None) -> None:
-        env = dict(os.environ if env is None else env)
-        self.rank = rank
-        self.kill = self._parse(env.get("SHARDSMITH_TEST_KILL_AT", ""))
-        self.signal = self._parse(env.get("SHARDSMITH_TEST_SIGNAL_AT", ""))
-        self.hang = self._parse(env.get("SHARDSMITH_TEST_HANG_AT", ""))
-        self.nan = self._parse(env.get("SHARDSMITH_TEST_NAN_AT", ""))
-        self.marker_dir = env.get("SHARDSMITH_TEST_MARKER_DIR", "")
-        self._fired: set[str] = set()
-
-    def _parse(self, spec: str) -> dict[int, str]:
-        out: dict[int, str] = {}
-        for item in filter(None, (s.strip() for s in spec.split(","))):
-            parts = item.split(":")
-            if int(parts[0]) == self.rank:
-                out[int(parts[1])] = parts[2] if len(parts) > 2 else ""
-        return out
-
-    def _once(self, kind: str, step: int) -> bool:
-        key = f"{kind}-rank{self.rank}-step{step}"
-        if not self.marker_dir:
-            if key in self._fired:
-                return False
-            self._fired.add(key)
-            return True
-        os.makedirs(self.marker_dir, exist_ok=True)
-        try:
-            os.close(os.open(os.path.join(self.marker_dir, key), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return False
-        return True
-
-    def at_step_start(self, step: int) -> None:
-        """Kill or signal this rank as step ``step`` starts, if asked."""
-        if step in self.kill and self._once("kill", step):
-            _say(f"rank {self.rank}: test hook: SIGKILL at step {step}")
-            os.kill(os.getpid(), signal.SIGKILL)
-        if step in self.signal and self._once("signal", step):
-            sig = signal.Signals[self.signal[step] or "SIGTERM"]
-            os.kill(os.getpid(), sig)
-
-    def in_step(self, step: int) -> None:
-        """Hang inside step ``step``, if asked."""
-        if step in self.hang and self._once("hang", step):
-            _say(f"rank {self.rank}: test hook: hanging in step {step}")
-            _test_hang_sleep()
-
-    def nan_target(self, batch: int) -> str:
-        """``"loss"``, ``"grad"`` or ``""``: what to make NaN in the step training on ``batch``."""
-        if batch not in self.nan:
-            return ""
-        return self.nan[batch] or "loss"
-
-
-def _test_hang_sleep() -> None:
-    """Named so a stack dump shows where the test hook hangs."""
-    time.sleep(3600)

@@ -16,16 +16,19 @@ and the checkpoint loads by resharding.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
 import uuid
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shardsmith.errors import ShardsmithError
 from shardsmith.trainer.config import TrainConfig
+from shardsmith.trainer.fault import PREEMPT_SIGNALS
 
 
 class LaunchError(ShardsmithError, RuntimeError):
@@ -58,10 +61,22 @@ def config_payload(cfg: TrainConfig) -> dict:
 def launch(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0) -> None:
     """Run training on ``nproc_per_node`` local worker processes and wait for them.
 
+    A SIGTERM or SIGUSR1 to this process is forwarded to the workers, which checkpoint at
+    their next step boundary and exit; the agent waits ``fault.preempt_deadline`` (+5 s)
+    for them, and this returns normally.
+
     Raises:
-        LaunchError: a worker failed (after ``max_restarts`` restarts of the group).
+        LaunchError: a worker failed (after ``max_restarts`` restarts of the group), or
+            another signal (SIGINT, SIGHUP...) stopped the job.
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The agent's shared TCPStore keeps the previous group's keys across restarts, so a
+    # restarted group can read stale peer addresses and fail to connect (pytorch#135712);
+    # let rank 0 of each group host a fresh store instead.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # SLURM (--signal=USR1@N) and others preempt with SIGUSR1: the agent forwards it to
+    # the workers like SIGTERM, and waits up to the preemption deadline for them to exit.
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     fd, path = tempfile.mkstemp(prefix="shardsmith-config-", suffix=".json")
     try:
         with os.fdopen(fd, "w") as f:
@@ -69,12 +84,25 @@ def launch(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0) -> N
         lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node,
                           run_id=f"shardsmith-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=max_restarts,
-                          monitor_interval=0.1, start_method="spawn")
+                          monitor_interval=0.1, start_method="spawn", **_shutdown_timeout(cfg))
         try:
             elastic_launch(lc, entrypoint=sys.executable)("-m", "shardsmith.trainer.worker", path)
         except ChildFailedError as exc:
             rank, failure = exc.get_first_failure()
             raise LaunchError(f"worker rank {rank} failed with exit code {failure.exitcode} "
                               f"(see its error above); {len(exc.failures)} worker(s) failed") from None
+        except SignalException as exc:
+            if exc.sigval not in PREEMPT_SIGNALS:
+                raise LaunchError(f"stopped by {exc.sigval.name}; the workers were told to stop too") from None
+            print(f"preempted by {exc.sigval.name}: the workers checkpointed at their next step boundary "
+                  "and exited (see above)", file=sys.stderr, flush=True)
     finally:
         os.unlink(path)
+
+
+def _shutdown_timeout(cfg: TrainConfig) -> dict:
+    """How long the agent waits for workers it stops (a preemption: their checkpoint);
+    ``LaunchConfig.shutdown_timeout`` exists in recent torch only (else 30 s)."""
+    if "shutdown_timeout" not in getattr(LaunchConfig, "__dataclass_fields__", {}):
+        return {}
+    return {"shutdown_timeout": math.ceil(cfg.fault.preempt_deadline) + 5}

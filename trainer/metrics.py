@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 from math import prod
@@ -24,12 +25,17 @@ from typing import Any, Iterator
 
 from shardsmith.reshard.layout import ModelConfig, ParallelDims
 from shardsmith.reshard.plan import param_specs
+from shardsmith.trainer.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 #: Step-record fields also written to TensorBoard as scalars (``train/<name>``).
 TB_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "skipped_steps", "rollbacks", "restarts")
+#: Event fields written to TensorBoard as ``checkpoint/<tag>`` scalars: (event, field, tag).
+TB_EVENT_SCALARS = (("save", "seconds", "save_seconds"), ("save", "blocked_seconds", "save_blocked_seconds"),
+                    ("save", "nbytes", "save_nbytes"), ("resume", "seconds", "load_seconds"),
+                    ("resume", "nbytes_read", "load_nbytes"))
 
 
 def flops_per_token(model: ModelConfig) -> float:
@@ -107,18 +113,77 @@ class MetricsWriter:
                 os.write(fd, line)              # one write(): a kill never splits a line
             finally:
                 os.close(fd)
-            if self._tb is not None and "event" not in record and "step" in record:
-                for name in TB_SCALARS:
-                    if isinstance(record.get(name), (int, float)):
-                        self._tb.add_scalar(f"train/{name}", record[name], record["step"])
-            elif self._tb is not None and "event" in record:
-                self._tb.add_text("events", json.dumps(record), record.get("step", 0))
+            if self._tb is not None:
+                self._write_tensorboard(record)
+
+    def _write_tensorboard(self, record: dict[str, Any]) -> None:
+        step = record.get("step", 0)
+        kind = record.get("event")
+        if kind is None:
+            for name in TB_SCALARS:
+                if isinstance(record.get(name), (int, float)) and not isinstance(record[name], bool):
+                    self._tb.add_scalar(f"train/{name}", record[name], step)
+            return
+        for event, name, tag in TB_EVENT_SCALARS:
+            if kind == event and isinstance(record.get(name), (int, float)):
+                self._tb.add_scalar(f"checkpoint/{tag}", record[name], step)
+        self._tb.add_text("events", json.dumps(record), step)
 
     def close(self) -> None:
         """Flush and close the TensorBoard writer (the JSONL file is never held open)."""
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def run_dir(cfg: TrainConfig) -> str:
+    """Where metrics.jsonl and hang stack dumps go: ``cfg.run_dir``, else a local
+    checkpoint root, else nowhere (``""``)."""
+    if cfg.run_dir:
+        return cfg.run_dir
+    url = cfg.checkpoint.url
+    if url.startswith("file://"):
+        return url[len("file://"):]
+    return url if url and "://" not in url else ""
+
+
+def step_record(*, step: int, loss: float, lr: float, grad_norm: float, seconds: float, tokens: int,
+                skipped: bool, flops_token: float, peak_flops: float, world_size: int,
+                counters: dict[str, int]) -> dict[str, Any]:
+    """The metrics.jsonl record of one step (non-finite values become ``null``).
+
+    Args:
+        step, loss, lr, grad_norm, skipped: the step's results.
+        seconds: its wall time; tokens: tokens in the global batch.
+        flops_token: :func:`flops_per_token`; peak_flops: per device, 0 = no MFU.
+        world_size: devices in the job.
+        counters: ``skipped_steps``, ``rollbacks``, ``restarts``.
+    """
+    tokens_per_s = tokens / max(seconds, 1e-9)
+    record: dict[str, Any] = {
+        "step": step, "loss": _finite(loss), "lr": lr, "grad_norm": _finite(grad_norm),
+        "tokens_per_s": round(tokens_per_s, 1), "flops_per_s": tokens_per_s * flops_token,
+        "seconds": round(seconds, 4), "skipped": skipped, **counters}
+    mfu = model_flops_utilization(tokens_per_s, flops_token, peak_flops, world_size)
+    if mfu is not None:
+        record["mfu"] = round(mfu, 6)
+    return record
+
+
+def step_line(record: dict[str, Any]) -> str:
+    """The console line of a :func:`step_record`."""
+    def num(x: Any, fmt: str) -> str:
+        return "nan" if x is None else format(x, fmt)
+
+    line = (f"step {record['step']:6d}  loss {num(record['loss'], '.4f')}  lr {record['lr']:.2e}  "
+            f"grad_norm {num(record['grad_norm'], '.3f')}  {record['tokens_per_s']:,.0f} tok/s")
+    if "mfu" in record:
+        line += f"  MFU {record['mfu']:.1%}"
+    return line + ("  SKIPPED (non-finite)" if record["skipped"] else "")
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
 
 
 def _tensorboard_writer(log_dir: str) -> Any:
@@ -149,21 +214,22 @@ def iter_json_lines(path: str) -> Iterator[dict[str, Any]]:
 
 
 def loss_segments(records: list[dict[str, Any]]) -> list[list[tuple[int, float]]]:
-    """The loss curve split where the run went back in steps (a restart or rollback
-    re-runs steps): each segment is ``[(step, loss), ...]`` with increasing steps.
-    Skipped steps (non-finite loss) are left out."""
+    """The loss curve in pieces: a new piece starts at every resume (restart, relaunch or
+    rollback) and wherever the steps go back. Each piece is ``[(step, loss), ...]``;
+    skipped steps (non-finite loss) are left out."""
     segments: list[list[tuple[int, float]]] = []
-    last = None
+    last, split = None, True
     for r in records:
-        if "event" in r or "loss" not in r:
+        if r.get("event") == "resume":
+            split = True
+        if "event" in r or not isinstance(r.get("loss"), (int, float)) or r.get("skipped"):
             continue
-        if r.get("skipped") or not isinstance(r["loss"], (int, float)) or r["loss"] != r["loss"]:
-            continue
-        if last is None or r["step"] <= last:
+        if split or last is None or r["step"] <= last:
             segments.append([])
+            split = False
         segments[-1].append((int(r["step"]), float(r["loss"])))
         last = r["step"]
-    return segments
+    return [s for s in segments if s]
 
 
 def run_markers(records: list[dict[str, Any]]) -> dict[str, list[int]]:

@@ -92,3 +92,27 @@ def select_rng_state(saved: dict[str, Any] | None, dims: ParallelDims, rank: int
     if saved.get("ranks"):
         return None                       # per-rank states have no rank to go to
     return saved["roles"].get(rng_role(coords))
+
+
+def gather_rng(rank: int, coords: dict[str, int], dims: ParallelDims) -> dict[str, Any]:
+    """The manifest's ``rng`` entry: every rank's state, all-gathered as JSON (collective:
+    every rank calls it, e.g. in the save)."""
+    from shardsmith.trainer.checkpoint import gather_json
+
+    states = gather_json({"rank": rank, "role": rng_role(coords), "state": capture_rng()})
+    return pack_rng_states(states, dims)
+
+
+def apply_rng(saved: dict[str, Any] | None, dims: ParallelDims, rank: int, coords: dict[str, int],
+              seed: int, step: int) -> str:
+    """Restore this rank's saved state, or re-derive it from ``(seed, step, role)``.
+
+    Returns:
+        ``"restored"`` or ``"rederived"`` (the same on every rank).
+    """
+    state = select_rng_state(saved, dims, rank, coords)
+    if state is None:
+        seed_rng(seed, step, coords)
+        return "rederived"
+    restore_rng(state)
+    return "restored"

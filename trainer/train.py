@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -31,49 +30,26 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from shardsmith.reshard.layout import validate_layout
 from shardsmith.reshard.plan import checkpoint_specs, param_specs, rank_boxes
-from shardsmith.storage.commit import find_latest_committed, read_manifest, resolve_checkpoint, step_dir
+from shardsmith.storage.commit import find_latest_committed, read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME
 from shardsmith.trainer.async_save import AsyncCheckpointer
 from shardsmith.trainer.checkpoint import (SaveResult, gather_json, init_optimizer_state, load_into,
                                            model_state_tensors, save_checkpoint)
-from shardsmith.trainer.config import OptimConfig, TrainConfig
+from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.data import GlobalBatchSampler, TokenDataset, load_tokens, vocab_size_needed
-from shardsmith.trainer.fault import (BadStepPolicy, FaultHooks, PreemptionHandler, StepWatchdog,
-                                      TrainingDiverged, any_rank, apply_collective_timeout,
-                                      elastic_restart_count, fit_world_size)
+from shardsmith.trainer.fault import (BadStepPolicy, FaultGuard, TrainingDiverged, any_rank,
+                                      apply_collective_timeout, choose_resume, elastic_restart_count,
+                                      fit_world_size, set_group_timeouts, warn_if_restarts_unsafe)
+from shardsmith.trainer.fault_hooks import FaultHooks
 from shardsmith.trainer.metrics import (MetricsWriter, flops_per_token, iter_json_lines,  # noqa: F401
-                                        model_flops_utilization)
+                                        run_dir, step_line, step_record)
+from shardsmith.trainer.optim import build_optimizer, lr_lambda
 from shardsmith.trainer.parallel import (build_grad_sum_groups, build_mesh, build_stage_model, device_type,
                                         init_distributed, parallelize, finalize_grads)
-from shardsmith.trainer.rng import capture_rng, pack_rng_states, restore_rng, rng_role, seed_rng, select_rng_state
+from shardsmith.trainer.rng import apply_rng, gather_rng, seed_rng
 
 log = logging.getLogger("shardsmith.train")
-
-
-def lr_lambda(cfg: OptimConfig, total_steps: int):
-    """Multiplier of ``cfg.lr`` at a step: linear warmup then cosine to ``min_lr_ratio``
-    (see :class:`~shardsmith.trainer.config.OptimConfig`)."""
-
-    def fn(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        decay = max(1, total_steps - cfg.warmup_steps)
-        progress = min(1.0, (step - cfg.warmup_steps) / decay)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return fn
-
-
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not norms). ``foreach=False`` because
-    parameters live on different meshes (TP-sharded and replicated)."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
 
 
 @dataclass
@@ -131,13 +107,13 @@ class Trainer:
     restarts: int = 0
     preempted: bool = False
     last_saved_step: int = -1
-    watchdog: StepWatchdog | None = field(default=None, repr=False)
-    preemption: PreemptionHandler | None = field(default=None, repr=False)
+    mesh: Any = field(default=None, repr=False)
+    guard: FaultGuard | None = field(default=None, repr=False)
 
     @classmethod
     def create(cls, cfg: TrainConfig) -> "Trainer":
         """Build everything for this rank; every rank must call it (collective)."""
-        apply_collective_timeout(cfg.fault.collective_timeout)
+        apply_collective_timeout(max(cfg.fault.init_timeout, cfg.fault.collective_timeout))
         init_distributed()
         dims = cfg.parallel
         validate_layout(cfg.model, dims)
@@ -168,13 +144,16 @@ class Trainer:
         root = Store(cfg.checkpoint.url, cfg.checkpoint.storage_options) if cfg.checkpoint.url else None
         trainer = cls(cfg=cfg, rank=rank, coords=coords, model=model, optimizer=optimizer,
                       scheduler=scheduler, sampler=sampler, schedule=schedule,
-                      num_microbatches=num_mb, root=root,
+                      num_microbatches=num_mb, root=root, mesh=mesh,
                       bad_steps=BadStepPolicy(max_bad_steps=cfg.fault.max_bad_steps),
                       hooks=FaultHooks(rank), metrics=MetricsWriter(run_dir(cfg) if rank == 0 else ""),
                       flops_token=flops_per_token(cfg.model), restarts=elastic_restart_count())
         trainer.grad_sum_groups = build_grad_sum_groups(cfg.model, dims)
         if root is not None and cfg.checkpoint.async_save:
-            trainer.checkpointer = AsyncCheckpointer(root, cfg.model, dims, on_commit=trainer._on_commit)
+            trainer.checkpointer = AsyncCheckpointer(root, cfg.model, dims, on_commit=trainer._on_commit,
+                                                     tensor_format=cfg.checkpoint.tensor_format,
+                                                     zarr_codec=cfg.checkpoint.zarr_codec)
+            trainer.checkpointer.overlap_with(optimizer)   # snapshot overlaps fwd/bwd; step waits
         return trainer
 
     # ---- one step -------------------------------------------------------------------------
@@ -267,7 +246,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         local_loss = self._forward_backward(inputs, targets)
         finalize_grads(self.model, self.grad_sum_groups)
-        local_loss = self._inject_nan(start // self.cfg.global_batch_size, local_loss)
+        local_loss = self.hooks.corrupt(start // self.cfg.global_batch_size, self.model, local_loss)
         self.hooks.in_step(step)
         loss = self._global_loss(local_loss)
         grad_norm = self._grad_norm_and_clip()
@@ -294,18 +273,6 @@ class Trainer:
                          "to_sample": index})
             self.sampler.load_state_dict({"sample_index": index})
 
-    def _inject_nan(self, batch: int, local_loss: torch.Tensor) -> torch.Tensor:
-        """Test hook (``SHARDSMITH_TEST_NAN_AT``): a NaN local loss or gradient."""
-        target = self.hooks.nan_target(batch)
-        if target == "loss":
-            return local_loss * float("nan")
-        if target == "grad":
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).fill_(float("nan"))
-                    break
-        return local_loss
-
     # ---- checkpoints ----------------------------------------------------------------------
 
     def state_json(self) -> dict[str, Any]:
@@ -329,14 +296,15 @@ class Trainer:
         self._uncommit(self.step)
         init_optimizer_state(self.model, self.optimizer)
         tensors = model_state_tensors(self.model, self.optimizer)
-        rng = gather_json({"rank": self.rank, "role": rng_role(self.coords), "state": capture_rng()})
-        state = {**self.state_json(), "rng": pack_rng_states(rng, self.cfg.parallel)}
+        state = {**self.state_json(), "rng": gather_rng(self.rank, self.coords, self.cfg.parallel)}
         self.last_saved_step = self.step
         if self.checkpointer is not None:
             self.checkpointer.save(self.step, tensors, config=self.cfg.to_json(), state=state)
             return
         result = save_checkpoint(self.root, self.step, tensors, model_cfg=self.cfg.model,
-                                 dims=self.cfg.parallel, config=self.cfg.to_json(), state=state)
+                                 dims=self.cfg.parallel, config=self.cfg.to_json(), state=state,
+                                 tensor_format=self.cfg.checkpoint.tensor_format,
+                                 zarr_codec=self.cfg.checkpoint.zarr_codec)
         self._on_commit(result)
 
     def _uncommit(self, step: int) -> None:
@@ -362,27 +330,10 @@ class Trainer:
                      "seconds": round(result.seconds, 4), "blocked_seconds": round(result.blocked_seconds, 4)})
 
     def resume_source(self) -> tuple[Store, int] | None:
-        """Which step directory to resume from.
-
-        * ``resume=auto``: the newest committed step under the checkpoint root, if any.
-        * ``resume=none``: nothing, unless this is an elastic restart (then as ``auto``).
-        * ``resume=URL``: that checkpoint, unless the root already holds a committed step
-          and this is an elastic restart or the URL lies outside the root (a requeued job
-          continues from its own newest checkpoint instead of starting over).
-        """
-        how = self.cfg.checkpoint.resume
-        explicit: tuple[Store, int] | None = None
-        inside = False
-        if how not in ("auto", "none"):
-            src_root, step_store, step = resolve_checkpoint(how, self.cfg.checkpoint.storage_options)
-            explicit = (step_store, step)
-            inside = self.root is not None and src_root.url.rstrip("/") == self.root.url.rstrip("/")
-        prefer_root = how == "auto" or self.restarts > 0 or (explicit is not None and not inside)
-        if self.root is not None and prefer_root:
-            latest = find_latest_committed(self.root)
-            if latest is not None:
-                return self.root.child(step_dir(latest)), latest
-        return explicit
+        """Which step directory to resume from: see :func:`~shardsmith.trainer.fault.choose_resume`
+        (``auto``, ``none`` or a URL; after an elastic restart the root's newest step wins)."""
+        ckpt = self.cfg.checkpoint
+        return choose_resume(ckpt.resume, self.root, self.restarts, ckpt.storage_options)
 
     def resume(self) -> bool:
         """Load the checkpoint chosen by :meth:`resume_source` into the current layout.
@@ -415,18 +366,14 @@ class Trainer:
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr
         self.bad_steps.load_state_json(state.get("fault", {}), keep_counters=reason == "rollback")
-        rng = select_rng_state(state.get("rng"), self.cfg.parallel, self.rank, self.coords)
-        if rng is None:
-            seed_rng(self.cfg.seed, self.step, self.coords)
-        else:
-            restore_rng(rng)
+        rng = apply_rng(state.get("rng"), self.cfg.parallel, self.rank, self.coords, self.cfg.seed, self.step)
         self.last_saved_step = step
         read = gather_json([stats.nbytes_read, stats.nbytes_needed])
         layout = self.cfg.parallel.to_json()
         self._event({"event": "resume", "reason": reason, "step": step, "from": step_store.url,
                      "saved_layout": manifest.layout, "layout": layout,
                      "resharded": any(manifest.layout.get(k) != v for k, v in layout.items()),
-                     "restart_count": self.restarts, "rng": "rederived" if rng is None else "restored",
+                     "restart_count": self.restarts, "rng": rng,
                      "seconds": round(time.perf_counter() - t0, 4),
                      "nbytes_read": sum(r[0] for r in read), "nbytes_needed": sum(r[1] for r in read)})
 
@@ -465,25 +412,17 @@ class Trainer:
         self.metrics.write(record)
 
     def _log_step(self, m: StepMetrics) -> None:
-        tokens_per_s = m.tokens / max(m.seconds, 1e-9)
-        mfu = model_flops_utilization(tokens_per_s, self.flops_token, self.cfg.fault.peak_flops,
-                                      self.cfg.parallel.world_size)
-        record = {"step": m.step, "loss": _finite(m.loss), "lr": m.lr, "grad_norm": _finite(m.grad_norm),
-                  "tokens_per_s": round(tokens_per_s, 1), "flops_per_s": tokens_per_s * self.flops_token,
-                  "seconds": round(m.seconds, 4), "skipped": m.skipped,
-                  "skipped_steps": self.bad_steps.skipped_steps, "rollbacks": self.bad_steps.rollbacks,
-                  "restarts": self.restarts}
-        if mfu is not None:
-            record["mfu"] = round(mfu, 6)
+        record = step_record(step=m.step, loss=m.loss, lr=m.lr, grad_norm=m.grad_norm, seconds=m.seconds,
+                             tokens=m.tokens, skipped=m.skipped, flops_token=self.flops_token,
+                             peak_flops=self.cfg.fault.peak_flops, world_size=self.cfg.parallel.world_size,
+                             counters={"skipped_steps": self.bad_steps.skipped_steps,
+                                       "rollbacks": self.bad_steps.rollbacks, "restarts": self.restarts})
         self._event(record)
         if m.skipped:
             self._event({"event": "bad_step", "step": m.step, "loss": repr(m.loss), "grad_norm": repr(m.grad_norm),
                          "consecutive": self.bad_steps.consecutive, "skipped_steps": self.bad_steps.skipped_steps})
         if self.rank == 0 and self.cfg.log_interval and m.step % self.cfg.log_interval == 0:
-            extra = "  SKIPPED (non-finite)" if m.skipped else ""
-            extra += f"  MFU {mfu:.1%}" if mfu is not None else ""
-            print(f"step {m.step:6d}  loss {m.loss:.4f}  lr {m.lr:.2e}  grad_norm {m.grad_norm:.3f}  "
-                  f"{tokens_per_s:,.0f} tok/s{extra}", flush=True)
+            print(step_line(record), flush=True)
 
     def run(self) -> list[StepMetrics]:
         """Resume if asked, train to ``cfg.steps``, checkpointing as configured.
@@ -512,12 +451,15 @@ class Trainer:
 
     def _iteration(self) -> None:
         """One step, then its boundary: agree on preemption, roll back or save."""
-        assert self.watchdog is not None and self.preemption is not None
+        assert self.guard is not None
         self.hooks.at_step_start(self.step + 1)
-        self.watchdog.begin(self.step + 1)
+        self.guard.begin(self.step + 1)
         m = self.train_step()
-        preempt = any_rank(self.preemption.requested is not None)
-        self.watchdog.end()
+        preempt = self.guard.end()
+        if len(self.history) == 1:            # start-up is over: training timeouts from now on
+            groups = [None, *self.grad_sum_groups.values()]
+            groups += self.mesh.get_all_groups() if self.mesh is not None else []
+            set_group_timeouts(self.cfg.fault.collective_timeout, groups)
         self._log_step(m)
         ckpt = self.cfg.checkpoint
         if self.bad_steps.consecutive >= self.bad_steps.max_bad_steps:
@@ -530,64 +472,36 @@ class Trainer:
     def _preempt(self) -> None:
         """Checkpoint the current step (unless just saved), wait for the commit, and mark
         the run preempted (collective)."""
-        assert self.preemption is not None
+        assert self.guard is not None
         t0 = time.perf_counter()
         if self.root is None:
             log.warning("preempted with no checkpoint root (--ckpt): progress since the start is lost")
         elif self.step != self.last_saved_step:
             self.save()
         self.wait_for_save()
-        self.preemption.done()
+        self.guard.preemption.done()
         self.preempted = True
-        sig = self.preemption.requested
         self._event({"event": "preempt", "step": self.step, "seconds": round(time.perf_counter() - t0, 4),
-                     "signal": "peer" if sig is None else _signal_name(sig),
-                     "checkpoint": self.root is not None})
+                     "signal": self.guard.signal_name(), "checkpoint": self.root is not None})
         if self.rank == 0:
             print(f"preempted: checkpoint of step {self.step} committed; exiting", file=sys.stderr, flush=True)
 
     def _arm(self) -> None:
-        """Start the watchdog, install the signal handlers, log the start."""
-        fc, directory = self.cfg.fault, run_dir(self.cfg)
+        """Start the watchdog and the signal handlers; log the start."""
+        directory = run_dir(self.cfg)
         dump = os.path.join(directory, "hang-stacks", f"rank-{self.rank:05d}.txt") if directory else ""
-        self.watchdog = StepWatchdog(factor=fc.hang_factor, min_seconds=fc.hang_min_seconds, dump_path=dump,
-                                     on_hang=self._on_hang)
-        self.preemption = PreemptionHandler(fc.preempt_deadline, is_hung=self.watchdog.is_hung)
-        self.preemption.install()
+        self.guard = FaultGuard(self.cfg.fault, dump_path=dump, on_hang=self._on_hang)
         self._event({"event": "start", "restart_count": self.restarts, "world_size": self.cfg.parallel.world_size,
                      "layout": self.cfg.parallel.to_json(), "steps": self.cfg.steps})
 
     def _disarm(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.close()
-        if self.preemption is not None:
-            self.preemption.uninstall()
+        if self.guard is not None:
+            self.guard.close()
         self.metrics.close()
 
     def _on_hang(self, step: int, seconds: float, threshold: float) -> None:
         self._event({"event": "hang_suspected", "step": step, "seconds": round(seconds, 3),
                      "threshold": round(threshold, 3)})
-
-
-def run_dir(cfg: TrainConfig) -> str:
-    """Where metrics.jsonl and hang stack dumps go: ``cfg.run_dir``, else a local
-    checkpoint root, else nowhere ("")."""
-    if cfg.run_dir:
-        return cfg.run_dir
-    url = cfg.checkpoint.url
-    if url.startswith("file://"):
-        return url[len("file://"):]
-    return url if url and "://" not in url else ""
-
-
-def _finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None
-
-
-def _signal_name(signum: int) -> str:
-    import signal
-
-    return signal.Signals(signum).name
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -603,6 +517,7 @@ def run_training(cfg: TrainConfig) -> list[StepMetrics]:
     """Entry point of one rank (collective): fit the layout to the world size, build,
     resume, train, checkpoint, tear down. Returns early (exit 0 for the worker) after a
     preemption checkpoint."""
+    warn_if_restarts_unsafe()
     world = int(os.environ.get("WORLD_SIZE", cfg.parallel.world_size))
     trainer = Trainer.create(fit_world_size(cfg, world))
     try:

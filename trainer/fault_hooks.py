@@ -1,0 +1,109 @@
+"""Fault injection for tests: environment variables make a rank die, get a signal, hang
+or produce NaNs at a chosen step. Inert unless one of them is set (never in production).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _say(message: str) -> None:
+    try:
+        os.write(2, (message + "\n").encode())
+    except OSError:
+        pass
+
+
+class FaultHooks:
+    """Faults injected by tests through environment variables; inert when none is set.
+
+    ``SHARDSMITH_TEST_KILL_AT="RANK:STEP,..."``: that rank SIGKILLs itself as step STEP starts.
+    ``SHARDSMITH_TEST_SIGNAL_AT="RANK:STEP[:SIGNAME[:agent]],..."``: sends itself SIGTERM (or
+    SIGNAME), and with ``agent`` its parent too (torchrun's agent, which forwards it to all).
+    ``SHARDSMITH_TEST_HANG_AT="RANK:STEP,..."``: sleeps (an hour) inside step STEP, before
+    its first world collective, so the other ranks wait in it.
+    ``SHARDSMITH_TEST_NAN_AT="RANK:BATCH[:loss|grad],..."``: makes the local loss (default)
+    or a gradient of the step that trains on global batch BATCH (sample index / global
+    batch size) NaN.
+    ``SHARDSMITH_TEST_MARKER_DIR``: kills, signals and hangs fire once per (rank, step)
+    across restarts (a marker file each); without it, once per process.
+    """
+
+    def __init__(self, rank: int, env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ if env is None else env)
+        self.rank = rank
+        self.kill = self._parse(env.get("SHARDSMITH_TEST_KILL_AT", ""))
+        self.signal = self._parse(env.get("SHARDSMITH_TEST_SIGNAL_AT", ""))
+        self.hang = self._parse(env.get("SHARDSMITH_TEST_HANG_AT", ""))
+        self.nan = self._parse(env.get("SHARDSMITH_TEST_NAN_AT", ""))
+        self.marker_dir = env.get("SHARDSMITH_TEST_MARKER_DIR", "")
+        self._fired: set[str] = set()
+
+    def _parse(self, spec: str) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            parts = item.split(":")
+            if int(parts[0]) == self.rank:
+                out[int(parts[1])] = ":".join(parts[2:])
+        return out
+
+    def _once(self, kind: str, step: int) -> bool:
+        key = f"{kind}-rank{self.rank}-step{step}"
+        if not self.marker_dir:
+            if key in self._fired:
+                return False
+            self._fired.add(key)
+            return True
+        os.makedirs(self.marker_dir, exist_ok=True)
+        try:
+            os.close(os.open(os.path.join(self.marker_dir, key), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+
+    def at_step_start(self, step: int) -> None:
+        """Kill or signal this rank as step ``step`` starts, if asked."""
+        if step in self.kill and self._once("kill", step):
+            _say(f"rank {self.rank}: test hook: SIGKILL at step {step}")
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step in self.signal and self._once("signal", step):
+            name, _, to_agent = self.signal[step].partition(":")
+            sig = signal.Signals[name or "SIGTERM"]
+            os.kill(os.getpid(), sig)
+            if to_agent == "agent":                    # torchrun's agent: it forwards to all
+                os.kill(os.getppid(), sig)
+
+    def in_step(self, step: int) -> None:
+        """Hang inside step ``step``, if asked."""
+        if step in self.hang and self._once("hang", step):
+            _say(f"rank {self.rank}: test hook: hanging in step {step}")
+            _test_hang_sleep()
+
+    def nan_target(self, batch: int) -> str:
+        """``"loss"``, ``"grad"`` or ``""``: what to make NaN in the step training on ``batch``."""
+        if batch not in self.nan:
+            return ""
+        return self.nan[batch] or "loss"
+
+    def corrupt(self, batch: int, model: torch.nn.Module, local_loss: torch.Tensor) -> torch.Tensor:
+        """The local loss to report for global batch ``batch``: NaN if asked; or, for
+        ``grad``, the first local gradient filled with NaN (after backward)."""
+        target = self.nan_target(batch)
+        if target == "loss":
+            return local_loss * float("nan")
+        if target == "grad":
+            for p in model.parameters():
+                if p.grad is not None:
+                    (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).fill_(float("nan"))
+                    break
+        return local_loss
+
+
+def _test_hang_sleep() -> None:
+    """Named so a stack dump shows where the test hook hangs."""
+    time.sleep(3600)
