@@ -105,6 +105,13 @@ def make_dims(tp: int, pp: int, dp_shard: int, dp_replicate: int, pipeline_split
               "zarr v3 array per tensor (opens in plain zarr).")
 @click.option("--zarr-codec", default="", metavar="CODEC",
               help="With --format zarr: compress the optimizer state (zstd, gzip, zstd:5 ...).")
+@click.option("--init-from", default="", metavar="URL",
+              help="Start from this checkpoint's model weights (any layout; fresh optimizer, step 0) "
+                   "when there is nothing to resume, e.g. the output of `shardsmith import-hf`.")
+@click.option("--keep-last", type=int, default=0, show_default=True,
+              help="After each commit keep only the newest N committed steps (0 = all).")
+@click.option("--keep-every", type=int, default=0, show_default=True,
+              help="...but also keep every step divisible by M (0 = none).")
 @click.option("--resume", "--load", "resume", default="auto", show_default=True, metavar="auto|none|URL",
               help="auto: newest committed step under --ckpt; none; or a root/step URL (Megatron: --load).")
 @click.option("--max-restarts", type=int, default=0, show_default=True,
@@ -128,50 +135,52 @@ def make_dims(tp: int, pp: int, dp_shard: int, dp_replicate: int, pipeline_split
 @click.option("--log-interval", type=int, default=1, show_default=True, help="Print every N steps.")
 @click.option("--run-dir", default="", help="Where metrics.jsonl goes (default: --ckpt when local).")
 @storage_option
-def train(tp, pp, dp_shard, dp_replicate, pipeline_split, num_layers, hidden_size, num_attention_heads,
-          num_kv_heads, ffn_hidden_size, vocab_size, seq_length, tie_embeddings, nproc_per_node, steps,
-          global_batch_size, micro_batch_size, lr, decay_steps, min_lr_ratio, warmup_steps, weight_decay, grad_clip,
-          seed, data, token_dtype, mixed_precision, bf16, activation_checkpointing, ckpt, save_interval,
-          async_save, tensor_format, zarr_codec, resume, max_restarts, preempt_deadline, collective_timeout, init_timeout, hang_factor,
-          hang_min_seconds, max_bad_steps, max_rollbacks, peak_flops, log_interval, run_dir,
-          storage_options) -> None:
+def train(**flags: Any) -> None:
     """Train a Llama-style model with TP x PP x DP and periodic checkpoints."""
     from shardsmith.reshard.layout import validate_layout
     from shardsmith.trainer import launch as launcher
-    from shardsmith.trainer.config import (CheckpointConfig, DataConfig, FaultConfig, ModelConfig,
-                                           OptimConfig, TrainConfig)
 
     external = launcher.under_torchrun()
-    world = int(os.environ["WORLD_SIZE"]) if external else nproc_per_node
-    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, world)
-    model = ModelConfig(num_layers=num_layers, hidden_size=hidden_size,
-                        num_attention_heads=num_attention_heads, num_kv_heads=num_kv_heads,
-                        ffn_hidden_size=ffn_hidden_size, vocab_size=vocab_size, seq_length=seq_length,
-                        tie_embeddings=tie_embeddings)
-    cfg = TrainConfig(
-        model=model, parallel=dims,
-        optim=OptimConfig(lr=lr, decay_steps=decay_steps, min_lr_ratio=min_lr_ratio, warmup_steps=warmup_steps,
-                          weight_decay=weight_decay, grad_clip=grad_clip),
-        data=DataConfig(sources=tuple(data), token_dtype=token_dtype, seed=seed),
-        checkpoint=CheckpointConfig(url=ckpt, save_interval=save_interval, resume=resume, async_save=async_save,
-                                    storage_options=parse_storage_options(storage_options),
-                                    tensor_format=tensor_format, zarr_codec=zarr_codec),
-        steps=steps, global_batch_size=global_batch_size, micro_batch_size=micro_batch_size, seed=seed,
-        mixed_precision="bf16" if bf16 else mixed_precision,
-        activation_checkpointing=activation_checkpointing, log_interval=log_interval, run_dir=run_dir,
-        fault=FaultConfig(preempt_deadline=preempt_deadline, collective_timeout=collective_timeout,
-                          init_timeout=init_timeout,
-                          hang_factor=hang_factor, hang_min_seconds=hang_min_seconds, max_bad_steps=max_bad_steps,
-                          max_rollbacks=max_rollbacks, peak_flops=peak_flops, derive_dp_shard=dp_shard == -1))
-    validate_layout(model, dims)          # refuse before any process starts
+    world = int(os.environ["WORLD_SIZE"]) if external else flags["nproc_per_node"]
+    cfg = train_config(flags, world)
+    validate_layout(cfg.model, cfg.parallel)          # refuse before any process starts
     cfg.num_microbatches()
     if external:
         from shardsmith.trainer.train import run_training
 
         run_training(cfg)
         return
-    click.echo(f"training {dims.describe()} on {dims.world_size} processes to step {steps}", err=True)
-    launcher.launch(cfg, dims.world_size, max_restarts=max_restarts)
+    dims = cfg.parallel
+    click.echo(f"training {dims.describe()} on {dims.world_size} processes to step {cfg.steps}", err=True)
+    launcher.launch(cfg, dims.world_size, max_restarts=flags["max_restarts"])
+
+
+def train_config(f: dict[str, Any], world: int | None):
+    """Map ``train``'s flags onto :class:`~shardsmith.trainer.config.TrainConfig` (one field each)."""
+    from shardsmith.trainer.config import (CheckpointConfig, DataConfig, FaultConfig, ModelConfig,
+                                           OptimConfig, TrainConfig)
+
+    def pick(*names: str) -> dict[str, Any]:
+        return {n: f[n] for n in names}
+
+    return TrainConfig(
+        model=ModelConfig(**pick("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
+                                 "ffn_hidden_size", "vocab_size", "seq_length", "tie_embeddings",
+                                 "rope_theta", "norm_eps")),
+        parallel=make_dims(f["tp"], f["pp"], f["dp_shard"], f["dp_replicate"], f["pipeline_split"], world),
+        optim=OptimConfig(**pick("lr", "decay_steps", "min_lr_ratio", "warmup_steps", "weight_decay",
+                                 "grad_clip")),
+        data=DataConfig(sources=tuple(f["data"]), token_dtype=f["token_dtype"], seed=f["seed"]),
+        checkpoint=CheckpointConfig(
+            url=f["ckpt"], storage_options=parse_storage_options(f["storage_options"]),
+            **pick("save_interval", "resume", "init_from", "keep_last", "keep_every", "async_save",
+                   "tensor_format", "zarr_codec")),
+        fault=FaultConfig(derive_dp_shard=f["dp_shard"] == -1,
+                          **pick("preempt_deadline", "collective_timeout", "init_timeout", "hang_factor",
+                                 "hang_min_seconds", "max_bad_steps", "max_rollbacks", "peak_flops")),
+        mixed_precision="bf16" if f["bf16"] else f["mixed_precision"],
+        **pick("steps", "global_batch_size", "micro_batch_size", "seed", "activation_checkpointing",
+               "log_interval", "run_dir"))
 
 
 @cli.command()

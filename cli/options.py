@@ -46,4 +46,7 @@ model_options = _stack(
     click.option("--seq-length", type=int, default=128, show_default=True, help="Tokens per sample."),
     click.option("--tie-embeddings/--no-tie-embeddings", default=False, show_default=True,
                  help="Share the input embedding with the output projection."),
+    click.option("--rope-theta", "--rotary-base", "rope_theta", type=float, default=10000.0, show_default=True,
+                 help="RoPE base (Megatron: --rotary-base)."),
+    click.option("--norm-eps", type=float, default=1e-5, show_default=True, help="RMSNorm epsilon."),
 )

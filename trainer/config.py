@@ -72,6 +72,11 @@ class CheckpointConfig:
             array per tensor, chunked on shard boundaries; see ``storage/zarr_format.py``).
         zarr_codec: compression of the optimizer state in zarr checkpoints: ``""`` (none),
             ``zstd``, ``gzip``, optionally with a level (``zstd:5``).
+        init_from: a checkpoint (root or step URL, any layout) whose *model weights* start
+            this run when nothing is resumed: fresh optimizer, step 0 (e.g. from
+            ``shardsmith import-hf``).
+        keep_last, keep_every: retention applied after each commit (0 = keep all); incomplete
+            steps are always collected (see :func:`shardsmith.storage.gc.gc_after_commit`).
     """
 
     url: str = ""
@@ -82,10 +87,16 @@ class CheckpointConfig:
     async_save: bool = True
     tensor_format: str = "safetensors"
     zarr_codec: str = ""
+    init_from: str = ""
+    keep_last: int = 0
+    keep_every: int = 0
 
     def __post_init__(self) -> None:
         if self.save_interval < 0:
             raise ConfigError(f"checkpoint.save_interval={self.save_interval}: must be >= 0")
+        if self.keep_last < 0 or self.keep_every < 0:
+            raise ConfigError(f"checkpoint.keep_last={self.keep_last}, keep_every={self.keep_every}: "
+                              "must be >= 0 (0 = keep all)")
         if self.tensor_format not in ("safetensors", "zarr"):
             raise ConfigError(f"checkpoint.tensor_format={self.tensor_format!r}: choose 'safetensors' or 'zarr'")
         if self.zarr_codec:

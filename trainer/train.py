@@ -30,8 +30,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from shardsmith.reshard.layout import validate_layout
 from shardsmith.reshard.plan import checkpoint_specs, param_specs, rank_boxes
-from shardsmith.storage.commit import find_latest_committed, read_manifest, step_dir
+from shardsmith.storage.commit import find_latest_committed, read_manifest, resolve_checkpoint, step_dir
 from shardsmith.storage.fs import Store
+from shardsmith.storage.gc import gc_after_commit
 from shardsmith.storage.manifest import MANIFEST_NAME
 from shardsmith.trainer.async_save import AsyncCheckpointer
 from shardsmith.trainer.checkpoint import (SaveResult, gather_json, init_optimizer_state, load_into,
@@ -326,8 +327,15 @@ class Trainer:
             self.checkpointer.wait()
 
     def _on_commit(self, result: SaveResult) -> None:
+        """After a commit (in the saving thread): log it; rank 0 collects old and incomplete steps."""
         self._event({"event": "save", "step": result.step, "nbytes": result.nbytes,
                      "seconds": round(result.seconds, 4), "blocked_seconds": round(result.blocked_seconds, 4)})
+        ckpt = self.cfg.checkpoint
+        if self.rank == 0 and self.root is not None:
+            deleted = gc_after_commit(self.root, keep_last=ckpt.keep_last or None,
+                                      keep_every=ckpt.keep_every or None)
+            if deleted:
+                self._event({"event": "gc", "deleted_steps": deleted})
 
     def resume_source(self) -> tuple[Store, int] | None:
         """Which step directory to resume from: see :func:`~shardsmith.trainer.fault.choose_resume`
@@ -343,9 +351,24 @@ class Trainer:
         """
         src = self.resume_source()
         if src is None:
+            if self.cfg.checkpoint.init_from:
+                self._init_from(self.cfg.checkpoint.init_from)
             return False
         self._load(*src, reason="resume")
         return True
+
+    def _init_from(self, url: str) -> None:
+        """Load only the model weights of checkpoint ``url`` (any layout; optimizer state,
+        counters and data position stay fresh). Collective."""
+        _, step_store, step = resolve_checkpoint(url, self.cfg.checkpoint.storage_options)
+        manifest = read_manifest(step_store)
+        specs = checkpoint_specs(self.cfg.model, self.cfg.parallel, with_optimizer=False)
+        boxes = rank_boxes(specs, self.cfg.parallel, self.rank)
+        tensors = model_state_tensors(self.model, None)
+        stats = load_into(step_store, manifest, tensors, boxes, {f: s.shape for f, s in specs.items()})
+        read = gather_json([stats.nbytes_read, stats.nbytes_needed])
+        self._event({"event": "init_from", "from": step_store.url, "source_step": step,
+                     "saved_layout": manifest.layout, "nbytes_read": sum(r[0] for r in read)})
 
     def _load(self, step_store: Store, step: int, *, reason: str) -> None:
         """Load tensors (resharding by box intersection), counters, data position, LR
