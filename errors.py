@@ -50,3 +50,7 @@ class StorageAccessDenied(StorageError, PermissionError):
 
 class SaveError(CheckpointError, RuntimeError):
     """A checkpoint save failed; the step was not committed."""
+
+
+class TrainingDiverged(ShardsmithError, RuntimeError):
+    """Bad steps could not be recovered from (no checkpoint, or too many rollbacks)."""

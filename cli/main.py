@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 from typing import Any
 
 import click

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from shardsmith.trainer.config import CheckpointConfig, TrainConfig
+from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.train import Trainer
 
 

@@ -17,7 +17,6 @@ tensor, and the target layout's next loss must match the single-process one.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from shardsmith.errors import LayoutError, ShardsmithError
+from shardsmith.errors import LayoutError, TrainingDiverged  # noqa: F401  (re-exported)
 from shardsmith.storage.commit import find_latest_committed, resolve_checkpoint, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.trainer.config import FaultConfig, TrainConfig
@@ -45,10 +45,6 @@ from shardsmith.trainer.config import FaultConfig, TrainConfig
 log = logging.getLogger(__name__)
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-class TrainingDiverged(ShardsmithError, RuntimeError):
-    """Bad steps could not be recovered from (no checkpoint, or too many rollbacks)."""
 
 
 # ---- elastic world size ---------------------------------------------------------------
