@@ -49,7 +49,8 @@ class StorageAccessDenied(StorageError, PermissionError):
 
 
 class SaveError(CheckpointError, RuntimeError):
-    """A checkpoint save failed; the step was not committed."""
+    """A checkpoint save failed. The message says whether the step was committed (it is
+    not, unless a failure came after the manifest was written; `shardsmith ls` tells)."""
 
 
 class TrainingDiverged(ShardsmithError, RuntimeError):

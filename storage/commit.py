@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from shardsmith.errors import CheckpointNotFound, ManifestError, SaveError
+from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, parse_manifest
 
@@ -152,15 +153,24 @@ def commit(root: Store, manifest: Manifest, *, check_files: bool = True) -> None
     step_store = root.child(name)
     raw = manifest.dumps()
     parse_manifest(raw, step_store.url_of(MANIFEST_NAME))
+    crash_point("commit.before_check", step=manifest.step)          # test hooks; inert normally
     if check_files:
         check_files_written(step_store, manifest)
+    crash_point("commit.before_manifest")
     root.write(f"{name}/{MANIFEST_NAME}", raw)
-    hint = read_latest_hint(root)
-    hinted = parse_step_dir(hint) if hint else None
-    if hinted is not None and hinted > manifest.step and root.exists(f"{hint}/{MANIFEST_NAME}"):
-        log.info("committed %s; %s/latest stays at the newer %s", name, root.url, hint)
+    crash_point("commit.after_manifest")
+    try:    # `latest` is only a hint: once the manifest is written the step is committed
+        hint = read_latest_hint(root)
+        hinted = parse_step_dir(hint) if hint else None
+        if hinted is not None and hinted > manifest.step and root.exists(f"{hint}/{MANIFEST_NAME}"):
+            log.info("committed %s; %s/latest stays at the newer %s", name, root.url, hint)
+            return
+        root.write(LATEST_NAME, (name + "\n").encode())
+    except Exception as exc:  # noqa: BLE001 — readers fall back to the newest committed step
+        log.warning("committed %s but could not update %s/latest (%s: %s); readers fall back to "
+                    "the newest committed step", name, root.url, type(exc).__name__, exc)
         return
-    root.write(LATEST_NAME, (name + "\n").encode())
+    crash_point("commit.after_latest")
 
 
 def resolve_checkpoint(url: str, storage_options: dict | None = None) -> tuple[Store, Store, int]:

@@ -37,6 +37,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from shardsmith.errors import StorageAccessDenied, StorageError, StorageNotFound
+from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.multipart import MultipartWriter, part_size
 from shardsmith.storage.retry import RetryPolicy, Verdict, call_with_retries, client_error_info
 
@@ -341,6 +342,7 @@ class Store:
             f = self._call("write", key, create)
             with f:
                 yield f
+            crash_point("fs.before_publish", key=path)              # test hook; inert normally
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -360,8 +362,11 @@ class Store:
         tmp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
         try:
             with open(tmp, "wb") as f:
-                for part in parts:
+                for i, part in enumerate(parts):
                     f.write(part)
+                    if i == 0:
+                        crash_point("fs.mid_write", key=path)       # test hook; inert normally
+            crash_point("fs.before_publish", key=path)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):

@@ -20,6 +20,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
+from shardsmith.storage.crashpoints import crash_point
+
 MAX_PARTS = 10_000
 MIN_PART_NBYTES = 5 * 2**20
 
@@ -100,6 +102,7 @@ class MultipartWriter:
         try:
             out = self.retry(lambda: self._call("upload_part", UploadId=self.upload_id, PartNumber=number,
                                                 Body=body))
+            crash_point("fs.mid_write", key=self.path)              # test hook; inert normally
             return {"PartNumber": number, "ETag": out["ETag"]}
         finally:
             self._slots.release()
@@ -115,6 +118,7 @@ class MultipartWriter:
                     self._submit(bytes(self.buffer))
                 self.buffer = bytearray()
                 etags = [fut.result() for fut in self.parts]
+                crash_point("fs.before_publish", key=self.path)     # test hook; inert normally
                 self.retry(lambda: self._complete(etags))
             self._done = True
         finally:

@@ -26,6 +26,7 @@ from safetensors.torch import save as safetensors_save
 from shardsmith.errors import IntegrityError
 from shardsmith.storage.boxes import Box, row_major_span
 from shardsmith.storage.checksum import chunk_crc32c, crc32c, crc32c_combine
+from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import DTYPE_NBYTES, FileRecord, Manifest, ShardRecord
 from shardsmith.storage.verify import check_file_once
@@ -199,7 +200,7 @@ def _plan_piece(shard: ShardRecord, saved: Box, common: Box, box: Box, out: torc
     groups = _chunk_groups(saved, common, itemsize, chunk, a, b)
     base, top = groups[0][0] * chunk, min(groups[-1][1] * chunk, shard.nbytes)
     scratch = torch.empty(top - base, dtype=torch.uint8)
-    view = memoryview(scratch.numpy())
+    view = memoryview(scratch.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
     parts = []
     for c0, c1 in groups:
         lo, hi = c0 * chunk, min(c1 * chunk, shard.nbytes)
@@ -454,7 +455,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
         flat = flat.view(torch.int16)
     elif flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 def write_shard_file(store: Store, key: str, entries: list[tuple[str, torch.Tensor]], chunk_nbytes: int,
@@ -477,7 +478,9 @@ def write_shard_file(store: Store, key: str, entries: list[tuple[str, torch.Tens
     views = [_byte_view(t) for _, t in entries]
     with ThreadPoolExecutor(1, thread_name_prefix="shardsmith-crc") as pool:
         checksums = pool.submit(_file_checksums, prefix, views, chunk_nbytes)
+        crash_point("shard.before_write")                           # test hook; inert normally
         store.write_parts(key, [memoryview(prefix), *views])
+        crash_point("shard.after_write")
         file_crc, chunk_crcs = checksums.result()
     records: dict[str, ShardRecord] = {}
     for (fqn, _), crcs in zip(entries, chunk_crcs):

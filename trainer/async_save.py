@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from shardsmith.errors import SaveError
 from shardsmith.reshard.layout import ModelConfig, ParallelDims
+from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
 from shardsmith.trainer.checkpoint import SaveResult, WritePlan, plan_local_writes, write_and_commit
 
@@ -127,6 +128,7 @@ class AsyncCheckpointer:
             ready = torch.cuda.Event()
             ready.record()
         if not self.overlap_snapshot:
+            crash_point("async.before_snapshot", step=step)       # test hooks (storage/crashpoints.py)
             try:
                 plan = self._stage(plan, ready)
             finally:
@@ -141,14 +143,17 @@ class AsyncCheckpointer:
              t0: float, ready: Any) -> None:
         try:
             if not self._snapshot_done.is_set():
+                crash_point("async.before_snapshot", step=plan.step)
                 try:
                     plan = self._stage(plan, ready)
                 finally:
                     self._snapshot_done.set()
+            crash_point("async.after_snapshot", step=plan.step)
             nbytes = write_and_commit(self.root, plan, model_cfg=self.model_cfg, dims=self.dims,
                                       config=config, state=state, group=self.group,
                                       tensor_format=self.tensor_format, zarr_codec=self.zarr_codec)
             self.last_result = SaveResult(plan.step, nbytes, time.perf_counter() - t0, blocked + self._waited)
+            crash_point("async.after_commit")
             if self.on_commit is not None:
                 self.on_commit(self.last_result)
         except BaseException as exc:  # never dies silently: logged now, raised by the next call
@@ -167,7 +172,8 @@ class AsyncCheckpointer:
         """Block until the in-flight save (if any) finishes; raise its failure.
 
         Raises:
-            SaveError: the background save failed (it was not committed).
+            SaveError: the background save failed (not committed, unless a peer or the
+                ``on_commit`` callback failed after the commit: the message says which).
         """
         if self._thread is not None:
             self._thread.join()
@@ -176,5 +182,7 @@ class AsyncCheckpointer:
             exc, self._error = self._error, None
             if isinstance(exc, SaveError):
                 raise exc
-            raise SaveError(f"background checkpoint save failed and was not committed: "
-                            f"{type(exc).__name__}: {exc}") from exc
+            # Not a SaveError: a peer or the on_commit callback failed, possibly after the commit.
+            raise SaveError(f"background checkpoint save failed: {type(exc).__name__}: {exc}; its step "
+                            "may or may not be committed (`shardsmith ls` tells), the newest committed "
+                            "step is complete either way") from exc

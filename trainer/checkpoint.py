@@ -28,6 +28,7 @@ from shardsmith.reshard.plan import checkpoint_specs, rank_boxes, shard_file_nam
 from shardsmith.storage.boxes import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, step_dir
+from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord, TensorRecord
 from shardsmith.storage.shards import DTYPE_NAMES, ReadStats, read_boxes, write_shard_file
@@ -190,6 +191,7 @@ def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, di
     step_store = root.child(step_dir(plan.step))
     file_name = shard_file_name(dist.get_rank())
     error, records = "", {}
+    crash_point("save.begin", step=plan.step)              # test hooks (storage/crashpoints.py)
     try:
         if tensor_format == "zarr":
             records = save_rank_chunks(step_store, plan.entries, plan.specs, dims, zarr_codec, chunk_nbytes)
@@ -203,6 +205,7 @@ def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, di
         log.exception("rank %d: writing %s failed", rank, step_store.url_of(file_name))
         error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
     gathered = gather_json({"error": error, **records}, group)
+    crash_point("save.after_gather")
     errors = [g["error"] for g in gathered if g["error"]]
     if errors:
         raise SaveError(f"checkpoint step {plan.step} not committed: " + "; ".join(errors))
@@ -220,6 +223,7 @@ def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, di
     commit_error = _broadcast_text(commit_error, group)
     if commit_error:
         raise SaveError(f"checkpoint step {plan.step} not committed: {commit_error}")
+    crash_point("save.end")
     return sum(g["file"][1] for g in gathered if "file" in g) + gathered_zarr_nbytes(gathered)
 
 

@@ -1,5 +1,11 @@
 """Fault injection for tests: environment variables make a rank die, get a signal, hang
-or produce NaNs at a chosen step. Inert unless one of them is set (never in production).
+or produce NaNs at a chosen step, or die at a named point inside a save. Inert unless one
+of them is set (never in production).
+
+``SHARDSMITH_TEST_CRASH_AT="RANK:POINT[:STEP],..."`` SIGKILLs a rank at a crash point inside
+a save (``save.begin``, ``fs.mid_write@FILE``, ``commit.after_manifest`` ...): see
+:mod:`shardsmith.storage.crashpoints`, where :func:`crash_point` lives so that storage code
+can call it too; it is re-exported here.
 """
 
 from __future__ import annotations
@@ -10,6 +16,8 @@ import time
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from shardsmith.storage.crashpoints import crash_point  # noqa: F401  (re-exported test hook)
 
 
 def _say(message: str) -> None:
