@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from typing import Any
 
 import click
@@ -23,6 +24,9 @@ class Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except BrokenPipeError:      # output piped into `head` and closed: not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(0)
         except (ShardsmithError, ValueError, FileNotFoundError, PermissionError, OSError) as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
