@@ -105,6 +105,10 @@ MAX_MERGED_READ_NBYTES = 32 * 2**20
 MAX_SCRATCH_NBYTES = 256 * 2**20
 #: An intersection split into more row runs than this is read as one span (bounds planning).
 _MAX_RUNS = 2**16
+#: A piece is read straight into a non-contiguous part of its destination (one iovec per
+#: row segment) when it has at most this many segments of at least this many bytes.
+_MAX_SCATTER_RUNS = 2**14
+_MIN_SCATTER_NBYTES = 512
 
 
 @dataclass
@@ -180,20 +184,46 @@ def _chunk_groups(saved: Box, common: Box, itemsize: int, chunk: int, a: int, b:
     return groups
 
 
+def _scatter_views(box: Box, common: Box, out: torch.Tensor, itemsize: int) -> list[memoryview] | None:
+    """The bytes of ``out`` (contiguous, holding ``box``) that hold ``common``, as runs in
+    row-major order (one run when ``common`` is contiguous in ``out``, else one per row
+    segment, e.g. a TP column slice); ``None`` when the runs are too many or too short to
+    read into directly (then a scratch buffer is cheaper)."""
+    view = _byte_view(out)
+    if not box.lengths:
+        return [view]
+    strides = _strides(box.lengths)
+    j = len(box.lengths) - 1
+    while j > 0 and common.lengths[j] == box.lengths[j]:
+        j -= 1
+    run = common.lengths[j] * strides[j]                      # elements per run
+    count = prod(common.lengths[:j])
+    if count > 1 and (count > _MAX_SCATTER_RUNS or run * itemsize < _MIN_SCATTER_NBYTES):
+        return None
+    rel = [c - o for c, o in zip(common.offsets, box.offsets)]
+    views = []
+    for index in itertools.product(*(range(n) for n in common.lengths[:j])):
+        start = sum((r + i) * s for r, i, s in zip(rel, index, strides)) + rel[j] * strides[j]
+        views.append(view[start * itemsize:(start + run) * itemsize])
+    return views
+
+
 def _plan_piece(shard: ShardRecord, saved: Box, common: Box, box: Box, out: torch.Tensor, itemsize: int,
                 chunk: int) -> tuple[_Piece | None, list[_Part]]:
     """Plan the reads of ``common`` (the part of ``box`` in ``saved``), widened to whole
-    checksum chunks. When ``common`` is contiguous both in the shard and in ``out`` its bytes
-    are read straight into ``out`` (only the chunk-widening margins go to small buffers);
-    otherwise into a scratch buffer, copied into ``out`` after verification (the ``_Piece``)."""
+    checksum chunks. When ``common`` is contiguous in the shard its bytes are read straight
+    into ``out`` (scattered over its rows when it is a column slice there; only the chunk
+    margins go to small buffers); otherwise into a scratch buffer that is copied into ``out``
+    after verification (the returned ``_Piece``)."""
     first, last = row_major_span((), saved, common)
     a, b = first * itemsize, last * itemsize
-    o_first, o_last = row_major_span((), box, common)
-    if last - first == common.numel and o_last - o_first == common.numel and out.is_contiguous():
+    views = _scatter_views(box, common, out, itemsize) \
+        if last - first == common.numel and out.is_contiguous() else None
+    if views is not None:
         c0, c1 = a // chunk, -(-b // chunk)
         lo, hi = c0 * chunk, min(c1 * chunk, shard.nbytes)
         dests = [memoryview(bytearray(a - lo))] if a > lo else []
-        dests.append(_byte_view(out)[o_first * itemsize:o_last * itemsize])
+        dests += views
         if hi > b:
             dests.append(memoryview(bytearray(hi - b)))
         return None, [_Part(shard, c0, c1, shard.byte_offset + lo, shard.byte_offset + hi, dests)]
@@ -224,17 +254,18 @@ def _fill_from_scratch(piece: _Piece) -> None:
 
 def _preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
     """Fill ``views`` in order from ``offset`` of ``fd``; returns bytes read (short at EOF)."""
-    total, pending = 0, [v for v in views if len(v)]
-    while pending:
-        n = os.preadv(fd, pending[:1024], offset + total)      # IOV_MAX is 1024 on Linux
+    pending = [v for v in views if len(v)]
+    total, i = 0, 0
+    while i < len(pending):
+        n = os.preadv(fd, pending[i:i + 1024], offset + total)    # IOV_MAX is 1024 on Linux
         if n == 0:
             break
         total += n
-        while pending and n >= len(pending[0]):
-            n -= len(pending[0])
-            pending.pop(0)
+        while i < len(pending) and n >= len(pending[i]):
+            n -= len(pending[i])
+            i += 1
         if n:
-            pending[0] = pending[0][n:]
+            pending[i] = pending[i][n:]
     return total
 
 

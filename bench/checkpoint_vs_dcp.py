@@ -1,0 +1,519 @@
+"""shardsmith checkpointing vs PyTorch DCP on the same sharded state, storage and run.
+
+    OMP_NUM_THREADS=1 python bench/checkpoint_vs_dcp.py --gb 1 --nproc 4 [--s3] [--fsync]
+
+Builds one Llama-style state (parameters + AdamW ``exp_avg``/``exp_avg_sq``/``step``, about
+``--gb`` GiB in all) on ``--nproc`` gloo processes with the real trainer model and
+``parallelize`` (meta-device init, TP + FSDP2 DTensors), in ``--save-layout``
+(``pp.dp_replicate.dp_shard.tp``, default ``1.1.2.2`` = tp2 x dp_shard2). Then, alternating
+which goes first on every repeat, on the same storage it measures:
+
+* sync save: ``save_checkpoint`` vs ``dcp.save``;
+* async save: time the caller is blocked (``AsyncCheckpointer.save`` vs ``dcp.async_save``
+  with a separate gloo group each) and until the save is committed;
+* load with reshard into each ``--load-layouts`` layout: ``load_into`` (plus reading the
+  manifest) vs ``dcp.load`` into DTensors of that layout; the loaded tensors are
+  compared (CRC-32C of every local tensor) so both must agree bit for bit;
+* raw fsspec bandwidth: every rank writes the bytes it saves as one file, then reads it back.
+
+Also: shardsmith's bytes read / bytes needed (``ReadStats``), bytes read by syscalls
+(``rchar`` of ``/proc/self/io``, local disk) for both, and the peak RSS of each rank during
+each operation (``VmHWM``, reset through ``/proc/self/clear_refs`` before every operation).
+
+Page cache: before every measured operation, rank 0 flushes (``os.sync``) and evicts the
+bench's files (``posix_fadvise(DONTNEED)``; no root needed, other processes' cache is left
+alone), so every write starts with no dirty backlog and every read is cold. Without
+``--fsync`` nobody fsyncs inside the timed region (DCP gets ``sync_files=False``); with it,
+DCP gets ``sync_files=True`` and the bench fsyncs shardsmith's and the raw files inside the
+timed sync-save / raw-write region (shardsmith's store itself does not fsync).
+
+Timings are the slowest rank's; the table shows medians over ``--repeats`` after
+``--warmup`` untimed rounds (steady state: staging buffers exist). The last line printed is
+one JSON object (ratios: >1 means shardsmith is faster, except ``stall_vs_dcp`` and
+``read_amplification`` where lower is better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+import zlib
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+from shardsmith.reshard.layout import ModelConfig, ParallelDims, stage_layers
+from shardsmith.reshard.plan import checkpoint_specs, kv_replicas, padded_vocab_size, rank_boxes
+from shardsmith.storage.checksum import crc32c
+from shardsmith.storage.commit import read_manifest, step_dir
+from shardsmith.storage.fs import Store
+from shardsmith.trainer.async_save import AsyncCheckpointer
+from shardsmith.trainer.checkpoint import load_into, plan_local_writes, save_checkpoint
+from shardsmith.trainer.model import Transformer
+from shardsmith.trainer.parallel import build_mesh, parallelize
+
+# ---- the state ---------------------------------------------------------------------------
+
+
+def model_for_size(gib: float) -> ModelConfig:
+    """A Llama-style shape (D=1024, 16 heads, 8 kv heads, SwiGLU 2816, vocab 8192) with the
+    fewest layers whose parameters + AdamW moments (3 x 4 bytes per parameter) reach ``gib``."""
+    d, f, v = 1024, 2816, 8192
+    per_layer = 3 * d * d + 3 * d * f + 2 * d
+    fixed = 2 * v * d + d
+    layers = max(2, -(-(int(gib * 2**30) // 12 - fixed) // per_layer))
+    return ModelConfig(num_layers=layers, hidden_size=d, num_attention_heads=16, num_kv_heads=8,
+                       ffn_hidden_size=f, vocab_size=v, seq_length=128)
+
+
+def parse_layout(name: str) -> ParallelDims:
+    """``pp.dp_replicate.dp_shard.tp`` -> ParallelDims."""
+    pp, dpr, dps, tp = (int(x) for x in name.split("."))
+    return ParallelDims(pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tp)
+
+
+def build_state(cfg: ModelConfig, dims: ParallelDims, fill: bool) -> tuple[dict, dict, dict]:
+    """This rank's state under ``dims``: (FQN -> DTensor or tensor for DCP, FQN -> local
+    tensor for shardsmith, FQN -> global box). Collective (builds a mesh).
+
+    Values depend only on (FQN, box), so replicas agree and both systems save the same bytes.
+    """
+    mesh = build_mesh(dims)
+    rank = dist.get_rank()
+    stage = dims.coords(rank)["pp"]
+    layers = stage_layers(cfg, dims)[stage]
+    with torch.device("meta"):
+        model = Transformer(cfg, layers, first=stage == 0, last=stage == dims.pp - 1,
+                            padded_vocab=padded_vocab_size(cfg.vocab_size, dims.tp),
+                            kv_copies=kv_replicas(cfg, dims))
+    parallelize(model, mesh, dims, bf16=False, activation_checkpointing=False)
+    model.to_empty(device="cpu")
+    boxes = rank_boxes(checkpoint_specs(cfg, dims), dims, rank)
+    dcp_state: dict[str, torch.Tensor] = {}
+    for fqn, p in model.named_parameters():
+        dcp_state[fqn] = p.detach()
+        dcp_state[f"optim.exp_avg.{fqn}"] = torch.zeros_like(p.detach())
+        dcp_state[f"optim.exp_avg_sq.{fqn}"] = torch.zeros_like(p.detach())
+        dcp_state[f"optim.step.{fqn}"] = torch.tensor(7.0)
+    local = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in dcp_state.items()}
+    if fill:
+        for fqn, t in local.items():
+            if t.ndim:
+                gen = torch.Generator().manual_seed(zlib.crc32(f"{fqn}{boxes[fqn]}".encode()))
+                t.uniform_(-1, 1, generator=gen)
+    return dcp_state, local, boxes
+
+
+def state_crcs(local: dict[str, torch.Tensor]) -> list[int]:
+    """CRC-32C of every local tensor's bytes, in FQN order."""
+    return [crc32c(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())) if t.ndim else int(t.item())
+            for _, t in sorted(local.items())]
+
+
+# ---- measuring -----------------------------------------------------------------------------
+
+
+def _hwm_kib() -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1))
+
+
+def _rchar() -> int:
+    try:
+        with open("/proc/self/io") as f:
+            return int(re.search(r"rchar:\s+(\d+)", f.read()).group(1))
+    except OSError:
+        return 0
+
+
+def settle(base: str, local_disk: bool) -> None:
+    """Flush dirty pages and evict the bench's files from the page cache (rank 0), then barrier."""
+    if dist.get_rank() == 0 and local_disk:
+        os.sync()
+        for dirpath, _, names in os.walk(base):
+            for name in names:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+    dist.barrier()
+
+
+def log(msg: str) -> None:
+    """Progress on stderr (rank 0, with --verbose)."""
+    if dist.get_rank() == 0 and os.environ.get("BENCH_VERBOSE"):
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def measure(fn: Callable[[], Any], profile: bool = False) -> dict[str, float]:
+    """Run ``fn`` on every rank from a barrier. Returns the slowest rank's seconds (``s``) and
+    ``blocked``/``snapshot`` seconds (``fn``'s own, max over ranks), peak RSS (MiB, max over
+    ranks), and bytes: ``rchar`` read by syscalls, ``read``/``needed`` (``fn``'s, summed)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                      # reset VmHWM (Linux >= 4.0)
+    except OSError:
+        pass
+    rchar0 = _rchar()
+    dist.barrier()
+    t0 = time.perf_counter()
+    if profile:
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        extra = prof.runcall(fn) or {}
+        with open(os.path.join(tempfile.gettempdir(), f"bench-profile-rank{dist.get_rank()}.txt"), "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(40)
+    else:
+        extra = fn() or {}
+    seconds = time.perf_counter() - t0
+    maxed = torch.tensor([seconds, _hwm_kib() / 1024, extra.get("blocked", 0.0), extra.get("snapshot", 0.0)],
+                         dtype=torch.float64)
+    summed = torch.tensor([_rchar() - rchar0, extra.get("read", 0), extra.get("needed", 0)], dtype=torch.float64)
+    dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
+    dist.all_reduce(summed)
+    return {"s": float(maxed[0]), "rss_mib": float(maxed[1]), "blocked": float(maxed[2]),
+            "snapshot": float(maxed[3]), "rchar": float(summed[0]), "read": float(summed[1]),
+            "needed": float(summed[2])}
+
+
+def fsync_own(path: str, rank: int) -> None:
+    """fsync the files under ``path`` that ``rank`` wrote (its shard file; rank 0: the rest)."""
+    mine = f"rank-{rank:05d}"
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            if (mine in name) if "rank-" in name else rank == 0:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+
+# ---- one worker ------------------------------------------------------------------------------
+
+
+class Bench:
+    """Everything one rank needs; methods are collective."""
+
+    def __init__(self, args: argparse.Namespace, base: str, opts: dict[str, Any]) -> None:
+        self.args, self.base, self.opts = args, base, opts
+        self.local_disk = not base.startswith("s3://")
+        self.cfg = model_for_size(args.gb)
+        self.dims = parse_layout(args.save_layout)
+        self.rank = dist.get_rank()
+        self.dcp_state, self.local, _ = build_state(self.cfg, self.dims, fill=True)
+        log("source state built")
+        self.targets = {name: build_state(self.cfg, parse_layout(name), fill=False)
+                        for name in args.load_layouts.split(",")}
+        self.ckpt = AsyncCheckpointer(Store(base, opts), self.cfg, self.dims)
+        self.dcp_group = dist.new_group(backend="gloo")
+        plan = plan_local_writes(0, self.local, self.cfg, self.dims, self.rank)
+        self.raw_parts = [t.contiguous().reshape(-1).view(torch.uint8).numpy() for _, t, _ in plan.entries]
+        self.crc_ok = True
+
+    def url(self, name: str) -> str:
+        return f"{self.base}/{name}"
+
+    # -- shardsmith
+    def ours_save(self, name: str) -> None:
+        save_checkpoint(Store(self.url(name), self.opts), 1, self.local, model_cfg=self.cfg, dims=self.dims,
+                        config={}, state={"step": 1})
+        if self.args.fsync and self.local_disk:
+            fsync_own(self.url(name), self.rank)
+
+    def ours_async(self, name: str, overlap: bool) -> dict[str, float]:
+        """``overlap``: snapshot in the background, as with ``overlap_with(optimizer)`` in the
+        trainer (the bench has no optimizer: it waits for the snapshot itself, as the
+        optimizer's next step would); else the snapshot is copied inside ``save``."""
+        self.ckpt.root = Store(self.url(name), self.opts)
+        self.ckpt.overlap_snapshot = overlap
+        t0 = time.perf_counter()
+        self.ckpt.save(1, self.local, config={}, state={"step": 1})
+        blocked = time.perf_counter() - t0
+        self.ckpt.wait_snapshot()
+        snapshot = time.perf_counter() - t0
+        self.ckpt.wait()
+        return {"blocked": blocked, "snapshot": snapshot}
+
+    def ours_load(self, name: str, target: str) -> dict[str, float]:
+        _, local, boxes = self.targets[target]
+        step_store = Store(self.url(name), self.opts).child(step_dir(1))
+        manifest = read_manifest(step_store)
+        specs = checkpoint_specs(self.cfg, parse_layout(target))
+        stats = load_into(step_store, manifest, local, boxes, {f: s.shape for f, s in specs.items()})
+        return {"read": stats.nbytes_read, "needed": stats.nbytes_needed}
+
+    # -- DCP
+    def _writer(self, name: str) -> Any:
+        if self.local_disk:
+            return dcp.FileSystemWriter(self.url(name), sync_files=self.args.fsync)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        return FsspecWriter(self.url(name), sync_files=False, **self.opts)
+
+    def _reader(self, name: str) -> Any:
+        if self.local_disk:
+            return dcp.FileSystemReader(self.url(name))
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        return FsspecReader(self.url(name), **self.opts)
+
+    def dcp_save(self, name: str) -> None:
+        dcp.save(self.dcp_state, storage_writer=self._writer(name))
+
+    def dcp_async(self, name: str, staged: bool) -> dict[str, float]:
+        """DCP's default ``async_save`` (staging copy inside the call), or with its
+        background staging (``DefaultStager(use_async_staging=True)``)."""
+        stager = None
+        if staged:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                  use_async_staging=True, use_non_blocking_copy=False))
+        t0 = time.perf_counter()
+        out = dcp.async_save(self.dcp_state, storage_writer=self._writer(name), process_group=self.dcp_group,
+                             async_stager=stager)
+        blocked = time.perf_counter() - t0
+        if staged:
+            out.staging_completion.result()
+        snapshot = time.perf_counter() - t0
+        (out.upload_completion if staged else out).result()
+        if stager is not None:
+            stager.close()
+        return {"blocked": blocked, "snapshot": snapshot}
+
+    def dcp_load(self, name: str, target: str) -> None:
+        dcp.load(self.targets[target][0], storage_reader=self._reader(name))
+
+    # -- raw fsspec
+    def raw_write(self, name: str) -> None:
+        fs, path = Store(self.url(name), self.opts).fs, Store(self.url(name), self.opts).root
+        fs.makedirs(path, exist_ok=True)
+        with fs.open(f"{path}/rank-{self.rank}.bin", "wb") as f:
+            for part in self.raw_parts:
+                f.write(memoryview(part))
+            if self.args.fsync and self.local_disk:
+                f.flush()
+                os.fsync(f.fileno())
+
+    def raw_read(self, name: str) -> dict[str, float]:
+        store = Store(self.url(name), self.opts)
+        with store.fs.open(f"{store.root}/rank-{self.rank}.bin", "rb") as f:
+            data = f.read()
+        return {"read": len(data), "needed": len(data)}
+
+    def zero_target(self, target: str) -> None:
+        for t in self.targets[target][1].values():
+            t.zero_()
+
+    def check_same(self, a: list[int], b: list[int]) -> None:
+        flag = torch.tensor([int(a != b)])
+        dist.all_reduce(flag)
+        if int(flag):
+            self.crc_ok = False
+
+    def cleanup(self) -> None:
+        dist.barrier()
+        if self.rank == 0:
+            if self.local_disk:
+                shutil.rmtree(self.base, ignore_errors=True)
+                os.makedirs(self.base, exist_ok=True)
+            else:
+                Store(self.base, self.opts).delete("", recursive=True)
+        dist.barrier()
+
+    def round(self, rep: int, results: dict[str, list[dict]]) -> None:
+        """One repeat: every measurement once, shardsmith and DCP alternating first."""
+        order = ["ours", "dcp"] if rep % 2 == 0 else ["dcp", "ours"]
+
+        def run(key: str, fn: Callable[[], Any]) -> None:
+            settle(self.base, self.local_disk)
+            results.setdefault(key, []).append(measure(fn, profile=key == self.args.profile))
+            log(f"round {rep} {key}: " + ", ".join(f"{k}={v:.4g}" for k, v in results[key][-1].items()))
+
+        for who in order:
+            run(f"{who}.save", lambda: getattr(self, f"{who}_save")(f"{who}-sync"))
+        for mode in ("bg", "fg"):
+            for who in order:
+                run(f"{who}.async_{mode}", lambda: getattr(self, f"{who}_async")(f"{who}-async", mode == "bg"))
+        run("raw.write", lambda: self.raw_write("raw"))
+        run("raw.read", lambda: self.raw_read("raw"))
+        for target in self.targets:
+            crcs = {}
+            for who in order:
+                self.zero_target(target)
+                run(f"{who}.load.{target}", lambda: getattr(self, f"{who}_load")(f"{who}-sync", target))
+                crcs[who] = state_crcs(self.targets[target][1])
+            self.check_same(crcs["ours"], crcs["dcp"])
+        self.cleanup()
+
+
+def worker(rank: int, args: argparse.Namespace, port: int, base: str, opts: dict, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=args.nproc)
+    try:
+        log("process group up")
+        bench = Bench(args, base, opts)
+        log("state built")
+        results: dict[str, list[dict]] = {}
+        for rep in range(args.warmup + args.repeats):
+            round_results: dict[str, list[dict]] = {}
+            bench.round(rep, round_results)
+            if rep >= args.warmup:
+                for k, v in round_results.items():
+                    results.setdefault(k, []).extend(v)
+        nbytes = torch.tensor([sum(p.nbytes for p in bench.raw_parts)], dtype=torch.float64)
+        dist.all_reduce(nbytes)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump({"results": results, "nbytes": float(nbytes), "crc_ok": bench.crc_ok,
+                           "model": bench.cfg.to_json()}, f)
+        bench.ckpt.wait()
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def median(results: dict, key: str, field: str = "s") -> float:
+    return statistics.median(r[field] for r in results[key])
+
+
+def per_round(results: dict, num: str, den: str, field: str = "s") -> list[float]:
+    """``num / den`` in each round (the two were measured minutes apart at most)."""
+    return [round(a[field] / b[field], 3) for a, b in zip(results[num], results[den])]
+
+
+def report(args: argparse.Namespace, data: dict) -> dict[str, Any]:
+    """Print the table of medians; return the summary JSON."""
+    res, gib = data["results"], data["nbytes"] / 2**30
+
+    def m(key: str, field: str = "s") -> float:
+        return median(res, key, field)
+
+    rows: list[tuple[str, float, float, float | None]] = [
+        ("sync save (s)", m("ours.save"), m("dcp.save"), m("raw.write")),
+        ("async save, DCP default: blocked (s)", m("ours.async_bg", "blocked"), m("dcp.async_fg", "blocked"), None),
+        ("  ours with the snapshot inside save() (s)", m("ours.async_fg", "blocked"),
+         m("dcp.async_fg", "blocked"), None),
+        ("async, both staging in background: blocked (s)", m("ours.async_bg", "blocked"),
+         m("dcp.async_bg", "blocked"), None),
+        ("  snapshot copied after (s)", m("ours.async_bg", "snapshot"), m("dcp.async_bg", "snapshot"), None),
+        ("async save until committed (s)", m("ours.async_bg"), m("dcp.async_fg"), None),
+        ("peak RSS, sync save (MiB/rank)", m("ours.save", "rss_mib"), m("dcp.save", "rss_mib"),
+         m("raw.write", "rss_mib")),
+        ("peak RSS, async save (MiB/rank)", m("ours.async_bg", "rss_mib"), m("dcp.async_fg", "rss_mib"), None)]
+    loads, amps = {}, {}
+    for target in args.load_layouts.split(","):
+        ours, theirs = f"ours.load.{target}", f"dcp.load.{target}"
+        rows += [(f"load -> {target} (s)", m(ours), m(theirs), m("raw.read")),
+                 ("  syscall bytes read (GiB)", m(ours, "rchar") / 2**30, m(theirs, "rchar") / 2**30,
+                  m("raw.read", "rchar") / 2**30),
+                 ("  peak RSS (MiB/rank)", m(ours, "rss_mib"), m(theirs, "rss_mib"), m("raw.read", "rss_mib"))]
+        loads[target] = m(theirs) / m(ours)
+        amps[target] = m(ours, "read") / m(ours, "needed")
+    print(f"\nstate: {gib:.2f} GiB on {args.nproc} ranks, saved as {args.save_layout}; storage "
+          f"{'s3 (moto)' if args.s3 else 'local disk'}; fsync {'on' if args.fsync else 'off'}; "
+          f"medians of {args.repeats} (after {args.warmup} warm-up)")
+    print(f"{'':48s}{'shardsmith':>11s}{'DCP':>9s}{'raw fsspec':>11s}{'DCP/ours':>9s}")
+    for name, ours_v, theirs_v, raw in rows:
+        raw_s = f"{raw:11.3f}" if raw is not None else f"{'':11s}"
+        ratio = theirs_v / ours_v if ours_v else float("nan")
+        print(f"{name:48s}{ours_v:11.3f}{theirs_v:9.3f}{raw_s}{ratio:9.2f}")
+    print(f"write bandwidth: shardsmith {gib / m('ours.save'):.2f} GiB/s, DCP {gib / m('dcp.save'):.2f} GiB/s, "
+          f"raw {gib / m('raw.write'):.2f} GiB/s; raw read {gib / m('raw.read'):.2f} GiB/s")
+    for target, amp in amps.items():
+        print(f"shardsmith read amplification -> {target}: {amp:.4f} (bytes read / bytes needed)")
+    print(f"loaded tensors identical (shardsmith vs DCP): {data['crc_ok']}")
+    return {"stall_vs_dcp": m("ours.async_bg", "blocked") / m("dcp.async_fg", "blocked"),
+            "save_speedup_vs_dcp": m("dcp.save") / m("ours.save"),
+            "load_speedup_vs_dcp": min(loads.values()),
+            "read_amplification": max(amps.values()),
+            "write_fraction_of_raw": m("raw.write") / m("ours.save"),
+            "stall_snapshot_in_save_vs_dcp": m("ours.async_fg", "blocked") / m("dcp.async_fg", "blocked"),
+            "stall_vs_dcp_async_staging": m("ours.async_bg", "blocked") / m("dcp.async_bg", "blocked"),
+            "snapshot_vs_dcp_blocked": m("ours.async_bg", "snapshot") / m("dcp.async_fg", "blocked"),
+            "load_speedup_by_layout": loads, "read_amplification_by_layout": amps,
+            "per_round": {"save_speedup_vs_dcp": per_round(res, "dcp.save", "ours.save"),
+                          "write_fraction_of_raw": per_round(res, "raw.write", "ours.save"),
+                          "stall_vs_dcp": per_round(res, "ours.async_bg", "dcp.async_fg", "blocked"),
+                          **{f"load_speedup_vs_dcp.{t}": per_round(res, f"dcp.load.{t}", f"ours.load.{t}")
+                             for t in loads}},
+            "seconds": {k: round(m(k), 4) for k in sorted(res)},
+            "gib": round(gib, 3), "nproc": args.nproc, "storage": "s3" if args.s3 else "local",
+            "fsync": args.fsync, "loads_identical": data["crc_ok"]}
+
+
+def start_s3() -> tuple[Any, dict[str, Any], str]:
+    """moto's ThreadedMotoServer on a loopback port, with a bucket; (server, options, url)."""
+    import logging
+
+    import fsspec
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    opts = {"key": "bench", "secret": "bench",
+            "client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"}}
+    fsspec.filesystem("s3", skip_instance_cache=True, **opts).call_s3("create_bucket", Bucket="bench")
+    return server, opts, f"s3://bench/{uuid.uuid4().hex[:8]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gb", type=float, default=1.0, help="state size in GiB (params + AdamW moments)")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--save-layout", default="1.1.2.2", help="pp.dp_replicate.dp_shard.tp")
+    p.add_argument("--load-layouts", default="1.1.4.1,2.1.1.2", help="comma-separated target layouts")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--s3", action="store_true", help="use a loopback moto S3 server instead of local disk")
+    p.add_argument("--fsync", action="store_true", help="durable writes (DCP sync_files=True; fsync ours/raw)")
+    p.add_argument("--verbose", action="store_true", help="print every measurement to stderr")
+    p.add_argument("--profile", default="", help="cProfile this measurement on rank 0, e.g. ours.save")
+    p.add_argument("--dir", default="", help="local directory for the checkpoints (default: a temp dir)")
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.verbose:
+        os.environ["BENCH_VERBOSE"] = "1"
+    server = None
+    tmp = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir or None)
+    try:
+        if args.s3:
+            server, opts, base = start_s3()
+        else:
+            opts, base = {}, os.path.join(tmp, "run")
+            os.makedirs(base)
+        out = os.path.join(tmp, "results.json")
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.start_processes(worker, args=(args, port, base, opts, out), nprocs=args.nproc, start_method="spawn")
+        with open(out) as f:
+            data = json.load(f)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if server is not None:
+            server.stop()
+    summary = report(args, data)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
