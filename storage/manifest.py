@@ -112,8 +112,8 @@ class Manifest:
         }
 
     def dumps(self) -> bytes:
-        """UTF-8 JSON bytes, indented for humans."""
-        return json.dumps(self.to_json(), indent=1).encode()
+        """Compact UTF-8 JSON bytes (json's C encoder; `shardsmith inspect` is the human view)."""
+        return json.dumps(self.to_json(), separators=(",", ":")).encode()
 
     @property
     def nbytes(self) -> int:
@@ -302,7 +302,8 @@ def _check_files_disjoint(tensors: dict[str, TensorRecord], problems: _Problems)
                 problems.add(wb + ".byte_offset", f"bytes of {name} overlap those of {wa}")
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads`` object hook refusing duplicate keys (a JSON object may not say a thing twice)."""
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
@@ -313,7 +314,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _load_json(raw: bytes, source: str) -> dict[str, Any]:
     try:
-        data = json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+        data = json.loads(raw, object_pairs_hook=reject_duplicate_keys, parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError, TypeError) as exc:
         raise _err("document", f"not valid JSON ({str(exc)[:200]})", source) from exc
     return _check_type(data, dict, "document", source)

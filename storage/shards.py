@@ -348,6 +348,21 @@ def _run_reads(store: Store, parts: list[_Part], chunk: int, source: str) -> int
         return sum(pool.map(one, reads))
 
 
+def destination(fqn: str, box: Box, dtype_name: str, out: torch.Tensor | None) -> torch.Tensor:
+    """The tensor a read of ``box`` fills: ``out`` after checking its shape and dtype, or a new one.
+
+    Raises:
+        ValueError: ``out`` does not have shape ``box.lengths`` and the tensor's dtype.
+    """
+    dtype = TORCH_DTYPES[dtype_name]
+    if out is None:
+        return torch.empty(box.lengths, dtype=dtype)
+    if tuple(out.shape) != box.lengths or out.dtype != dtype:
+        raise ValueError(f"read_box({fqn!r}): destination is {out.dtype} {tuple(out.shape)}, the box "
+                         f"needs {dtype} {box.lengths}")
+    return out
+
+
 def read_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, Box, torch.Tensor | None]],
                stats: ReadStats | None = None, source: str = "") -> list[torch.Tensor]:
     """Assemble several boxes of logical tensors from a checkpoint's shards in one go.
@@ -397,12 +412,8 @@ def read_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, B
 
     for fqn, box, out in requests:
         rec = manifest.tensors[fqn]
-        dtype, itemsize = TORCH_DTYPES[rec.dtype], DTYPE_NBYTES[rec.dtype]
-        if out is None:
-            out = torch.empty(box.lengths, dtype=dtype)
-        elif tuple(out.shape) != box.lengths or out.dtype != dtype:
-            raise ValueError(f"read_box({fqn!r}): destination is {out.dtype} {tuple(out.shape)}, the box "
-                             f"needs {dtype} {box.lengths}")
+        itemsize = DTYPE_NBYTES[rec.dtype]
+        out = destination(fqn, box, rec.dtype, out)
         outs.append(out)
         out = out.detach()                                    # same memory; writable under autograd
         filled = 0

@@ -26,7 +26,7 @@ import crc32c as _crc32c
 from shardsmith.errors import CheckpointNotFound, IntegrityError, ManifestError
 from shardsmith.storage.commit import read_manifest
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, ShardRecord, TensorRecord
+from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, ShardRecord, TensorRecord, reject_duplicate_keys
 
 #: Bytes read per request when streaming a file for its checksums (bounds memory).
 DEFAULT_BLOCK_NBYTES = 8 * 1024 * 1024
@@ -94,15 +94,6 @@ class VerifyReport:
 # ---- headers ------------------------------------------------------------------------------
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r:.80}")
-        out[key] = value
-    return out
-
-
 def read_safetensors_header(store: Store, file: str, file_nbytes: int) -> tuple[int, dict[str, Any]]:
     """Read and parse the header of a safetensors file (at most two ranged reads).
 
@@ -134,7 +125,7 @@ def read_safetensors_header(store: Store, file: str, file_nbytes: int) -> tuple[
         raise IntegrityError(f"{url}: truncated: the safetensors header needs {header_len} bytes, "
                              f"the file has {len(raw)} after the length prefix")
     try:
-        header = json.loads(raw, object_pairs_hook=_no_duplicates)
+        header = json.loads(raw, object_pairs_hook=reject_duplicate_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise IntegrityError(f"{url}: corrupt safetensors header ({str(exc)[:120]})") from exc
     if not isinstance(header, dict):

@@ -166,7 +166,7 @@ def read_zarr_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[s
         IntegrityError: a file is missing, has the wrong size or checksum, its metadata
             disagrees with the manifest, or the saved chunks do not cover a box.
     """
-    from shardsmith.storage.shards import TORCH_DTYPES
+    from shardsmith.storage.shards import destination
 
     source = source or store.url
     arrays: dict[str, ZarrArray] = {}
@@ -176,12 +176,7 @@ def read_zarr_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[s
     pending = 0
     for fqn, box, out in requests:
         rec = manifest.tensors[fqn]
-        dtype = TORCH_DTYPES[rec.dtype]
-        if out is None:
-            out = torch.empty(box.lengths, dtype=dtype)
-        elif tuple(out.shape) != box.lengths or out.dtype != dtype:
-            raise ValueError(f"read_box({fqn!r}): destination is {out.dtype} {tuple(out.shape)}, the box "
-                             f"needs {dtype} {box.lengths}")
+        out = destination(fqn, box, rec.dtype, out)
         outs.append(out)
         if fqn not in arrays:
             arrays[fqn], nbytes = _load_array(store, manifest, fqn, rec, source)

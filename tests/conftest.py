@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from shardsmith.reshard.layout import ModelConfig, ParallelDims
 from shardsmith.storage.boxes import Box
@@ -117,3 +119,18 @@ def assert_tensors_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, t
     assert sorted(got) == sorted(want), f"{where}: FQNs differ: {sorted(set(got) ^ set(want))[:8]}"
     bad = [fqn for fqn in want if got[fqn].dtype != want[fqn].dtype or not torch.equal(got[fqn], want[fqn])]
     assert not bad, f"{where}: {len(bad)} tensors differ, e.g. {bad[:5]}"
+
+
+@pytest.fixture
+def gloo_group():
+    """A 1-rank gloo process group in this process (for in-process save/load tests)."""
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -17,15 +17,12 @@ The async tests run in-process on a 1-rank gloo group.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import safetensors.torch
 import torch
-import torch.distributed as dist
 
 from shardsmith.errors import IntegrityError, SaveError, StorageError
 from shardsmith.reshard.layout import ModelConfig, ParallelDims
@@ -46,19 +43,6 @@ DIMS = ParallelDims()
 
 
 # ---- async save -----------------------------------------------------------------------------
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    """A 1-rank gloo process group in this process."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def model_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -89,7 +73,7 @@ def manifest_sections(root: Path, step: int) -> dict:
     return {k: data[k] for k in ("tensors", "files", "layout", "model", "config", "state", "checksum")}
 
 
-def test_async_and_sync_saves_are_byte_identical_snapshots(group, tmp_path: Path) -> None:
+def test_async_and_sync_saves_are_byte_identical_snapshots(gloo_group, tmp_path: Path) -> None:
     tensors = model_state()
     original = {k: v.clone() for k, v in tensors.items()}
     save_sync(Store(str(tmp_path / "sync")), 4, tensors)
@@ -115,7 +99,7 @@ def test_async_and_sync_saves_are_byte_identical_snapshots(group, tmp_path: Path
     assert step_files(tmp_path / "sync", 5) == step_files(tmp_path / "async", 5)
 
 
-def test_background_failure_is_raised_and_not_committed(group, tmp_path: Path, monkeypatch) -> None:
+def test_background_failure_is_raised_and_not_committed(gloo_group, tmp_path: Path, monkeypatch) -> None:
     root = Store(str(tmp_path / "ckpt"))
     ckpt = AsyncCheckpointer(root, MODEL, DIMS)
     tensors = model_state()
@@ -146,7 +130,7 @@ def test_background_failure_is_raised_and_not_committed(group, tmp_path: Path, m
     assert find_latest_committed(root) == 5
 
 
-def test_commit_failure_is_reported_and_not_committed(group, tmp_path: Path, monkeypatch) -> None:
+def test_commit_failure_is_reported_and_not_committed(gloo_group, tmp_path: Path, monkeypatch) -> None:
     root = Store(str(tmp_path / "ckpt"))
 
     def failing_commit(*args, **kwargs) -> None:
@@ -158,7 +142,7 @@ def test_commit_failure_is_reported_and_not_committed(group, tmp_path: Path, mon
     assert find_latest_committed(root) is None
 
 
-def test_save_while_one_is_in_flight_waits_for_it(group, tmp_path: Path, monkeypatch) -> None:
+def test_save_while_one_is_in_flight_waits_for_it(gloo_group, tmp_path: Path, monkeypatch) -> None:
     root = Store(str(tmp_path / "ckpt"))
     ckpt = AsyncCheckpointer(root, MODEL, DIMS)
     tensors = model_state()
@@ -194,7 +178,7 @@ def test_save_while_one_is_in_flight_waits_for_it(group, tmp_path: Path, monkeyp
     assert find_latest_committed(root) == 2 and root.exists(f"{step_dir(1)}/{MANIFEST_NAME}")
 
 
-def test_overlapped_snapshot_is_taken_before_the_optimizer_step(group, tmp_path: Path, monkeypatch) -> None:
+def test_overlapped_snapshot_is_taken_before_the_optimizer_step(gloo_group, tmp_path: Path, monkeypatch) -> None:
     """With overlap_with(optimizer), save() returns before the copy; the optimizer's next step waits
     for it, so the checkpoint holds the values save() was called with."""
     tensors = model_state()

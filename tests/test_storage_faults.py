@@ -15,12 +15,11 @@ import socket
 import threading
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import aiohttp
 import pytest
 import torch
-import torch.distributed as dist
 from botocore.exceptions import (ClientError, ConnectionClosedError, EndpointConnectionError,
                                  NoCredentialsError, ParamValidationError, ReadTimeoutError)
 from fsspec.exceptions import FSTimeoutError
@@ -221,20 +220,6 @@ def test_permanent_fault_during_reshard_commits_nothing(ckpt: dict[str, torch.Te
 
 
 # -- the trainer's save path (a 1-process gloo group in this process) ---------------------
-
-@pytest.fixture(scope="module")
-def gloo_group() -> Iterator[None]:
-    if dist.is_initialized():
-        pytest.skip("a default process group already exists in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
 
 def _trainer_save(root: Store, step: int, tensors: dict[str, torch.Tensor]) -> Any:
     from shardsmith.trainer.checkpoint import save_checkpoint

@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import zarr
 from click.testing import CliRunner
 
@@ -283,20 +280,7 @@ def test_ls_and_gc_handle_zarr_steps(ckpts: dict, tmp_path: Path) -> None:
 # ---- the trainer's save path -----------------------------------------------------------------
 
 
-@pytest.fixture
-def group() -> Iterator[None]:
-    """A 1-rank gloo process group in this process."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_trainer_saves_zarr_sync_and_async(group, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_trainer_saves_zarr_sync_and_async(gloo_group, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     dims = ParallelDims()
     specs = checkpoint_specs(MODEL, dims)
     full = _compressible(full_tensors(seed=3, with_optimizer=True))
