@@ -386,7 +386,12 @@ class Trainer:
         self.tokens_seen = int(state.get("tokens_seen", 0))
         self.sampler.load_state_dict(state["data"])
         self.scheduler.load_state_dict(state["lr_scheduler"])
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+        # The LR at the resumed step comes from *this* run's schedule (same formula as
+        # LambdaLR.get_lr, so an unchanged schedule resumes bitwise); the saved _last_lr would
+        # belong to the old schedule when --steps/--lr-decay-steps changed.
+        sched = self.scheduler
+        sched._last_lr = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, sched._last_lr):
             group["lr"] = lr
         self.bad_steps.load_state_json(state.get("fault", {}), keep_counters=reason == "rollback")
         rng = apply_rng(state.get("rng"), self.cfg.parallel, self.rank, self.coords, self.cfg.seed, self.step)
