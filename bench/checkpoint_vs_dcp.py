@@ -53,8 +53,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from shardsmith.reshard.layout import ModelConfig, ParallelDims, stage_layers
-from shardsmith.reshard.plan import checkpoint_specs, kv_replicas, padded_vocab_size, rank_boxes
+from shardsmith.layout import ModelConfig, ParallelDims, stage_layers
+from shardsmith.layout.plan import checkpoint_specs, kv_replicas, padded_vocab_size, rank_boxes
 from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store

@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from shardsmith.reshard.layout import ModelConfig, ParallelDims
-from shardsmith.reshard.plan import checkpoint_specs, rank_boxes, shard_file_name, write_assignment
+from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout.plan import checkpoint_specs, rank_boxes, shard_file_name, write_assignment
 from shardsmith.reshard.zarr_convert import layout_arrays
-from shardsmith.storage.boxes import Box
+from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, read_manifest, step_dir
 from shardsmith.storage.fs import Store

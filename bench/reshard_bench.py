@@ -45,10 +45,10 @@ from typing import Any
 import fsspec
 import torch
 
-from shardsmith.reshard.layout import ModelConfig, ParallelDims
-from shardsmith.reshard.plan import checkpoint_specs, shard_file_name, write_assignment
+from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout.plan import checkpoint_specs, shard_file_name, write_assignment
 from shardsmith.reshard.planner import ReshardOptions, plan_reshard
-from shardsmith.storage.boxes import Box
+from shardsmith.layout.box import Box
 from shardsmith.storage.commit import commit, read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import FileRecord, Manifest, TensorRecord
@@ -60,7 +60,7 @@ MB = 1_000_000
 DRIVER = r"""
 import json, resource, sys, time
 from shardsmith.reshard.engine import reshard
-from shardsmith.reshard.layout import ParallelDims
+from shardsmith.layout import ParallelDims
 from shardsmith.reshard.planner import ReshardOptions
 from shardsmith.storage.fs import Store
 a = json.loads(sys.argv[1])

@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from shardsmith.reshard.layout import ModelConfig, ParallelDims
+from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.trainer.config import CheckpointConfig, DataConfig, OptimConfig, TrainConfig
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from shardsmith.layout.dtypes import DTYPE_CHOICES
+
 from shardsmith.cli.options import layout_options, storage_option
 from shardsmith.storage.fs import parse_storage_options
 
@@ -11,7 +13,7 @@ from shardsmith.storage.fs import parse_storage_options
 @click.command("export-hf")
 @click.argument("ckpt")
 @click.argument("out_dir")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+@click.option("--dtype", type=click.Choice(sorted(DTYPE_CHOICES)), default="fp32", show_default=True,
               help="dtype of the exported weights.")
 @click.option("--max-shard-size", default="5GB", show_default=True,
               help="Split the weights into files of at most this size (e.g. 500MB, 2GiB), "

@@ -50,7 +50,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 def make_dims(tp: int, pp: int, dp_shard: int, dp_replicate: int, pipeline_split: str, world: int | None):
     """ParallelDims from flags; ``dp_shard=-1`` takes the rest of ``world``."""
     from shardsmith.errors import LayoutError
-    from shardsmith.reshard.layout import ParallelDims
+    from shardsmith.layout import ParallelDims
 
     split = tuple(int(x) for x in pipeline_split.split(",") if x.strip()) if pipeline_split else ()
     if dp_shard == -1:
@@ -140,7 +140,7 @@ def make_dims(tp: int, pp: int, dp_shard: int, dp_replicate: int, pipeline_split
 @storage_option
 def train(**flags: Any) -> None:
     """Train a Llama-style model with TP x PP x DP and periodic checkpoints."""
-    from shardsmith.reshard.layout import validate_layout
+    from shardsmith.layout import validate_layout
     from shardsmith.trainer import launch as launcher
 
     external = launcher.under_torchrun()

@@ -16,7 +16,7 @@ import click
 from shardsmith.cli.options import layout_options, storage_option
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
-_DTYPES = {"bf16": "BF16", "fp16": "F16", "f16": "F16", "fp32": "F32", "f32": "F32"}
+from shardsmith.layout.dtypes import DTYPE_CHOICES as _DTYPES
 
 
 def parse_size(text: str) -> int:

@@ -16,10 +16,10 @@ from typing import Callable, Iterable
 
 import torch
 
-from shardsmith.reshard.planner import FLOAT_DTYPES
-from shardsmith.storage.boxes import Box
+from shardsmith.layout.dtypes import DTYPE_NBYTES, FLOAT_DTYPES
+from shardsmith.layout.box import Box
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import DTYPE_NBYTES, Manifest
+from shardsmith.storage.manifest import Manifest
 from shardsmith.storage.shards import TORCH_DTYPES, read_box
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from shardsmith.errors import CheckpointError, LayoutError
-from shardsmith.reshard.layout import ParallelDims
+from shardsmith.layout import ParallelDims
 from shardsmith.reshard.planner import PlanEntry, ReshardOptions, ReshardPlan, Slab, TargetFile, plan_reshard
 from shardsmith.reshard.scaleout import Share, assign_files, cleanup, gather, publish
 from shardsmith.reshard.stream import (BufferBudget, BufferPool, ChunkedCrc, FileResult, assemble_slab,

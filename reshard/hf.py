@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from shardsmith.errors import ConfigError
-from shardsmith.reshard.layout import ModelConfig
+from shardsmith.layout import ModelConfig
 
 #: The ``architectures`` entry and ``model_type`` of exported configs.
 HF_ARCHITECTURE = "LlamaForCausalLM"

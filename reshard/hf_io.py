@@ -34,19 +34,20 @@ from safetensors import safe_open
 from shardsmith.errors import CheckpointError, ConfigError
 from shardsmith.reshard.hf import (HF_IGNORED, from_hf_name, hf_config, model_config_from_hf,
                                    permute_from_hf, permute_to_hf, rope_heads, to_hf_name)
-from shardsmith.reshard.layout import ModelConfig, ParallelDims
-from shardsmith.reshard.plan import TensorSpec, param_specs, shard_file_name, write_assignment
-from shardsmith.storage.boxes import Box
+from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout.plan import TensorSpec, param_specs, shard_file_name, write_assignment
+from shardsmith.layout.box import Box
+from shardsmith.layout.dtypes import DTYPE_CHOICES, DTYPES
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, parse_step_dir, read_manifest, resolve_checkpoint, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord, parse_manifest
 from shardsmith.storage.shards import DTYPE_NAMES, encode_and_record, read_box
 
-#: Export dtypes: CLI name -> (torch dtype, config.json name).
+#: Export dtypes: CLI name -> (torch dtype, config.json name), from the one dtype table.
 EXPORT_DTYPES: dict[str, tuple[torch.dtype, str]] = {
-    "fp32": (torch.float32, "float32"), "bf16": (torch.bfloat16, "bfloat16"),
-    "fp16": (torch.float16, "float16")}
+    cli: (getattr(torch, DTYPES[name].torch_name), DTYPES[name].torch_name)
+    for cli, name in DTYPE_CHOICES.items()}
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -26,19 +26,13 @@ from dataclasses import dataclass
 from math import gcd, prod
 
 from shardsmith.errors import ConfigError, LayoutError
-from shardsmith.reshard.layout import ModelConfig, ParallelDims
-from shardsmith.reshard.plan import checkpoint_specs, shard_file_name, write_assignment
-from shardsmith.storage.boxes import Box, row_major_span
+from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout.plan import checkpoint_specs, shard_file_name, write_assignment
+from shardsmith.layout.box import Box, row_major_span
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
-from shardsmith.storage.manifest import DTYPE_NBYTES, Manifest, ShardRecord
+from shardsmith.layout.dtypes import DTYPE_NBYTES, FLOAT_DTYPES, SAFETENSORS_DTYPE_ORDER
+from shardsmith.storage.manifest import Manifest, ShardRecord
 
-#: Float dtypes ``--dtype`` may convert between (safetensors names).
-FLOAT_DTYPES: tuple[str, ...] = ("F64", "F32", "F16", "BF16")
-
-#: Order of entries in a safetensors file: dtype rank descending, then key (as
-#: ``safetensors`` sorts them; checked against the library in the tests).
-SAFETENSORS_DTYPE_ORDER: tuple[str, ...] = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16",
-                                            "I8", "U8", "BOOL")
 
 MiB = 1024 * 1024
 
@@ -374,7 +368,7 @@ def plan_reshard(manifest: Manifest, dims: ParallelDims, options: ReshardOptions
     """Plan the conversion of a checkpoint to layout ``dims``. Pure; any process may call it.
 
     Target files, their entries and writers come from the sharding plan
-    (:func:`shardsmith.reshard.plan.write_assignment`), so the result has the files,
+    (:func:`shardsmith.layout.plan.write_assignment`), so the result has the files,
     keys and boxes a job saving directly in ``dims`` would write.
 
     Args:

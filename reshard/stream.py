@@ -22,7 +22,8 @@ from shardsmith.errors import IntegrityError
 from shardsmith.reshard.planner import Piece, PlanEntry, Slab
 from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import DTYPE_NBYTES, FileRecord, Manifest, ShardRecord
+from shardsmith.layout.dtypes import DTYPE_NBYTES
+from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord
 from shardsmith.storage.verify import check_file_once
 
 _RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}   # element-size views: dtype-agnostic copies

@@ -24,15 +24,16 @@ import torch
 
 from shardsmith.errors import CheckpointError, ConfigError, LayoutError
 from shardsmith.reshard.engine import ReshardReport, target_root
-from shardsmith.reshard.layout import ModelConfig, ParallelDims
-from shardsmith.reshard.plan import TensorSpec, checkpoint_specs, shard_file_name, write_assignment
+from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout.plan import TensorSpec, checkpoint_specs, shard_file_name, write_assignment
 from shardsmith.reshard.planner import file_order, safetensors_header
 from shardsmith.reshard.stream import ChunkedCrc, crc32c_update, target_stream
-from shardsmith.storage.boxes import Box
+from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES, crc32c
 from shardsmith.storage.commit import commit, read_manifest, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import (DTYPE_NBYTES, MANIFEST_NAME, TENSOR_FORMATS, FileRecord, Manifest,
+from shardsmith.layout.dtypes import DTYPE_NBYTES
+from shardsmith.storage.manifest import (MANIFEST_NAME, TENSOR_FORMATS, FileRecord, Manifest,
                                          ShardRecord, TensorRecord)
 from shardsmith.storage.shards import ReadStats, read_box
 from shardsmith.storage.zarr_format import ZarrArray, parse_codec, regular_chunks, write_chunks, write_metadata

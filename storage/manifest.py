@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
+from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.errors import ManifestError
 
 FORMAT_NAME = "shardsmith.checkpoint"
@@ -25,11 +26,6 @@ MAX_INT = 2**63 - 1
 #: Most problems listed in one error message.
 MAX_LISTED = 20
 
-#: Bytes per element of the dtypes a checkpoint may hold (safetensors names).
-DTYPE_NBYTES: dict[str, int] = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-    "BOOL": 1,
-}
 
 
 @dataclass

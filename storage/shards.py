@@ -24,18 +24,16 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from shardsmith.errors import IntegrityError
-from shardsmith.storage.boxes import Box, row_major_span
+from shardsmith.layout.box import Box, row_major_span
 from shardsmith.storage.checksum import chunk_crc32c, crc32c, crc32c_combine
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import DTYPE_NBYTES, FileRecord, Manifest, ShardRecord
+from shardsmith.layout.dtypes import DTYPE_NBYTES, DTYPES
+from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord
 from shardsmith.storage.verify import check_file_once
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+#: torch dtype of each checkpoint dtype (from the one table, :mod:`shardsmith.layout.dtypes`).
+TORCH_DTYPES: dict[str, torch.dtype] = {n: getattr(torch, d.torch_name) for n, d in DTYPES.items()}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 
 

@@ -60,17 +60,13 @@ from zarr.codecs import GzipCodec, ZstdCodec
 from zarr.storage import MemoryStore
 
 from shardsmith.errors import ConfigError, IntegrityError
-from shardsmith.storage.boxes import Box
+from shardsmith.layout.box import Box
+from shardsmith.layout.dtypes import ZARR_DTYPES
 from shardsmith.storage.checksum import chunk_crc32c, crc32c
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import FileRecord, ShardRecord, TensorRecord
 
 ZARR_DIR = "zarr"
-#: zarr v3 data type of each manifest dtype (BF16: its bit patterns, see module docstring).
-ZARR_DTYPES: dict[str, str] = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "uint16", "I64": "int64",
-    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-}
 #: Compression codecs a checkpoint may use, with their default levels.
 CODEC_LEVELS: dict[str, int] = {"zstd": 3, "gzip": 5}
 #: Chunk files read or written at once (threads; object-store requests release the GIL).
@@ -243,7 +239,7 @@ def write_chunks(step_store: Store, arrays: dict[str, ZarrArray], entries: Itera
                  chunk_nbytes: int) -> tuple[dict[str, FileRecord], dict[str, list[ShardRecord]]]:
     """Encode and write the chunks of this writer's boxes; return their manifest records.
 
-    Every writer calls it for the boxes it is assigned (``reshard.plan.write_assignment``),
+    Every writer calls it for the boxes it is assigned (``layout.plan.write_assignment``),
     any number of writers at once: chunks are never shared. ``entries`` may be a generator
     (e.g. boxes read one at a time); at most :data:`MAX_PENDING_NBYTES` of encoded bytes
     are held before they are written, concurrently.

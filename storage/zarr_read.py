@@ -19,10 +19,11 @@ import torch
 from zarr.core.buffer import default_buffer_prototype
 
 from shardsmith.errors import IntegrityError
-from shardsmith.storage.boxes import Box, row_major_span
+from shardsmith.layout.box import Box, row_major_span
 from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import DTYPE_NBYTES, Manifest, ShardRecord, TensorRecord
+from shardsmith.layout.dtypes import DTYPE_NBYTES
+from shardsmith.storage.manifest import Manifest, ShardRecord, TensorRecord
 from shardsmith.storage.verify import check_file_once
 from shardsmith.storage.zarr_format import (IO_WORKERS, MAX_PENDING_NBYTES, ZARR_DIR, ZarrArray, damaged, numpy_to_torch,
                                             parse_array_metadata)

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardsmith.reshard.layout import ModelConfig, ParallelDims
-from shardsmith.storage.boxes import Box
+from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout.box import Box
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
 from shardsmith.storage.manifest import Manifest
 from shardsmith.storage.shards import read_box

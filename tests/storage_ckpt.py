@@ -12,9 +12,9 @@ from datetime import datetime, timezone
 
 import torch
 
-from shardsmith.reshard.layout import ModelConfig, ParallelDims
-from shardsmith.reshard.plan import checkpoint_specs, shard_file_name, write_assignment
-from shardsmith.storage.boxes import Box
+from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout.plan import checkpoint_specs, shard_file_name, write_assignment
+from shardsmith.layout.box import Box
 from shardsmith.storage.commit import commit, read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import FileRecord, Manifest, TensorRecord

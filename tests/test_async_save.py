@@ -25,9 +25,9 @@ import safetensors.torch
 import torch
 
 from shardsmith.errors import IntegrityError, SaveError, StorageError
-from shardsmith.reshard.layout import ModelConfig, ParallelDims
-from shardsmith.reshard.plan import checkpoint_specs
-from shardsmith.storage.boxes import Box
+from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout.plan import checkpoint_specs
+from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import commit, find_latest_committed, read_manifest, step_dir
 from shardsmith.storage.fs import Store

@@ -51,7 +51,7 @@ import torch
 
 from conftest import assert_tensors_bitwise_equal
 from shardsmith.storage import crashpoints
-from shardsmith.storage.boxes import Box
+from shardsmith.layout.box import Box
 from shardsmith.storage.commit import (find_latest_committed, list_steps, read_latest_hint, read_manifest,
                                        step_dir)
 from shardsmith.storage.fs import Store

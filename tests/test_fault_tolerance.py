@@ -40,7 +40,7 @@ from click.testing import CliRunner
 
 from conftest import TINY_MODEL, TINY_TRAIN_FLAGS, assert_tensors_bitwise_equal, read_full_tensors
 from shardsmith.errors import ConfigError, LayoutError
-from shardsmith.reshard.layout import ParallelDims
+from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import list_steps, read_latest_hint, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.trainer.config import FaultConfig, TrainConfig

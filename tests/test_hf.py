@@ -24,9 +24,9 @@ from shardsmith.errors import ConfigError
 from shardsmith.reshard.hf import (from_hf_name, hf_config, model_config_from_hf, permute_from_hf,
                                    permute_to_hf, to_hf_name)
 from shardsmith.reshard.hf_io import parse_nbytes, plan_weight_files, WeightEntry
-from shardsmith.reshard.layout import ModelConfig, ParallelDims
-from shardsmith.reshard.plan import param_specs, rank_boxes
-from shardsmith.storage.boxes import Box
+from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout.plan import param_specs, rank_boxes
+from shardsmith.layout.box import Box
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
 from shardsmith.storage.shards import read_box
 from shardsmith.trainer.checkpoint import load_into

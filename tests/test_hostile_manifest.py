@@ -17,7 +17,7 @@ import torch
 
 from ckpt_factory import FILE0, FILE1, make_checkpoint, memory_root
 from shardsmith.errors import IntegrityError, ManifestError
-from shardsmith.storage.boxes import Box
+from shardsmith.layout.box import Box
 from shardsmith.storage.commit import commit, read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord, parse_manifest

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from ckpt_factory import (FILE0, FILE1, build_manifest, data_start, flip_byte, make_checkpoint,
                           memory_root)
 from shardsmith.errors import CheckpointNotFound, IntegrityError, ManifestError, SaveError
-from shardsmith.storage.boxes import Box
+from shardsmith.layout.box import Box
 from shardsmith.storage.commit import (LATEST_NAME, commit, find_latest_committed, list_steps,
                                        read_manifest, resolve_checkpoint, step_dir)
 from shardsmith.storage.fs import Store
@@ -338,7 +338,7 @@ def gloo_group():
 def test_trainer_resume_detects_corruption_and_falls_back(tmp_path, data_path, gloo_group, monkeypatch) -> None:
     from conftest import tiny_train_config
 
-    from shardsmith.reshard.layout import ParallelDims
+    from shardsmith.layout import ParallelDims
     from shardsmith.trainer.config import CheckpointConfig
     from shardsmith.trainer.train import Trainer
 

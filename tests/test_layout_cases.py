@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from conftest import assert_tensors_bitwise_equal, open_checkpoint, read_full_tensors, run_torchrun
 from shardsmith.reshard.engine import reshard
-from shardsmith.reshard.layout import ModelConfig, ParallelDims
+from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.storage.commit import step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.trainer.config import DataConfig, OptimConfig, TrainConfig

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from shardsmith.errors import LayoutError
-from shardsmith.reshard.layout import MESH_AXES, ModelConfig, ParallelDims, stage_layers, validate_layout
-from shardsmith.reshard.plan import (checkpoint_specs, param_specs, rank_boxes, shard_file_name,
+from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims, stage_layers, validate_layout
+from shardsmith.layout.plan import (checkpoint_specs, param_specs, rank_boxes, shard_file_name,
                                      write_assignment)
-from shardsmith.storage.boxes import Box, chunk_range, row_major_span
-from shardsmith.storage.manifest import DTYPE_NBYTES
+from shardsmith.layout.box import Box, chunk_range, row_major_span
+from shardsmith.layout.dtypes import DTYPE_NBYTES
 
 MODEL = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
                     ffn_hidden_size=64, vocab_size=256, seq_length=16)

@@ -23,12 +23,12 @@ from shardsmith.cli.main import cli
 from shardsmith.errors import CheckpointError, IntegrityError, LayoutError
 from shardsmith.reshard.diff import diff_checkpoints
 from shardsmith.reshard.engine import PROGRESS_NAME, reshard
-from shardsmith.reshard.layout import ModelConfig, ParallelDims
-from shardsmith.reshard.plan import checkpoint_specs, shard_file_name, write_assignment
+from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout.plan import checkpoint_specs, shard_file_name, write_assignment
 from shardsmith.reshard.planner import ReshardOptions, file_order, plan_reshard, safetensors_header
 from shardsmith.reshard.scaleout import Share, assign_files
 from shardsmith.reshard.stream import BufferBudget, BufferPool, ChunkedCrc
-from shardsmith.storage.boxes import Box
+from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import chunk_crc32c
 from shardsmith.storage.commit import commit, read_manifest, step_dir
 from shardsmith.storage.fs import Store

@@ -19,7 +19,7 @@ from storage_ckpt import assert_bitwise_equal, full_tensors, load_full, save_off
 from shardsmith.cli.main import cli
 from shardsmith.errors import StorageError, StorageNotFound
 from shardsmith.reshard.engine import reshard
-from shardsmith.reshard.layout import ParallelDims
+from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import find_latest_committed, list_steps, resolve_checkpoint, step_dir
 from shardsmith.storage.fs import DEFAULT_PART_NBYTES, Store, parse_storage_options
 from shardsmith.storage.retry import RetryPolicy

@@ -29,7 +29,7 @@ from storage_ckpt import MODEL, assert_bitwise_equal, full_tensors, load_full, s
 
 from shardsmith.errors import SaveError, StorageAccessDenied, StorageError
 from shardsmith.reshard.engine import reshard
-from shardsmith.reshard.layout import ParallelDims
+from shardsmith.layout import ParallelDims
 from shardsmith.storage import faults
 from shardsmith.storage.commit import find_latest_committed, list_steps, read_latest_hint, step_dir
 from shardsmith.storage.fs import Store

@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 from conftest import (LAYOUTS, TINY_MODEL, TINY_TRAIN_FLAGS, assert_tensors_bitwise_equal,
                       open_checkpoint, read_full_tensors, run_torchrun, tiny_train_config)
 from shardsmith.reshard.engine import reshard
-from shardsmith.reshard.layout import ParallelDims
+from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.trainer.model import Transformer, init_weights

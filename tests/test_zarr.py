@@ -34,11 +34,11 @@ from click.testing import CliRunner
 from shardsmith.cli.main import cli
 from shardsmith.errors import ConfigError, IntegrityError
 from shardsmith.reshard.engine import reshard
-from shardsmith.reshard.layout import ParallelDims
-from shardsmith.reshard.plan import checkpoint_specs, rank_boxes
+from shardsmith.layout import ParallelDims
+from shardsmith.layout.plan import checkpoint_specs, rank_boxes
 from shardsmith.reshard.planner import ReshardOptions
 from shardsmith.reshard.zarr_convert import convert_format, layout_arrays
-from shardsmith.storage.boxes import Box
+from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from shardsmith.errors import SaveError
-from shardsmith.reshard.layout import ModelConfig, ParallelDims
+from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
 from shardsmith.trainer.checkpoint import SaveResult, WritePlan, plan_local_writes, write_and_commit

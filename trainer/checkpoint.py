@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from shardsmith.errors import CheckpointError, SaveError
-from shardsmith.reshard.layout import ModelConfig, ParallelDims
-from shardsmith.reshard.plan import checkpoint_specs, rank_boxes, shard_file_name, write_assignment
-from shardsmith.storage.boxes import Box
+from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout.plan import checkpoint_specs, rank_boxes, shard_file_name, write_assignment
+from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, step_dir
 from shardsmith.storage.crashpoints import crash_point
@@ -157,7 +157,7 @@ def _rank_plan(model_cfg: ModelConfig, dims: ParallelDims, rank: int,
 def plan_local_writes(step: int, tensors: dict[str, torch.Tensor], model_cfg: ModelConfig,
                       dims: ParallelDims, rank: int) -> WritePlan:
     """Check this rank's tensors against the sharding plan and pick the ones it writes
-    (each distinct box once over all ranks; see ``reshard.plan.write_assignment``).
+    (each distinct box once over all ranks; see ``layout.plan.write_assignment``).
     The plan is computed once per (model, layout, rank) and reused by later saves."""
     with_optim = any(k.startswith("optim.") for k in tensors)
     specs, shapes, mine = _rank_plan(model_cfg, dims, rank, with_optim)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardsmith.errors import ConfigError
-from shardsmith.reshard.layout import ModelConfig, ParallelDims
+from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.trainer.data import DataConfig
 
 __all__ = ["ModelConfig", "ParallelDims", "DataConfig", "OptimConfig", "CheckpointConfig",

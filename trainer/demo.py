@@ -16,7 +16,7 @@ import shutil
 import click
 
 from shardsmith.reshard.engine import reshard
-from shardsmith.reshard.layout import ParallelDims
+from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.trainer.config import CheckpointConfig, OptimConfig, TrainConfig

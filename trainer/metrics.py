@@ -23,8 +23,8 @@ import threading
 from math import prod
 from typing import Any, Iterator
 
-from shardsmith.reshard.layout import ModelConfig, ParallelDims
-from shardsmith.reshard.plan import param_specs
+from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout.plan import param_specs
 from shardsmith.trainer.config import TrainConfig
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from shardsmith.reshard.layout import ModelConfig
+from shardsmith.layout import ModelConfig
 
 
 def rope_tables(head_dim: int, seq_length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@
 The mesh is built once from :class:`ParallelDims` and passed down; nothing here is
 global. Order of application (as in torchtitan): pipeline split -> TP -> FSDP2.
 The placements this produces are exactly those of
-:mod:`shardsmith.reshard.plan` (checked at every save and load).
+:mod:`shardsmith.layout.plan` (checked at every save and load).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from shardsmith.reshard.layout import MESH_AXES, ModelConfig, ParallelDims, stage_layers
-from shardsmith.reshard.plan import grad_sum_groups, kv_replicas, padded_vocab_size, param_specs
+from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims, stage_layers
+from shardsmith.layout.plan import grad_sum_groups, kv_replicas, padded_vocab_size, param_specs
 from shardsmith.trainer.model import Transformer, init_weights
 
 
@@ -150,7 +150,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, *, bf1
 
 def build_grad_sum_groups(cfg: ModelConfig, dims: ParallelDims) -> dict[str, dist.ProcessGroup]:
     """Process groups summing the gradients of tied copies (see
-    :func:`shardsmith.reshard.plan.grad_sum_groups`), keyed by parameter FQN, for this rank.
+    :func:`shardsmith.layout.plan.grad_sum_groups`), keyed by parameter FQN, for this rank.
 
     Collective: every rank creates every group, in the same order.
     """

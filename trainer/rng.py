@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from shardsmith.reshard.layout import ParallelDims
+from shardsmith.layout import ParallelDims
 
 
 def rng_role(coords: dict[str, int]) -> str:

@@ -28,8 +28,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from shardsmith.reshard.layout import validate_layout
-from shardsmith.reshard.plan import checkpoint_specs, param_specs, rank_boxes
+from shardsmith.layout import validate_layout
+from shardsmith.layout.plan import checkpoint_specs, param_specs, rank_boxes
 from shardsmith.storage.commit import find_latest_committed, read_manifest, resolve_checkpoint, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.gc import gc_after_commit

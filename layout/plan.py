@@ -9,7 +9,7 @@ Placement convention: for every tensor dim, the mesh axes that split it, major t
 minor. ``wq.weight: dim0 by (tp, dp_shard)`` means dim 0 is first cut into ``tp``
 chunks (TP ``ColwiseParallel``) and each TP chunk is cut into ``dp_shard`` chunks
 (FSDP2 ``fully_shard`` over the TP-local tensor, DTensor ``_StridedShard``). Cuts
-follow ``torch.chunk`` (see :func:`shardsmith.storage.boxes.chunk_range`).
+follow ``torch.chunk`` (see :func:`shardsmith.layout.box.chunk_range`).
 Axes not named split nothing: the tensor is replicated over them.
 """
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from shardsmith.storage.boxes import Box, chunk_range
-from shardsmith.storage.manifest import DTYPE_NBYTES
-from shardsmith.reshard.layout import ModelConfig, ParallelDims, stage_layers, validate_layout
+from shardsmith.layout.box import Box, chunk_range
+from shardsmith.layout.dtypes import DTYPE_NBYTES
+from shardsmith.layout import ModelConfig, ParallelDims, stage_layers, validate_layout
 
 
 #: Prefixes of optimizer-state FQNs; the rest of the name is the parameter's FQN.
@@ -152,7 +152,7 @@ def param_specs(model: ModelConfig, dims: ParallelDims, dtype: str = "F32") -> d
 
     Raises:
         LayoutError: the layout does not divide the model (see
-            :func:`shardsmith.reshard.layout.validate_layout`).
+            :func:`shardsmith.layout.validate_layout`).
     """
     validate_layout(model, dims)
     stages = stage_layers(model, dims)

@@ -1,0 +1,11 @@
+"""The layout vocabulary every package shares: pure, no torch, no I/O.
+
+``dims`` (ParallelDims, mesh axes), ``model_config`` (ModelConfig, stages, layout
+check), ``box`` (Box, chunk math), ``plan`` (the sharding plan), ``dtypes`` (the one
+dtype table).
+"""
+
+from shardsmith.layout.dims import MESH_AXES, ParallelDims
+from shardsmith.layout.model_config import ModelConfig, stage_layers, validate_layout
+
+__all__ = ["MESH_AXES", "ModelConfig", "ParallelDims", "stage_layers", "validate_layout"]
