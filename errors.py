@@ -55,3 +55,9 @@ class SaveError(CheckpointError, RuntimeError):
 
 class TrainingDiverged(ShardsmithError, RuntimeError):
     """Bad steps could not be recovered from (no checkpoint, or too many rollbacks)."""
+
+
+class CheckpointMismatch(CheckpointError, ValueError):
+    """A checkpoint does not fit the job that loads it: another model shape, missing or
+    unexpected tensors, no optimizer state for a resume, or another run's root (names every
+    difference and the way forward)."""
