@@ -209,6 +209,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: Serializes process starts and exit-code reads across the launcher's threads (see :func:`_exitcode`).
+_MP_LOCK = threading.Lock()
+
+
 @dataclass
 class Group:
     """A finished 2-rank run: exit codes by rank (-9 = SIGKILL), each rank's output, and where
@@ -241,7 +245,6 @@ class Launcher:
         self.ctx = multiprocessing.get_context("forkserver")
         self.ctx.set_forkserver_preload(["shardsmith.trainer.train", "shardsmith.trainer.worker", "s3fs",
                                          "test_crash_consistency"])
-        self._start_lock = threading.Lock()
 
     def _config_file(self, name: str, flags: list[str]) -> str:
         """The config ``shardsmith train FLAGS`` runs, as the launcher hands it to workers."""
@@ -260,31 +263,45 @@ class Launcher:
         port = _free_port()
         t0 = time.monotonic()
         logs = [self.workdir / f"{name}.rank{r}.log" for r in range(NPROC)]
-        with self._start_lock:
+        with _MP_LOCK:
             procs = [self.ctx.Process(target=_rank_main, args=(cfg, r, port, crash, str(logs[r])),
                                       name=f"{name}-rank{r}") for r in range(NPROC)]
             for p in procs:
                 p.start()
         timed_out = _wait(procs)
-        return Group(name, root, run_dir, [p.exitcode for p in procs],
+        return Group(name, root, run_dir, [_exitcode(p) for p in procs],
                      [path.read_text(errors="replace") if path.exists() else "" for path in logs],
                      time.monotonic() - t0, timed_out)
+
+
+def _exitcode(proc: Any) -> int | None:
+    """``proc.exitcode``, read under :data:`_MP_LOCK`.
+
+    With the forkserver start method, the exit code of a child travels over a pipe that is
+    read once; ``Process.start()`` in another thread polls *every* child of this process
+    (``multiprocessing.process._cleanup``), and two unlocked readers of one pipe leave one
+    of them at EOF, which CPython reports as exit code 255 (cpython#140867). That is how a
+    rank that SIGKILLed itself was once recorded as 255 instead of -9 here.
+    """
+    with _MP_LOCK:
+        return proc.exitcode
 
 
 def _wait(procs: list[Any]) -> bool:
     """Wait for every process; once one failed the rest get :data:`GRACE_S`, then SIGKILL.
     Returns True when the group ran past :data:`GROUP_TIMEOUT_S` (all killed)."""
     deadline = time.monotonic() + GROUP_TIMEOUT_S
-    while any(p.exitcode is None for p in procs):
-        failed = any(p.exitcode not in (None, 0) for p in procs)
+    while any(_exitcode(p) is None for p in procs):
+        failed = any(_exitcode(p) not in (None, 0) for p in procs)
         limit = min(deadline, time.monotonic() + GRACE_S) if failed else deadline
-        alive = [p.sentinel for p in procs if p.exitcode is None]
+        alive = [p.sentinel for p in procs if _exitcode(p) is None]
         multiprocessing.connection.wait(alive, timeout=max(0.0, limit - time.monotonic()))
         if time.monotonic() >= limit:
             for p in procs:
-                if p.exitcode is None:
+                if _exitcode(p) is None:
                     p.kill()
-                    p.join()
+                    with _MP_LOCK:
+                        p.join()
             return not failed
     return False
 
