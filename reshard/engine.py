@@ -39,9 +39,9 @@ from shardsmith.errors import CheckpointError, LayoutError
 from shardsmith.layout import ParallelDims
 from shardsmith.reshard.planner import PlanEntry, ReshardOptions, ReshardPlan, Slab, TargetFile, plan_reshard
 from shardsmith.reshard.scaleout import Share, assign_files, cleanup, gather, publish
-from shardsmith.reshard.stream import (BufferBudget, BufferPool, ChunkedCrc, FileResult, assemble_slab,
-                                       crc32c_update, return_freed_buffers_to_os, target_stream)
-from shardsmith.storage.checksum import crc32c
+from shardsmith.reshard.stream import (BufferBudget, BufferPool, FileResult, assemble_slab,
+                                       return_freed_buffers_to_os, target_stream)
+from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
 from shardsmith.storage.commit import commit, parse_step_dir, read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, Manifest, ShardRecord, TensorRecord

@@ -27,7 +27,8 @@ from shardsmith.reshard.engine import ReshardReport, target_root
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import TensorSpec, checkpoint_specs, shard_file_name, write_assignment
 from shardsmith.reshard.planner import file_order, safetensors_header
-from shardsmith.reshard.stream import ChunkedCrc, crc32c_update, target_stream
+from shardsmith.reshard.stream import target_stream
+from shardsmith.storage.checksum import ChunkedCrc, crc32c_update
 from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES, crc32c
 from shardsmith.storage.commit import commit, read_manifest, step_dir

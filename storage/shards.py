@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,7 +24,8 @@ from safetensors.torch import save as safetensors_save
 
 from shardsmith.errors import IntegrityError
 from shardsmith.layout.box import Box, row_major_span
-from shardsmith.storage.checksum import chunk_crc32c, crc32c, crc32c_combine
+from shardsmith.storage.checksum import (chunk_crc32c, crc32c, crc32c_combine, require_full_read,
+                                          verify_chunks)
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
 from shardsmith.layout.dtypes import DTYPE_NBYTES, DTYPES
@@ -250,68 +250,6 @@ def _fill_from_scratch(piece: _Piece) -> None:
     piece.out[piece.common.relative_to(piece.box)] = src
 
 
-def _preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
-    """Fill ``views`` in order from ``offset`` of ``fd``; returns bytes read (short at EOF)."""
-    pending = [v for v in views if len(v)]
-    total, i = 0, 0
-    while i < len(pending):
-        n = os.preadv(fd, pending[i:i + 1024], offset + total)    # IOV_MAX is 1024 on Linux
-        if n == 0:
-            break
-        total += n
-        while i < len(pending) and n >= len(pending[i]):
-            n -= len(pending[i])
-            i += 1
-        if n:
-            pending[i] = pending[i][n:]
-    return total
-
-
-def _read_into(store: Store, key: str, start: int, end: int, dests: list[memoryview]) -> int:
-    """Read bytes ``[start, end)`` of ``key`` into ``dests`` (scatter); returns bytes read.
-
-    Local files: one ``preadv`` straight into the destinations. Object stores: one ranged GET."""
-    if store.is_local:
-        path = store._path(key)
-
-        def pread() -> int:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                return _preadv_all(fd, dests, start)
-            finally:
-                os.close(fd)
-
-        return store._call("read", key, pread)
-    data = memoryview(store.read_range(key, start, end))
-    pos = 0
-    for d in dests:
-        take = min(len(d), len(data) - pos)
-        d[:take] = data[pos:pos + take]
-        pos += take
-    return pos
-
-
-def _verify(part: _Part, chunk: int, source: str) -> None:
-    """Check every chunk of a part against the manifest's CRC-32C (over its scattered bytes)."""
-    shard = part.shard
-    views = iter(part.dests)
-    view = memoryview(b"")
-    for c in range(part.c0, part.c1):
-        need = min(chunk, shard.nbytes - c * chunk)
-        value = 0
-        while need:
-            if not len(view):
-                view = next(views)
-            take = view[:need]
-            value = _crc32c_update(take, value)
-            need -= len(take)
-            view = view[len(take):]
-        if c >= len(shard.crc32c) or value != shard.crc32c[c]:
-            raise IntegrityError(f"{source}/{shard.file}: checksum mismatch in {shard.key!r} bytes "
-                                 f"[{c * chunk}, {c * chunk + min(chunk, shard.nbytes - c * chunk)}) — the "
-                                 "file is corrupt; resume from another step or restore the file")
-
-
 def _merge(parts: list[_Part]) -> list[list[_Part]]:
     """Group parts into requests: per file, by offset, touching ranges merged up to
     :data:`MAX_MERGED_READ_NBYTES`."""
@@ -330,13 +268,11 @@ def _run_reads(store: Store, parts: list[_Part], chunk: int, source: str) -> int
     """Read and verify all parts, concurrently; returns bytes read."""
     def one(read: list[_Part]) -> int:
         start, end = read[0].start, read[-1].end
-        got = _read_into(store, read[0].shard.file, start, end, [d for p in read for d in p.dests])
-        if got != end - start:
-            raise IntegrityError(f"{source}/{read[0].shard.file}: truncated — expected {end - start} bytes "
-                                 f"at offset {start}, got {got}; the file is damaged, resume from "
-                                 "another step")
+        url = f"{source}/{read[0].shard.file}"
+        got = store.read_into(read[0].shard.file, start, [d for p in read for d in p.dests])
+        require_full_read(got, end - start, start, url)
         for p in read:
-            _verify(p, chunk, source)
+            verify_chunks(p.shard, p.c0, p.dests, chunk, url)
         return got
 
     reads = _merge(parts)
@@ -545,12 +481,6 @@ def _file_checksums(prefix: bytes, views: list[memoryview], chunk_nbytes: int) -
             file_crc = crc32c_combine(file_crc, crcs[-1], len(piece))
         out.append(crcs)
     return file_crc, out
-
-
-def _crc32c_update(data: memoryview, value: int) -> int:
-    import crc32c as _lib
-
-    return int(_lib.crc32c(data, value))
 
 
 def encode_and_record(tensors: dict[str, tuple[torch.Tensor, Box]], file_name: str,

@@ -20,7 +20,7 @@ from zarr.core.buffer import default_buffer_prototype
 
 from shardsmith.errors import IntegrityError
 from shardsmith.layout.box import Box, row_major_span
-from shardsmith.storage.checksum import crc32c
+from shardsmith.storage.checksum import crc32c, require_full_read, verify_chunks
 from shardsmith.storage.fs import Store
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.manifest import Manifest, ShardRecord, TensorRecord
@@ -59,17 +59,6 @@ def _check_chunk_record(array: ZarrArray, shard: ShardRecord, manifest: Manifest
                       f"chunk file (byte offset 0, {manifest.files[shard.file].nbytes} bytes)")
 
 
-def _verify_range(data: bytes, shard: ShardRecord, first_chunk: int, chunk: int, url: str) -> None:
-    """Check checksum chunks ``first_chunk ...`` of a chunk file against the manifest."""
-    view = memoryview(data)
-    for i in range(0, len(data), chunk):
-        c = first_chunk + i // chunk
-        if c >= len(shard.crc32c) or crc32c(view[i:i + chunk]) != shard.crc32c[c]:
-            raise IntegrityError(f"{url}: checksum mismatch in chunk of {shard.key!r} bytes "
-                                 f"[{c * chunk}, {c * chunk + len(view[i:i + chunk])}) — the file is corrupt; "
-                                 "resume from another step or restore the file")
-
-
 def _read_chunk(store: Store, manifest: Manifest, shard: ShardRecord, source: str) -> bytes:
     """A whole chunk file, its size and every checksum chunk verified."""
     check_file_once(store, manifest, shard.file, source)
@@ -77,7 +66,7 @@ def _read_chunk(store: Store, manifest: Manifest, shard: ShardRecord, source: st
     url = f"{source}/{shard.file}"
     if len(data) != shard.nbytes:
         raise damaged(url, f"{len(data)} bytes, the manifest records {shard.nbytes}")
-    _verify_range(data, shard, 0, manifest.chunk_nbytes, url)
+    verify_chunks(shard, 0, [data], manifest.chunk_nbytes, url)
     return data
 
 
@@ -118,9 +107,8 @@ def _read_piece(store: Store, manifest: Manifest, piece: _Piece, source: str) ->
     check_file_once(store, manifest, shard.file, source)
     a, b, lo, hi = piece.span(chunk)
     data = store.read_range(shard.file, lo, hi)
-    if len(data) != hi - lo:
-        raise damaged(url, f"truncated: expected {hi - lo} bytes at offset {lo}, got {len(data)}")
-    _verify_range(data, shard, lo // chunk, chunk, url)
+    require_full_read(len(data), hi - lo, lo, url)
+    verify_chunks(shard, lo // chunk, [data], chunk, url)
     seg = np.frombuffer(data, dtype=_INTS[itemsize], count=(b - a) // itemsize, offset=a - lo)
     strides = [itemsize] * len(array.chunks)
     for d in range(len(strides) - 2, -1, -1):

@@ -27,9 +27,9 @@ from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import checkpoint_specs, shard_file_name, write_assignment
 from shardsmith.reshard.planner import ReshardOptions, file_order, plan_reshard, safetensors_header
 from shardsmith.reshard.scaleout import Share, assign_files
-from shardsmith.reshard.stream import BufferBudget, BufferPool, ChunkedCrc
+from shardsmith.reshard.stream import BufferBudget, BufferPool
 from shardsmith.layout.box import Box
-from shardsmith.storage.checksum import chunk_crc32c
+from shardsmith.storage.checksum import ChunkedCrc, chunk_crc32c
 from shardsmith.storage.commit import commit, read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import FileRecord, Manifest, TensorRecord
