@@ -20,7 +20,8 @@ from shardsmith.layout.dtypes import DTYPE_NBYTES, FLOAT_DTYPES
 from shardsmith.layout.box import Box
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import Manifest
-from shardsmith.storage.shards import TORCH_DTYPES, read_box
+from shardsmith.storage.shards import read_box
+from shardsmith.storage.tensor_files import TORCH_DTYPES
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -39,8 +39,8 @@ from shardsmith.errors import CheckpointError, LayoutError
 from shardsmith.layout import ParallelDims
 from shardsmith.reshard.planner import PlanEntry, ReshardOptions, ReshardPlan, Slab, TargetFile, plan_reshard
 from shardsmith.reshard.scaleout import Share, assign_files, cleanup, gather, publish
-from shardsmith.reshard.stream import (BufferBudget, BufferPool, FileResult, assemble_slab,
-                                       return_freed_buffers_to_os, target_stream)
+from shardsmith.reshard.stream import BufferBudget, BufferPool, FileResult, assemble_slab, return_freed_buffers_to_os
+from shardsmith.storage import safetensors
 from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
 from shardsmith.storage.commit import commit, parse_step_dir, read_manifest, step_dir
 from shardsmith.storage.fs import Store
@@ -125,18 +125,15 @@ class _Executor:
         return self._write(tf)
 
     def _write(self, tf: TargetFile) -> FileResult:
-        crcs = [ChunkedCrc(self.plan.options.chunk_nbytes) for _ in tf.entries]
-        file_crc = crc32c(tf.header)
-        with target_stream(self.dst, tf.name, tf.nbytes) as f:
-            f.write(tf.header)
+        def counted() -> Iterator[tuple[int, np.ndarray]]:
             for i, data in self._slab_stream(tf):
-                f.write(data)
-                crcs[i].update(data)
-                file_crc = crc32c_update(data, file_crc)
+                yield i, data
                 self._count(nbytes_written=len(data))
-                del data
+
+        record, crcs = safetensors.write_stream(self.dst, tf.name, tf.header, counted(), len(tf.entries),
+                                                self.plan.options.chunk_nbytes, tf.nbytes)
         self._count(num_files=1, nbytes_written=len(tf.header))
-        return FileResult(tf.name, FileRecord(tf.nbytes, file_crc), _records(tf, crcs), True)
+        return FileResult(tf.name, record, _records(tf, crcs), True)
 
     def _slab_stream(self, tf: TargetFile) -> Iterator[tuple[int, np.ndarray]]:
         """Yield (entry index, slab bytes) in file order, reading ahead within the budget."""
@@ -198,7 +195,7 @@ class _Executor:
                         self.dst.url_of(tf.name))
             return None
         self._count(num_skipped=1, nbytes_verified=len(header))
-        return FileResult(tf.name, FileRecord(tf.nbytes, file_crc), _records(tf, crcs), False)
+        return FileResult(tf.name, FileRecord(tf.nbytes, file_crc), _records(tf, [c.finish() for c in crcs]), False)
 
     def run(self, on_file_done: Callable[[str], None] | None) -> list[FileResult]:
         """This process's target files, ``workers`` at a time; progress saved after each."""
@@ -225,10 +222,8 @@ class _Executor:
         return [results[tf.name] for tf in self.files]
 
 
-def _records(tf: TargetFile, crcs: list[ChunkedCrc]) -> dict[str, ShardRecord]:
-    return {e.fqn: ShardRecord(offsets=list(e.box.offsets), lengths=list(e.box.lengths), file=tf.name,
-                               key=e.fqn, byte_offset=e.byte_offset, nbytes=e.nbytes, crc32c=c.finish())
-            for e, c in zip(tf.entries, crcs)}
+def _records(tf: TargetFile, crcs: list[list[int]]) -> dict[str, ShardRecord]:
+    return safetensors.shard_records(tf.name, [(e.fqn, e.box, e.nbytes) for e in tf.entries], len(tf.header), crcs)
 
 
 def _load_progress(dst: Store, plan_id: str) -> dict[str, dict[str, Any]]:

@@ -21,12 +21,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from math import prod
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -42,7 +41,9 @@ from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, parse_step_dir, read_manifest, resolve_checkpoint, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord, parse_manifest
-from shardsmith.storage.shards import DTYPE_NAMES, encode_and_record, read_box
+from shardsmith.storage.safetensors import encode_header, file_order, write_stream
+from shardsmith.storage.shards import read_box
+from shardsmith.storage.tensor_files import DTYPE_NAMES, byte_view, write_shard_file
 
 #: Export dtypes: CLI name -> (torch dtype, config.json name), from the one dtype table.
 EXPORT_DTYPES: dict[str, tuple[torch.dtype, str]] = {
@@ -108,23 +109,6 @@ def plan_weight_files(entries: list[WeightEntry], itemsize: int, max_nbytes: int
     return files
 
 
-def safetensors_header(entries: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
-    """The first bytes of a safetensors file holding ``(name, dtype, shape, nbytes)`` in order.
-
-    Format (huggingface/safetensors README): u64 little-endian header length, then a JSON
-    object ``name -> {dtype, shape, data_offsets: [begin, end)}`` (offsets relative to the
-    data region) plus ``__metadata__``, padded with spaces to a multiple of 8 bytes.
-    """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, dtype, shape, nbytes in entries:
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
-
-
 def _check_out_dir(out: Store, overwrite: bool) -> None:
     existing = [n for n in out.list_dir() if n == "config.json" or _WEIGHT_FILE_RE.match(n)]
     if existing and not overwrite:
@@ -156,19 +140,17 @@ def _hf_tensor(step_store: Store, manifest: Manifest, entry: WeightEntry, model:
     return t.to(dtype).contiguous()
 
 
-def _write_weight_file(f: BinaryIO, entries: list[WeightEntry], step_store: Store, manifest: Manifest,
+def _write_weight_file(out: Store, name: str, entries: list[WeightEntry], step_store: Store, manifest: Manifest,
                        model: ModelConfig, dtype: torch.dtype) -> int:
+    """Write one HF weight file (entries in the given order, ``__metadata__: {format: pt}``),
+    published atomically; returns its size in bytes."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    header = safetensors_header([(e.hf_name, DTYPE_NAMES[dtype], e.shape, prod(e.shape) * itemsize)
-                                 for e in entries])
-    f.write(header)
-    nbytes = len(header)
-    for e in entries:
-        t = _hf_tensor(step_store, manifest, e, model, dtype)
-        data = t.reshape(-1).view(torch.uint8).numpy()
-        f.write(data.data)
-        nbytes += data.nbytes
-    return nbytes
+    header, _ = encode_header([(e.hf_name, DTYPE_NAMES[dtype], e.shape, prod(e.shape) * itemsize) for e in entries],
+                              metadata={"format": "pt"})
+    data = ((i, byte_view(_hf_tensor(step_store, manifest, e, model, dtype))) for i, e in enumerate(entries))
+    record, _ = write_stream(out, name, header, data, len(entries), DEFAULT_CHUNK_NBYTES,
+                             len(header) + sum(prod(e.shape) * itemsize for e in entries))
+    return record.nbytes
 
 
 def export_hf(ckpt_url: str, out_dir: str, *, dtype: str = "fp32", max_shard_nbytes: int = 5 * 10**9,
@@ -213,8 +195,7 @@ def export_hf(ckpt_url: str, out_dir: str, *, dtype: str = "fp32", max_shard_nby
                             num_tensors=len(entries))
     weight_map: dict[str, str] = {}
     for name, group in zip(names, groups):
-        with out.fs.open(out.child(name).root, "wb") as f:
-            report.nbytes += _write_weight_file(f, group, step_store, manifest, model, torch_dtype)
+        report.nbytes += _write_weight_file(out, name, group, step_store, manifest, model, torch_dtype)
         weight_map.update({e.hf_name: name for e in group})
     if len(groups) > 1:
         index = {"metadata": {"total_size": sum(prod(e.shape) * itemsize for e in entries)},
@@ -396,15 +377,15 @@ def import_hf(hf_dir: str, ckpt_url: str, dims: ParallelDims, *, step: int | Non
         if not items:
             continue
         file_name = shard_file_name(rank)
-        local = {fqn: (read_hf_box(src, names[fqn], fqn, box, model), box) for fqn, box in items}
-        encoded, records = encode_and_record(local, file_name, chunk_nbytes)
+        items = sorted(items, key=lambda it: file_order(it[0], specs[it[0]].dtype))
+        local = [(fqn, read_hf_box(src, names[fqn], fqn, box, model)) for fqn, box in items]
+        file_rec, records = write_shard_file(dst, file_name, local, chunk_nbytes, dict(items))
         del local
-        dst.write(file_name, encoded.data)
-        files[file_name] = encoded.record
+        files[file_name] = file_rec
         for fqn, rec in records.items():
             tensors[fqn].shards.append(rec)
         report.num_files += 1
-        report.nbytes_written += encoded.record.nbytes
+        report.nbytes_written += file_rec.nbytes
     for t in tensors.values():
         t.shards.sort(key=lambda s: s.offsets)
     state = {"step": step, "tokens_seen": 0, "data": {"sample_index": 0},

@@ -6,16 +6,13 @@ No torch here (``convert_dtype`` imports it only when a reshard converts dtypes)
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import threading
 from dataclasses import dataclass
-from typing import IO, Any, Iterator
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from shardsmith.errors import IntegrityError
 from shardsmith.reshard.planner import Piece, PlanEntry, Slab
 from shardsmith.storage.checksum import require_full_read, verify_chunks
 from shardsmith.storage.fs import Store
@@ -175,23 +172,10 @@ def convert_dtype(raw: np.ndarray, src: str, dst: str) -> np.ndarray:
     even), returning raw elements of ``dst``. Imports torch only when called."""
     import torch
 
-    from shardsmith.storage.shards import TORCH_DTYPES
+    from shardsmith.storage.tensor_files import TORCH_DTYPES
 
     converted = torch.from_numpy(raw).view(TORCH_DTYPES[src]).to(TORCH_DTYPES[dst])
     return converted.view(torch.uint8).numpy().view(_RAW[DTYPE_NBYTES[dst]])
-
-
-@contextlib.contextmanager
-def target_stream(dst: Store, key: str, nbytes: int) -> Iterator[IO[bytes]]:
-    """A file to write ``key`` front to back; it appears only when the block exits cleanly.
-
-    :meth:`Store.open_writer`: local, a hidden temporary file renamed into place; S3, a
-    multipart upload of parallel, individually retried parts (sized for ``nbytes``),
-    completed on success and aborted on error; other backends, fsspec's file committed
-    on success.
-    """
-    with dst.open_writer(key, nbytes_hint=nbytes) as f:
-        yield f
 
 
 def return_freed_buffers_to_os(threshold_nbytes: int = 1 << 20) -> bool:

@@ -26,9 +26,6 @@ from shardsmith.errors import CheckpointError, ConfigError, LayoutError
 from shardsmith.reshard.engine import ReshardReport, target_root
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import TensorSpec, checkpoint_specs, shard_file_name, write_assignment
-from shardsmith.reshard.planner import file_order, safetensors_header
-from shardsmith.reshard.stream import target_stream
-from shardsmith.storage.checksum import ChunkedCrc, crc32c_update
 from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES, crc32c
 from shardsmith.storage.commit import commit, read_manifest, step_dir
@@ -36,7 +33,9 @@ from shardsmith.storage.fs import Store
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.manifest import (MANIFEST_NAME, TENSOR_FORMATS, FileRecord, Manifest,
                                          ShardRecord, TensorRecord)
+from shardsmith.storage.safetensors import encode_header, file_order, shard_records, write_stream
 from shardsmith.storage.shards import ReadStats, read_box
+from shardsmith.storage.tensor_files import byte_view
 from shardsmith.storage.zarr_format import ZarrArray, parse_codec, regular_chunks, write_chunks, write_metadata
 
 #: Prefix of the tensors the zarr codec compresses (optimizer state; parameters stay raw).
@@ -106,20 +105,12 @@ def _write_safetensors_file(src: Store, manifest: Manifest, dst: Store, rank: in
     (entries in ``safetensors.torch.save`` order, as a save in the target layout writes)."""
     items = sorted(items, key=lambda it: file_order(it[0], specs[it[0]].dtype))
     sizes = [(fqn, specs[fqn].dtype, box.lengths, box.numel * DTYPE_NBYTES[specs[fqn].dtype]) for fqn, box in items]
-    header, offsets = safetensors_header(sizes)
+    header, _ = encode_header(sizes)
     name = shard_file_name(rank)
-    file_crc, records = crc32c(header), {}
-    with target_stream(dst, name, len(header) + sum(s[3] for s in sizes)) as f:
-        f.write(header)
-        for (fqn, box), (_, _, _, nbytes), offset in zip(items, sizes, offsets):
-            data = memoryview(read_box(src, manifest, fqn, box, stats=stats).reshape(-1).view(torch.uint8).numpy())
-            f.write(data)
-            crcs = ChunkedCrc(chunk_nbytes)
-            crcs.update(data)
-            file_crc = crc32c_update(data, file_crc)
-            records[fqn] = ShardRecord(offsets=list(box.offsets), lengths=list(box.lengths), file=name, key=fqn,
-                                       byte_offset=len(header) + offset, nbytes=nbytes, crc32c=crcs.finish())
-    return FileRecord(len(header) + sum(s[3] for s in sizes), file_crc), records
+    data = ((i, byte_view(read_box(src, manifest, fqn, box, stats=stats))) for i, (fqn, box) in enumerate(items))
+    record, crcs = write_stream(dst, name, header, data, len(items), chunk_nbytes,
+                                len(header) + sum(s[3] for s in sizes))
+    return record, shard_records(name, [(fqn, box, s[3]) for (fqn, box), s in zip(items, sizes)], len(header), crcs)
 
 
 def _write_safetensors(src: Store, manifest: Manifest, dst: Store, specs: dict[str, TensorSpec],

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
+from shardsmith.layout.box import Box
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.errors import ManifestError
 
@@ -48,6 +49,18 @@ class ShardRecord:
     byte_offset: int
     nbytes: int
     crc32c: list[int]
+
+    @classmethod
+    def from_box(cls, box: Box, *, file: str, key: str, byte_offset: int, nbytes: int,
+                 crc32c: list[int]) -> "ShardRecord":
+        """The record of ``box`` (global elements) stored at ``byte_offset`` of ``file``."""
+        return cls(offsets=list(box.offsets), lengths=list(box.lengths), file=file, key=key,
+                   byte_offset=byte_offset, nbytes=nbytes, crc32c=crc32c)
+
+    @property
+    def box(self) -> Box:
+        """The shard's global box (offsets and lengths in elements)."""
+        return Box(tuple(self.offsets), tuple(self.lengths))
 
     def to_json(self) -> dict[str, Any]:
         return {"offsets": self.offsets, "lengths": self.lengths, "file": self.file, "key": self.key,

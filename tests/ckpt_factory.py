@@ -16,7 +16,7 @@ from shardsmith.layout.box import Box
 from shardsmith.storage.commit import commit, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import FileRecord, Manifest, TensorRecord
-from shardsmith.storage.shards import DTYPE_NAMES, encode_and_record
+from shardsmith.storage.tensor_files import DTYPE_NAMES, encode_and_record
 
 CHUNK_NBYTES = 16
 FILE0, FILE1 = "shards/rank-00000.safetensors", "shards/rank-00001.safetensors"

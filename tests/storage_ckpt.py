@@ -18,7 +18,8 @@ from shardsmith.layout.box import Box
 from shardsmith.storage.commit import commit, read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import FileRecord, Manifest, TensorRecord
-from shardsmith.storage.shards import TORCH_DTYPES, read_box, write_shard_file
+from shardsmith.storage.shards import read_box
+from shardsmith.storage.tensor_files import TORCH_DTYPES, write_shard_file
 
 #: Small, but every layout used in the tests shards something (4 heads, 2 kv heads).
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2,

@@ -32,7 +32,8 @@ from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import commit, find_latest_committed, read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
-from shardsmith.storage.shards import DTYPE_NAMES, ReadStats, encode_and_record, read_box, read_boxes
+from shardsmith.storage.shards import ReadStats, read_box, read_boxes
+from shardsmith.storage.tensor_files import DTYPE_NAMES, encode_and_record
 from shardsmith.trainer import checkpoint as checkpoint_module
 from shardsmith.trainer.async_save import AsyncCheckpointer
 from shardsmith.trainer.checkpoint import save_checkpoint

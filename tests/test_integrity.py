@@ -69,7 +69,7 @@ def test_verify_streams_in_bounded_blocks(tmp_path) -> None:
     root = Store(str(tmp_path))
     manifest, _ = build_manifest(root, 1, chunk_nbytes=4096)
     big = torch.arange(256 * 1024, dtype=torch.float32)
-    from shardsmith.storage.shards import encode_and_record
+    from shardsmith.storage.tensor_files import encode_and_record
 
     encoded, records = encode_and_record({"big": (big, Box((0,), (big.numel(),)))}, "shards/big.safetensors", 4096)
     root.child(step_dir(1)).write("shards/big.safetensors", encoded.data)

@@ -25,7 +25,8 @@ from shardsmith.reshard.diff import diff_checkpoints
 from shardsmith.reshard.engine import PROGRESS_NAME, reshard
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import checkpoint_specs, shard_file_name, write_assignment
-from shardsmith.reshard.planner import ReshardOptions, file_order, plan_reshard, safetensors_header
+from shardsmith.reshard.planner import ReshardOptions, plan_reshard
+from shardsmith.storage.safetensors import encode_header, file_order
 from shardsmith.reshard.scaleout import Share, assign_files
 from shardsmith.reshard.stream import BufferBudget, BufferPool
 from shardsmith.layout.box import Box
@@ -33,7 +34,8 @@ from shardsmith.storage.checksum import ChunkedCrc, chunk_crc32c
 from shardsmith.storage.commit import commit, read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import FileRecord, Manifest, TensorRecord
-from shardsmith.storage.shards import DTYPE_NAMES, encode_and_record, read_box
+from shardsmith.storage.shards import read_box
+from shardsmith.storage.tensor_files import DTYPE_NAMES, encode_and_record
 
 MODEL = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
                     ffn_hidden_size=64, vocab_size=61, seq_length=16)
@@ -106,7 +108,7 @@ def test_header_is_byte_identical_to_safetensors() -> None:
                                                           dtype=rng.choice(dtypes)) for i in range(25)}
     data = safetensors_save(tensors)
     order = sorted(tensors, key=lambda k: file_order(k, DTYPE_NAMES[tensors[k].dtype]))
-    header, _ = safetensors_header([(k, DTYPE_NAMES[tensors[k].dtype], tuple(tensors[k].shape),
+    header, _ = encode_header([(k, DTYPE_NAMES[tensors[k].dtype], tuple(tensors[k].shape),
                                      tensors[k].nbytes) for k in order])
     assert header == data[:len(header)]
     assert len(header) == 8 + struct.unpack("<Q", data[:8])[0]

@@ -31,7 +31,8 @@ from shardsmith.storage.commit import commit, step_dir
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord, TensorRecord
-from shardsmith.storage.shards import DTYPE_NAMES, ReadStats, read_boxes, write_shard_file
+from shardsmith.storage.shards import ReadStats, read_boxes
+from shardsmith.storage.tensor_files import DTYPE_NAMES, write_shard_file
 from shardsmith.reshard.zarr_convert import add_zarr_records, gathered_zarr_nbytes, save_rank_chunks
 
 log = logging.getLogger(__name__)
