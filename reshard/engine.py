@@ -30,7 +30,6 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -44,7 +43,7 @@ from shardsmith.storage import safetensors
 from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
 from shardsmith.storage.commit import commit, parse_step_dir, read_manifest, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, Manifest, ShardRecord, TensorRecord
+from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, Manifest, ManifestBuilder, ShardRecord
 
 log = logging.getLogger(__name__)
 
@@ -254,22 +253,10 @@ def _save_progress(dst: Store, name: str, plan_id: str, results: dict[str, FileR
 
 def build_manifest(plan: ReshardPlan, results: list[FileResult]) -> Manifest:
     """The target manifest: the source's configs and state, the plan's tensors, the files' records."""
-    src = plan.source
-    tensors = {fqn: TensorRecord(shape=list(shape), dtype=dtype) for fqn, (shape, dtype) in plan.tensors.items()}
-    files: dict[str, FileRecord] = {}
+    builder = ManifestBuilder.relayout(plan.source, plan.dims, plan.tensors, chunk_nbytes=plan.options.chunk_nbytes)
     for r in results:
-        files[r.name] = r.record
-        for fqn, rec in r.shards.items():
-            tensors[fqn].shards.append(rec)
-    for t in tensors.values():
-        t.shards.sort(key=lambda s: s.offsets)
-    config = dict(src.config)
-    if "parallel" in config:
-        config["parallel"] = plan.dims.to_json()
-    return Manifest(step=src.step, layout={**plan.dims.to_json(), "world_size": plan.dims.world_size},
-                    model=src.model, config=config, state=src.state, tensors=tensors, files=files,
-                    chunk_nbytes=plan.options.chunk_nbytes,
-                    created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        builder.add_file(r.name, r.record, r.shards)
+    return builder.build()
 
 
 def execute(plan: ReshardPlan, src: Store, dst_root: Store, *, share: Share | None = None,

@@ -23,7 +23,6 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from math import prod
 from typing import Any
 
@@ -40,7 +39,8 @@ from shardsmith.layout.dtypes import DTYPE_CHOICES, DTYPES
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, parse_step_dir, read_manifest, resolve_checkpoint, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord, parse_manifest
+from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, ManifestBuilder
+from shardsmith.storage.manifest_parse import parse_manifest
 from shardsmith.storage.safetensors import encode_header, file_order, write_stream
 from shardsmith.storage.shards import read_box
 from shardsmith.storage.tensor_files import DTYPE_NAMES, byte_view, write_shard_file
@@ -371,8 +371,12 @@ def import_hf(hf_dir: str, ckpt_url: str, dims: ParallelDims, *, step: int | Non
     if dst.exists(MANIFEST_NAME):
         raise FileExistsError(f"{dst.url} is already a committed checkpoint; choose another root or --step")
     report = HFImportReport(target=dst.url, step=step, model=model)
-    tensors = {fqn: TensorRecord(shape=list(s.shape), dtype=s.dtype) for fqn, s in specs.items()}
-    files: dict[str, FileRecord] = {}
+    state = {"step": step, "tokens_seen": 0, "data": {"sample_index": 0},
+             "source": {"format": "huggingface", "path": os.path.abspath(hf_dir)}}
+    builder = ManifestBuilder(step=step, dims=dims, model=model.to_json(),
+                              config=config or {"model": model.to_json(), "parallel": dims.to_json()},
+                              state=state, tensors={fqn: (s.shape, s.dtype) for fqn, s in specs.items()},
+                              chunk_nbytes=chunk_nbytes)
     for rank, items in write_assignment(specs, dims).items():
         if not items:
             continue
@@ -381,20 +385,10 @@ def import_hf(hf_dir: str, ckpt_url: str, dims: ParallelDims, *, step: int | Non
         local = [(fqn, read_hf_box(src, names[fqn], fqn, box, model)) for fqn, box in items]
         file_rec, records = write_shard_file(dst, file_name, local, chunk_nbytes, dict(items))
         del local
-        files[file_name] = file_rec
-        for fqn, rec in records.items():
-            tensors[fqn].shards.append(rec)
+        builder.add_file(file_name, file_rec, records)
         report.num_files += 1
         report.nbytes_written += file_rec.nbytes
-    for t in tensors.values():
-        t.shards.sort(key=lambda s: s.offsets)
-    state = {"step": step, "tokens_seen": 0, "data": {"sample_index": 0},
-             "source": {"format": "huggingface", "path": os.path.abspath(hf_dir)}}
-    manifest = Manifest(step=step, layout={**dims.to_json(), "world_size": dims.world_size},
-                        model=model.to_json(), config=config or {"model": model.to_json(),
-                                                                 "parallel": dims.to_json()},
-                        state=state, tensors=tensors, files=files, chunk_nbytes=chunk_nbytes,
-                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    manifest = builder.build()
     parse_manifest(manifest.dumps(), dst.url_of(MANIFEST_NAME))     # coverage check before commit
     commit(root, manifest)
     report.seconds = time.perf_counter() - t0

@@ -17,7 +17,6 @@ conversion that involves zarr. A rerun after an interruption rewrites all files.
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
 from typing import Iterator
 
 import torch
@@ -31,8 +30,8 @@ from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES, crc32c
 from shardsmith.storage.commit import commit, read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.storage.manifest import (MANIFEST_NAME, TENSOR_FORMATS, FileRecord, Manifest,
-                                         ShardRecord, TensorRecord)
+from shardsmith.storage.manifest import (MANIFEST_NAME, TENSOR_FORMATS, FileRecord, Manifest, ManifestBuilder,
+                                         ShardRecord)
 from shardsmith.storage.safetensors import encode_header, file_order, shard_records, write_stream
 from shardsmith.storage.shards import ReadStats, read_box
 from shardsmith.storage.tensor_files import byte_view
@@ -167,17 +166,13 @@ def convert_format(src: Store, dst_url: str, dims: ParallelDims, tensor_format: 
         files, shards = _write_zarr(src, manifest, dst, specs, dims, codec, chunk_nbytes, stats)
     else:
         files, shards = _write_safetensors(src, manifest, dst, specs, dims, chunk_nbytes, stats)
-    tensors = {fqn: TensorRecord(shape=list(s.shape), dtype=s.dtype,
-                                 shards=sorted(shards.get(fqn, []), key=lambda r: r.offsets))
-               for fqn, s in specs.items()}
-    config = dict(manifest.config)
-    if "parallel" in config:
-        config["parallel"] = dims.to_json()
-    out = Manifest(step=manifest.step, layout={**dims.to_json(), "world_size": dims.world_size},
-                   model=manifest.model, config=config, state=manifest.state, tensors=tensors, files=files,
-                   tensor_format=tensor_format, chunk_nbytes=chunk_nbytes,
-                   created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    commit(root, out)
+    builder = ManifestBuilder.relayout(manifest, dims, {fqn: (s.shape, s.dtype) for fqn, s in specs.items()},
+                                       chunk_nbytes=chunk_nbytes, tensor_format=tensor_format)
+    for name, rec in files.items():
+        builder.add_file(name, rec)
+    for fqn, recs in shards.items():
+        builder.add_shards(fqn, recs)
+    commit(root, builder.build())
     return ReshardReport(step=manifest.step, target=dst.url, num_files=len(files),
                          nbytes_written=sum(f.nbytes for f in files.values()), nbytes_read=stats.nbytes_read,
                          nbytes_needed=stats.nbytes_needed, seconds=time.perf_counter() - t0, committed=True)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from shardsmith.errors import CheckpointNotFound, ManifestError, SaveError
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from shardsmith.storage.manifest import MANIFEST_NAME, Manifest
+from shardsmith.storage.manifest_parse import parse_manifest
 
 log = logging.getLogger(__name__)
 

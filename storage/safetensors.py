@@ -24,7 +24,8 @@ from shardsmith.layout.dtypes import SAFETENSORS_DTYPE_ORDER
 from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_combine, crc32c_update
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import FileRecord, ShardRecord, reject_duplicate_keys
+from shardsmith.storage.manifest import FileRecord, ShardRecord
+from shardsmith.storage.manifest_parse import reject_duplicate_keys
 
 #: safetensors refuses headers larger than this (100 MB); so do we.
 MAX_HEADER_NBYTES = 100_000_000

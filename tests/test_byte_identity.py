@@ -16,7 +16,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 
 from shardsmith.layout import ParallelDims
 from shardsmith.reshard.engine import reshard

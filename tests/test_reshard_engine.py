@@ -31,11 +31,13 @@ from shardsmith.reshard.scaleout import Share, assign_files
 from shardsmith.reshard.stream import BufferBudget, BufferPool
 from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import ChunkedCrc, chunk_crc32c
-from shardsmith.storage.commit import commit, read_manifest, step_dir
+from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import FileRecord, Manifest, TensorRecord
+from shardsmith.storage.manifest import Manifest
 from shardsmith.storage.shards import read_box
-from shardsmith.storage.tensor_files import DTYPE_NAMES, encode_and_record
+from shardsmith.storage.tensor_files import DTYPE_NAMES
+
+from ckpt_factory import write_step
 
 MODEL = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
                     ffn_hidden_size=64, vocab_size=61, seq_length=16)
@@ -58,25 +60,10 @@ def save_direct(root: Store, full: dict[str, torch.Tensor], dims: ParallelDims, 
     with_optim = any(k.startswith("optim.") for k in full)
     specs = {fqn: dataclasses.replace(s, dtype=DTYPE_NAMES[full[fqn].dtype])
              for fqn, s in checkpoint_specs(MODEL, dims, with_optimizer=with_optim).items()}
-    tensors = {fqn: TensorRecord(list(s.shape), s.dtype) for fqn, s in specs.items()}
-    files = {}
-    step = root.child(step_dir(STEP))
-    for rank, items in write_assignment(specs, dims).items():
-        if not items:
-            continue
-        local = {fqn: (full[fqn][_slices(b)].contiguous(), b) for fqn, b in items}
-        encoded, records = encode_and_record(local, shard_file_name(rank), chunk)
-        step.write(shard_file_name(rank), encoded.data)
-        files[shard_file_name(rank)] = FileRecord(encoded.record.nbytes, encoded.record.crc32c)
-        for fqn, rec in records.items():
-            tensors[fqn].shards.append(rec)
-    for t in tensors.values():
-        t.shards.sort(key=lambda s: s.offsets)
-    manifest = Manifest(step=STEP, layout={**dims.to_json(), "world_size": dims.world_size},
-                        model=MODEL.to_json(), config={"parallel": dims.to_json()}, state={"step": STEP},
-                        tensors=tensors, files=files, chunk_nbytes=chunk, created="test")
-    commit(root, manifest)
-    return manifest
+    files = {shard_file_name(rank): {fqn: (full[fqn][_slices(b)].contiguous(), b) for fqn, b in items}
+             for rank, items in write_assignment(specs, dims).items() if items}
+    return write_step(root, STEP, files, dims=dims, chunk_nbytes=chunk, model=MODEL.to_json(),
+                      config={"parallel": dims.to_json()}, tensors={f: (s.shape, s.dtype) for f, s in specs.items()})
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
@@ -30,7 +29,7 @@ from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, step_dir
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord, TensorRecord
+from shardsmith.storage.manifest import FileRecord, Manifest, ManifestBuilder, ShardRecord
 from shardsmith.storage.shards import ReadStats, read_boxes
 from shardsmith.storage.tensor_files import DTYPE_NAMES, write_shard_file
 from shardsmith.reshard.zarr_convert import add_zarr_records, gathered_zarr_nbytes, save_rank_chunks
@@ -258,21 +257,15 @@ def save_checkpoint(root: Store, step: int, tensors: dict[str, torch.Tensor], *,
 def _build_manifest(step: int, gathered: list[dict[str, Any]], specs: dict, model_cfg: ModelConfig,
                     dims: ParallelDims, config: dict[str, Any], state: dict[str, Any],
                     chunk_nbytes: int) -> Manifest:
-    tensors = {fqn: TensorRecord(shape=list(s.shape), dtype=s.dtype) for fqn, s in specs.items()}
-    files: dict[str, FileRecord] = {}
+    builder = ManifestBuilder(step=step, dims=dims, model=model_cfg.to_json(), config=config, state=state,
+                              tensors={fqn: (s.shape, s.dtype) for fqn, s in specs.items()},
+                              chunk_nbytes=chunk_nbytes)
     for g in gathered:
-        if "file" not in g:
-            continue
-        name, nbytes, crc = g["file"]
-        files[name] = FileRecord(nbytes=nbytes, crc32c=crc)
-        for fqn, r in g["shards"].items():
-            tensors[fqn].shards.append(ShardRecord(**r))
-    for t in tensors.values():
-        t.shards.sort(key=lambda s: s.offsets)
-    return Manifest(step=step, layout={**dims.to_json(), "world_size": dims.world_size},
-                    model=model_cfg.to_json(), config=config, state=state, tensors=tensors,
-                    files=files, chunk_nbytes=chunk_nbytes,
-                    created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        if "file" in g:
+            name, nbytes, crc = g["file"]
+            builder.add_file(name, FileRecord(nbytes=nbytes, crc32c=crc),
+                             {fqn: ShardRecord(**r) for fqn, r in g["shards"].items()})
+    return builder.build()
 
 
 def load_into(step_store: Store, manifest: Manifest, tensors: dict[str, torch.Tensor],
