@@ -34,16 +34,15 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from shardsmith.errors import CheckpointError, LayoutError
 from shardsmith.layout import ParallelDims
 from shardsmith.reshard.planner import PlanEntry, ReshardOptions, ReshardPlan, Slab, TargetFile, plan_reshard
 from shardsmith.reshard.scaleout import Share, assign_files, cleanup, gather, publish
 from shardsmith.reshard.stream import BufferBudget, BufferPool, FileResult, assemble_slab, return_freed_buffers_to_os
 from shardsmith.storage import safetensors
 from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
-from shardsmith.storage.commit import commit, parse_step_dir, read_manifest, step_dir
+from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, Manifest, ManifestBuilder, ShardRecord
+from shardsmith.storage.manifest import FileRecord, Manifest, ManifestBuilder, ShardRecord
 
 log = logging.getLogger(__name__)
 
@@ -279,16 +278,14 @@ def execute(plan: ReshardPlan, src: Store, dst_root: Store, *, share: Share | No
         wait_timeout_s: how long the coordinator waits for the other ranks.
 
     Raises:
-        CheckpointError: the target step is already committed, or another rank failed.
+        TargetCommitted: the target step is already committed. CheckpointError: another rank failed.
         IntegrityError: a source byte does not match its checksum.
         StorageError / OSError: reading or writing failed; a rerun resumes.
     """
     t0 = time.perf_counter()
     share = share or Share()
     dst = dst_root.child(step_dir(plan.source.step))
-    if dst.exists(MANIFEST_NAME):
-        raise CheckpointError(f"{dst.url} is already a committed checkpoint; delete it or choose "
-                              "another target")
+    ensure_not_committed(dst)
     return_freed_buffers_to_os()
     mine = assign_files(plan.files, share.world_size)[share.rank]
     progress_name = PROGRESS_NAME if share.world_size == 1 else f".reshard-progress-{share.rank:05d}.json"
@@ -323,25 +320,12 @@ def _commit(plan: ReshardPlan, dst_root: Store, dst: Store, results: list[FileRe
     cleanup(dst)
 
 
-def split_step_url(url: str) -> tuple[str, int | None]:
-    """``/x/run/step-000000040`` -> (``/x/run``, 40); a root URL gives (url, None)."""
-    url = url.rstrip("/")
-    name = url.rsplit("/", 1)[-1]
-    step = parse_step_dir(name)
-    return (url[: -len(name) - 1] or "/", step) if step is not None else (url, None)
-
-
 def target_root(dst_url: str, step: int, storage_options: dict | None = None) -> Store:
-    """The root store of a target given as a root or as ``.../step-NNNNNNNNN`` of ``step``.
+    """The root store of a reshard target (see :func:`shardsmith.storage.commit.resolve_target`).
 
-    Raises:
-        LayoutError: the URL names another step.
+    Kept for ``cli/reshard_commands.py``; new callers use ``resolve_target``.
     """
-    root_url, dst_step = split_step_url(dst_url)
-    if dst_step is not None and dst_step != step:
-        raise LayoutError(f"target {dst_url} names step {dst_step} but the source is step {step}; "
-                          f"name the target {step_dir(step)} or give its root")
-    return Store(root_url, storage_options)
+    return resolve_target(dst_url, step, storage_options)[0]
 
 
 def reshard(src: Store, dst_url: str, dims: ParallelDims, *, options: ReshardOptions | None = None,
@@ -364,7 +348,7 @@ def reshard(src: Store, dst_url: str, dims: ParallelDims, *, options: ReshardOpt
     Raises:
         LayoutError: ``dims`` does not fit the model, or ``dst_url`` names another step.
         CheckpointNotFound / ManifestError / IntegrityError: bad source.
-        CheckpointError: the target is already committed.
+        TargetCommitted (a CheckpointError): the target is already committed.
     """
     manifest = read_manifest(src)
     plan = plan_reshard(manifest, dims, options, src.url)

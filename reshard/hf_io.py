@@ -37,7 +37,8 @@ from shardsmith.layout.plan import TensorSpec, param_specs, shard_file_name, wri
 from shardsmith.layout.box import Box
 from shardsmith.layout.dtypes import DTYPE_CHOICES, DTYPES
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
-from shardsmith.storage.commit import commit, parse_step_dir, read_manifest, resolve_checkpoint, step_dir
+from shardsmith.storage.commit import (commit, ensure_not_committed, read_manifest, resolve_checkpoint, resolve_target,
+                                       step_dir)
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, ManifestBuilder
 from shardsmith.storage.manifest_parse import parse_manifest
@@ -327,18 +328,6 @@ class HFImportReport:
     seconds: float = 0.0
 
 
-def _target(ckpt_url: str, step: int | None, storage_options: dict | None) -> tuple[Store, int]:
-    """(root store, step) of a target given as a root or a step directory."""
-    url = ckpt_url.rstrip("/")
-    name = url.rsplit("/", 1)[-1]
-    named = parse_step_dir(name)
-    if named is not None:
-        if step is not None and step != named:
-            raise ConfigError(f"target {ckpt_url} names step {named} but --step is {step}")
-        url, step = url[: -len(name) - 1] or "/", named
-    return Store(url, storage_options), step or 0
-
-
 def import_hf(hf_dir: str, ckpt_url: str, dims: ParallelDims, *, step: int | None = None,
               config: dict[str, Any] | None = None, storage_options: dict | None = None,
               chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> HFImportReport:
@@ -359,17 +348,17 @@ def import_hf(hf_dir: str, ckpt_url: str, dims: ParallelDims, *, step: int | Non
     Raises:
         ConfigError: the HF model is not one shardsmith can represent (names the field or tensor).
         LayoutError: ``dims`` does not divide the model.
-        FileExistsError: the target step is already committed.
+        TargetCommitted (a FileExistsError): the target step is already committed.
+        LayoutError: ``ckpt_url`` names a step other than ``step``.
     """
     t0 = time.perf_counter()
     src = HFSource(hf_dir)
     model = model_config_from_hf(src.config, os.path.join(hf_dir, "config.json"))
     specs = param_specs(model, dims)
     names = _match_tensors(src, specs, model)
-    root, step = _target(ckpt_url, step, storage_options)
+    root, step = resolve_target(ckpt_url, step, storage_options)
     dst = root.child(step_dir(step))
-    if dst.exists(MANIFEST_NAME):
-        raise FileExistsError(f"{dst.url} is already a committed checkpoint; choose another root or --step")
+    ensure_not_committed(dst)
     report = HFImportReport(target=dst.url, step=step, model=model)
     state = {"step": step, "tokens_seen": 0, "data": {"sample_index": 0},
              "source": {"format": "huggingface", "path": os.path.abspath(hf_dir)}}

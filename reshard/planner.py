@@ -244,7 +244,7 @@ def _pieces(manifest: Manifest, fqn: str, box: Box) -> tuple[Piece, ...]:
         common = saved.intersect(box)
         if common is None or common.numel == 0:
             continue
-        first, last = row_major_span(tuple(rec.shape), saved, common)
+        first, last = row_major_span(saved, common)
         start = first * itemsize // chunk * chunk
         end = min(-(-last * itemsize // chunk) * chunk, shard.nbytes)
         out.append(Piece(shard, saved, common, start, end, first * itemsize, last * itemsize))
@@ -262,7 +262,7 @@ def _cut_geometry(shard: ShardRecord, tail: Box, itemsize: int) -> tuple[int, in
     inner = saved_tail.intersect(tail)
     if inner is None or inner.numel == 0:
         return None
-    first, last = row_major_span((), saved_tail, inner)
+    first, last = row_major_span(saved_tail, inner)
     return shard.offsets[0], saved_tail.numel * itemsize, first * itemsize, last * itemsize
 
 

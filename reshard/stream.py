@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from shardsmith.layout.box import row_major_strides
 from shardsmith.reshard.planner import Piece, PlanEntry, Slab
 from shardsmith.storage.checksum import require_full_read, verify_chunks
 from shardsmith.storage.fs import Store
@@ -150,9 +151,7 @@ def assemble_slab(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry,
             buf = read_piece(src, manifest, piece, pool)
             try:
                 seg = buf[piece.first - piece.read_start:piece.last - piece.read_start].view(raw)
-                strides = [itemsize] * len(piece.saved.lengths)
-                for d in range(len(strides) - 2, -1, -1):
-                    strides[d] = strides[d + 1] * piece.saved.lengths[d + 1]
+                strides = [s * itemsize for s in row_major_strides(piece.saved.lengths)]
                 out[piece.common.relative_to(slab.box)] = as_strided(seg, piece.common.lengths, strides,
                                                                      writeable=False)
             finally:

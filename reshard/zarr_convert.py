@@ -21,16 +21,16 @@ from typing import Iterator
 
 import torch
 
-from shardsmith.errors import CheckpointError, ConfigError, LayoutError
-from shardsmith.reshard.engine import ReshardReport, target_root
+from shardsmith.errors import ConfigError, LayoutError
+from shardsmith.reshard.engine import ReshardReport
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import TensorSpec, checkpoint_specs, shard_file_name, write_assignment
 from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES, crc32c
-from shardsmith.storage.commit import commit, read_manifest, step_dir
+from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.storage.manifest import (MANIFEST_NAME, TENSOR_FORMATS, FileRecord, Manifest, ManifestBuilder,
+from shardsmith.storage.manifest import (TENSOR_FORMATS, FileRecord, Manifest, ManifestBuilder,
                                          ShardRecord)
 from shardsmith.storage.safetensors import encode_header, file_order, shard_records, write_stream
 from shardsmith.storage.shards import ReadStats, read_box
@@ -149,7 +149,7 @@ def convert_format(src: Store, dst_url: str, dims: ParallelDims, tensor_format: 
     Raises:
         ConfigError: an unknown format or codec.
         LayoutError: ``dims`` does not fit the model, or ``dst_url`` names another step.
-        CheckpointError: the target is already committed; IntegrityError: a bad source byte.
+        TargetCommitted (a CheckpointError): the target is already committed; IntegrityError: a bad source byte.
     """
     if tensor_format not in TENSOR_FORMATS:
         raise ConfigError(f"tensor format {tensor_format!r}: choose one of {list(TENSOR_FORMATS)}")
@@ -157,10 +157,9 @@ def convert_format(src: Store, dst_url: str, dims: ParallelDims, tensor_format: 
     t0 = time.perf_counter()
     manifest = read_manifest(src)
     specs = _target_specs(manifest, dims, model_only, src.url)
-    root = target_root(dst_url, manifest.step, storage_options)
+    root, _ = resolve_target(dst_url, manifest.step, storage_options)
     dst = root.child(step_dir(manifest.step))
-    if dst.exists(MANIFEST_NAME):
-        raise CheckpointError(f"{dst.url} is already a committed checkpoint; delete it or choose another target")
+    ensure_not_committed(dst)
     stats = ReadStats()
     if tensor_format == "zarr":
         files, shards = _write_zarr(src, manifest, dst, specs, dims, codec, chunk_nbytes, stats)

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from shardsmith.errors import IntegrityError
-from shardsmith.layout.box import Box, row_major_span
+from shardsmith.layout.box import Box, row_major_span, row_major_strides
 from shardsmith.storage.checksum import require_full_read, verify_chunks
 from shardsmith.storage.fs import Store
 from shardsmith.layout.dtypes import DTYPE_NBYTES
@@ -80,14 +80,6 @@ class _Piece:
     last: int
 
 
-def _strides(lengths: tuple[int, ...]) -> list[int]:
-    """Row-major element strides of a contiguous tensor of shape ``lengths``."""
-    strides = [1] * len(lengths)
-    for d in range(len(lengths) - 2, -1, -1):
-        strides[d] = strides[d + 1] * lengths[d + 1]
-    return strides
-
-
 def _chunk_groups(saved: Box, common: Box, itemsize: int, chunk: int, a: int, b: int) -> list[tuple[int, int]]:
     """Runs ``[c0, c1)`` of consecutive checksum chunks of ``saved`` holding bytes of ``common``.
 
@@ -96,7 +88,7 @@ def _chunk_groups(saved: Box, common: Box, itemsize: int, chunk: int, a: int, b:
     left out (e.g. a TP column slice of a saved row slice with long rows); otherwise one group.
     """
     whole = [(a // chunk, -(-b // chunk))]
-    strides = _strides(saved.lengths)
+    strides = row_major_strides(saved.lengths)
     j = len(saved.lengths) - 1
     while j > 0 and common.lengths[j] == saved.lengths[j]:
         j -= 1
@@ -125,7 +117,7 @@ def _scatter_views(box: Box, common: Box, out: torch.Tensor, itemsize: int) -> l
     view = byte_view(out)
     if not box.lengths:
         return [view]
-    strides = _strides(box.lengths)
+    strides = row_major_strides(box.lengths)
     j = len(box.lengths) - 1
     while j > 0 and common.lengths[j] == box.lengths[j]:
         j -= 1
@@ -148,7 +140,7 @@ def _plan_piece(shard: ShardRecord, saved: Box, common: Box, box: Box, out: torc
     into ``out`` (scattered over its rows when it is a column slice there; only the chunk
     margins go to small buffers); otherwise into a scratch buffer that is copied into ``out``
     after verification (the returned ``_Piece``)."""
-    first, last = row_major_span((), saved, common)
+    first, last = row_major_span(saved, common)
     a, b = first * itemsize, last * itemsize
     views = _scatter_views(box, common, out, itemsize) \
         if last - first == common.numel and out.is_contiguous() else None
@@ -180,7 +172,7 @@ def _fill_from_scratch(piece: _Piece) -> None:
     elems = raw.view(dtype)
     # elems covers the saved box's row-major storage from the intersection's first element:
     # view it through the saved box's strides.
-    src = elems.as_strided(piece.common.lengths, _strides(piece.saved.lengths)) if piece.common.lengths \
+    src = elems.as_strided(piece.common.lengths, row_major_strides(piece.saved.lengths)) if piece.common.lengths \
         else elems.view(())
     piece.out[piece.common.relative_to(piece.box)] = src
 

@@ -19,7 +19,7 @@ import torch
 from zarr.core.buffer import default_buffer_prototype
 
 from shardsmith.errors import IntegrityError
-from shardsmith.layout.box import Box, row_major_span
+from shardsmith.layout.box import Box, row_major_span, row_major_strides
 from shardsmith.storage.checksum import crc32c, require_full_read, verify_chunks
 from shardsmith.storage.fs import Store
 from shardsmith.layout.dtypes import DTYPE_NBYTES
@@ -86,7 +86,7 @@ class _Piece:
         """(first byte, end byte) of ``common`` in the chunk's row-major storage (the full
         chunk shape: zarr stores edge chunks padded) and that span widened to checksum chunks."""
         itemsize = DTYPE_NBYTES[self.array.dtype]
-        first, last = row_major_span((), Box(tuple(self.shard.offsets), self.array.chunks), self.common)
+        first, last = row_major_span(Box(tuple(self.shard.offsets), self.array.chunks), self.common)
         a, b = first * itemsize, last * itemsize
         return a, b, a // chunk * chunk, min(-(-b // chunk) * chunk, self.shard.nbytes)
 
@@ -110,9 +110,7 @@ def _read_piece(store: Store, manifest: Manifest, piece: _Piece, source: str) ->
     require_full_read(len(data), hi - lo, lo, url)
     verify_chunks(shard, lo // chunk, [data], chunk, url)
     seg = np.frombuffer(data, dtype=_INTS[itemsize], count=(b - a) // itemsize, offset=a - lo)
-    strides = [itemsize] * len(array.chunks)
-    for d in range(len(strides) - 2, -1, -1):
-        strides[d] = strides[d + 1] * array.chunks[d + 1]
+    strides = [s * itemsize for s in row_major_strides(array.chunks)]
     return np.lib.stride_tricks.as_strided(seg, piece.common.lengths, strides, writeable=False)
 
 
