@@ -43,7 +43,7 @@ from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, ManifestBuilder
 from shardsmith.storage.manifest_parse import parse_manifest
 from shardsmith.storage.safetensors import encode_header, file_order, write_stream
-from shardsmith.storage.shards import read_box
+from shardsmith.storage.formats import read_box
 from shardsmith.storage.tensor_files import DTYPE_NAMES, byte_view, write_shard_file
 
 #: Export dtypes: CLI name -> (torch dtype, config.json name), from the one dtype table.

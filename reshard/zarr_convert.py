@@ -4,7 +4,7 @@
 layout's box boundaries, codec) from the sharding plan; a save and a conversion to the
 same layout agree on it. :func:`convert_format` rewrites a committed checkpoint of
 either format in a layout and format of choice, streaming one target box at a time: each
-box is read with :func:`~shardsmith.storage.shards.read_box` (ranged, verified reads of
+box is read with :func:`~shardsmith.storage.formats.read_box` (ranged, verified reads of
 either source format) and written as zarr chunks or into the target rank's safetensors
 file, so peak memory is about the largest tensor box (plus encoded chunks awaiting upload,
 at most :data:`~shardsmith.storage.zarr_format.MAX_PENDING_NBYTES`).
@@ -26,42 +26,18 @@ from shardsmith.reshard.engine import ReshardReport
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import TensorSpec, checkpoint_specs, shard_file_name, write_assignment
 from shardsmith.layout.box import Box
-from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES, crc32c
+from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.storage.manifest import (TENSOR_FORMATS, FileRecord, Manifest, ManifestBuilder,
+from shardsmith.storage.manifest import (FileRecord, Manifest, ManifestBuilder,
                                          ShardRecord)
 from shardsmith.storage.safetensors import encode_header, file_order, shard_records, write_stream
-from shardsmith.storage.shards import ReadStats, read_box
+from shardsmith.storage.shards import ReadStats
+from shardsmith.storage.formats import SafetensorsFormat, ZarrFormat, layout_arrays, read_box
+from shardsmith.storage.formats import tensor_format as tensor_format_of
 from shardsmith.storage.tensor_files import byte_view
-from shardsmith.storage.zarr_format import ZarrArray, parse_codec, regular_chunks, write_chunks, write_metadata
-
-#: Prefix of the tensors the zarr codec compresses (optimizer state; parameters stay raw).
-COMPRESSED_PREFIX = "optim."
-
-
-def layout_arrays(specs: dict[str, TensorSpec], dims: ParallelDims, codec: str = "") -> dict[str, ZarrArray]:
-    """The zarr array of every tensor saved in layout ``dims``. Pure.
-
-    The chunk grid is :func:`~shardsmith.storage.zarr_format.regular_chunks` of the
-    distinct boxes the layout writes; ``codec`` (see
-    :func:`~shardsmith.storage.zarr_format.parse_codec`) compresses the optimizer state
-    (``optim.*``, except 0-d step counters).
-
-    Raises:
-        ConfigError: an unknown codec.
-    """
-    name, level = parse_codec(codec)
-    spec_codec = f"{name}:{level}" if name else ""
-    boxes: dict[str, list[Box]] = {fqn: [] for fqn in specs}
-    for items in write_assignment(specs, dims).values():
-        for fqn, box in items:
-            boxes[fqn].append(box)
-    return {fqn: ZarrArray(fqn, s.shape, s.dtype, regular_chunks(s.shape, boxes[fqn]),
-                           spec_codec if fqn.startswith(COMPRESSED_PREFIX) and s.shape else "")
-            for fqn, s in specs.items()}
-
+from shardsmith.storage.zarr_format import write_chunks, write_metadata
 
 def _target_specs(manifest: Manifest, dims: ParallelDims, model_only: bool, url: str) -> dict[str, TensorSpec]:
     """Specs of the target layout, with the source's dtypes; checks the source fits."""
@@ -112,8 +88,8 @@ def _write_safetensors_file(src: Store, manifest: Manifest, dst: Store, rank: in
     return record, shard_records(name, [(fqn, box, s[3]) for (fqn, box), s in zip(items, sizes)], len(header), crcs)
 
 
-def _write_safetensors(src: Store, manifest: Manifest, dst: Store, specs: dict[str, TensorSpec],
-                       dims: ParallelDims, chunk_nbytes: int, stats: ReadStats) -> tuple[dict, dict]:
+def _write_safetensors(src: Store, manifest: Manifest, dst: Store, specs: dict[str, TensorSpec], dims: ParallelDims,
+                       codec: str, chunk_nbytes: int, stats: ReadStats) -> tuple[dict, dict]:
     files: dict[str, FileRecord] = {}
     shards: dict[str, list[ShardRecord]] = {}
     for rank, items in sorted(write_assignment(specs, dims).items()):
@@ -123,6 +99,10 @@ def _write_safetensors(src: Store, manifest: Manifest, dst: Store, specs: dict[s
             for fqn, r in recs.items():
                 shards.setdefault(fqn, []).append(r)
     return files, shards
+
+
+#: The conversion writer of each tensor format (streaming: one box read at a time).
+_WRITERS = {ZarrFormat.name: _write_zarr, SafetensorsFormat.name: _write_safetensors}
 
 
 def convert_format(src: Store, dst_url: str, dims: ParallelDims, tensor_format: str, *, codec: str = "",
@@ -151,9 +131,7 @@ def convert_format(src: Store, dst_url: str, dims: ParallelDims, tensor_format: 
         LayoutError: ``dims`` does not fit the model, or ``dst_url`` names another step.
         TargetCommitted (a CheckpointError): the target is already committed; IntegrityError: a bad source byte.
     """
-    if tensor_format not in TENSOR_FORMATS:
-        raise ConfigError(f"tensor format {tensor_format!r}: choose one of {list(TENSOR_FORMATS)}")
-    parse_codec(codec)
+    tensor_format_of(tensor_format, codec)                    # ConfigError: unknown format or codec
     t0 = time.perf_counter()
     manifest = read_manifest(src)
     specs = _target_specs(manifest, dims, model_only, src.url)
@@ -161,10 +139,7 @@ def convert_format(src: Store, dst_url: str, dims: ParallelDims, tensor_format: 
     dst = root.child(step_dir(manifest.step))
     ensure_not_committed(dst)
     stats = ReadStats()
-    if tensor_format == "zarr":
-        files, shards = _write_zarr(src, manifest, dst, specs, dims, codec, chunk_nbytes, stats)
-    else:
-        files, shards = _write_safetensors(src, manifest, dst, specs, dims, chunk_nbytes, stats)
+    files, shards = _WRITERS[tensor_format](src, manifest, dst, specs, dims, codec, chunk_nbytes, stats)
     builder = ManifestBuilder.relayout(manifest, dims, {fqn: (s.shape, s.dtype) for fqn, s in specs.items()},
                                        chunk_nbytes=chunk_nbytes, tensor_format=tensor_format)
     for name, rec in files.items():
@@ -175,38 +150,3 @@ def convert_format(src: Store, dst_url: str, dims: ParallelDims, tensor_format: 
     return ReshardReport(step=manifest.step, target=dst.url, num_files=len(files),
                          nbytes_written=sum(f.nbytes for f in files.values()), nbytes_read=stats.nbytes_read,
                          nbytes_needed=stats.nbytes_needed, seconds=time.perf_counter() - t0, committed=True)
-
-
-# ---- saving from a training job (see trainer/checkpoint.write_and_commit) ---------------------
-
-
-def save_rank_chunks(step_store: Store, entries: list[tuple[str, torch.Tensor, Box]], specs: dict[str, TensorSpec],
-                     dims: ParallelDims, codec: str, chunk_nbytes: int) -> dict:
-    """Write one rank's boxes as zarr chunks; the JSON records it sends to the coordinator
-    (``{"zarr": {"files": {path: [nbytes, crc32c]}, "shards": {fqn: [record, ...]}}}``).
-
-    Every rank calls it with the boxes ``write_assignment`` gives it (possibly none)."""
-    files, shards = write_chunks(step_store, layout_arrays(specs, dims, codec), entries, chunk_nbytes)
-    return {"zarr": {"files": {k: [f.nbytes, f.crc32c] for k, f in files.items()},
-                     "shards": {fqn: [r.to_json() for r in recs] for fqn, recs in shards.items()}}}
-
-
-def add_zarr_records(manifest: Manifest, gathered: list[dict], step_store: Store, specs: dict[str, TensorSpec],
-                     dims: ParallelDims, codec: str) -> None:
-    """Coordinator only, before the commit: write the zarr metadata and put every rank's
-    chunk records and the metadata files into ``manifest`` (``tensor_format`` = zarr)."""
-    manifest.tensor_format = "zarr"
-    manifest.files.update(write_metadata(step_store, layout_arrays(specs, dims, codec).values()))
-    for g in gathered:
-        part = g.get("zarr", {})
-        for name, (nbytes, crc) in part.get("files", {}).items():
-            manifest.files[name] = FileRecord(nbytes=nbytes, crc32c=crc)
-        for fqn, recs in part.get("shards", {}).items():
-            manifest.tensors[fqn].shards.extend(ShardRecord(**r) for r in recs)
-    for t in manifest.tensors.values():
-        t.shards.sort(key=lambda s: s.offsets)
-
-
-def gathered_zarr_nbytes(gathered: list[dict]) -> int:
-    """Bytes of the chunk files in gathered :func:`save_rank_chunks` records."""
-    return sum(f[0] for g in gathered for f in g.get("zarr", {}).get("files", {}).values())

@@ -1,7 +1,7 @@
 """Loading: read boxes of logical tensors back from a checkpoint's shards by ranged reads.
 
 (Writing: :mod:`shardsmith.storage.safetensors` and :mod:`shardsmith.storage.tensor_files`.)
- :func:`read_boxes` (and :func:`read_box` for one) fills target boxes of logical
+ :func:`read_safetensors_boxes` (through :func:`shardsmith.storage.formats.read_boxes`) fills target boxes of logical
 tensors from the saved shards they intersect, reading only the checksum chunks that hold
 needed bytes (so every byte read is verified), coalesced per file, concurrently, and
 straight into the destination where the piece is contiguous.
@@ -28,13 +28,13 @@ from shardsmith.storage.verify import check_file_once
 
 # ---- reading: ranged, coalesced, concurrent; every byte read is verified --------------------
 
-#: Ranged reads in flight at once in one :func:`read_boxes` call (threads: local
+#: Ranged reads in flight at once in one :func:`read_safetensors_boxes` call (threads: local
 #: ``preadv`` and object-store GETs both release the GIL).
 READ_WORKERS = 8
 #: Ranges of one file that touch are merged into one request up to this many bytes.
 MAX_MERGED_READ_NBYTES = 32 * 2**20
 #: Scratch bytes (for pieces that cannot be read straight into their destination) one
-#: :func:`read_boxes` call holds at once; beyond it the reads planned so far are run first.
+#: :func:`read_safetensors_boxes` call holds at once; beyond it the reads planned so far are run first.
 MAX_SCRATCH_NBYTES = 256 * 2**20
 #: An intersection split into more row runs than this is read as one span (bounds planning).
 _MAX_RUNS = 2**16
@@ -224,7 +224,7 @@ def destination(fqn: str, box: Box, dtype_name: str, out: torch.Tensor | None) -
     return out
 
 
-def read_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, Box, torch.Tensor | None]],
+def read_safetensors_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, Box, torch.Tensor | None]],
                stats: ReadStats | None = None, source: str = "") -> list[torch.Tensor]:
     """Assemble several boxes of logical tensors from a checkpoint's shards in one go.
 
@@ -252,9 +252,6 @@ def read_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, B
             truncated, oversized or has a safetensors header that disagrees with the manifest,
             or the saved shards do not cover a box.
     """
-    if manifest.tensor_format == "zarr":                      # one array per tensor, see zarr_format
-        from shardsmith.storage.zarr_read import read_zarr_boxes
-        return read_zarr_boxes(store, manifest, requests, stats, source)
     source = source or store.url
     chunk = manifest.chunk_nbytes
     outs: list[torch.Tensor] = []
@@ -299,27 +296,3 @@ def read_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, B
                                  f"{box.numel} elements of box {box}")
     flush()
     return outs
-
-
-def read_box(store: Store, manifest: Manifest, fqn: str, box: Box, out: torch.Tensor | None = None,
-             stats: ReadStats | None = None, source: str = "") -> torch.Tensor:
-    """Assemble ``box`` of logical tensor ``fqn`` from a checkpoint's shards (see
-    :func:`read_boxes`, which batches many boxes into fewer, concurrent reads).
-
-    Args:
-        store: the step directory's store (shard file paths are relative to it).
-        manifest: the parsed manifest of that step.
-        fqn: logical tensor name.
-        box: global offsets/lengths wanted (elements).
-        out: optional destination of shape ``box.lengths`` and the tensor's dtype (else new).
-        stats: optional counters updated with bytes read and needed.
-
-    Returns:
-        Tensor of shape ``box.lengths`` (``out`` when given).
-
-    Raises:
-        KeyError: ``fqn`` is not in the checkpoint.
-        IntegrityError: a read byte does not match its checksum, or a file it touches is
-            truncated, oversized or has a safetensors header that disagrees with the manifest.
-    """
-    return read_boxes(store, manifest, [(fqn, box, out)], stats, source)[0]

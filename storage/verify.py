@@ -5,7 +5,7 @@ Two levels:
 * :func:`check_file_once` — cheap, run by every load the first time it touches a data
   file: the file's size and its safetensors header (keys, dtypes, shapes, byte ranges)
   must agree with the manifest. Ranged reads then verify every byte they read against
-  the per-chunk checksums (:func:`shardsmith.storage.shards.read_box`).
+  the per-chunk checksums (:func:`shardsmith.storage.formats.read_box`).
 * :func:`verify_checkpoint` — everything, for ``shardsmith verify``: the manifest
   (schema, coverage of every logical tensor exactly once), and for every data file its
   presence, size, header, whole-file CRC-32C and every shard's chunk checksums, streamed

@@ -1,6 +1,6 @@
 """Reading boxes of a zarr checkpoint (see :mod:`shardsmith.storage.zarr_format`).
 
-:func:`read_zarr_boxes` is what :func:`shardsmith.storage.shards.read_boxes` does for a
+:func:`read_zarr_boxes` is what :func:`shardsmith.storage.shards.read_safetensors_boxes` does for a
 manifest whose ``tensor_format`` is ``zarr``: the same contract (any boxes, ranged and
 verified reads, concurrent), with chunks as the saved shards. Uncompressed chunks are read
 by byte range like safetensors shards (the zarr ``bytes`` codec is C-order little-endian
@@ -24,6 +24,7 @@ from shardsmith.storage.checksum import crc32c, require_full_read, verify_chunks
 from shardsmith.storage.fs import Store
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.manifest import Manifest, ShardRecord, TensorRecord
+from shardsmith.storage.shards import destination
 from shardsmith.storage.verify import check_file_once
 from shardsmith.storage.zarr_format import (IO_WORKERS, MAX_PENDING_NBYTES, ZARR_DIR, ZarrArray, damaged, numpy_to_torch,
                                             parse_array_metadata)
@@ -138,7 +139,7 @@ def _decode(request: _Request, chunk_bytes: dict[str, bytes]) -> None:
 
 def read_zarr_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, Box, torch.Tensor | None]],
                     stats: Any = None, source: str = "") -> list[torch.Tensor]:
-    """:func:`shardsmith.storage.shards.read_boxes` for zarr checkpoints (same contract).
+    """:func:`shardsmith.storage.shards.read_safetensors_boxes` for zarr checkpoints (same contract).
 
     Reads the ``zarr.json`` of each tensor touched (checked against the manifest), then
     for every requested box the chunks intersecting it, concurrently: from an uncompressed
@@ -153,8 +154,6 @@ def read_zarr_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[s
         IntegrityError: a file is missing, has the wrong size or checksum, its metadata
             disagrees with the manifest, or the saved chunks do not cover a box.
     """
-    from shardsmith.storage.shards import destination
-
     source = source or store.url
     arrays: dict[str, ZarrArray] = {}
     outs: list[torch.Tensor] = []

@@ -18,7 +18,7 @@ from shardsmith.layout.box import Box
 from shardsmith.storage.commit import read_manifest
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import Manifest, now_iso
-from shardsmith.storage.shards import read_box
+from shardsmith.storage.formats import read_box
 from shardsmith.storage.tensor_files import TORCH_DTYPES
 
 #: Small, but every layout used in the tests shards something (4 heads, 2 kv heads).

@@ -32,8 +32,10 @@ from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import commit, find_latest_committed, read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, Manifest
-from shardsmith.storage.shards import ReadStats, read_box, read_boxes
+from shardsmith.storage.shards import ReadStats
+from shardsmith.storage.formats import read_box, read_boxes
 from shardsmith.storage.tensor_files import DTYPE_NAMES
+from shardsmith.storage import formats as formats_module
 from shardsmith.trainer import checkpoint as checkpoint_module
 from shardsmith.trainer.async_save import AsyncCheckpointer
 from shardsmith.trainer.checkpoint import save_checkpoint
@@ -150,7 +152,7 @@ def test_save_while_one_is_in_flight_waits_for_it(gloo_group, tmp_path: Path, mo
     ckpt = AsyncCheckpointer(root, MODEL, DIMS)
     tensors = model_state()
     release, events = threading.Event(), []
-    real_write = checkpoint_module.write_shard_file
+    real_write = formats_module.write_shard_file
     real_plan = checkpoint_module.plan_local_writes
 
     def blocking_write(store, key, entries, *args, **kwargs):
@@ -166,7 +168,7 @@ def test_save_while_one_is_in_flight_waits_for_it(gloo_group, tmp_path: Path, mo
         events.append(f"plan {step}")
         return real_plan(step, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint_module, "write_shard_file", blocking_write)
+    monkeypatch.setattr(formats_module, "write_shard_file", blocking_write)
     monkeypatch.setattr("shardsmith.trainer.async_save.plan_local_writes", logged_plan)
     save_async(ckpt, 1, tensors)
     second = threading.Thread(target=save_async, args=(ckpt, 2, tensors))

@@ -22,7 +22,7 @@ from shardsmith.storage.commit import commit, read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
 from shardsmith.storage.manifest_parse import parse_manifest
-from shardsmith.storage.shards import read_box
+from shardsmith.storage.formats import read_box
 from shardsmith.storage.tensor_files import encode_and_record
 from shardsmith.storage.verify import verify_checkpoint
 

@@ -20,7 +20,7 @@ from shardsmith.storage.commit import (LATEST_NAME, commit, find_latest_committe
                                        read_manifest, resolve_checkpoint, step_dir)
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, ShardRecord
-from shardsmith.storage.shards import read_box
+from shardsmith.storage.formats import read_box
 from shardsmith.storage.verify import check_file_once, verify_checkpoint
 from shardsmith.trainer.checkpoint import load_into
 

@@ -34,7 +34,7 @@ from shardsmith.storage.checksum import ChunkedCrc, chunk_crc32c
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import Manifest
-from shardsmith.storage.shards import read_box
+from shardsmith.storage.formats import read_box
 from shardsmith.storage.tensor_files import DTYPE_NAMES
 
 from ckpt_factory import write_step
