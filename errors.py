@@ -24,6 +24,10 @@ class CheckpointError(ShardsmithError):
     """Base class of problems with a checkpoint on storage."""
 
 
+class TargetCommitted(CheckpointError, FileExistsError):
+    """A write target (reshard, conversion, import) is already a committed checkpoint step."""
+
+
 class CheckpointNotFound(CheckpointError, FileNotFoundError):
     """No committed checkpoint where one was asked for."""
 

@@ -42,13 +42,15 @@ import torch
 
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import checkpoint_specs, rank_boxes, shard_file_name, write_assignment
-from shardsmith.reshard.zarr_convert import layout_arrays
+from shardsmith.storage.formats import layout_arrays
 from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord, TensorRecord
-from shardsmith.storage.shards import ReadStats, read_boxes, write_shard_file
+from shardsmith.storage.shards import ReadStats
+from shardsmith.storage.formats import read_boxes
+from shardsmith.storage.tensor_files import write_shard_file
 from shardsmith.storage.zarr_format import write_chunks, write_metadata
 
 STEP = 100

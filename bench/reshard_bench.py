@@ -52,7 +52,8 @@ from shardsmith.layout.box import Box
 from shardsmith.storage.commit import commit, read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import FileRecord, Manifest, TensorRecord
-from shardsmith.storage.shards import encode_and_record, read_box
+from shardsmith.storage.formats import read_box
+from shardsmith.storage.tensor_files import encode_and_record
 
 STEP = 100
 MB = 1_000_000

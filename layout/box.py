@@ -68,19 +68,24 @@ def chunk_range(length: int, num_chunks: int, index: int) -> tuple[int, int]:
     return start, max(0, min(size, length - start))
 
 
-def row_major_span(shape: tuple[int, ...], outer: Box, inner: Box) -> tuple[int, int]:
+def row_major_strides(lengths: tuple[int, ...]) -> list[int]:
+    """Element strides of a contiguous row-major (C-order) array of shape ``lengths``."""
+    strides = [1] * len(lengths)
+    for d in range(len(lengths) - 2, -1, -1):
+        strides[d] = strides[d + 1] * lengths[d + 1]
+    return strides
+
+
+def row_major_span(outer: Box, inner: Box) -> tuple[int, int]:
     """Element span ``[first, last + 1)`` of ``inner`` inside the row-major storage of ``outer``.
 
     Used to turn a box intersection into one contiguous ranged read: the span is
     exact when ``inner`` covers whole trailing dims, and otherwise includes the gaps
     between its rows.
     """
-    del shape
     if inner.numel == 0:
         return 0, 0
-    strides = [1] * len(outer.lengths)
-    for d in range(len(outer.lengths) - 2, -1, -1):
-        strides[d] = strides[d + 1] * outer.lengths[d + 1]
+    strides = row_major_strides(outer.lengths)
     first = sum((o - oo) * s for o, oo, s in zip(inner.offsets, outer.offsets, strides))
     last = sum((o + n - 1 - oo) * s
                for o, n, oo, s in zip(inner.offsets, inner.lengths, outer.offsets, strides))

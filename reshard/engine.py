@@ -30,21 +30,19 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from shardsmith.errors import CheckpointError, LayoutError
 from shardsmith.layout import ParallelDims
 from shardsmith.reshard.planner import PlanEntry, ReshardOptions, ReshardPlan, Slab, TargetFile, plan_reshard
 from shardsmith.reshard.scaleout import Share, assign_files, cleanup, gather, publish
-from shardsmith.reshard.stream import (BufferBudget, BufferPool, ChunkedCrc, FileResult, assemble_slab,
-                                       crc32c_update, return_freed_buffers_to_os, target_stream)
-from shardsmith.storage.checksum import crc32c
-from shardsmith.storage.commit import commit, parse_step_dir, read_manifest, step_dir
+from shardsmith.reshard.stream import BufferBudget, BufferPool, FileResult, assemble_slab, return_freed_buffers_to_os
+from shardsmith.storage import safetensors
+from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
+from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, Manifest, ShardRecord, TensorRecord
+from shardsmith.storage.manifest import FileRecord, Manifest, ManifestBuilder, ShardRecord
 
 log = logging.getLogger(__name__)
 
@@ -125,18 +123,15 @@ class _Executor:
         return self._write(tf)
 
     def _write(self, tf: TargetFile) -> FileResult:
-        crcs = [ChunkedCrc(self.plan.options.chunk_nbytes) for _ in tf.entries]
-        file_crc = crc32c(tf.header)
-        with target_stream(self.dst, tf.name, tf.nbytes) as f:
-            f.write(tf.header)
+        def counted() -> Iterator[tuple[int, np.ndarray]]:
             for i, data in self._slab_stream(tf):
-                f.write(data)
-                crcs[i].update(data)
-                file_crc = crc32c_update(data, file_crc)
+                yield i, data
                 self._count(nbytes_written=len(data))
-                del data
+
+        record, crcs = safetensors.write_stream(self.dst, tf.name, tf.header, counted(), len(tf.entries),
+                                                self.plan.options.chunk_nbytes, tf.nbytes)
         self._count(num_files=1, nbytes_written=len(tf.header))
-        return FileResult(tf.name, FileRecord(tf.nbytes, file_crc), _records(tf, crcs), True)
+        return FileResult(tf.name, record, _records(tf, crcs), True)
 
     def _slab_stream(self, tf: TargetFile) -> Iterator[tuple[int, np.ndarray]]:
         """Yield (entry index, slab bytes) in file order, reading ahead within the budget."""
@@ -198,7 +193,7 @@ class _Executor:
                         self.dst.url_of(tf.name))
             return None
         self._count(num_skipped=1, nbytes_verified=len(header))
-        return FileResult(tf.name, FileRecord(tf.nbytes, file_crc), _records(tf, crcs), False)
+        return FileResult(tf.name, FileRecord(tf.nbytes, file_crc), _records(tf, [c.finish() for c in crcs]), False)
 
     def run(self, on_file_done: Callable[[str], None] | None) -> list[FileResult]:
         """This process's target files, ``workers`` at a time; progress saved after each."""
@@ -225,10 +220,8 @@ class _Executor:
         return [results[tf.name] for tf in self.files]
 
 
-def _records(tf: TargetFile, crcs: list[ChunkedCrc]) -> dict[str, ShardRecord]:
-    return {e.fqn: ShardRecord(offsets=list(e.box.offsets), lengths=list(e.box.lengths), file=tf.name,
-                               key=e.fqn, byte_offset=e.byte_offset, nbytes=e.nbytes, crc32c=c.finish())
-            for e, c in zip(tf.entries, crcs)}
+def _records(tf: TargetFile, crcs: list[list[int]]) -> dict[str, ShardRecord]:
+    return safetensors.shard_records(tf.name, [(e.fqn, e.box, e.nbytes) for e in tf.entries], len(tf.header), crcs)
 
 
 def _load_progress(dst: Store, plan_id: str) -> dict[str, dict[str, Any]]:
@@ -259,22 +252,10 @@ def _save_progress(dst: Store, name: str, plan_id: str, results: dict[str, FileR
 
 def build_manifest(plan: ReshardPlan, results: list[FileResult]) -> Manifest:
     """The target manifest: the source's configs and state, the plan's tensors, the files' records."""
-    src = plan.source
-    tensors = {fqn: TensorRecord(shape=list(shape), dtype=dtype) for fqn, (shape, dtype) in plan.tensors.items()}
-    files: dict[str, FileRecord] = {}
+    builder = ManifestBuilder.relayout(plan.source, plan.dims, plan.tensors, chunk_nbytes=plan.options.chunk_nbytes)
     for r in results:
-        files[r.name] = r.record
-        for fqn, rec in r.shards.items():
-            tensors[fqn].shards.append(rec)
-    for t in tensors.values():
-        t.shards.sort(key=lambda s: s.offsets)
-    config = dict(src.config)
-    if "parallel" in config:
-        config["parallel"] = plan.dims.to_json()
-    return Manifest(step=src.step, layout={**plan.dims.to_json(), "world_size": plan.dims.world_size},
-                    model=src.model, config=config, state=src.state, tensors=tensors, files=files,
-                    chunk_nbytes=plan.options.chunk_nbytes,
-                    created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        builder.add_file(r.name, r.record, r.shards)
+    return builder.build()
 
 
 def execute(plan: ReshardPlan, src: Store, dst_root: Store, *, share: Share | None = None,
@@ -297,16 +278,14 @@ def execute(plan: ReshardPlan, src: Store, dst_root: Store, *, share: Share | No
         wait_timeout_s: how long the coordinator waits for the other ranks.
 
     Raises:
-        CheckpointError: the target step is already committed, or another rank failed.
+        TargetCommitted: the target step is already committed. CheckpointError: another rank failed.
         IntegrityError: a source byte does not match its checksum.
         StorageError / OSError: reading or writing failed; a rerun resumes.
     """
     t0 = time.perf_counter()
     share = share or Share()
     dst = dst_root.child(step_dir(plan.source.step))
-    if dst.exists(MANIFEST_NAME):
-        raise CheckpointError(f"{dst.url} is already a committed checkpoint; delete it or choose "
-                              "another target")
+    ensure_not_committed(dst)
     return_freed_buffers_to_os()
     mine = assign_files(plan.files, share.world_size)[share.rank]
     progress_name = PROGRESS_NAME if share.world_size == 1 else f".reshard-progress-{share.rank:05d}.json"
@@ -341,25 +320,12 @@ def _commit(plan: ReshardPlan, dst_root: Store, dst: Store, results: list[FileRe
     cleanup(dst)
 
 
-def split_step_url(url: str) -> tuple[str, int | None]:
-    """``/x/run/step-000000040`` -> (``/x/run``, 40); a root URL gives (url, None)."""
-    url = url.rstrip("/")
-    name = url.rsplit("/", 1)[-1]
-    step = parse_step_dir(name)
-    return (url[: -len(name) - 1] or "/", step) if step is not None else (url, None)
-
-
 def target_root(dst_url: str, step: int, storage_options: dict | None = None) -> Store:
-    """The root store of a target given as a root or as ``.../step-NNNNNNNNN`` of ``step``.
+    """The root store of a reshard target (see :func:`shardsmith.storage.commit.resolve_target`).
 
-    Raises:
-        LayoutError: the URL names another step.
+    Kept for ``cli/reshard_commands.py``; new callers use ``resolve_target``.
     """
-    root_url, dst_step = split_step_url(dst_url)
-    if dst_step is not None and dst_step != step:
-        raise LayoutError(f"target {dst_url} names step {dst_step} but the source is step {step}; "
-                          f"name the target {step_dir(step)} or give its root")
-    return Store(root_url, storage_options)
+    return resolve_target(dst_url, step, storage_options)[0]
 
 
 def reshard(src: Store, dst_url: str, dims: ParallelDims, *, options: ReshardOptions | None = None,
@@ -382,7 +348,7 @@ def reshard(src: Store, dst_url: str, dims: ParallelDims, *, options: ReshardOpt
     Raises:
         LayoutError: ``dims`` does not fit the model, or ``dst_url`` names another step.
         CheckpointNotFound / ManifestError / IntegrityError: bad source.
-        CheckpointError: the target is already committed.
+        TargetCommitted (a CheckpointError): the target is already committed.
     """
     manifest = read_manifest(src)
     plan = plan_reshard(manifest, dims, options, src.url)

@@ -21,12 +21,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from math import prod
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -39,10 +37,14 @@ from shardsmith.layout.plan import TensorSpec, param_specs, shard_file_name, wri
 from shardsmith.layout.box import Box
 from shardsmith.layout.dtypes import DTYPE_CHOICES, DTYPES
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
-from shardsmith.storage.commit import commit, parse_step_dir, read_manifest, resolve_checkpoint, step_dir
+from shardsmith.storage.commit import (commit, ensure_not_committed, read_manifest, resolve_checkpoint, resolve_target,
+                                       step_dir)
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord, parse_manifest
-from shardsmith.storage.shards import DTYPE_NAMES, encode_and_record, read_box
+from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, ManifestBuilder
+from shardsmith.storage.manifest_parse import parse_manifest
+from shardsmith.storage.safetensors import encode_header, file_order, write_stream
+from shardsmith.storage.formats import read_box
+from shardsmith.storage.tensor_files import DTYPE_NAMES, byte_view, write_shard_file
 
 #: Export dtypes: CLI name -> (torch dtype, config.json name), from the one dtype table.
 EXPORT_DTYPES: dict[str, tuple[torch.dtype, str]] = {
@@ -108,23 +110,6 @@ def plan_weight_files(entries: list[WeightEntry], itemsize: int, max_nbytes: int
     return files
 
 
-def safetensors_header(entries: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
-    """The first bytes of a safetensors file holding ``(name, dtype, shape, nbytes)`` in order.
-
-    Format (huggingface/safetensors README): u64 little-endian header length, then a JSON
-    object ``name -> {dtype, shape, data_offsets: [begin, end)}`` (offsets relative to the
-    data region) plus ``__metadata__``, padded with spaces to a multiple of 8 bytes.
-    """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, dtype, shape, nbytes in entries:
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
-
-
 def _check_out_dir(out: Store, overwrite: bool) -> None:
     existing = [n for n in out.list_dir() if n == "config.json" or _WEIGHT_FILE_RE.match(n)]
     if existing and not overwrite:
@@ -156,19 +141,17 @@ def _hf_tensor(step_store: Store, manifest: Manifest, entry: WeightEntry, model:
     return t.to(dtype).contiguous()
 
 
-def _write_weight_file(f: BinaryIO, entries: list[WeightEntry], step_store: Store, manifest: Manifest,
+def _write_weight_file(out: Store, name: str, entries: list[WeightEntry], step_store: Store, manifest: Manifest,
                        model: ModelConfig, dtype: torch.dtype) -> int:
+    """Write one HF weight file (entries in the given order, ``__metadata__: {format: pt}``),
+    published atomically; returns its size in bytes."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    header = safetensors_header([(e.hf_name, DTYPE_NAMES[dtype], e.shape, prod(e.shape) * itemsize)
-                                 for e in entries])
-    f.write(header)
-    nbytes = len(header)
-    for e in entries:
-        t = _hf_tensor(step_store, manifest, e, model, dtype)
-        data = t.reshape(-1).view(torch.uint8).numpy()
-        f.write(data.data)
-        nbytes += data.nbytes
-    return nbytes
+    header, _ = encode_header([(e.hf_name, DTYPE_NAMES[dtype], e.shape, prod(e.shape) * itemsize) for e in entries],
+                              metadata={"format": "pt"})
+    data = ((i, byte_view(_hf_tensor(step_store, manifest, e, model, dtype))) for i, e in enumerate(entries))
+    record, _ = write_stream(out, name, header, data, len(entries), DEFAULT_CHUNK_NBYTES,
+                             len(header) + sum(prod(e.shape) * itemsize for e in entries))
+    return record.nbytes
 
 
 def export_hf(ckpt_url: str, out_dir: str, *, dtype: str = "fp32", max_shard_nbytes: int = 5 * 10**9,
@@ -213,8 +196,7 @@ def export_hf(ckpt_url: str, out_dir: str, *, dtype: str = "fp32", max_shard_nby
                             num_tensors=len(entries))
     weight_map: dict[str, str] = {}
     for name, group in zip(names, groups):
-        with out.fs.open(out.child(name).root, "wb") as f:
-            report.nbytes += _write_weight_file(f, group, step_store, manifest, model, torch_dtype)
+        report.nbytes += _write_weight_file(out, name, group, step_store, manifest, model, torch_dtype)
         weight_map.update({e.hf_name: name for e in group})
     if len(groups) > 1:
         index = {"metadata": {"total_size": sum(prod(e.shape) * itemsize for e in entries)},
@@ -346,18 +328,6 @@ class HFImportReport:
     seconds: float = 0.0
 
 
-def _target(ckpt_url: str, step: int | None, storage_options: dict | None) -> tuple[Store, int]:
-    """(root store, step) of a target given as a root or a step directory."""
-    url = ckpt_url.rstrip("/")
-    name = url.rsplit("/", 1)[-1]
-    named = parse_step_dir(name)
-    if named is not None:
-        if step is not None and step != named:
-            raise ConfigError(f"target {ckpt_url} names step {named} but --step is {step}")
-        url, step = url[: -len(name) - 1] or "/", named
-    return Store(url, storage_options), step or 0
-
-
 def import_hf(hf_dir: str, ckpt_url: str, dims: ParallelDims, *, step: int | None = None,
               config: dict[str, Any] | None = None, storage_options: dict | None = None,
               chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> HFImportReport:
@@ -378,42 +348,36 @@ def import_hf(hf_dir: str, ckpt_url: str, dims: ParallelDims, *, step: int | Non
     Raises:
         ConfigError: the HF model is not one shardsmith can represent (names the field or tensor).
         LayoutError: ``dims`` does not divide the model.
-        FileExistsError: the target step is already committed.
+        TargetCommitted (a FileExistsError): the target step is already committed.
+        LayoutError: ``ckpt_url`` names a step other than ``step``.
     """
     t0 = time.perf_counter()
     src = HFSource(hf_dir)
     model = model_config_from_hf(src.config, os.path.join(hf_dir, "config.json"))
     specs = param_specs(model, dims)
     names = _match_tensors(src, specs, model)
-    root, step = _target(ckpt_url, step, storage_options)
+    root, step = resolve_target(ckpt_url, step, storage_options)
     dst = root.child(step_dir(step))
-    if dst.exists(MANIFEST_NAME):
-        raise FileExistsError(f"{dst.url} is already a committed checkpoint; choose another root or --step")
+    ensure_not_committed(dst)
     report = HFImportReport(target=dst.url, step=step, model=model)
-    tensors = {fqn: TensorRecord(shape=list(s.shape), dtype=s.dtype) for fqn, s in specs.items()}
-    files: dict[str, FileRecord] = {}
+    state = {"step": step, "tokens_seen": 0, "data": {"sample_index": 0},
+             "source": {"format": "huggingface", "path": os.path.abspath(hf_dir)}}
+    builder = ManifestBuilder(step=step, dims=dims, model=model.to_json(),
+                              config=config or {"model": model.to_json(), "parallel": dims.to_json()},
+                              state=state, tensors={fqn: (s.shape, s.dtype) for fqn, s in specs.items()},
+                              chunk_nbytes=chunk_nbytes)
     for rank, items in write_assignment(specs, dims).items():
         if not items:
             continue
         file_name = shard_file_name(rank)
-        local = {fqn: (read_hf_box(src, names[fqn], fqn, box, model), box) for fqn, box in items}
-        encoded, records = encode_and_record(local, file_name, chunk_nbytes)
+        items = sorted(items, key=lambda it: file_order(it[0], specs[it[0]].dtype))
+        local = [(fqn, read_hf_box(src, names[fqn], fqn, box, model)) for fqn, box in items]
+        file_rec, records = write_shard_file(dst, file_name, local, chunk_nbytes, dict(items))
         del local
-        dst.write(file_name, encoded.data)
-        files[file_name] = encoded.record
-        for fqn, rec in records.items():
-            tensors[fqn].shards.append(rec)
+        builder.add_file(file_name, file_rec, records)
         report.num_files += 1
-        report.nbytes_written += encoded.record.nbytes
-    for t in tensors.values():
-        t.shards.sort(key=lambda s: s.offsets)
-    state = {"step": step, "tokens_seen": 0, "data": {"sample_index": 0},
-             "source": {"format": "huggingface", "path": os.path.abspath(hf_dir)}}
-    manifest = Manifest(step=step, layout={**dims.to_json(), "world_size": dims.world_size},
-                        model=model.to_json(), config=config or {"model": model.to_json(),
-                                                                 "parallel": dims.to_json()},
-                        state=state, tensors=tensors, files=files, chunk_nbytes=chunk_nbytes,
-                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        report.nbytes_written += file_rec.nbytes
+    manifest = builder.build()
     parse_manifest(manifest.dumps(), dst.url_of(MANIFEST_NAME))     # coverage check before commit
     commit(root, manifest)
     report.seconds = time.perf_counter() - t0

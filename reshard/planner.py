@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import struct
 from dataclasses import dataclass
 from math import gcd, prod
 
@@ -30,8 +29,9 @@ from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import checkpoint_specs, shard_file_name, write_assignment
 from shardsmith.layout.box import Box, row_major_span
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
-from shardsmith.layout.dtypes import DTYPE_NBYTES, FLOAT_DTYPES, SAFETENSORS_DTYPE_ORDER
+from shardsmith.layout.dtypes import DTYPE_NBYTES, FLOAT_DTYPES
 from shardsmith.storage.manifest import Manifest, ShardRecord
+from shardsmith.storage.safetensors import encode_header, file_order
 
 
 MiB = 1024 * 1024
@@ -234,30 +234,6 @@ def target_dtype(fqn: str, saved: str, options: ReshardOptions) -> str:
     return saved
 
 
-def safetensors_header(entries: list[tuple[str, str, tuple[int, ...], int]]) -> tuple[bytes, list[int]]:
-    """Header bytes of a safetensors file and the data offset of each entry.
-
-    Args:
-        entries: (key, dtype, shape, nbytes) in file order (see :func:`file_order`).
-
-    Returns:
-        (8-byte length + padded JSON, data offsets relative to the data region).
-    """
-    header, offsets, pos = {}, [], 0
-    for key, dtype, shape, nbytes in entries:
-        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
-        offsets.append(pos)
-        pos += nbytes
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text, offsets
-
-
-def file_order(key: str, dtype: str) -> tuple[int, str]:
-    """Sort key of an entry in a safetensors file (dtype rank, then key)."""
-    return SAFETENSORS_DTYPE_ORDER.index(dtype), key
-
-
 def _pieces(manifest: Manifest, fqn: str, box: Box) -> tuple[Piece, ...]:
     """Source reads covering ``box`` of ``fqn``: one per intersecting saved shard."""
     rec = manifest.tensors[fqn]
@@ -268,7 +244,7 @@ def _pieces(manifest: Manifest, fqn: str, box: Box) -> tuple[Piece, ...]:
         common = saved.intersect(box)
         if common is None or common.numel == 0:
             continue
-        first, last = row_major_span(tuple(rec.shape), saved, common)
+        first, last = row_major_span(saved, common)
         start = first * itemsize // chunk * chunk
         end = min(-(-last * itemsize // chunk) * chunk, shard.nbytes)
         out.append(Piece(shard, saved, common, start, end, first * itemsize, last * itemsize))
@@ -286,7 +262,7 @@ def _cut_geometry(shard: ShardRecord, tail: Box, itemsize: int) -> tuple[int, in
     inner = saved_tail.intersect(tail)
     if inner is None or inner.numel == 0:
         return None
-    first, last = row_major_span((), saved_tail, inner)
+    first, last = row_major_span(saved_tail, inner)
     return shard.offsets[0], saved_tail.numel * itemsize, first * itemsize, last * itemsize
 
 
@@ -407,7 +383,7 @@ def _plan_file(manifest: Manifest, rank: int, items: list[tuple[str, Box]], spec
     items = sorted(items, key=lambda it: file_order(it[0], specs[it[0]].dtype))
     sizes = [(fqn, specs[fqn].dtype, box.lengths, box.numel * DTYPE_NBYTES[specs[fqn].dtype])
              for fqn, box in items]
-    header, offsets = safetensors_header(sizes)
+    header, offsets = encode_header(sizes)
     entries = tuple(
         PlanEntry(fqn, box, manifest.tensors[fqn].dtype, dtype, len(header) + off, nbytes,
                   _slabs(manifest, fqn, box, dtype, options.slab_target_nbytes))

@@ -6,21 +6,16 @@ No torch here (``convert_dtype`` imports it only when a reshard converts dtypes)
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import os
-import posixpath
 import threading
 from dataclasses import dataclass
-from typing import IO, Any, Iterator
 
-import crc32c as _crc32c
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from shardsmith.errors import IntegrityError
+from shardsmith.layout.box import row_major_strides
 from shardsmith.reshard.planner import Piece, PlanEntry, Slab
-from shardsmith.storage.checksum import crc32c
+from shardsmith.storage.checksum import require_full_read, verify_chunks
 from shardsmith.storage.fs import Store
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord
@@ -69,36 +64,6 @@ class BufferBudget:
             self._cond.notify_all()
 
 
-class ChunkedCrc:
-    """CRC-32C of each consecutive ``chunk_nbytes`` piece of a byte stream fed in any
-    pieces (equals :func:`shardsmith.storage.checksum.chunk_crc32c` of the whole)."""
-
-    def __init__(self, chunk_nbytes: int) -> None:
-        self.chunk_nbytes = chunk_nbytes
-        self.done: list[int] = []
-        self._crc = 0
-        self._fill = 0
-
-    def update(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        while len(view):
-            take = min(len(view), self.chunk_nbytes - self._fill)
-            self._crc = crc32c_update(view[:take], self._crc)
-            self._fill += take
-            view = view[take:]
-            if self._fill == self.chunk_nbytes:
-                self.done.append(self._crc)
-                self._crc, self._fill = 0, 0
-
-    def finish(self) -> list[int]:
-        return self.done + ([self._crc] if self._fill else [])
-
-
-def crc32c_update(data: Any, value: int) -> int:
-    """CRC-32C of ``data`` continuing from the CRC ``value`` of the bytes before it."""
-    return int(_crc32c.crc32c(data, value))
-
-
 class BufferPool:
     """Byte buffers reused from slab to slab, so steady state allocates nothing (every
     fresh allocation costs a page fault per 4 KiB) and RSS stays near the budget.
@@ -135,26 +100,6 @@ class BufferPool:
                 self.free.append(buf)
 
 
-def _read_into(src: Store, key: str, start: int, out: np.ndarray) -> int:
-    """Read bytes ``[start, start + len(out))`` of ``key`` into ``out``; bytes read.
-    Local files with ``pread`` straight into the buffer, other stores by ranged GET."""
-    if src.is_local:
-        fd = os.open(posixpath.join(src.root, key), os.O_RDONLY)
-        try:
-            view, got = out.data, 0
-            while got < len(view):
-                n = os.preadv(fd, [view[got:]], start + got)
-                if n == 0:
-                    break
-                got += n
-            return got
-        finally:
-            os.close(fd)
-    data = src.read_range(key, start, start + len(out))
-    out[:len(data)] = np.frombuffer(data, dtype=np.uint8)
-    return len(data)
-
-
 def read_piece(src: Store, manifest: Manifest, piece: Piece, pool: BufferPool) -> np.ndarray:
     """Read a piece's chunk-aligned range into a pool buffer and verify every chunk against
     the manifest (and, the first time a file is touched, its size and header).
@@ -170,19 +115,11 @@ def read_piece(src: Store, manifest: Manifest, piece: Piece, pool: BufferPool) -
     check_file_once(src, manifest, shard.file)
     buf = pool.take(piece.read_nbytes)
     try:
-        got = _read_into(src, shard.file, shard.byte_offset + piece.read_start, buf[:piece.read_nbytes])
-        if got != piece.read_nbytes:
-            raise IntegrityError(f"{src.url_of(shard.file)}: truncated — expected {piece.read_nbytes} bytes "
-                                 f"at offset {shard.byte_offset + piece.read_start}, got {got}; "
-                                 "restore the file or reshard another step")
-        view = buf.data[:got]
-        for i in range(0, got, chunk_nbytes):
-            c = (piece.read_start + i) // chunk_nbytes
-            if crc32c(view[i:i + chunk_nbytes]) != shard.crc32c[c]:
-                raise IntegrityError(
-                    f"{src.url_of(shard.file)}: checksum mismatch in {shard.key!r} bytes [{c * chunk_nbytes}, "
-                    f"{c * chunk_nbytes + len(view[i:i + chunk_nbytes])}) — the file is corrupt; restore it "
-                    "or reshard another step")
+        offset = shard.byte_offset + piece.read_start
+        url = src.url_of(shard.file)
+        got = src.read_into(shard.file, offset, [buf.data[:piece.read_nbytes]])
+        require_full_read(got, piece.read_nbytes, offset, url)
+        verify_chunks(shard, piece.read_start // chunk_nbytes, [buf.data[:got]], chunk_nbytes, url)
     except BaseException:
         pool.give(buf)
         raise
@@ -214,9 +151,7 @@ def assemble_slab(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry,
             buf = read_piece(src, manifest, piece, pool)
             try:
                 seg = buf[piece.first - piece.read_start:piece.last - piece.read_start].view(raw)
-                strides = [itemsize] * len(piece.saved.lengths)
-                for d in range(len(strides) - 2, -1, -1):
-                    strides[d] = strides[d + 1] * piece.saved.lengths[d + 1]
+                strides = [s * itemsize for s in row_major_strides(piece.saved.lengths)]
                 out[piece.common.relative_to(slab.box)] = as_strided(seg, piece.common.lengths, strides,
                                                                      writeable=False)
             finally:
@@ -236,23 +171,10 @@ def convert_dtype(raw: np.ndarray, src: str, dst: str) -> np.ndarray:
     even), returning raw elements of ``dst``. Imports torch only when called."""
     import torch
 
-    from shardsmith.storage.shards import TORCH_DTYPES
+    from shardsmith.storage.tensor_files import TORCH_DTYPES
 
     converted = torch.from_numpy(raw).view(TORCH_DTYPES[src]).to(TORCH_DTYPES[dst])
     return converted.view(torch.uint8).numpy().view(_RAW[DTYPE_NBYTES[dst]])
-
-
-@contextlib.contextmanager
-def target_stream(dst: Store, key: str, nbytes: int) -> Iterator[IO[bytes]]:
-    """A file to write ``key`` front to back; it appears only when the block exits cleanly.
-
-    :meth:`Store.open_writer`: local, a hidden temporary file renamed into place; S3, a
-    multipart upload of parallel, individually retried parts (sized for ``nbytes``),
-    completed on success and aborted on error; other backends, fsspec's file committed
-    on success.
-    """
-    with dst.open_writer(key, nbytes_hint=nbytes) as f:
-        yield f
 
 
 def return_freed_buffers_to_os(threshold_nbytes: int = 1 << 20) -> bool:

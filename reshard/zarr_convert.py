@@ -4,7 +4,7 @@
 layout's box boundaries, codec) from the sharding plan; a save and a conversion to the
 same layout agree on it. :func:`convert_format` rewrites a committed checkpoint of
 either format in a layout and format of choice, streaming one target box at a time: each
-box is read with :func:`~shardsmith.storage.shards.read_box` (ranged, verified reads of
+box is read with :func:`~shardsmith.storage.formats.read_box` (ranged, verified reads of
 either source format) and written as zarr chunks or into the target rank's safetensors
 file, so peak memory is about the largest tensor box (plus encoded chunks awaiting upload,
 at most :data:`~shardsmith.storage.zarr_format.MAX_PENDING_NBYTES`).
@@ -17,52 +17,27 @@ conversion that involves zarr. A rerun after an interruption rewrites all files.
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
 from typing import Iterator
 
 import torch
 
-from shardsmith.errors import CheckpointError, ConfigError, LayoutError
-from shardsmith.reshard.engine import ReshardReport, target_root
+from shardsmith.errors import ConfigError, LayoutError
+from shardsmith.reshard.engine import ReshardReport
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import TensorSpec, checkpoint_specs, shard_file_name, write_assignment
-from shardsmith.reshard.planner import file_order, safetensors_header
-from shardsmith.reshard.stream import ChunkedCrc, crc32c_update, target_stream
 from shardsmith.layout.box import Box
-from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES, crc32c
-from shardsmith.storage.commit import commit, read_manifest, step_dir
+from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
+from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.storage.manifest import (MANIFEST_NAME, TENSOR_FORMATS, FileRecord, Manifest,
-                                         ShardRecord, TensorRecord)
-from shardsmith.storage.shards import ReadStats, read_box
-from shardsmith.storage.zarr_format import ZarrArray, parse_codec, regular_chunks, write_chunks, write_metadata
-
-#: Prefix of the tensors the zarr codec compresses (optimizer state; parameters stay raw).
-COMPRESSED_PREFIX = "optim."
-
-
-def layout_arrays(specs: dict[str, TensorSpec], dims: ParallelDims, codec: str = "") -> dict[str, ZarrArray]:
-    """The zarr array of every tensor saved in layout ``dims``. Pure.
-
-    The chunk grid is :func:`~shardsmith.storage.zarr_format.regular_chunks` of the
-    distinct boxes the layout writes; ``codec`` (see
-    :func:`~shardsmith.storage.zarr_format.parse_codec`) compresses the optimizer state
-    (``optim.*``, except 0-d step counters).
-
-    Raises:
-        ConfigError: an unknown codec.
-    """
-    name, level = parse_codec(codec)
-    spec_codec = f"{name}:{level}" if name else ""
-    boxes: dict[str, list[Box]] = {fqn: [] for fqn in specs}
-    for items in write_assignment(specs, dims).values():
-        for fqn, box in items:
-            boxes[fqn].append(box)
-    return {fqn: ZarrArray(fqn, s.shape, s.dtype, regular_chunks(s.shape, boxes[fqn]),
-                           spec_codec if fqn.startswith(COMPRESSED_PREFIX) and s.shape else "")
-            for fqn, s in specs.items()}
-
+from shardsmith.storage.manifest import (FileRecord, Manifest, ManifestBuilder,
+                                         ShardRecord)
+from shardsmith.storage.safetensors import encode_header, file_order, shard_records, write_stream
+from shardsmith.storage.shards import ReadStats
+from shardsmith.storage.formats import SafetensorsFormat, ZarrFormat, layout_arrays, read_box
+from shardsmith.storage.formats import tensor_format as tensor_format_of
+from shardsmith.storage.tensor_files import byte_view
+from shardsmith.storage.zarr_format import write_chunks, write_metadata
 
 def _target_specs(manifest: Manifest, dims: ParallelDims, model_only: bool, url: str) -> dict[str, TensorSpec]:
     """Specs of the target layout, with the source's dtypes; checks the source fits."""
@@ -105,24 +80,16 @@ def _write_safetensors_file(src: Store, manifest: Manifest, dst: Store, rank: in
     (entries in ``safetensors.torch.save`` order, as a save in the target layout writes)."""
     items = sorted(items, key=lambda it: file_order(it[0], specs[it[0]].dtype))
     sizes = [(fqn, specs[fqn].dtype, box.lengths, box.numel * DTYPE_NBYTES[specs[fqn].dtype]) for fqn, box in items]
-    header, offsets = safetensors_header(sizes)
+    header, _ = encode_header(sizes)
     name = shard_file_name(rank)
-    file_crc, records = crc32c(header), {}
-    with target_stream(dst, name, len(header) + sum(s[3] for s in sizes)) as f:
-        f.write(header)
-        for (fqn, box), (_, _, _, nbytes), offset in zip(items, sizes, offsets):
-            data = memoryview(read_box(src, manifest, fqn, box, stats=stats).reshape(-1).view(torch.uint8).numpy())
-            f.write(data)
-            crcs = ChunkedCrc(chunk_nbytes)
-            crcs.update(data)
-            file_crc = crc32c_update(data, file_crc)
-            records[fqn] = ShardRecord(offsets=list(box.offsets), lengths=list(box.lengths), file=name, key=fqn,
-                                       byte_offset=len(header) + offset, nbytes=nbytes, crc32c=crcs.finish())
-    return FileRecord(len(header) + sum(s[3] for s in sizes), file_crc), records
+    data = ((i, byte_view(read_box(src, manifest, fqn, box, stats=stats))) for i, (fqn, box) in enumerate(items))
+    record, crcs = write_stream(dst, name, header, data, len(items), chunk_nbytes,
+                                len(header) + sum(s[3] for s in sizes))
+    return record, shard_records(name, [(fqn, box, s[3]) for (fqn, box), s in zip(items, sizes)], len(header), crcs)
 
 
-def _write_safetensors(src: Store, manifest: Manifest, dst: Store, specs: dict[str, TensorSpec],
-                       dims: ParallelDims, chunk_nbytes: int, stats: ReadStats) -> tuple[dict, dict]:
+def _write_safetensors(src: Store, manifest: Manifest, dst: Store, specs: dict[str, TensorSpec], dims: ParallelDims,
+                       codec: str, chunk_nbytes: int, stats: ReadStats) -> tuple[dict, dict]:
     files: dict[str, FileRecord] = {}
     shards: dict[str, list[ShardRecord]] = {}
     for rank, items in sorted(write_assignment(specs, dims).items()):
@@ -132,6 +99,10 @@ def _write_safetensors(src: Store, manifest: Manifest, dst: Store, specs: dict[s
             for fqn, r in recs.items():
                 shards.setdefault(fqn, []).append(r)
     return files, shards
+
+
+#: The conversion writer of each tensor format (streaming: one box read at a time).
+_WRITERS = {ZarrFormat.name: _write_zarr, SafetensorsFormat.name: _write_safetensors}
 
 
 def convert_format(src: Store, dst_url: str, dims: ParallelDims, tensor_format: str, *, codec: str = "",
@@ -158,69 +129,24 @@ def convert_format(src: Store, dst_url: str, dims: ParallelDims, tensor_format: 
     Raises:
         ConfigError: an unknown format or codec.
         LayoutError: ``dims`` does not fit the model, or ``dst_url`` names another step.
-        CheckpointError: the target is already committed; IntegrityError: a bad source byte.
+        TargetCommitted (a CheckpointError): the target is already committed; IntegrityError: a bad source byte.
     """
-    if tensor_format not in TENSOR_FORMATS:
-        raise ConfigError(f"tensor format {tensor_format!r}: choose one of {list(TENSOR_FORMATS)}")
-    parse_codec(codec)
+    tensor_format_of(tensor_format, codec)                    # ConfigError: unknown format or codec
     t0 = time.perf_counter()
     manifest = read_manifest(src)
     specs = _target_specs(manifest, dims, model_only, src.url)
-    root = target_root(dst_url, manifest.step, storage_options)
+    root, _ = resolve_target(dst_url, manifest.step, storage_options)
     dst = root.child(step_dir(manifest.step))
-    if dst.exists(MANIFEST_NAME):
-        raise CheckpointError(f"{dst.url} is already a committed checkpoint; delete it or choose another target")
+    ensure_not_committed(dst)
     stats = ReadStats()
-    if tensor_format == "zarr":
-        files, shards = _write_zarr(src, manifest, dst, specs, dims, codec, chunk_nbytes, stats)
-    else:
-        files, shards = _write_safetensors(src, manifest, dst, specs, dims, chunk_nbytes, stats)
-    tensors = {fqn: TensorRecord(shape=list(s.shape), dtype=s.dtype,
-                                 shards=sorted(shards.get(fqn, []), key=lambda r: r.offsets))
-               for fqn, s in specs.items()}
-    config = dict(manifest.config)
-    if "parallel" in config:
-        config["parallel"] = dims.to_json()
-    out = Manifest(step=manifest.step, layout={**dims.to_json(), "world_size": dims.world_size},
-                   model=manifest.model, config=config, state=manifest.state, tensors=tensors, files=files,
-                   tensor_format=tensor_format, chunk_nbytes=chunk_nbytes,
-                   created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    commit(root, out)
+    files, shards = _WRITERS[tensor_format](src, manifest, dst, specs, dims, codec, chunk_nbytes, stats)
+    builder = ManifestBuilder.relayout(manifest, dims, {fqn: (s.shape, s.dtype) for fqn, s in specs.items()},
+                                       chunk_nbytes=chunk_nbytes, tensor_format=tensor_format)
+    for name, rec in files.items():
+        builder.add_file(name, rec)
+    for fqn, recs in shards.items():
+        builder.add_shards(fqn, recs)
+    commit(root, builder.build())
     return ReshardReport(step=manifest.step, target=dst.url, num_files=len(files),
                          nbytes_written=sum(f.nbytes for f in files.values()), nbytes_read=stats.nbytes_read,
                          nbytes_needed=stats.nbytes_needed, seconds=time.perf_counter() - t0, committed=True)
-
-
-# ---- saving from a training job (see trainer/checkpoint.write_and_commit) ---------------------
-
-
-def save_rank_chunks(step_store: Store, entries: list[tuple[str, torch.Tensor, Box]], specs: dict[str, TensorSpec],
-                     dims: ParallelDims, codec: str, chunk_nbytes: int) -> dict:
-    """Write one rank's boxes as zarr chunks; the JSON records it sends to the coordinator
-    (``{"zarr": {"files": {path: [nbytes, crc32c]}, "shards": {fqn: [record, ...]}}}``).
-
-    Every rank calls it with the boxes ``write_assignment`` gives it (possibly none)."""
-    files, shards = write_chunks(step_store, layout_arrays(specs, dims, codec), entries, chunk_nbytes)
-    return {"zarr": {"files": {k: [f.nbytes, f.crc32c] for k, f in files.items()},
-                     "shards": {fqn: [r.to_json() for r in recs] for fqn, recs in shards.items()}}}
-
-
-def add_zarr_records(manifest: Manifest, gathered: list[dict], step_store: Store, specs: dict[str, TensorSpec],
-                     dims: ParallelDims, codec: str) -> None:
-    """Coordinator only, before the commit: write the zarr metadata and put every rank's
-    chunk records and the metadata files into ``manifest`` (``tensor_format`` = zarr)."""
-    manifest.tensor_format = "zarr"
-    manifest.files.update(write_metadata(step_store, layout_arrays(specs, dims, codec).values()))
-    for g in gathered:
-        part = g.get("zarr", {})
-        for name, (nbytes, crc) in part.get("files", {}).items():
-            manifest.files[name] = FileRecord(nbytes=nbytes, crc32c=crc)
-        for fqn, recs in part.get("shards", {}).items():
-            manifest.tensors[fqn].shards.extend(ShardRecord(**r) for r in recs)
-    for t in manifest.tensors.values():
-        t.shards.sort(key=lambda s: s.offsets)
-
-
-def gathered_zarr_nbytes(gathered: list[dict]) -> int:
-    """Bytes of the chunk files in gathered :func:`save_rank_chunks` records."""
-    return sum(f[0] for g in gathered for f in g.get("zarr", {}).get("files", {}).values())

@@ -7,9 +7,14 @@ exactly the chunks it touched without reading the whole shard.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import crc32c as _crc32c
+
+from shardsmith.errors import IntegrityError
+
+if TYPE_CHECKING:
+    from shardsmith.storage.manifest import ShardRecord
 
 #: Default chunk size for shard checksums, in bytes. A ranged read is widened to whole
 #: chunks so every byte it reads is verified: smaller chunks read less beyond what a
@@ -32,6 +37,89 @@ def chunk_crc32c(data: bytes | bytearray | memoryview, chunk_nbytes: int = DEFAU
     """
     view = memoryview(data)
     return [crc32c(view[i:i + chunk_nbytes]) for i in range(0, len(view), chunk_nbytes)]
+
+
+def crc32c_update(data: Any, value: int) -> int:
+    """CRC-32C of ``data`` (any buffer) continuing from the CRC ``value`` of the bytes before it."""
+    return int(_crc32c.crc32c(data, value))
+
+
+class ChunkedCrc:
+    """CRC-32C of each consecutive ``chunk_nbytes`` piece of a byte stream fed in any
+    pieces (equals :func:`chunk_crc32c` of the whole)."""
+
+    def __init__(self, chunk_nbytes: int) -> None:
+        self.chunk_nbytes = chunk_nbytes
+        self.done: list[int] = []
+        self._crc = 0
+        self._fill = 0
+
+    def update(self, data: Any) -> None:
+        """Feed the next bytes of the stream (any buffer)."""
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), self.chunk_nbytes - self._fill)
+            self._crc = crc32c_update(view[:take], self._crc)
+            self._fill += take
+            view = view[take:]
+            if self._fill == self.chunk_nbytes:
+                self.done.append(self._crc)
+                self._crc, self._fill = 0, 0
+
+    def finish(self) -> list[int]:
+        """The chunk CRCs of everything fed (the last chunk may be short)."""
+        return self.done + ([self._crc] if self._fill else [])
+
+
+# ---- verifying what a ranged read returned: one home for the check and its messages ----
+
+def require_full_read(got: int, expected: int, offset: int, url: str) -> None:
+    """Raise when a ranged read of ``expected`` bytes at byte ``offset`` of ``url`` returned ``got``.
+
+    Raises:
+        IntegrityError: ``got != expected`` (the object ends early: it is truncated).
+    """
+    if got != expected:
+        raise IntegrityError(f"{url}: truncated — expected {expected} bytes at offset {offset}, got {got}; "
+                             "the file is damaged: restore it, or load or reshard another step")
+
+
+def verify_chunks(shard: "ShardRecord", first_chunk: int, views: Sequence[Any], chunk_nbytes: int,
+                  url: str) -> None:
+    """Check bytes read from a shard against the manifest's per-chunk CRC-32Cs.
+
+    Args:
+        shard: the saved shard's record (``crc32c``: one value per ``chunk_nbytes`` of its data).
+        first_chunk: index of the first checksum chunk the bytes start at.
+        views: the bytes, in order, possibly scattered over several buffers; together they
+            cover whole chunks ``first_chunk, first_chunk + 1, ...`` (the shard's last chunk
+            may be short).
+        chunk_nbytes: checksum chunk size of the checkpoint (bytes).
+        url: the file's URL, for the message.
+
+    Raises:
+        IntegrityError: a chunk's CRC differs (names the file, the key and the byte range).
+    """
+    pending = iter(views)
+    view = memoryview(b"")
+    remaining = sum(memoryview(v).nbytes for v in views)
+    c = first_chunk
+    while remaining > 0:
+        need = min(chunk_nbytes, shard.nbytes - c * chunk_nbytes, remaining)
+        value, left = 0, max(need, 0)
+        while left:
+            if not len(view):
+                view = memoryview(next(pending)).cast("B")
+            take = view[:left]
+            value = crc32c_update(take, value)
+            left -= len(take)
+            view = view[len(take):]
+        if c >= len(shard.crc32c) or value != shard.crc32c[c] or need <= 0:
+            raise IntegrityError(f"{url}: checksum mismatch in {shard.key!r} bytes [{c * chunk_nbytes}, "
+                                 f"{c * chunk_nbytes + need}) — the file is corrupt; restore it, or load "
+                                 "or reshard another step")
+        remaining -= need
+        c += 1
 
 
 # ---- combining: CRC(A || B) from CRC(A), CRC(B) and len(B), without touching the data ----

@@ -15,10 +15,11 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from shardsmith.errors import CheckpointNotFound, ManifestError, SaveError
+from shardsmith.errors import CheckpointNotFound, LayoutError, ManifestError, SaveError, TargetCommitted
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from shardsmith.storage.manifest import MANIFEST_NAME, Manifest
+from shardsmith.storage.manifest_parse import parse_manifest
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,14 @@ def commit(root: Store, manifest: Manifest, *, check_files: bool = True) -> None
     crash_point("commit.after_latest")
 
 
+def split_step_url(url: str) -> tuple[str, int | None]:
+    """``/x/run/step-000000040`` -> (``/x/run``, 40); a root URL gives (url, None)."""
+    url = url.rstrip("/") or url
+    name = url.rsplit("/", 1)[-1]
+    step = parse_step_dir(name)
+    return (url[: -len(name) - 1] or "/", step) if step is not None else (url, None)
+
+
 def resolve_checkpoint(url: str, storage_options: dict | None = None) -> tuple[Store, Store, int]:
     """Resolve a URL naming a root (use its newest committed step) or a step directory.
 
@@ -183,12 +192,38 @@ def resolve_checkpoint(url: str, storage_options: dict | None = None) -> tuple[S
         CheckpointNotFound: nothing committed there.
     """
     store = Store(url, storage_options)
-    name = store.url.rstrip("/").rsplit("/", 1)[-1]
-    step = parse_step_dir(name)
+    root_url, step = split_step_url(store.url)
     if step is not None:
-        parent = store.url.rstrip("/")[: -len(name) - 1] or "/"
-        return Store(parent, storage_options), store, step
+        return Store(root_url, storage_options), store, step
     latest = find_latest_committed(store)
     if latest is None:
         raise CheckpointNotFound(f"no committed checkpoint under {store.url}")
     return store, store.child(step_dir(latest)), latest
+
+
+def resolve_target(url: str, step: int | None = None, storage_options: dict | None = None) -> tuple[Store, int]:
+    """The root store and step of a write target given as a root or as ``.../step-NNNNNNNNN``.
+
+    Args:
+        url: target root or step directory.
+        step: the step to write (a reshard: the source's); ``None``: the one the URL names, else 0.
+
+    Raises:
+        LayoutError: the URL names a step other than ``step``.
+    """
+    root_url, named = split_step_url(url)
+    if named is not None and step is not None and named != step:
+        raise LayoutError(f"target {url} names step {named} but step {step} is being written; name the "
+                          f"target {step_dir(step)} or give its root")
+    return Store(root_url, storage_options), named if named is not None else (step or 0)
+
+
+def ensure_not_committed(step_store: Store) -> None:
+    """Refuse to write into a step that is already committed (called before any byte is written).
+
+    Raises:
+        TargetCommitted: ``step_store`` holds a manifest.
+    """
+    if step_store.exists(MANIFEST_NAME):
+        raise TargetCommitted(f"{step_store.url} is already a committed checkpoint; delete it or choose "
+                              "another target")

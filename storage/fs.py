@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import posixpath
 import re
-import uuid
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import fsspec
@@ -37,7 +35,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from shardsmith.errors import StorageAccessDenied, StorageError, StorageNotFound
-from shardsmith.storage.crashpoints import crash_point
+from shardsmith.storage import local
 from shardsmith.storage.multipart import MultipartWriter, part_size
 from shardsmith.storage.retry import RetryPolicy, Verdict, call_with_retries, client_error_info
 
@@ -201,6 +199,30 @@ class Store:
 
         return self._call("read", key, get)
 
+    def read_into(self, key: str, start: int, dests: Sequence[memoryview]) -> int:
+        """Fill ``dests`` in order with the bytes of ``key`` from byte ``start`` (a scatter read).
+
+        Local files: one ``preadv`` straight into the buffers. Object stores: one ranged
+        GET of ``sum(len(d))`` bytes, copied into them. Retried and mapped like :meth:`read`.
+
+        Returns:
+            Bytes read: ``sum(len(d))``, or fewer when the object ends first (the caller
+            decides whether that is truncation).
+
+        Raises:
+            StorageNotFound: absent. StorageError: other failures, after retries.
+        """
+        if self.is_local:
+            path = self._path(key)
+            return self._call("read", key, lambda: local.preadv_into(path, start, dests))
+        data = memoryview(self.read_range(key, start, start + sum(len(d) for d in dests)))
+        pos = 0
+        for d in dests:
+            take = min(len(d), len(data) - pos)
+            d[:take] = data[pos:pos + take]
+            pos += take
+        return pos
+
     def exists(self, key: str) -> bool:
         """True when ``key`` is an object (or a non-empty prefix).
 
@@ -277,7 +299,7 @@ class Store:
         path = self._path(key)
         total = sum(memoryview(p).nbytes for p in parts)
         if self.is_local:
-            self._call("write", key, lambda: self._write_local(path, parts))
+            self._call("write", key, lambda: local.write_parts(path, parts))
         elif self._is_s3:
             with self.open_writer(key, nbytes_hint=total) as f:
                 for part in parts:
@@ -307,7 +329,8 @@ class Store:
         """
         path = self._path(key)
         if self.is_local:
-            with self._local_writer(key, path) as f:
+            with contextlib.ExitStack() as stack:
+                f = self._call("write", key, lambda: stack.enter_context(local.atomic_file(path)))
                 yield f
         elif self._is_s3:
             writer = MultipartWriter(self.fs, path, lambda fn: self._call("write", key, fn),
@@ -330,48 +353,10 @@ class Store:
             finally:
                 self.fs.invalidate_cache(path)
 
-    @contextlib.contextmanager
-    def _local_writer(self, key: str, path: str) -> Iterator[Any]:
-        directory, name = os.path.split(path)
-        tmp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
-        def create() -> Any:
-            os.makedirs(directory, exist_ok=True)
-            return open(tmp, "wb")
-
-        try:
-            f = self._call("write", key, create)
-            with f:
-                yield f
-            crash_point("fs.before_publish", key=path)              # test hook; inert normally
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-
     @property
     def _is_s3(self) -> bool:
         """s3fs (or a wrapper of it): its ``call_s3`` gives the parallel multipart path."""
         return hasattr(self.fs, "call_s3") and hasattr(self.fs, "split_path")
-
-    def _write_local(self, path: str, parts: Sequence[Bytes]) -> None:
-        """Write to a hidden temporary file next to ``path``, then rename it into place
-        (``os.replace`` is atomic on POSIX: a killed writer never leaves a partial file)."""
-        directory, name = os.path.split(path)
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
-        try:
-            with open(tmp, "wb") as f:
-                for i, part in enumerate(parts):
-                    f.write(part)
-                    if i == 0:
-                        crash_point("fs.mid_write", key=path)       # test hook; inert normally
-            crash_point("fs.before_publish", key=path)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
 
     def _write_stream(self, path: str, parts: Sequence[Bytes]) -> None:
         with self.fs.open(path, "wb") as f:
@@ -392,10 +377,5 @@ class Store:
         self._call("delete", key, rm)
 
 
-def open_store(url: str, storage_options: dict[str, Any] | None = None) -> Store:
-    """The :class:`Store` for ``url`` (convenience for callers holding a URL)."""
-    return Store(url, storage_options)
-
-
-__all__ = ["Store", "open_store", "parse_storage_options", "fsspec", "RetryPolicy",
+__all__ = ["Store", "parse_storage_options", "fsspec", "RetryPolicy",
            "DEFAULT_PART_NBYTES", "DEFAULT_MAX_CONCURRENCY"]

@@ -1,9 +1,7 @@
-"""Shard files: encode local tensors as one safetensors file; read boxes back by ranged reads.
+"""Loading: read boxes of logical tensors back from a checkpoint's shards by ranged reads.
 
-Writing: :func:`encode_shard_file` turns ``{key: tensor}`` into the file's bytes plus
-the per-key byte ranges and chunked CRC-32C checksums that go into the manifest.
-
-Reading: :func:`read_boxes` (and :func:`read_box` for one) fills target boxes of logical
+(Writing: :mod:`shardsmith.storage.safetensors` and :mod:`shardsmith.storage.tensor_files`.)
+ :func:`read_safetensors_boxes` (through :func:`shardsmith.storage.formats.read_boxes`) fills target boxes of logical
 tensors from the saved shards they intersect, reading only the checksum chunks that hold
 needed bytes (so every byte read is verified), coalesced per file, concurrently, and
 straight into the destination where the piece is contiguous.
@@ -12,94 +10,31 @@ straight into the destination where the piece is contiguous.
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import struct
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import prod
 from typing import Sequence
 
 import torch
-from safetensors.torch import save as safetensors_save
 
 from shardsmith.errors import IntegrityError
-from shardsmith.layout.box import Box, row_major_span
-from shardsmith.storage.checksum import chunk_crc32c, crc32c, crc32c_combine
-from shardsmith.storage.crashpoints import crash_point
+from shardsmith.layout.box import Box, row_major_span, row_major_strides
+from shardsmith.storage.checksum import require_full_read, verify_chunks
 from shardsmith.storage.fs import Store
-from shardsmith.layout.dtypes import DTYPE_NBYTES, DTYPES
-from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord
+from shardsmith.layout.dtypes import DTYPE_NBYTES
+from shardsmith.storage.manifest import Manifest, ShardRecord
+from shardsmith.storage.tensor_files import TORCH_DTYPES, byte_view
 from shardsmith.storage.verify import check_file_once
-
-#: torch dtype of each checkpoint dtype (from the one table, :mod:`shardsmith.layout.dtypes`).
-TORCH_DTYPES: dict[str, torch.dtype] = {n: getattr(torch, d.torch_name) for n, d in DTYPES.items()}
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
-
-
-@dataclass
-class EncodedFile:
-    """A shard file ready to upload, and what the manifest records of it.
-
-    Attributes:
-        data: the file's bytes (safetensors).
-        record: size and whole-file CRC-32C.
-        spans: key -> (byte_offset, nbytes, chunk checksums) of each entry's data.
-    """
-
-    data: bytes
-    record: FileRecord
-    spans: dict[str, tuple[int, int, list[int]]] = field(default_factory=dict)
-
-
-def parse_safetensors_header(prefix: bytes, source: str) -> tuple[int, dict]:
-    """Parse a safetensors header from the file's first bytes.
-
-    Returns:
-        (data_start, header) where data_start is the absolute offset of the data region.
-
-    Raises:
-        IntegrityError: the prefix is too short or the header is not valid JSON.
-    """
-    if len(prefix) < 8:
-        raise IntegrityError(f"{source}: truncated safetensors file ({len(prefix)} bytes)")
-    (header_len,) = struct.unpack("<Q", prefix[:8])
-    if 8 + header_len > len(prefix):
-        raise IntegrityError(f"{source}: safetensors header of {header_len} bytes runs past the data read")
-    try:
-        header = json.loads(prefix[8:8 + header_len])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise IntegrityError(f"{source}: corrupt safetensors header ({exc})") from exc
-    return 8 + header_len, header
-
-
-def encode_shard_file(tensors: dict[str, torch.Tensor], chunk_nbytes: int,
-                      metadata: dict[str, str] | None = None) -> EncodedFile:
-    """Serialize ``{key: tensor}`` (any shapes, CPU) into one safetensors file.
-
-    Zero-element tensors are skipped (an empty shard is not stored).
-    """
-    kept = {k: t.detach().contiguous() for k, t in tensors.items() if t.numel() > 0}
-    data = safetensors_save(kept, metadata=metadata)
-    data_start, header = parse_safetensors_header(data[:8 + struct.unpack("<Q", data[:8])[0]], "<new>")
-    view = memoryview(data)
-    spans: dict[str, tuple[int, int, list[int]]] = {}
-    for key in kept:
-        begin, end = header[key]["data_offsets"]
-        start = data_start + begin
-        spans[key] = (start, end - begin, chunk_crc32c(view[start:start + end - begin], chunk_nbytes))
-    return EncodedFile(data=data, record=FileRecord(nbytes=len(data), crc32c=crc32c(data)), spans=spans)
-
 
 # ---- reading: ranged, coalesced, concurrent; every byte read is verified --------------------
 
-#: Ranged reads in flight at once in one :func:`read_boxes` call (threads: local
+#: Ranged reads in flight at once in one :func:`read_safetensors_boxes` call (threads: local
 #: ``preadv`` and object-store GETs both release the GIL).
 READ_WORKERS = 8
 #: Ranges of one file that touch are merged into one request up to this many bytes.
 MAX_MERGED_READ_NBYTES = 32 * 2**20
 #: Scratch bytes (for pieces that cannot be read straight into their destination) one
-#: :func:`read_boxes` call holds at once; beyond it the reads planned so far are run first.
+#: :func:`read_safetensors_boxes` call holds at once; beyond it the reads planned so far are run first.
 MAX_SCRATCH_NBYTES = 256 * 2**20
 #: An intersection split into more row runs than this is read as one span (bounds planning).
 _MAX_RUNS = 2**16
@@ -145,14 +80,6 @@ class _Piece:
     last: int
 
 
-def _strides(lengths: tuple[int, ...]) -> list[int]:
-    """Row-major element strides of a contiguous tensor of shape ``lengths``."""
-    strides = [1] * len(lengths)
-    for d in range(len(lengths) - 2, -1, -1):
-        strides[d] = strides[d + 1] * lengths[d + 1]
-    return strides
-
-
 def _chunk_groups(saved: Box, common: Box, itemsize: int, chunk: int, a: int, b: int) -> list[tuple[int, int]]:
     """Runs ``[c0, c1)`` of consecutive checksum chunks of ``saved`` holding bytes of ``common``.
 
@@ -161,7 +88,7 @@ def _chunk_groups(saved: Box, common: Box, itemsize: int, chunk: int, a: int, b:
     left out (e.g. a TP column slice of a saved row slice with long rows); otherwise one group.
     """
     whole = [(a // chunk, -(-b // chunk))]
-    strides = _strides(saved.lengths)
+    strides = row_major_strides(saved.lengths)
     j = len(saved.lengths) - 1
     while j > 0 and common.lengths[j] == saved.lengths[j]:
         j -= 1
@@ -187,10 +114,10 @@ def _scatter_views(box: Box, common: Box, out: torch.Tensor, itemsize: int) -> l
     row-major order (one run when ``common`` is contiguous in ``out``, else one per row
     segment, e.g. a TP column slice); ``None`` when the runs are too many or too short to
     read into directly (then a scratch buffer is cheaper)."""
-    view = _byte_view(out)
+    view = byte_view(out)
     if not box.lengths:
         return [view]
-    strides = _strides(box.lengths)
+    strides = row_major_strides(box.lengths)
     j = len(box.lengths) - 1
     while j > 0 and common.lengths[j] == box.lengths[j]:
         j -= 1
@@ -213,7 +140,7 @@ def _plan_piece(shard: ShardRecord, saved: Box, common: Box, box: Box, out: torc
     into ``out`` (scattered over its rows when it is a column slice there; only the chunk
     margins go to small buffers); otherwise into a scratch buffer that is copied into ``out``
     after verification (the returned ``_Piece``)."""
-    first, last = row_major_span((), saved, common)
+    first, last = row_major_span(saved, common)
     a, b = first * itemsize, last * itemsize
     views = _scatter_views(box, common, out, itemsize) \
         if last - first == common.numel and out.is_contiguous() else None
@@ -245,71 +172,9 @@ def _fill_from_scratch(piece: _Piece) -> None:
     elems = raw.view(dtype)
     # elems covers the saved box's row-major storage from the intersection's first element:
     # view it through the saved box's strides.
-    src = elems.as_strided(piece.common.lengths, _strides(piece.saved.lengths)) if piece.common.lengths \
+    src = elems.as_strided(piece.common.lengths, row_major_strides(piece.saved.lengths)) if piece.common.lengths \
         else elems.view(())
     piece.out[piece.common.relative_to(piece.box)] = src
-
-
-def _preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
-    """Fill ``views`` in order from ``offset`` of ``fd``; returns bytes read (short at EOF)."""
-    pending = [v for v in views if len(v)]
-    total, i = 0, 0
-    while i < len(pending):
-        n = os.preadv(fd, pending[i:i + 1024], offset + total)    # IOV_MAX is 1024 on Linux
-        if n == 0:
-            break
-        total += n
-        while i < len(pending) and n >= len(pending[i]):
-            n -= len(pending[i])
-            i += 1
-        if n:
-            pending[i] = pending[i][n:]
-    return total
-
-
-def _read_into(store: Store, key: str, start: int, end: int, dests: list[memoryview]) -> int:
-    """Read bytes ``[start, end)`` of ``key`` into ``dests`` (scatter); returns bytes read.
-
-    Local files: one ``preadv`` straight into the destinations. Object stores: one ranged GET."""
-    if store.is_local:
-        path = store._path(key)
-
-        def pread() -> int:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                return _preadv_all(fd, dests, start)
-            finally:
-                os.close(fd)
-
-        return store._call("read", key, pread)
-    data = memoryview(store.read_range(key, start, end))
-    pos = 0
-    for d in dests:
-        take = min(len(d), len(data) - pos)
-        d[:take] = data[pos:pos + take]
-        pos += take
-    return pos
-
-
-def _verify(part: _Part, chunk: int, source: str) -> None:
-    """Check every chunk of a part against the manifest's CRC-32C (over its scattered bytes)."""
-    shard = part.shard
-    views = iter(part.dests)
-    view = memoryview(b"")
-    for c in range(part.c0, part.c1):
-        need = min(chunk, shard.nbytes - c * chunk)
-        value = 0
-        while need:
-            if not len(view):
-                view = next(views)
-            take = view[:need]
-            value = _crc32c_update(take, value)
-            need -= len(take)
-            view = view[len(take):]
-        if c >= len(shard.crc32c) or value != shard.crc32c[c]:
-            raise IntegrityError(f"{source}/{shard.file}: checksum mismatch in {shard.key!r} bytes "
-                                 f"[{c * chunk}, {c * chunk + min(chunk, shard.nbytes - c * chunk)}) — the "
-                                 "file is corrupt; resume from another step or restore the file")
 
 
 def _merge(parts: list[_Part]) -> list[list[_Part]]:
@@ -330,13 +195,11 @@ def _run_reads(store: Store, parts: list[_Part], chunk: int, source: str) -> int
     """Read and verify all parts, concurrently; returns bytes read."""
     def one(read: list[_Part]) -> int:
         start, end = read[0].start, read[-1].end
-        got = _read_into(store, read[0].shard.file, start, end, [d for p in read for d in p.dests])
-        if got != end - start:
-            raise IntegrityError(f"{source}/{read[0].shard.file}: truncated — expected {end - start} bytes "
-                                 f"at offset {start}, got {got}; the file is damaged, resume from "
-                                 "another step")
+        url = f"{source}/{read[0].shard.file}"
+        got = store.read_into(read[0].shard.file, start, [d for p in read for d in p.dests])
+        require_full_read(got, end - start, start, url)
         for p in read:
-            _verify(p, chunk, source)
+            verify_chunks(p.shard, p.c0, p.dests, chunk, url)
         return got
 
     reads = _merge(parts)
@@ -361,7 +224,7 @@ def destination(fqn: str, box: Box, dtype_name: str, out: torch.Tensor | None) -
     return out
 
 
-def read_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, Box, torch.Tensor | None]],
+def read_safetensors_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, Box, torch.Tensor | None]],
                stats: ReadStats | None = None, source: str = "") -> list[torch.Tensor]:
     """Assemble several boxes of logical tensors from a checkpoint's shards in one go.
 
@@ -389,9 +252,6 @@ def read_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, B
             truncated, oversized or has a safetensors header that disagrees with the manifest,
             or the saved shards do not cover a box.
     """
-    if manifest.tensor_format == "zarr":                      # one array per tensor, see zarr_format
-        from shardsmith.storage.zarr_read import read_zarr_boxes
-        return read_zarr_boxes(store, manifest, requests, stats, source)
     source = source or store.url
     chunk = manifest.chunk_nbytes
     outs: list[torch.Tensor] = []
@@ -436,136 +296,3 @@ def read_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, B
                                  f"{box.numel} elements of box {box}")
     flush()
     return outs
-
-
-def read_box(store: Store, manifest: Manifest, fqn: str, box: Box, out: torch.Tensor | None = None,
-             stats: ReadStats | None = None, source: str = "") -> torch.Tensor:
-    """Assemble ``box`` of logical tensor ``fqn`` from a checkpoint's shards (see
-    :func:`read_boxes`, which batches many boxes into fewer, concurrent reads).
-
-    Args:
-        store: the step directory's store (shard file paths are relative to it).
-        manifest: the parsed manifest of that step.
-        fqn: logical tensor name.
-        box: global offsets/lengths wanted (elements).
-        out: optional destination of shape ``box.lengths`` and the tensor's dtype (else new).
-        stats: optional counters updated with bytes read and needed.
-
-    Returns:
-        Tensor of shape ``box.lengths`` (``out`` when given).
-
-    Raises:
-        KeyError: ``fqn`` is not in the checkpoint.
-        IntegrityError: a read byte does not match its checksum, or a file it touches is
-            truncated, oversized or has a safetensors header that disagrees with the manifest.
-    """
-    return read_boxes(store, manifest, [(fqn, box, out)], stats, source)[0]
-
-
-def safetensors_header(entries: list[tuple[str, torch.Tensor]],
-                       metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, tuple[int, int]]]:
-    """The safetensors header for ``entries`` laid out in the given order, back to back.
-
-    Format (https://github.com/huggingface/safetensors#format): 8-byte little-endian
-    header length N, N bytes of JSON ``{key: {dtype, shape, data_offsets}}`` padded with
-    spaces to a multiple of 8, then the data. Zero-element entries must be filtered out.
-
-    Returns:
-        (the 8 + N header bytes, key -> (absolute byte offset, nbytes) of its data).
-    """
-    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for key, t in entries:
-        nbytes = t.numel() * t.element_size()
-        header[key] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                       "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    prefix = struct.pack("<Q", len(raw)) + raw
-    spans = {key: (len(prefix) + h["data_offsets"][0], h["data_offsets"][1] - h["data_offsets"][0])  # type: ignore[index]
-             for key, h in header.items() if key != "__metadata__"}
-    return prefix, spans
-
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """Raw bytes of a contiguous CPU tensor, without a copy."""
-    flat = t.reshape(-1)
-    if flat.dtype == torch.bfloat16 or flat.dtype == torch.float16:
-        flat = flat.view(torch.int16)
-    elif flat.dtype == torch.bool:
-        flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
-
-
-def write_shard_file(store: Store, key: str, entries: list[tuple[str, torch.Tensor]], chunk_nbytes: int,
-                     box_of: dict[str, Box]) -> tuple[FileRecord, dict[str, ShardRecord]]:
-    """Stream one safetensors shard file to ``store`` (header, then each tensor's bytes) and
-    return its manifest records. No serialized copy of the file is built in memory, and the
-    checksums are computed by a second thread while the bytes are written (one pass each).
-
-    Args:
-        store: the step directory store; ``key`` is checkpoint-relative (``shards/...``).
-        entries: (fqn, contiguous CPU tensor) in file order; empty tensors are skipped.
-        chunk_nbytes: checksum chunk size.
-        box_of: fqn -> the global box each tensor holds.
-
-    Raises:
-        StorageError / OSError: the write failed (after the store's retries).
-    """
-    entries = [(k, t.contiguous()) for k, t in entries if t.numel() > 0]
-    prefix, spans = safetensors_header(entries)
-    views = [_byte_view(t) for _, t in entries]
-    with ThreadPoolExecutor(1, thread_name_prefix="shardsmith-crc") as pool:
-        checksums = pool.submit(_file_checksums, prefix, views, chunk_nbytes)
-        crash_point("shard.before_write")                           # test hook; inert normally
-        store.write_parts(key, [memoryview(prefix), *views])
-        crash_point("shard.after_write")
-        file_crc, chunk_crcs = checksums.result()
-    records: dict[str, ShardRecord] = {}
-    for (fqn, _), crcs in zip(entries, chunk_crcs):
-        start, nbytes = spans[fqn]
-        box = box_of[fqn]
-        records[fqn] = ShardRecord(offsets=list(box.offsets), lengths=list(box.lengths), file=key,
-                                   key=fqn, byte_offset=start, nbytes=nbytes, crc32c=crcs)
-    total = len(prefix) + sum(len(v) for v in views)
-    return FileRecord(nbytes=total, crc32c=file_crc), records
-
-
-def _file_checksums(prefix: bytes, views: list[memoryview], chunk_nbytes: int) -> tuple[int, list[list[int]]]:
-    """(CRC-32C of the whole file, per-entry chunk CRC-32Cs) in one pass over the bytes: the
-    file's CRC is combined from the chunks' (crc32c releases the GIL on large buffers)."""
-    file_crc = crc32c(prefix)
-    out = []
-    for view in views:
-        crcs = []
-        for i in range(0, len(view), chunk_nbytes):
-            piece = view[i:i + chunk_nbytes]
-            crcs.append(crc32c(piece))
-            file_crc = crc32c_combine(file_crc, crcs[-1], len(piece))
-        out.append(crcs)
-    return file_crc, out
-
-
-def _crc32c_update(data: memoryview, value: int) -> int:
-    import crc32c as _lib
-
-    return int(_lib.crc32c(data, value))
-
-
-def encode_and_record(tensors: dict[str, tuple[torch.Tensor, Box]], file_name: str,
-                      chunk_nbytes: int) -> tuple[EncodedFile, dict[str, ShardRecord]]:
-    """Encode one rank's shards (``fqn -> (local tensor, box)``) and build their manifest records.
-
-    The safetensors key of each entry is its FQN (a rank holds one box per tensor).
-    """
-    encoded = encode_shard_file({fqn: t for fqn, (t, _) in tensors.items()}, chunk_nbytes)
-    records: dict[str, ShardRecord] = {}
-    for fqn, (t, box) in tensors.items():
-        if t.numel() == 0:
-            continue
-        start, nbytes, crcs = encoded.spans[fqn]
-        records[fqn] = ShardRecord(offsets=list(box.offsets), lengths=list(box.lengths),
-                                   file=file_name, key=fqn, byte_offset=start, nbytes=nbytes,
-                                   crc32c=crcs)
-    return encoded, records

@@ -5,7 +5,7 @@ Two levels:
 * :func:`check_file_once` — cheap, run by every load the first time it touches a data
   file: the file's size and its safetensors header (keys, dtypes, shapes, byte ranges)
   must agree with the manifest. Ranged reads then verify every byte they read against
-  the per-chunk checksums (:func:`shardsmith.storage.shards.read_box`).
+  the per-chunk checksums (:func:`shardsmith.storage.formats.read_box`).
 * :func:`verify_checkpoint` — everything, for ``shardsmith verify``: the manifest
   (schema, coverage of every logical tensor exactly once), and for every data file its
   presence, size, header, whole-file CRC-32C and every shard's chunk checksums, streamed
@@ -16,24 +16,18 @@ Nothing here imports torch: the manifest's dtype names are safetensors' own.
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-import crc32c as _crc32c
-
 from shardsmith.errors import CheckpointNotFound, IntegrityError, ManifestError
+from shardsmith.storage.checksum import crc32c_update
 from shardsmith.storage.commit import read_manifest
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, ShardRecord, TensorRecord, reject_duplicate_keys
+from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, ShardRecord, TensorRecord
+from shardsmith.storage.safetensors import read_header
 
 #: Bytes read per request when streaming a file for its checksums (bounds memory).
 DEFAULT_BLOCK_NBYTES = 8 * 1024 * 1024
-#: safetensors refuses headers larger than this (100 MB); so do we.
-MAX_HEADER_NBYTES = 100_000_000
-#: First read of a file's header: usually all of it in one request.
-_HEADER_PROBE_NBYTES = 64 * 1024
 
 
 @dataclass
@@ -92,45 +86,6 @@ class VerifyReport:
 
 
 # ---- headers ------------------------------------------------------------------------------
-
-
-def read_safetensors_header(store: Store, file: str, file_nbytes: int) -> tuple[int, dict[str, Any]]:
-    """Read and parse the header of a safetensors file (at most two ranged reads).
-
-    Args:
-        store: the step directory.
-        file: checkpoint-relative path.
-        file_nbytes: the file's size per the manifest (bounds the header length).
-
-    Returns:
-        (data_start, header): absolute offset of the data region and the header object.
-
-    Raises:
-        IntegrityError: the file is too short, the length prefix is implausible, or the
-            header is not a JSON object (naming the file).
-        FileNotFoundError: the file is missing.
-    """
-    url = store.url_of(file)
-    prefix = store.read_range(file, 0, min(file_nbytes, _HEADER_PROBE_NBYTES))
-    if len(prefix) < 8:
-        raise IntegrityError(f"{url}: truncated: {len(prefix)} bytes, too short for a safetensors header")
-    (header_len,) = struct.unpack("<Q", prefix[:8])
-    if header_len > min(MAX_HEADER_NBYTES, file_nbytes - 8):
-        raise IntegrityError(f"{url}: safetensors header length {header_len} runs past the file "
-                             f"({file_nbytes} bytes per the manifest): the header is corrupt")
-    raw = prefix[8:8 + header_len]
-    if len(raw) < header_len:
-        raw += store.read_range(file, len(prefix), 8 + header_len)
-    if len(raw) != header_len:
-        raise IntegrityError(f"{url}: truncated: the safetensors header needs {header_len} bytes, "
-                             f"the file has {len(raw)} after the length prefix")
-    try:
-        header = json.loads(raw, object_pairs_hook=reject_duplicate_keys)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise IntegrityError(f"{url}: corrupt safetensors header ({str(exc)[:120]})") from exc
-    if not isinstance(header, dict):
-        raise IntegrityError(f"{url}: corrupt safetensors header (not a JSON object)")
-    return 8 + header_len, header
 
 
 def _same_ints(value: Any, want: list[int]) -> bool:
@@ -211,7 +166,7 @@ def check_file_once(store: Store, manifest: Manifest, file: str, source: str = "
         raise IntegrityError(f"{url}: {_size_problem(size, want)}; the file is damaged — resume from "
                              "another step (`shardsmith ls`) or restore it")
     if manifest.tensor_format == "safetensors":
-        data_start, header = read_safetensors_header(store, file, want)
+        data_start, header = read_header(store, file, want)
         problems = header_problems(manifest, file, data_start, header)
         if problems:
             raise IntegrityError(f"{url}: safetensors header disagrees with the manifest: "
@@ -258,12 +213,12 @@ def _stream_problems(store: Store, manifest: Manifest, file: str, size: int,
             break
         view = memoryview(data)
         end = pos + len(data)
-        file_crc = _crc32c.crc32c(view, file_crc)
+        file_crc = crc32c_update(view, file_crc)
         while nxt < len(chunks) and chunks[nxt].start < end:
             ch = chunks[nxt]
             lo, hi = max(ch.start, pos), min(ch.end, end)
             if hi > lo:
-                ch.crc = _crc32c.crc32c(view[lo - pos:hi - pos], ch.crc)
+                ch.crc = crc32c_update(view[lo - pos:hi - pos], ch.crc)
             if ch.end > end:
                 break
             if ch.crc != ch.expected:
@@ -299,7 +254,7 @@ def file_problems(store: Store, manifest: Manifest, file: str,
     problems = [] if size == want else [_size_problem(size, want)]
     if manifest.tensor_format == "safetensors":
         try:
-            data_start, header = read_safetensors_header(store, file, min(size, want))
+            data_start, header = read_header(store, file, min(size, want))
             problems += header_problems(manifest, file, data_start, header)
         except IntegrityError as exc:
             problems.append(str(exc).split(": ", 1)[-1])

@@ -1,6 +1,6 @@
 """Reading boxes of a zarr checkpoint (see :mod:`shardsmith.storage.zarr_format`).
 
-:func:`read_zarr_boxes` is what :func:`shardsmith.storage.shards.read_boxes` does for a
+:func:`read_zarr_boxes` is what :func:`shardsmith.storage.shards.read_safetensors_boxes` does for a
 manifest whose ``tensor_format`` is ``zarr``: the same contract (any boxes, ranged and
 verified reads, concurrent), with chunks as the saved shards. Uncompressed chunks are read
 by byte range like safetensors shards (the zarr ``bytes`` codec is C-order little-endian
@@ -19,11 +19,12 @@ import torch
 from zarr.core.buffer import default_buffer_prototype
 
 from shardsmith.errors import IntegrityError
-from shardsmith.layout.box import Box, row_major_span
-from shardsmith.storage.checksum import crc32c
+from shardsmith.layout.box import Box, row_major_span, row_major_strides
+from shardsmith.storage.checksum import crc32c, require_full_read, verify_chunks
 from shardsmith.storage.fs import Store
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.manifest import Manifest, ShardRecord, TensorRecord
+from shardsmith.storage.shards import destination
 from shardsmith.storage.verify import check_file_once
 from shardsmith.storage.zarr_format import (IO_WORKERS, MAX_PENDING_NBYTES, ZARR_DIR, ZarrArray, damaged, numpy_to_torch,
                                             parse_array_metadata)
@@ -59,17 +60,6 @@ def _check_chunk_record(array: ZarrArray, shard: ShardRecord, manifest: Manifest
                       f"chunk file (byte offset 0, {manifest.files[shard.file].nbytes} bytes)")
 
 
-def _verify_range(data: bytes, shard: ShardRecord, first_chunk: int, chunk: int, url: str) -> None:
-    """Check checksum chunks ``first_chunk ...`` of a chunk file against the manifest."""
-    view = memoryview(data)
-    for i in range(0, len(data), chunk):
-        c = first_chunk + i // chunk
-        if c >= len(shard.crc32c) or crc32c(view[i:i + chunk]) != shard.crc32c[c]:
-            raise IntegrityError(f"{url}: checksum mismatch in chunk of {shard.key!r} bytes "
-                                 f"[{c * chunk}, {c * chunk + len(view[i:i + chunk])}) — the file is corrupt; "
-                                 "resume from another step or restore the file")
-
-
 def _read_chunk(store: Store, manifest: Manifest, shard: ShardRecord, source: str) -> bytes:
     """A whole chunk file, its size and every checksum chunk verified."""
     check_file_once(store, manifest, shard.file, source)
@@ -77,7 +67,7 @@ def _read_chunk(store: Store, manifest: Manifest, shard: ShardRecord, source: st
     url = f"{source}/{shard.file}"
     if len(data) != shard.nbytes:
         raise damaged(url, f"{len(data)} bytes, the manifest records {shard.nbytes}")
-    _verify_range(data, shard, 0, manifest.chunk_nbytes, url)
+    verify_chunks(shard, 0, [data], manifest.chunk_nbytes, url)
     return data
 
 
@@ -97,7 +87,7 @@ class _Piece:
         """(first byte, end byte) of ``common`` in the chunk's row-major storage (the full
         chunk shape: zarr stores edge chunks padded) and that span widened to checksum chunks."""
         itemsize = DTYPE_NBYTES[self.array.dtype]
-        first, last = row_major_span((), Box(tuple(self.shard.offsets), self.array.chunks), self.common)
+        first, last = row_major_span(Box(tuple(self.shard.offsets), self.array.chunks), self.common)
         a, b = first * itemsize, last * itemsize
         return a, b, a // chunk * chunk, min(-(-b // chunk) * chunk, self.shard.nbytes)
 
@@ -118,13 +108,10 @@ def _read_piece(store: Store, manifest: Manifest, piece: _Piece, source: str) ->
     check_file_once(store, manifest, shard.file, source)
     a, b, lo, hi = piece.span(chunk)
     data = store.read_range(shard.file, lo, hi)
-    if len(data) != hi - lo:
-        raise damaged(url, f"truncated: expected {hi - lo} bytes at offset {lo}, got {len(data)}")
-    _verify_range(data, shard, lo // chunk, chunk, url)
+    require_full_read(len(data), hi - lo, lo, url)
+    verify_chunks(shard, lo // chunk, [data], chunk, url)
     seg = np.frombuffer(data, dtype=_INTS[itemsize], count=(b - a) // itemsize, offset=a - lo)
-    strides = [itemsize] * len(array.chunks)
-    for d in range(len(strides) - 2, -1, -1):
-        strides[d] = strides[d + 1] * array.chunks[d + 1]
+    strides = [s * itemsize for s in row_major_strides(array.chunks)]
     return np.lib.stride_tricks.as_strided(seg, piece.common.lengths, strides, writeable=False)
 
 
@@ -152,7 +139,7 @@ def _decode(request: _Request, chunk_bytes: dict[str, bytes]) -> None:
 
 def read_zarr_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, Box, torch.Tensor | None]],
                     stats: Any = None, source: str = "") -> list[torch.Tensor]:
-    """:func:`shardsmith.storage.shards.read_boxes` for zarr checkpoints (same contract).
+    """:func:`shardsmith.storage.shards.read_safetensors_boxes` for zarr checkpoints (same contract).
 
     Reads the ``zarr.json`` of each tensor touched (checked against the manifest), then
     for every requested box the chunks intersecting it, concurrently: from an uncompressed
@@ -167,8 +154,6 @@ def read_zarr_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[s
         IntegrityError: a file is missing, has the wrong size or checksum, its metadata
             disagrees with the manifest, or the saved chunks do not cover a box.
     """
-    from shardsmith.storage.shards import destination
-
     source = source or store.url
     arrays: dict[str, ZarrArray] = {}
     outs: list[torch.Tensor] = []

@@ -1,9 +1,14 @@
-"""Small hand-built checkpoints for storage tests (no model, no process group).
+"""The one test checkpoint factory (no model, no process group).
 
-:func:`make_checkpoint` writes one committed step through the real storage API
-(``encode_and_record`` + ``commit``): two shard files, tensors split across them,
-a 0-d tensor and a BF16 tensor, with a small checksum chunk so every shard has
-several chunks.
+:func:`write_step` writes any step through the real storage API: each file streamed by
+``write_shard_file`` (the trainer's writer) in safetensors order, the manifest assembled
+by :class:`~shardsmith.storage.manifest.ManifestBuilder`, then ``commit``. Every test and
+bench that needs a checkpoint on disk builds it here (``storage_ckpt.save_offline`` for
+model-shaped ones).
+
+:func:`make_checkpoint` writes the tiny step the storage tests share: two shard files,
+tensors split across them, a 0-d tensor and a BF16 tensor, with a small checksum chunk
+so every shard has several chunks.
 """
 
 from __future__ import annotations
@@ -12,15 +17,17 @@ import uuid
 
 import torch
 
+from shardsmith.layout import ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import commit, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import FileRecord, Manifest, TensorRecord
-from shardsmith.storage.shards import DTYPE_NAMES, encode_and_record
+from shardsmith.storage.manifest import Manifest, ManifestBuilder
+from shardsmith.storage.safetensors import file_order
+from shardsmith.storage.tensor_files import DTYPE_NAMES, write_shard_file
 
 CHUNK_NBYTES = 16
 FILE0, FILE1 = "shards/rank-00000.safetensors", "shards/rank-00001.safetensors"
-LAYOUT = {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 1, "pipeline_split": [], "world_size": 2}
+DIMS = ParallelDims(dp_shard=2)
 
 
 def memory_root() -> Store:
@@ -50,21 +57,43 @@ def placement(full: dict[str, torch.Tensor]) -> dict[str, dict[str, tuple[torch.
     }
 
 
+def write_step(root: Store, step: int, files: dict[str, dict[str, tuple[torch.Tensor, Box]]], *,
+               dims: ParallelDims, chunk_nbytes: int, tensors: dict[str, tuple[tuple[int, ...], str]] | None = None,
+               model: dict | None = None, config: dict | None = None, state: dict | None = None,
+               created: str = "test", do_commit: bool = True) -> Manifest:
+    """Write the data files of a step (file -> fqn -> (local tensor, global box)) and its
+    manifest; commit it unless ``do_commit`` is false. ``tensors`` (fqn -> (global shape,
+    dtype)) defaults to one whole-tensor shape per fqn taken from the boxes' ends."""
+    if tensors is None:
+        tensors = {}
+        for local in files.values():
+            for fqn, (t, box) in local.items():
+                ends = tuple(o + n for o, n in zip(box.offsets, box.lengths))
+                old = tensors.get(fqn, ((0,) * len(ends), ""))[0]
+                tensors[fqn] = (tuple(max(a, b) for a, b in zip(old, ends)), DTYPE_NAMES[t.dtype])
+    builder = ManifestBuilder(step=step, dims=dims, model=model or {}, config=config or {},
+                              state={"step": step} if state is None else state, tensors=tensors,
+                              chunk_nbytes=chunk_nbytes, created=created)
+    step_store = root.child(step_dir(step))
+    for name, local in files.items():
+        entries = sorted(((fqn, t.contiguous()) for fqn, (t, _) in local.items()),
+                         key=lambda e: file_order(e[0], DTYPE_NAMES[e[1].dtype]))
+        record, shards = write_shard_file(step_store, name, entries, chunk_nbytes,
+                                          {fqn: box for fqn, (_, box) in local.items()})
+        builder.add_file(name, record, shards)
+    manifest = builder.build()
+    if do_commit:
+        commit(root, manifest)
+    return manifest
+
+
 def build_manifest(root: Store, step: int, seed: int = 0,
                    chunk_nbytes: int = CHUNK_NBYTES) -> tuple[Manifest, dict[str, torch.Tensor]]:
     """Write the data files of a step (not committed) and return its manifest."""
     full = full_tensors(seed)
-    tensors = {fqn: TensorRecord(shape=list(t.shape), dtype=DTYPE_NAMES[t.dtype]) for fqn, t in full.items()}
-    files = {}
-    step_store = root.child(step_dir(step))
-    for name, local in placement(full).items():
-        encoded, records = encode_and_record(local, name, chunk_nbytes)
-        step_store.write(name, encoded.data)
-        files[name] = FileRecord(encoded.record.nbytes, encoded.record.crc32c)
-        for fqn, rec in records.items():
-            tensors[fqn].shards.append(rec)
-    manifest = Manifest(step=step, layout=dict(LAYOUT), model={}, config={}, state={"step": step},
-                        tensors=tensors, files=files, chunk_nbytes=chunk_nbytes, created="test")
+    tensors = {fqn: (tuple(t.shape), DTYPE_NAMES[t.dtype]) for fqn, t in full.items()}
+    manifest = write_step(root, step, placement(full), dims=DIMS, chunk_nbytes=chunk_nbytes, tensors=tensors,
+                          do_commit=False)
     return manifest, full
 
 

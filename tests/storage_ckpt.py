@@ -2,23 +2,24 @@
 
 :func:`save_offline` writes what a job in layout ``dims`` would save (same files, keys,
 boxes, writer assignment from the sharding plan) using the storage API only: each
-"rank"'s shard file via ``write_shard_file``, then ``commit``. The result loads with
+"rank"'s shard file via ``write_shard_file``, then ``commit`` (:func:`ckpt_factory.write_step`). The result loads with
 ``read_box`` and reshards with ``shardsmith.reshard.engine.reshard``.
 """
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
-
 import torch
+
+from ckpt_factory import write_step
 
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import checkpoint_specs, shard_file_name, write_assignment
 from shardsmith.layout.box import Box
-from shardsmith.storage.commit import commit, read_manifest, step_dir
+from shardsmith.storage.commit import read_manifest
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import FileRecord, Manifest, TensorRecord
-from shardsmith.storage.shards import TORCH_DTYPES, read_box, write_shard_file
+from shardsmith.storage.manifest import Manifest, now_iso
+from shardsmith.storage.formats import read_box
+from shardsmith.storage.tensor_files import TORCH_DTYPES
 
 #: Small, but every layout used in the tests shards something (4 heads, 2 kv heads).
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
@@ -47,27 +48,14 @@ def save_offline(root: Store, step: int, dims: ParallelDims, full: dict[str, tor
     Raises whatever the store raises; on failure nothing is committed.
     """
     specs = checkpoint_specs(model, dims, with_optimizer=any(k.startswith("optim.") for k in full))
-    step_store = root.child(step_dir(step))
-    tensors = {fqn: TensorRecord(shape=list(s.shape), dtype=s.dtype) for fqn, s in specs.items()}
-    files: dict[str, FileRecord] = {}
+    files = {}
     for rank, items in sorted(write_assignment(specs, dims).items()):
-        if not items:
-            continue
-        name = shard_file_name(rank)
-        entries = [(fqn, full[fqn][box.relative_to(Box((0,) * len(box.lengths), specs[fqn].shape))])
-                   for fqn, box in items]
-        file_rec, records = write_shard_file(step_store, name, entries, CHUNK_NBYTES, dict(items))
-        files[name] = file_rec
-        for fqn, rec in records.items():
-            tensors[fqn].shards.append(rec)
-    for t in tensors.values():
-        t.shards.sort(key=lambda s: s.offsets)
-    manifest = Manifest(step=step, layout={**dims.to_json(), "world_size": dims.world_size},
-                        model=model.to_json(), config={}, state={"step": step}, tensors=tensors,
-                        files=files, chunk_nbytes=CHUNK_NBYTES,
-                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-    commit(root, manifest)
-    return manifest
+        if items:
+            files[shard_file_name(rank)] = {
+                fqn: (full[fqn][box.relative_to(Box((0,) * len(box.lengths), specs[fqn].shape))], box)
+                for fqn, box in items}
+    return write_step(root, step, files, dims=dims, chunk_nbytes=CHUNK_NBYTES, model=model.to_json(),
+                      tensors={fqn: (s.shape, s.dtype) for fqn, s in specs.items()}, created=now_iso())
 
 
 def load_full(step_store: Store) -> dict[str, torch.Tensor]:

@@ -31,11 +31,16 @@ from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import commit, find_latest_committed, read_manifest, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
-from shardsmith.storage.shards import DTYPE_NAMES, ReadStats, encode_and_record, read_box, read_boxes
+from shardsmith.storage.manifest import MANIFEST_NAME, Manifest
+from shardsmith.storage.shards import ReadStats
+from shardsmith.storage.formats import read_box, read_boxes
+from shardsmith.storage.tensor_files import DTYPE_NAMES
+from shardsmith.storage import formats as formats_module
 from shardsmith.trainer import checkpoint as checkpoint_module
 from shardsmith.trainer.async_save import AsyncCheckpointer
 from shardsmith.trainer.checkpoint import save_checkpoint
+
+from ckpt_factory import write_step
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
                     ffn_hidden_size=64, vocab_size=96, seq_length=16)
@@ -147,7 +152,7 @@ def test_save_while_one_is_in_flight_waits_for_it(gloo_group, tmp_path: Path, mo
     ckpt = AsyncCheckpointer(root, MODEL, DIMS)
     tensors = model_state()
     release, events = threading.Event(), []
-    real_write = checkpoint_module.write_shard_file
+    real_write = formats_module.write_shard_file
     real_plan = checkpoint_module.plan_local_writes
 
     def blocking_write(store, key, entries, *args, **kwargs):
@@ -163,7 +168,7 @@ def test_save_while_one_is_in_flight_waits_for_it(gloo_group, tmp_path: Path, mo
         events.append(f"plan {step}")
         return real_plan(step, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint_module, "write_shard_file", blocking_write)
+    monkeypatch.setattr(formats_module, "write_shard_file", blocking_write)
     monkeypatch.setattr("shardsmith.trainer.async_save.plan_local_writes", logged_plan)
     save_async(ckpt, 1, tensors)
     second = threading.Thread(target=save_async, args=(ckpt, 2, tensors))
@@ -248,7 +253,6 @@ def write_checkpoint(root: Store, chunk_nbytes: int) -> None:
     """Commit step 1 holding :func:`logical_tensors` split over two files as :func:`saved_boxes`
     (a file holds at most one box per tensor: the grid's boxes are split by key suffix)."""
     full = logical_tensors()
-    tensors = {fqn: TensorRecord(shape=list(t.shape), dtype=DTYPE_NAMES[t.dtype]) for fqn, t in full.items()}
     files = {}
     for index, name in enumerate(FILES):
         for part in range(2):             # "grid" has two boxes in each file: two key sets
@@ -256,17 +260,10 @@ def write_checkpoint(root: Store, chunk_nbytes: int) -> None:
                      for fqn, t in full.items()
                      for k, (i, box) in enumerate(saved_boxes()[fqn])
                      if i == index and (k // 2 if fqn == "grid" else 0) == part}
-            if not local:
-                continue
-            file = name if part == 0 else name.replace(".safetensors", "-2.safetensors")
-            encoded, records = encode_and_record(local, file, chunk_nbytes)
-            root.child(step_dir(1)).write(file, encoded.data)
-            files[file] = FileRecord(encoded.record.nbytes, encoded.record.crc32c)
-            for fqn, rec in records.items():
-                tensors[fqn].shards.append(rec)
-    layout = {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 1, "pipeline_split": [], "world_size": 2}
-    commit(root, Manifest(step=1, layout=layout, model={}, config={}, state={"step": 1}, tensors=tensors,
-                          files=files, chunk_nbytes=chunk_nbytes, created="test"))
+            if local:
+                files[name if part == 0 else name.replace(".safetensors", "-2.safetensors")] = local
+    write_step(root, 1, files, dims=ParallelDims(dp_shard=2), chunk_nbytes=chunk_nbytes,
+               tensors={fqn: (tuple(t.shape), DTYPE_NAMES[t.dtype]) for fqn, t in full.items()})
 
 
 def whole_file_tensors(step_store: Store, manifest: Manifest) -> dict[str, torch.Tensor]:

@@ -55,7 +55,7 @@ from shardsmith.layout.box import Box
 from shardsmith.storage.commit import (find_latest_committed, list_steps, read_latest_hint, read_manifest,
                                        step_dir)
 from shardsmith.storage.fs import Store
-from shardsmith.storage.shards import read_boxes
+from shardsmith.storage.formats import read_boxes
 from shardsmith.storage.verify import verify_checkpoint
 from shardsmith.trainer.metrics import iter_json_lines
 

@@ -20,8 +20,10 @@ from shardsmith.errors import IntegrityError, ManifestError
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import commit, read_manifest, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord, parse_manifest
-from shardsmith.storage.shards import encode_and_record, read_box
+from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
+from shardsmith.storage.manifest_parse import parse_manifest
+from shardsmith.storage.formats import read_box
+from shardsmith.storage.tensor_files import encode_and_record
 from shardsmith.storage.verify import verify_checkpoint
 
 STEP = 4

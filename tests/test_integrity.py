@@ -20,7 +20,7 @@ from shardsmith.storage.commit import (LATEST_NAME, commit, find_latest_committe
                                        read_manifest, resolve_checkpoint, step_dir)
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, ShardRecord
-from shardsmith.storage.shards import read_box
+from shardsmith.storage.formats import read_box
 from shardsmith.storage.verify import check_file_once, verify_checkpoint
 from shardsmith.trainer.checkpoint import load_into
 
@@ -69,7 +69,7 @@ def test_verify_streams_in_bounded_blocks(tmp_path) -> None:
     root = Store(str(tmp_path))
     manifest, _ = build_manifest(root, 1, chunk_nbytes=4096)
     big = torch.arange(256 * 1024, dtype=torch.float32)
-    from shardsmith.storage.shards import encode_and_record
+    from shardsmith.storage.tensor_files import encode_and_record
 
     encoded, records = encode_and_record({"big": (big, Box((0,), (big.numel(),)))}, "shards/big.safetensors", 4096)
     root.child(step_dir(1)).write("shards/big.safetensors", encoded.data)

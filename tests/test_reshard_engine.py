@@ -25,15 +25,19 @@ from shardsmith.reshard.diff import diff_checkpoints
 from shardsmith.reshard.engine import PROGRESS_NAME, reshard
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import checkpoint_specs, shard_file_name, write_assignment
-from shardsmith.reshard.planner import ReshardOptions, file_order, plan_reshard, safetensors_header
+from shardsmith.reshard.planner import ReshardOptions, plan_reshard
+from shardsmith.storage.safetensors import encode_header, file_order
 from shardsmith.reshard.scaleout import Share, assign_files
-from shardsmith.reshard.stream import BufferBudget, BufferPool, ChunkedCrc
+from shardsmith.reshard.stream import BufferBudget, BufferPool
 from shardsmith.layout.box import Box
-from shardsmith.storage.checksum import chunk_crc32c
-from shardsmith.storage.commit import commit, read_manifest, step_dir
+from shardsmith.storage.checksum import ChunkedCrc, chunk_crc32c
+from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import FileRecord, Manifest, TensorRecord
-from shardsmith.storage.shards import DTYPE_NAMES, encode_and_record, read_box
+from shardsmith.storage.manifest import Manifest
+from shardsmith.storage.formats import read_box
+from shardsmith.storage.tensor_files import DTYPE_NAMES
+
+from ckpt_factory import write_step
 
 MODEL = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
                     ffn_hidden_size=64, vocab_size=61, seq_length=16)
@@ -56,25 +60,10 @@ def save_direct(root: Store, full: dict[str, torch.Tensor], dims: ParallelDims, 
     with_optim = any(k.startswith("optim.") for k in full)
     specs = {fqn: dataclasses.replace(s, dtype=DTYPE_NAMES[full[fqn].dtype])
              for fqn, s in checkpoint_specs(MODEL, dims, with_optimizer=with_optim).items()}
-    tensors = {fqn: TensorRecord(list(s.shape), s.dtype) for fqn, s in specs.items()}
-    files = {}
-    step = root.child(step_dir(STEP))
-    for rank, items in write_assignment(specs, dims).items():
-        if not items:
-            continue
-        local = {fqn: (full[fqn][_slices(b)].contiguous(), b) for fqn, b in items}
-        encoded, records = encode_and_record(local, shard_file_name(rank), chunk)
-        step.write(shard_file_name(rank), encoded.data)
-        files[shard_file_name(rank)] = FileRecord(encoded.record.nbytes, encoded.record.crc32c)
-        for fqn, rec in records.items():
-            tensors[fqn].shards.append(rec)
-    for t in tensors.values():
-        t.shards.sort(key=lambda s: s.offsets)
-    manifest = Manifest(step=STEP, layout={**dims.to_json(), "world_size": dims.world_size},
-                        model=MODEL.to_json(), config={"parallel": dims.to_json()}, state={"step": STEP},
-                        tensors=tensors, files=files, chunk_nbytes=chunk, created="test")
-    commit(root, manifest)
-    return manifest
+    files = {shard_file_name(rank): {fqn: (full[fqn][_slices(b)].contiguous(), b) for fqn, b in items}
+             for rank, items in write_assignment(specs, dims).items() if items}
+    return write_step(root, STEP, files, dims=dims, chunk_nbytes=chunk, model=MODEL.to_json(),
+                      config={"parallel": dims.to_json()}, tensors={f: (s.shape, s.dtype) for f, s in specs.items()})
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +95,7 @@ def test_header_is_byte_identical_to_safetensors() -> None:
                                                           dtype=rng.choice(dtypes)) for i in range(25)}
     data = safetensors_save(tensors)
     order = sorted(tensors, key=lambda k: file_order(k, DTYPE_NAMES[tensors[k].dtype]))
-    header, _ = safetensors_header([(k, DTYPE_NAMES[tensors[k].dtype], tuple(tensors[k].shape),
+    header, _ = encode_header([(k, DTYPE_NAMES[tensors[k].dtype], tuple(tensors[k].shape),
                                      tensors[k].nbytes) for k in order])
     assert header == data[:len(header)]
     assert len(header) == 8 + struct.unpack("<Q", data[:8])[0]

@@ -37,14 +37,16 @@ from shardsmith.reshard.engine import reshard
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.plan import checkpoint_specs, rank_boxes
 from shardsmith.reshard.planner import ReshardOptions
-from shardsmith.reshard.zarr_convert import convert_format, layout_arrays
+from shardsmith.reshard.zarr_convert import convert_format
+from shardsmith.storage.formats import layout_arrays
 from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.gc import describe_steps, gc
 from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord
-from shardsmith.storage.shards import ReadStats, read_box, read_boxes
+from shardsmith.storage.shards import ReadStats
+from shardsmith.storage.formats import read_box, read_boxes
 from shardsmith.storage.verify import verify_checkpoint
 from shardsmith.storage.zarr_format import parse_codec, regular_chunks
 from shardsmith.trainer.async_save import AsyncCheckpointer

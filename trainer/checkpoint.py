@@ -15,7 +15,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
@@ -30,9 +29,11 @@ from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, step_dir
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord, TensorRecord
-from shardsmith.storage.shards import DTYPE_NAMES, ReadStats, read_boxes, write_shard_file
-from shardsmith.reshard.zarr_convert import add_zarr_records, gathered_zarr_nbytes, save_rank_chunks
+from shardsmith.storage.manifest import Manifest, ManifestBuilder
+from shardsmith.storage.shards import ReadStats
+from shardsmith.storage.formats import read_boxes
+from shardsmith.storage.formats import tensor_format as get_tensor_format
+from shardsmith.storage.tensor_files import DTYPE_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -177,10 +178,9 @@ def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, di
                      config: dict[str, Any], state: dict[str, Any], group: dist.ProcessGroup | None,
                      chunk_nbytes: int = DEFAULT_CHUNK_NBYTES, tensor_format: str = "safetensors",
                      zarr_codec: str = "") -> int:
-    """Write this rank's shard file, gather every rank's records on ``group`` (JSON, no
-    pickle), and on rank 0 validate coverage, write the manifest (commit) and ``latest``.
-    With ``tensor_format="zarr"`` each rank writes its boxes as zarr chunks instead and
-    rank 0 writes the zarr metadata before the manifest (see ``reshard/zarr_convert.py``).
+    """Write this rank's boxes in ``tensor_format`` (:mod:`shardsmith.storage.formats`),
+    gather every rank's records on ``group`` (JSON, no pickle), and on rank 0 add them (and
+    any format metadata) to the manifest, validate coverage and commit it, then ``latest``.
 
     Every rank of ``group`` calls it with the same step. Returns total data bytes.
 
@@ -189,18 +189,12 @@ def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, di
     """
     rank = dist.get_rank(group)
     step_store = root.child(step_dir(plan.step))
+    fmt = get_tensor_format(tensor_format, zarr_codec)
     file_name = shard_file_name(dist.get_rank())
     error, records = "", {}
     crash_point("save.begin", step=plan.step)              # test hooks (storage/crashpoints.py)
     try:
-        if tensor_format == "zarr":
-            records = save_rank_chunks(step_store, plan.entries, plan.specs, dims, zarr_codec, chunk_nbytes)
-        elif plan.entries:
-            entries = [(fqn, t.detach().to("cpu")) for fqn, t, _ in plan.entries]
-            file_rec, shard_recs = write_shard_file(step_store, file_name, entries, chunk_nbytes,
-                                                    {fqn: box for fqn, _, box in plan.entries})
-            records = {"file": [file_name, file_rec.nbytes, file_rec.crc32c],
-                       "shards": {fqn: r.to_json() for fqn, r in shard_recs.items()}}
+        records = fmt.write_rank(step_store, dist.get_rank(), plan.entries, plan.specs, dims, chunk_nbytes)
     except Exception as exc:  # reported to every rank below; nothing is committed
         log.exception("rank %d: writing %s failed", rank, step_store.url_of(file_name))
         error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
@@ -212,11 +206,11 @@ def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, di
     commit_error = ""
     if rank == 0:
         try:
-            manifest = _build_manifest(plan.step, gathered, plan.specs, model_cfg, dims, config, state,
-                                       chunk_nbytes)
-            if tensor_format == "zarr":
-                add_zarr_records(manifest, gathered, step_store, plan.specs, dims, zarr_codec)
-            commit(root, manifest)                   # validates (schema, coverage) before writing
+            builder = ManifestBuilder(step=plan.step, dims=dims, model=model_cfg.to_json(), config=config,
+                                      state=state, tensors={f: (s.shape, s.dtype) for f, s in plan.specs.items()},
+                                      chunk_nbytes=chunk_nbytes, tensor_format=fmt.name)
+            fmt.add_records(builder, gathered, step_store, plan.specs, dims)
+            commit(root, builder.build())                   # validates (schema, coverage) before writing
         except Exception as exc:
             log.exception("committing step %d failed", plan.step)
             commit_error = f"commit: {type(exc).__name__}: {exc}"
@@ -224,7 +218,7 @@ def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, di
     if commit_error:
         raise SaveError(f"checkpoint step {plan.step} not committed: {commit_error}")
     crash_point("save.end")
-    return sum(g["file"][1] for g in gathered if "file" in g) + gathered_zarr_nbytes(gathered)
+    return fmt.gathered_nbytes(gathered)
 
 
 def save_checkpoint(root: Store, step: int, tensors: dict[str, torch.Tensor], *, model_cfg: ModelConfig,
@@ -252,26 +246,6 @@ def save_checkpoint(root: Store, step: int, tensors: dict[str, torch.Tensor], *,
                               zarr_codec=zarr_codec)
     seconds = time.perf_counter() - t0
     return SaveResult(step, nbytes, seconds, seconds)
-
-
-def _build_manifest(step: int, gathered: list[dict[str, Any]], specs: dict, model_cfg: ModelConfig,
-                    dims: ParallelDims, config: dict[str, Any], state: dict[str, Any],
-                    chunk_nbytes: int) -> Manifest:
-    tensors = {fqn: TensorRecord(shape=list(s.shape), dtype=s.dtype) for fqn, s in specs.items()}
-    files: dict[str, FileRecord] = {}
-    for g in gathered:
-        if "file" not in g:
-            continue
-        name, nbytes, crc = g["file"]
-        files[name] = FileRecord(nbytes=nbytes, crc32c=crc)
-        for fqn, r in g["shards"].items():
-            tensors[fqn].shards.append(ShardRecord(**r))
-    for t in tensors.values():
-        t.shards.sort(key=lambda s: s.offsets)
-    return Manifest(step=step, layout={**dims.to_json(), "world_size": dims.world_size},
-                    model=model_cfg.to_json(), config=config, state=state, tensors=tensors,
-                    files=files, chunk_nbytes=chunk_nbytes,
-                    created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
 
 def load_into(step_store: Store, manifest: Manifest, tensors: dict[str, torch.Tensor],

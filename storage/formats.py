@@ -1,0 +1,165 @@
+"""Tensor formats: how one step's logical tensors become files, behind one interface.
+
+A :class:`TensorFormat` is used in three phases, like DCP's ``StorageWriter``/``StorageReader``:
+
+1. every writing rank: :meth:`TensorFormat.write_rank` writes that rank's boxes and returns
+   JSON-safe records (gathered to the coordinator; no pickle);
+2. the coordinator only, before the commit: :meth:`TensorFormat.add_records` puts every
+   rank's records (and any format metadata it writes) into the
+   :class:`~shardsmith.storage.manifest.ManifestBuilder`;
+3. any reader: :func:`read_boxes` reads boxes of a committed step in whatever format its
+   manifest names.
+
+:func:`tensor_format` is the one place that maps a format name to its implementation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from shardsmith.errors import ConfigError
+from shardsmith.layout import ParallelDims
+from shardsmith.layout.box import Box
+from shardsmith.layout.plan import TensorSpec, shard_file_name, write_assignment
+from shardsmith.storage.fs import Store
+from shardsmith.storage.manifest import TENSOR_FORMATS, FileRecord, Manifest, ManifestBuilder, ShardRecord
+from shardsmith.storage.shards import ReadStats, read_safetensors_boxes
+from shardsmith.storage.tensor_files import write_shard_file
+from shardsmith.storage.zarr_format import ZarrArray, parse_codec, regular_chunks, write_chunks, write_metadata
+from shardsmith.storage.zarr_read import read_zarr_boxes
+
+#: Prefix of the tensors the zarr codec compresses (optimizer state; parameters stay raw).
+COMPRESSED_PREFIX = "optim."
+#: (fqn, local CPU tensor of shape ``box.lengths``, global box) of one shard a rank writes.
+Entry = tuple[str, torch.Tensor, Box]
+Request = tuple[str, Box, "torch.Tensor | None"]
+
+
+class TensorFormat(Protocol):
+    """How a checkpoint's tensors are laid out in files (see the module docstring for the phases)."""
+
+    name: str
+
+    def write_rank(self, step_store: Store, rank: int, entries: list[Entry], specs: dict[str, TensorSpec],
+                   dims: ParallelDims, chunk_nbytes: int) -> dict[str, Any]:
+        """Every rank: write this rank's ``entries`` (possibly none); its JSON records."""
+        ...
+
+    def add_records(self, builder: ManifestBuilder, gathered: list[dict[str, Any]], step_store: Store,
+                    specs: dict[str, TensorSpec], dims: ParallelDims) -> None:
+        """Coordinator only, before the commit: every rank's records (and format metadata) into ``builder``."""
+        ...
+
+    def gathered_nbytes(self, gathered: list[dict[str, Any]]) -> int:
+        """Data bytes written by all ranks, from their gathered records."""
+        ...
+
+
+class SafetensorsFormat:
+    """One safetensors file per writing rank (``shards/rank-NNNNN.safetensors``)."""
+
+    name = "safetensors"
+
+    def write_rank(self, step_store: Store, rank: int, entries: list[Entry], specs: dict[str, TensorSpec],
+                   dims: ParallelDims, chunk_nbytes: int) -> dict[str, Any]:
+        if not entries:
+            return {}
+        name = shard_file_name(rank)
+        record, shards = write_shard_file(step_store, name, [(fqn, t.detach().to("cpu")) for fqn, t, _ in entries],
+                                          chunk_nbytes, {fqn: box for fqn, _, box in entries})
+        return {"file": [name, record.nbytes, record.crc32c],
+                "shards": {fqn: r.to_json() for fqn, r in shards.items()}}
+
+    def add_records(self, builder: ManifestBuilder, gathered: list[dict[str, Any]], step_store: Store,
+                    specs: dict[str, TensorSpec], dims: ParallelDims) -> None:
+        for g in gathered:
+            if "file" in g:
+                name, nbytes, crc = g["file"]
+                builder.add_file(name, FileRecord(nbytes=nbytes, crc32c=crc),
+                                 {fqn: ShardRecord(**r) for fqn, r in g["shards"].items()})
+
+    def gathered_nbytes(self, gathered: list[dict[str, Any]]) -> int:
+        return sum(g["file"][1] for g in gathered if "file" in g)
+
+
+class ZarrFormat:
+    """One zarr v3 array per logical tensor, chunked on the layout's shard boundaries;
+    ``codec`` compresses the optimizer state (see :func:`zarr_format.parse_codec`)."""
+
+    name = "zarr"
+
+    def __init__(self, codec: str = "") -> None:
+        parse_codec(codec)
+        self.codec = codec
+
+    def write_rank(self, step_store: Store, rank: int, entries: list[Entry], specs: dict[str, TensorSpec],
+                   dims: ParallelDims, chunk_nbytes: int) -> dict[str, Any]:
+        files, shards = write_chunks(step_store, layout_arrays(specs, dims, self.codec), entries, chunk_nbytes)
+        return {"zarr": {"files": {k: [f.nbytes, f.crc32c] for k, f in files.items()},
+                         "shards": {fqn: [r.to_json() for r in recs] for fqn, recs in shards.items()}}}
+
+    def add_records(self, builder: ManifestBuilder, gathered: list[dict[str, Any]], step_store: Store,
+                    specs: dict[str, TensorSpec], dims: ParallelDims) -> None:
+        for name, record in write_metadata(step_store, layout_arrays(specs, dims, self.codec).values()).items():
+            builder.add_file(name, record)
+        for g in gathered:
+            part = g.get("zarr", {})
+            for name, (nbytes, crc) in part.get("files", {}).items():
+                builder.add_file(name, FileRecord(nbytes=nbytes, crc32c=crc))
+            for fqn, recs in part.get("shards", {}).items():
+                builder.add_shards(fqn, (ShardRecord(**r) for r in recs))
+
+    def gathered_nbytes(self, gathered: list[dict[str, Any]]) -> int:
+        return sum(f[0] for g in gathered for f in g.get("zarr", {}).get("files", {}).values())
+
+
+def tensor_format(name: str, codec: str = "") -> TensorFormat:
+    """The implementation of format ``name`` (``codec``: zarr compression, ignored otherwise).
+
+    Raises:
+        ConfigError: an unknown format or codec.
+    """
+    if name == SafetensorsFormat.name:
+        return SafetensorsFormat()
+    if name == ZarrFormat.name:
+        return ZarrFormat(codec)
+    raise ConfigError(f"tensor format {name!r}: choose one of {list(TENSOR_FORMATS)}")
+
+
+def layout_arrays(specs: dict[str, TensorSpec], dims: ParallelDims, codec: str = "") -> dict[str, ZarrArray]:
+    """The zarr array of every tensor saved in layout ``dims``. Pure.
+
+    The chunk grid is :func:`~shardsmith.storage.zarr_format.regular_chunks` of the
+    distinct boxes the layout writes; ``codec`` compresses the optimizer state
+    (``optim.*``, except 0-d step counters).
+
+    Raises:
+        ConfigError: an unknown codec.
+    """
+    name, level = parse_codec(codec)
+    spec_codec = f"{name}:{level}" if name else ""
+    boxes: dict[str, list[Box]] = {fqn: [] for fqn in specs}
+    for items in write_assignment(specs, dims).values():
+        for fqn, box in items:
+            boxes[fqn].append(box)
+    return {fqn: ZarrArray(fqn, s.shape, s.dtype, regular_chunks(s.shape, boxes[fqn]),
+                           spec_codec if fqn.startswith(COMPRESSED_PREFIX) and s.shape else "")
+            for fqn, s in specs.items()}
+
+
+def read_boxes(store: Store, manifest: Manifest, requests: Sequence[Request], stats: ReadStats | None = None,
+               source: str = "") -> list[torch.Tensor]:
+    """Assemble boxes of logical tensors from a committed step, whatever its format
+    (:func:`shardsmith.storage.shards.read_safetensors_boxes` for the contract: shapes,
+    destinations, verified ranged reads, errors raised). Any rank, any number of calls."""
+    reader = read_zarr_boxes if manifest.tensor_format == ZarrFormat.name else read_safetensors_boxes
+    return reader(store, manifest, requests, stats, source)
+
+
+def read_box(store: Store, manifest: Manifest, fqn: str, box: Box, out: torch.Tensor | None = None,
+             stats: ReadStats | None = None, source: str = "") -> torch.Tensor:
+    """One box of ``fqn`` (global elements) as a tensor of shape ``box.lengths`` (``out`` when
+    given); see :func:`read_boxes`."""
+    return read_boxes(store, manifest, [(fqn, box, out)], stats, source)[0]
