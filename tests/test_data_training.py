@@ -14,10 +14,8 @@ from shardsmith.layout import ParallelDims
 from shardsmith.trainer.config import CheckpointConfig, DataConfig, TrainConfig
 from shardsmith.trainer.data import TokenDataset, resolve_vocab_size, stdlib_corpus
 
-tokenizers = pytest.importorskip("tokenizers")
-
-from conftest import TINY_MODEL, tiny_train_config  # noqa: E402
-from tokenizer_factory import sample_text, train_hf_bpe  # noqa: E402
+from conftest import TINY_MODEL, tiny_train_config
+from tokenizer_factory import sample_text, train_hf_bpe
 
 MEGATRON = Path(__file__).resolve().parent / "fixtures" / "megatron" / "tiny_uint16_text_document"
 
@@ -39,6 +37,7 @@ def _train(cfg: TrainConfig, steps: int):
 def test_bpe_tokenizer_over_default_corpus(gloo_group, tmp_path: Path, request) -> None:
     """The first run tokenizes the stdlib (~30 MB; tens of seconds) into the pytest cache;
     later runs memory-map it."""
+    tokenizers = pytest.importorskip("tokenizers")
     path = train_hf_bpe(tmp_path / "tokenizer.json", sample_text(), vocab_size=400)
     cache = request.config.cache.mkdir("shardsmith-tokens")
     cfg = _config(DataConfig(tokenizer=str(path), cache_dir=str(cache)))
