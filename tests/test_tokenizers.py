@@ -192,3 +192,32 @@ def test_cache_is_keyed_by_corpus_and_tokenizer(tmp_path: Path, hf_path: Path,
     changed = load_tokens(cfg)
     assert len(list(cache.glob("*.tokens"))) == 3 and not np.array_equal(changed, first)
     assert cache_key({"a": 1}) != cache_key({"a": 2})
+
+
+def test_concurrent_starts_tokenize_once(tmp_path: Path) -> None:
+    """Two local ranks ask for the same entry at once: one builds, the other waits, then both
+    read it. (Threads: each opens the lock file itself, and flock locks of separate opens
+    exclude each other as between processes.)"""
+    import threading
+    import time
+
+    from shardsmith.trainer.data.cache import cached_tokens
+
+    builds: list[int] = []
+    results: list[np.ndarray] = []
+
+    def build() -> np.ndarray:
+        builds.append(1)
+        time.sleep(0.5)
+        return np.arange(1000, dtype=np.uint16)
+
+    def rank() -> None:
+        results.append(cached_tokens(tmp_path / "cache", {"corpus": "c"}, build))
+
+    threads = [threading.Thread(target=rank) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert builds == [1] and len(results) == 2
+    assert all(r.tolist() == list(range(1000)) for r in results)
