@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from shardsmith.cli.greedy import GreedyOption
 from shardsmith.cli.options import layout_options, model_options, storage_option
 from shardsmith.errors import ShardsmithError
 from shardsmith.storage.fs import parse_storage_options
@@ -88,9 +89,15 @@ def make_dims(tp: int, pp: int, dp_shard: int, dp_replicate: int, pipeline_split
 @click.option("--grad-clip", "--clip-grad", "grad_clip", type=float, default=1.0, show_default=True,
               help="Clip the global gradient norm to this (0 = off).")
 @click.option("--seed", type=int, default=1234, show_default=True, help="Init and data-order seed.")
-@click.option("--data", multiple=True, metavar="PATH|GLOB|URL",
-              help="Training text or nanoGPT .bin token files (repeatable). Default: the Python "
-                   "standard library's .py files, found at run time.")
+@click.option("--data", "--data-path", "data", multiple=True, cls=GreedyOption, metavar="[W] SOURCE ...",
+              help="Text, .jsonl, .parquet, hf:NAME or a save_to_disk dir, nanoGPT .bin, or a Megatron "
+                   "indexed PREFIX (.bin+.idx); files, globs or URLs. Weighted blend: --data 0.7 A 0.3 B. "
+                   "Default: the Python standard library's .py files, found at run time.")
+@click.option("--tokenizer", default="", metavar="PATH",
+              help="Hugging Face tokenizer.json (or its directory) or a .tiktoken file. Default: bytes.")
+@click.option("--text-key", default="text", show_default=True, help="Text field of JSONL/Parquet/HF rows.")
+@click.option("--data-cache", default="", metavar="DIR|none",
+              help="Cache of tokenized text (default: $SHARDSMITH_DATA_CACHE or ~/.cache/shardsmith/tokens).")
 @click.option("--token-dtype", type=click.Choice(["auto", "uint16", "uint32"]), default="auto",
               show_default=True, help="Element type of .bin token files.")
 @click.option("--mixed-precision", type=click.Choice(["fp32", "bf16"]), default="fp32",
@@ -162,18 +169,23 @@ def train_config(f: dict[str, Any], world: int | None):
     """Map ``train``'s flags onto :class:`~shardsmith.trainer.config.TrainConfig` (one field each)."""
     from shardsmith.trainer.config import (CheckpointConfig, DataConfig, FaultConfig, ModelConfig,
                                            OptimConfig, TrainConfig)
+    from shardsmith.trainer.data import parse_data_args, resolve_vocab_size
 
     def pick(*names: str) -> dict[str, Any]:
         return {n: f[n] for n in names}
 
+    sources, weights = parse_data_args(f["data"])
+    data = DataConfig(sources=sources, weights=weights, token_dtype=f["token_dtype"], seed=f["seed"],
+                      tokenizer=f["tokenizer"], text_key=f["text_key"], cache_dir=f["data_cache"])
     return TrainConfig(
-        model=ModelConfig(**pick("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
-                                 "ffn_hidden_size", "vocab_size", "seq_length", "tie_embeddings",
-                                 "rope_theta", "norm_eps")),
+        model=ModelConfig(vocab_size=resolve_vocab_size(data, f["vocab_size"]),
+                          **pick("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
+                                 "ffn_hidden_size", "seq_length", "tie_embeddings", "rope_theta",
+                                 "norm_eps")),
         parallel=make_dims(f["tp"], f["pp"], f["dp_shard"], f["dp_replicate"], f["pipeline_split"], world),
         optim=OptimConfig(**pick("lr", "decay_steps", "min_lr_ratio", "warmup_steps", "weight_decay",
                                  "grad_clip")),
-        data=DataConfig(sources=tuple(f["data"]), token_dtype=f["token_dtype"], seed=f["seed"]),
+        data=data,
         checkpoint=CheckpointConfig(
             url=f["ckpt"], storage_options=parse_storage_options(f["storage_options"]),
             **pick("save_interval", "resume", "init_from", "keep_last", "keep_every", "async_save",

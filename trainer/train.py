@@ -38,7 +38,7 @@ from shardsmith.trainer.async_save import AsyncCheckpointer
 from shardsmith.trainer.checkpoint import (SaveResult, gather_json, init_optimizer_state, load_into,
                                            model_state_tensors, save_checkpoint)
 from shardsmith.trainer.config import TrainConfig
-from shardsmith.trainer.data import GlobalBatchSampler, TokenDataset, load_tokens, vocab_size_needed
+from shardsmith.trainer.data import GlobalBatchSampler, build_dataset
 from shardsmith.trainer.fault import (BadStepPolicy, FaultGuard, TrainingDiverged, any_rank,
                                       apply_collective_timeout, choose_resume, elastic_restart_count,
                                       fit_world_size, set_group_timeouts, warn_if_restarts_unsafe)
@@ -122,11 +122,7 @@ class Trainer:
         mesh = build_mesh(dims)
         rank = dist.get_rank()
         coords = dims.coords(rank)
-        tokens = load_tokens(cfg.data)
-        if vocab_size_needed(tokens) > cfg.model.vocab_size:
-            raise ValueError(f"data needs vocab_size >= {vocab_size_needed(tokens)}, model has "
-                             f"{cfg.model.vocab_size}; pass --vocab-size")
-        dataset = TokenDataset(tokens, cfg.model.seq_length, cfg.data.seed)
+        dataset = build_dataset(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
         dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
         sampler = GlobalBatchSampler(dataset, global_batch_size=cfg.global_batch_size,
                                      dp_degree=dims.dp, dp_rank=dp_rank)
