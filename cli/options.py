@@ -216,13 +216,13 @@ def _model_option(field: str) -> F:
     shown = (f"--{field.replace('_', '-')}" if tiny else f"--no-{field.replace('_', '-')}") \
         if kind is bool else tiny
     return click.option(*decls, field, type=None if kind is bool else kind, default=None,
-                        show_default=f"the preset's; {DEFAULT_PRESET}: {shown}", help=help)
+                        show_default=f"{DEFAULT_PRESET}: {shown}", help=help)
 
 
 model_options = stack(
     click.option("--model", "model_preset", type=click.Choice(list(PRESETS)), default=None,
-                 help=f"Start from a published shape; any model flag overrides it.  [default: "
-                      f"{DEFAULT_PRESET}]"),
+                 help="Start from a published shape; the model flags default to its values and "
+                      f"override them.  [default: {DEFAULT_PRESET}]"),
     *(_model_option(field) for field in MODEL_FLAGS),
 )
 
