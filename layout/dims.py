@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardsmith.errors import ConfigError
+from shardsmith.errors import ConfigError, LayoutError
 
 #: Mesh axis names, major to minor (tp innermost so TP groups are neighbouring ranks).
 MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -44,6 +44,23 @@ class ParallelDims:
             raise ConfigError(
                 f"pipeline_split={','.join(map(str, self.pipeline_split))} has "
                 f"{len(self.pipeline_split)} stages but pp={self.pp}")
+
+    @classmethod
+    def for_world_size(cls, world_size: int, *, pp: int = 1, dp_replicate: int = 1, tp: int = 1,
+                       pipeline_split: tuple[int, ...] = ()) -> "ParallelDims":
+        """The layout whose ``dp_shard`` takes the rest of ``world_size`` (``--dp-shard -1``,
+        as torchtitan's ``dp_shard=-1``): ``world_size / (pp * dp_replicate * tp)``.
+
+        Raises:
+            LayoutError: ``world_size`` is not a positive multiple of ``pp * dp_replicate * tp``.
+        """
+        fixed = pp * dp_replicate * tp
+        if world_size < 1 or fixed < 1 or world_size % fixed:
+            raise LayoutError(f"world size {world_size} is not a multiple of pp*dp_replicate*tp = "
+                              f"{pp}*{dp_replicate}*{tp} = {fixed}; use a world size (--nproc-per-node) "
+                              f"that is a multiple of {fixed}")
+        return cls(pp=pp, dp_replicate=dp_replicate, dp_shard=world_size // fixed, tp=tp,
+                   pipeline_split=pipeline_split)
 
     @property
     def world_size(self) -> int:

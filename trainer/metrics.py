@@ -20,11 +20,9 @@ import logging
 import math
 import os
 import threading
-from math import prod
 from typing import Any, Iterator
 
-from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.plan import param_specs
+from shardsmith.layout.estimate import flops_per_token  # noqa: F401 (its home; re-exported)
 from shardsmith.trainer.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -36,28 +34,6 @@ TB_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "skipped_steps",
 TB_EVENT_SCALARS = (("save", "seconds", "save_seconds"), ("save", "blocked_seconds", "save_blocked_seconds"),
                     ("save", "nbytes", "save_nbytes"), ("resume", "seconds", "load_seconds"),
                     ("resume", "nbytes_read", "load_nbytes"))
-
-
-def flops_per_token(model: ModelConfig) -> float:
-    """Model FLOPs of one training token (forward + backward), without recomputation.
-
-    ``6 * N + 12 * L * H * Q * T`` (Chowdhery et al. 2022, "PaLM", appendix B): N is the
-    number of parameters that take part in matrix multiplies (all but the input embedding
-    table, which is a lookup; with tied embeddings the output projection still counts),
-    L layers, H query heads, Q = head dim, T = sequence length; the second term is the
-    attention score and value matmuls (counted for the full T x T matrix, as PaLM does).
-    The same convention as nanoGPT's ``estimate_mfu`` and torchtitan's
-    ``get_num_flop_per_token``.
-
-    Returns:
-        FLOPs per token (float, unitless count).
-    """
-    specs = param_specs(model, ParallelDims())
-    num_params = sum(prod(s.shape) for fqn, s in specs.items() if fqn != "tok_embeddings.weight")
-    if model.tie_embeddings:
-        num_params += model.vocab_size * model.hidden_size          # the output matmul
-    head_dim = model.hidden_size // model.num_attention_heads
-    return 6.0 * num_params + 12.0 * model.num_layers * model.num_attention_heads * head_dim * model.seq_length
 
 
 def model_flops_utilization(tokens_per_s: float, flops_token: float, peak_flops: float,
