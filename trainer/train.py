@@ -130,11 +130,9 @@ class Trainer:
         dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
         sampler = GlobalBatchSampler(dataset, global_batch_size=cfg.global_batch_size,
                                      dp_degree=dims.dp, dp_rank=dp_rank)
-        model, stage = build_stage_model(cfg.model, dims, coords["pp"], cfg.seed)
+        model, stage = build_stage_model(cfg.model, dims, mesh, seed=cfg.seed, bf16=cfg.mixed_precision == "bf16",
+                                         activation_checkpointing=cfg.activation_checkpointing)
         seed_rng(cfg.seed, 0, coords)
-        model = model.to(device_type())
-        parallelize(model, mesh, dims, bf16=cfg.mixed_precision == "bf16",
-                    activation_checkpointing=cfg.activation_checkpointing)
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.optim.decay_steps or cfg.steps))
         schedule = None
