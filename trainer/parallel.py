@@ -150,8 +150,10 @@ def placement_axes(p: torch.Tensor, ndim: int) -> tuple[tuple[str, ...], ...]:
     minor: list[list[str]] = [[] for _ in range(ndim)]
     if isinstance(p, DTensor):
         for axis, placement in zip(p.device_mesh.mesh_dim_names, p.placements):
-            if isinstance(placement, Shard):
-                (minor if isinstance(placement, _StridedShard) else major)[placement.dim].append(axis)
+            if isinstance(placement, _StridedShard):
+                minor[placement.dim].append(axis)
+            elif isinstance(placement, Shard):
+                major[placement.dim].append(axis)
     return tuple(tuple(a + b) for a, b in zip(major, minor))
 
 
