@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
                                                parallelize_module)
@@ -168,17 +170,41 @@ def check_placements(model: Transformer, specs: dict[str, TensorSpec], dims: Par
         assert got == want, f"{fqn}: DTensor placements split dims by {got}, the plan says {want}"
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, *, bf16: bool, pipelined: bool) -> None:
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, *, bf16: bool) -> None:
     """FSDP2 (ZeRO-3) over ``dp_shard``, HSDP replication over ``dp_replicate`` when the mesh is 2-D.
 
-    Each block is its own FSDP unit, then the root. With pipelining, parameters stay
-    unsharded between microbatches (``reshard_after_forward=False``), as torchtitan does.
+    Each block is its own FSDP unit, then the root; parameters are resharded after every
+    forward, also with pipelining (with :class:`ShardedGradPipelineStage`, only one block's
+    unsharded parameters and gradients exist at a time, not the whole stage's).
     """
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=not pipelined)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=not pipelined)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
+
+
+class ShardedGradPipelineStage(PipelineStage):
+    """``PipelineStage`` that keeps FSDP2 gradients sharded between microbatches.
+
+    Upstream (torch 2.13 ``_PipelineStageBase.backward_maybe_with_nosync``) turns FSDP's
+    gradient sync and reshard-after-backward off for every microbatch and reduces once at
+    the end: each rank then holds its whole stage's parameters *and* gradients unsharded
+    (``dp_shard`` times its share of each), which defeats ZeRO-3. Here every microbatch's
+    backward reduce-scatters each block's gradient into the sharded one (FSDP2 accumulates)
+    and reshards, at the price of one all-gather and one reduce-scatter per block and
+    microbatch. Same constructor as ``PipelineStage``; every rank of a stage uses it.
+    """
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type != "full" or not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        self.submod.set_is_last_backward(False)         # the schedule's final reduce step finishes
+        self.submod.set_reshard_after_backward(True)
+        self.submod.set_requires_gradient_sync(True)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                               bwd_kwargs["input_values"])
+        return grads, None
 
 
 def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, *, bf16: bool,
@@ -190,7 +216,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, *, bf1
         apply_tp(model, mesh["tp"])
     if dims.dp > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, bf16=bf16, pipelined=dims.pp > 1)
+        apply_fsdp(model, dp_mesh, bf16=bf16)
     return model
 
 
