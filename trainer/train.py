@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import Schedule1F1B
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -47,7 +47,7 @@ from shardsmith.trainer.metrics import (MetricsWriter, flops_per_token, iter_jso
                                         run_dir, step_line, step_record)
 from shardsmith.trainer.optim import build_optimizer, lr_lambda
 from shardsmith.trainer.parallel import (build_grad_sum_groups, build_mesh, build_stage_model, device_type,
-                                        init_distributed, parallelize, finalize_grads)
+                                        init_distributed, finalize_grads, ShardedGradPipelineStage)
 from shardsmith.trainer.rng import apply_rng, gather_rng, seed_rng
 
 log = logging.getLogger("shardsmith.train")
@@ -126,16 +126,14 @@ class Trainer:
         dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
         sampler = GlobalBatchSampler(dataset, global_batch_size=cfg.global_batch_size,
                                      dp_degree=dims.dp, dp_rank=dp_rank)
-        model, stage = build_stage_model(cfg.model, dims, coords["pp"], cfg.seed)
+        model, stage = build_stage_model(cfg.model, dims, mesh, seed=cfg.seed, bf16=cfg.mixed_precision == "bf16",
+                                         activation_checkpointing=cfg.activation_checkpointing)
         seed_rng(cfg.seed, 0, coords)
-        model = model.to(device_type())
-        parallelize(model, mesh, dims, bf16=cfg.mixed_precision == "bf16",
-                    activation_checkpointing=cfg.activation_checkpointing)
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.optim.decay_steps or cfg.steps))
         schedule = None
         if dims.pp > 1:
-            pipe = PipelineStage(model, stage.index, stage.num_stages, torch.device(device_type()),
+            pipe = ShardedGradPipelineStage(model, stage.index, stage.num_stages, torch.device(device_type()),
                                  group=mesh["pp"].get_group())
             schedule = Schedule1F1B(pipe, n_microbatches=num_mb, loss_fn=_loss_fn)
         root = Store(cfg.checkpoint.url, cfg.checkpoint.storage_options) if cfg.checkpoint.url else None
