@@ -1,12 +1,12 @@
 """The training loop: build the stage, parallelize, resume, step, checkpoint.
 
 Every rank runs :func:`run_training` with the same config (launched by torchrun). The
-loop survives failures (see :mod:`shardsmith.trainer.fault`; checkpoint policy in
-:mod:`shardsmith.trainer.checkpointing`, the step's math in :mod:`shardsmith.trainer.step`): after an elastic restart it
-resumes from the newest committed checkpoint, in whatever layout the new world size
-gives; SIGTERM/SIGUSR1 checkpoint at the next step boundary and return; a non-finite
-loss or gradient norm skips the update, and too many in a row roll back; a watchdog
-dumps the stacks of a hung step. What happened goes to ``metrics.jsonl``
+checkpoint policy lives in :mod:`shardsmith.trainer.checkpointing`, the step's math in
+:mod:`shardsmith.trainer.step`. The loop survives failures (:mod:`shardsmith.trainer.fault`):
+after an elastic restart it resumes from the newest committed checkpoint, in whatever
+layout the new world size gives; SIGTERM/SIGUSR1 checkpoint at the next step boundary and
+return; a non-finite loss or gradient norm skips the update, and too many in a row roll
+back; a watchdog dumps the stacks of a hung step. What happened goes to ``metrics.jsonl``
 (:mod:`shardsmith.trainer.metrics`).
 """
 
