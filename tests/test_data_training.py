@@ -43,7 +43,7 @@ def test_bpe_tokenizer_over_default_corpus(gloo_group, tmp_path: Path, request) 
     cfg = _config(DataConfig(tokenizer=str(path), cache_dir=str(cache)))
     assert cfg.model.vocab_size == 400
     trainer, metrics = _train(cfg, 3)
-    dataset = trainer.sampler.dataset
+    dataset = trainer.state.sampler.dataset
     assert isinstance(dataset, TokenDataset) and dataset.tokens.dtype == np.uint16
     assert int(np.max(dataset.tokens[:1_000_000])) < 400
     tok = tokenizers.Tokenizer.from_file(str(path))
@@ -57,7 +57,7 @@ def test_megatron_indexed_dataset(gloo_group) -> None:
     cfg = _config(DataConfig(sources=(str(MEGATRON),)))
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=1000))
     trainer, metrics = _train(cfg, 3)
-    inputs, _ = trainer.sampler.dataset.batch(0, 8)
+    inputs, _ = trainer.state.sampler.dataset.batch(0, 8)
     bin_tokens = np.fromfile(str(MEGATRON) + ".bin", dtype=np.uint16).astype(np.int64)
     for row in inputs.numpy():  # every sample is a window of the .bin
         starts = np.flatnonzero(bin_tokens == row[0])

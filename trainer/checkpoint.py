@@ -34,39 +34,9 @@ from shardsmith.storage.shards import ReadStats
 from shardsmith.storage.formats import read_boxes
 from shardsmith.storage.formats import tensor_format as get_tensor_format
 from shardsmith.storage.tensor_files import DTYPE_NAMES
+from shardsmith.trainer.comm import broadcast_text, gather_json
 
 log = logging.getLogger(__name__)
-
-
-def gather_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
-    """All-gather a JSON-serializable object from every rank (UTF-8 bytes over the
-    process group; no pickle). Every rank of ``group`` must call it."""
-    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    world = dist.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: data.numel()] = data
-    out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(out, padded, group=group)
-    return [json.loads(bytes(t[: int(s.item())].tolist())) for t, s in zip(out, sizes)]
-
-
-def _broadcast_text(text: str, group: dist.ProcessGroup | None = None) -> str:
-    """Rank 0's ``text`` on every rank of ``group`` (UTF-8 over the process group; one small
-    collective when it is empty, the common case). Every rank of ``group`` must call it."""
-    data = text.encode() if dist.get_rank(group) == 0 else b""
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.broadcast(size, src=src, group=group)
-    if int(size.item()) == 0:
-        return ""
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size.item()),
-                                                                                          dtype=torch.uint8)
-    dist.broadcast(buf, src=src, group=group)
-    return bytes(buf.tolist()).decode()
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -190,14 +160,14 @@ def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, di
     rank = dist.get_rank(group)
     step_store = root.child(step_dir(plan.step))
     fmt = get_tensor_format(tensor_format, zarr_codec)
-    file_name = shard_file_name(dist.get_rank())
+    file_name = shard_file_name(rank)
     error, records = "", {}
     crash_point("save.begin", step=plan.step)              # test hooks (storage/crashpoints.py)
     try:
-        records = fmt.write_rank(step_store, dist.get_rank(), plan.entries, plan.specs, dims, chunk_nbytes)
+        records = fmt.write_rank(step_store, rank, plan.entries, plan.specs, dims, chunk_nbytes)
     except Exception as exc:  # reported to every rank below; nothing is committed
         log.exception("rank %d: writing %s failed", rank, step_store.url_of(file_name))
-        error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+        error = f"rank {rank}: {type(exc).__name__}: {exc}"
     gathered = gather_json({"error": error, **records}, group)
     crash_point("save.after_gather")
     errors = [g["error"] for g in gathered if g["error"]]
@@ -214,7 +184,7 @@ def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, di
         except Exception as exc:
             log.exception("committing step %d failed", plan.step)
             commit_error = f"commit: {type(exc).__name__}: {exc}"
-    commit_error = _broadcast_text(commit_error, group)
+    commit_error = broadcast_text(commit_error, group)
     if commit_error:
         raise SaveError(f"checkpoint step {plan.step} not committed: {commit_error}")
     crash_point("save.end")
@@ -240,7 +210,7 @@ def save_checkpoint(root: Store, step: int, tensors: dict[str, torch.Tensor], *,
         SaveError: any rank failed to write, or coverage did not validate; nothing is committed.
     """
     t0 = time.perf_counter()
-    plan = plan_local_writes(step, tensors, model_cfg, dims, dist.get_rank())
+    plan = plan_local_writes(step, tensors, model_cfg, dims, dist.get_rank(group))
     nbytes = write_and_commit(root, plan, model_cfg=model_cfg, dims=dims, config=config, state=state,
                               group=group, chunk_nbytes=chunk_nbytes, tensor_format=tensor_format,
                               zarr_codec=zarr_codec)
