@@ -241,6 +241,9 @@ _register_reshard(cli)
 from shardsmith.cli.run_commands import register as _register_run  # noqa: E402
 
 _register_run(cli)
+from shardsmith.cli.foreign_commands import register as _register_foreign  # noqa: E402
+
+_register_foreign(cli)
 
 
 def main() -> None:
