@@ -210,7 +210,9 @@ def _dcp_state_dict(manifest: Any, model: ModelConfig) -> tuple[dict[str, Any], 
     return sd, ours, with_optim
 
 
-def _lazy_planner(read: Callable[[str], torch.Tensor], lazy: set[str]) -> Any:
+def lazy_planner(read: Callable[[str], torch.Tensor], lazy: set[str], *, flatten: bool = True) -> Any:
+    """A ``DefaultSavePlanner`` that asks ``read(key)`` for each key in ``lazy`` only when DCP
+    writes it (the state dict holds zero-byte ``expand`` placeholders of the right shape)."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     class LazySavePlanner(DefaultSavePlanner):
@@ -221,7 +223,7 @@ def _lazy_planner(read: Callable[[str], torch.Tensor], lazy: set[str]) -> Any:
                 return read(write_item.index.fqn)
             return super().resolve_data(write_item)
 
-    return LazySavePlanner()
+    return LazySavePlanner(flatten_state_dict=flatten)
 
 
 def export_dcp(ckpt_url: str, out_dir: str, *, overwrite: bool = False,
@@ -255,7 +257,7 @@ def export_dcp(ckpt_url: str, out_dir: str, *, overwrite: bool = False,
 
     os.makedirs(out_dir, exist_ok=True)
     writer = dcp.FileSystemWriter(out_dir, single_file_per_rank=False, thread_count=1, sync_files=False)
-    dcp.save(sd, storage_writer=writer, planner=_lazy_planner(read, set(ours)), no_dist=True)
+    dcp.save(sd, storage_writer=writer, planner=lazy_planner(read, set(ours)), no_dist=True)
     return DCPExportReport(source=step_store.url, out_dir=os.path.abspath(out_dir), step=step,
                            num_tensors=len(ours), with_optimizer=with_optim,
                            seconds=time.perf_counter() - t0)

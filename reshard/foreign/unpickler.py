@@ -10,7 +10,8 @@ global and the file. Nothing outside the allow-list is ever imported or called.
 Three allow-lists, one per kind of pickle:
 
 * ``.metadata`` (:func:`load_dcp_metadata`): the classes of
-  ``torch.distributed.checkpoint.metadata`` and ``filesystem._StorageInfo``, ``torch.Size``,
+  ``torch.distributed.checkpoint.metadata``, ``filesystem._StorageInfo``, the four plan
+  classes of ``planner`` (Megatron caches its save plans there), ``torch.Size``,
   ``torch.<dtype>`` values, ``torch.serialization._get_layout`` (a layout looked up by name)
   and ``pathlib`` paths (the checkpoint id). The set is what ``find_class`` is asked for
   when unpickling a ``.metadata`` written by torch 2.13 (``dcp.save``) and by
@@ -40,6 +41,8 @@ from shardsmith.errors import IntegrityError
 _DCP_METADATA_CLASSES = ("BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex",
                          "StorageMeta", "TensorProperties", "TensorStorageMetadata",
                          "_MEM_FORMAT_ENCODING")
+#: Megatron-Core's planner caches its save plans in the metadata (``mcore_data``).
+_DCP_PLANNER_CLASSES = ("SavePlan", "TensorWriteData", "WriteItem", "WriteItemType")
 _PATHS = {"PosixPath": pathlib.PosixPath, "PurePosixPath": pathlib.PurePosixPath,
           "WindowsPath": pathlib.PureWindowsPath, "PureWindowsPath": pathlib.PureWindowsPath}
 
@@ -50,6 +53,10 @@ def _metadata_global(module: str, name: str) -> Any:
         from torch.distributed.checkpoint import metadata
 
         return getattr(metadata, name)
+    if module == "torch.distributed.checkpoint.planner" and name in _DCP_PLANNER_CLASSES:
+        from torch.distributed.checkpoint import planner
+
+        return getattr(planner, name)
     if module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo":
         from torch.distributed.checkpoint.filesystem import _StorageInfo
 
