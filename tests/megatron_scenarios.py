@@ -3,7 +3,7 @@
 ``python -m torch.distributed.run --standalone --nproc-per-node N tests/megatron_scenarios.py MODE DIR OUT``
 
 A tiny GPT (4 layers, D=32, 4 heads, 2 query groups, SwiGLU F=64, RMSNorm, RoPE, no
-biases, vocab 256, untied), local layer spec, tensor-parallel over the N ranks, on CPU
+biases, vocab 256, untied unless ``MEGATRON_TIED=1``), local layer spec, tensor-parallel over the N ranks, on CPU
 (see shared/notes/megatron-core-on-cpu.md for the two CUDA calls replaced).
 
 * ``save``: seeded init, ``dist_checkpointing.save`` into DIR.
@@ -42,7 +42,8 @@ def build(seed: int):
                             hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.5)
     return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
                     vocab_size=256, max_sequence_length=16, position_embedding_type="rope",
-                    rotary_base=10000, share_embeddings_and_output_weights=False, parallel_output=False)
+                    rotary_base=10000, share_embeddings_and_output_weights=os.environ.get("MEGATRON_TIED") == "1",
+                    parallel_output=False)
 
 
 def main(mode: str, ckpt_dir: str, out: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
@@ -158,6 +159,28 @@ def test_metadata_allow_list_covers_real_dcp_metadata(tmp_path):
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     ck = DCPCheckpoint(str(tmp_path / "dcp"))
     assert ck.metadata == pickle.loads((tmp_path / "dcp" / ".metadata").read_bytes())  # trusted: test only
+
+
+@pytest.mark.distributed
+def test_training_resumes_from_imported_dcp(tmp_path, data_path):
+    """The imported step, AdamW state and LR position are what `train --resume` continues from."""
+    state, _ = _torchtitan_state()
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    result = CliRunner().invoke(cli, ["import-dcp", str(tmp_path / "dcp"), str(tmp_path / "run"), "--tp", "2",
+                                      *HINT_FLAGS])
+    assert result.exit_code == 0, result.output
+    flags = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--num-kv-heads", "2",
+             "--ffn-hidden-size", "64", "--vocab-size", "256", "--seq-length", "16", "--global-batch-size", "4",
+             "--micro-batch-size", "2", "--data", data_path]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "shardsmith", "train", *flags, "--steps", "6",
+                           "--ckpt", str(tmp_path / "run"), "--resume", "auto", "--save-interval", "100"],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    resume = [r for r in records if r.get("event") == "resume"]
+    assert len(resume) == 1 and resume[0]["step"] == 5 and resume[0]["saved_layout"]["tp"] == 2
+    assert [r["step"] for r in records if "loss" in r] == [6]
 
 
 @pytest.mark.distributed

@@ -43,17 +43,57 @@ def test_qkv_groups_follow_megatron_interleaving():
     assert torch.equal(fuse_qkv(parts["q"], parts["k"], parts["v"], model), qkv)
 
 
-def _megatron(mode: str, ckpt: Path, out: Path, nproc: int = 2) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+def _megatron(mode: str, ckpt: Path, out: Path, nproc: int = 2, tied: bool = False) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MEGATRON_TIED": str(int(tied))}
     proc = subprocess.run([MCORE_PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                            str(TESTS_DIR / "megatron_scenarios.py"), mode, str(ckpt), str(out)],
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
 
 
+def _assert_same_logits(weights: dict[str, torch.Tensor], want: torch.Tensor, *, tied: bool) -> None:
+    """shardsmith's model with ``weights`` gives Megatron's logits for :data:`TOKENS`."""
+    model = Transformer(ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
+                                    ffn_hidden_size=64, vocab_size=256, seq_length=16, tie_embeddings=tied))
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        logits = model(TOKENS)
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+
+
+def _assert_bitwise(want_path: Path, got_path: Path) -> None:
+    want, got = load_file(str(want_path)), load_file(str(got_path))
+    assert sorted(got) == sorted(want)
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not bad, f"{got_path.name}: {bad}"
+
+
+needs_mcore = pytest.mark.skipif(not os.path.exists(MCORE_PYTHON), reason="megatron-core venv not installed")
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(MCORE_PYTHON), reason="megatron-core venv not installed")
+@needs_mcore
+def test_megatron_tied_embeddings_roundtrip(tmp_path):
+    """Tied: no output_layer.weight on either side; same logits; export -> load bitwise."""
+    _megatron("save", tmp_path / "meg", tmp_path / "saved", nproc=1, tied=True)
+    runner = CliRunner()
+    result = runner.invoke(cli, ["import-megatron", str(tmp_path / "meg"), str(tmp_path / "ck"), "--pp", "2",
+                                 *HINT_FLAGS])
+    assert result.exit_code == 0, result.output
+    weights = read_full_tensors(str(tmp_path / "ck"))
+    assert "output.weight" not in weights
+    _assert_same_logits(weights, load_file(str(tmp_path / "saved-rank0.safetensors"))["logits"], tied=True)
+    result = runner.invoke(cli, ["export-megatron", str(tmp_path / "ck"), str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "output_layer.weight" not in DCPCheckpoint(str(tmp_path / "out")).chunks
+    _megatron("load", tmp_path / "out", tmp_path / "loaded", nproc=1, tied=True)
+    _assert_bitwise(tmp_path / "saved-rank0.safetensors", tmp_path / "loaded-rank0.safetensors")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@needs_mcore
 def test_megatron_torch_dist_roundtrip(tmp_path):
     """Megatron tp2 save -> import-megatron (tp2·pp2) -> same logits in shardsmith's model ->
     export-megatron -> Megatron tp2 load: every weight bitwise equal, same logits."""
@@ -64,22 +104,13 @@ def test_megatron_torch_dist_roundtrip(tmp_path):
     assert result.exit_code == 0, result.output
     saved = load_file(str(tmp_path / "saved-rank0.safetensors"))
     weights = read_full_tensors(str(tmp_path / "ck"))
-    model = Transformer(ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
-                                    ffn_hidden_size=64, vocab_size=256, seq_length=16))
-    model.load_state_dict(weights)
-    with torch.no_grad():
-        logits = model(TOKENS)
-    torch.testing.assert_close(logits, saved["logits"], rtol=1e-4, atol=1e-4)
+    _assert_same_logits(weights, saved["logits"], tied=False)
 
     result = runner.invoke(cli, ["export-megatron", str(tmp_path / "ck"), str(tmp_path / "out"), "--tp", "2"])
     assert result.exit_code == 0, result.output
     _megatron("load", tmp_path / "out", tmp_path / "loaded")
     for rank in (0, 1):
-        want = load_file(str(tmp_path / f"saved-rank{rank}.safetensors"))
-        got = load_file(str(tmp_path / f"loaded-rank{rank}.safetensors"))
-        assert sorted(got) == sorted(want)
-        bad = [k for k in want if not torch.equal(got[k], want[k])]
-        assert not bad, f"rank {rank}: {bad}"
+        _assert_bitwise(tmp_path / f"saved-rank{rank}.safetensors", tmp_path / f"loaded-rank{rank}.safetensors")
 
     result = runner.invoke(cli, ["import-megatron", str(tmp_path / "meg"), str(tmp_path / "ck250"),
                                  "--vocab-size", "250", *HINT_FLAGS])
