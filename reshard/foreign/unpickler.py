@@ -41,6 +41,9 @@ from shardsmith.errors import IntegrityError
 _DCP_METADATA_CLASSES = ("BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex",
                          "StorageMeta", "TensorProperties", "TensorStorageMetadata",
                          "_MEM_FORMAT_ENCODING")
+#: ``torch.<name>`` dtypes, read from the module dict (no ``getattr``: torch's module
+#: ``__getattr__`` would import submodules for other names).
+_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 #: Megatron-Core's planner caches its save plans in the metadata (``mcore_data``).
 _DCP_PLANNER_CLASSES = ("SavePlan", "TensorWriteData", "WriteItem", "WriteItemType")
 _PATHS = {"PosixPath": pathlib.PosixPath, "PurePosixPath": pathlib.PurePosixPath,
@@ -67,8 +70,8 @@ def _metadata_global(module: str, name: str) -> Any:
         return _get_layout
     if module == "torch" and name == "Size":
         return torch.Size
-    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-        return getattr(torch, name)
+    if module == "torch" and name in _DTYPES:
+        return _DTYPES[name]
     if module in ("pathlib", "pathlib._local") and name in _PATHS:
         return _PATHS[name]
     return None
