@@ -48,7 +48,7 @@ from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord, TensorRecord
-from shardsmith.storage.shards import ReadStats
+from shardsmith.storage.reading.execute import ReadStats
 from shardsmith.storage.formats import read_boxes
 from shardsmith.storage.tensor_files import write_shard_file
 from shardsmith.storage.zarr_format import write_chunks, write_metadata
