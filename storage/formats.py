@@ -25,7 +25,7 @@ from shardsmith.layout.box import Box
 from shardsmith.layout.plan import TensorSpec, shard_file_name, write_assignment
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import TENSOR_FORMATS, FileRecord, Manifest, ManifestBuilder, ShardRecord
-from shardsmith.storage.shards import ReadStats, read_safetensors_boxes
+from shardsmith.storage.reading.execute import ReadStats, read_safetensors_boxes
 from shardsmith.storage.tensor_files import write_shard_file
 from shardsmith.storage.zarr_format import ZarrArray, parse_codec, regular_chunks, write_chunks, write_metadata
 from shardsmith.storage.zarr_read import read_zarr_boxes
@@ -152,7 +152,7 @@ def layout_arrays(specs: dict[str, TensorSpec], dims: ParallelDims, codec: str =
 def read_boxes(store: Store, manifest: Manifest, requests: Sequence[Request], stats: ReadStats | None = None,
                source: str = "") -> list[torch.Tensor]:
     """Assemble boxes of logical tensors from a committed step, whatever its format
-    (:func:`shardsmith.storage.shards.read_safetensors_boxes` for the contract: shapes,
+    (:func:`shardsmith.storage.reading.execute.read_safetensors_boxes` for the contract: shapes,
     destinations, verified ranged reads, errors raised). Any rank, any number of calls."""
     reader = read_zarr_boxes if manifest.tensor_format == ZarrFormat.name else read_safetensors_boxes
     return reader(store, manifest, requests, stats, source)
