@@ -130,6 +130,9 @@ class Transformer(nn.Module):
     minimum, so they never take probability mass. ``kv_copies``: see :class:`Attention`.
     """
 
+    rope_cos: torch.Tensor      # (T, Dh/2), buffers registered in __init__
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, layer_ids: range | None = None, *, first: bool = True,
                  last: bool = True, padded_vocab: int = 0, kv_copies: int = 1) -> None:
         super().__init__()
@@ -155,15 +158,21 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(sin)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(x) if self.first else x             # (B, T, D)
+        if self.first:
+            assert self.tok_embeddings is not None
+            h = self.tok_embeddings(x)                              # (B, T, D)
+        else:
+            h = x
         for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin)
         if not self.last:
             return h
+        assert self.norm is not None
         h = self.norm(h)
         if self.output is not None:
             logits = self.output(h)                                 # (B, T, Vp)
         else:
+            assert self.tok_embeddings is not None
             logits = tied_logits(h, self.tok_embeddings.weight)
         if self.padded_vocab != self.cfg.vocab_size:
             logits = mask_vocab_padding(logits, self.cfg.vocab_size)

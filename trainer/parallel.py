@@ -151,7 +151,7 @@ def placement_axes(p: torch.Tensor, ndim: int) -> tuple[tuple[str, ...], ...]:
     major: list[list[str]] = [[] for _ in range(ndim)]
     minor: list[list[str]] = [[] for _ in range(ndim)]
     if isinstance(p, DTensor):
-        for axis, placement in zip(p.device_mesh.mesh_dim_names, p.placements):
+        for axis, placement in zip(p.device_mesh.mesh_dim_names or (), p.placements):
             if isinstance(placement, _StridedShard):
                 minor[placement.dim].append(axis)
             elif isinstance(placement, Shard):
@@ -259,7 +259,8 @@ def finalize_grads(model: torch.nn.Module, groups: dict[str, dist.ProcessGroup])
     for fqn, p in model.named_parameters():
         if p.grad is None:
             continue
-        if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
+        if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and \
+                tuple(p.grad.placements) != tuple(p.placements):
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         group = groups.get(fqn)
         if group is not None:
