@@ -36,7 +36,7 @@ def _echo_import(report, dims) -> None:
         click.echo(f"  dropped: {item}")
 
 
-@click.command("import-dcp")
+@click.command("import-dcp", short_help="Import a PyTorch DCP (torchtitan) checkpoint.")
 @click.argument("src")
 @click.argument("ckpt")
 @layout_options
@@ -59,7 +59,7 @@ def import_dcp(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, num_at
     _echo_import(report, dims)
 
 
-@click.command("export-dcp")
+@click.command("export-dcp", short_help="Export a checkpoint as a PyTorch DCP directory.")
 @click.argument("ckpt")
 @click.argument("out_dir")
 @click.option("--overwrite", is_flag=True, help="Replace a DCP checkpoint already in OUT_DIR.")
@@ -77,7 +77,7 @@ def export_dcp(ckpt, out_dir, overwrite, storage_options) -> None:
                f"{report.seconds:.2f}s -> {report.out_dir}")
 
 
-@click.command("import-megatron")
+@click.command("import-megatron", short_help="Import a Megatron-Core torch_dist checkpoint.")
 @click.argument("src")
 @click.argument("ckpt")
 @layout_options
@@ -102,7 +102,7 @@ def import_megatron(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, n
     _echo_import(report, dims)
 
 
-@click.command("export-megatron")
+@click.command("export-megatron", short_help="Export weights as a Megatron-Core checkpoint.")
 @click.argument("ckpt")
 @click.argument("out_dir")
 @click.option("--tp", "--tensor-model-parallel-size", "tp", type=int, default=1, show_default=True,

@@ -32,7 +32,7 @@ def export_hf(ckpt, out_dir, dtype, max_shard_nbytes, overwrite, storage_options
                f"-> {report.out_dir}")
 
 
-@click.command("import-hf")
+@click.command("import-hf", short_help="Import a Hugging Face Llama directory.")
 @click.argument("hf_dir")
 @click.argument("ckpt")
 @layout_options
