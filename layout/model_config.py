@@ -79,34 +79,45 @@ class ModelConfig:
         return cls(**data)
 
 
-def stage_layers(model: ModelConfig, dims: ParallelDims) -> list[range]:
-    """Global layer indices owned by each pipeline stage.
+def chunk_layers(model: ModelConfig, dims: ParallelDims) -> list[range]:
+    """Global layer indices of each pipeline model chunk (``pp * virtual_stages`` of them,
+    in pipeline order; chunk ``c`` lives on pipeline rank ``c % pp``).
 
     Returns:
-        ``pp`` contiguous ranges covering ``0..num_layers-1``.
+        contiguous ranges covering ``0..num_layers-1``.
 
     Raises:
-        LayoutError: a stage would hold no layer, or ``pipeline_split`` does not sum to
+        LayoutError: a chunk would hold no layer, or ``pipeline_split`` does not sum to
             ``num_layers``.
     """
+    chunks = dims.num_chunks
     if dims.pipeline_split:
         counts = list(dims.pipeline_split)
         if sum(counts) != model.num_layers or min(counts) < 1:
             raise LayoutError(
-                f"pipeline_split={','.join(map(str, counts))} must be {dims.pp} positive counts "
+                f"pipeline_split={','.join(map(str, counts))} must be {chunks} positive counts "
                 f"summing to num_layers={model.num_layers}")
     else:
-        if dims.pp > model.num_layers:
+        if chunks > model.num_layers:
+            what, fix = (f"pp={dims.pp}", f"pp <= {model.num_layers}") if dims.virtual_stages == 1 else (
+                f"pp={dims.pp} x virtual_stages={dims.virtual_stages}", f"pp x virtual_stages <= {model.num_layers}")
             raise LayoutError(
-                f"pp={dims.pp} exceeds num_layers={model.num_layers}: every pipeline stage needs "
-                f"at least one layer; use pp <= {model.num_layers}")
-        base, extra = divmod(model.num_layers, dims.pp)
-        counts = [base + (1 if s < extra else 0) for s in range(dims.pp)]
+                f"{what} exceeds num_layers={model.num_layers}: every pipeline stage needs "
+                f"at least one layer; use {fix}")
+        base, extra = divmod(model.num_layers, chunks)
+        counts = [base + (1 if s < extra else 0) for s in range(chunks)]
     ranges, start = [], 0
     for count in counts:
         ranges.append(range(start, start + count))
         start += count
     return ranges
+
+
+def stage_layers(model: ModelConfig, dims: ParallelDims) -> list[tuple[int, ...]]:
+    """Global layer indices held by each pipeline rank (its chunks' layers, ascending; one
+    contiguous run without virtual stages). Raises as :func:`chunk_layers`."""
+    chunks = chunk_layers(model, dims)
+    return [tuple(i for c in dims.chunk_ids(r) for i in chunks[c]) for r in range(dims.pp)]
 
 
 def _divisors(n: int) -> list[int]:

@@ -195,5 +195,7 @@ def tied_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     if isinstance(weight, DTensor) and not isinstance(h, DTensor):
         h = DTensor.from_local(h, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim)
+    elif isinstance(h, DTensor):                                    # sequence-sharded under SP
+        h = h.redistribute(h.device_mesh, [Replicate()] * h.device_mesh.ndim)
     return F.linear(h, weight)
 

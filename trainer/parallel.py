@@ -15,18 +15,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining._backward import stage_backward
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 from torch import nn
 
-from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims, stage_layers
+from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims, chunk_layers, stage_layers
 from shardsmith.layout.plan import (COLWISE, ROWWISE, VOCAB_PARALLEL, TensorSpec, grad_sum_groups,
                                     kv_replicas, padded_vocab_size, param_specs, tp_module_key)
 from shardsmith.trainer.model import Transformer
+from shardsmith.trainer.pipeline import ChunkedStage
 from shardsmith.trainer.weight_init import materialize_local_shards
 
 
@@ -69,7 +68,7 @@ class StageInfo:
 
     index: int
     num_stages: int
-    layers: range
+    layers: tuple[int, ...]
 
     @property
     def first(self) -> bool:
@@ -81,11 +80,13 @@ class StageInfo:
 
 
 def build_stage_model(cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, *, seed: int,
-                      bf16: bool = False, activation_checkpointing: bool = False) -> tuple[Transformer, StageInfo]:
+                      bf16: bool = False, activation_checkpointing: bool = False,
+                      sequence_parallel: bool = False) -> tuple[Transformer | ChunkedStage, StageInfo]:
     """Build this rank's pipeline stage without ever holding more than its own shards.
 
     The stage (only its layers; embedding on the first stage, norm and output on the last,
-    the embedding on both with tied embeddings) is built on the ``meta`` device, TP and
+    the embedding on both with tied embeddings; with virtual stages one such model per
+    chunk, in a :class:`~shardsmith.trainer.pipeline.ChunkedStage`) is built on the ``meta`` device, TP and
     FSDP2 are applied (:func:`parallelize`), then only the local shards are allocated
     (``to_empty``) and filled by the layout-independent init of
     :mod:`shardsmith.trainer.weight_init` (bitwise the same weights in every layout).
@@ -100,45 +101,65 @@ def build_stage_model(cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, *,
     """
     coords = dims.coords(dist.get_rank())
     info = StageInfo(coords["pp"], dims.pp, stage_layers(cfg, dims)[coords["pp"]])
-    with torch.device("meta"):
-        stage = Transformer(cfg, info.layers, first=info.first, last=info.last,
-                            padded_vocab=padded_vocab_size(cfg.vocab_size, dims.tp),
-                            kv_copies=kv_replicas(cfg, dims))
-    parallelize(stage, mesh, dims, bf16=bf16, activation_checkpointing=activation_checkpointing)
     specs = param_specs(cfg, dims)
-    check_placements(stage, specs, dims)
-    stage.to_empty(device=device_type())
-    stage.reset_buffers()
-    materialize_local_shards(stage, cfg, dims, coords, seed, specs)
-    return stage, info
+    layers = chunk_layers(cfg, dims)
+    chunks = []
+    for c in dims.chunk_ids(coords["pp"]):
+        with torch.device("meta"):
+            chunk = Transformer(cfg, layers[c], first=c == 0, last=c == dims.num_chunks - 1,
+                                padded_vocab=padded_vocab_size(cfg.vocab_size, dims.tp),
+                                kv_copies=kv_replicas(cfg, dims))
+        parallelize(chunk, mesh, dims, bf16=bf16, activation_checkpointing=activation_checkpointing,
+                    sequence_parallel=sequence_parallel)
+        check_placements(chunk, specs, dims)
+        chunk.to_empty(device=device_type())
+        chunk.reset_buffers()
+        materialize_local_shards(chunk, cfg, dims, coords, seed, specs)
+        chunks.append(chunk)
+    if len(chunks) == 1:
+        return chunks[0], info
+    return ChunkedStage(chunks, dims.chunk_ids(coords["pp"])), info
 
 
-def tp_plan(model: Transformer) -> dict[str, ParallelStyle]:
+def tp_plan(model: Transformer, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
     """``parallelize_module`` plan of one stage, from the tables of :mod:`shardsmith.layout.plan`.
 
     ``COLWISE``/``ROWWISE`` linears get torch's ``ColwiseParallel``/``RowwiseParallel``;
     ``VOCAB_PARALLEL`` modules split the vocab (dim 0): ``RowwiseParallel`` on the embedding
     (torch shards an ``nn.Embedding``'s dim 0 under it), ``ColwiseParallel`` on the output
     projection with vocab-sharded logits (B, T, Vp) kept as a DTensor for loss parallel.
+
+    ``sequence_parallel`` (Korthikanti et al. 2022; torchtitan's ``apply_tp``): the residual
+    stream and the norms run on sequence shards (B, T/tp, D): the embedding and the row-wise
+    linears reduce-scatter along T (``Shard(1)``), the norms are ``SequenceParallel``, and
+    attention, FFN and output all-gather T first (``PrepareModuleInput``). No parameter
+    changes placement (norm weights stay replicated over tp), so checkpoints are the same.
     """
+    seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {}
     for name, module in model.named_modules():
         key = tp_module_key(name)
         if key in COLWISE:
             plan[name] = ColwiseParallel()
         elif key in ROWWISE:
-            plan[name] = RowwiseParallel()
+            plan[name] = RowwiseParallel(output_layouts=seq)
         elif key in VOCAB_PARALLEL and isinstance(module, nn.Embedding):
-            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
         elif key in VOCAB_PARALLEL:
-            plan[name] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+            plan[name] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
                                          use_local_output=False)
+        elif sequence_parallel and key in ("attention_norm", "ffn_norm", "norm"):
+            plan[name] = SequenceParallel()
+        elif sequence_parallel and key in ("attention", "feed_forward"):
+            extra = (None, None) if key == "attention" else ()           # rope cos, sin
+            plan[name] = PrepareModuleInput(input_layouts=(Shard(1), *extra),
+                                            desired_input_layouts=(Replicate(), *extra))
     return plan
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
     """Megatron-style TP over ``tp_mesh`` with the plan of :func:`tp_plan`, in place."""
-    parallelize_module(model, tp_mesh, tp_plan(model))
+    parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel=sequence_parallel))
 
 
 def placement_axes(p: torch.Tensor, ndim: int) -> tuple[tuple[str, ...], ...]:
@@ -184,36 +205,14 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, *, bf16: bool) -> None:
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
 
 
-class ShardedGradPipelineStage(PipelineStage):
-    """``PipelineStage`` that keeps FSDP2 gradients sharded between microbatches.
-
-    Upstream (torch 2.13 ``_PipelineStageBase.backward_maybe_with_nosync``) turns FSDP's
-    gradient sync and reshard-after-backward off for every microbatch and reduces once at
-    the end: each rank then holds its whole stage's parameters *and* gradients unsharded
-    (``dp_shard`` times its share of each), which defeats ZeRO-3. Here every microbatch's
-    backward reduce-scatters each block's gradient into the sharded one (FSDP2 accumulates)
-    and reshards, at the price of one all-gather and one reduce-scatter per block and
-    microbatch. Same constructor as ``PipelineStage``; every rank of a stage uses it.
-    """
-
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        if backward_type != "full" or not isinstance(self.submod, FSDPModule):
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        self.submod.set_is_last_backward(False)         # the schedule's final reduce step finishes
-        self.submod.set_reshard_after_backward(True)
-        self.submod.set_requires_gradient_sync(True)
-        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
-                               bwd_kwargs["input_values"])
-        return grads, None
-
-
 def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, *, bf16: bool,
-                activation_checkpointing: bool) -> Transformer:
-    """Apply activation checkpointing, TP and FSDP2 to one stage's model, in place."""
+                activation_checkpointing: bool, sequence_parallel: bool = False) -> Transformer:
+    """Apply activation checkpointing, TP (with sequence parallelism when asked) and FSDP2 to
+    one stage's model, in place."""
     for block in model.layers.values():
         block.activation_checkpointing = activation_checkpointing
     if dims.tp > 1:
-        apply_tp(model, mesh["tp"])
+        apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel)
     if dims.dp > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
         apply_fsdp(model, dp_mesh, bf16=bf16)

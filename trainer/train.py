@@ -87,13 +87,15 @@ class Trainer:
         sampler = _build_sampler(cfg, coords)
         model, stage = build_stage_model(cfg.model, parallel, mesh, seed=cfg.seed,
                                          bf16=cfg.mixed_precision == "bf16",
-                                         activation_checkpointing=cfg.activation_checkpointing)
+                                         activation_checkpointing=cfg.activation_checkpointing,
+                                         sequence_parallel=cfg.sequence_parallel)
         seed_rng(cfg.seed, 0, coords)
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.optim.decay_steps or cfg.steps))
         schedule = None
         if parallel.pp > 1:
-            schedule = build_schedule(model, stage.index, stage.num_stages, mesh["pp"].get_group(), num_mb)
+            schedule = build_schedule(model, stage.index, parallel, mesh["pp"].get_group(), num_mb,
+                                      cfg.pipeline_schedule)
         state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                            bad_steps=BadStepPolicy(max_bad_steps=cfg.fault.max_bad_steps))
         step_math = StepMath(model, schedule, cfg.model, parallel, coords, num_mb,

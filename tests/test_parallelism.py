@@ -1,0 +1,103 @@
+"""Sequence parallelism and virtual pipeline stages in the pure layout code and the CLI
+(no processes): chunk assignment, plan stage ownership, dry-run figures, flags."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from shardsmith.cli.main import cli
+from shardsmith.errors import ConfigError
+from shardsmith.layout import ModelConfig, ParallelDims, chunk_layers, stage_layers
+from shardsmith.layout.estimate import activation_nbytes_per_layer, estimate
+from shardsmith.layout.plan import param_specs, rank_boxes, write_assignment
+
+MODEL = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                    ffn_hidden_size=128, vocab_size=256, seq_length=64)
+
+
+def test_virtual_chunks_are_interleaved_as_megatron_assigns_them() -> None:
+    dims = ParallelDims(pp=2, virtual_stages=2)
+    assert dims.num_chunks == 4 and dims.chunk_ids(0) == (0, 2) and dims.chunk_ids(1) == (1, 3)
+    assert chunk_layers(MODEL, dims) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert stage_layers(MODEL, dims) == [(0, 1, 4, 5), (2, 3, 6, 7)]
+    specs = param_specs(MODEL, dims)
+    assert specs["layers.4.attention.wq.weight"].stages == (0,)
+    assert specs["layers.2.feed_forward.w1.weight"].stages == (1,)
+    assert specs["tok_embeddings.weight"].stages == (0,) and specs["output.weight"].stages == (1,)
+
+
+def test_virtual_stages_change_no_box_or_name() -> None:
+    """The checkpoint is layout-independent: pp2 and pp2·v2 hold the same boxes of the same
+    FQNs (only which pp rank holds a layer differs)."""
+    plain, virtual = ParallelDims(pp=2, tp=2), ParallelDims(pp=2, tp=2, virtual_stages=2)
+    a, b = param_specs(MODEL, plain), param_specs(MODEL, virtual)
+    assert sorted(a) == sorted(b)
+    for fqn in a:
+        assert (a[fqn].shape, a[fqn].dim_axes) == (b[fqn].shape, b[fqn].dim_axes)
+    written = {k for items in write_assignment(b, virtual).values() for k in items}
+    assert written == {k for items in write_assignment(a, plain).values() for k in items}
+    assert "layers.4.attention.wq.weight" in rank_boxes(b, virtual, 0)       # chunk 2 on pp rank 0
+    assert "layers.4.attention.wq.weight" not in rank_boxes(a, plain, 0)
+
+
+def test_virtual_stage_layout_errors() -> None:
+    with pytest.raises(ConfigError, match="needs pp >= 2"):
+        ParallelDims(virtual_stages=2)
+    with pytest.raises(ConfigError, match="needs 4"):
+        ParallelDims(pp=2, virtual_stages=2, pipeline_split=(4, 4))
+    assert ParallelDims.from_json(ParallelDims(pp=2, virtual_stages=3).to_json()).virtual_stages == 3
+    assert ParallelDims.from_json({"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 1}).virtual_stages == 1
+
+
+def test_bubble_fraction_shrinks_by_the_virtual_stages() -> None:
+    kw = {"micro_batch_size": 1, "global_batch_size": 8}
+    assert estimate(MODEL, ParallelDims(pp=4), **kw).pipeline_bubble_fraction == 3 / 8
+    assert estimate(MODEL, ParallelDims(pp=4, virtual_stages=2), **kw).pipeline_bubble_fraction == 3 / 16
+
+
+def test_sequence_parallel_activation_formula() -> None:
+    """Korthikanti et al. 2022 table 2: sbh(10 + 24/t + 5as/(ht)) without SP,
+    sbh(34/t + 5as/(ht)) with SP; 2sbh vs 2sbh/t under full recomputation (16-bit)."""
+    s, b, h, a, t = 64, 2, 64, 4, 2
+    assert activation_nbytes_per_layer(MODEL, b, t) == int(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert activation_nbytes_per_layer(MODEL, b, t, sequence_parallel=True) == \
+        int(s * b * h * (34 / t + 5 * a * s / (h * t)))
+    assert activation_nbytes_per_layer(MODEL, b, t, recompute=True, sequence_parallel=True) == s * b * h
+    assert activation_nbytes_per_layer(MODEL, b, 1, sequence_parallel=True) == \
+        activation_nbytes_per_layer(MODEL, b, 1)
+
+
+FLAGS = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--num-kv-heads", "2",
+         "--ffn-hidden-size", "128", "--vocab-size", "256", "--seq-length", "64", "--micro-batch-size", "1",
+         "--global-batch-size", "8", "--dry-run", "--json"]
+
+
+def _dry_run(*extra: str) -> dict:
+    import json
+
+    result = CliRunner().invoke(cli, ["train", *FLAGS, *extra])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_dry_run_flags() -> None:
+    tp = _dry_run("--tp", "2", "--nproc-per-node", "2")
+    sp = _dry_run("--tp", "2", "--nproc-per-node", "2", "--sequence-parallel")
+    assert sp["roles"][0]["activation_nbytes"] < tp["roles"][0]["activation_nbytes"]
+    vp = _dry_run("--pp", "2", "--nproc-per-node", "2", "--num-layers-per-virtual-pipeline-stage", "2")
+    assert vp["parallel"]["virtual_stages"] == 2 and vp["pipeline_bubble_fraction"] == 1 / 16
+    assert _dry_run("--pp", "2", "--nproc-per-node", "2", "--virtual-stages", "4")["parallel"]["virtual_stages"] == 4
+    bad = CliRunner().invoke(cli, ["train", *FLAGS, "--pp", "2", "--nproc-per-node", "2", "--virtual-stages", "2",
+                                   "--pipeline-schedule", "1f1b"])
+    assert bad.exit_code != 0 and "runs one stage per rank" in bad.output
+    bad = CliRunner().invoke(cli, ["train", *FLAGS, "--pp", "2", "--nproc-per-node", "2",
+                                   "--num-layers-per-virtual-pipeline-stage", "3"])
+    assert bad.exit_code != 0 and "multiple of pp=2 x 3" in bad.output
+
+
+def test_schedule_names_match_the_torch_table() -> None:
+    from shardsmith.trainer.config import PIPELINE_SCHEDULES
+    from shardsmith.trainer.pipeline import SCHEDULES
+
+    assert tuple(SCHEDULES) == PIPELINE_SCHEDULES
