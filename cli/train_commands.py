@@ -70,6 +70,8 @@ run_options = stack(
     click.option("--pipeline-schedule", default="", metavar="NAME",
                  help="Pipeline schedule: 1f1b, gpipe, interleaved-1f1b, looped-bfs or interleaved-zb "
                       "(default: interleaved-1f1b with virtual stages, else 1f1b)."),
+    field_option(T, "compile", "--compile", is_flag=True,
+                 help="torch.compile each transformer block (in place: checkpoint names unchanged)."),
     field_option(T, "log_interval", "--log-interval", type=int, help="Print every N steps."),
     field_option(T, "run_dir", "--run-dir", help="Where metrics.jsonl goes (default: --ckpt when local)."),
 )
@@ -187,7 +189,7 @@ def train_config(f: dict[str, Any], world: int | None):
                                  "hang_min_seconds", "max_bad_steps", "max_rollbacks", "peak_flops")),
         mixed_precision="bf16" if f["bf16"] else f["mixed_precision"],
         **pick("steps", "global_batch_size", "micro_batch_size", "seed", "activation_checkpointing",
-               "sequence_parallel", "pipeline_schedule", "log_interval", "run_dir"))
+               "sequence_parallel", "pipeline_schedule", "compile", "log_interval", "run_dir"))
 
 
 def virtual_stages(f: dict[str, Any], model: Any) -> int:

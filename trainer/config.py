@@ -44,6 +44,7 @@ class TrainConfig:
         pipeline_schedule: ``1f1b``, ``gpipe``, ``interleaved-1f1b``, ``looped-bfs`` or
             ``interleaved-zb`` (:data:`shardsmith.trainer.pipeline.SCHEDULES`); empty =
             ``interleaved-1f1b`` with virtual stages, else ``1f1b``.
+        compile: ``torch.compile`` each block in place (checkpoint FQNs unchanged).
         log_interval: print every this many steps.
         run_dir: where metrics.jsonl goes (default: the checkpoint root, else none).
         fault: preemption, hang, bad-step and elastic settings.
@@ -63,6 +64,7 @@ class TrainConfig:
     activation_checkpointing: bool = False
     sequence_parallel: bool = False
     pipeline_schedule: str = ""
+    compile: bool = False
     log_interval: int = 1
     run_dir: str = ""
 
@@ -106,7 +108,7 @@ class TrainConfig:
         out["parallel"] = self.parallel.to_json()
         out["data"]["sources"] = list(self.data.sources)
         out["checkpoint"]["storage_options"] = {}
-        for name, default in (("sequence_parallel", False), ("pipeline_schedule", "")):
+        for name, default in (("sequence_parallel", False), ("pipeline_schedule", ""), ("compile", False)):
             if out[name] == default:        # runs without them write the bytes they always wrote
                 del out[name]
         return out

@@ -81,7 +81,8 @@ class StageInfo:
 
 def build_stage_model(cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, *, seed: int,
                       bf16: bool = False, activation_checkpointing: bool = False,
-                      sequence_parallel: bool = False) -> tuple[Transformer | ChunkedStage, StageInfo]:
+                      sequence_parallel: bool = False,
+                      compile: bool = False) -> tuple[Transformer | ChunkedStage, StageInfo]:
     """Build this rank's pipeline stage without ever holding more than its own shards.
 
     The stage (only its layers; embedding on the first stage, norm and output on the last,
@@ -110,7 +111,7 @@ def build_stage_model(cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, *,
                                 padded_vocab=padded_vocab_size(cfg.vocab_size, dims.tp),
                                 kv_copies=kv_replicas(cfg, dims))
         parallelize(chunk, mesh, dims, bf16=bf16, activation_checkpointing=activation_checkpointing,
-                    sequence_parallel=sequence_parallel)
+                    sequence_parallel=sequence_parallel, compile=compile)
         check_placements(chunk, specs, dims)
         chunk.to_empty(device=device_type())
         chunk.reset_buffers()
@@ -205,14 +206,25 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, *, bf16: bool) -> None:
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
 
 
+def apply_compile(model: Transformer, backend: str = "inductor") -> None:
+    """``torch.compile`` each block, as torchtitan does (one graph per block, reused across
+    layers). In place (``nn.Module.compile``): parameter FQNs never gain ``_orig_mod.``, so
+    compiled and uncompiled runs read and write the same checkpoints."""
+    for block in model.layers.values():
+        block.compile(backend=backend)
+
+
 def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, *, bf16: bool,
-                activation_checkpointing: bool, sequence_parallel: bool = False) -> Transformer:
-    """Apply activation checkpointing, TP (with sequence parallelism when asked) and FSDP2 to
-    one stage's model, in place."""
+                activation_checkpointing: bool, sequence_parallel: bool = False,
+                compile: bool = False) -> Transformer:
+    """Apply activation checkpointing, TP (with sequence parallelism when asked), per-block
+    ``torch.compile`` and FSDP2 to one stage's model, in place (torchtitan's order)."""
     for block in model.layers.values():
         block.activation_checkpointing = activation_checkpointing
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel)
+    if compile:
+        apply_compile(model)
     if dims.dp > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
         apply_fsdp(model, dp_mesh, bf16=bf16)

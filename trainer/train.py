@@ -88,7 +88,7 @@ class Trainer:
         model, stage = build_stage_model(cfg.model, parallel, mesh, seed=cfg.seed,
                                          bf16=cfg.mixed_precision == "bf16",
                                          activation_checkpointing=cfg.activation_checkpointing,
-                                         sequence_parallel=cfg.sequence_parallel)
+                                         sequence_parallel=cfg.sequence_parallel, compile=cfg.compile)
         seed_rng(cfg.seed, 0, coords)
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.optim.decay_steps or cfg.steps))
