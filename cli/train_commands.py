@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from shardsmith.cli.greedy import GreedyOption
-from shardsmith.cli.options import (dry_run_option, field_option, json_option, layout_options, make_dims,
+from shardsmith.cli.options import (IntListType, dry_run_option, field_option, json_option, layout_options, make_dims,
                                     model_from_flags, model_options, stack, storage_option,
                                     tensor_format_option, zarr_codec_option)
 from shardsmith.layout.sizes import format_nbytes
@@ -72,6 +72,9 @@ run_options = stack(
                       "(default: interleaved-1f1b with virtual stages, else 1f1b)."),
     field_option(T, "compile", "--compile", is_flag=True,
                  help="torch.compile each transformer block (in place: checkpoint names unchanged)."),
+    click.option("--profile-steps", type=IntListType(), default="", metavar="N,N,...",
+                 help="Trace these steps with the PyTorch profiler: one Chrome trace per rank under "
+                      "<run dir>/profile/step-N/."),
     field_option(T, "log_interval", "--log-interval", type=int, help="Print every N steps."),
     field_option(T, "run_dir", "--run-dir", help="Where metrics.jsonl goes (default: --ckpt when local)."),
 )
@@ -189,7 +192,8 @@ def train_config(f: dict[str, Any], world: int | None):
                                  "hang_min_seconds", "max_bad_steps", "max_rollbacks", "peak_flops")),
         mixed_precision="bf16" if f["bf16"] else f["mixed_precision"],
         **pick("steps", "global_batch_size", "micro_batch_size", "seed", "activation_checkpointing",
-               "sequence_parallel", "pipeline_schedule", "compile", "log_interval", "run_dir"))
+               "sequence_parallel", "pipeline_schedule", "compile", "profile_steps", "log_interval",
+               "run_dir"))
 
 
 def virtual_stages(f: dict[str, Any], model: Any) -> int:

@@ -4,7 +4,8 @@ One launch per layout covers every case of that layout (start-up dominates on CP
 
 * tp2, sequence parallel vs not: fresh-init logits and first-step gradients (1e-5), a
   bitwise same-layout resume with SP, and checkpoints that SP and non-SP jobs load from
-  each other (loaded, saved again, bitwise the same tensors).
+  each other (loaded, saved again, bitwise the same tensors); ``--profile-steps`` writes a
+  Chrome trace per rank and the step record carries ``peak_memory_bytes``.
 * pp2 with 2 virtual stages: logits and first-step gradients vs one process (1e-5), a
   bitwise same-layout resume, and its checkpoint loaded by pp1, pp2 and offline-resharded.
 """
@@ -70,7 +71,7 @@ def test_sequence_parallel_matches_tp_and_shares_checkpoints(tmp_path: Path, dat
         {"kind": "train", "steps": 1, "ckpt": str(tmp_path / "sp1"), "out": str(tmp_path / "part.json"),
          "set": sp},
         {"kind": "train", "steps": 2, "ckpt": str(tmp_path / "sp2"), "resume": str(tmp_path / "sp1" / one),
-         "out": str(tmp_path / "resumed.json"), "set": sp},
+         "out": str(tmp_path / "resumed.json"), "set": {**sp, "profile_steps": [2]}},
         {"kind": "reload", "src": str(tmp_path / "sp2" / two), "dst": str(tmp_path / "as-tp")},
         {"kind": "reload", "src": str(tmp_path / "as-tp" / two), "dst": str(tmp_path / "as-sp"), "set": sp},
     ]
@@ -83,6 +84,13 @@ def test_sequence_parallel_matches_tp_and_shares_checkpoints(tmp_path: Path, dat
     _assert_close(_load_all(tmp_path / "grads-sp", "grads"), grads_tp, "SP first-step grads vs TP")
 
     _assert_bitwise_resume(tmp_path)
+
+    for rank in (0, 1):                                       # --profile-steps 2: a trace per rank
+        trace = json.loads((tmp_path / "sp2" / "profile" / "step-000000002" / f"rank-{rank:05d}.json").read_text())
+        assert trace["traceEvents"]
+    records = [json.loads(line) for line in (tmp_path / "sp2" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r.get("step") == 2 and "loss" in r]
+    assert steps and steps[-1]["peak_memory_bytes"] > 10 * 2**20
 
     saved_sp = read_full_tensors(str(tmp_path / "sp2" / two))
     assert_tensors_bitwise_equal(read_full_tensors(str(tmp_path / "as-tp" / two)), saved_sp, "SP -> TP load")

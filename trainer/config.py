@@ -45,6 +45,8 @@ class TrainConfig:
             ``interleaved-zb`` (:data:`shardsmith.trainer.pipeline.SCHEDULES`); empty =
             ``interleaved-1f1b`` with virtual stages, else ``1f1b``.
         compile: ``torch.compile`` each block in place (checkpoint FQNs unchanged).
+        profile_steps: steps to trace with the PyTorch profiler (one Chrome trace per rank
+            under the run directory, :mod:`shardsmith.trainer.profiling`).
         log_interval: print every this many steps.
         run_dir: where metrics.jsonl goes (default: the checkpoint root, else none).
         fault: preemption, hang, bad-step and elastic settings.
@@ -65,10 +67,12 @@ class TrainConfig:
     sequence_parallel: bool = False
     pipeline_schedule: str = ""
     compile: bool = False
+    profile_steps: tuple[int, ...] = ()
     log_interval: int = 1
     run_dir: str = ""
 
     def __post_init__(self) -> None:
+        self.profile_steps = tuple(int(s) for s in self.profile_steps)
         if self.steps < 0:
             raise ConfigError(f"steps={self.steps}: must be >= 0")
         if self.micro_batch_size < 1 or self.global_batch_size < 1:
@@ -108,7 +112,8 @@ class TrainConfig:
         out["parallel"] = self.parallel.to_json()
         out["data"]["sources"] = list(self.data.sources)
         out["checkpoint"]["storage_options"] = {}
-        for name, default in (("sequence_parallel", False), ("pipeline_schedule", ""), ("compile", False)):
+        for name, default in (("sequence_parallel", False), ("pipeline_schedule", ""), ("compile", False),
+                              ("profile_steps", ())):
             if out[name] == default:        # runs without them write the bytes they always wrote
                 del out[name]
         return out

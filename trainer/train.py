@@ -34,6 +34,7 @@ from shardsmith.trainer.fault_hooks import FaultHooks
 from shardsmith.trainer.metrics import (EventLog, MetricsWriter, flops_per_token,
                                         iter_json_lines, run_dir, step_line, step_record)
 from shardsmith.trainer.optim import build_optimizer, lr_lambda
+from shardsmith.trainer.profiling import peak_memory_bytes, profile_step
 from shardsmith.trainer.parallel import (build_grad_sum_groups, build_mesh, build_stage_model,
                                         finalize_grads, init_distributed)
 from shardsmith.trainer.rng import seed_rng
@@ -187,6 +188,7 @@ class Trainer:
                              peak_flops=self.cfg.fault.peak_flops, world_size=self.cfg.parallel.world_size,
                              counters={"skipped_steps": bad_steps.skipped_steps,
                                        "rollbacks": bad_steps.rollbacks, "restarts": self.restarts})
+        record.setdefault("peak_memory_bytes", peak_memory_bytes())
         self.events(record)
         if m.skipped:
             self.events({"event": "bad_step", "step": m.step, "loss": repr(m.loss), "grad_norm": repr(m.grad_norm),
@@ -224,7 +226,8 @@ class Trainer:
         assert self.guard is not None
         self.hooks.at_step_start(self.step + 1)
         self.guard.begin(self.step + 1)
-        m = self.train_step()
+        with profile_step(self.step + 1, self.cfg.profile_steps, run_dir(self.cfg), self.rank):
+            m = self.train_step()
         preempt = self.guard.end()
         if len(self.history) == 1:            # start-up is over: training timeouts from now on
             groups = [None, *self.grad_sum_groups.values()]
