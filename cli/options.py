@@ -206,6 +206,11 @@ MODEL_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
                        "Share the input embedding with the output projection."),
     "rope_theta": (("--rope-theta", "--rotary-base"), "RoPE base (Megatron: --rotary-base)."),
     "norm_eps": (("--norm-eps",), "RMSNorm epsilon."),
+    "num_experts": (("--num-experts",), "Mixtral-style MoE FFN with this many experts (0 = dense)."),
+    "moe_router_topk": (("--moe-router-topk",), "Experts per token (softmax over the top-K router logits)."),
+    "moe_ffn_hidden_size": (("--moe-ffn-hidden-size",), "Each expert's SwiGLU width (0 = --ffn-hidden-size)."),
+    "moe_aux_loss_coeff": (("--moe-aux-loss-coeff",), "Weight of the Switch load-balancing loss."),
+    "moe_layer_freq": (("--moe-layer-freq",), "Every N-th layer is MoE (layer i with i % N == 0)."),
 }
 
 

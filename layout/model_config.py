@@ -29,6 +29,14 @@ class ModelConfig:
         tie_embeddings: output projection shares the input embedding matrix.
         rope_theta: RoPE base (Su et al. 2021, "RoFormer", eq. 15).
         norm_eps: RMSNorm epsilon (Zhang & Sennrich 2019).
+        num_experts: experts E of a Mixtral-style mixture-of-experts FFN (Jiang et al. 2024);
+            0 = dense SwiGLU everywhere. Expert weights are one logical tensor per layer and
+            matrix with a leading expert dim ``[E, ...]``.
+        moe_router_topk: experts K each token is routed to (softmax over its top-K logits).
+        moe_ffn_hidden_size: each expert's SwiGLU width (0 = ``ffn_hidden_size``).
+        moe_aux_loss_coeff: weight of the Switch load-balancing loss ``E * sum_e f_e * P_e``
+            (Fedus et al. 2021), added to the loss of a step.
+        moe_layer_freq: every this-many-th layer is MoE (layer ``i`` with ``i % freq == 0``).
     """
 
     num_layers: int = 4
@@ -41,6 +49,11 @@ class ModelConfig:
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    num_experts: int = 0
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 0
+    moe_aux_loss_coeff: float = 0.0
+    moe_layer_freq: int = 1
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
@@ -60,14 +73,34 @@ class ModelConfig:
             raise ConfigError(
                 f"model head dim {self.hidden_size // self.num_attention_heads} must be even for RoPE")
 
+        if self.num_experts and not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ConfigError(f"model.moe_router_topk={self.moe_router_topk}: must be in 1..num_experts="
+                              f"{self.num_experts}")
+        if self.num_experts < 0 or self.moe_layer_freq < 1 or self.moe_ffn_hidden_size < 0:
+            raise ConfigError("model.num_experts, moe_ffn_hidden_size must be >= 0 and moe_layer_freq >= 1")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` has the mixture-of-experts FFN."""
+        return self.num_experts > 0 and layer % self.moe_layer_freq == 0
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Each expert's SwiGLU width."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
     @property
     def head_dim(self) -> int:
         """Per-head width ``hidden_size // num_attention_heads``."""
         return self.hidden_size // self.num_attention_heads
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-safe dict of every field."""
-        return dataclasses.asdict(self)
+        """JSON-safe dict of every field (the MoE fields only for a MoE model, so dense
+        models write the bytes they always wrote)."""
+        out = dataclasses.asdict(self)
+        if not self.num_experts:
+            for name in _MOE_FIELDS:
+                del out[name]
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ModelConfig":
@@ -77,6 +110,9 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"unknown model config keys {sorted(unknown)}; known: {sorted(known)}")
         return cls(**data)
+
+
+_MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_layer_freq")
 
 
 def chunk_layers(model: ModelConfig, dims: ParallelDims) -> list[range]:

@@ -128,3 +128,31 @@ def test_compiled_blocks_keep_checkpoint_names_and_values() -> None:
     torch.testing.assert_close(compiled(x), plain(x), rtol=1e-6, atol=1e-6)
     compiled.load_state_dict(plain.state_dict())            # each loads the other's names
     plain.load_state_dict(compiled.state_dict())
+
+
+def test_moe_plan_stores_experts_with_a_leading_expert_dim() -> None:
+    import dataclasses
+
+    moe = dataclasses.replace(MODEL, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=96, moe_layer_freq=2)
+    specs = param_specs(moe, ParallelDims(dp_shard=2, tp=2))
+    assert specs["layers.0.feed_forward.experts.w1"].shape == (4, 96, 64)
+    assert specs["layers.0.feed_forward.experts.w2"].shape == (4, 64, 96)
+    assert specs["layers.0.feed_forward.router.weight"].shape == (4, 64)
+    assert "layers.0.feed_forward.w1.weight" not in specs
+    assert specs["layers.1.feed_forward.w1.weight"].shape == (128, 64)           # freq 2: layer 1 dense
+    box = specs["layers.2.feed_forward.experts.w3"].box(ParallelDims(dp_shard=2, tp=2),
+                                                        {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "tp": 0})
+    assert box.offsets == (2, 0, 0) and box.lengths == (2, 96, 64)              # experts 2, 3: whole
+    assert "num_experts" not in MODEL.to_json() and moe.to_json()["num_experts"] == 4
+    assert ModelConfig.from_json(moe.to_json()) == moe
+    with pytest.raises(ConfigError, match="moe_router_topk"):
+        dataclasses.replace(MODEL, num_experts=2, moe_router_topk=3)
+
+
+def test_moe_flags_reach_the_model() -> None:
+    out = _dry_run("--num-experts", "4", "--moe-router-topk", "1", "--moe-ffn-hidden-size", "32",
+                   "--moe-aux-loss-coeff", "0.01", "--moe-layer-freq", "2")
+    assert {k: out["model"][k] for k in ("num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                                         "moe_aux_loss_coeff", "moe_layer_freq")} == \
+        {"num_experts": 4, "moe_router_topk": 1, "moe_ffn_hidden_size": 32, "moe_aux_loss_coeff": 0.01,
+         "moe_layer_freq": 2}

@@ -8,6 +8,7 @@ One launch per layout covers every case of that layout (start-up dominates on CP
   Chrome trace per rank and the step record carries ``peak_memory_bytes``.
 * pp2 with 2 virtual stages: logits and first-step gradients vs one process (1e-5), a
   bitwise same-layout resume, and its checkpoint loaded by pp1, pp2 and offline-resharded.
+* a MoE model under dp_shard 2 (experts split along the expert dim) vs one process.
 """
 
 from __future__ import annotations
@@ -97,20 +98,24 @@ def test_sequence_parallel_matches_tp_and_shares_checkpoints(tmp_path: Path, dat
     assert_tensors_bitwise_equal(read_full_tensors(str(tmp_path / "as-sp" / two)), saved_sp, "TP -> SP load")
 
 
-def _single_process_reference(tokens: list[list[int]], targets: list[list[int]],
-                              num_microbatches: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _single_process_reference(tokens: list[list[int]], targets: list[list[int]], num_microbatches: int,
+                              model_cfg=TINY_MODEL) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Logits and first-step gradients of the whole model in this process (no parallelism)."""
     from shardsmith.trainer.model import Transformer
+    from shardsmith.trainer.moe import aux_loss
     from shardsmith.trainer.step import loss_fn
     from shardsmith.trainer.weight_init import init_weights
 
-    model = Transformer(TINY_MODEL)
+    model = Transformer(model_cfg)
     init_weights(model, 1234)
     x, y = torch.tensor(tokens), torch.tensor(targets)
     with torch.no_grad():
         logits = model(x)
     for xm, ym in zip(x.chunk(num_microbatches), y.chunk(num_microbatches)):
-        (loss_fn(model(xm), ym) / num_microbatches).backward()
+        loss = loss_fn(model(xm), ym)
+        if model_cfg.moe_aux_loss_coeff:
+            loss = loss + model_cfg.moe_aux_loss_coeff * aux_loss(model)
+        (loss / num_microbatches).backward()
     return logits, {fqn: p.grad for fqn, p in model.named_parameters()}
 
 
@@ -153,3 +158,36 @@ def test_interleaved_pipeline_matches_one_process_and_reshards(tmp_path: Path, d
     offline = str(tmp_path / "offline" / two)
     reshard(Store(str(tmp_path / "vp2" / two)), offline, ParallelDims())
     assert_tensors_bitwise_equal(read_full_tensors(offline), saved, "offline reshard pp2·v2 -> pp1")
+
+
+def test_moe_sharded_over_experts_matches_one_process(tmp_path: Path, data_path: str) -> None:
+    """A Mixtral-style MoE (4 experts, top-2, aux loss) under dp_shard 2: FSDP2 splits every
+    ``[E, ...]`` expert tensor along the experts, so each rank's box is two whole experts (the
+    box expert parallelism would hold). Logits and first-step gradients equal one process
+    (1e-5); the checkpoint stores whole ``[E, ...]`` tensors and reshards to one process bitwise."""
+    import dataclasses
+
+    from shardsmith.reshard.engine import reshard
+    from shardsmith.storage.fs import Store
+
+    moe = dataclasses.replace(TINY_MODEL, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01)
+    cfg = dataclasses.replace(tiny_train_config(ParallelDims(dp_shard=2), data_path), model=moe)
+    tokens, targets = _batch()
+    tasks = [
+        {"kind": "logits", "tokens": tokens, "out": str(tmp_path / "logits")},
+        {"kind": "grads", "tokens": tokens, "targets": targets, "out": str(tmp_path / "grads")},
+        {"kind": "train", "steps": 2, "ckpt": str(tmp_path / "moe"), "out": str(tmp_path / "full.json")},
+    ]
+    run_torchrun({"config": cfg.to_json(), "tasks": tasks}, 2, tmp_path, "moe").check()
+
+    logits, grads = _single_process_reference(tokens, targets, cfg.num_microbatches(), moe)
+    _assert_close(_load_all(tmp_path / "logits", "logits"), {"logits": logits}, "MoE dps2 logits")
+    _assert_close(_load_all(tmp_path / "grads", "grads"), grads, "MoE dps2 first-step grads")
+    assert grads["layers.0.feed_forward.experts.w1"].shape == (4, moe.ffn_hidden_size, moe.hidden_size)
+
+    two = step_dir(2)
+    saved = read_full_tensors(str(tmp_path / "moe" / two))
+    assert saved["layers.3.feed_forward.experts.w2"].shape == (4, moe.hidden_size, moe.ffn_hidden_size)
+    offline = str(tmp_path / "one" / two)
+    reshard(Store(str(tmp_path / "moe" / two)), offline, ParallelDims())
+    assert_tensors_bitwise_equal(read_full_tensors(offline), saved, "MoE dps2 -> one process")

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import param_specs
 from shardsmith.trainer import pipeline
+from shardsmith.trainer.moe import aux_loss as moe_aux_loss
 from shardsmith.trainer.parallel import device_type
 
 
@@ -103,7 +104,11 @@ class StepMath:
             with self._loss_ctx():
                 with self._autocast():
                     logits = self.model(x)
-                loss = loss_fn(logits, y) / self.num_microbatches
+                loss = loss_fn(logits, y)
+                aux = moe_aux_loss(self.model) if self.model_cfg.moe_aux_loss_coeff else None
+                if aux is not None:
+                    loss = loss + self.model_cfg.moe_aux_loss_coeff * aux
+                loss = loss / self.num_microbatches
                 loss.backward()
             total += _plain(loss.detach()).float().cpu()
         return total
