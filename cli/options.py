@@ -164,18 +164,22 @@ layout_options = stack(
     _dims_option("dp_replicate", "--dp-replicate", help="Data-parallel replicas (HSDP replication)."),
     click.option("--pipeline-split", type=IntListType(), default="", metavar="N,N,...",
                  help="Layers per pipeline stage, e.g. 5,3 (default: as even as possible)."),
+    _dims_option("expert_parallel", "--ep", "--expert-model-parallel-size", "expert_parallel",
+                 help="Expert-parallel degree, carved out of the dp_shard ranks: 1 or dp_shard (Megatron: "
+                      "--expert-model-parallel-size). Checkpoints are the same either way."),
 )
 
 
 def make_dims(tp: int, pp: int, dp_shard: int, dp_replicate: int, pipeline_split: tuple[int, ...],
-              world: int | None) -> ParallelDims:
+              world: int | None, expert_parallel: int = 1) -> ParallelDims:
     """ParallelDims from the layout flags; ``dp_shard=-1`` takes the rest of ``world``
     (:meth:`ParallelDims.for_world_size`; 1 when the world size is not known).
 
     Raises:
         LayoutError: the layout does not have ``world`` ranks.
     """
-    kw: dict[str, Any] = {"pp": pp, "dp_replicate": dp_replicate, "tp": tp, "pipeline_split": pipeline_split}
+    kw: dict[str, Any] = {"pp": pp, "dp_replicate": dp_replicate, "tp": tp, "pipeline_split": pipeline_split,
+                          "expert_parallel": expert_parallel}
     if dp_shard == -1:
         return ParallelDims.for_world_size(world if world is not None else tp * pp * dp_replicate, **kw)
     dims = ParallelDims(dp_shard=dp_shard, **kw)

@@ -41,6 +41,10 @@ class ParallelDims:
             interleaved 1F1B schedule of Narayanan et al. 2021): rank ``r`` holds chunks
             ``r, r + pp, r + 2*pp, ...``. Not a mesh axis: it moves layers between pipeline
             ranks, never changes a tensor's box or name.
+        expert_parallel: expert-parallel degree, carved out of the dp_shard ranks (1 or
+            ``dp_shard``): each rank holds ``E / ep`` whole experts, the box FSDP2 would give
+            it along the expert dim, so checkpoints do not change; tokens reach their experts
+            by all-gather over the group (Megatron's ``allgather`` token dispatcher).
     """
 
     pp: int = 1
@@ -49,15 +53,19 @@ class ParallelDims:
     tp: int = 1
     pipeline_split: tuple[int, ...] = field(default=())
     virtual_stages: int = 1
+    expert_parallel: int = 1
 
     def __post_init__(self) -> None:
-        for axis in (*MESH_AXES, "virtual_stages"):
+        for axis in (*MESH_AXES, "virtual_stages", "expert_parallel"):
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"parallel.{axis}={value!r}: must be an integer >= 1")
         if self.virtual_stages > 1 and self.pp < 2:
             raise ConfigError(f"virtual_stages={self.virtual_stages} needs pp >= 2 (interleaved "
                               "pipeline chunks live on different pipeline ranks)")
+        if self.expert_parallel not in (1, self.dp_shard) or (self.expert_parallel > 1 and self.dp_replicate > 1):
+            raise ConfigError(f"expert_parallel={self.expert_parallel}: expert parallelism is carved out of the "
+                              f"FSDP ranks; use 1 or dp_shard={self.dp_shard}, with dp_replicate=1")
         self.pipeline_split = tuple(int(n) for n in self.pipeline_split)
         if self.pipeline_split and len(self.pipeline_split) != self.num_chunks:
             raise ConfigError(
@@ -109,7 +117,7 @@ class ParallelDims:
     @classmethod
     def for_world_size(cls, world_size: int, *, tp: int = 1, pp: int = 1, dp_replicate: int = 1,
                        dp_shard: int = -1, pipeline_split: tuple[int, ...] = (),
-                       virtual_stages: int = 1) -> "ParallelDims":
+                       virtual_stages: int = 1, expert_parallel: int = 1) -> "ParallelDims":
         """The layout of a job with ``world_size`` ranks; ``dp_shard=-1`` takes the rest.
 
         ``dp_shard = world_size / (pp * dp_replicate * tp)`` when it is -1 (tp, pp and
@@ -128,7 +136,8 @@ class ParallelDims:
                                   f"of {fixed} processes")
             dp_shard = world_size // fixed
         parallel = cls(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
-                       pipeline_split=pipeline_split, virtual_stages=virtual_stages)
+                       pipeline_split=pipeline_split, virtual_stages=virtual_stages,
+                       expert_parallel=expert_parallel)
         parallel.check_world_size(world_size)
         return parallel
 
@@ -172,6 +181,8 @@ class ParallelDims:
                "tp": self.tp, "pipeline_split": list(self.pipeline_split)}
         if self.virtual_stages > 1:
             out["virtual_stages"] = self.virtual_stages
+        if self.expert_parallel > 1:
+            out["expert_parallel"] = self.expert_parallel
         return out
 
     @classmethod
@@ -180,4 +191,5 @@ class ParallelDims:
         return cls(pp=int(data["pp"]), dp_replicate=int(data["dp_replicate"]),
                    dp_shard=int(data["dp_shard"]), tp=int(data["tp"]),
                    pipeline_split=tuple(data.get("pipeline_split", ())),
-                   virtual_stages=int(data.get("virtual_stages", 1)))
+                   virtual_stages=int(data.get("virtual_stages", 1)),
+                   expert_parallel=int(data.get("expert_parallel", 1)))

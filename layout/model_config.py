@@ -182,4 +182,7 @@ def validate_layout(model: ModelConfig, dims: ParallelDims) -> None:
         raise LayoutError(
             f"tp={dims.tp} and num_kv_heads={kv}: one must divide the other (kv heads are split "
             f"over tp, or replicated when tp > num_kv_heads); tensor-parallel degrees that work: {ok}")
+    if dims.expert_parallel > 1 and (not model.num_experts or model.num_experts % dims.expert_parallel):
+        raise LayoutError(f"expert_parallel={dims.expert_parallel} needs a MoE model whose num_experts="
+                          f"{model.num_experts} it divides (--num-experts)")
     stage_layers(model, dims)

@@ -156,3 +156,22 @@ def test_moe_flags_reach_the_model() -> None:
                                          "moe_aux_loss_coeff", "moe_layer_freq")} == \
         {"num_experts": 4, "moe_router_topk": 1, "moe_ffn_hidden_size": 32, "moe_aux_loss_coeff": 0.01,
          "moe_layer_freq": 2}
+
+
+def test_expert_parallel_layout_rules() -> None:
+    import dataclasses
+
+    from shardsmith.errors import LayoutError
+    from shardsmith.layout import validate_layout
+
+    moe = dataclasses.replace(MODEL, num_experts=4)
+    dims = ParallelDims(dp_shard=2, expert_parallel=2)
+    validate_layout(moe, dims)
+    assert param_specs(moe, dims) == param_specs(moe, ParallelDims(dp_shard=2))        # same boxes: same files
+    with pytest.raises(LayoutError, match="needs a MoE model"):
+        validate_layout(MODEL, dims)
+    with pytest.raises(LayoutError, match="num_experts=3"):
+        validate_layout(dataclasses.replace(MODEL, num_experts=3, moe_router_topk=1), dims)
+    with pytest.raises(ConfigError, match="use 1 or dp_shard=4"):
+        ParallelDims(dp_shard=4, expert_parallel=2)
+    assert ParallelDims.from_json(dims.to_json()) == dims and "expert_parallel" not in ParallelDims().to_json()

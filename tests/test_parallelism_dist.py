@@ -8,7 +8,7 @@ One launch per layout covers every case of that layout (start-up dominates on CP
   Chrome trace per rank and the step record carries ``peak_memory_bytes``.
 * pp2 with 2 virtual stages: logits and first-step gradients vs one process (1e-5), a
   bitwise same-layout resume, and its checkpoint loaded by pp1, pp2 and offline-resharded.
-* a MoE model under dp_shard 2 (experts split along the expert dim) vs one process.
+* a MoE model under dp_shard 2 and under EP2 vs one process; EP2 -> EP1 -> one process.
 """
 
 from __future__ import annotations
@@ -160,11 +160,12 @@ def test_interleaved_pipeline_matches_one_process_and_reshards(tmp_path: Path, d
     assert_tensors_bitwise_equal(read_full_tensors(offline), saved, "offline reshard pp2·v2 -> pp1")
 
 
-def test_moe_sharded_over_experts_matches_one_process(tmp_path: Path, data_path: str) -> None:
-    """A Mixtral-style MoE (4 experts, top-2, aux loss) under dp_shard 2: FSDP2 splits every
-    ``[E, ...]`` expert tensor along the experts, so each rank's box is two whole experts (the
-    box expert parallelism would hold). Logits and first-step gradients equal one process
-    (1e-5); the checkpoint stores whole ``[E, ...]`` tensors and reshards to one process bitwise."""
+def test_moe_with_expert_parallelism_matches_one_process(tmp_path: Path, data_path: str) -> None:
+    """A Mixtral-style MoE (4 experts, top-2, aux loss) on 2 ranks, FSDP-only (dp_shard 2: FSDP2
+    splits each ``[E, ...]`` expert tensor along the experts) and EP2 (each rank keeps experts
+    {0, 1} or {2, 3} whole and all-gathers tokens): logits and first-step gradients equal one
+    process (1e-5); the EP2 checkpoint (whole ``[E, ...]`` tensors) loads into EP1 and reshards
+    offline to one process bitwise."""
     import dataclasses
 
     from shardsmith.reshard.engine import reshard
@@ -172,22 +173,28 @@ def test_moe_sharded_over_experts_matches_one_process(tmp_path: Path, data_path:
 
     moe = dataclasses.replace(TINY_MODEL, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01)
     cfg = dataclasses.replace(tiny_train_config(ParallelDims(dp_shard=2), data_path), model=moe)
+    ep2 = {"parallel": ParallelDims(dp_shard=2, expert_parallel=2).to_json()}
     tokens, targets = _batch()
+    two = step_dir(2)
     tasks = [
         {"kind": "logits", "tokens": tokens, "out": str(tmp_path / "logits")},
         {"kind": "grads", "tokens": tokens, "targets": targets, "out": str(tmp_path / "grads")},
-        {"kind": "train", "steps": 2, "ckpt": str(tmp_path / "moe"), "out": str(tmp_path / "full.json")},
+        {"kind": "logits", "tokens": tokens, "out": str(tmp_path / "logits-ep"), "set": ep2},
+        {"kind": "grads", "tokens": tokens, "targets": targets, "out": str(tmp_path / "grads-ep"), "set": ep2},
+        {"kind": "train", "steps": 2, "ckpt": str(tmp_path / "ep"), "out": str(tmp_path / "full.json"), "set": ep2},
+        {"kind": "reload", "src": str(tmp_path / "ep" / two), "dst": str(tmp_path / "ep1")},
     ]
     run_torchrun({"config": cfg.to_json(), "tasks": tasks}, 2, tmp_path, "moe").check()
 
     logits, grads = _single_process_reference(tokens, targets, cfg.num_microbatches(), moe)
-    _assert_close(_load_all(tmp_path / "logits", "logits"), {"logits": logits}, "MoE dps2 logits")
-    _assert_close(_load_all(tmp_path / "grads", "grads"), grads, "MoE dps2 first-step grads")
     assert grads["layers.0.feed_forward.experts.w1"].shape == (4, moe.ffn_hidden_size, moe.hidden_size)
+    for suffix, what in (("", "dps2"), ("-ep", "EP2")):
+        _assert_close(_load_all(tmp_path / f"logits{suffix}", "logits"), {"logits": logits}, f"MoE {what} logits")
+        _assert_close(_load_all(tmp_path / f"grads{suffix}", "grads"), grads, f"MoE {what} first-step grads")
 
-    two = step_dir(2)
-    saved = read_full_tensors(str(tmp_path / "moe" / two))
+    saved = read_full_tensors(str(tmp_path / "ep" / two))
     assert saved["layers.3.feed_forward.experts.w2"].shape == (4, moe.hidden_size, moe.ffn_hidden_size)
+    assert_tensors_bitwise_equal(read_full_tensors(str(tmp_path / "ep1" / two)), saved, "MoE EP2 -> EP1 load")
     offline = str(tmp_path / "one" / two)
-    reshard(Store(str(tmp_path / "moe" / two)), offline, ParallelDims())
-    assert_tensors_bitwise_equal(read_full_tensors(offline), saved, "MoE dps2 -> one process")
+    reshard(Store(str(tmp_path / "ep" / two)), offline, ParallelDims())
+    assert_tensors_bitwise_equal(read_full_tensors(offline), saved, "MoE EP2 -> one process")

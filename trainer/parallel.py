@@ -25,6 +25,7 @@ from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims, chunk_layers
 from shardsmith.layout.plan import (COLWISE, ROWWISE, VOCAB_PARALLEL, TensorSpec, grad_sum_groups,
                                     kv_replicas, padded_vocab_size, param_specs, tp_module_key)
 from shardsmith.trainer.model import Transformer
+from shardsmith.trainer.moe import MoEFeedForward, expert_parallel_params, shard_experts
 from shardsmith.trainer.pipeline import ChunkedStage
 from shardsmith.trainer.weight_init import materialize_local_shards
 
@@ -163,13 +164,15 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool
     parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel=sequence_parallel))
 
 
-def placement_axes(p: torch.Tensor, ndim: int) -> tuple[tuple[str, ...], ...]:
+def placement_axes(p: torch.Tensor, ndim: int, expert_parallel: bool = False) -> tuple[tuple[str, ...], ...]:
     """Per tensor dim, the mesh axes a parameter's DTensor placements split it by, major to
     minor (the plan's ``dim_axes`` convention). FSDP2 over a TP-sharded dim records the
     dp_shard split as ``_StridedShard``: applied after (minor to) the plain ``Shard``."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    if expert_parallel:                             # expert-parallel experts: dim 0 over dp_shard
+        return (("dp_shard",),) + ((),) * (ndim - 1)
     major: list[list[str]] = [[] for _ in range(ndim)]
     minor: list[list[str]] = [[] for _ in range(ndim)]
     if isinstance(p, DTensor):
@@ -184,26 +187,29 @@ def placement_axes(p: torch.Tensor, ndim: int) -> tuple[tuple[str, ...], ...]:
 def check_placements(model: Transformer, specs: dict[str, TensorSpec], dims: ParallelDims) -> None:
     """Assert every parameter is split exactly as the plan's ``dim_axes`` says (axes of
     degree 1 split nothing and are left out). Local to the rank; run at every build."""
+    experts = expert_parallel_params(model)
     for fqn, p in model.named_parameters():
         spec = specs[fqn]
         want = tuple(tuple(a for a in axes if getattr(dims, a) > 1) for axes in spec.dim_axes)
         got = tuple(tuple(a for a in axes if getattr(dims, a) > 1)
-                    for axes in placement_axes(p, len(spec.shape)))
+                    for axes in placement_axes(p, len(spec.shape), fqn in experts))
         assert got == want, f"{fqn}: DTensor placements split dims by {got}, the plan says {want}"
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, *, bf16: bool) -> None:
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, *, bf16: bool,
+               ignored: set[nn.Parameter] | None = None) -> None:
     """FSDP2 (ZeRO-3) over ``dp_shard``, HSDP replication over ``dp_replicate`` when the mesh is 2-D.
 
     Each block is its own FSDP unit, then the root; parameters are resharded after every
     forward, also with pipelining (with :class:`ShardedGradPipelineStage`, only one block's
-    unsharded parameters and gradients exist at a time, not the whole stage's).
+    unsharded parameters and gradients exist at a time, not the whole stage's). ``ignored``
+    parameters (expert-parallel experts, already split over dp_shard) are left alone.
     """
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True, ignored_params=ignored)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True, ignored_params=ignored)
 
 
 def apply_compile(model: Transformer, backend: str = "inductor") -> None:
@@ -225,9 +231,15 @@ def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, *, bf1
         apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel)
     if compile:
         apply_compile(model)
+    experts: set[nn.Parameter] = set()
+    if dims.expert_parallel > 1:
+        group = mesh["dp_shard"].get_group()
+        for module in model.modules():
+            if isinstance(module, MoEFeedForward):
+                experts.update(shard_experts(module, group))
     if dims.dp > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, bf16=bf16)
+        apply_fsdp(model, dp_mesh, bf16=bf16, ignored=experts)
     return model
 
 
@@ -267,6 +279,9 @@ def finalize_grads(model: torch.nn.Module, groups: dict[str, dist.ProcessGroup])
     """
     from torch.distributed.tensor import DTensor
 
+    for p, ep in expert_parallel_params(model).values():
+        if p.grad is not None:                      # expert-parallel: summed over the group's batches
+            p.grad.div_(ep)
     for fqn, p in model.named_parameters():
         if p.grad is None:
             continue
