@@ -54,7 +54,8 @@ def flops_per_token(model: ModelConfig) -> float:
 
     ``6 * N + 12 * L * H * Q * T`` (Chowdhery et al. 2022, "PaLM", appendix B): N is the
     number of parameters that take part in matrix multiplies (all but the input embedding
-    table, which is a lookup; with tied embeddings the output projection still counts),
+    table, which is a lookup; with tied embeddings the output projection still counts; of a MoE
+    layer's experts only the K of E each token is routed to),
     L layers, H query heads, Q = head dim, T = sequence length; the second term is the
     attention score and value matmuls (counted for the full T x T matrix, as PaLM does).
     The same convention as nanoGPT's ``estimate_mfu`` and torchtitan's
@@ -64,7 +65,10 @@ def flops_per_token(model: ModelConfig) -> float:
         FLOPs per token (float, unitless count).
     """
     specs = param_specs(model, ParallelDims())
-    num_params = sum(prod(s.shape) for fqn, s in specs.items() if fqn != "tok_embeddings.weight")
+    num_params = sum(prod(s.shape) for fqn, s in specs.items() if fqn != "tok_embeddings.weight"
+                     and ".experts." not in fqn)
+    num_params += sum(prod(s.shape) * model.moe_router_topk // model.num_experts     # active experts only
+                      for fqn, s in specs.items() if ".experts." in fqn)
     if model.tie_embeddings:
         num_params += model.vocab_size * model.hidden_size          # the output matmul
     head_dim = model.hidden_size // model.num_attention_heads

@@ -175,3 +175,13 @@ def test_expert_parallel_layout_rules() -> None:
     with pytest.raises(ConfigError, match="use 1 or dp_shard=4"):
         ParallelDims(dp_shard=4, expert_parallel=2)
     assert ParallelDims.from_json(dims.to_json()) == dims and "expert_parallel" not in ParallelDims().to_json()
+
+
+def test_moe_flops_count_only_the_routed_experts() -> None:
+    import dataclasses
+
+    from shardsmith.layout.estimate import flops_per_token
+
+    dense = flops_per_token(MODEL)
+    moe = dataclasses.replace(MODEL, num_experts=4, moe_router_topk=1)     # 1 of 4 experts = the dense FFN
+    assert flops_per_token(moe) == dense + 6 * MODEL.num_layers * 4 * MODEL.hidden_size    # + the routers
