@@ -42,7 +42,7 @@ def _echo_import(report, dims) -> None:
 @layout_options
 @hint_options
 @storage_option
-def import_dcp(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, num_attention_heads, seq_length,
+def import_dcp(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, expert_parallel, num_attention_heads, seq_length,
                rope_theta, norm_eps, step, storage_options) -> None:
     """Turn the torchtitan-style PyTorch DCP directory SRC (.metadata + *.distcp) into a
     shardsmith checkpoint at CKPT (a root or step directory) in the given layout: model
@@ -51,7 +51,7 @@ def import_dcp(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, num_at
     from shardsmith.reshard.foreign.common import ModelHints
     from shardsmith.reshard.foreign.dcp import import_dcp as do_import
 
-    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None)
+    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel)
     hints = ModelHints(num_attention_heads=num_attention_heads, seq_length=seq_length,
                        rope_theta=rope_theta, norm_eps=norm_eps)
     report = do_import(src, ckpt, dims, hints, step=step, make_config=_config_maker(dims),
@@ -85,7 +85,7 @@ def export_dcp(ckpt, out_dir, overwrite, storage_options) -> None:
 @click.option("--vocab-size", type=int, default=None,
               help="Unpadded vocabulary; Megatron's padding rows beyond it are dropped [default: every row].")
 @storage_option
-def import_megatron(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, num_attention_heads, seq_length,
+def import_megatron(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, expert_parallel, num_attention_heads, seq_length,
                     rope_theta, norm_eps, step, vocab_size, storage_options) -> None:
     """Turn the Megatron-Core GPT checkpoint SRC in the torch_dist format (.metadata, *.distcp,
     metadata.json; saved with any tp/pp) into a model-only shardsmith checkpoint at CKPT in the
@@ -94,7 +94,7 @@ def import_megatron(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, n
     from shardsmith.reshard.foreign.common import ModelHints
     from shardsmith.reshard.foreign.megatron import import_megatron as do_import
 
-    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None)
+    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel)
     hints = ModelHints(num_attention_heads=num_attention_heads, seq_length=seq_length,
                        rope_theta=rope_theta, norm_eps=norm_eps)
     report = do_import(src, ckpt, dims, hints, vocab_size=vocab_size, step=step,
