@@ -4,6 +4,7 @@ library (:mod:`shardsmith.storage.commit`, ``.verify``, ``.gc``) and print."""
 from __future__ import annotations
 
 import json
+from typing import Any
 from math import prod
 
 import click
@@ -94,7 +95,7 @@ def ls(root: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
     from shardsmith.storage.fs import Store
     from shardsmith.storage.gc import describe_steps
 
-    store = Store(root, parse_storage_options(storage_options))
+    store = existing_root(Store(root, parse_storage_options(storage_options)))
     steps = describe_steps(store)
     hint = read_latest_hint(store)
     if as_json:
@@ -135,7 +136,7 @@ def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_s
     from shardsmith.storage.fs import Store
     from shardsmith.storage.gc import gc
 
-    store = Store(root, parse_storage_options(storage_options))
+    store = existing_root(Store(root, parse_storage_options(storage_options)))
     decisions: list = []
     verb = "would delete" if dry_run else "deleted"
     echo = (lambda d: None) if as_json else (
@@ -147,6 +148,19 @@ def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_s
                                "decisions": [d.to_json() for d in decisions]}, indent=1))
         return
     click.echo(f"{verb} {sum(d.delete for d in decisions)} of {len(decisions)} steps")
+
+
+def existing_root(store: Any) -> Any:
+    """``store``, after checking that its root exists (a typo must not read as "no steps").
+
+    Raises:
+        CheckpointNotFound: nothing at that URL.
+    """
+    from shardsmith.errors import CheckpointNotFound
+
+    if not store.exists(""):
+        raise CheckpointNotFound(f"{store.url}: no such checkpoint root")
+    return store
 
 
 def register(cli: click.Group) -> None:

@@ -26,6 +26,11 @@ class Group(click.Group):
         except BrokenPipeError:      # output piped into `head` and closed: not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             ctx.exit(0)
+        except KeyboardInterrupt:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
         except (ShardsmithError, ValueError, FileNotFoundError, PermissionError, OSError) as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise

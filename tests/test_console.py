@@ -1,0 +1,203 @@
+"""Issue "A console people trust": preflight before workers, Ctrl-C, human console lines, plot.
+
+Pure tests first; one tiny distributed test sends Ctrl-C to a real two-process job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ckpt_factory import build_manifest
+from conftest import TINY_MODEL, tiny_train_config
+from shardsmith.errors import CheckpointMismatch, CheckpointNotFound
+from shardsmith.layout import ParallelDims
+from shardsmith.storage.commit import commit
+from shardsmith.storage.fs import Store
+from shardsmith.trainer import launch as launcher
+from shardsmith.trainer.console import EtaClock, event_line, layout_name, step_line
+from shardsmith.trainer.fault.preemption import PreemptionHandler
+from shardsmith.trainer.metrics import EventLog, MetricsWriter, iter_json_lines
+from shardsmith.trainer.preflight import preflight, schedule_change
+from shardsmith.trainer.worker import report_error
+
+RECORD = {"step": 41, "loss": 5.1234, "lr": 2.95e-4, "grad_norm": 1.234, "tokens_per_s": 12345.0,
+          "seconds": 0.31, "skipped": False, "steps": 60, "tokens_seen": 1_300_000,
+          "peak_mem_nbytes": 1_200_000_000, "mfu": 0.412, "eta_s": 372.0}
+
+
+def test_step_line_carries_every_field() -> None:
+    line = step_line(RECORD)
+    assert line.startswith("step 41/60  loss 5.1234  lr 2.95e-04  grad 1.234  12,345 tok/s  310 ms/step")
+    assert "  1.3M tok  mem 1.1 GiB  MFU 41.2%  ETA 6m12s" in line
+    bad = step_line({**RECORD, "loss": None, "skipped": True, "step": 7})
+    assert bad.startswith("step  7/60  loss nan") and bad.endswith("SKIPPED (non-finite)")
+
+
+def test_eta_uses_the_median_step() -> None:
+    clock = EtaClock(window=3)
+    clock.eta_s(10.0, 5)                         # the first step's start-up cost ...
+    clock.eta_s(1.0, 4)
+    assert clock.eta_s(1.0, 3) == 3.0            # ... does not skew the estimate
+
+
+def test_events_are_human_lines_on_the_console_and_json_in_the_file(tmp_path: Path, caplog) -> None:
+    events = EventLog(MetricsWriter(str(tmp_path), tensorboard=False), rank=0)
+    resume = {"event": "resume", "reason": "resume", "step": 40, "from": "runs/a/step-000000040",
+              "saved_layout": {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 2},
+              "layout": {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 1}, "resharded": True,
+              "rng": {"x": list(range(600))}, "seconds": 1.5, "nbytes_read": 3 << 20}
+    save = {"event": "save", "step": 40, "url": "runs/b/step-000000040", "nbytes": 600 << 20,
+            "seconds": 1.0, "blocked_seconds": 0.31}
+    with caplog.at_level(logging.INFO, logger="shardsmith.trainer.metrics"):
+        events(resume)
+        events(save)
+        events({"event": "start", "restart_count": 0})
+    assert caplog.messages == [
+        "resumed step 40 from runs/a/step-000000040 (layout pp2·tp2 → dps2; 3.0 MiB in 1.5 s)",
+        "saved step 40 → runs/b/step-000000040 (600.0 MiB, 0.3 s blocked)"]
+    assert [r["event"] for r in iter_json_lines(str(tmp_path / "metrics.jsonl"))] == ["resume", "save", "start"]
+    assert event_line({"event": "new_kind", "a": 1}) == "new_kind: a 1"
+    assert layout_name({"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1}) == "1 rank"
+
+
+def _checkpoint(tmp_path: Path, model: dict, config: dict) -> str:
+    root = Store(str(tmp_path / "src"))
+    manifest, _ = build_manifest(root, 4)
+    commit(root, dataclasses.replace(manifest, model=model, config=config))
+    return str(tmp_path / "src")
+
+
+def test_preflight_refuses_a_missing_file_or_mismatched_resume_source(tmp_path: Path) -> None:
+    cfg = tiny_train_config(ParallelDims(dp_shard=2), "unused")
+    ckpt = dataclasses.replace(cfg.checkpoint, url=str(tmp_path / "out"))
+    with pytest.raises(CheckpointNotFound, match="--resume nope: .*nope does not exist"):
+        preflight(dataclasses.replace(cfg, checkpoint=dataclasses.replace(ckpt, resume="nope")))
+    (tmp_path / "README.md").write_text("hi")
+    with pytest.raises(CheckpointNotFound, match="is a file, not a checkpoint directory"):
+        preflight(dataclasses.replace(cfg, checkpoint=dataclasses.replace(ckpt, resume=str(tmp_path / "README.md"))))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointNotFound, match="no committed checkpoint"):
+        preflight(dataclasses.replace(cfg, checkpoint=dataclasses.replace(ckpt, resume=str(tmp_path / "empty"))))
+    wider = {**dataclasses.asdict(TINY_MODEL), "hidden_size": 64}
+    src = _checkpoint(tmp_path, wider, cfg.to_json())
+    with pytest.raises(CheckpointMismatch, match="hidden_size: checkpoint 64, this job 32"):
+        preflight(dataclasses.replace(cfg, checkpoint=dataclasses.replace(ckpt, resume=src)))
+    assert (tmp_path / "out").is_dir()                 # the target was created (writable)
+
+
+def test_preflight_finds_the_resume_step(tmp_path: Path) -> None:
+    cfg = tiny_train_config(ParallelDims(dp_shard=2), "unused")
+    src = _checkpoint(tmp_path, dataclasses.asdict(TINY_MODEL), cfg.to_json())
+    found = preflight(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, url=src)))
+    assert found.resume_step == 4 and found.resume_url.endswith("step-000000004") and found.notes == []
+
+
+def test_launch_checks_before_starting_workers_and_a_finished_run_starts_none(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(launcher, "elastic_launch", lambda *a, **k: pytest.fail("workers started"))
+    cfg = tiny_train_config(ParallelDims(dp_shard=2), "unused")
+    missing = dataclasses.replace(cfg.checkpoint, url=str(tmp_path / "out"), resume=str(tmp_path / "nope"))
+    with pytest.raises(CheckpointNotFound):
+        launcher.launch(dataclasses.replace(cfg, checkpoint=missing), 2)
+    src = _checkpoint(tmp_path, dataclasses.asdict(TINY_MODEL), cfg.to_json())
+    done = dataclasses.replace(cfg, steps=4, checkpoint=dataclasses.replace(cfg.checkpoint, url=src))
+    assert launcher.launch(done, 2) == 0
+
+
+def test_schedule_change_is_one_line_naming_the_fix() -> None:
+    cfg = tiny_train_config(ParallelDims(), "unused")           # decay_steps 6
+    saved = cfg.to_json()
+    assert schedule_change(saved, cfg, 4) == ""
+    longer = dataclasses.replace(cfg, steps=20, optim=dataclasses.replace(cfg.optim, decay_steps=0))
+    saved_open = {**saved, "optim": {**saved["optim"], "decay_steps": 0}, "steps": 10}
+    assert schedule_change(saved_open, longer, 10) == (
+        "the LR schedule changes at the resume of step 10: decay ends at step 10 -> 20 "
+        "(pass --lr-decay-steps 10 to keep it)")
+    assert schedule_change(saved_open, dataclasses.replace(longer, optim=dataclasses.replace(
+        cfg.optim, decay_steps=10)), 10) == ""
+
+
+def test_ctrl_c_checkpoints_and_a_second_one_exits_at_once() -> None:
+    exits: list[int] = []
+    now = [0.0]
+    handler = PreemptionHandler(60.0, exit_fn=exits.append, clock=lambda: now[0])
+    handler._handle(signal.SIGINT, None)
+    assert handler.requested == signal.SIGINT and not exits
+    now[0] = 0.2
+    handler._handle(signal.SIGINT, None)             # the agent's forward of the same Ctrl-C
+    assert not exits
+    now[0] = 2.0
+    handler._handle(signal.SIGINT, None)             # the user's second Ctrl-C
+    assert exits == [130]
+    handler.done()
+
+
+def test_a_failure_is_reported_once_by_the_first_rank(tmp_path, monkeypatch, capsys) -> None:
+    path = tmp_path / "error.txt"
+    monkeypatch.setenv(launcher.ERROR_FILE_ENV, str(path))
+    report_error("rank 1: CheckpointNotFound: no committed checkpoint under x")
+    report_error("rank 0: CheckpointNotFound: no committed checkpoint under x")
+    assert path.read_text() == "rank 1: CheckpointNotFound: no committed checkpoint under x\n"
+    assert capsys.readouterr().err == ""
+
+
+def test_ls_and_gc_of_a_missing_root_fail(tmp_path: Path) -> None:
+    from shardsmith.cli.main import cli
+
+    for args in (["ls", str(tmp_path / "nope")], ["gc", str(tmp_path / "nope"), "--keep-last", "1"]):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 1 and "no such checkpoint root" in result.output, args
+
+
+def test_plot_draws_several_runs_as_one_curve(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from shardsmith.cli.main import cli
+    from shardsmith.trainer.plot import loss_segments, read_runs
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    for run, records in ((first, [{"step": 1, "loss": 3.0, "lr": 1e-3}, {"step": 2, "loss": 2.0, "lr": 2e-3}]),
+                         (second, [{"event": "resume", "reason": "resume", "step": 2, "resharded": True},
+                                   {"step": 3, "loss": 1.9, "lr": 1.5e-3}])):
+        writer = MetricsWriter(str(run), tensorboard=False)
+        for r in records:
+            writer.write(r)
+    records = read_runs([str(first), str(second)])
+    assert loss_segments(records) == [[(1, 3.0), (2, 2.0), (3, 1.9)]]
+    assert loss_segments(records, "lr") == [[(1, 1e-3), (2, 2e-3), (3, 1.5e-3)]]
+    result = CliRunner().invoke(cli, ["plot", str(first), str(second), "--out", str(tmp_path / "p.png")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "p.png"]          # no temporary left behind
+
+
+@pytest.mark.distributed
+def test_ctrl_c_saves_and_exits_130(tmp_path: Path, data_path: str) -> None:
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--num-kv-heads", "1",
+             "--ffn-hidden-size", "64", "--seq-length", "32", "--global-batch-size", "4", "--micro-batch-size", "2",
+             "--data", data_path]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    log_path = tmp_path / "c.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "shardsmith", "train", "--nproc-per-node", "2",
+                                 "--dp-shard", "2", *flags, "--steps", "500", "--ckpt", str(tmp_path / "c")],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not re.search(r"step +3/500", log_path.read_text()) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=120) == 130, log_path.read_text()[-3000:]
+    out = log_path.read_text()
+    assert "Traceback" not in out and '{"time"' not in out, out
+    assert "interrupted at step" in out and out.count("Ctrl-C: checkpointing") == 1, out
+    committed = [p.name for p in (tmp_path / "c").iterdir() if (p / "manifest.json").exists()]
+    assert committed, out
