@@ -22,7 +22,7 @@ from ckpt_factory import build_manifest
 from conftest import TINY_MODEL, tiny_train_config
 from shardsmith.errors import CheckpointMismatch, CheckpointNotFound
 from shardsmith.layout import ParallelDims
-from shardsmith.storage.commit import commit
+from shardsmith.storage.commit import commit, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.trainer import launch as launcher
 from shardsmith.trainer.console import EtaClock, event_line, layout_name, step_line
@@ -201,3 +201,69 @@ def test_ctrl_c_saves_and_exits_130(tmp_path: Path, data_path: str) -> None:
     assert "interrupted at step" in out and out.count("Ctrl-C: checkpointing") == 1, out
     committed = [p.name for p in (tmp_path / "c").iterdir() if (p / "manifest.json").exists()]
     assert committed, out
+
+
+def test_rng_state_is_compact_and_the_old_form_still_loads() -> None:
+    import json
+
+    import torch
+
+    from shardsmith.trainer.rng import capture_rng, restore_rng
+
+    torch.manual_seed(3)
+    state = capture_rng()
+    assert isinstance(state["cpu"], str) and len(json.dumps(state)) < 7000
+    first = torch.rand(4)
+    restore_rng(state)
+    assert torch.equal(torch.rand(4), first)
+    restore_rng({"cpu": torch.tensor(bytearray(__import__("base64").b64decode(state["cpu"]))).tolist()})
+    assert torch.equal(torch.rand(4), first)                  # integer lists: checkpoints before this
+    with pytest.raises(ValueError, match="expected base64 text or a byte list"):
+        restore_rng({"cpu": 7})
+
+
+def test_reshard_refuses_its_source_root_and_names_the_target_run(tmp_path: Path) -> None:
+    import json
+
+    from shardsmith.cli.main import cli
+    from shardsmith.storage.manifest import MANIFEST_NAME
+    from test_reshard_engine import SRC_DIMS, full_state, save_direct
+
+    root = Store(str(tmp_path / "src"))
+    manifest = save_direct(root, full_state(), SRC_DIMS)
+    path = tmp_path / "src" / step_dir(manifest.step) / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    data["config"]["checkpoint"] = {"url": str(tmp_path / "src")}
+    path.write_text(json.dumps(data))
+    same = CliRunner().invoke(cli, ["reshard", str(tmp_path / "src"), str(tmp_path / "src"), "--dp-shard", "4"])
+    assert same.exit_code == 1 and "is the source's own checkpoint root" in same.output, same.output
+    out = CliRunner().invoke(cli, ["reshard", str(tmp_path / "src"), str(tmp_path / "out"), "--dp-shard", "4", "-q"])
+    assert out.exit_code == 0, out.output
+    assert "resuming" not in out.output and "resharded step" in out.output
+    got = json.loads((tmp_path / "out" / step_dir(manifest.step) / MANIFEST_NAME).read_text())
+    assert got["config"]["checkpoint"]["url"] == str(tmp_path / "out")
+
+
+def test_inspect_of_a_file_says_so(tmp_path: Path) -> None:
+    from shardsmith.cli.main import cli
+
+    (tmp_path / "README.md").write_text("# hi")
+    result = CliRunner().invoke(cli, ["inspect", str(tmp_path / "README.md")])
+    assert result.exit_code == 1 and "is a file, not a checkpoint" in result.output, result.output
+
+
+def test_inspect_summarizes_and_lists_tensors_on_request(tmp_path: Path) -> None:
+    import json
+
+    from shardsmith.cli.main import cli
+    from test_reshard_engine import SRC_DIMS, full_state, save_direct
+
+    save_direct(Store(str(tmp_path)), full_state(), SRC_DIMS)
+    summary = CliRunner().invoke(cli, ["inspect", str(tmp_path)])
+    assert summary.exit_code == 0, summary.output
+    assert "largest 8 tensors (--tensors: all)" in summary.output and "data was not checked" in summary.output
+    assert "model " in summary.output and "optim.exp_avg " in summary.output
+    full = CliRunner().invoke(cli, ["inspect", str(tmp_path), "--tensors"])
+    assert full.output.count("\n") > summary.output.count("\n")
+    data = json.loads(CliRunner().invoke(cli, ["inspect", str(tmp_path), "--json"]).output)
+    assert "tensors" not in data and data["groups"]["model"]["num_tensors"] > 0 and "verify" in data["checked"]
