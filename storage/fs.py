@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import posixpath
 import re
 from typing import Any, Callable, Iterator, Sequence, TypeVar
@@ -76,6 +77,34 @@ def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
     return out
 
 
+#: Seconds an object-store operation may take in all (its tries together), unless
+#: ``--storage-timeout`` (``SHARDSMITH_STORAGE_TIMEOUT``) says otherwise.
+DEFAULT_STORAGE_TIMEOUT_S = 60.0
+
+
+def storage_timeout_s() -> float:
+    """``SHARDSMITH_STORAGE_TIMEOUT`` (set by ``--storage-timeout``, inherited by workers), else
+    :data:`DEFAULT_STORAGE_TIMEOUT_S`."""
+    raw = os.environ.get("SHARDSMITH_STORAGE_TIMEOUT", "")
+    try:
+        value = float(raw) if raw else DEFAULT_STORAGE_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"SHARDSMITH_STORAGE_TIMEOUT={raw!r}: expected seconds") from None
+    if value <= 0:
+        raise ValueError(f"storage timeout {value:g}: must be > 0 seconds")
+    return value
+
+
+def bounded_s3_options(options: dict[str, Any], attempt_s: float) -> dict[str, Any]:
+    """``options`` with botocore's connect and read timeouts at ``attempt_s`` seconds and its own
+    retries off (our :class:`RetryPolicy` retries), unless the caller set them."""
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", max(attempt_s, 0.5))
+    config.setdefault("read_timeout", max(attempt_s, 0.5))
+    config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+    return {**options, "config_kwargs": config}
+
+
 def _describe(exc: BaseException) -> str:
     """``Code: message`` for a server error, else ``Type: message``."""
     info = client_error_info(exc)
@@ -109,7 +138,11 @@ class Store:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency}: must be >= 1")
         self.url = url.rstrip("/") or url
+        policy = retry or RetryPolicy.from_env()
         self.storage_options = dict(storage_options or {})
+        if self.url.startswith(("s3://", "s3a://")):
+            self.storage_options = bounded_s3_options(self.storage_options, storage_timeout_s()
+                                                      / (policy.max_attempts if max_attempts is None else max_attempts))
         try:
             self.fs, root = url_to_fs(self.url, **self.storage_options)
         except (ImportError, ValueError, TypeError) as exc:
@@ -117,7 +150,8 @@ class Store:
                                "protocol, that its fsspec backend is installed, and --storage-option "
                                "names)") from exc
         self.root = root.rstrip("/") if root not in ("/", "") else root
-        policy = retry or RetryPolicy.from_env()
+        if hasattr(self.fs, "retries"):        # s3fs retries 5 times by itself; ours bound the total
+            self.fs.retries = 1
         self.retry = RetryPolicy(
             max_attempts=policy.max_attempts if max_attempts is None else max_attempts,
             backoff_s=policy.backoff_s if backoff_s is None else backoff_s,

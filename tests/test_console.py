@@ -267,3 +267,29 @@ def test_inspect_summarizes_and_lists_tensors_on_request(tmp_path: Path) -> None
     assert full.output.count("\n") > summary.output.count("\n")
     data = json.loads(CliRunner().invoke(cli, ["inspect", str(tmp_path), "--json"]).output)
     assert "tensors" not in data and data["groups"]["model"]["num_tensors"] > 0 and "verify" in data["checked"]
+
+
+def test_an_unreachable_object_store_fails_fast_in_one_line(tmp_path: Path, monkeypatch) -> None:
+    import socket
+
+    with socket.socket() as s:                       # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    monkeypatch.delenv("SHARDSMITH_STORAGE_TIMEOUT", raising=False)
+    env = {**os.environ, "SHARDSMITH_STORAGE_MAX_ATTEMPTS": "3", "SHARDSMITH_STORAGE_BACKOFF_S": "0.1"}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "shardsmith", "ls", "s3://bucket/run", "--storage-timeout", "3",
+                           "--storage-option", f"client_kwargs.endpoint_url=http://127.0.0.1:{port}"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 1, proc.stderr
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and "unreachable" in lines[-1], lines
+    assert all("; retry " in line for line in lines[:-1]) and len(lines) <= 3, lines   # ours, no botocore
+    assert elapsed < 30, elapsed                      # python start-up included; botocore alone took ~40 s
+    monkeypatch.setenv("SHARDSMITH_STORAGE_TIMEOUT", "4")
+    store = Store("s3://bucket/run", {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}, max_attempts=2)
+    assert store.storage_options["config_kwargs"]["connect_timeout"] == 2.0
+    assert store.storage_options["config_kwargs"]["retries"] == {"max_attempts": 1, "mode": "standard"}
