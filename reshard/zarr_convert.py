@@ -21,6 +21,7 @@ from typing import Iterator
 
 import torch
 
+from shardsmith.errors import LayoutError
 from shardsmith.reshard.engine import ReshardReport
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import TensorSpec, checkpoint_specs, shard_file_name, write_assignment

@@ -293,3 +293,20 @@ def test_an_unreachable_object_store_fails_fast_in_one_line(tmp_path: Path, monk
     store = Store("s3://bucket/run", {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}, max_attempts=2)
     assert store.storage_options["config_kwargs"]["connect_timeout"] == 2.0
     assert store.storage_options["config_kwargs"]["retries"] == {"max_attempts": 1, "mode": "standard"}
+
+
+def test_ctrl_c_during_a_reshard_says_the_target_is_incomplete(tmp_path: Path, monkeypatch) -> None:
+    from shardsmith.cli.main import cli
+    from shardsmith.reshard import engine
+    from test_reshard_engine import SRC_DIMS, full_state, save_direct
+
+    save_direct(Store(str(tmp_path / "src")), full_state(), SRC_DIMS)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "execute", interrupted)
+    result = CliRunner().invoke(cli, ["reshard", str(tmp_path / "src"), str(tmp_path / "out"), "--dp-shard", "4"])
+    assert result.exit_code == 130, result.output
+    assert "is incomplete (nothing committed); run the same command again to resume" in result.output
+    assert "Aborted" not in result.output and "Traceback" not in result.output

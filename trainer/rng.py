@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 
 import hashlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -55,7 +56,7 @@ def capture_rng() -> dict[str, str]:
     return state
 
 
-def restore_rng(state: dict[str, str | list[int]]) -> None:
+def restore_rng(state: Mapping[str, Any]) -> None:
     """Inverse of :func:`capture_rng`; also takes the older integer-list form (a ``cuda``
     entry is ignored on CPU-only hosts).
 
