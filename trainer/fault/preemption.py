@@ -20,7 +20,7 @@ SIGINT_REPEAT_GRACE_S = 1.0
 
 
 class PreemptionHandler:
-    """Turns SIGTERM/SIGUSR1 into a request to checkpoint and exit.
+    """Turns SIGTERM/SIGUSR1 and SIGINT (Ctrl-C) into a request to checkpoint and exit.
 
     The first signal sets :attr:`requested` and starts a ``deadline`` timer; the trainer
     checks the flag at each step boundary (all ranks agree via :func:`~shardsmith.trainer.comm.any_rank`), saves,
@@ -71,21 +71,24 @@ class PreemptionHandler:
             self._timer = None
 
     def _handle(self, signum: int, frame: Any) -> None:
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        grace = SIGINT_REPEAT_GRACE_S if signum == signal.SIGINT else self._grace_s
+        ctrl_c = signum == signal.SIGINT
+        name = "Ctrl-C" if ctrl_c else signal.Signals(signum).name
+        grace = SIGINT_REPEAT_GRACE_S if ctrl_c else self._grace_s
         if self.requested is not None and self._clock() - self._first_at < grace:
             return                                   # the same notice, delivered twice
+        # Ctrl-C reaches every rank at once: rank 0 speaks for all. Another signal may reach
+        # one rank only (a scheduler's, or a rank's own): that rank says so.
+        tell = say_once if ctrl_c else (lambda m: say(f"rank {os.environ.get('RANK', '?')}: {m}"))
         if self.requested is not None or self._is_hung():
             why = "again" if self.requested is not None else "while the current step is hung"
-            say_once(f"{name} {why}: exiting now without a checkpoint")
-            if signum != signal.SIGINT:
+            tell(f"{name} {why}: exiting now without a checkpoint")
+            if not ctrl_c:
                 faulthandler.dump_traceback(2, all_threads=True)
             self._exit(128 + signum)
             return
         self.requested, self._first_at = signum, self._clock()
-        say_once(f"{name}: checkpointing at the next step boundary, then exiting "
-                 f"(deadline {self.deadline_s:g}s; {'press it' if signum == signal.SIGINT else 'send it'} "
-                 "again to exit now)")
+        tell(f"{name}: checkpointing at the next step boundary, then exiting (deadline "
+             f"{self.deadline_s:g}s; {'press it' if ctrl_c else 'send it'} again to exit now)")
         self._timer = threading.Timer(self.deadline_s, self._deadline_passed)
         self._timer.daemon = True
         self._timer.start()
