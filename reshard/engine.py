@@ -248,7 +248,8 @@ def _load_progress(dst: Store, plan_id: str, mine: set[str]) -> dict[str, dict[s
             continue
         kept.update({k: v for k, v in data["files"].items() if isinstance(v, dict) and k in mine})
     if kept:
-        log.info("resuming: %d target files were written by an interrupted run", len(kept))
+        log.info("resuming: %s written by an interrupted run", "1 target file was" if len(kept) == 1
+                 else f"{len(kept)} target files were")
     return kept
 
 
