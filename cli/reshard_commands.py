@@ -151,14 +151,9 @@ def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, dtype, mod
     dst_root = target_root(dst, plan.source.step, options)
     refuse_source_as_target(src_root.url, dst_root.url)
     total = sum(tf.nbytes for tf in assign_files(plan.files, share.world_size)[share.rank])
-    try:
-        with progress_bar(total, "resharding", not quiet and share.rank == 0) as bar:
-            report = execute(plan, src_store, dst_root, share=share, progress=bar)
-    except KeyboardInterrupt:
-        if share.rank == 0:
-            click.echo(f"interrupted: {dst_root.url} is incomplete (nothing committed); run the same "
-                       "command again to resume (finished files are kept)", err=True)
-        raise click.exceptions.Exit(130) from None
+    with progress_bar(total, "resharding", not quiet and share.rank == 0) as bar, \
+            _explain_interrupt(dst_root.url, share.rank):
+        report = execute(plan, src_store, dst_root, share=share, progress=bar)
     rate = report.nbytes_written / max(report.seconds, 1e-9)
     if not report.committed:                          # rank 0 reports for every rank
         return
@@ -172,6 +167,18 @@ def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, dtype, mod
     if verify and not run_diff(src_store.url, report.target, atol=0.0, storage_options=options,
                                cast_a=opts.dtype, fqns=list(plan.tensors)):
         raise click.exceptions.Exit(1)
+
+
+@contextmanager
+def _explain_interrupt(target_url: str, rank: int) -> Iterator[None]:
+    """Ctrl-C: say that the target is incomplete and how to finish it; exit 130."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if rank == 0:
+            click.echo(f"interrupted: {target_url} is incomplete (nothing committed); run the same "
+                       "command again to resume (finished files are kept)", err=True)
+        raise click.exceptions.Exit(130) from None
 
 
 def refuse_source_as_target(src_root_url: str, dst_root_url: str) -> None:

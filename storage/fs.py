@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import posixpath
 import re
 from typing import Any, Callable, Iterator, Sequence, TypeVar
@@ -38,7 +37,8 @@ from fsspec.implementations.local import LocalFileSystem
 from shardsmith.errors import StorageAccessDenied, StorageError, StorageNotFound
 from shardsmith.storage import local
 from shardsmith.storage.multipart import MultipartWriter, part_size
-from shardsmith.storage.retry import RetryPolicy, Verdict, call_with_retries, client_error_info
+from shardsmith.storage.retry import (RetryPolicy, Verdict, bounded_s3_options, call_with_retries, client_error_info,
+                                      storage_timeout_s)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,34 +75,6 @@ def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
             target = target.setdefault(part, {})
         target[parts[-1]] = parsed
     return out
-
-
-#: Seconds an object-store operation may take in all (its tries together), unless
-#: ``--storage-timeout`` (``SHARDSMITH_STORAGE_TIMEOUT``) says otherwise.
-DEFAULT_STORAGE_TIMEOUT_S = 60.0
-
-
-def storage_timeout_s() -> float:
-    """``SHARDSMITH_STORAGE_TIMEOUT`` (set by ``--storage-timeout``, inherited by workers), else
-    :data:`DEFAULT_STORAGE_TIMEOUT_S`."""
-    raw = os.environ.get("SHARDSMITH_STORAGE_TIMEOUT", "")
-    try:
-        value = float(raw) if raw else DEFAULT_STORAGE_TIMEOUT_S
-    except ValueError:
-        raise ValueError(f"SHARDSMITH_STORAGE_TIMEOUT={raw!r}: expected seconds") from None
-    if value <= 0:
-        raise ValueError(f"storage timeout {value:g}: must be > 0 seconds")
-    return value
-
-
-def bounded_s3_options(options: dict[str, Any], attempt_s: float) -> dict[str, Any]:
-    """``options`` with botocore's connect and read timeouts at ``attempt_s`` seconds and its own
-    retries off (our :class:`RetryPolicy` retries), unless the caller set them."""
-    config = dict(options.get("config_kwargs") or {})
-    config.setdefault("connect_timeout", max(attempt_s, 0.5))
-    config.setdefault("read_timeout", max(attempt_s, 0.5))
-    config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
-    return {**options, "config_kwargs": config}
 
 
 def _describe(exc: BaseException) -> str:
