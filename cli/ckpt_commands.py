@@ -4,6 +4,7 @@ library (:mod:`shardsmith.storage.commit`, ``.verify``, ``.gc``) and print."""
 from __future__ import annotations
 
 import json
+from typing import Any
 from math import prod
 
 import click
@@ -12,41 +13,94 @@ from shardsmith.cli.options import FieldOption, dry_run_option, json_option, sto
 from shardsmith.storage.fs import parse_storage_options
 
 
-@click.command()
+@click.command(short_help="Summarize a checkpoint (metadata only).")
 @click.argument("ckpt")
+@click.option("--tensors", "all_tensors", is_flag=True,
+              help="List every tensor (optimizer state included), not only the largest.")
 @json_option("the manifest summary")
 @storage_option
-def inspect(ckpt: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
-    """Show a checkpoint's layout, model, tensors and sizes.
+def inspect(ckpt: str, all_tensors: bool, as_json: bool, storage_options: tuple[str, ...]) -> None:
+    """Summarize a checkpoint: layout, configs, sizes, largest tensors.
 
-    CKPT is a step directory, or a root (its newest committed step)."""
+    CKPT is a step directory, or a root (its newest committed step). Reads the manifest
+    only: the data is not checked (`shardsmith verify` does that)."""
+    from shardsmith.storage.commit import read_manifest, resolve_checkpoint
+
+    _refuse_file(ckpt)
+    _, step_store, _ = resolve_checkpoint(ckpt, parse_storage_options(storage_options))
+    m = read_manifest(step_store)
+    groups = tensor_groups(m.tensors)
+    if as_json:
+        summary = {"url": step_store.url, "step": m.step, "layout": m.layout, "model": m.model,
+                   "config": m.config, "nbytes": m.nbytes, "num_files": len(m.files),
+                   "groups": groups, "checked": "metadata only; run `shardsmith verify` to check the data"}
+        summary["state"] = {k: v for k, v in m.state.items() if k != "rng"}
+        if all_tensors:
+            summary["tensors"] = {fqn: {"shape": t.shape, "dtype": t.dtype, "num_shards": len(t.shards),
+                                        "nbytes": t.nbytes} for fqn, t in m.tensors.items()}
+        click.echo(json.dumps(summary, indent=1))
+        return
+    _print_summary(step_store.url, m, groups)
+    shown = sorted(m.tensors.items(), key=lambda kv: (-kv[1].nbytes, kv[0]))
+    shown = sorted(m.tensors.items()) if all_tensors else shown[:LARGEST]
+    width = max((len(f) for f, _ in shown), default=6)
+    click.echo(f"  {'all tensors' if all_tensors else f'largest {len(shown)} tensors (--tensors: all)'}:")
+    click.echo(f"    {'tensor':<{width}}  {'shape':<14} dtype  shards  bytes")
+    for fqn, t in shown:
+        click.echo(f"    {fqn:<{width}}  {str(tuple(t.shape)):<14} {t.dtype:<5}  {len(t.shards):>6}  {t.nbytes:,}")
+    click.echo("  read the manifest only: the data was not checked (run `shardsmith verify` for that)")
+
+
+#: Tensors the summary of ``inspect`` lists (largest first).
+LARGEST = 8
+
+
+def _refuse_file(url: str) -> None:
+    import os
+
+    from shardsmith.errors import CheckpointNotFound
+
+    path = url[len("file://"):] if url.startswith("file://") else url
+    if "://" not in path and os.path.isfile(path):
+        raise CheckpointNotFound(f"{url} is a file, not a checkpoint (a step directory or a root)")
+
+
+def tensor_groups(tensors: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Tensors per group (``model``, and ``optim.<state>`` per optimizer state name): count,
+    elements and bytes."""
+    out: dict[str, dict[str, int]] = {}
+    for fqn, t in tensors.items():
+        parts = fqn.split(".")
+        group = f"optim.{parts[1]}" if parts[0] == "optim" and len(parts) > 2 else "model"
+        g = out.setdefault(group, {"num_tensors": 0, "numel": 0, "nbytes": 0})
+        g["num_tensors"] += 1
+        g["numel"] += prod(t.shape)
+        g["nbytes"] += t.nbytes
+    return dict(sorted(out.items()))
+
+
+def _print_summary(url: str, m: Any, groups: dict[str, dict[str, int]]) -> None:
+    from shardsmith.cli.train_commands import describe_model
     from shardsmith.layout import ModelConfig
     from shardsmith.layout.dims import ParallelDims
     from shardsmith.layout.presets import preset_of
-    from shardsmith.storage.commit import read_manifest, resolve_checkpoint
-
-    _, step_store, _ = resolve_checkpoint(ckpt, parse_storage_options(storage_options))
-    m = read_manifest(step_store)
-    if as_json:
-        summary = {"url": step_store.url, "step": m.step, "layout": m.layout, "model": m.model,
-                   "config": m.config, "state": m.state, "nbytes": m.nbytes, "num_files": len(m.files),
-                   "tensors": {fqn: {"shape": t.shape, "dtype": t.dtype, "num_shards": len(t.shards),
-                                     "nbytes": t.nbytes} for fqn, t in m.tensors.items()}}
-        click.echo(json.dumps(summary, indent=1))
-        return
-    from shardsmith.cli.train_commands import describe_model
+    from shardsmith.layout.sizes import format_nbytes
 
     model = ModelConfig.from_json(m.model)
-    num_params = sum(prod(t.shape) for f, t in m.tensors.items() if not f.startswith("optim."))
-    click.echo(f"{step_store.url}\n  step {m.step}  created {m.created}  format {m.tensor_format} "
-               f"v{m.version}\n  layout {ParallelDims.from_json(m.layout).describe()} "
-               f"({m.layout.get('world_size')} ranks)\n  files {len(m.files)}  {m.nbytes:,} bytes\n"
-               f"  model {preset_of(model) or 'custom'}: {describe_model(model)}; {num_params:,} parameters\n"
-               f"  state step={m.state.get('step')} data={m.state.get('data')}")
-    width = max(len(f) for f in m.tensors)
-    click.echo(f"  {'tensor':<{width}}  {'shape':<14} dtype  shards  bytes")
-    for fqn, t in sorted(m.tensors.items()):
-        click.echo(f"  {fqn:<{width}}  {str(tuple(t.shape)):<14} {t.dtype:<5}  {len(t.shards):>6}  {t.nbytes:,}")
+    state = {k: v for k, v in m.state.items() if k not in ("rng",)}
+    click.echo(f"{url}\n  step {m.step}  created {m.created}  format {m.tensor_format} v{m.version}\n"
+               f"  layout {ParallelDims.from_json(m.layout).describe()} ({m.layout.get('world_size')} ranks)\n"
+               f"  files {len(m.files)}  {format_nbytes(m.nbytes)} ({m.nbytes:,} bytes)\n"
+               f"  model {preset_of(model) or 'custom'}: {describe_model(model)}; "
+               f"{groups.get('model', {}).get('numel', 0):,} parameters")
+    optim, steps = m.config.get("optim") or {}, m.config.get("steps")
+    if optim:
+        click.echo(f"  trained with lr {optim.get('lr')}, warmup {optim.get('warmup_steps')}, decay to step "
+                   f"{optim.get('decay_steps') or steps}, --steps {steps}")
+    click.echo(f"  state step={state.get('step')} tokens_seen={state.get('tokens_seen')} data={state.get('data')}")
+    for name, g in groups.items():
+        click.echo(f"  {name:<14} {g['num_tensors']:>5} tensors  {g['numel']:>15,} elements  "
+                   f"{format_nbytes(g['nbytes']):>10}")
 
 
 @click.command(short_help="Check files, sizes, checksums and coverage.")
@@ -94,7 +148,7 @@ def ls(root: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
     from shardsmith.storage.fs import Store
     from shardsmith.storage.gc import describe_steps
 
-    store = Store(root, parse_storage_options(storage_options))
+    store = existing_root(Store(root, parse_storage_options(storage_options)))
     steps = describe_steps(store)
     hint = read_latest_hint(store)
     if as_json:
@@ -135,7 +189,7 @@ def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_s
     from shardsmith.storage.fs import Store
     from shardsmith.storage.gc import gc
 
-    store = Store(root, parse_storage_options(storage_options))
+    store = existing_root(Store(root, parse_storage_options(storage_options)))
     decisions: list = []
     verb = "would delete" if dry_run else "deleted"
     echo = (lambda d: None) if as_json else (
@@ -147,6 +201,19 @@ def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_s
                                "decisions": [d.to_json() for d in decisions]}, indent=1))
         return
     click.echo(f"{verb} {sum(d.delete for d in decisions)} of {len(decisions)} steps")
+
+
+def existing_root(store: Any) -> Any:
+    """``store``, after checking that its root exists (a typo must not read as "no steps").
+
+    Raises:
+        CheckpointNotFound: nothing at that URL.
+    """
+    from shardsmith.errors import CheckpointNotFound
+
+    if not store.exists(""):
+        raise CheckpointNotFound(f"{store.url}: no such checkpoint root")
+    return store
 
 
 def register(cli: click.Group) -> None:

@@ -17,6 +17,10 @@ from shardsmith.cli.train_commands import train, train_config  # noqa: F401 (tes
 from shardsmith.errors import ShardsmithError
 
 
+#: Libraries whose log lines stay off the console unless ``--debug``.
+THIRD_PARTY_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "asyncio", "torch")
+
+
 class Group(click.Group):
     """Turns expected errors into one line on stderr and exit code 1."""
 
@@ -26,6 +30,11 @@ class Group(click.Group):
         except BrokenPipeError:      # output piped into `head` and closed: not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             ctx.exit(0)
+        except KeyboardInterrupt:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
         except (ShardsmithError, ValueError, FileNotFoundError, PermissionError, OSError) as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
@@ -44,6 +53,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
     if debug:
         os.environ["SHARDSMITH_DEBUG"] = "1"
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not debug:                       # third-party log lines (botocore's retries ...) only with --debug
+        for name in THIRD_PARTY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 cli.add_command(train)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import os
 from typing import Any, Callable
 
 import click
@@ -111,9 +112,21 @@ def size_option(*decls: str, default_from: str, help: str) -> F:
                         metavar="SIZE", help=f"{help} ({SIZE_HELP}).")
 
 
-storage_option = click.option(
-    "--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
-    help="fsspec storage option (repeatable), e.g. client_kwargs.endpoint_url=http://127.0.0.1:9000")
+def _set_storage_timeout(ctx: click.Context, param: click.Parameter, value: float | None) -> None:
+    """Hand ``--storage-timeout`` to every Store of this process and its workers (environment)."""
+    if value is not None:
+        if value <= 0:
+            raise click.BadParameter(f"{value:g}: must be > 0 seconds", ctx, param)
+        os.environ["SHARDSMITH_STORAGE_TIMEOUT"] = repr(value)
+
+
+storage_option = stack(
+    click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
+                 help="fsspec storage option (repeatable), e.g. client_kwargs.endpoint_url=http://127.0.0.1:9000"),
+    click.option("--storage-timeout", type=float, default=None, expose_value=False, is_eager=True,
+                 callback=_set_storage_timeout, metavar="SECONDS",
+                 help="Most seconds one object-store operation may take, retries included (default 60)."),
+)
 
 
 def json_option(what: str) -> F:

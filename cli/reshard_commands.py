@@ -51,8 +51,8 @@ def print_plan(plan: Any, src_url: str) -> None:
     click.echo(f"  tensors      {len(plan.tensors)}"
                + (f" ({len(plan.dropped)} dropped: optimizer state)" if plan.dropped else "")
                + (f", floats as {opts.dtype}" if opts.dtype else ""))
-    click.echo(f"  read         {_human(plan.nbytes_read)} of {_human(m.nbytes)} in the source "
-               f"({plan.nbytes_read:,} bytes, checksum chunks included)")
+    click.echo(f"  read         {_human(plan.nbytes_read)} ({plan.nbytes_read:,} bytes; the source holds "
+               f"{_human(m.nbytes)}: reads cover whole checksum chunks, some read for several target files)")
     click.echo(f"  write        {_human(plan.nbytes_write)} ({plan.nbytes_write:,} bytes)")
     click.echo(f"  peak buffer  <= {_human(plan.peak_buffer_nbytes)} (--max-buffer "
                f"{_human(opts.max_buffer_nbytes)}; largest tensor shard {_human(plan.largest_shard_nbytes)}; "
@@ -142,7 +142,7 @@ def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, expert_par
         return
     share = Share.from_env()
     options = parse_storage_options(storage_options)
-    _, src_store, _ = resolve_checkpoint(src, options)
+    src_root, src_store, _ = resolve_checkpoint(src, options)
     dims = target
     opts = ReshardOptions(dtype=_DTYPES[dtype] if dtype else None, model_only=model_only,
                           max_buffer_nbytes=max_buffer_nbytes, workers=workers)
@@ -150,21 +150,51 @@ def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, expert_par
     if dry_run:
         print_plan(plan, src_store.url)
         return
+    dst_root = target_root(dst, plan.source.step, options)
+    refuse_source_as_target(src_root.url, dst_root.url)
     total = sum(tf.nbytes for tf in assign_files(plan.files, share.world_size)[share.rank])
-    with progress_bar(total, "resharding", not quiet and share.rank == 0) as bar:
-        report = execute(plan, src_store, target_root(dst, plan.source.step, options), share=share, progress=bar)
+    with progress_bar(total, "resharding", not quiet and share.rank == 0) as bar, \
+            _explain_interrupt(dst_root.url, share.rank):
+        report = execute(plan, src_store, dst_root, share=share, progress=bar)
     rate = report.nbytes_written / max(report.seconds, 1e-9)
-    if not report.committed:
-        click.echo(f"rank {share.rank}/{share.world_size}: {report.num_files} files written, "
-                   f"{report.num_skipped} kept, {_human(rate)}/s; rank 0 commits")
+    if not report.committed:                          # rank 0 reports for every rank
         return
-    click.echo(f"resharded step {report.step} to {dims.describe()}: {report.num_files} files written"
-               + (f", {report.num_skipped} kept from an interrupted run" if report.num_skipped else "")
-               + f", {report.nbytes_written:,} bytes ({_human(rate)}/s), {report.nbytes_read:,} read, "
-               f"peak buffer {_human(report.peak_buffer_nbytes)}, {report.seconds:.2f}s -> {report.target}")
+    here = "" if share.world_size == 1 else f" by {share.world_size} processes"
+    click.echo(f"resharded step {report.step} to {dims.describe()}: {report.num_target_files} files, "
+               f"{_human(report.target_nbytes)}{here}"
+               + (f" ({report.num_skipped} kept from an interrupted run here)" if report.num_skipped else "")
+               + f"; {'rank 0 ' if here else ''}wrote {_human(report.nbytes_written)} ({_human(rate)}/s), read "
+               f"{_human(report.nbytes_read)}, peak buffer {_human(report.peak_buffer_nbytes)}, "
+               f"{report.seconds:.2f}s -> {report.target}")
     if verify and not run_diff(src_store.url, report.target, atol=0.0, storage_options=options,
                                cast_a=opts.dtype, fqns=list(plan.tensors)):
         raise click.exceptions.Exit(1)
+
+
+@contextmanager
+def _explain_interrupt(target_url: str, rank: int) -> Iterator[None]:
+    """Ctrl-C: say that the target is incomplete and how to finish it; exit 130."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if rank == 0:
+            click.echo(f"interrupted: {target_url} is incomplete (nothing committed); run the same "
+                       "command again to resume (finished files are kept)", err=True)
+        raise click.exceptions.Exit(130) from None
+
+
+def refuse_source_as_target(src_root_url: str, dst_root_url: str) -> None:
+    """A reshard writes the source's step number under DST: with DST the source's own root
+    it would overwrite the source.
+
+    Raises:
+        ConfigError: DST is the source's checkpoint root (or its step directory).
+    """
+    from shardsmith.errors import ConfigError
+
+    if src_root_url.rstrip("/") == dst_root_url.rstrip("/"):
+        raise ConfigError(f"DST {dst_root_url} is the source's own checkpoint root: the result would "
+                          "replace the source step; choose another target directory")
 
 
 def _convert_zarr(src: str, dst: str, dims: Any, tensor_format: str | None, codec: str, dtype: str | None,

@@ -9,21 +9,22 @@ from shardsmith.cli.options import FieldOption
 
 
 @click.command("plot")
-@click.argument("run_dir")
+@click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR...")
 @click.option("--out", "out_path", default="", metavar="PNG",
-              help="Where to write the PNG (default: RUN_DIR/loss.png).")
-def plot(run_dir: str, out_path: str) -> None:
-    """Draw a run's loss curve as a PNG, with events marked.
+              help="Where to write the PNG (default: the last RUN_DIR/loss.png).")
+def plot(run_dirs: tuple[str, ...], out_path: str) -> None:
+    """Draw runs' loss, LR, grad norm and tokens/s as one PNG.
 
-    The curve of RUN_DIR/metrics.jsonl, with restarts, reshards
-    (a resume in another layout) and rollbacks (after bad steps) marked.
+    The curves of each RUN_DIR/metrics.jsonl in the order given (oldest first; the main
+    job's two runs draw as one curve), with reshards (a resume in another layout),
+    restarts and rollbacks (after bad steps) marked.
 
     Needs matplotlib: pip install 'shardsmith[plot]'.
     """
-    from shardsmith.trainer.metrics import plot_run
+    from shardsmith.trainer.plot import plot_runs
 
     try:
-        written = plot_run(run_dir, out_path)
+        written = plot_runs(list(run_dirs), out_path)
     except ImportError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"wrote {written}")

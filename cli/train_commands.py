@@ -155,8 +155,17 @@ def train(**flags: Any) -> None:
         run_training(cfg)
         return
     dims = cfg.parallel
-    click.echo(f"training {dims.describe()} on {dims.world_size} processes to step {cfg.steps}", err=True)
-    launcher.launch(cfg, dims.world_size, max_restarts=flags["max_restarts"])
+    click.echo(f"training {dims.describe()} on {plural(dims.world_size, 'process')} to step {cfg.steps}",
+               err=True)
+    code = launcher.launch(cfg, dims.world_size, max_restarts=flags["max_restarts"])
+    if code:
+        raise SystemExit(code)
+
+
+def plural(n: int, noun: str) -> str:
+    """``1 process``, ``2 processes``, ``3 files``."""
+    suffix = "es" if noun.endswith(("s", "sh", "ch", "x")) else "s"
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}{suffix}"
 
 
 def train_config(f: dict[str, Any], world: int | None):

@@ -55,7 +55,10 @@ class ReshardReport:
 
     Attributes:
         step, target: the step and the target step directory's URL.
-        num_files: target files written; num_skipped: files kept from an interrupted run.
+        num_files: target files written (by this process); num_skipped: files kept from an
+            interrupted run (by this process).
+        num_target_files / target_nbytes: files and bytes of the whole committed target, every
+            rank's (set by the process that commits).
         nbytes_written: bytes written; nbytes_verified: bytes re-read to check kept files.
         nbytes_read / nbytes_needed: source bytes read (chunk-aligned) / bytes used.
         peak_buffer_nbytes: the executor's buffer high-water mark (its accounting).
@@ -68,6 +71,8 @@ class ReshardReport:
     num_files: int = 0
     num_skipped: int = 0
     nbytes_written: int = 0
+    num_target_files: int = 0
+    target_nbytes: int = 0
     nbytes_verified: int = 0
     nbytes_read: int = 0
     nbytes_needed: int = 0
@@ -197,7 +202,7 @@ class _Executor:
 
     def run(self, on_file_done: Callable[[str], None] | None) -> list[FileResult]:
         """This process's target files, ``workers`` at a time; progress saved after each."""
-        kept = _load_progress(self.dst, self.plan.plan_id)
+        kept = _load_progress(self.dst, self.plan.plan_id, {tf.name for tf in self.files})
         results: dict[str, FileResult] = {}
         workers = self.plan.options.workers
         with ThreadPoolExecutor(workers, "reshard-read") as reads, \
@@ -224,8 +229,10 @@ def _records(tf: TargetFile, crcs: list[list[int]]) -> dict[str, ShardRecord]:
     return safetensors.shard_records(tf.name, [(e.fqn, e.box, e.nbytes) for e in tf.entries], len(tf.header), crcs)
 
 
-def _load_progress(dst: Store, plan_id: str) -> dict[str, dict[str, Any]]:
-    """Files an interrupted run of the same plan finished (any rank's): name -> {nbytes, crc32c}."""
+def _load_progress(dst: Store, plan_id: str, mine: set[str]) -> dict[str, dict[str, Any]]:
+    """Files of ``mine`` (this process's share) that an interrupted run of the same plan
+    finished (any rank's progress file): name -> {nbytes, crc32c}. Other ranks of this very
+    run may already have saved progress for their own files: those are not counted."""
     kept: dict[str, dict[str, Any]] = {}
     for name in dst.list_dir():
         if not name.startswith(".reshard-progress"):
@@ -239,9 +246,10 @@ def _load_progress(dst: Store, plan_id: str) -> dict[str, dict[str, Any]]:
             log.warning("%s belongs to a different reshard (source, layout or options changed); "
                         "its files will be written again", dst.url_of(name))
             continue
-        kept.update({k: v for k, v in data["files"].items() if isinstance(v, dict)})
+        kept.update({k: v for k, v in data["files"].items() if isinstance(v, dict) and k in mine})
     if kept:
-        log.info("resuming: %d target files were written by an interrupted run", len(kept))
+        log.info("resuming: %s written by an interrupted run", "1 target file was" if len(kept) == 1
+                 else f"{len(kept)} target files were")
     return kept
 
 
@@ -250,9 +258,14 @@ def _save_progress(dst: Store, name: str, plan_id: str, results: dict[str, FileR
     dst.write(name, json.dumps({"plan_id": plan_id, "files": files}, indent=1).encode())
 
 
-def build_manifest(plan: ReshardPlan, results: list[FileResult]) -> Manifest:
-    """The target manifest: the source's configs and state, the plan's tensors, the files' records."""
+def build_manifest(plan: ReshardPlan, results: list[FileResult], target_root_url: str = "") -> Manifest:
+    """The target manifest: the source's configs and state, the plan's tensors, the files'
+    records; the config's ``checkpoint.url`` names ``target_root_url`` (when given), not the
+    source's run."""
     builder = ManifestBuilder.relayout(plan.source, plan.dims, plan.tensors, chunk_nbytes=plan.options.chunk_nbytes)
+    config = builder.manifest.config
+    if target_root_url and isinstance(config.get("checkpoint"), dict):
+        config["checkpoint"] = {**config["checkpoint"], "url": target_root_url}
     for r in results:
         builder.add_file(r.name, r.record, r.shards)
     return builder.build()
@@ -303,6 +316,8 @@ def execute(plan: ReshardPlan, src: Store, dst_root: Store, *, share: Share | No
             return executor.report
         results = gather(dst, share, plan, wait_timeout_s)
     _commit(plan, dst_root, dst, results)
+    executor.report.num_target_files = len(results)                 # the whole target, every rank's
+    executor.report.target_nbytes = sum(r.record.nbytes for r in results)
     executor.report.committed = True
     executor.report.seconds = time.perf_counter() - t0
     return executor.report
@@ -311,7 +326,7 @@ def execute(plan: ReshardPlan, src: Store, dst_root: Store, *, share: Share | No
 def _commit(plan: ReshardPlan, dst_root: Store, dst: Store, results: list[FileResult]) -> None:
     """Manifest last (after dropping shard files no plan file names), then clean up."""
     order = {tf.name: i for i, tf in enumerate(plan.files)}
-    manifest = build_manifest(plan, sorted(results, key=lambda r: order[r.name]))
+    manifest = build_manifest(plan, sorted(results, key=lambda r: order[r.name]), dst_root.url)
     wanted = {posixpath.basename(tf.name) for tf in plan.files}
     for name in dst.list_dir("shards"):
         if name not in wanted:                                      # left by an earlier, other plan

@@ -37,7 +37,8 @@ from fsspec.implementations.local import LocalFileSystem
 from shardsmith.errors import StorageAccessDenied, StorageError, StorageNotFound
 from shardsmith.storage import local
 from shardsmith.storage.multipart import MultipartWriter, part_size
-from shardsmith.storage.retry import RetryPolicy, Verdict, call_with_retries, client_error_info
+from shardsmith.storage.retry import (RetryPolicy, Verdict, bounded_s3_options, call_with_retries, client_error_info,
+                                      storage_timeout_s)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -109,7 +110,11 @@ class Store:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency}: must be >= 1")
         self.url = url.rstrip("/") or url
+        policy = retry or RetryPolicy.from_env()
         self.storage_options = dict(storage_options or {})
+        if self.url.startswith(("s3://", "s3a://")):
+            self.storage_options = bounded_s3_options(self.storage_options, storage_timeout_s()
+                                                      / (policy.max_attempts if max_attempts is None else max_attempts))
         try:
             self.fs, root = url_to_fs(self.url, **self.storage_options)
         except (ImportError, ValueError, TypeError) as exc:
@@ -117,7 +122,8 @@ class Store:
                                "protocol, that its fsspec backend is installed, and --storage-option "
                                "names)") from exc
         self.root = root.rstrip("/") if root not in ("/", "") else root
-        policy = retry or RetryPolicy.from_env()
+        if hasattr(self.fs, "retries"):        # s3fs retries 5 times by itself; ours bound the total
+            self.fs.retries = 1
         self.retry = RetryPolicy(
             max_attempts=policy.max_attempts if max_attempts is None else max_attempts,
             backoff_s=policy.backoff_s if backoff_s is None else backoff_s,

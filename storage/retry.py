@@ -21,7 +21,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -221,3 +221,31 @@ def call_with_retries(fn: Callable[[], T], policy: RetryPolicy,
                         exc, attempt, policy.max_attempts - 1, delay)
             time.sleep(delay)
     raise AssertionError("unreachable")
+
+
+#: Seconds an object-store operation may take in all (its tries together), unless
+#: ``--storage-timeout`` (``SHARDSMITH_STORAGE_TIMEOUT``) says otherwise.
+DEFAULT_STORAGE_TIMEOUT_S = 60.0
+
+
+def storage_timeout_s() -> float:
+    """``SHARDSMITH_STORAGE_TIMEOUT`` (set by ``--storage-timeout``, inherited by workers), else
+    :data:`DEFAULT_STORAGE_TIMEOUT_S`."""
+    raw = os.environ.get("SHARDSMITH_STORAGE_TIMEOUT", "")
+    try:
+        value = float(raw) if raw else DEFAULT_STORAGE_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"SHARDSMITH_STORAGE_TIMEOUT={raw!r}: expected seconds") from None
+    if value <= 0:
+        raise ValueError(f"storage timeout {value:g}: must be > 0 seconds")
+    return value
+
+
+def bounded_s3_options(options: dict[str, Any], attempt_s: float) -> dict[str, Any]:
+    """``options`` with botocore's connect and read timeouts at ``attempt_s`` seconds and its own
+    retries off (our :class:`RetryPolicy` retries), unless the caller set them."""
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", max(attempt_s, 0.5))
+    config.setdefault("read_timeout", max(attempt_s, 0.5))
+    config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+    return {**options, "config_kwargs": config}

@@ -51,8 +51,8 @@ from shardsmith.trainer.fault.elastic import fit_world_size
 from shardsmith.trainer.fault.preemption import PreemptionHandler
 from shardsmith.trainer.fault.watchdog import StepWatchdog, hang_threshold
 from shardsmith.trainer.fault_hooks import FaultHooks
-from shardsmith.trainer.metrics import (MetricsWriter, flops_per_token, iter_json_lines, loss_segments,
-                                        model_flops_utilization, run_markers)
+from shardsmith.trainer.metrics import MetricsWriter, flops_per_token, iter_json_lines, model_flops_utilization
+from shardsmith.trainer.plot import loss_segments, run_markers
 from shardsmith.trainer.rng import (capture_rng, pack_rng_states, restore_rng, role_seed,
                                     select_rng_state)
 
@@ -284,7 +284,7 @@ def test_metrics_jsonl_segments_and_markers(tmp_path: Path) -> None:
     writer.close()
     back = list(iter_json_lines(str(tmp_path / "metrics.jsonl")))
     assert back == records
-    assert loss_segments(back) == [[(1, 3.0), (2, 2.5)], [(3, 2.4), (4, 2.2)], [(3, 2.3)]]
+    assert loss_segments(back) == [[(1, 3.0), (2, 2.5), (3, 2.4), (4, 2.2)], [(3, 2.3)]]
     assert run_markers(back) == {"restarts": [2], "reshards": [2], "rollbacks": [2]}
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo')
     with pytest.raises(ValueError, match="metrics.jsonl:2: not a JSON record"):

@@ -5,7 +5,7 @@ One launch per layout covers every case of that layout (start-up dominates on CP
 * tp2, sequence parallel vs not: fresh-init logits and first-step gradients (1e-5), a
   bitwise same-layout resume with SP, and checkpoints that SP and non-SP jobs load from
   each other (loaded, saved again, bitwise the same tensors); ``--profile-steps`` writes a
-  Chrome trace per rank and the step record carries ``peak_memory_bytes``.
+  Chrome trace per rank and the step record carries ``peak_mem_nbytes``.
 * pp2 with 2 virtual stages: logits and first-step gradients vs one process (1e-5), a
   bitwise same-layout resume, and its checkpoint loaded by pp1, pp2 and offline-resharded.
 * a MoE model under dp_shard 2 and under EP2 vs one process; EP2 -> EP1 -> one process.
@@ -91,7 +91,7 @@ def test_sequence_parallel_matches_tp_and_shares_checkpoints(tmp_path: Path, dat
         assert trace["traceEvents"]
     records = [json.loads(line) for line in (tmp_path / "sp2" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r.get("step") == 2 and "loss" in r]
-    assert steps and steps[-1]["peak_memory_bytes"] > 10 * 2**20
+    assert steps and steps[-1]["peak_mem_nbytes"] > 10 * 2**20
 
     saved_sp = read_full_tensors(str(tmp_path / "sp2" / two))
     assert_tensors_bitwise_equal(read_full_tensors(str(tmp_path / "as-tp" / two)), saved_sp, "SP -> TP load")

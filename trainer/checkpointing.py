@@ -248,7 +248,7 @@ class CheckpointPolicy:
 
     def _on_commit(self, result: SaveResult) -> None:
         """After a commit (in the saving thread): log it; rank 0 collects old and incomplete steps."""
-        self.event({"event": "save", "step": result.step, "nbytes": result.nbytes,
+        self.event({"event": "save", "step": result.step, "url": self.root.url_of(step_dir(result.step)) if self.root else "", "nbytes": result.nbytes,
                     "seconds": round(result.seconds, 4), "blocked_seconds": round(result.blocked_seconds, 4)})
         ckpt = self.cfg.checkpoint
         if self.rank == 0 and self.root is not None:

@@ -16,8 +16,10 @@ and the checkpoint loads by resharding.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import signal
 import sys
 import tempfile
 import uuid
@@ -29,6 +31,12 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from shardsmith.errors import ShardsmithError
 from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.fault.preemption import PREEMPT_SIGNALS
+from shardsmith.trainer.preflight import preflight
+#: Where a worker writes its error line; the first one to fail creates the file (O_EXCL) and
+#: the launcher prints it once, instead of every rank's echo of the same failure.
+from shardsmith.trainer.worker import ERROR_FILE_ENV
+#: Exit code of a job stopped by Ctrl-C (128 + SIGINT, as a shell reports it).
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
 class LaunchError(ShardsmithError, RuntimeError):
@@ -58,28 +66,37 @@ def config_payload(cfg: TrainConfig) -> dict:
     return data
 
 
-def launch(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0) -> None:
-    """Run training on ``nproc_per_node`` local worker processes and wait for them.
+def launch(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0) -> int:
+    """Check what can be checked here (:func:`~shardsmith.trainer.preflight.preflight`), then
+    run training on ``nproc_per_node`` local worker processes and wait for them.
 
-    A SIGTERM or SIGUSR1 to this process is forwarded to the workers, which checkpoint at
-    their next step boundary and exit; the agent waits ``fault.preempt_deadline`` (+5 s)
-    for them, and this returns normally.
+    A SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) to this process is forwarded to the workers, which
+    checkpoint at their next step boundary and exit; the agent waits ``fault.preempt_deadline``
+    (+5 s) for them. A second Ctrl-C exits at once.
+
+    Returns:
+        The exit code for the command: 0, or :data:`EXIT_INTERRUPTED` after Ctrl-C.
 
     Raises:
-        LaunchError: a worker failed (after ``max_restarts`` restarts of the group), or
-            another signal (SIGINT, SIGHUP...) stopped the job.
+        LaunchError: a worker failed (after ``max_restarts`` restarts of the group; the
+            message is the first failing rank's error line), or another signal (SIGHUP...)
+            stopped the job.
+        CheckpointNotFound, CheckpointMismatch, StorageError: from the preflight checks.
     """
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # The agent's shared TCPStore keeps the previous group's keys across restarts, so a
-    # restarted group can read stale peer addresses and fail to connect (pytorch#135712);
-    # let rank 0 of each group host a fresh store instead.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    # SLURM (--signal=USR1@N) and others preempt with SIGUSR1: the agent forwards it to
-    # the workers like SIGTERM, and waits up to the preemption deadline for them to exit.
-    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
-    fd, path = tempfile.mkstemp(prefix="shardsmith-config-", suffix=".json")
+    found = preflight(cfg)
+    for note in found.notes:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
+    if found.resume_step is not None and found.resume_step >= cfg.steps:
+        print(f"{found.resume_url} is at step {found.resume_step}, at or past --steps {cfg.steps}: nothing "
+              "to train (raise --steps to continue)", file=sys.stderr, flush=True)
+        return 0
+    _quiet_elastic_logs()
+    _set_worker_env()
+    workdir = tempfile.mkdtemp(prefix="shardsmith-launch-")
+    path, error_file = os.path.join(workdir, "config.json"), os.path.join(workdir, "error.txt")
+    os.environ[ERROR_FILE_ENV] = error_file
     try:
-        with os.fdopen(fd, "w") as f:
+        with open(path, "w") as f:
             json.dump(config_payload(cfg), f)
         lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node,
                           run_id=f"shardsmith-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
@@ -89,15 +106,58 @@ def launch(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0) -> N
             elastic_launch(lc, entrypoint=sys.executable)("-m", "shardsmith.trainer.worker", path)
         except ChildFailedError as exc:
             rank, failure = exc.get_first_failure()
-            raise LaunchError(f"worker rank {rank} failed with exit code {failure.exitcode} "
-                              f"(see its error above); {len(exc.failures)} worker(s) failed") from None
+            raise LaunchError(_first_error(error_file) or f"worker rank {rank} failed with exit code "
+                              f"{failure.exitcode}; {len(exc.failures)} worker(s) failed") from None
         except SignalException as exc:
-            if exc.sigval not in PREEMPT_SIGNALS:
-                raise LaunchError(f"stopped by {exc.sigval.name}; the workers were told to stop too") from None
-            print(f"preempted by {exc.sigval.name}: the workers checkpointed at their next step boundary "
-                  "and exited (see above)", file=sys.stderr, flush=True)
+            return _stopped_by(exc)
     finally:
-        os.unlink(path)
+        os.environ.pop(ERROR_FILE_ENV, None)
+        for name in (path, error_file):
+            if os.path.exists(name):
+                os.unlink(name)
+        os.rmdir(workdir)
+    return 0
+
+
+def _set_worker_env() -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The agent's shared TCPStore keeps the previous group's keys across restarts, so a
+    # restarted group can read stale peer addresses and fail to connect (pytorch#135712);
+    # let rank 0 of each group host a fresh store instead.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # SLURM (--signal=USR1@N) and others preempt with SIGUSR1: the agent forwards it to
+    # the workers like SIGTERM, and waits up to the preemption deadline for them to exit.
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+
+
+def _quiet_elastic_logs() -> None:
+    """torchelastic's agent logs every signal it forwards and every worker it stops; without
+    ``--debug`` only its errors about itself reach the console (workers report their own)."""
+    if not os.environ.get("SHARDSMITH_DEBUG"):
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+
+
+def _first_error(error_file: str) -> str:
+    """The first failing worker's error line, if one wrote it."""
+    try:
+        with open(error_file) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _stopped_by(exc: SignalException) -> int:
+    """The launcher's one line after a signal stopped the job, and the exit code."""
+    second = isinstance(exc.__context__, SignalException)
+    if exc.sigval == signal.SIGINT:
+        if second:
+            print("interrupted again: stopped the workers without a checkpoint", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    if exc.sigval not in PREEMPT_SIGNALS or second:
+        raise LaunchError(f"stopped by {exc.sigval.name}; the workers were told to stop too") from None
+    print(f"preempted by {exc.sigval.name}: the workers checkpointed at their next step boundary "
+          "and exited", file=sys.stderr, flush=True)
+    return 0
 
 
 def _shutdown_timeout(cfg: TrainConfig) -> dict:

@@ -1,11 +1,13 @@
 """What a run reports: per-step metrics and events as JSON lines (and TensorBoard when
-installed), model-FLOPs utilization, and the loss-curve plot of ``shardsmith plot``.
+installed), model-FLOPs utilization, and the console's human lines (the step line and one
+line per event; JSON stays in metrics.jsonl). The plot is :mod:`shardsmith.trainer.plot`.
 
 Records of ``<run_dir>/metrics.jsonl`` (written by rank 0, one ``write()`` per line so a
 SIGKILL never leaves half a line):
 
 * step records: ``{"step", "loss", "lr", "grad_norm", "tokens_per_s", "seconds",
-  "flops_per_s", "mfu"?, "skipped", "skipped_steps", "rollbacks", "restarts"}``;
+  "flops_per_s", "mfu"?, "skipped", "skipped_steps", "rollbacks", "restarts", "steps"?,
+  "tokens_seen"?, "peak_mem_nbytes"?, "eta_s"?}``;
 * events, with an ``"event"`` key: ``start`` (``restart_count``, ``world_size``, ``layout``),
   ``resume`` (``step``, ``saved_layout``, ``layout``, ``resharded``, ``reason``, ``seconds``,
   ``nbytes_read``, ``rng``), ``save`` (``step``, ``nbytes``, ``seconds``, ``blocked_seconds``),
@@ -24,6 +26,7 @@ import time
 from typing import Any, Iterator
 
 from shardsmith.layout.estimate import flops_per_token  # noqa: F401 (its home; re-exported)
+from shardsmith.trainer.console import event_line, step_line  # noqa: F401 (re-exported)
 from shardsmith.trainer.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -129,7 +132,9 @@ class EventLog:
             return
         record = {"time": round(time.time(), 3), **record}
         if "event" in record:
-            log.info("%s", json.dumps(record))
+            line = event_line(record)
+            if line:
+                log.info("%s", line)
         self.writer.write(record)
 
     def close(self) -> None:
@@ -172,18 +177,6 @@ def step_record(*, step: int, loss: float, lr: float, grad_norm: float, duration
     return record
 
 
-def step_line(record: dict[str, Any]) -> str:
-    """The console line of a :func:`step_record`."""
-    def num(x: Any, fmt: str) -> str:
-        return "nan" if x is None else format(x, fmt)
-
-    line = (f"step {record['step']:6d}  loss {num(record['loss'], '.4f')}  lr {record['lr']:.2e}  "
-            f"grad_norm {num(record['grad_norm'], '.3f')}  {record['tokens_per_s']:,.0f} tok/s")
-    if "mfu" in record:
-        line += f"  MFU {record['mfu']:.1%}"
-    return line + ("  SKIPPED (non-finite)" if record["skipped"] else "")
-
-
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
@@ -210,92 +203,3 @@ def iter_json_lines(path: str) -> Iterator[dict[str, Any]]:
                     yield json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{path}:{number}: not a JSON record ({exc})") from None
-
-
-# ---- the loss-curve plot ---------------------------------------------------------------
-
-
-def loss_segments(records: list[dict[str, Any]]) -> list[list[tuple[int, float]]]:
-    """The loss curve in pieces: a new piece starts at every resume (restart, relaunch or
-    rollback) and wherever the steps go back. Each piece is ``[(step, loss), ...]``;
-    skipped steps (non-finite loss) are left out."""
-    segments: list[list[tuple[int, float]]] = []
-    last, split = None, True
-    for r in records:
-        if r.get("event") == "resume":
-            split = True
-        if "event" in r or not isinstance(r.get("loss"), (int, float)) or r.get("skipped"):
-            continue
-        if split or last is None or r["step"] <= last:
-            segments.append([])
-            split = False
-        segments[-1].append((int(r["step"]), float(r["loss"])))
-        last = r["step"]
-    return [s for s in segments if s]
-
-
-def run_markers(records: list[dict[str, Any]]) -> dict[str, list[int]]:
-    """Steps to mark on the plot: ``restarts`` (a process group resumed from a checkpoint:
-    elastic restart or relaunch), ``reshards`` (that resume changed the layout) and
-    ``rollbacks`` (bad steps rolled back to a checkpoint), each at the step resumed from."""
-    out: dict[str, list[int]] = {"restarts": [], "reshards": [], "rollbacks": []}
-    for r in records:
-        kind = r.get("event")
-        if kind == "resume" and r.get("reason", "resume") != "rollback":
-            out["restarts"].append(int(r["step"]))
-            if r.get("resharded"):
-                out["reshards"].append(int(r["step"]))
-        elif kind == "rollback":
-            out["rollbacks"].append(int(r["to_step"]))
-    return out
-
-
-def plot_run(run_dir: str, out_path: str = "") -> str:
-    """Draw ``<run_dir>/metrics.jsonl``'s loss curve as a PNG, restarts, reshards and
-    rollbacks marked by vertical lines.
-
-    Args:
-        run_dir: a run directory holding ``metrics.jsonl``.
-        out_path: where to write (default ``<run_dir>/loss.png``).
-
-    Returns:
-        The path written.
-
-    Raises:
-        FileNotFoundError: no metrics.jsonl in ``run_dir``.
-        ValueError: it holds no step with a finite loss.
-        ImportError: matplotlib is missing (``pip install 'shardsmith[plot]'``).
-    """
-    path = os.path.join(run_dir, METRICS_FILE)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} does not exist; pass the --run-dir (or local --ckpt) of a "
-                                "training run")
-    records = list(iter_json_lines(path))
-    segments = loss_segments(records)
-    if not segments:
-        raise ValueError(f"{path} has no step with a finite loss to plot")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError("shardsmith plot needs matplotlib: pip install 'shardsmith[plot]'") from exc
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for i, seg in enumerate(segments):
-        ax.plot([s for s, _ in seg], [v for _, v in seg], color="C0", lw=1.2,
-                alpha=1.0 if i == len(segments) - 1 else 0.55, label="loss" if i == 0 else None)
-    styles = {"restarts": ("C1", "--", "restart"), "reshards": ("C2", ":", "reshard"),
-              "rollbacks": ("C3", "-.", "rollback")}
-    for kind, steps in run_markers(records).items():
-        color, ls, label = styles[kind]
-        for j, step in enumerate(steps):
-            ax.axvline(step, color=color, ls=ls, lw=1.2, label=label if j == 0 else None)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(os.path.basename(os.path.abspath(run_dir)))
-    ax.legend(loc="upper right")
-    fig.tight_layout()
-    out_path = out_path or os.path.join(run_dir, "loss.png")
-    fig.savefig(out_path, dpi=110)
-    plt.close(fig)
-    return out_path

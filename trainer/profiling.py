@@ -1,8 +1,6 @@
-"""Per-step peak memory and the PyTorch profiler (``--profile-steps``).
+"""The PyTorch profiler (``--profile-steps``); per-step peak memory is
+:func:`shardsmith.trainer.console.peak_memory_nbytes`.
 
-* :func:`peak_memory_bytes`: CUDA's max allocated bytes since the last reset (reset after
-  every read, so it is the step's peak), or on CPU the process's peak resident set size
-  (``ru_maxrss``, monotone: the peak so far).
 * :func:`profile_step`: a Chrome trace of one step per rank under
   ``<run dir>/profile/step-NNNNNNNNN/rank-NNNNN.json`` (open in chrome://tracing or Perfetto).
 """
@@ -11,21 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
-import sys
 from typing import Iterator
 
 import torch
-
-
-def peak_memory_bytes() -> int:
-    """Peak memory of this process: CUDA max allocated since the last call, else peak RSS."""
-    if torch.cuda.is_available():
-        peak = torch.cuda.max_memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        return int(peak)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)       # Linux reports KiB
 
 
 def trace_path(directory: str, step: int, rank: int) -> str:

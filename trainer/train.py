@@ -31,10 +31,12 @@ from shardsmith.trainer.fault.elastic import elastic_restart_count, fit_world_si
 from shardsmith.trainer.fault.guard import FaultGuard
 from shardsmith.trainer.fault.watchdog import apply_collective_timeout, set_group_timeouts
 from shardsmith.trainer.fault_hooks import FaultHooks
+from shardsmith.trainer.console import EtaClock, duration, known_peak_flops, peak_memory_nbytes
 from shardsmith.trainer.metrics import (EventLog, MetricsWriter, flops_per_token,
                                         iter_json_lines, run_dir, step_line, step_record)
+from shardsmith.trainer.preflight import schedule_change
 from shardsmith.trainer.optim import build_optimizer, lr_lambda
-from shardsmith.trainer.profiling import peak_memory_bytes, profile_step
+from shardsmith.trainer.profiling import profile_step
 from shardsmith.trainer.parallel import (build_grad_sum_groups, build_mesh, build_stage_model,
                                         finalize_grads, init_distributed)
 from shardsmith.trainer.rng import seed_rng
@@ -73,6 +75,7 @@ class Trainer:
     preempted: bool = False
     mesh: Any = field(default=None, repr=False)
     guard: FaultGuard | None = field(default=None, repr=False)
+    eta: EtaClock = field(default_factory=EtaClock, repr=False)
 
     @classmethod
     def create(cls, cfg: TrainConfig) -> "Trainer":
@@ -185,10 +188,13 @@ class Trainer:
         bad_steps = self.state.bad_steps
         record = step_record(step=m.step, loss=m.loss, lr=m.lr, grad_norm=m.grad_norm, duration_s=m.duration_s,
                              tokens=m.tokens, skipped=m.skipped, flops_token=self.flops_token,
-                             peak_flops=self.cfg.fault.peak_flops, world_size=self.cfg.parallel.world_size,
+                             peak_flops=self.cfg.fault.peak_flops or known_peak_flops(),
+                             world_size=self.cfg.parallel.world_size,
                              counters={"skipped_steps": bad_steps.skipped_steps,
                                        "rollbacks": bad_steps.rollbacks, "restarts": self.restarts})
-        record.setdefault("peak_memory_bytes", peak_memory_bytes())
+        record.update(steps=self.cfg.steps, tokens_seen=self.state.tokens_seen,
+                      peak_mem_nbytes=peak_memory_nbytes(),
+                      eta_s=round(self.eta.eta_s(m.duration_s, self.cfg.steps - m.step), 1))
         self.events(record)
         if m.skipped:
             self.events({"event": "bad_step", "step": m.step, "loss": repr(m.loss), "grad_norm": repr(m.grad_norm),
@@ -210,8 +216,9 @@ class Trainer:
             SaveError: a checkpoint failed.
         """
         self._arm()
+        t0 = time.perf_counter()
         try:
-            self.resume()
+            self._resume_and_report()
             while self.step < self.cfg.steps and not self.preempted:
                 self._iteration()
             if not self.preempted and self.checkpointing.final_due():
@@ -219,7 +226,26 @@ class Trainer:
             self.wait_for_save()
         finally:
             self._disarm()
+        if self.rank == 0 and not self.preempted:
+            print(f"done: step {self.step}/{self.cfg.steps}, {len(self.history)} steps in "
+                  f"{duration(time.perf_counter() - t0)}", file=sys.stderr, flush=True)
         return self.history
+
+    def _resume_and_report(self) -> None:
+        """Resume; say when the resumed step is at or past ``--steps`` and when the LR
+        schedule differs from the one the checkpoint was trained on (a ``schedule_change`` event)."""
+        src = self.checkpointing.resume_source()
+        if not self.resume() or src is None:
+            return
+        if self.step >= self.cfg.steps and self.rank == 0:
+            print(f"step {self.step} is at or past --steps {self.cfg.steps}: nothing to train",
+                  file=sys.stderr, flush=True)
+        from shardsmith.storage.commit import read_manifest
+
+        if self.rank == 0:
+            message = schedule_change(read_manifest(src[0]).config, self.cfg, self.step)
+            if message:
+                self.events({"event": "schedule_change", "step": self.step, "message": message})
 
     def _iteration(self) -> None:
         """One step, then its boundary: agree on preemption, roll back or save."""
@@ -258,7 +284,9 @@ class Trainer:
         self.events({"event": "preempt", "step": self.step, "seconds": round(time.perf_counter() - t0, 4),
                      "signal": self.guard.signal_name(), "checkpoint": has_root})
         if self.rank == 0:
-            print(f"preempted: checkpoint of step {self.step} committed; exiting", file=sys.stderr, flush=True)
+            how = "interrupted" if self.guard.signal_name() == "SIGINT" else "preempted"
+            saved = "checkpoint committed" if has_root else "nothing saved (no --ckpt)"
+            print(f"{how} at step {self.step}: {saved}; exiting", file=sys.stderr, flush=True)
 
     def _arm(self) -> None:
         """Start the watchdog and the signal handlers; log the start."""

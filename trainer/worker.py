@@ -1,6 +1,7 @@
 """Worker process body: ``python -m shardsmith.trainer.worker CONFIG.json`` (started by torchrun).
 
-Errors are printed as one line prefixed by the rank, and the process exits 1. A run that
+Errors are reported as one line prefixed by the rank (once per job under the launcher, see
+:func:`report_error`), and the process exits 1; Ctrl-C before the loop exits 130. A run that
 returns early after a preemption checkpoint exits 0. Fatal signals (SIGSEGV, SIGABRT...)
 print every thread's Python stack (:mod:`faulthandler`); ``kill -USR2 PID`` prints them
 on demand.
@@ -18,6 +19,9 @@ import warnings
 
 from shardsmith.trainer.config import TrainConfig
 
+#: Set by :func:`shardsmith.trainer.launch.launch` (kept in sync there).
+ERROR_FILE_ENV = "SHARDSMITH_ERROR_FILE"
+
 
 def main(argv: list[str]) -> int:
     # Known-noisy upstream warnings (FSDP2 hook registration, torchrun's OMP notice).
@@ -25,6 +29,9 @@ def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
                         format="%(message)s")
+    if not os.environ.get("SHARDSMITH_DEBUG"):            # third-party log lines only with --debug
+        for name in ("torch", "botocore", "s3fs", "fsspec", "urllib3", "aiobotocore"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     faulthandler.enable()                                 # stacks on SIGSEGV/SIGABRT/...
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 PID` dumps stacks
     with open(argv[0]) as f:
@@ -33,13 +40,32 @@ def main(argv: list[str]) -> int:
 
     try:
         run_training(cfg)
+    except KeyboardInterrupt:                             # Ctrl-C before the loop's handlers
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted before the first step: nothing saved", file=sys.stderr, flush=True)
+        return 130
     except Exception as exc:
         if os.environ.get("SHARDSMITH_DEBUG"):
             raise
-        print(f"rank {os.environ.get('RANK', '?')}: error: {type(exc).__name__}: {exc}", file=sys.stderr,
-              flush=True)
+        report_error(f"rank {os.environ.get('RANK', '?')}: {type(exc).__name__}: {exc}")
         return 1
     return 0
+
+
+def report_error(line: str) -> None:
+    """Print ``line`` once for the whole job: under the launcher, the first failing rank
+    writes it to the launcher's error file (the others' echoes of the failure are dropped)
+    and the launcher prints it; elsewhere (external torchrun) each rank prints its own."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(line + "\n")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Preemption: SIGTERM/SIGUSR1 (SLURM, Kubernetes) ask for a checkpoint at the next step
-boundary, then exit 0; a second signal, or one while the step is hung, exits at once."""
+"""Preemption: SIGTERM/SIGUSR1 (SLURM, Kubernetes) and SIGINT (Ctrl-C) ask for a checkpoint at
+the next step boundary, then exit; a second signal, or one while the step is hung, exits at once."""
 
 from __future__ import annotations
 
@@ -10,11 +10,17 @@ import threading
 import time
 from typing import Any, Callable
 
+#: Signals a scheduler preempts with: the job checkpoints and exits 0.
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+#: Signals the handler installs for: the preemption signals and Ctrl-C (exit 130 at the launcher).
+STOP_SIGNALS = (*PREEMPT_SIGNALS, signal.SIGINT)
+#: A Ctrl-C reaches every process of the terminal's group and the agent forwards it again
+#: within milliseconds; a Ctrl-C after this many seconds is the user's second one.
+SIGINT_REPEAT_GRACE_S = 1.0
 
 
 class PreemptionHandler:
-    """Turns SIGTERM/SIGUSR1 into a request to checkpoint and exit.
+    """Turns SIGTERM/SIGUSR1 and SIGINT (Ctrl-C) into a request to checkpoint and exit.
 
     The first signal sets :attr:`requested` and starts a ``deadline`` timer; the trainer
     checks the flag at each step boundary (all ranks agree via :func:`~shardsmith.trainer.comm.any_rank`), saves,
@@ -47,7 +53,7 @@ class PreemptionHandler:
         """Install the handlers (main thread only; returns False elsewhere)."""
         if threading.current_thread() is not threading.main_thread():
             return False
-        for sig in PREEMPT_SIGNALS:
+        for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return True
 
@@ -65,18 +71,24 @@ class PreemptionHandler:
             self._timer = None
 
     def _handle(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if self.requested is not None and self._clock() - self._first_at < self._grace_s:
+        ctrl_c = signum == signal.SIGINT
+        name = "Ctrl-C" if ctrl_c else signal.Signals(signum).name
+        grace = SIGINT_REPEAT_GRACE_S if ctrl_c else self._grace_s
+        if self.requested is not None and self._clock() - self._first_at < grace:
             return                                   # the same notice, delivered twice
+        # Ctrl-C reaches every rank at once: rank 0 speaks for all. Another signal may reach
+        # one rank only (a scheduler's, or a rank's own): that rank says so.
+        tell = say_once if ctrl_c else (lambda m: say(f"rank {os.environ.get('RANK', '?')}: {m}"))
         if self.requested is not None or self._is_hung():
-            why = "second signal" if self.requested is not None else "the current step is hung"
-            say(f"rank {os.environ.get('RANK', '?')}: {name}: {why}; exiting now without a checkpoint")
-            faulthandler.dump_traceback(2, all_threads=True)
+            why = "again" if self.requested is not None else "while the current step is hung"
+            tell(f"{name} {why}: exiting now without a checkpoint")
+            if not ctrl_c:
+                faulthandler.dump_traceback(2, all_threads=True)
             self._exit(128 + signum)
             return
         self.requested, self._first_at = signum, self._clock()
-        say(f"rank {os.environ.get('RANK', '?')}: {name}: checkpointing at the next step boundary, "
-             f"then exiting (deadline {self.deadline_s:g}s; send it again to exit now)")
+        tell(f"{name}: checkpointing at the next step boundary, then exiting (deadline "
+             f"{self.deadline_s:g}s; {'press it' if ctrl_c else 'send it'} again to exit now)")
         self._timer = threading.Timer(self.deadline_s, self._deadline_passed)
         self._timer.daemon = True
         self._timer.start()
@@ -86,6 +98,12 @@ class PreemptionHandler:
              f"--preempt-deadline {self.deadline_s:g}s; exiting without it (stacks follow)")
         faulthandler.dump_traceback(2, all_threads=True)
         self._exit(1)
+
+
+def say_once(message: str) -> None:
+    """:func:`say` on rank 0 only: every rank gets the signal, one line says what happens."""
+    if os.environ.get("RANK", "0") == "0":
+        say(message)
 
 
 def say(message: str) -> None:
