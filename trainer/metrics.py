@@ -296,6 +296,13 @@ def plot_run(run_dir: str, out_path: str = "") -> str:
     ax.legend(loc="upper right")
     fig.tight_layout()
     out_path = out_path or os.path.join(run_dir, "loss.png")
-    fig.savefig(out_path, dpi=110)
-    plt.close(fig)
+    head, tail = os.path.split(out_path)
+    tmp = os.path.join(head, f".{tail}.tmp-{os.getpid()}{os.path.splitext(tail)[1]}")
+    try:                                     # appears whole: a temp name, then one rename
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, out_path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return out_path
