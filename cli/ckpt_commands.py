@@ -4,8 +4,8 @@ library (:mod:`shardsmith.storage.commit`, ``.verify``, ``.gc``) and print."""
 from __future__ import annotations
 
 import json
-from typing import Any
 from math import prod
+from typing import Any
 
 import click
 
@@ -143,31 +143,61 @@ def ls(root: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
     """List the steps under ROOT with status, size and layout.
 
     Status is committed, incomplete or invalid; sizes are in bytes; `*` marks the step
-    readers resume from."""
+    readers resume from; run is the run id that committed it. Unfinished multipart uploads
+    (S3) are counted."""
     from shardsmith.storage.commit import read_latest_hint
-    from shardsmith.storage.fs import Store
     from shardsmith.storage.gc import describe_steps
 
-    store = existing_root(Store(root, parse_storage_options(storage_options)))
+    from shardsmith.storage.uploads import list_uploads
+
+    store = existing_root(root, storage_options)
     steps = describe_steps(store)
     hint = read_latest_hint(store)
+    uploads = list_uploads(store)
     if as_json:
-        click.echo(json.dumps({"root": store.url, "latest_hint": hint,
+        click.echo(json.dumps({"root": store.url, "latest_hint": hint, "unfinished_uploads": len(uploads),
                                "steps": [s.to_json() for s in steps]}, indent=1))
         return
     if not steps:
         click.echo(f"{store.url}: no steps")
-        return
-    click.echo(f"  {'step':>10}  {'status':<10} {'bytes':>14}  {'files':>5}  layout")
+    else:
+        click.echo(f"  {'step':>10}  {'status':<10} {'bytes':>14}  {'files':>5}  {'layout':<18} run")
     for s in steps:
         click.echo(f"{'*' if s.latest else ' '} {s.step:>10}  {s.status:<10} {s.nbytes:>14,}  "
-                   f"{s.num_files:>5}  {s.layout or '-'}" + (f"  ({s.error[:120]})" if s.error else ""))
+                   f"{s.num_files:>5}  {s.layout or '-':<18} {s.run_id[:12] or '-'}"
+                   + (f"  ({s.error[:120]})" if s.error else ""))
     newest = next((s.name for s in steps if s.latest), None)
-    if hint != newest:
+    if steps and hint != newest:
         click.echo(f"note: {store.url}/latest is {hint!r}; readers use {newest}")
+    if len({s.run_id for s in steps if s.status == "committed"}) > 1:
+        click.echo("note: steps of several runs (run column; '-': no run id); resume and retention act on "
+                   "the run `latest` names")
+    if uploads:
+        click.echo(f"note: {len(uploads)} unfinished multipart uploads under {store.url} (oldest "
+                   f"{uploads[0].age_s / 3600:.1f}h); `shardsmith gc --uploads` aborts them")
 
 
-@click.command(name="gc")
+class DurationType(click.ParamType):
+    """Seconds from ``90``, ``90s``, ``30m``, ``1h`` or ``2d``."""
+
+    name = "duration"
+    UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        text = str(value).strip().lower()
+        scale = self.UNITS.get(text[-1:], None)
+        try:
+            seconds = float(text[:-1] if scale else text) * (scale or 1.0)
+        except ValueError:
+            self.fail(f"{value!r}: give seconds or a number with s, m, h or d (e.g. 1h)", param, ctx)
+        if seconds < 0:
+            self.fail(f"{value!r}: must be >= 0", param, ctx)
+        return seconds
+
+
+@click.command(name="gc", short_help="Delete old and incomplete steps and stale uploads.")
 @click.argument("root")
 @click.option("--keep-last", type=click.IntRange(min=1), default=None,
               help="Keep this many newest committed steps.  [default: all]")
@@ -176,20 +206,38 @@ def ls(root: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
 @click.option("--grace-seconds", type=click.FloatRange(min=0), cls=FieldOption,
               default_from="shardsmith.storage.gc:gc.grace_seconds",
               help="Never delete an incomplete step modified this recently (a save may be running).")
+@click.option("--uploads", "uploads_only", is_flag=True,
+              help="Only abort unfinished multipart uploads (S3) older than --uploads-grace.")
+@click.option("--uploads-grace", type=DurationType(), default="1h", show_default=True,
+              help="Never abort an unfinished upload younger than this (a save may be running): 90s, 30m, 1h, 2d.")
 @dry_run_option("Only print what would be deleted.")
 @json_option("every decision")
 @storage_option
 def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_seconds: float,
-               dry_run: bool, as_json: bool, storage_options: tuple[str, ...]) -> None:
-    """Delete old and incomplete steps under checkpoint ROOT.
+               uploads_only: bool, uploads_grace: float, dry_run: bool, as_json: bool,
+               storage_options: tuple[str, ...]) -> None:
+    """Delete old and incomplete steps and stale uploads under ROOT.
 
-    Deletes incomplete steps and committed steps outside the retention. Never deletes the
-    newest committed step, nor an incomplete step that may be being written (newer than
-    the newest committed one, or modified within --grace-seconds)."""
-    from shardsmith.storage.fs import Store
+    Deletes incomplete steps and committed steps outside the retention, of the run `latest`
+    names (other runs' steps are kept). Never deletes the newest committed step, nor an
+    incomplete step that may be being written (newer than the newest committed one, or
+    modified within --grace-seconds). Aborts unfinished multipart uploads under ROOT older
+    than --uploads-grace (with --uploads, only that)."""
     from shardsmith.storage.gc import gc
+    from shardsmith.storage.uploads import abort_stale_uploads
 
-    store = existing_root(Store(root, parse_storage_options(storage_options)))
+    store = existing_root(root, storage_options)
+    aborted = abort_stale_uploads(store, grace_s=uploads_grace, dry_run=dry_run)
+    verb = "would abort" if dry_run else "aborted"
+    if not as_json:
+        for u in aborted:
+            click.echo(f"{verb} upload {u.key} ({u.age_s / 3600:.1f}h old)")
+        click.echo(f"{verb} {len(aborted)} unfinished uploads older than {uploads_grace:g}s")
+    if uploads_only:
+        if as_json:
+            click.echo(json.dumps({"root": store.url, "dry_run": dry_run,
+                                   "uploads": [u.__dict__ for u in aborted]}, indent=1))
+        return
     decisions: list = []
     verb = "would delete" if dry_run else "deleted"
     echo = (lambda d: None) if as_json else (
@@ -197,22 +245,23 @@ def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_s
     gc(store, keep_last, keep_every, grace_seconds=grace_seconds, dry_run=dry_run,
        on_decision=lambda d: (decisions.append(d), echo(d)))
     if as_json:
-        click.echo(json.dumps({"root": store.url, "dry_run": dry_run,
+        click.echo(json.dumps({"root": store.url, "dry_run": dry_run, "uploads": [u.__dict__ for u in aborted],
                                "decisions": [d.to_json() for d in decisions]}, indent=1))
         return
     click.echo(f"{verb} {sum(d.delete for d in decisions)} of {len(decisions)} steps")
 
 
-def existing_root(store: Any) -> Any:
-    """``store``, after checking that its root exists (a typo must not read as "no steps").
-
-    Raises:
-        CheckpointNotFound: nothing at that URL.
-    """
+def existing_root(root: str, storage_options: tuple[str, ...]) -> Any:
+    """The Store of ROOT; CheckpointNotFound (one line, non-zero exit) when nothing is there."""
     from shardsmith.errors import CheckpointNotFound
+    from shardsmith.storage.fs import Store
 
-    if not store.exists(""):
-        raise CheckpointNotFound(f"{store.url}: no such checkpoint root")
+    from shardsmith.storage.uploads import list_uploads
+
+    store = Store(root, parse_storage_options(storage_options))
+    if not store.exists("") and not list_uploads(store):      # both retried and error-mapped
+        raise CheckpointNotFound(f"{store.url}: no such checkpoint root (it does not exist); check the path "
+                                 "(and --storage-option)")
     return store
 
 

@@ -99,6 +99,12 @@ checkpoint_options = stack(
                  help="...but also keep every step divisible by M (0 = none)."),
     field_option(C, "resume", "--resume", "--load", metavar="auto|none|URL",
                  help="auto: newest committed step under --ckpt; none; or a root/step URL (Megatron: --load)."),
+    field_option(C, "reset_optimizer", "--reset-optimizer", is_flag=True,
+                 help="Resume the step count and data position with a fresh AdamW (e.g. from a --model-only "
+                      "checkpoint); recorded as an event. Without it a checkpoint lacking optimizer state is refused."),
+    field_option(C, "overwrite", "--overwrite", is_flag=True,
+                 help="Start a new run in a --ckpt root that holds another run's steps, deleting them first. "
+                      "Without it such a start is refused."),
 )
 
 fault_options = stack(
@@ -149,6 +155,10 @@ def train(**flags: Any) -> None:
     if flags["dry_run"]:
         print_estimate(cfg, flags["model_preset"], flags["as_json"])
         return
+    from shardsmith.trainer.run_checks import preflight
+
+    for line in preflight(cfg):        # refuse a mismatched load or a mixed root before any worker starts
+        click.echo(f"warning: {line}", err=True)
     if external:
         from shardsmith.trainer.train import run_training
 
@@ -196,7 +206,7 @@ def train_config(f: dict[str, Any], world: int | None):
         checkpoint=CheckpointConfig(
             url=f["ckpt"], storage_options=parse_storage_options(f["storage_options"]),
             **pick("save_interval", "resume", "init_from", "keep_last", "keep_every", "async_save",
-                   "tensor_format", "zarr_codec")),
+                   "tensor_format", "zarr_codec", "reset_optimizer", "overwrite")),
         fault=FaultConfig(derive_dp_shard=f["dp_shard"] == -1,
                           **pick("preempt_deadline", "collective_timeout", "init_timeout", "hang_factor",
                                  "hang_min_seconds", "max_bad_steps", "max_rollbacks", "peak_flops")),

@@ -42,7 +42,9 @@ from shardsmith.storage import safetensors
 from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
 from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
 from shardsmith.storage.fs import Store
+from shardsmith.storage.lineage import rewritten_state
 from shardsmith.storage.manifest import FileRecord, Manifest, ManifestBuilder, ShardRecord
+from shardsmith.storage.model_record import check_model_record
 
 log = logging.getLogger(__name__)
 
@@ -258,17 +260,20 @@ def _save_progress(dst: Store, name: str, plan_id: str, results: dict[str, FileR
     dst.write(name, json.dumps({"plan_id": plan_id, "files": files}, indent=1).encode())
 
 
-def build_manifest(plan: ReshardPlan, results: list[FileResult], target_root_url: str = "") -> Manifest:
-    """The target manifest: the source's configs and state, the plan's tensors, the files'
-    records; the config's ``checkpoint.url`` names ``target_root_url`` (when given), not the
-    source's run."""
+def build_manifest(plan: ReshardPlan, results: list[FileResult], target_root_url: str = "",
+                   source_url: str = "") -> Manifest:
+    """The target manifest: the source's configs and state (its run, with the source as
+    ``parent``), the plan's tensors, the files' records; the config's ``checkpoint.url`` names
+    ``target_root_url`` (when given), not the source's run."""
     builder = ManifestBuilder.relayout(plan.source, plan.dims, plan.tensors, chunk_nbytes=plan.options.chunk_nbytes)
     config = builder.manifest.config
     if target_root_url and isinstance(config.get("checkpoint"), dict):
         config["checkpoint"] = {**config["checkpoint"], "url": target_root_url}
     for r in results:
         builder.add_file(r.name, r.record, r.shards)
-    return builder.build()
+    manifest = builder.build()
+    manifest.state = rewritten_state(manifest.state, source_url, plan.source.step, "reshard")
+    return manifest
 
 
 def execute(plan: ReshardPlan, src: Store, dst_root: Store, *, share: Share | None = None,
@@ -315,7 +320,7 @@ def execute(plan: ReshardPlan, src: Store, dst_root: Store, *, share: Share | No
             executor.report.seconds = time.perf_counter() - t0
             return executor.report
         results = gather(dst, share, plan, wait_timeout_s)
-    _commit(plan, dst_root, dst, results)
+    _commit(plan, dst_root, dst, results, src.url)
     executor.report.num_target_files = len(results)                 # the whole target, every rank's
     executor.report.target_nbytes = sum(r.record.nbytes for r in results)
     executor.report.committed = True
@@ -323,10 +328,10 @@ def execute(plan: ReshardPlan, src: Store, dst_root: Store, *, share: Share | No
     return executor.report
 
 
-def _commit(plan: ReshardPlan, dst_root: Store, dst: Store, results: list[FileResult]) -> None:
+def _commit(plan: ReshardPlan, dst_root: Store, dst: Store, results: list[FileResult], source_url: str) -> None:
     """Manifest last (after dropping shard files no plan file names), then clean up."""
     order = {tf.name: i for i, tf in enumerate(plan.files)}
-    manifest = build_manifest(plan, sorted(results, key=lambda r: order[r.name]), dst_root.url)
+    manifest = build_manifest(plan, sorted(results, key=lambda r: order[r.name]), dst_root.url, source_url)
     wanted = {posixpath.basename(tf.name) for tf in plan.files}
     for name in dst.list_dir("shards"):
         if name not in wanted:                                      # left by an earlier, other plan
@@ -366,6 +371,7 @@ def reshard(src: Store, dst_url: str, dims: ParallelDims, *, options: ReshardOpt
         TargetCommitted (a CheckpointError): the target is already committed.
     """
     manifest = read_manifest(src)
+    check_model_record(manifest, src.url)          # refuse before a byte is written
     plan = plan_reshard(manifest, dims, options, src.url)
     return execute(plan, src, target_root(dst_url, manifest.step, storage_options), share=share,
                    progress=progress, on_file_done=on_file_done)

@@ -19,6 +19,7 @@ Name mapping, the q/k permutation and the config mapping are in :mod:`shardsmith
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -42,9 +43,12 @@ from shardsmith.storage.commit import (commit, ensure_not_committed, read_manife
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, ManifestBuilder
 from shardsmith.storage.manifest_parse import parse_manifest
+from shardsmith.storage.model_record import check_model_record
 from shardsmith.storage.safetensors import encode_header, file_order, write_stream
 from shardsmith.storage.formats import read_box
 from shardsmith.storage.tensor_files import DTYPE_NAMES, byte_view, write_shard_file
+
+log = logging.getLogger(__name__)
 
 #: Export dtypes: CLI name -> (torch dtype, config.json name), from the one dtype table.
 EXPORT_DTYPES: dict[str, tuple[torch.dtype, str]] = {
@@ -96,8 +100,13 @@ def plan_weight_files(entries: list[WeightEntry], itemsize: int, max_nbytes: int
 
 
 def _check_out_dir(out: Store, overwrite: bool) -> None:
+    """Refuse a directory holding a whole model (``config.json``, written last, marks one);
+    weight files without it are the leftovers of an interrupted export and are replaced."""
     existing = [n for n in out.list_dir() if n == "config.json" or _WEIGHT_FILE_RE.match(n)]
-    if existing and not overwrite:
+    if existing and "config.json" not in existing:
+        log.warning("%s holds %s but no config.json: leftovers of an interrupted export, replaced",
+                    out.url, ", ".join(existing))
+    elif existing and not overwrite:
         raise FileExistsError(f"{out.url} already holds a Hugging Face model ({', '.join(existing)}); "
                               "choose an empty directory or pass --overwrite")
     for name in existing:
@@ -167,6 +176,7 @@ def export_hf(ckpt_url: str, out_dir: str, *, dtype: str = "fp32", max_shard_nby
     torch_dtype, dtype_name = EXPORT_DTYPES[dtype]
     _, step_store, step = resolve_checkpoint(ckpt_url, storage_options)
     manifest = read_manifest(step_store)
+    check_model_record(manifest, step_store.url)
     model = ModelConfig.from_json(manifest.model)
     entries = _export_entries(manifest, model, step_store.url)
     out = Store(out_dir, storage_options)

@@ -68,19 +68,35 @@ def read_latest_hint(root: Store) -> str | None:
     return text or None
 
 
-def find_latest_committed(root: Store) -> int | None:
-    """The newest committed step under ``root``, or ``None`` when there is none.
+def find_latest_committed(root: Store, runs: set[str] | None = None) -> int | None:
+    """The newest committed step under ``root`` of one lineage, or ``None`` when there is none.
+
+    Args:
+        root: checkpoint root.
+        runs: run ids of the lineage (see :mod:`shardsmith.storage.lineage`); ``None``: the
+            root's current run, i.e. that of the step ``latest`` names (a newer step of
+            another run does not win), else the newest committed step.
 
     ``latest`` is only a hint: if it names a committed step newer than or equal to every
-    other committed step it is used; otherwise the newest committed step wins and a
-    warning says why.
+    other committed step of its run it is used; otherwise the newest committed step of
+    the run wins and a warning says why.
     """
-    steps = [s for s in list_steps(root) if s.committed]
+    from shardsmith.storage.lineage import committed_runs
+
+    steps = [s.step for s in list_steps(root) if s.committed]
     if not steps:
         return None
-    newest = steps[-1].step
     hint = read_latest_hint(root)
     hinted = parse_step_dir(hint) if hint else None
+    if runs is not None:
+        by_run = committed_runs(root, steps)
+        steps = [s for s in steps if by_run.get(s) in runs]
+    elif hinted in steps and steps[-1] != hinted:
+        by_run = committed_runs(root, [s for s in steps if s >= hinted])
+        steps = [s for s in steps if s <= hinted or by_run.get(s) == by_run.get(hinted)]
+    if not steps:
+        return None
+    newest = steps[-1]
     if hinted != newest:
         log.warning("%s/latest is %s; using newest committed step %s instead",
                     root.url, "missing" if hint is None else repr(hint), step_dir(newest))
@@ -163,7 +179,8 @@ def commit(root: Store, manifest: Manifest, *, check_files: bool = True) -> None
     try:    # `latest` is only a hint: once the manifest is written the step is committed
         hint = read_latest_hint(root)
         hinted = parse_step_dir(hint) if hint else None
-        if hinted is not None and hinted > manifest.step and root.exists(f"{hint}/{MANIFEST_NAME}"):
+        if hinted is not None and hinted > manifest.step and root.exists(f"{hint}/{MANIFEST_NAME}") \
+                and _same_run(root, hinted, manifest):
             log.info("committed %s; %s/latest stays at the newer %s", name, root.url, hint)
             return
         root.write(LATEST_NAME, (name + "\n").encode())
@@ -172,6 +189,14 @@ def commit(root: Store, manifest: Manifest, *, check_files: bool = True) -> None
                     "the newest committed step", name, root.url, type(exc).__name__, exc)
         return
     crash_point("commit.after_latest")
+
+
+def _same_run(root: Store, step: int, manifest: Manifest) -> bool:
+    """Whether committed ``step`` belongs to the run of ``manifest`` (``latest`` follows the
+    run that commits: another run's newer step does not keep it)."""
+    from shardsmith.storage.lineage import committed_runs, run_id_of
+
+    return committed_runs(root, [step]).get(step) == run_id_of(manifest.state)
 
 
 def split_step_url(url: str) -> tuple[str, int | None]:

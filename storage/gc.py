@@ -4,6 +4,8 @@ is no longer needed (``shardsmith gc``), also after each commit by the trainer.
 Rules of :func:`gc` (see :func:`plan_gc`):
 
 * the newest committed step is never deleted;
+* retention acts on one lineage (one run id, see :mod:`shardsmith.storage.lineage`):
+  committed steps of other runs are kept;
 * retention (only when ``keep_last`` or ``keep_every`` is given): keep the last
   ``keep_last`` committed steps and every step divisible by ``keep_every``; delete the
   other committed steps;
@@ -28,6 +30,7 @@ from shardsmith.layout.dims import ParallelDims
 from shardsmith.errors import ManifestError
 from shardsmith.storage.commit import parse_step_dir, read_manifest
 from shardsmith.storage.fs import Store
+from shardsmith.storage.lineage import run_id_of
 from shardsmith.storage.manifest import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,7 @@ class StepSummary:
         mtime: newest modification time of its files (seconds since the epoch), or
             ``None`` when the store does not report one.
         error: why the manifest is invalid.
+        run_id: the run that committed it (empty: unknown, or an older checkpoint).
     """
 
     step: int
@@ -64,6 +68,7 @@ class StepSummary:
     latest: bool = False
     mtime: float | None = None
     error: str = ""
+    run_id: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe dict of every field."""
@@ -113,7 +118,9 @@ def describe_steps(root: Store, *, read_manifests: bool = True) -> list[StepSumm
                               num_files=len(entries), mtime=max(times) if times else None)
         if summary.status == COMMITTED and read_manifests:
             try:
-                summary.layout = ParallelDims.from_json(read_manifest(root.child(name)).layout).describe()
+                manifest = read_manifest(root.child(name))
+                summary.layout = ParallelDims.from_json(manifest.layout).describe()
+                summary.run_id = run_id_of(manifest.state)
             except (ManifestError, FileNotFoundError) as exc:
                 summary.status, summary.error = INVALID, str(exc)
         out.append(summary)
@@ -169,8 +176,23 @@ def _incomplete_decision(step: int, newest: int | None, mtime: float | None, now
     return True, "incomplete (no manifest), older than the newest committed step"
 
 
+def _lineage(root: Store, committed: list[int], runs: set[str] | None,
+             retention: bool) -> tuple[set[int], str]:
+    """Committed steps retention may act on (one lineage) and a note on the others."""
+    if not retention or not committed:
+        return set(committed), ""
+    from shardsmith.storage.lineage import committed_runs, current_run, describe_run
+
+    by_run = committed_runs(root, committed)
+    if runs is None:
+        runs = {current_run(root) or ""}
+    mine = {s for s in committed if by_run.get(s, "") in runs}
+    return mine, f"another run's step; retention acts on {', '.join(describe_run(r) for r in sorted(runs))}"
+
+
 def plan_gc(root: Store, keep_last: int | None = None, keep_every: int | None = None, *,
-            grace_seconds: float = DEFAULT_GRACE_SECONDS, now: float | None = None) -> list[GcDecision]:
+            grace_seconds: float = DEFAULT_GRACE_SECONDS, now: float | None = None,
+            runs: set[str] | None = None) -> list[GcDecision]:
     """Decide, for every step under ``root``, whether :func:`gc` deletes it (pure apart
     from listing the root). See the module docstring for the rules.
 
@@ -181,6 +203,9 @@ def plan_gc(root: Store, keep_last: int | None = None, keep_every: int | None = 
             With neither rule every committed step is kept.
         grace_seconds: incomplete steps modified more recently are kept.
         now: the current time (seconds since the epoch), for tests.
+        runs: the lineage retention acts on (run ids, see :mod:`shardsmith.storage.lineage`);
+            ``None``: the root's current run. Committed steps of other runs are kept, so a
+            step of the running job is never deleted because another run has a higher step.
 
     Raises:
         ValueError: an argument is out of range.
@@ -189,14 +214,18 @@ def plan_gc(root: Store, keep_last: int | None = None, keep_every: int | None = 
     now = time.time() if now is None else now
     steps = describe_steps(root, read_manifests=False)
     committed = [s.step for s in steps if s.status != INCOMPLETE]
-    newest = committed[-1] if committed else None
-    last = set(committed[-keep_last:]) if keep_last else set()
+    newest_any = committed[-1] if committed else None
+    mine, other_reason = _lineage(root, committed, runs, keep_last is not None or keep_every is not None)
+    lineage = [s for s in committed if s in mine]
+    newest = lineage[-1] if lineage else None
+    last = set(lineage[-keep_last:]) if keep_last else set()
     out = []
     for s in steps:
         if s.status == INCOMPLETE:
-            delete, reason = _incomplete_decision(s.step, newest, s.mtime, now, grace_seconds)
+            delete, reason = _incomplete_decision(s.step, newest_any, s.mtime, now, grace_seconds)
+        elif s.step not in mine or newest is None:
+            delete, reason = False, other_reason
         else:
-            assert newest is not None
             delete, reason = _committed_decision(s.step, newest, last, keep_last, keep_every)
         out.append(GcDecision(s.step, s.name, s.status, delete, reason))
     return out
@@ -210,7 +239,8 @@ def delete_step(root: Store, name: str) -> None:
 
 def gc(root: Store, keep_last: int | None = None, keep_every: int | None = None, *,
        grace_seconds: float = DEFAULT_GRACE_SECONDS, dry_run: bool = False,
-       now: float | None = None, on_decision: Callable[[GcDecision], None] | None = None) -> list[int]:
+       now: float | None = None, on_decision: Callable[[GcDecision], None] | None = None,
+       runs: set[str] | None = None) -> list[int]:
     """Delete incomplete steps and committed steps outside the retention.
 
     Single process (the coordinator, or the CLI). Arguments as :func:`plan_gc`;
@@ -225,7 +255,7 @@ def gc(root: Store, keep_last: int | None = None, keep_every: int | None = None,
         StorageError: a deletion failed (steps deleted before it stay deleted).
     """
     deleted = []
-    for d in plan_gc(root, keep_last, keep_every, grace_seconds=grace_seconds, now=now):
+    for d in plan_gc(root, keep_last, keep_every, grace_seconds=grace_seconds, now=now, runs=runs):
         if d.delete:
             if not dry_run:
                 log.info("gc: deleting %s (%s)", root.url_of(d.name), d.reason)
@@ -237,7 +267,7 @@ def gc(root: Store, keep_last: int | None = None, keep_every: int | None = None,
 
 
 def gc_after_commit(root: Store, *, keep_last: int | None = None, keep_every: int | None = None,
-                    grace_seconds: float = DEFAULT_GRACE_SECONDS) -> list[int]:
+                    grace_seconds: float = DEFAULT_GRACE_SECONDS, runs: set[str] | None = None) -> list[int]:
     """Retention after a commit, for the trainer: call on the coordinator (rank 0) only,
     after :func:`~shardsmith.storage.commit.commit` returned.
 
@@ -253,7 +283,7 @@ def gc_after_commit(root: Store, *, keep_last: int | None = None, keep_every: in
     """
     _check_args(keep_last, keep_every, grace_seconds)
     try:
-        return gc(root, keep_last, keep_every, grace_seconds=grace_seconds)
+        return gc(root, keep_last, keep_every, grace_seconds=grace_seconds, runs=runs)
     except Exception as exc:  # noqa: BLE001 — housekeeping must not stop training
         log.warning("gc of %s after commit failed (%s: %s); will retry after the next commit",
                     root.url, type(exc).__name__, exc)

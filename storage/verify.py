@@ -24,6 +24,7 @@ from shardsmith.storage.checksum import crc32c_update
 from shardsmith.storage.commit import read_manifest
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, ShardRecord, TensorRecord
+from shardsmith.storage.model_record import model_record_problems
 from shardsmith.storage.safetensors import read_header
 
 #: Bytes read per request when streaming a file for its checksums (bounds memory).
@@ -266,7 +267,8 @@ def verify_checkpoint(step_store: Store, *, block_nbytes: int = DEFAULT_BLOCK_NB
     """Check a whole checkpoint step against its manifest; collects every problem.
 
     Checks the manifest (schema; every logical tensor's boxes inside its shape and
-    covering it exactly once; byte ranges), then for every data file: present, size,
+    covering it exactly once; byte ranges; every tensor's shape as the model record implies,
+    see :mod:`shardsmith.storage.model_record`), then for every data file: present, size,
     safetensors header agreeing with the manifest (key -> dtype/shape/byte range),
     whole-file CRC-32C, and each shard's chunk CRC-32Cs. Files are streamed in blocks
     of ``block_nbytes``, so memory does not grow with file size. Single process.
@@ -289,6 +291,7 @@ def verify_checkpoint(step_store: Store, *, block_nbytes: int = DEFAULT_BLOCK_NB
         report.problems.append(Problem(MANIFEST_NAME, str(exc)))
         return report
     report.step, report.num_tensors = manifest.step, len(manifest.tensors)
+    report.problems += [Problem(MANIFEST_NAME, what) for what in model_record_problems(manifest)]
     for name in sorted(manifest.files):
         problems, nbytes = file_problems(step_store, manifest, name, block_nbytes)
         report.problems += [Problem(name, what) for what in problems]

@@ -4,7 +4,8 @@
 pipeline (storage-path save -> offline reshard -> zarr conversion -> zarr->safetensors
 conversion -> HF export) as produced by the code before the storage/reshard restructure.
 The test runs the same pipeline and compares. Manifests are compared after dropping their
-``created`` timestamp (the only field that depends on the clock).
+``created`` timestamp (the only field that depends on the clock) and a reshard's source URL
+(``state.run.parent.url``, a temporary path).
 
 Regenerate (only when a format change is intended): ``python tests/test_byte_identity.py``.
 """
@@ -37,6 +38,8 @@ def _digest(path: Path) -> str:
     if path.name == "manifest.json":
         doc = json.loads(data)
         doc.pop("created", None)
+        parent = doc.get("state", {}).get("run", {}).get("parent") or {}
+        parent.pop("url", None)         # a reshard's source URL: the machine's temp path
         data = json.dumps(doc, sort_keys=True).encode()
     return hashlib.sha256(data).hexdigest()
 

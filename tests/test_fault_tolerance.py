@@ -452,7 +452,12 @@ def test_chaos_kills_restart_to_a_bitwise_identical_model(reference: Run, chaos:
     with open(chaos.root / step_dir(STEPS) / "manifest.json") as f:
         state = json.load(f)["state"]
     with open(reference.root / step_dir(STEPS) / "manifest.json") as f:
-        assert state == json.load(f)["state"], where          # counters, data, scheduler, rng, fault
+        want = json.load(f)["state"]
+    run, want_run = state.pop("run"), want.pop("run")         # each run has its own id
+    assert state == want, where                               # counters, data, scheduler, rng, fault
+    with open(chaos.root / step_dir(SAVE_EVERY) / "manifest.json") as f:
+        first = json.load(f)["state"]["run"]
+    assert run["id"] == first["id"] != want_run["id"], f"{where}: restarts continue one run"
     assert run_markers(chaos.records)["restarts"] == [e["step"] for e in chaos.events("resume")]
 
 

@@ -46,3 +46,29 @@ def test_orphaned_upload_listed_and_aborted(s3_url):
 def test_local_store_has_no_uploads(tmp_path):
     assert list_uploads(Store(str(tmp_path))) == []
     assert abort_stale_uploads(Store(str(tmp_path)), grace_s=0) == []
+
+
+def test_ls_counts_and_gc_aborts_orphaned_uploads(s3_url):
+    """`ls` mentions unfinished uploads; `gc --uploads --dry-run` lists, `gc` aborts them."""
+    from click.testing import CliRunner
+
+    from shardsmith.cli.main import cli
+
+    store = Store(s3_url.url, s3_url.storage_options)
+    store.write("step-000000002/shards/x", b"x")            # the root exists
+    upload_id = _orphan(store, "step-000000004/shards/rank-00000.safetensors")
+    opts = [arg for k, v in s3_url.storage_options.items() if isinstance(v, (str, int, bool))
+            for arg in ("--storage-option", f"{k}={v}")]
+    opts += [arg for k, v in s3_url.storage_options.get("client_kwargs", {}).items()
+             for arg in ("--storage-option", f"client_kwargs.{k}={v}")]
+    run = CliRunner().invoke
+    result = run(cli, ["ls", s3_url.url, *opts])
+    assert result.exit_code == 0 and "1 unfinished multipart uploads" in result.output, result.output
+    result = run(cli, ["gc", "--uploads", "--dry-run", s3_url.url, *opts])
+    assert result.exit_code == 0 and "would abort upload" in result.output, result.output
+    assert [u.upload_id for u in list_uploads(store)] == [upload_id]
+    # moto dates every upload 2010-11-10, so one older than the default grace (1h)
+    result = run(cli, ["gc", s3_url.url, *opts])
+    assert result.exit_code == 0 and "aborted 1 unfinished uploads" in result.output, result.output
+    assert list_uploads(store) == []
+    assert store.exists("step-000000002/shards/x")          # no committed step: may be a save in progress

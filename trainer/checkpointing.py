@@ -21,14 +21,16 @@ from shardsmith.layout.plan import checkpoint_specs, rank_boxes
 from shardsmith.storage.commit import find_latest_committed, read_manifest, resolve_checkpoint, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.gc import gc_after_commit
+from shardsmith.storage.lineage import check_new_run_root, remove_runs_except
 from shardsmith.storage.manifest import MANIFEST_NAME, Manifest
 from shardsmith.trainer.async_save import AsyncCheckpointer
 from shardsmith.trainer.checkpoint import (SaveResult, init_optimizer_state, load_into, model_state_tensors,
                                            save_checkpoint)
-from shardsmith.trainer.comm import any_rank, gather_json
+from shardsmith.trainer.comm import any_rank, broadcast_text, gather_json
 from shardsmith.trainer.data import GlobalBatchSampler
 from shardsmith.trainer.fault.bad_steps import BadStepPolicy
 from shardsmith.trainer.rng import apply_rng, gather_rng
+from shardsmith.trainer.run_checks import RunIdentity, check_before_load
 
 if TYPE_CHECKING:
     from shardsmith.trainer.config import TrainConfig
@@ -59,8 +61,13 @@ class CheckpointConfig:
         init_from: a checkpoint (root or step URL, any layout) whose *model weights* start
             this run when nothing is resumed: fresh optimizer, step 0 (e.g. from
             ``shardsmith import-hf``).
-        keep_last, keep_every: retention applied after each commit (0 = keep all); incomplete
-            steps are always collected (see :func:`shardsmith.storage.gc.gc_after_commit`).
+        keep_last, keep_every: retention applied after each commit (0 = keep all) to this
+            run's steps only; incomplete steps are always collected (see
+            :func:`shardsmith.storage.gc.gc_after_commit`).
+        reset_optimizer: resume the step count, data position and LR schedule of a checkpoint
+            but start a fresh AdamW (e.g. from a ``--model-only`` one); recorded as an event.
+        overwrite: start a new run in a root that holds another run's steps, deleting them
+            (loudly) before anything is saved. Without it such a start is refused.
     """
 
     url: str = ""
@@ -74,6 +81,8 @@ class CheckpointConfig:
     init_from: str = ""
     keep_last: int = 0
     keep_every: int = 0
+    reset_optimizer: bool = False
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         if self.save_interval < 0:
@@ -184,6 +193,7 @@ class CheckpointPolicy:
         ckpt = cfg.checkpoint
         self.root = Store(ckpt.url, ckpt.storage_options) if ckpt.url else None
         self.last_saved_step = -1
+        self.run = RunIdentity(id=broadcast_text(RunIdentity.new_id() if rank == 0 else ""), seed=cfg.seed)
         self.checkpointer: AsyncCheckpointer | None = None
         if self.root is not None and ckpt.async_save:
             self.checkpointer = AsyncCheckpointer(self.root, cfg.model, cfg.parallel, on_commit=self._on_commit,
@@ -218,7 +228,8 @@ class CheckpointPolicy:
         self._uncommit(state.step)
         init_optimizer_state(state.model, state.optimizer)
         tensors = model_state_tensors(state.model, state.optimizer)
-        saved = {**state.state_json(), "rng": gather_rng(self.rank, self.coords, cfg.parallel)}
+        saved = {**state.state_json(), "rng": gather_rng(self.rank, self.coords, cfg.parallel),
+                 "run": self.run.to_json()}
         self.last_saved_step = state.step
         if self.checkpointer is not None:
             self.checkpointer.save(state.step, tensors, config=cfg.to_json(), state=saved)
@@ -253,7 +264,7 @@ class CheckpointPolicy:
         ckpt = self.cfg.checkpoint
         if self.rank == 0 and self.root is not None:
             deleted = gc_after_commit(self.root, keep_last=ckpt.keep_last or None,
-                                      keep_every=ckpt.keep_every or None)
+                                      keep_every=ckpt.keep_every or None, runs=self.run.lineage())
             if deleted:
                 self.event({"event": "gc", "deleted_steps": deleted})
 
@@ -263,7 +274,8 @@ class CheckpointPolicy:
         """Which step directory to resume from: see :func:`choose_resume` (``auto``, ``none``
         or a URL; after an elastic restart the root's newest step wins)."""
         ckpt = self.cfg.checkpoint
-        return choose_resume(ckpt.resume, self.root, self.restarts, ckpt.storage_options)
+        root = None if ckpt.overwrite and self.restarts == 0 else self.root
+        return choose_resume(ckpt.resume, root, self.restarts, ckpt.storage_options)
 
     def resume(self) -> bool:
         """Load the checkpoint chosen by :meth:`resume_source` into the current layout, or
@@ -272,6 +284,7 @@ class CheckpointPolicy:
         Returns False when there is nothing to resume. Raises CheckpointNotFound for an
         explicit URL without a committed step.
         """
+        self._check_root()
         src = self.resume_source()
         if src is None:
             if self.cfg.checkpoint.init_from:
@@ -279,6 +292,21 @@ class CheckpointPolicy:
             return False
         self._load(*src, reason="resume")
         return True
+
+    def _check_root(self) -> None:
+        """Refuse a new run into another run's root; with ``overwrite`` rank 0 deletes the old
+        run's steps first (loudly; every rank waits). Collective."""
+        ckpt = self.cfg.checkpoint
+        if self.root is None:
+            return
+        check_new_run_root(self.root, ckpt.resume, ckpt.overwrite, restarts=self.restarts)
+        deleted: list[int] = []
+        if ckpt.overwrite and self.restarts == 0 and self.rank == 0:
+            deleted = remove_runs_except(self.root, None)
+            if deleted:
+                log.warning("--overwrite: deleted steps %s of the previous run under %s", deleted, self.root.url)
+                self.event({"event": "overwrite", "deleted_steps": deleted, "root": self.root.url})
+        any_rank(bool(deleted))
 
     def _read(self, step_store: Store, manifest: Manifest, tensors: dict[str, torch.Tensor],
               with_optimizer: bool) -> list[Any]:
@@ -295,7 +323,9 @@ class CheckpointPolicy:
         counters and data position stay fresh). Collective."""
         _, step_store, step = resolve_checkpoint(url, self.cfg.checkpoint.storage_options)
         manifest = read_manifest(step_store)
+        self._warn(check_before_load(manifest, self.cfg, step_store.url, resume=False))
         read = self._read(step_store, manifest, model_state_tensors(self.state.model, None), False)
+        self.run.initialized_from(manifest.state, step_store.url, step)
         self.event({"event": "init_from", "from": step_store.url, "source_step": step,
                     "saved_layout": manifest.layout, "nbytes_read": sum(r[0] for r in read)})
 
@@ -305,10 +335,13 @@ class CheckpointPolicy:
         t0 = time.perf_counter()
         state, cfg = self.state, self.cfg
         manifest = read_manifest(step_store)
+        reset = self._reset_due(manifest) and reason != "rollback"
+        self._warn(check_before_load(manifest, cfg, step_store.url, resume=True, reset_optimizer=reset))
         init_optimizer_state(state.model, state.optimizer)
-        tensors = model_state_tensors(state.model, state.optimizer)
-        with_optim = any(k.startswith("optim.") for k in manifest.tensors)
-        read = self._read(step_store, manifest, tensors, with_optim)
+        tensors = model_state_tensors(state.model, state.optimizer if not reset else None)
+        read = self._read(step_store, manifest, tensors, not reset)
+        if reason != "rollback":
+            self.run.resumed(manifest.state, step_store.url, step)
         state.load_state_json(manifest.state, rollback=reason == "rollback")
         rng = apply_rng(manifest.state.get("rng"), cfg.parallel, self.rank, self.coords, cfg.seed, state.step)
         self.last_saved_step = step
@@ -319,6 +352,26 @@ class CheckpointPolicy:
                     "restart_count": self.restarts, "rng": rng,
                     "seconds": round(time.perf_counter() - t0, 4),
                     "nbytes_read": sum(r[0] for r in read), "nbytes_needed": sum(r[1] for r in read)})
+        if reset:
+            record = {"event": "reset_optimizer", "step": step, "from": step_store.url}
+            self.run.events.append(record)
+            self.event(record)
+            log.warning("--reset-optimizer: continuing from step %d of %s with a fresh AdamW", step, step_store.url)
+
+    def _reset_due(self, manifest: Manifest) -> bool:
+        """``reset_optimizer``, unless the checkpoint was written after this run's reset (a
+        requeued or restarted job loads its own optimizer state)."""
+        if not self.cfg.checkpoint.reset_optimizer:
+            return False
+        has_optim = any(k.startswith("optim.") for k in manifest.tensors)
+        events = manifest.state.get("run", {}).get("events") or []
+        return not (has_optim and any(e.get("event") == "reset_optimizer" for e in events))
+
+    def _warn(self, warnings: list[str]) -> None:
+        for line in warnings:
+            if self.rank == 0:
+                log.warning("%s", line)
+            self.event({"event": "warning", "message": line})
 
     def roll_back(self) -> None:
         """After ``max_bad_steps`` bad steps in a row: load the newest committed checkpoint
@@ -335,7 +388,7 @@ class CheckpointPolicy:
                                    f"{max_rollbacks} rollbacks already; the run diverges. "
                                    "Lower --lr, check the data, or raise --max-rollbacks")
         self.wait()
-        latest = find_latest_committed(self.root) if self.root is not None else None
+        latest = find_latest_committed(self.root, self.run.lineage()) if self.root is not None else None
         if self.root is None or latest is None:
             raise TrainingDiverged(f"steps {bad_step - streak + 1}..{bad_step} had a non-finite loss or "
                                    "gradient norm and there is no committed checkpoint to roll back to; "
