@@ -54,6 +54,26 @@ def gather_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     return [json.loads(bytes(t[: int(s.item())].tolist())) for t, s in zip(out, sizes)]
 
 
+def gather_json_to_root(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any] | None:
+    """Every rank's JSON-serializable ``obj`` on rank 0 of ``group`` (``None`` elsewhere):
+    UTF-8 bytes over the process group, no pickle; rank 0 receives world x the longest
+    message, the others send theirs only. Every rank of ``group`` must call it."""
+    data = json.dumps(obj).encode()
+    longest = torch.tensor([len(data)], dtype=torch.int64)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+    buf = torch.zeros(8 + int(longest.item()), dtype=torch.uint8)
+    buf[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+    buf[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[8:8]
+    root = dist.get_global_rank(group, 0) if group is not None else 0
+    if dist.get_rank(group) != 0:
+        dist.gather(buf, None, dst=root, group=group)
+        return None
+    out = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
+    dist.gather(buf, out, dst=root, group=group)
+    raw = [bytes(t.numpy()) for t in out]
+    return [json.loads(r[8:8 + int.from_bytes(r[:8], "little")]) for r in raw]
+
+
 def _broadcast_text(text: str, group: dist.ProcessGroup | None = None) -> str:
     """Rank 0's ``text`` on every rank of ``group`` (UTF-8 over the process group; one small
     collective when it is empty, the common case). Every rank of ``group`` must call it."""
@@ -198,27 +218,37 @@ def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, di
     except Exception as exc:  # reported to every rank below; nothing is committed
         log.exception("rank %d: writing %s failed", rank, step_store.url_of(file_name))
         error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
-    gathered = gather_json({"error": error, **records}, group)
+    gathered = gather_json_to_root({"error": error, **records}, group)
     crash_point("save.after_gather")
+    outcome = {"error": "", "nbytes": 0}
+    if gathered is not None:                               # rank 0: validate, commit
+        outcome = _commit_gathered(root, plan, gathered, fmt, model_cfg=model_cfg, dims=dims, config=config,
+                                   state=state, chunk_nbytes=chunk_nbytes, step_store=step_store)
+    outcome = json.loads(_broadcast_text(json.dumps(outcome), group))
+    if outcome["error"]:
+        raise SaveError(f"checkpoint step {plan.step} not committed: {outcome['error']}")
+    crash_point("save.end")
+    return int(outcome["nbytes"])
+
+
+def _commit_gathered(root: Store, plan: WritePlan, gathered: list[dict[str, Any]], fmt: Any, *, model_cfg: ModelConfig,
+                     dims: ParallelDims, config: dict[str, Any], state: dict[str, Any], chunk_nbytes: int,
+                     step_store: Store) -> dict[str, Any]:
+    """Rank 0 of a save: every rank's records into the manifest, validated and committed.
+    Returns ``{"error": text or "", "nbytes": data bytes}`` (broadcast to every rank)."""
     errors = [g["error"] for g in gathered if g["error"]]
     if errors:
-        raise SaveError(f"checkpoint step {plan.step} not committed: " + "; ".join(errors))
-    commit_error = ""
-    if rank == 0:
-        try:
-            builder = ManifestBuilder(step=plan.step, dims=dims, model=model_cfg.to_json(), config=config,
-                                      state=state, tensors={f: (s.shape, s.dtype) for f, s in plan.specs.items()},
-                                      chunk_nbytes=chunk_nbytes, tensor_format=fmt.name)
-            fmt.add_records(builder, gathered, step_store, plan.specs, dims)
-            commit(root, builder.build())                   # validates (schema, coverage) before writing
-        except Exception as exc:
-            log.exception("committing step %d failed", plan.step)
-            commit_error = f"commit: {type(exc).__name__}: {exc}"
-    commit_error = _broadcast_text(commit_error, group)
-    if commit_error:
-        raise SaveError(f"checkpoint step {plan.step} not committed: {commit_error}")
-    crash_point("save.end")
-    return fmt.gathered_nbytes(gathered)
+        return {"error": "; ".join(errors), "nbytes": 0}
+    try:
+        builder = ManifestBuilder(step=plan.step, dims=dims, model=model_cfg.to_json(), config=config, state=state,
+                                  tensors={f: (s.shape, s.dtype) for f, s in plan.specs.items()},
+                                  chunk_nbytes=chunk_nbytes, tensor_format=fmt.name)
+        fmt.add_records(builder, gathered, step_store, plan.specs, dims)
+        commit(root, builder.build())                       # validates (schema, coverage) before writing
+    except Exception as exc:
+        log.exception("committing step %d failed", plan.step)
+        return {"error": f"commit: {type(exc).__name__}: {exc}", "nbytes": 0}
+    return {"error": "", "nbytes": fmt.gathered_nbytes(gathered)}
 
 
 def save_checkpoint(root: Store, step: int, tensors: dict[str, torch.Tensor], *, model_cfg: ModelConfig,
