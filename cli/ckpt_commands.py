@@ -14,9 +14,11 @@ from shardsmith.storage.fs import parse_storage_options
 @click.command()
 @click.argument("ckpt")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--workers", "--nproc", "workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes the files are split over (each streams its share).")
 @storage_option
 @click.pass_context
-def verify(ctx: click.Context, ckpt: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
+def verify(ctx: click.Context, ckpt: str, as_json: bool, workers: int, storage_options: tuple[str, ...]) -> None:
     """Check checkpoint CKPT (a step directory, or a root: its newest committed step):
     every listed file present, sizes, safetensors headers, checksums, and that every
     tensor's boxes cover it exactly once. Exits 1 naming each bad file."""
@@ -24,7 +26,7 @@ def verify(ctx: click.Context, ckpt: str, as_json: bool, storage_options: tuple[
     from shardsmith.storage.verify import verify_checkpoint
 
     _, step_store, _ = resolve_checkpoint(ckpt, parse_storage_options(storage_options))
-    report = verify_checkpoint(step_store)
+    report = verify_checkpoint(step_store, workers=workers)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=1))
     else:

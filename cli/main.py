@@ -197,7 +197,7 @@ def inspect(ckpt, as_json, storage_options) -> None:
     _, step_store, _ = resolve_checkpoint(ckpt, parse_storage_options(storage_options))
     m = read_manifest(step_store)
     if as_json:
-        summary = {"url": step_store.url, "step": m.step, "layout": m.layout, "model": m.model,
+        summary = {"url": step_store.url, "step": m.step, "version": m.version, "layout": m.layout, "model": m.model,
                    "config": m.config, "state": m.state, "nbytes": m.nbytes, "num_files": len(m.files),
                    "tensors": {fqn: {"shape": t.shape, "dtype": t.dtype, "num_shards": len(t.shards),
                                      "nbytes": t.nbytes} for fqn, t in m.tensors.items()}}

@@ -31,7 +31,7 @@ from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import commit, find_latest_committed, read_manifest, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, Manifest
+from shardsmith.storage.manifest import MANIFEST_NAME, SIDECAR_SUFFIX, Manifest
 from shardsmith.storage.shards import ReadStats
 from shardsmith.storage.formats import read_box, read_boxes
 from shardsmith.storage.tensor_files import DTYPE_NAMES
@@ -272,6 +272,8 @@ def whole_file_tensors(step_store: Store, manifest: Manifest) -> dict[str, torch
                                                               "F16": "float16"}[rec.dtype]))
             for fqn, rec in manifest.tensors.items()}
     for file in manifest.files:
+        if file.endswith(SIDECAR_SUFFIX):                        # chunk CRCs, not tensors
+            continue
         loaded = safetensors.torch.load(step_store.read(file))
         for fqn, rec in manifest.tensors.items():
             for s in rec.shards:

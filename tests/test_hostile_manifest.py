@@ -35,7 +35,7 @@ def valid() -> tuple[Store, dict[str, Any]]:
     """(step store, manifest JSON) of a valid committed step, written as a version-1 manifest
     (the cases below mutate its JSON; version 2's own cases are in test_manifest_v2.py)."""
     root = memory_root()
-    manifest, _ = build_manifest(root, STEP)
+    manifest, _ = build_manifest(root, STEP, sidecars=False)
     manifest.version = 1
     commit(root, manifest)
     step_store = root.child(step_dir(STEP))

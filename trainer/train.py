@@ -30,7 +30,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from shardsmith.layout import validate_layout
 from shardsmith.layout.plan import checkpoint_specs, param_specs, rank_boxes
-from shardsmith.storage.commit import find_latest_committed, read_manifest, resolve_checkpoint, step_dir
+from shardsmith.storage.commit import (find_latest_committed, open_manifest, read_manifest, resolve_checkpoint,
+                                       step_dir)
 from shardsmith.storage.fs import Store
 from shardsmith.storage.gc import gc_after_commit
 from shardsmith.storage.manifest import MANIFEST_NAME
@@ -361,9 +362,9 @@ class Trainer:
         """Load only the model weights of checkpoint ``url`` (any layout; optimizer state,
         counters and data position stay fresh). Collective."""
         _, step_store, step = resolve_checkpoint(url, self.cfg.checkpoint.storage_options)
-        manifest = read_manifest(step_store)
         specs = checkpoint_specs(self.cfg.model, self.cfg.parallel, with_optimizer=False)
         boxes = rank_boxes(specs, self.cfg.parallel, self.rank)
+        manifest = read_manifest(step_store, fqns=boxes)          # only the records of this rank's tensors
         tensors = model_state_tensors(self.model, None)
         stats = load_into(step_store, manifest, tensors, boxes, {f: s.shape for f, s in specs.items()})
         read = gather_json([stats.nbytes_read, stats.nbytes_needed])
@@ -374,12 +375,13 @@ class Trainer:
         """Load tensors (resharding by box intersection), counters, data position, LR
         schedule, bad-step state and RNG (restored, or re-derived on a new layout)."""
         t0 = time.perf_counter()
-        manifest = read_manifest(step_store)
+        reader = open_manifest(step_store)                         # the head: configs, state, index
         init_optimizer_state(self.model, self.optimizer)
         tensors = model_state_tensors(self.model, self.optimizer)
-        with_optim = any(k.startswith("optim.") for k in manifest.tensors)
+        with_optim = any(k.startswith("optim.") for k in reader.tensor_names)
         specs = checkpoint_specs(self.cfg.model, self.cfg.parallel, with_optimizer=with_optim)
         boxes = rank_boxes(specs, self.cfg.parallel, self.rank)
+        manifest = reader.manifest(boxes)                          # only the records of this rank's tensors
         stats = load_into(step_store, manifest, tensors, boxes, {f: s.shape for f, s in specs.items()})
         state = manifest.state
         self.step = int(state["step"])
