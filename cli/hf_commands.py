@@ -4,28 +4,28 @@ from __future__ import annotations
 
 import click
 
-from shardsmith.layout.dtypes import DTYPE_CHOICES
-
-from shardsmith.cli.options import layout_options, storage_option
+from shardsmith.cli.options import dtype_option, layout_options, make_dims, size_option, storage_option
 from shardsmith.storage.fs import parse_storage_options
+
+HF_IO = "shardsmith.reshard.hf_io"
 
 
 @click.command("export-hf")
 @click.argument("ckpt")
 @click.argument("out_dir")
-@click.option("--dtype", type=click.Choice(sorted(DTYPE_CHOICES)), default="fp32", show_default=True,
-              help="dtype of the exported weights.")
-@click.option("--max-shard-size", default="5GB", show_default=True,
-              help="Split the weights into files of at most this size (e.g. 500MB, 2GiB), "
-                   "with model.safetensors.index.json.")
+@dtype_option("dtype of the exported weights.", default_from=f"{HF_IO}:export_hf.dtype")
+@size_option("--max-shard-size", "max_shard_nbytes", default_from=f"{HF_IO}:export_hf.max_shard_nbytes",
+             help="Split the weights into files of at most this size, with model.safetensors.index.json")
 @click.option("--overwrite", is_flag=True, help="Replace a model already in OUT_DIR.")
 @storage_option
-def export_hf(ckpt, out_dir, dtype, max_shard_size, overwrite, storage_options) -> None:
-    """Write checkpoint CKPT (a step directory, or a root: its newest step) as a Hugging Face
-    Llama directory OUT_DIR that transformers' LlamaForCausalLM.from_pretrained loads."""
-    from shardsmith.reshard.hf_io import export_hf as do_export, parse_nbytes
+def export_hf(ckpt, out_dir, dtype, max_shard_nbytes, overwrite, storage_options) -> None:
+    """Write a checkpoint as a Hugging Face Llama directory.
 
-    report = do_export(ckpt, out_dir, dtype=dtype, max_shard_nbytes=parse_nbytes(max_shard_size),
+    CKPT is a step directory, or a root (its newest step); OUT_DIR is what transformers'
+    LlamaForCausalLM.from_pretrained loads."""
+    from shardsmith.reshard.hf_io import export_hf as do_export
+
+    report = do_export(ckpt, out_dir, dtype=dtype, max_shard_nbytes=max_shard_nbytes,
                        overwrite=overwrite, storage_options=parse_storage_options(storage_options))
     click.echo(f"exported step {report.step} from {report.source}: {report.num_tensors} tensors, "
                f"{report.nbytes:,} bytes in {len(report.files)} file(s), {report.seconds:.2f}s "
@@ -39,10 +39,11 @@ def export_hf(ckpt, out_dir, dtype, max_shard_size, overwrite, storage_options) 
 @click.option("--step", type=int, default=None, help="Step number of the new checkpoint [default: 0].")
 @storage_option
 def import_hf(hf_dir, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, step, storage_options) -> None:
-    """Turn the local Hugging Face Llama directory HF_DIR into a model-only shardsmith checkpoint
-    at CKPT (a root or step directory) in the given layout; start training from it with
+    """Make a shardsmith checkpoint of a Hugging Face Llama directory.
+
+    Turns the local Hugging Face Llama directory HF_DIR into a model-only checkpoint at CKPT
+    (a root or step directory) in the given layout; start training from it with
     `train --init-from CKPT`."""
-    from shardsmith.cli.main import make_dims
     from shardsmith.reshard.hf_io import import_hf as do_import, read_model_config
     from shardsmith.trainer.config import TrainConfig
 

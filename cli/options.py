@@ -1,15 +1,32 @@
-"""Shared click options: flags map onto config dataclasses and hold no logic."""
+"""Every shared click option, defined once. Flags map onto config dataclasses and hold no logic.
+
+Defaults are not restated here: a :class:`FieldOption` reads its default from the dataclass
+field (or library function parameter) it fills, when click needs it, so ``shardsmith --help``
+and ``ls``/``gc`` never import torch for a default they do not show.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import inspect
 from typing import Any, Callable
 
 import click
 
+from shardsmith.errors import LayoutError
+from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout.dtypes import DTYPE_CHOICES
+from shardsmith.layout.presets import DEFAULT_PRESET, PRESETS
+from shardsmith.layout.sizes import SIZE_HELP, parse_nbytes, short_nbytes
+
 F = Callable[..., Any]
 
+TRAIN_CONFIG = "shardsmith.trainer.config"
 
-def _stack(*decorators: F) -> F:
+
+def stack(*decorators: F) -> F:
+    """Apply ``decorators`` as if written top to bottom above a function."""
     def wrap(fn: F) -> F:
         for d in reversed(decorators):
             fn = d(fn)
@@ -17,36 +34,203 @@ def _stack(*decorators: F) -> F:
     return wrap
 
 
+def default_of(ref: str) -> Any:
+    """The default ``ref`` names: ``"module:Class.field"`` (a dataclass field),
+    ``"module:function.param"`` (a keyword default) or ``"module:NAME"`` (a constant)."""
+    module, _, path = ref.partition(":")
+    owner_name, _, member = path.partition(".")
+    owner = getattr(importlib.import_module(module), owner_name)
+    if not member:
+        return owner
+    if dataclasses.is_dataclass(owner):
+        f = {f.name: f for f in dataclasses.fields(owner)}[member]
+        return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+    return inspect.signature(owner).parameters[member].default
+
+
+class FieldOption(click.Option):
+    """A click option whose default is read from ``default_from`` (see :func:`default_of`)
+    when click needs it, and shown in ``--help`` (through ``show`` when given)."""
+
+    def __init__(self, param_decls: Any, *, default_from: str, show: Callable[[Any], str] | None = None,
+                 **kwargs: Any) -> None:
+        self.default_from, self.show = default_from, show
+        kwargs.setdefault("show_default", True)
+        super().__init__(param_decls, **kwargs)
+
+    def get_default(self, ctx: click.Context, call: bool = True) -> Any:
+        return default_of(self.default_from)
+
+    def get_help_extra(self, ctx: click.Context) -> Any:
+        extra = super().get_help_extra(ctx)
+        if self.show is not None and "default" in extra:
+            extra["default"] = self.show(self.get_default(ctx))
+        return extra
+
+
+def field_option(cls: str, field: str, *decls: str, module: str = TRAIN_CONFIG, **kwargs: Any) -> F:
+    """``--flag`` filling ``cls.field`` (its value lands in the command's ``field`` argument
+    unless ``decls`` ends with another name); the default is the field's."""
+    names = decls if not decls[-1].startswith("-") else (*decls, field)
+    return click.option(*names, cls=FieldOption, default_from=f"{module}:{cls}.{field}", **kwargs)
+
+
+class SizeType(click.ParamType):
+    """A byte count (``500MB``, ``2GiB``, ``4096``) by the one size rule of
+    :mod:`shardsmith.layout.sizes`."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        try:
+            return parse_nbytes(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class IntListType(click.ParamType):
+    """Comma-separated integers (``5,3``) -> tuple; empty -> ``()``."""
+
+    name = "N,N,..."
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            return tuple(int(x) for x in str(value).split(",") if x.strip())
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of integers, e.g. 5,3", param, ctx)
+
+
+SIZE = SizeType()
+
+
+def size_option(*decls: str, default_from: str, help: str) -> F:
+    """A byte-count option; the default comes from ``default_from`` and shows as e.g. 256MiB."""
+    return click.option(*decls, cls=FieldOption, type=SIZE, default_from=default_from, show=short_nbytes,
+                        metavar="SIZE", help=f"{help} ({SIZE_HELP}).")
+
+
 storage_option = click.option(
     "--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
     help="fsspec storage option (repeatable), e.g. client_kwargs.endpoint_url=http://127.0.0.1:9000")
 
-layout_options = _stack(
-    click.option("--tp", "--tensor-model-parallel-size", "tp", type=int, default=1, show_default=True,
+
+def json_option(what: str) -> F:
+    """``--json``: print ``what`` as JSON (for machines) instead of text."""
+    return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as JSON.")
+
+
+def dry_run_option(what: str) -> F:
+    """``--dry-run``: check and report, change nothing."""
+    return click.option("--dry-run", is_flag=True, help=what)
+
+
+def tensor_format_option(default_from: str | None, help: str) -> F:
+    """``--format safetensors|zarr``; ``default_from=None``: no default (the source's)."""
+    from shardsmith.storage.manifest import TENSOR_FORMATS
+
+    kwargs: dict[str, Any] = ({"cls": FieldOption, "default_from": default_from} if default_from
+                              else {"default": None})
+    return click.option("--format", "tensor_format", type=click.Choice(TENSOR_FORMATS), help=help, **kwargs)
+
+
+zarr_codec_option = click.option(
+    "--zarr-codec", default="", metavar="CODEC",
+    help="With --format zarr: compress the optimizer state (zstd, gzip, zstd:5 ...).")
+
+
+def dtype_option(help: str, default_from: str | None = None) -> F:
+    """``--dtype``: one choice set for every command (:data:`DTYPE_CHOICES`); no default
+    unless ``default_from`` names one."""
+    kwargs: dict[str, Any] = ({"cls": FieldOption, "default_from": default_from} if default_from
+                              else {"default": None})
+    return click.option("--dtype", type=click.Choice(sorted(DTYPE_CHOICES)), help=help, **kwargs)
+
+
+# ---- layout ---------------------------------------------------------------------------------------
+
+def _dims_option(field: str, *decls: str, help: str) -> F:
+    return field_option("ParallelDims", field, *decls, module="shardsmith.layout.dims", type=int, help=help)
+
+
+layout_options = stack(
+    _dims_option("tp", "--tp", "--tensor-model-parallel-size",
                  help="Tensor-parallel degree (Megatron: --tensor-model-parallel-size)."),
-    click.option("--pp", "--pipeline-model-parallel-size", "pp", type=int, default=1, show_default=True,
+    _dims_option("pp", "--pp", "--pipeline-model-parallel-size",
                  help="Pipeline stages (Megatron: --pipeline-model-parallel-size)."),
     click.option("--dp-shard", type=int, default=-1,
                  help="FSDP2 sharding degree; -1 = the rest of the world size.  [default: -1]"),
-    click.option("--dp-replicate", type=int, default=1, show_default=True,
-                 help="Data-parallel replicas (HSDP replication)."),
-    click.option("--pipeline-split", default="", metavar="N,N,...",
+    _dims_option("dp_replicate", "--dp-replicate", help="Data-parallel replicas (HSDP replication)."),
+    click.option("--pipeline-split", type=IntListType(), default="", metavar="N,N,...",
                  help="Layers per pipeline stage, e.g. 5,3 (default: as even as possible)."),
 )
 
-model_options = _stack(
-    click.option("--num-layers", type=int, default=4, show_default=True, help="Transformer blocks."),
-    click.option("--hidden-size", type=int, default=128, show_default=True, help="Model width."),
-    click.option("--num-attention-heads", type=int, default=4, show_default=True, help="Query heads."),
-    click.option("--num-kv-heads", "--num-query-groups", "num_kv_heads", type=int, default=2,
-                 show_default=True, help="Key/value heads for GQA (Megatron: --num-query-groups)."),
-    click.option("--ffn-hidden-size", type=int, default=352, show_default=True, help="SwiGLU width."),
-    click.option("--vocab-size", type=int, default=256, show_default=True,
-                 help="Vocabulary (256 = byte-level text)."),
-    click.option("--seq-length", type=int, default=128, show_default=True, help="Tokens per sample."),
-    click.option("--tie-embeddings/--no-tie-embeddings", default=False, show_default=True,
-                 help="Share the input embedding with the output projection."),
-    click.option("--rope-theta", "--rotary-base", "rope_theta", type=float, default=10000.0, show_default=True,
-                 help="RoPE base (Megatron: --rotary-base)."),
-    click.option("--norm-eps", type=float, default=1e-5, show_default=True, help="RMSNorm epsilon."),
+
+def make_dims(tp: int, pp: int, dp_shard: int, dp_replicate: int, pipeline_split: tuple[int, ...],
+              world: int | None) -> ParallelDims:
+    """ParallelDims from the layout flags; ``dp_shard=-1`` takes the rest of ``world``
+    (:meth:`ParallelDims.for_world_size`; 1 when the world size is not known).
+
+    Raises:
+        LayoutError: the layout does not have ``world`` ranks.
+    """
+    kw: dict[str, Any] = {"pp": pp, "dp_replicate": dp_replicate, "tp": tp, "pipeline_split": pipeline_split}
+    if dp_shard == -1:
+        return ParallelDims.for_world_size(world if world is not None else tp * pp * dp_replicate, **kw)
+    dims = ParallelDims(dp_shard=dp_shard, **kw)
+    if world is not None and dims.world_size != world:
+        raise LayoutError(f"layout {dims.describe()} needs {dims.world_size} processes but "
+                          f"{world} were given; set --nproc-per-node {dims.world_size} or change the layout")
+    return dims
+
+
+# ---- model ----------------------------------------------------------------------------------------
+
+_TINY = PRESETS[DEFAULT_PRESET]
+
+#: ModelConfig field -> (flags, help). Defaults: the --model preset's (tiny's shown).
+MODEL_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
+    "num_layers": (("--num-layers",), "Transformer blocks."),
+    "hidden_size": (("--hidden-size",), "Model width."),
+    "num_attention_heads": (("--num-attention-heads",), "Query heads."),
+    "num_kv_heads": (("--num-kv-heads", "--num-query-groups"),
+                     "Key/value heads for GQA (Megatron: --num-query-groups); without --model: "
+                     "--num-attention-heads when that is given."),
+    "ffn_hidden_size": (("--ffn-hidden-size",),
+                        "SwiGLU width; without --model: the Llama rule int(8*D/3) rounded up to a "
+                        "multiple of 256 when --hidden-size D is given."),
+    "vocab_size": (("--vocab-size",), "Vocabulary (default: the --tokenizer's; 256 for bytes)."),
+    "seq_length": (("--seq-length",), "Tokens per sample."),
+    "tie_embeddings": (("--tie-embeddings/--no-tie-embeddings",),
+                       "Share the input embedding with the output projection."),
+    "rope_theta": (("--rope-theta", "--rotary-base"), "RoPE base (Megatron: --rotary-base)."),
+    "norm_eps": (("--norm-eps",), "RMSNorm epsilon."),
+}
+
+
+def _model_option(field: str) -> F:
+    decls, help = MODEL_FLAGS[field]
+    tiny = getattr(_TINY, field)
+    kind = type(tiny)
+    shown = (f"--{field.replace('_', '-')}" if tiny else f"--no-{field.replace('_', '-')}") \
+        if kind is bool else tiny
+    return click.option(*decls, field, type=None if kind is bool else kind, default=None,
+                        show_default=f"{DEFAULT_PRESET}: {shown}", help=help)
+
+
+model_options = stack(
+    click.option("--model", "model_preset", type=click.Choice(list(PRESETS)), default=None,
+                 help="Start from a published shape; the model flags default to its values and "
+                      f"override them.  [default: {DEFAULT_PRESET}]"),
+    *(_model_option(field) for field in MODEL_FLAGS),
 )
+
+
+def model_from_flags(flags: dict[str, Any]) -> ModelConfig:
+    """The ModelConfig of ``--model`` and the model flags the user gave (value not None),
+    by :func:`shardsmith.layout.presets.resolve_model`."""
+    from shardsmith.layout.presets import resolve_model
+
+    given = {f: flags[f] for f in MODEL_FLAGS if flags.get(f) is not None}
+    return resolve_model(flags.get("model_preset"), given)

@@ -6,38 +6,19 @@ Registered on the main group by :func:`register` (``cli/main.py`` calls it once)
 from __future__ import annotations
 
 import os
-import re
 import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import click
 
-from shardsmith.cli.options import layout_options, storage_option
+from shardsmith.cli.options import (FieldOption, dry_run_option, dtype_option, layout_options, make_dims,
+                                    size_option, storage_option, tensor_format_option, zarr_codec_option)
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 from shardsmith.layout.dtypes import DTYPE_CHOICES as _DTYPES
+from shardsmith.layout.sizes import format_nbytes as _human
 
-
-def parse_size(text: str) -> int:
-    """``256MiB``, ``1G``, ``1.5GB``, ``4096`` -> bytes (powers of 1024 for every suffix).
-
-    Raises:
-        click.BadParameter: not a size.
-    """
-    m = _SIZE.match(text)
-    if not m:
-        raise click.BadParameter(f"{text!r} is not a size; write e.g. 256MiB, 1GiB or 1048576")
-    power = " kmgt".index(m.group(2).lower() or " ")
-    return int(float(m.group(1)) * 1024 ** power)
-
-
-def _human(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:,.0f} {unit}" if unit == "B" else f"{nbytes:,.1f} {unit}"
-        nbytes /= 1024
-    raise AssertionError("unreachable")
+PLANNER = "shardsmith.reshard.planner"
 
 
 @contextmanager
@@ -60,9 +41,11 @@ def progress_bar(total: int, label: str, enabled: bool) -> Iterator[Callable[[in
 
 def print_plan(plan: Any, src_url: str) -> None:
     """The ``--dry-run`` summary: files, bytes to read and write, peak buffer, per-rank sizes."""
+    from shardsmith.layout import ParallelDims
+
     m, opts = plan.source, plan.options
     lay = m.layout
-    src_layout = f"pp{lay.get('pp')}·dpr{lay.get('dp_replicate')}·dps{lay.get('dp_shard')}·tp{lay.get('tp')}"
+    src_layout = ParallelDims.from_json(lay).describe()
     click.echo(f"step {m.step}: {src_layout} ({len(m.files)} files) -> {plan.dims.describe()} "
                f"({len(plan.files)} files)   source {src_url}")
     click.echo(f"  tensors      {len(plan.tensors)}"
@@ -112,18 +95,15 @@ def run_diff(a_url: str, b_url: str, *, atol: float, storage_options: dict, cast
 @click.argument("src")
 @click.argument("dst")
 @layout_options
-@click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default=None,
-              help="Convert floating tensors (inference copies); optimizer step counters stay F32.")
+@dtype_option("Convert floating tensors (inference copies); optimizer step counters stay F32.")
 @click.option("--model-only", is_flag=True, help="Drop the optimizer state (optim.* tensors).")
-@click.option("--format", "tensor_format", type=click.Choice(["safetensors", "zarr"]), default=None,
-              help="Tensor format of the result (default: the source's); converts either way.")
-@click.option("--zarr-codec", default="", metavar="CODEC",
-              help="With --format zarr: compress the optimizer state (zstd, gzip, zstd:5 ...).")
-@click.option("--max-buffer", default="256MiB", show_default=True, metavar="SIZE",
-              help="Bytes of tensor data held in memory at once, beyond one slab.")
-@click.option("--workers", type=int, default=4, show_default=True,
+@tensor_format_option(None, "Tensor format of the result (default: the source's); converts either way.")
+@zarr_codec_option
+@size_option("--max-buffer", "max_buffer_nbytes", default_from=f"{PLANNER}:ReshardOptions.max_buffer_nbytes",
+             help="Bytes of tensor data held in memory at once, beyond one slab")
+@click.option("--workers", type=int, cls=FieldOption, default_from=f"{PLANNER}:ReshardOptions.workers",
               help="I/O threads; also target files written at once.")
-@click.option("--dry-run", is_flag=True, help="Validate the target layout and print the plan only.")
+@dry_run_option("Validate the target layout and print the plan only.")
 @click.option("--verify", is_flag=True, help="Afterwards, diff the result against the source.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--nproc-per-node", type=int, default=1, show_default=True,
@@ -131,14 +111,13 @@ def run_diff(a_url: str, b_url: str, *, atol: float, storage_options: dict, cast
                    "Under torchrun, its RANK and WORLD_SIZE are used instead.")
 @storage_option
 def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, dtype, model_only, tensor_format,
-            zarr_codec, max_buffer, workers, dry_run, verify, quiet, nproc_per_node, storage_options) -> None:
-    """Convert checkpoint SRC (a step directory, or a root: its newest step) to a new layout at DST.
+            zarr_codec, max_buffer_nbytes, workers, dry_run, verify, quiet, nproc_per_node, storage_options) -> None:
+    """Convert a checkpoint to a new layout (and format, dtype).
 
-    DST is a step directory or a root; the result is committed there (manifest last) and the
+    SRC is a step directory, or a root (its newest step). DST is a step directory or a root; the result is committed there (manifest last) and the
     root's `latest` updated, so `train --resume auto` finds it. Interrupted? Run the same
     command again: files already written and verified are kept.
     """
-    from shardsmith.cli.main import make_dims
     from shardsmith.reshard.engine import execute, target_root
     from shardsmith.reshard.planner import ReshardOptions, plan_reshard
     from shardsmith.reshard.scaleout import Share, assign_files, launch_local
@@ -150,7 +129,8 @@ def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, dtype, mod
         return                                        # zarr source or target: single process
     if nproc_per_node > 1 and "WORLD_SIZE" not in os.environ and not dry_run:
         args = [src, dst, "--tp", str(tp), "--pp", str(pp), "--dp-shard", str(dp_shard), "--dp-replicate",
-                str(dp_replicate), "--pipeline-split", pipeline_split, "--max-buffer", max_buffer,
+                str(dp_replicate), "--pipeline-split", ",".join(map(str, pipeline_split)),
+                "--max-buffer", str(max_buffer_nbytes),
                 "--workers", str(workers)] + (["--dtype", dtype] if dtype else []) \
             + (["--model-only"] if model_only else []) + (["--verify"] if verify else []) \
             + (["--quiet"] if quiet else []) + [a for s in storage_options for a in ("--storage-option", s)]
@@ -163,7 +143,7 @@ def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, dtype, mod
     _, src_store, _ = resolve_checkpoint(src, options)
     dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None)
     opts = ReshardOptions(dtype=_DTYPES[dtype] if dtype else None, model_only=model_only,
-                          max_buffer_nbytes=parse_size(max_buffer), workers=workers)
+                          max_buffer_nbytes=max_buffer_nbytes, workers=workers)
     plan = plan_reshard(read_manifest(src_store), dims, opts, src_store.url)
     if dry_run:
         print_plan(plan, src_store.url)
@@ -226,9 +206,9 @@ def _convert_zarr(src: str, dst: str, dims: Any, tensor_format: str | None, code
               help="Absolute tolerance; 0 = bitwise equal with equal dtypes.")
 @storage_option
 def diff(ckpt_a, ckpt_b, atol, storage_options) -> None:
-    """Compare every tensor of two checkpoints (any layouts); exit 0 iff all are equal.
+    """Compare two checkpoints tensor by tensor, in any layouts.
 
-    Prints the max abs difference of each differing tensor and the tensors only one side has.
+    Exits 0 iff all tensors are equal. Prints the max abs difference of each differing tensor and the tensors only one side has.
     """
     from shardsmith.storage.fs import parse_storage_options
 

@@ -1,7 +1,15 @@
-"""Parallel dims: the degrees of the mesh axes, and the one layout name format.
+"""Parallel dims: the degrees of the mesh axes, the one layout name format, and the one
+``dp_shard = -1`` rule.
 
 Pure (no torch, no I/O): the trainer builds its ``DeviceMesh`` from these, the offline
 resharder computes target layouts from them without a process group.
+
+* :meth:`ParallelDims.for_world_size` is the only place ``dp_shard`` is derived from a
+  world size (the ``--dp-shard -1`` of the command line; torchtitan's
+  ``ParallelDims._validate``); :meth:`ParallelDims.check_world_size` the only world-size check.
+* :meth:`ParallelDims.describe` / :meth:`ParallelDims.parse` are the only layout name:
+  ``pp2·dpr1·dps1·tp2``; ``parse`` also takes the short form ``2.1.1.2``
+  (pp.dp_replicate.dp_shard.tp, as the benchmarks' ``--layout`` flags spell it).
 """
 
 from __future__ import annotations
@@ -9,10 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardsmith.errors import ConfigError
+from shardsmith.errors import ConfigError, LayoutError
 
 #: Mesh axis names, major to minor (tp innermost so TP groups are neighbouring ranks).
 MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
+#: Prefix of each axis in :meth:`ParallelDims.describe`, in :data:`MESH_AXES` order.
+_NAME_PREFIXES: tuple[str, ...] = ("pp", "dpr", "dps", "tp")
 
 
 @dataclass(kw_only=True)
@@ -77,9 +87,63 @@ class ParallelDims:
             rank = rank * size + coords[axis]
         return rank
 
+    @classmethod
+    def for_world_size(cls, world_size: int, *, tp: int = 1, pp: int = 1, dp_replicate: int = 1,
+                       dp_shard: int = -1, pipeline_split: tuple[int, ...] = ()) -> "ParallelDims":
+        """The layout of a job with ``world_size`` ranks; ``dp_shard=-1`` takes the rest.
+
+        ``dp_shard = world_size / (pp * dp_replicate * tp)`` when it is -1 (tp, pp and
+        dp_replicate stay as given); otherwise the product must equal ``world_size``.
+
+        Raises:
+            LayoutError: the world size is not a multiple of ``pp * dp_replicate * tp``, or
+                the fixed degrees need another world size (the message says what fits).
+            ConfigError: a degree is not an integer >= 1 (or -1 for ``dp_shard``).
+        """
+        if dp_shard == -1:
+            fixed = pp * dp_replicate * tp
+            if fixed < 1 or world_size % fixed:
+                raise LayoutError(f"world size {world_size} is not a multiple of pp*dp_replicate*tp={fixed} "
+                                  f"(pp={pp}, dp_replicate={dp_replicate}, tp={tp}); run on a multiple "
+                                  f"of {fixed} processes")
+            dp_shard = world_size // fixed
+        parallel = cls(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
+                       pipeline_split=pipeline_split)
+        parallel.check_world_size(world_size)
+        return parallel
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise :class:`~shardsmith.errors.LayoutError` unless this layout has ``world_size`` ranks."""
+        if self.world_size != world_size:
+            raise LayoutError(f"layout {self.describe()} needs {self.world_size} processes but the job has "
+                              f"{world_size}; run {self.world_size} processes, or pass --dp-shard -1 to "
+                              "let dp_shard follow the world size")
+
     def describe(self) -> str:
-        """Short human form, e.g. ``pp2·dpr1·dps1·tp2``."""
-        return f"pp{self.pp}·dpr{self.dp_replicate}·dps{self.dp_shard}·tp{self.tp}"
+        """The layout name, e.g. ``pp2·dpr1·dps1·tp2`` (:meth:`parse` reads it back; the
+        pipeline split is not part of the name)."""
+        return "·".join(f"{prefix}{size}" for prefix, size in zip(_NAME_PREFIXES, self.shape))
+
+    @classmethod
+    def parse(cls, name: str) -> "ParallelDims":
+        """Inverse of :meth:`describe`; also takes the short form ``pp.dpr.dps.tp``
+        (``1.1.2.2``) and ``.`` or ``,`` between the named parts.
+
+        Raises:
+            ConfigError: ``name`` is neither form (the message shows both).
+        """
+        parts = [p.strip() for p in name.replace("·", ".").replace(",", ".").split(".")]
+        sizes: list[str] = []
+        if len(parts) == len(MESH_AXES):
+            if all(p.isdigit() for p in parts):
+                sizes = parts
+            elif all(p.startswith(x) and p[len(x):].isdigit() for p, x in zip(parts, _NAME_PREFIXES)):
+                sizes = [p[len(x):] for p, x in zip(parts, _NAME_PREFIXES)]
+        if not sizes:
+            raise ConfigError(f"layout name {name!r}: expected e.g. 'pp2·dpr1·dps1·tp2' or its short "
+                              "form '2.1.1.2' (pp.dp_replicate.dp_shard.tp)")
+        pp, dp_replicate, dp_shard, tp = (int(size) for size in sizes)
+        return cls(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe dict of every field."""

@@ -28,8 +28,32 @@ from shardsmith.layout.dims import MESH_AXES
 #: Prefixes of optimizer-state FQNs; the rest of the name is the parameter's FQN.
 OPTIM_PREFIXES: tuple[str, ...] = ("optim.exp_avg.", "optim.exp_avg_sq.", "optim.step.")
 
-COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
-ROWWISE = ("attention.wo", "feed_forward.w2")
+# The tensor-parallel plan (Megatron-LM, Shoeybi et al. 2019), the one table the trainer's
+# ``parallelize_module`` plan is built from (trainer/parallel.py::tp_plan). Block modules are
+# named relative to ``layers.<i>``, the others relative to the model.
+#: Column-parallel linears: the output features (weight dim 0) split over tp.
+COLWISE: tuple[str, ...] = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1",
+                            "feed_forward.w3")
+#: Row-parallel linears: the input features (weight dim 1) split over tp.
+ROWWISE: tuple[str, ...] = ("attention.wo", "feed_forward.w2")
+#: Vocab-parallel embedding and output projection: the vocab rows (dim 0) split over tp.
+VOCAB_PARALLEL: tuple[str, ...] = ("tok_embeddings", "output")
+
+
+def tp_module_key(module: str) -> str:
+    """A module path as the TP tables name it: ``layers.3.attention.wq`` -> ``attention.wq``."""
+    parts = module.split(".")
+    return ".".join(parts[2:]) if parts[0] == "layers" and len(parts) > 2 else module
+
+
+def tp_split_dim(fqn: str) -> int | None:
+    """The dim of parameter ``fqn`` that the tp axis splits, or ``None`` (replicated over tp)."""
+    key = tp_module_key(fqn.rsplit(".", 1)[0])
+    if key in COLWISE or key in VOCAB_PARALLEL:
+        return 0
+    if key in ROWWISE:
+        return 1
+    return None
 
 
 @dataclass(frozen=True)
@@ -136,12 +160,7 @@ def _param_shapes(model: ModelConfig) -> list[tuple[str, tuple[int, ...], int | 
 
 def _dim_axes(fqn: str, ndim: int) -> tuple[tuple[str, ...], ...]:
     """TP then FSDP placement of one parameter (see module docstring)."""
-    module = fqn.rsplit(".", 1)[0]
-    tp_dim = None
-    if fqn in ("tok_embeddings.weight", "output.weight") or module.endswith(COLWISE):
-        tp_dim = 0
-    elif module.endswith(ROWWISE):
-        tp_dim = 1
+    tp_dim = tp_split_dim(fqn)
     axes: list[tuple[str, ...]] = [() for _ in range(ndim)]
     if tp_dim is not None:
         axes[tp_dim] = ("tp",)
@@ -181,7 +200,7 @@ def optimizer_specs(params: dict[str, TensorSpec]) -> dict[str, TensorSpec]:
     specs: dict[str, TensorSpec] = {}
     for fqn, p in params.items():
         for kind in ("exp_avg", "exp_avg_sq"):
-            name = f"optim.{kind}.{fqn}"
+            name = f"optim.{kind}.{fqn}"                       # OPTIM_PREFIXES
             specs[name] = TensorSpec(name, p.shape, p.dtype, p.dim_axes, p.stages, p.pad_dim0_to,
                                      p.tp_replicas)
         name = f"optim.step.{fqn}"

@@ -54,21 +54,6 @@ EXPORT_DTYPES: dict[str, tuple[torch.dtype, str]] = {
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _WEIGHT_FILE_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_nbytes(text: str | int) -> int:
-    """``"5GB"`` -> 5e9 bytes, ``"2MiB"`` -> 2 * 2**20, ``"1000"`` -> 1000 (as ``transformers``).
-
-    Raises:
-        ValueError: not a positive size.
-    """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).upper() not in _UNITS or float(m.group(1)) <= 0:
-        raise ValueError(f"size {text!r}: expected a positive number with an optional unit "
-                         f"{sorted(u for u in _UNITS if u)}, e.g. 5GB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 # ---- export -------------------------------------------------------------------------------------

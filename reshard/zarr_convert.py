@@ -21,7 +21,6 @@ from typing import Iterator
 
 import torch
 
-from shardsmith.errors import ConfigError, LayoutError
 from shardsmith.reshard.engine import ReshardReport
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import TensorSpec, checkpoint_specs, shard_file_name, write_assignment

@@ -22,7 +22,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Callable
 
 from shardsmith.errors import ManifestError
 from shardsmith.storage.commit import parse_step_dir, read_manifest
@@ -214,10 +214,12 @@ def delete_step(root: Store, name: str) -> None:
 
 def gc(root: Store, keep_last: int | None = None, keep_every: int | None = None, *,
        grace_seconds: float = DEFAULT_GRACE_SECONDS, dry_run: bool = False,
-       now: float | None = None) -> list[int]:
+       now: float | None = None, on_decision: Callable[[GcDecision], None] | None = None) -> list[int]:
     """Delete incomplete steps and committed steps outside the retention.
 
-    Single process (the coordinator, or the CLI). Arguments as :func:`plan_gc`.
+    Single process (the coordinator, or the CLI). Arguments as :func:`plan_gc`;
+    ``on_decision`` is called with every step's decision, after its deletion (``shardsmith gc``
+    prints them).
 
     Returns:
         The steps deleted (or, with ``dry_run``, that would be), oldest first.
@@ -228,12 +230,13 @@ def gc(root: Store, keep_last: int | None = None, keep_every: int | None = None,
     """
     deleted = []
     for d in plan_gc(root, keep_last, keep_every, grace_seconds=grace_seconds, now=now):
-        if not d.delete:
-            continue
-        if not dry_run:
-            log.info("gc: deleting %s (%s)", root.url_of(d.name), d.reason)
-            delete_step(root, d.name)
-        deleted.append(d.step)
+        if d.delete:
+            if not dry_run:
+                log.info("gc: deleting %s (%s)", root.url_of(d.name), d.reason)
+                delete_step(root, d.name)
+            deleted.append(d.step)
+        if on_decision is not None:
+            on_decision(d)
     return deleted
 
 

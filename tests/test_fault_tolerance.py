@@ -44,8 +44,12 @@ from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import list_steps, read_latest_hint, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.trainer.config import FaultConfig, TrainConfig
-from shardsmith.trainer.fault import (BadStepPolicy, PreemptionHandler, StepWatchdog, choose_resume,
-                                      fit_world_size, hang_threshold)
+from shardsmith.trainer.optim import OptimConfig
+from shardsmith.trainer.checkpointing import choose_resume
+from shardsmith.trainer.fault.bad_steps import BadStepPolicy
+from shardsmith.trainer.fault.elastic import fit_world_size
+from shardsmith.trainer.fault.preemption import PreemptionHandler
+from shardsmith.trainer.fault.watchdog import StepWatchdog, hang_threshold
 from shardsmith.trainer.fault_hooks import FaultHooks
 from shardsmith.trainer.metrics import (MetricsWriter, flops_per_token, iter_json_lines, loss_segments,
                                         model_flops_utilization, run_markers)
@@ -68,6 +72,14 @@ MAX_BAD = 3
 def test_fault_config_refuses_out_of_range(field: str, value: float) -> None:
     with pytest.raises(ConfigError, match=f"fault.{field}="):
         FaultConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field, value", [("lr", 0.0), ("min_lr_ratio", 1.5), ("decay_steps", -1),
+                                          ("warmup_steps", -1), ("beta2", 1.0), ("grad_clip", -1.0),
+                                          ("weight_decay", -0.1), ("eps", 0.0)])
+def test_optim_config_refuses_out_of_range(field: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=f"optim.{field}="):
+        OptimConfig(**{field: value})
 
 
 def test_fault_config_round_trips_through_json() -> None:
@@ -115,9 +127,9 @@ def test_bad_step_policy_skips_then_rolls_back_and_skips_the_window() -> None:
 def test_watchdog_dumps_every_thread_once_per_hung_step(tmp_path: Path) -> None:
     now = [100.0]
     hangs: list[tuple[int, float, float]] = []
-    dog = StepWatchdog(factor=3, min_seconds=1, dump_path=str(tmp_path / "stacks" / "rank-0.txt"),
+    dog = StepWatchdog(factor=3, min_s=1, dump_path=str(tmp_path / "stacks" / "rank-0.txt"),
                        on_hang=lambda *a: hangs.append(a), clock=lambda: now[0], start_thread=False)
-    assert dog.threshold() == 3.0                                     # factor * min_seconds before any step
+    assert dog.threshold() == 3.0                                     # factor * min_s before any step
     for seconds in (0.5, 2.0, 1.0):
         dog.begin(1)
         now[0] += seconds
@@ -140,7 +152,7 @@ def test_watchdog_dumps_every_thread_once_per_hung_step(tmp_path: Path) -> None:
 def test_preemption_handler_first_signal_asks_second_exits() -> None:
     exits: list[int] = []
     now = [0.0]
-    handler = PreemptionHandler(600, exit_fn=exits.append, repeat_grace=5, clock=lambda: now[0])
+    handler = PreemptionHandler(600, exit_fn=exits.append, repeat_grace_s=5, clock=lambda: now[0])
     assert handler.install()
     try:
         os.kill(os.getpid(), signal.SIGUSR1)
@@ -497,7 +509,7 @@ def test_hung_rank_fails_the_job_with_every_stack_dumped(hung: Run) -> None:
     stacks = {rank: (hung.root / "hang-stacks" / f"rank-{rank:05d}.txt").read_text() for rank in range(4)}
     assert "_test_hang_sleep" in stacks[1]                       # where the hung rank sleeps
     for rank in (0, 2, 3):
-        assert "_global_loss" in stacks[rank] and "all_reduce" in stacks[rank], stacks[rank][-2000:]
+        assert "global_loss" in stacks[rank] and "all_reduce" in stacks[rank], stacks[rank][-2000:]
     assert any(e["step"] == HANG_STEP for e in hung.events("hang_suspected"))
     assert hung.committed()[-1] == HANG_STEP - 1
 

@@ -23,7 +23,8 @@ from shardsmith.cli.main import cli
 from shardsmith.errors import ConfigError
 from shardsmith.reshard.hf import (from_hf_name, hf_config, model_config_from_hf, permute_from_hf,
                                    permute_to_hf, to_hf_name)
-from shardsmith.reshard.hf_io import parse_nbytes, plan_weight_files, WeightEntry
+from shardsmith.layout.sizes import parse_nbytes
+from shardsmith.reshard.hf_io import plan_weight_files, WeightEntry
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import param_specs, rank_boxes
 from shardsmith.layout.box import Box

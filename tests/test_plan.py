@@ -122,6 +122,36 @@ def test_coords_rank_of_round_trip(dims: ParallelDims) -> None:
         dims.coords(dims.world_size)
 
 
+@pytest.mark.parametrize("dims", [ParallelDims(), ParallelDims(pp=2, tp=2),
+                                  ParallelDims(pp=3, dp_replicate=2, dp_shard=4, tp=8)],
+                         ids=lambda d: d.describe())
+def test_layout_name_round_trips(dims: ParallelDims) -> None:
+    name = dims.describe()
+    assert name == f"pp{dims.pp}·dpr{dims.dp_replicate}·dps{dims.dp_shard}·tp{dims.tp}"
+    assert ParallelDims.parse(name) == dims
+    assert ParallelDims.parse(".".join(map(str, dims.shape))) == dims       # short form pp.dpr.dps.tp
+
+
+@pytest.mark.parametrize("name", ["", "1.1.2", "pp2·dps1·dpr1·tp2", "pp2·dpr1·dps1·tpx", "a.b.c.d"])
+def test_layout_name_parse_refuses_other_spellings(name: str) -> None:
+    with pytest.raises(ValueError, match="expected e.g. 'pp2·dpr1·dps1·tp2'"):
+        ParallelDims.parse(name)
+
+
+def test_for_world_size_is_the_one_dp_shard_rule() -> None:
+    assert ParallelDims.for_world_size(8, tp=2) == ParallelDims(tp=2, dp_shard=4)
+    assert ParallelDims.for_world_size(12, tp=2, pp=3, dp_replicate=2) == ParallelDims(
+        tp=2, pp=3, dp_replicate=2, dp_shard=1)
+    assert ParallelDims.for_world_size(4, tp=2, dp_shard=2) == ParallelDims(tp=2, dp_shard=2)
+    with pytest.raises(LayoutError, match="world size 6 is not a multiple of pp\\*dp_replicate\\*tp=4"):
+        ParallelDims.for_world_size(6, tp=2, pp=2)
+    with pytest.raises(LayoutError, match="needs 4 processes but the job has 8"):
+        ParallelDims.for_world_size(8, tp=2, dp_shard=2)
+    ParallelDims(tp=2).check_world_size(2)
+    with pytest.raises(LayoutError, match="--dp-shard -1"):
+        ParallelDims(tp=2).check_world_size(4)
+
+
 def test_tp_is_innermost() -> None:
     dims = ParallelDims(pp=2, dp_replicate=2, dp_shard=2, tp=2)
     assert [dims.coords(r)["tp"] for r in range(4)] == [0, 1, 0, 1]   # TP groups: neighbours

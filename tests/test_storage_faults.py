@@ -179,7 +179,9 @@ def test_s3_multipart_upload_survives_part_faults(s3_url: S3Prefix) -> None:
     """Half of the S3 write calls (create, each part, complete) fail, some after the
     server already applied them; each part is retried on its own."""
     url, options = faulty(s3_url.url, "mpu", inner=s3_url.storage_options, fail_rate=0.5, seed=3)
-    store = Store(url, options, retry=FAST)
+    # Parts go up from several threads, so which call draws which fault varies from run to run:
+    # with 5 attempts a call failing all of them (1/32 each, 5+ calls) made this test flaky.
+    store = Store(url, options, retry=RetryPolicy(max_attempts=14, backoff_s=0.001, max_backoff_s=0.01))
     data = os.urandom(20 * MiB)
     store.write_parts("big", [memoryview(data)[:11 * MiB], memoryview(data)[11 * MiB:]])
     assert Store(s3_url.url, s3_url.storage_options).read("big") == data

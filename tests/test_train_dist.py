@@ -38,7 +38,8 @@ from shardsmith.reshard.engine import reshard
 from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.trainer.model import Transformer, init_weights
+from shardsmith.trainer.model import Transformer
+from shardsmith.trainer.weight_init import init_weights
 
 K = 3                                           # steps before the save; runs go to 2K
 SOURCE_LAYOUTS: dict[str, ParallelDims] = {**LAYOUTS, "1.2.2.1": ParallelDims(dp_replicate=2, dp_shard=2)}

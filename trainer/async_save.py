@@ -120,7 +120,7 @@ class AsyncCheckpointer:
         """
         t0 = time.perf_counter()
         self.wait()
-        plan = plan_local_writes(step, tensors, self.model_cfg, self.dims, dist.get_rank())
+        plan = plan_local_writes(step, tensors, self.model_cfg, self.dims, dist.get_rank(self.group))
         self._waited = 0.0
         self._snapshot_done.clear()
         ready = None

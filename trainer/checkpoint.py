@@ -34,59 +34,9 @@ from shardsmith.storage.shards import ReadStats
 from shardsmith.storage.formats import read_boxes
 from shardsmith.storage.formats import tensor_format as get_tensor_format
 from shardsmith.storage.tensor_files import DTYPE_NAMES
+from shardsmith.trainer.comm import broadcast_text, gather_json, gather_json_to_root
 
 log = logging.getLogger(__name__)
-
-
-def gather_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
-    """All-gather a JSON-serializable object from every rank (UTF-8 bytes over the
-    process group; no pickle). Every rank of ``group`` must call it."""
-    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    world = dist.get_world_size(group)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: data.numel()] = data
-    out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(out, padded, group=group)
-    return [json.loads(bytes(t[: int(s.item())].tolist())) for t, s in zip(out, sizes)]
-
-
-def gather_json_to_root(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any] | None:
-    """Every rank's JSON-serializable ``obj`` on rank 0 of ``group`` (``None`` elsewhere):
-    UTF-8 bytes over the process group, no pickle; rank 0 receives world x the longest
-    message, the others send theirs only. Every rank of ``group`` must call it."""
-    data = json.dumps(obj).encode()
-    longest = torch.tensor([len(data)], dtype=torch.int64)
-    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
-    buf = torch.zeros(8 + int(longest.item()), dtype=torch.uint8)
-    buf[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
-    buf[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[8:8]
-    root = dist.get_global_rank(group, 0) if group is not None else 0
-    if dist.get_rank(group) != 0:
-        dist.gather(buf, None, dst=root, group=group)
-        return None
-    out = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
-    dist.gather(buf, out, dst=root, group=group)
-    raw = [bytes(t.numpy()) for t in out]
-    return [json.loads(r[8:8 + int.from_bytes(r[:8], "little")]) for r in raw]
-
-
-def _broadcast_text(text: str, group: dist.ProcessGroup | None = None) -> str:
-    """Rank 0's ``text`` on every rank of ``group`` (UTF-8 over the process group; one small
-    collective when it is empty, the common case). Every rank of ``group`` must call it."""
-    data = text.encode() if dist.get_rank(group) == 0 else b""
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.broadcast(size, src=src, group=group)
-    if int(size.item()) == 0:
-        return ""
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size.item()),
-                                                                                          dtype=torch.uint8)
-    dist.broadcast(buf, src=src, group=group)
-    return bytes(buf.tolist()).decode()
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -210,21 +160,21 @@ def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, di
     rank = dist.get_rank(group)
     step_store = root.child(step_dir(plan.step))
     fmt = get_tensor_format(tensor_format, zarr_codec)
-    file_name = shard_file_name(dist.get_rank())
+    file_name = shard_file_name(rank)
     error, records = "", {}
     crash_point("save.begin", step=plan.step)              # test hooks (storage/crashpoints.py)
     try:
-        records = fmt.write_rank(step_store, dist.get_rank(), plan.entries, plan.specs, dims, chunk_nbytes)
+        records = fmt.write_rank(step_store, rank, plan.entries, plan.specs, dims, chunk_nbytes)
     except Exception as exc:  # reported to every rank below; nothing is committed
         log.exception("rank %d: writing %s failed", rank, step_store.url_of(file_name))
-        error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
-    gathered = gather_json_to_root({"error": error, **records}, group)
+        error = f"rank {rank}: {type(exc).__name__}: {exc}"
+    gathered = gather_json_to_root({"error": error, **records}, group)   # rank 0 only: records of every rank
     crash_point("save.after_gather")
     outcome = {"error": "", "nbytes": 0}
-    if gathered is not None:                               # rank 0: validate, commit
+    if gathered is not None:
         outcome = _commit_gathered(root, plan, gathered, fmt, model_cfg=model_cfg, dims=dims, config=config,
-                                   state=state, chunk_nbytes=chunk_nbytes, step_store=step_store)
-    outcome = json.loads(_broadcast_text(json.dumps(outcome), group))
+                                   state=state, chunk_nbytes=chunk_nbytes)
+    outcome = json.loads(broadcast_text(json.dumps(outcome), group))
     if outcome["error"]:
         raise SaveError(f"checkpoint step {plan.step} not committed: {outcome['error']}")
     crash_point("save.end")
@@ -232,8 +182,8 @@ def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, di
 
 
 def _commit_gathered(root: Store, plan: WritePlan, gathered: list[dict[str, Any]], fmt: Any, *, model_cfg: ModelConfig,
-                     dims: ParallelDims, config: dict[str, Any], state: dict[str, Any], chunk_nbytes: int,
-                     step_store: Store) -> dict[str, Any]:
+                     dims: ParallelDims, config: dict[str, Any], state: dict[str, Any],
+                     chunk_nbytes: int) -> dict[str, Any]:
     """Rank 0 of a save: every rank's records into the manifest, validated and committed.
     Returns ``{"error": text or "", "nbytes": data bytes}`` (broadcast to every rank)."""
     errors = [g["error"] for g in gathered if g["error"]]
@@ -243,7 +193,7 @@ def _commit_gathered(root: Store, plan: WritePlan, gathered: list[dict[str, Any]
         builder = ManifestBuilder(step=plan.step, dims=dims, model=model_cfg.to_json(), config=config, state=state,
                                   tensors={f: (s.shape, s.dtype) for f, s in plan.specs.items()},
                                   chunk_nbytes=chunk_nbytes, tensor_format=fmt.name)
-        fmt.add_records(builder, gathered, step_store, plan.specs, dims)
+        fmt.add_records(builder, gathered, root.child(step_dir(plan.step)), plan.specs, dims)
         commit(root, builder.build())                       # validates (schema, coverage) before writing
     except Exception as exc:
         log.exception("committing step %d failed", plan.step)
@@ -270,7 +220,7 @@ def save_checkpoint(root: Store, step: int, tensors: dict[str, torch.Tensor], *,
         SaveError: any rank failed to write, or coverage did not validate; nothing is committed.
     """
     t0 = time.perf_counter()
-    plan = plan_local_writes(step, tensors, model_cfg, dims, dist.get_rank())
+    plan = plan_local_writes(step, tensors, model_cfg, dims, dist.get_rank(group))
     nbytes = write_and_commit(root, plan, model_cfg=model_cfg, dims=dims, config=config, state=state,
                               group=group, chunk_nbytes=chunk_nbytes, tensor_format=tensor_format,
                               zarr_codec=zarr_codec)

@@ -18,13 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shardsmith.storage.crashpoints import crash_point  # noqa: F401  (re-exported test hook)
-
-
-def _say(message: str) -> None:
-    try:
-        os.write(2, (message + "\n").encode())
-    except OSError:
-        pass
+from shardsmith.trainer.fault.preemption import say
 
 
 class FaultHooks:
@@ -77,7 +71,7 @@ class FaultHooks:
     def at_step_start(self, step: int) -> None:
         """Kill or signal this rank as step ``step`` starts, if asked."""
         if step in self.kill and self._once("kill", step):
-            _say(f"rank {self.rank}: test hook: SIGKILL at step {step}")
+            say(f"rank {self.rank}: test hook: SIGKILL at step {step}")
             os.kill(os.getpid(), signal.SIGKILL)
         if step in self.signal and self._once("signal", step):
             name, _, to_agent = self.signal[step].partition(":")
@@ -89,7 +83,7 @@ class FaultHooks:
     def in_step(self, step: int) -> None:
         """Hang inside step ``step``, if asked."""
         if step in self.hang and self._once("hang", step):
-            _say(f"rank {self.rank}: test hook: hanging in step {step}")
+            say(f"rank {self.rank}: test hook: hanging in step {step}")
             _test_hang_sleep()
 
     def nan_target(self, batch: int) -> str:

@@ -28,7 +28,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shardsmith.errors import ShardsmithError
 from shardsmith.trainer.config import TrainConfig
-from shardsmith.trainer.fault import PREEMPT_SIGNALS
+from shardsmith.trainer.fault.preemption import PREEMPT_SIGNALS
 
 
 class LaunchError(ShardsmithError, RuntimeError):
@@ -46,7 +46,7 @@ def config_payload(cfg: TrainConfig) -> dict:
     Local checkpoint and run directories are made absolute, so every worker start (the
     first and each elastic restart, wherever its working directory) finds the same
     checkpoint root; with ``resume`` at ``auto`` (the default) a restarted group resumes
-    from its newest committed step (``Trainer.resume_source`` says how ``none`` and URLs
+    from its newest committed step (``CheckpointPolicy.resume_source`` says how ``none`` and URLs
     behave on a restart).
     """
     data = cfg.to_json()

@@ -20,11 +20,10 @@ import logging
 import math
 import os
 import threading
-from math import prod
+import time
 from typing import Any, Iterator
 
-from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.plan import param_specs
+from shardsmith.layout.estimate import flops_per_token  # noqa: F401 (its home; re-exported)
 from shardsmith.trainer.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -36,28 +35,6 @@ TB_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "skipped_steps",
 TB_EVENT_SCALARS = (("save", "seconds", "save_seconds"), ("save", "blocked_seconds", "save_blocked_seconds"),
                     ("save", "nbytes", "save_nbytes"), ("resume", "seconds", "load_seconds"),
                     ("resume", "nbytes_read", "load_nbytes"))
-
-
-def flops_per_token(model: ModelConfig) -> float:
-    """Model FLOPs of one training token (forward + backward), without recomputation.
-
-    ``6 * N + 12 * L * H * Q * T`` (Chowdhery et al. 2022, "PaLM", appendix B): N is the
-    number of parameters that take part in matrix multiplies (all but the input embedding
-    table, which is a lookup; with tied embeddings the output projection still counts),
-    L layers, H query heads, Q = head dim, T = sequence length; the second term is the
-    attention score and value matmuls (counted for the full T x T matrix, as PaLM does).
-    The same convention as nanoGPT's ``estimate_mfu`` and torchtitan's
-    ``get_num_flop_per_token``.
-
-    Returns:
-        FLOPs per token (float, unitless count).
-    """
-    specs = param_specs(model, ParallelDims())
-    num_params = sum(prod(s.shape) for fqn, s in specs.items() if fqn != "tok_embeddings.weight")
-    if model.tie_embeddings:
-        num_params += model.vocab_size * model.hidden_size          # the output matmul
-    head_dim = model.hidden_size // model.num_attention_heads
-    return 6.0 * num_params + 12.0 * model.num_layers * model.num_attention_heads * head_dim * model.seq_length
 
 
 def model_flops_utilization(tokens_per_s: float, flops_token: float, peak_flops: float,
@@ -136,6 +113,30 @@ class MetricsWriter:
             self._tb = None
 
 
+class EventLog:
+    """The one channel every training component reports through (``log(record)``).
+
+    Rank 0 stamps each record with ``time`` (Unix seconds), logs the ones with an
+    ``"event"`` key and appends all to its :class:`MetricsWriter`; other ranks drop them.
+    Thread-safe (the background save and the watchdog report through it).
+    """
+
+    def __init__(self, writer: MetricsWriter, *, rank: int) -> None:
+        self.writer, self.rank = writer, rank
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        record = {"time": round(time.time(), 3), **record}
+        if "event" in record:
+            log.info("%s", json.dumps(record))
+        self.writer.write(record)
+
+    def close(self) -> None:
+        """Close the writer."""
+        self.writer.close()
+
+
 def run_dir(cfg: TrainConfig) -> str:
     """Where metrics.jsonl and hang stack dumps go: ``cfg.run_dir``, else a local
     checkpoint root, else nowhere (``""``)."""
@@ -147,23 +148,24 @@ def run_dir(cfg: TrainConfig) -> str:
     return url if url and "://" not in url else ""
 
 
-def step_record(*, step: int, loss: float, lr: float, grad_norm: float, seconds: float, tokens: int,
+def step_record(*, step: int, loss: float, lr: float, grad_norm: float, duration_s: float, tokens: int,
                 skipped: bool, flops_token: float, peak_flops: float, world_size: int,
                 counters: dict[str, int]) -> dict[str, Any]:
     """The metrics.jsonl record of one step (non-finite values become ``null``).
 
     Args:
         step, loss, lr, grad_norm, skipped: the step's results.
-        seconds: its wall time; tokens: tokens in the global batch.
+        duration_s: its wall time (seconds; the record's ``seconds``); tokens: tokens in the
+            global batch.
         flops_token: :func:`flops_per_token`; peak_flops: per device, 0 = no MFU.
         world_size: devices in the job.
         counters: ``skipped_steps``, ``rollbacks``, ``restarts``.
     """
-    tokens_per_s = tokens / max(seconds, 1e-9)
+    tokens_per_s = tokens / max(duration_s, 1e-9)
     record: dict[str, Any] = {
         "step": step, "loss": _finite(loss), "lr": lr, "grad_norm": _finite(grad_norm),
         "tokens_per_s": round(tokens_per_s, 1), "flops_per_s": tokens_per_s * flops_token,
-        "seconds": round(seconds, 4), "skipped": skipped, **counters}
+        "seconds": round(duration_s, 4), "skipped": skipped, **counters}
     mfu = model_flops_utilization(tokens_per_s, flops_token, peak_flops, world_size)
     if mfu is not None:
         record["mfu"] = round(mfu, 6)

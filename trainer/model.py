@@ -122,6 +122,9 @@ class Transformer(nn.Module):
     forward: tokens (B, T) int64 on the first stage, hidden states (B, T, D) on later
     stages; returns logits (B, T, Vp) on the last stage, hidden states otherwise.
 
+    Built on the ``meta`` device by :func:`shardsmith.trainer.parallel.build_stage_model`
+    (parameters are initialized by :mod:`shardsmith.trainer.weight_init`).
+
     ``padded_vocab`` (Vp >= V) rows are allocated for the embedding and output (vocab
     padded to a multiple of tp); logits of the padding rows are masked to the dtype's
     minimum, so they never take probability mass. ``kv_copies``: see :class:`Attention`.
@@ -143,6 +146,13 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute the rope tables (T, Dh/2) in place, e.g. after ``to_empty`` off ``meta``."""
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.seq_length, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.first else x             # (B, T, D)
@@ -187,21 +197,3 @@ def tied_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         h = DTensor.from_local(h, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim)
     return F.linear(h, weight)
 
-
-def init_weights(model: Transformer, seed: int) -> None:
-    """Deterministic initialization of the *full* model: N(0, 0.02) matrices, unit norms.
-
-    Parameters are drawn in global FQN order from one generator, so every layout
-    starts from bitwise the same weights (the stage split does not change them).
-    Call before parallelizing, on a model that holds every layer.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    std_out = 0.02 / (2 * model.cfg.num_layers) ** 0.5              # GPT-2 scaled residual init
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                p.copy_(torch.randn(p.shape, generator=gen) * std_out)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)

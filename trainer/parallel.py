@@ -1,9 +1,10 @@
 """Parallelism from PyTorch's own building blocks: DeviceMesh, TP, FSDP2, pipelining.
 
 The mesh is built once from :class:`ParallelDims` and passed down; nothing here is
-global. Order of application (as in torchtitan): pipeline split -> TP -> FSDP2.
-The placements this produces are exactly those of
-:mod:`shardsmith.layout.plan` (checked at every save and load).
+global. Order of application (as in torchtitan): pipeline split -> TP -> FSDP2, all on
+the ``meta`` device, then only local shards are materialized. The TP plan is built from
+the tables of :mod:`shardsmith.layout.plan`, and the placements this produces are checked
+against the plan's ``dim_axes`` at every build (and the boxes at every save and load).
 """
 
 from __future__ import annotations
@@ -14,13 +15,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
+                                               parallelize_module)
+from torch import nn
 
 from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims, stage_layers
-from shardsmith.layout.plan import grad_sum_groups, kv_replicas, padded_vocab_size, param_specs
-from shardsmith.trainer.model import Transformer, init_weights
+from shardsmith.layout.plan import (COLWISE, ROWWISE, VOCAB_PARALLEL, TensorSpec, grad_sum_groups,
+                                    kv_replicas, padded_vocab_size, param_specs, tp_module_key)
+from shardsmith.trainer.model import Transformer
+from shardsmith.trainer.weight_init import materialize_local_shards
 
 
 def device_type() -> str:
@@ -73,66 +80,131 @@ class StageInfo:
         return self.index == self.num_stages - 1
 
 
-def build_stage_model(cfg: ModelConfig, dims: ParallelDims, pp_rank: int, seed: int) -> tuple[Transformer, StageInfo]:
-    """Build the full model on CPU, initialize it deterministically, keep this stage's part.
+def build_stage_model(cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, *, seed: int,
+                      bf16: bool = False, activation_checkpointing: bool = False) -> tuple[Transformer, StageInfo]:
+    """Build this rank's pipeline stage without ever holding more than its own shards.
 
-    Every layout thus starts from bitwise identical weights. (Memory: the full model is
-    materialized once per rank; fine at the sizes this trainer targets on CPU.)
+    The stage (only its layers; embedding on the first stage, norm and output on the last,
+    the embedding on both with tied embeddings) is built on the ``meta`` device, TP and
+    FSDP2 are applied (:func:`parallelize`), then only the local shards are allocated
+    (``to_empty``) and filled by the layout-independent init of
+    :mod:`shardsmith.trainer.weight_init` (bitwise the same weights in every layout).
+    Peak memory: this rank's parameter shards plus one 4 MiB generation block.
+
+    Collective (TP/FSDP set-up): every rank calls it with the global ``mesh`` of
+    :func:`build_mesh`. Returns the parallelized stage and its :class:`StageInfo`.
+
+    Raises:
+        AssertionError: a parameter's DTensor placements or local shape differ from
+            :func:`shardsmith.layout.plan.param_specs` (internal invariant).
     """
-    full = Transformer(cfg)
-    init_weights(full, seed)
-    ranges = stage_layers(cfg, dims)
-    info = StageInfo(pp_rank, dims.pp, ranges[pp_rank])
-    vocab = padded_vocab_size(cfg.vocab_size, dims.tp)
-    copies = kv_replicas(cfg, dims)
-    stage = Transformer(cfg, info.layers, first=info.first, last=info.last, padded_vocab=vocab,
-                        kv_copies=copies)
-    wanted = stage.state_dict()
-    weights = {}
-    for k, v in full.state_dict().items():
-        if k not in wanted:
-            continue
-        if k.endswith(("attention.wk.weight", "attention.wv.weight")) and copies > 1:
-            # (K*Dh, D) -> (K*copies*Dh, D): each kv head repeated for the TP ranks sharing it
-            v = v.view(cfg.num_kv_heads, cfg.head_dim, -1).repeat_interleave(copies, dim=0).flatten(0, 1)
-        if k in ("tok_embeddings.weight", "output.weight") and vocab != cfg.vocab_size:
-            v = torch.cat([v, v.new_zeros(vocab - cfg.vocab_size, v.shape[1])])   # padding rows
-        weights[k] = v
-    stage.load_state_dict(weights, strict=True)
+    coords = dims.coords(dist.get_rank())
+    info = StageInfo(coords["pp"], dims.pp, stage_layers(cfg, dims)[coords["pp"]])
+    with torch.device("meta"):
+        stage = Transformer(cfg, info.layers, first=info.first, last=info.last,
+                            padded_vocab=padded_vocab_size(cfg.vocab_size, dims.tp),
+                            kv_copies=kv_replicas(cfg, dims))
+    parallelize(stage, mesh, dims, bf16=bf16, activation_checkpointing=activation_checkpointing)
+    specs = param_specs(cfg, dims)
+    check_placements(stage, specs, dims)
+    stage.to_empty(device=device_type())
+    stage.reset_buffers()
+    materialize_local_shards(stage, cfg, dims, coords, seed, specs)
     return stage, info
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style TP: column-parallel q/k/v/w1/w3, row-parallel wo/w2, vocab-parallel
-    embedding and output (logits stay vocab-sharded for loss parallel)."""
-    plan = {}
-    if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if model.output is not None:
-        plan["output"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+def tp_plan(model: Transformer) -> dict[str, ParallelStyle]:
+    """``parallelize_module`` plan of one stage, from the tables of :mod:`shardsmith.layout.plan`.
+
+    ``COLWISE``/``ROWWISE`` linears get torch's ``ColwiseParallel``/``RowwiseParallel``;
+    ``VOCAB_PARALLEL`` modules split the vocab (dim 0): ``RowwiseParallel`` on the embedding
+    (torch shards an ``nn.Embedding``'s dim 0 under it), ``ColwiseParallel`` on the output
+    projection with vocab-sharded logits (B, T, Vp) kept as a DTensor for loss parallel.
+    """
+    plan: dict[str, ParallelStyle] = {}
+    for name, module in model.named_modules():
+        key = tp_module_key(name)
+        if key in COLWISE:
+            plan[name] = ColwiseParallel()
+        elif key in ROWWISE:
+            plan[name] = RowwiseParallel()
+        elif key in VOCAB_PARALLEL and isinstance(module, nn.Embedding):
+            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        elif key in VOCAB_PARALLEL:
+            plan[name] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
                                          use_local_output=False)
-    if plan:
-        parallelize_module(model, tp_mesh, plan)
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(),
-        })
+    return plan
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, *, bf16: bool, pipelined: bool) -> None:
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP over ``tp_mesh`` with the plan of :func:`tp_plan`, in place."""
+    parallelize_module(model, tp_mesh, tp_plan(model))
+
+
+def placement_axes(p: torch.Tensor, ndim: int) -> tuple[tuple[str, ...], ...]:
+    """Per tensor dim, the mesh axes a parameter's DTensor placements split it by, major to
+    minor (the plan's ``dim_axes`` convention). FSDP2 over a TP-sharded dim records the
+    dp_shard split as ``_StridedShard``: applied after (minor to) the plain ``Shard``."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    major: list[list[str]] = [[] for _ in range(ndim)]
+    minor: list[list[str]] = [[] for _ in range(ndim)]
+    if isinstance(p, DTensor):
+        for axis, placement in zip(p.device_mesh.mesh_dim_names, p.placements):
+            if isinstance(placement, _StridedShard):
+                minor[placement.dim].append(axis)
+            elif isinstance(placement, Shard):
+                major[placement.dim].append(axis)
+    return tuple(tuple(a + b) for a, b in zip(major, minor))
+
+
+def check_placements(model: Transformer, specs: dict[str, TensorSpec], dims: ParallelDims) -> None:
+    """Assert every parameter is split exactly as the plan's ``dim_axes`` says (axes of
+    degree 1 split nothing and are left out). Local to the rank; run at every build."""
+    for fqn, p in model.named_parameters():
+        spec = specs[fqn]
+        want = tuple(tuple(a for a in axes if getattr(dims, a) > 1) for axes in spec.dim_axes)
+        got = tuple(tuple(a for a in axes if getattr(dims, a) > 1)
+                    for axes in placement_axes(p, len(spec.shape)))
+        assert got == want, f"{fqn}: DTensor placements split dims by {got}, the plan says {want}"
+
+
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, *, bf16: bool) -> None:
     """FSDP2 (ZeRO-3) over ``dp_shard``, HSDP replication over ``dp_replicate`` when the mesh is 2-D.
 
-    Each block is its own FSDP unit, then the root. With pipelining, parameters stay
-    unsharded between microbatches (``reshard_after_forward=False``), as torchtitan does.
+    Each block is its own FSDP unit, then the root; parameters are resharded after every
+    forward, also with pipelining (with :class:`ShardedGradPipelineStage`, only one block's
+    unsharded parameters and gradients exist at a time, not the whole stage's).
     """
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=not pipelined)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=not pipelined)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
+
+
+class ShardedGradPipelineStage(PipelineStage):
+    """``PipelineStage`` that keeps FSDP2 gradients sharded between microbatches.
+
+    Upstream (torch 2.13 ``_PipelineStageBase.backward_maybe_with_nosync``) turns FSDP's
+    gradient sync and reshard-after-backward off for every microbatch and reduces once at
+    the end: each rank then holds its whole stage's parameters *and* gradients unsharded
+    (``dp_shard`` times its share of each), which defeats ZeRO-3. Here every microbatch's
+    backward reduce-scatters each block's gradient into the sharded one (FSDP2 accumulates)
+    and reshards, at the price of one all-gather and one reduce-scatter per block and
+    microbatch. Same constructor as ``PipelineStage``; every rank of a stage uses it.
+    """
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type != "full" or not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        self.submod.set_is_last_backward(False)         # the schedule's final reduce step finishes
+        self.submod.set_reshard_after_backward(True)
+        self.submod.set_requires_gradient_sync(True)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                               bwd_kwargs["input_values"])
+        return grads, None
 
 
 def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, *, bf16: bool,
@@ -144,7 +216,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, *, bf1
         apply_tp(model, mesh["tp"])
     if dims.dp > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, bf16=bf16, pipelined=dims.pp > 1)
+        apply_fsdp(model, dp_mesh, bf16=bf16)
     return model
 
 

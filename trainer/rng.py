@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from shardsmith.layout import ParallelDims
+from shardsmith.trainer.comm import gather_json
 
 
 def rng_role(coords: dict[str, int]) -> str:
@@ -63,7 +64,7 @@ def restore_rng(state: dict[str, list[int]]) -> None:
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
-def pack_rng_states(gathered: list[dict[str, Any]], dims: ParallelDims) -> dict[str, Any]:
+def pack_rng_states(gathered: list[dict[str, Any]], parallel: ParallelDims) -> dict[str, Any]:
     """The manifest's ``rng`` entry from every rank's ``{"rank", "role", "state"}``
     (all-gathered, in rank order): one state per role, plus ranks that differ from it."""
     roles: dict[str, Any] = {}
@@ -73,17 +74,17 @@ def pack_rng_states(gathered: list[dict[str, Any]], dims: ParallelDims) -> dict[
             roles[g["role"]] = g["state"]
         elif g["state"] != roles[g["role"]]:
             ranks[str(g["rank"])] = g["state"]
-    return {"layout": dims.to_json(), "roles": roles, "ranks": ranks}
+    return {"layout": parallel.to_json(), "roles": roles, "ranks": ranks}
 
 
-def select_rng_state(saved: dict[str, Any] | None, dims: ParallelDims, rank: int,
+def select_rng_state(saved: dict[str, Any] | None, parallel: ParallelDims, rank: int,
                      coords: dict[str, int]) -> dict[str, list[int]] | None:
-    """This rank's saved state in layout ``dims``, or None when it must be re-derived
+    """This rank's saved state in layout ``parallel``, or None when it must be re-derived
     (see the module docstring). The decision is the same on every rank."""
     if not saved or "roles" not in saved:
         return None
     layout = saved.get("layout", {})
-    current = dims.to_json()
+    current = parallel.to_json()
     same_roles = all(layout.get(k) == current[k] for k in ("pp", "tp", "pipeline_split"))
     if not same_roles:
         return None
@@ -94,23 +95,21 @@ def select_rng_state(saved: dict[str, Any] | None, dims: ParallelDims, rank: int
     return saved["roles"].get(rng_role(coords))
 
 
-def gather_rng(rank: int, coords: dict[str, int], dims: ParallelDims) -> dict[str, Any]:
+def gather_rng(rank: int, coords: dict[str, int], parallel: ParallelDims) -> dict[str, Any]:
     """The manifest's ``rng`` entry: every rank's state, all-gathered as JSON (collective:
     every rank calls it, e.g. in the save)."""
-    from shardsmith.trainer.checkpoint import gather_json
-
     states = gather_json({"rank": rank, "role": rng_role(coords), "state": capture_rng()})
-    return pack_rng_states(states, dims)
+    return pack_rng_states(states, parallel)
 
 
-def apply_rng(saved: dict[str, Any] | None, dims: ParallelDims, rank: int, coords: dict[str, int],
+def apply_rng(saved: dict[str, Any] | None, parallel: ParallelDims, rank: int, coords: dict[str, int],
               seed: int, step: int) -> str:
     """Restore this rank's saved state, or re-derive it from ``(seed, step, role)``.
 
     Returns:
         ``"restored"`` or ``"rederived"`` (the same on every rank).
     """
-    state = select_rng_state(saved, dims, rank, coords)
+    state = select_rng_state(saved, parallel, rank, coords)
     if state is None:
         seed_rng(seed, step, coords)
         return "rederived"

@@ -1,0 +1,223 @@
+"""``shardsmith train``: flags onto :class:`~shardsmith.trainer.config.TrainConfig`, then the
+launcher (or, with ``--dry-run``, the estimate of :mod:`shardsmith.layout.estimate`).
+
+Every default is the config dataclass's own (:class:`~shardsmith.cli.options.FieldOption`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import textwrap
+from typing import Any
+
+import click
+
+from shardsmith.cli.greedy import GreedyOption
+from shardsmith.cli.options import (dry_run_option, field_option, json_option, layout_options, make_dims,
+                                    model_from_flags, model_options, stack, storage_option,
+                                    tensor_format_option, zarr_codec_option)
+from shardsmith.layout.sizes import format_nbytes
+
+T, O, C, FC = "TrainConfig", "OptimConfig", "CheckpointConfig", "FaultConfig"
+
+run_options = stack(
+    click.option("--nproc-per-node", type=int, default=None,
+                 help="Start this many local workers via torchrun's API (default: the layout's world "
+                      "size; ignored under an external torchrun)."),
+    field_option(T, "steps", "--steps", "--train-iters", type=int,
+                 help="Train until this optimizer step (absolute; Megatron: --train-iters)."),
+    field_option(T, "global_batch_size", "--global-batch-size", type=int,
+                 help="Samples per optimizer step over all DP ranks."),
+    field_option(T, "micro_batch_size", "--micro-batch-size", type=int,
+                 help="Samples per forward pass (pipeline microbatch / accumulation step)."),
+    field_option(O, "lr", "--lr", type=float, help="Peak learning rate."),
+    field_option(O, "decay_steps", "--lr-decay-steps", "--lr-decay-iters", type=int,
+                 help="Cosine decay ends at this step (0 = --steps; Megatron: --lr-decay-iters)."),
+    field_option(O, "min_lr_ratio", "--min-lr-ratio", type=float, help="Final LR / peak LR."),
+    field_option(O, "warmup_steps", "--warmup-steps", "--lr-warmup-iters", type=int,
+                 help="Linear warmup steps."),
+    field_option(O, "weight_decay", "--weight-decay", type=float, help="AdamW weight decay."),
+    field_option(O, "grad_clip", "--grad-clip", "--clip-grad", type=float,
+                 help="Clip the global gradient norm to this (0 = off)."),
+    field_option(T, "seed", "--seed", type=int, help="Init and data-order seed."),
+    click.option("--data", "--data-path", "data", multiple=True, cls=GreedyOption, metavar="[W] SOURCE ...",
+                 help="Text, .jsonl, .parquet, hf:NAME or a save_to_disk dir, nanoGPT .bin, or a Megatron "
+                      "indexed PREFIX (.bin+.idx); files, globs or URLs. Weighted blend: --data 0.7 A 0.3 B. "
+                      "Default: the Python standard library's .py files, found at run time."),
+    field_option("DataConfig", "tokenizer", "--tokenizer", module="shardsmith.trainer.data", metavar="PATH",
+                 help="Hugging Face tokenizer.json (or its directory) or a .tiktoken file. Default: bytes."),
+    field_option("DataConfig", "text_key", "--text-key", module="shardsmith.trainer.data",
+                 help="Text field of JSONL/Parquet/HF rows."),
+    field_option("DataConfig", "cache_dir", "--data-cache", "data_cache", module="shardsmith.trainer.data",
+                 metavar="DIR|none",
+                 help="Cache of tokenized text (default: $SHARDSMITH_DATA_CACHE or ~/.cache/shardsmith/tokens)."),
+    field_option("DataConfig", "token_dtype", "--token-dtype", module="shardsmith.trainer.data",
+                 help="Element type of .bin token files: auto, uint16 or uint32."),
+    field_option(T, "mixed_precision", "--mixed-precision", type=click.Choice(["fp32", "bf16"]),
+                 help="bf16 autocast compute with fp32 master weights."),
+    click.option("--bf16", is_flag=True, help="Same as --mixed-precision bf16 (Megatron name)."),
+    field_option(T, "activation_checkpointing", "--activation-checkpointing", is_flag=True,
+                 help="Recompute each block in backward."),
+    field_option(T, "log_interval", "--log-interval", type=int, help="Print every N steps."),
+    field_option(T, "run_dir", "--run-dir", help="Where metrics.jsonl goes (default: --ckpt when local)."),
+)
+
+checkpoint_options = stack(
+    field_option(C, "url", "--ckpt", "--save", "ckpt", metavar="URL",
+                 help="Checkpoint root (local dir or fsspec URL). Empty = no checkpoints."),
+    field_option(C, "save_interval", "--save-interval", type=int,
+                 help="Checkpoint every K steps (0 = only at the end)."),
+    field_option(C, "async_save", "--async-save/--no-async-save",
+                 help="Write checkpoints in the background after a host snapshot."),
+    tensor_format_option(f"shardsmith.trainer.config:{C}.tensor_format",
+                         "Checkpoint tensor format: one safetensors file per rank, or one zarr v3 "
+                         "array per tensor (opens in plain zarr)."),
+    zarr_codec_option,
+    field_option(C, "init_from", "--init-from", metavar="URL",
+                 help="Start from this checkpoint's model weights (any layout; fresh optimizer, step 0) "
+                      "when there is nothing to resume, e.g. the output of `shardsmith import-hf`."),
+    field_option(C, "keep_last", "--keep-last", type=int,
+                 help="After each commit keep only the newest N committed steps (0 = all)."),
+    field_option(C, "keep_every", "--keep-every", type=int,
+                 help="...but also keep every step divisible by M (0 = none)."),
+    field_option(C, "resume", "--resume", "--load", metavar="auto|none|URL",
+                 help="auto: newest committed step under --ckpt; none; or a root/step URL (Megatron: --load)."),
+)
+
+fault_options = stack(
+    click.option("--max-restarts", type=int, default=0, show_default=True,
+                 help="Restart the worker group this many times after a failure (torchrun elastic)."),
+    field_option(FC, "preempt_deadline", "--preempt-deadline", type=float,
+                 help="Seconds from SIGTERM/SIGUSR1 to a committed checkpoint and exit 0."),
+    field_option(FC, "collective_timeout", "--collective-timeout", type=float,
+                 help="Seconds a collective waits for its peers before the job fails (from the first step on)."),
+    field_option(FC, "init_timeout", "--init-timeout", type=float,
+                 help="Collective timeout during start-up, resume and the first step."),
+    field_option(FC, "hang_factor", "--hang-factor", type=float,
+                 help="Dump every rank's stacks when a step runs this many times the median step."),
+    field_option(FC, "hang_min_seconds", "--hang-min-seconds", type=float,
+                 help="...but never before a step has run this long."),
+    field_option(FC, "max_bad_steps", "--max-bad-steps", type=int,
+                 help="Non-finite steps in a row (each skipped) before rolling back to the last checkpoint."),
+    field_option(FC, "max_rollbacks", "--max-rollbacks", type=int, help="Fail the run after this many rollbacks."),
+    field_option(FC, "peak_flops", "--peak-flops", type=float,
+                 help="Peak FLOP/s of one device, for MFU (e.g. 989e12: H100 SXM bf16); 0 = no MFU."),
+)
+
+
+@click.command()
+@layout_options
+@model_options
+@run_options
+@checkpoint_options
+@fault_options
+@dry_run_option("Check the configuration and print per-rank memory, FLOPs and pipeline bubble; "
+                "start nothing.")
+@json_option("the --dry-run report")
+@storage_option
+def train(**flags: Any) -> None:
+    """Train a Llama model with TP x PP x DP, or --dry-run it.
+
+    --model picks a published shape (llama3-8b ...); model flags override it. --dry-run
+    starts nothing: it checks the configuration and prints per-rank parameters, memory,
+    activations, the pipeline bubble and FLOPs per step."""
+    from shardsmith.layout import validate_layout
+    from shardsmith.trainer import launch as launcher
+
+    external = launcher.under_torchrun()
+    world = int(os.environ["WORLD_SIZE"]) if external else flags["nproc_per_node"]
+    cfg = train_config(flags, world)
+    validate_layout(cfg.model, cfg.parallel)          # refuse before any process starts
+    cfg.num_microbatches()
+    if flags["dry_run"]:
+        print_estimate(cfg, flags["model_preset"], flags["as_json"])
+        return
+    if external:
+        from shardsmith.trainer.train import run_training
+
+        run_training(cfg)
+        return
+    dims = cfg.parallel
+    click.echo(f"training {dims.describe()} on {dims.world_size} processes to step {cfg.steps}", err=True)
+    launcher.launch(cfg, dims.world_size, max_restarts=flags["max_restarts"])
+
+
+def train_config(f: dict[str, Any], world: int | None):
+    """Map ``train``'s flags onto :class:`~shardsmith.trainer.config.TrainConfig` (one field each)."""
+    from shardsmith.storage.fs import parse_storage_options
+    from shardsmith.trainer.config import (CheckpointConfig, DataConfig, FaultConfig, OptimConfig,
+                                           TrainConfig)
+    from shardsmith.trainer.data import parse_data_args, resolve_vocab_size
+
+    def pick(*names: str) -> dict[str, Any]:
+        return {n: f[n] for n in names}
+
+    sources, weights = parse_data_args(f["data"])
+    data = DataConfig(sources=sources, weights=weights, token_dtype=f["token_dtype"], seed=f["seed"],
+                      tokenizer=f["tokenizer"], text_key=f["text_key"], cache_dir=f["data_cache"])
+    model = model_from_flags(f)
+    if f["vocab_size"] is not None or data.tokenizer:     # the tokenizer's vocab unless given
+        model = dataclasses.replace(model, vocab_size=resolve_vocab_size(data, f["vocab_size"]))
+    return TrainConfig(
+        model=model,
+        parallel=make_dims(f["tp"], f["pp"], f["dp_shard"], f["dp_replicate"], f["pipeline_split"], world),
+        optim=OptimConfig(**pick("lr", "decay_steps", "min_lr_ratio", "warmup_steps", "weight_decay",
+                                 "grad_clip")),
+        data=data,
+        checkpoint=CheckpointConfig(
+            url=f["ckpt"], storage_options=parse_storage_options(f["storage_options"]),
+            **pick("save_interval", "resume", "init_from", "keep_last", "keep_every", "async_save",
+                   "tensor_format", "zarr_codec")),
+        fault=FaultConfig(derive_dp_shard=f["dp_shard"] == -1,
+                          **pick("preempt_deadline", "collective_timeout", "init_timeout", "hang_factor",
+                                 "hang_min_seconds", "max_bad_steps", "max_rollbacks", "peak_flops")),
+        mixed_precision="bf16" if f["bf16"] else f["mixed_precision"],
+        **pick("steps", "global_batch_size", "micro_batch_size", "seed", "activation_checkpointing",
+               "log_interval", "run_dir"))
+
+
+def print_estimate(cfg: Any, preset: str | None, as_json: bool) -> None:
+    """The ``--dry-run`` report of ``cfg`` (a TrainConfig), as text or JSON."""
+    from shardsmith.layout.estimate import FORMULAS, estimate
+    from shardsmith.layout.presets import preset_of
+
+    est = estimate(cfg.model, cfg.parallel, micro_batch_size=cfg.micro_batch_size,
+                   global_batch_size=cfg.global_batch_size,
+                   activation_checkpointing=cfg.activation_checkpointing, mixed_precision=cfg.mixed_precision)
+    name = preset or preset_of(cfg.model)
+    if as_json:
+        click.echo(json.dumps({"preset": name, **est.to_json()}, indent=1))
+        return
+    m, dims = cfg.model, cfg.parallel
+    click.echo(f"dry run: {name or 'custom model'}: {describe_model(m)}")
+    click.echo(f"  {est.total_params:,} parameters ({est.total_params / 1e9:.2f}B); checkpoint "
+               f"{format_nbytes(est.checkpoint_nbytes)} (fp32 weights + AdamW state)")
+    click.echo(f"  layout {dims.describe()} = {dims.world_size:,} ranks; batch {est.global_batch_size} = "
+               f"{est.micro_batch_size} per microbatch x {est.num_microbatches} microbatches x dp {dims.dp}; "
+               f"{est.tokens_per_step:,} tokens/step")
+    click.echo(f"  pipeline bubble (P-1)/M = {dims.pp - 1}/{est.num_microbatches} = "
+               f"{est.pipeline_bubble_fraction:.1%} of the step")
+    click.echo(f"  FLOPs/step {est.flops_per_step:.3e} ({est.flops_per_step / dims.world_size:.3e} per rank)")
+    click.echo(f"  {'stage':>5} {'layers':>7} {'ranks':>6} {'e.g.':>6} {'params':>15} {'weights':>10} "
+               f"{'grads':>10} {'optim':>10} {'activ.':>10} {'total':>10} {'ckpt':>10}")
+    for r in est.roles:
+        click.echo(f"  {r.stage:>5} {f'{r.layers[0]}-{r.layers[1]}':>7} {r.num_ranks:>6,} {r.example_rank:>6} "
+                   f"{r.num_params:>15,} " + " ".join(
+                       f"{_short(n):>10}" for n in (r.param_nbytes, r.grad_nbytes, r.optim_nbytes,
+                                                     r.activation_nbytes, r.total_nbytes, r.checkpoint_nbytes)))
+    for what in ("memory", "activation", "bubble", "flops"):
+        click.echo(textwrap.fill(f"{what}: {FORMULAS[what]}", 100, initial_indent="  ",
+                                 subsequent_indent="    "))
+
+
+def _short(nbytes: int) -> str:
+    return format_nbytes(nbytes).replace(" ", "")
+
+
+def describe_model(m: Any) -> str:
+    """One line: layers, width, heads, FFN, vocab, sequence, RoPE base, tying."""
+    return (f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
+            f"({m.num_kv_heads} kv), ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_length}, "
+            f"rope_theta {m.rope_theta:g}, {'tied' if m.tie_embeddings else 'untied'} embeddings")

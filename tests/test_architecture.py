@@ -1,0 +1,77 @@
+"""The package rules of ARCHITECTURE.md, checked by parsing every module's imports.
+
+``cli -> {trainer, reshard} -> storage -> layout`` (and ``trainer -> layout``): nothing
+imports upward, the trainer never imports the offline resharder, ``layout/`` is pure (no
+torch, no I/O libraries), ``storage/`` never imports ``torch.distributed``. Also the size
+rules: no product module over 400 lines, no function over 60.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("layout", "storage", "reshard", "trainer", "cli")
+#: package -> shardsmith packages it may import (besides itself and ``shardsmith.errors``).
+ALLOWED: dict[str, set[str]] = {
+    "layout": set(),
+    "storage": {"layout"},
+    "reshard": {"storage", "layout"},
+    "trainer": {"storage", "layout"},
+    "cli": {"trainer", "reshard", "storage", "layout"},
+}
+#: third-party modules ``layout/`` must not import (it is pure: no torch, no I/O).
+IMPURE = ("torch", "numpy", "fsspec", "safetensors", "zarr", "s3fs", "click")
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def _imports(path: Path) -> list[str]:
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_imports_point_one_way(package: str) -> None:
+    bad = []
+    for path in _modules(package):
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] != "shardsmith" or len(parts) < 2 or parts[1] in ("errors", package):
+                continue
+            if parts[1] not in ALLOWED[package]:
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_layout_is_pure_and_storage_has_no_process_groups() -> None:
+    bad = [f"{p.relative_to(ROOT)} imports {n}" for p in _modules("layout") for n in _imports(p)
+           if n.split(".")[0] in IMPURE]
+    bad += [f"{p.relative_to(ROOT)} imports {n}" for p in _modules("storage") for n in _imports(p)
+            if n.startswith("torch.distributed")]
+    assert not bad, "\n".join(bad)
+
+
+def test_modules_and_functions_stay_small() -> None:
+    bad = []
+    for package in PACKAGES:
+        for path in _modules(package):
+            text = path.read_text()
+            if text.count("\n") > 400:
+                bad.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines (> 400)")
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = node.end_lineno - node.lineno + 1
+                    if length > 60:
+                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines (> 60)")
+    assert not bad, "\n".join(bad)

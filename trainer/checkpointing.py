@@ -1,0 +1,348 @@
+"""Checkpoint policy of a training job: when to save, what to resume from, and what a
+load restores (the :class:`CheckpointPolicy`, as torchtitan's ``CheckpointManager``).
+
+How bytes are written and read (plan, shard files, manifest, commit) is
+:mod:`shardsmith.trainer.checkpoint` and :mod:`shardsmith.trainer.async_save`; this
+module only calls them. Every method that saves or loads is collective: every rank calls
+it, in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from shardsmith.errors import ConfigError, TrainingDiverged
+from shardsmith.layout.plan import checkpoint_specs, rank_boxes
+from shardsmith.storage.commit import find_latest_committed, open_manifest, resolve_checkpoint, step_dir
+from shardsmith.storage.fs import Store
+from shardsmith.storage.gc import gc_after_commit
+from shardsmith.storage.manifest import MANIFEST_NAME
+from shardsmith.storage.manifest_read import ManifestReader
+from shardsmith.trainer.async_save import AsyncCheckpointer
+from shardsmith.trainer.checkpoint import (SaveResult, init_optimizer_state, load_into, model_state_tensors,
+                                           save_checkpoint)
+from shardsmith.trainer.comm import any_rank, gather_json
+from shardsmith.trainer.data import GlobalBatchSampler
+from shardsmith.trainer.fault.bad_steps import BadStepPolicy
+from shardsmith.trainer.rng import apply_rng, gather_rng
+
+if TYPE_CHECKING:
+    from shardsmith.trainer.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+#: Receives one metrics.jsonl record (see :class:`shardsmith.trainer.metrics.EventLog`).
+EventFn = Callable[[dict[str, Any]], None]
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Where and when to checkpoint.
+
+    Attributes:
+        url: checkpoint root (local dir or fsspec URL); empty = no checkpoints.
+        save_interval: save every this many steps (0 = only at the end).
+        resume: ``auto`` (newest committed step under ``url`` if any), ``none``, or a URL
+            of a root or step directory.
+        storage_options: fsspec options (credentials, endpoint).
+        save_final: save after the last step.
+        async_save: snapshot to host memory, then write and commit in the background
+            (training is blocked only for the snapshot; at most one save in flight).
+        tensor_format: ``safetensors`` (one file per writing rank) or ``zarr`` (one zarr
+            array per tensor, chunked on shard boundaries; see ``storage/zarr_format.py``).
+        zarr_codec: compression of the optimizer state in zarr checkpoints: ``""`` (none),
+            ``zstd``, ``gzip``, optionally with a level (``zstd:5``).
+        init_from: a checkpoint (root or step URL, any layout) whose *model weights* start
+            this run when nothing is resumed: fresh optimizer, step 0 (e.g. from
+            ``shardsmith import-hf``).
+        keep_last, keep_every: retention applied after each commit (0 = keep all); incomplete
+            steps are always collected (see :func:`shardsmith.storage.gc.gc_after_commit`).
+    """
+
+    url: str = ""
+    save_interval: int = 0
+    resume: str = "auto"
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    save_final: bool = True
+    async_save: bool = True
+    tensor_format: str = "safetensors"
+    zarr_codec: str = ""
+    init_from: str = ""
+    keep_last: int = 0
+    keep_every: int = 0
+
+    def __post_init__(self) -> None:
+        if self.save_interval < 0:
+            raise ConfigError(f"checkpoint.save_interval={self.save_interval}: must be >= 0")
+        if self.keep_last < 0 or self.keep_every < 0:
+            raise ConfigError(f"checkpoint.keep_last={self.keep_last}, keep_every={self.keep_every}: "
+                              "must be >= 0 (0 = keep all)")
+        if self.tensor_format not in ("safetensors", "zarr"):
+            raise ConfigError(f"checkpoint.tensor_format={self.tensor_format!r}: choose 'safetensors' or 'zarr'")
+        if self.zarr_codec:
+            if self.tensor_format != "zarr":
+                raise ConfigError(f"checkpoint.zarr_codec={self.zarr_codec!r} needs tensor_format='zarr' "
+                                  "(safetensors checkpoints are not compressed)")
+            from shardsmith.storage.zarr_format import parse_codec
+
+            parse_codec(self.zarr_codec)
+
+
+def choose_resume(how: str, root: Store | None, restarts: int,
+                  storage_options: dict[str, Any] | None = None) -> tuple[Store, int] | None:
+    """Which step directory a job resumes from (every rank decides alike).
+
+    * ``how="auto"``: the newest committed step under ``root``, if any.
+    * ``how="none"``: nothing, unless this is an elastic restart (``restarts`` > 0): then
+      as ``auto``, so a restarted group never starts over.
+    * ``how=URL``: that checkpoint, unless ``root`` already holds a committed step and this
+      is an elastic restart or the URL lies outside ``root`` (a requeued job continues
+      from its own newest checkpoint, not from the one it was first started from).
+
+    Raises:
+        CheckpointNotFound: ``how`` is a URL without a committed step.
+    """
+    explicit: tuple[Store, int] | None = None
+    inside = False
+    if how not in ("auto", "none"):
+        src_root, step_store, step = resolve_checkpoint(how, storage_options)
+        explicit = (step_store, step)
+        inside = root is not None and src_root.url.rstrip("/") == root.url.rstrip("/")
+    prefer_root = how == "auto" or restarts > 0 or (explicit is not None and not inside)
+    if root is not None and prefer_root:
+        latest = find_latest_committed(root)
+        if latest is not None:
+            return root.child(step_dir(latest)), latest
+    return explicit
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint holds for one rank: the objects that own tensors and the counters.
+
+    Attributes:
+        step: optimizer steps taken (skipped bad steps count).
+        tokens_seen: tokens of the steps whose update was applied.
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    sampler: GlobalBatchSampler
+    bad_steps: BadStepPolicy
+    step: int = 0
+    tokens_seen: int = 0
+
+    def state_json(self) -> dict[str, Any]:
+        """Non-tensor state saved in the manifest (without ``rng``: the save gathers it)."""
+        return {"step": self.step, "tokens_seen": self.tokens_seen,
+                "data": self.sampler.state_dict(), "lr_scheduler": self.scheduler.state_dict(),
+                "fault": self.bad_steps.state_json()}
+
+    def load_state_json(self, state: dict[str, Any], *, rollback: bool) -> None:
+        """Restore :meth:`state_json` (after a rollback the bad-step counters in memory win)."""
+        self.step = int(state["step"])
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+        self.sampler.load_state_dict(state["data"])
+        self.scheduler.load_state_dict(state["lr_scheduler"])
+        # The LR at the resumed step comes from *this* run's schedule (same formula as
+        # LambdaLR.get_lr, so an unchanged schedule resumes bitwise); the saved _last_lr would
+        # belong to the old schedule when --steps/--lr-decay-steps changed.
+        sched = self.scheduler
+        sched._last_lr = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, sched._last_lr):
+            group["lr"] = lr
+        self.bad_steps.load_state_json(state.get("fault", {}), keep_counters=rollback)
+
+
+class CheckpointPolicy:
+    """When a job saves, what it resumes from, and what a load restores.
+
+    Construct on every rank at the same time (with ``async_save`` it creates a process
+    group). Reports ``save``, ``gc``, ``resume``, ``init_from`` and ``rollback`` events.
+
+    Args:
+        cfg: the run's config (``checkpoint``, ``model``, ``parallel``, ``seed``, ``fault``).
+        state: this rank's :class:`TrainState` (loads write into it).
+        rank, coords: this rank and its mesh coordinates.
+        restarts: torchrun's restart count (see :func:`choose_resume`).
+        event: where records go (rank 0 writes them).
+
+    Attributes:
+        root: the checkpoint root, None without ``checkpoint.url``.
+        last_saved_step: step of the newest checkpoint saved or loaded by this job (-1: none).
+    """
+
+    def __init__(self, cfg: TrainConfig, state: TrainState, *, rank: int, coords: dict[str, int],
+                 restarts: int, event: EventFn) -> None:
+        self.cfg, self.state, self.rank, self.coords = cfg, state, rank, coords
+        self.restarts, self.event = restarts, event
+        ckpt = cfg.checkpoint
+        self.root = Store(ckpt.url, ckpt.storage_options) if ckpt.url else None
+        self.last_saved_step = -1
+        self.checkpointer: AsyncCheckpointer | None = None
+        if self.root is not None and ckpt.async_save:
+            self.checkpointer = AsyncCheckpointer(self.root, cfg.model, cfg.parallel, on_commit=self._on_commit,
+                                                  tensor_format=ckpt.tensor_format, zarr_codec=ckpt.zarr_codec)
+            self.checkpointer.overlap_with(state.optimizer)   # snapshot overlaps fwd/bwd; step waits
+
+    # ---- saving ---------------------------------------------------------------------------
+
+    def interval_due(self, step: int) -> bool:
+        """True when ``checkpoint.save_interval`` asks for a save after ``step``."""
+        interval = self.cfg.checkpoint.save_interval
+        return self.root is not None and bool(interval) and step % interval == 0
+
+    def final_due(self) -> bool:
+        """True when the end of the run should save (``save_final``, not saved at this step)."""
+        return (self.root is not None and self.cfg.checkpoint.save_final
+                and self.state.step != self.last_saved_step)
+
+    def save(self) -> None:
+        """Checkpoint the current step (collective). With ``async_save`` this returns after
+        the host snapshot and the commit happens in the background (see :meth:`wait`).
+
+        The state includes every rank's RNG state by role (all-gathered, see
+        :mod:`shardsmith.trainer.rng`). A step that is already committed (a job sent back to
+        an older step) is un-committed first, so no reader ever sees old manifest + new data.
+
+        Raises:
+            SaveError: this save failed (sync) or the previous background save failed (async).
+        """
+        assert self.root is not None
+        state, cfg = self.state, self.cfg
+        self._uncommit(state.step)
+        init_optimizer_state(state.model, state.optimizer)
+        tensors = model_state_tensors(state.model, state.optimizer)
+        saved = {**state.state_json(), "rng": gather_rng(self.rank, self.coords, cfg.parallel)}
+        self.last_saved_step = state.step
+        if self.checkpointer is not None:
+            self.checkpointer.save(state.step, tensors, config=cfg.to_json(), state=saved)
+            return
+        result = save_checkpoint(self.root, state.step, tensors, model_cfg=cfg.model, dims=cfg.parallel,
+                                 config=cfg.to_json(), state=saved, tensor_format=cfg.checkpoint.tensor_format,
+                                 zarr_codec=cfg.checkpoint.zarr_codec)
+        self._on_commit(result)
+
+    def _uncommit(self, step: int) -> None:
+        """Rank 0 deletes the manifest of ``step`` if committed; the all-reduce keeps every
+        rank from writing that step's data before (collective)."""
+        existed = False
+        if self.rank == 0:
+            key = f"{step_dir(step)}/{MANIFEST_NAME}"
+            if self.root is not None and self.root.exists(key):
+                log.warning("step %d is already committed under %s: un-committing it before saving "
+                            "it again", step, self.root.url)
+                self.root.delete(key)
+                existed = True
+        any_rank(existed)
+
+    def wait(self) -> None:
+        """Wait for an in-flight background save; raises SaveError if it failed."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+
+    def _on_commit(self, result: SaveResult) -> None:
+        """After a commit (in the saving thread): log it; rank 0 collects old and incomplete steps."""
+        self.event({"event": "save", "step": result.step, "nbytes": result.nbytes,
+                    "seconds": round(result.seconds, 4), "blocked_seconds": round(result.blocked_seconds, 4)})
+        ckpt = self.cfg.checkpoint
+        if self.rank == 0 and self.root is not None:
+            deleted = gc_after_commit(self.root, keep_last=ckpt.keep_last or None,
+                                      keep_every=ckpt.keep_every or None)
+            if deleted:
+                self.event({"event": "gc", "deleted_steps": deleted})
+
+    # ---- loading --------------------------------------------------------------------------
+
+    def resume_source(self) -> tuple[Store, int] | None:
+        """Which step directory to resume from: see :func:`choose_resume` (``auto``, ``none``
+        or a URL; after an elastic restart the root's newest step wins)."""
+        ckpt = self.cfg.checkpoint
+        return choose_resume(ckpt.resume, self.root, self.restarts, ckpt.storage_options)
+
+    def resume(self) -> bool:
+        """Load the checkpoint chosen by :meth:`resume_source` into the current layout, or
+        with nothing to resume the weights of ``checkpoint.init_from`` (collective).
+
+        Returns False when there is nothing to resume. Raises CheckpointNotFound for an
+        explicit URL without a committed step.
+        """
+        src = self.resume_source()
+        if src is None:
+            if self.cfg.checkpoint.init_from:
+                self._init_from(self.cfg.checkpoint.init_from)
+            return False
+        self._load(*src, reason="resume")
+        return True
+
+    def _read(self, step_store: Store, reader: ManifestReader, tensors: dict[str, torch.Tensor],
+              with_optimizer: bool) -> list[Any]:
+        """Fill ``tensors`` from the checkpoint by box intersection, reading only the manifest
+        records of this rank's tensors; every rank's ``[nbytes_read, nbytes_needed]`` (all-gathered)."""
+        cfg = self.cfg
+        specs = checkpoint_specs(cfg.model, cfg.parallel, with_optimizer=with_optimizer)
+        boxes = rank_boxes(specs, cfg.parallel, self.rank)
+        manifest = reader.manifest(boxes)                     # the records of this rank's tensors only
+        stats = load_into(step_store, manifest, tensors, boxes, {f: s.shape for f, s in specs.items()})
+        return gather_json([stats.nbytes_read, stats.nbytes_needed])
+
+    def _init_from(self, url: str) -> None:
+        """Load only the model weights of checkpoint ``url`` (any layout; optimizer state,
+        counters and data position stay fresh). Collective."""
+        _, step_store, step = resolve_checkpoint(url, self.cfg.checkpoint.storage_options)
+        reader = open_manifest(step_store)
+        read = self._read(step_store, reader, model_state_tensors(self.state.model, None), False)
+        self.event({"event": "init_from", "from": step_store.url, "source_step": step,
+                    "saved_layout": reader.manifest(()).layout, "nbytes_read": sum(r[0] for r in read)})
+
+    def _load(self, step_store: Store, step: int, *, reason: str) -> None:
+        """Load tensors (resharding by box intersection), counters, data position, LR
+        schedule, bad-step state and RNG (restored, or re-derived on a new layout)."""
+        t0 = time.perf_counter()
+        state, cfg = self.state, self.cfg
+        reader = open_manifest(step_store)                    # the head: configs, layout, state, index
+        manifest = reader.manifest(())
+        init_optimizer_state(state.model, state.optimizer)
+        tensors = model_state_tensors(state.model, state.optimizer)
+        with_optim = any(k.startswith("optim.") for k in manifest.tensor_names)
+        read = self._read(step_store, reader, tensors, with_optim)
+        state.load_state_json(manifest.state, rollback=reason == "rollback")
+        rng = apply_rng(manifest.state.get("rng"), cfg.parallel, self.rank, self.coords, cfg.seed, state.step)
+        self.last_saved_step = step
+        layout = cfg.parallel.to_json()
+        self.event({"event": "resume", "reason": reason, "step": step, "from": step_store.url,
+                    "saved_layout": manifest.layout, "layout": layout,
+                    "resharded": any(manifest.layout.get(k) != v for k, v in layout.items()),
+                    "restart_count": self.restarts, "rng": rng,
+                    "seconds": round(time.perf_counter() - t0, 4),
+                    "nbytes_read": sum(r[0] for r in read), "nbytes_needed": sum(r[1] for r in read)})
+
+    def roll_back(self) -> None:
+        """After ``max_bad_steps`` bad steps in a row: load the newest committed checkpoint
+        and mark the streak's data window to be skipped (collective; all ranks decide alike).
+
+        Raises:
+            TrainingDiverged: no committed checkpoint, or more than ``max_rollbacks``.
+        """
+        bad_steps, max_rollbacks = self.state.bad_steps, self.cfg.fault.max_rollbacks
+        bad_step, streak = self.state.step, bad_steps.consecutive
+        window = bad_steps.start_rollback()
+        if bad_steps.rollbacks > max_rollbacks:
+            raise TrainingDiverged(f"step {bad_step}: {streak} bad steps in a row after "
+                                   f"{max_rollbacks} rollbacks already; the run diverges. "
+                                   "Lower --lr, check the data, or raise --max-rollbacks")
+        self.wait()
+        latest = find_latest_committed(self.root) if self.root is not None else None
+        if self.root is None or latest is None:
+            raise TrainingDiverged(f"steps {bad_step - streak + 1}..{bad_step} had a non-finite loss or "
+                                   "gradient norm and there is no committed checkpoint to roll back to; "
+                                   "set --ckpt and --save-interval, or lower --lr")
+        self._load(self.root.child(step_dir(latest)), latest, reason="rollback")
+        self.event({"event": "rollback", "from_step": bad_step, "to_step": latest, "skip_samples": window,
+                    "rollbacks": bad_steps.rollbacks, "skipped_steps": bad_steps.skipped_steps})

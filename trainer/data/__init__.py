@@ -1,0 +1,34 @@
+"""Token data: where the corpus comes from, how text becomes tokens, which samples each DP
+rank sees at each step.
+
+Read in this order:
+
+- :mod:`.config` — :class:`DataConfig` (sources, blend weights, tokenizer and its identity).
+- :mod:`.tokenizer` — bytes, Hugging Face ``tokenizers`` and tiktoken tokenizers.
+- :mod:`.identity` — :func:`tokenizer_identity`, :func:`check_same_tokenizer` (on resume),
+  :func:`resolve_vocab_size` (the model's vocab from the tokenizer).
+- :mod:`.sources` — what a ``--data`` value names (text, JSONL, Parquet, HF datasets, nanoGPT
+  ``.bin``, Megatron indexed datasets), with :mod:`.hf` and :mod:`.indexed`.
+- :mod:`.cache` — the on-disk cache of tokenized text.
+- :mod:`.loading` — :func:`load_tokens` and :func:`build_dataset`.
+- :mod:`.dataset` — :class:`TokenDataset` (seeded windows) and :class:`GlobalBatchSampler`.
+- :mod:`.blend` — :class:`BlendedDataset` (weighted blends, Megatron's blending rule).
+
+The sample order is a pure function of ``(seed, global sample index)``, independent of the DP
+degree; the only loader state in a checkpoint is ``{"sample_index": int}``.
+"""
+
+from shardsmith.trainer.data.blend import BlendedDataset, blending_table
+from shardsmith.trainer.data.config import BYTE_VOCAB_SIZE, TOKEN_DTYPES, DataConfig, parse_data_args
+from shardsmith.trainer.data.dataset import GlobalBatchSampler, TokenDataset, vocab_size_needed
+from shardsmith.trainer.data.identity import (check_same_tokenizer, resolve_vocab_size,
+                                              tokenizer_identity)
+from shardsmith.trainer.data.loading import build_dataset, load_tokens, tokenize_documents
+from shardsmith.trainer.data.sources import stdlib_corpus, stdlib_documents
+
+__all__ = [
+    "BYTE_VOCAB_SIZE", "TOKEN_DTYPES", "BlendedDataset", "DataConfig", "GlobalBatchSampler",
+    "TokenDataset", "blending_table", "build_dataset", "check_same_tokenizer", "load_tokens",
+    "parse_data_args", "resolve_vocab_size", "stdlib_corpus", "stdlib_documents",
+    "tokenize_documents", "tokenizer_identity", "vocab_size_needed",
+]

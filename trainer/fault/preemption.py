@@ -1,0 +1,96 @@
+"""Preemption: SIGTERM/SIGUSR1 (SLURM, Kubernetes) ask for a checkpoint at the next step
+boundary, then exit 0; a second signal, or one while the step is hung, exits at once."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable
+
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class PreemptionHandler:
+    """Turns SIGTERM/SIGUSR1 into a request to checkpoint and exit.
+
+    The first signal sets :attr:`requested` and starts a ``deadline`` timer; the trainer
+    checks the flag at each step boundary (all ranks agree via :func:`~shardsmith.trainer.comm.any_rank`), saves,
+    waits for the commit, calls :meth:`done` and exits 0. A second signal, a signal while
+    ``is_hung()`` is true, or the deadline passing exits at once with a stack dump on
+    stderr (``128 + signal`` / 1). A repeat within ``repeat_grace_s`` seconds of the first
+    is the same notice, not a second signal: SLURM signals every process of a job step,
+    and torchrun's agent forwards the one it gets to its workers as well.
+
+    Args:
+        deadline_s: seconds from the first signal to :meth:`done`.
+        is_hung: true while the current step is hung (then no step boundary will come).
+        exit_fn: how to exit (``os._exit``; injectable for tests).
+        repeat_grace_s: seconds during which a repeated signal is ignored.
+        clock: monotonic seconds (injectable for tests).
+    """
+
+    def __init__(self, deadline_s: float, *, is_hung: Callable[[], bool] = lambda: False,
+                 exit_fn: Callable[[int], Any] = os._exit, repeat_grace_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.deadline_s = deadline_s
+        self.requested: int | None = None
+        self._is_hung = is_hung
+        self._exit = exit_fn
+        self._grace_s, self._clock, self._first_at = repeat_grace_s, clock, 0.0
+        self._previous: dict[int, Any] = {}
+        self._timer: threading.Timer | None = None
+
+    def install(self) -> bool:
+        """Install the handlers (main thread only; returns False elsewhere)."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for sig in PREEMPT_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return True
+
+    def uninstall(self) -> None:
+        """Restore the previous handlers and cancel the deadline."""
+        self.done()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def done(self) -> None:
+        """The checkpoint is committed: cancel the deadline timer."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.requested is not None and self._clock() - self._first_at < self._grace_s:
+            return                                   # the same notice, delivered twice
+        if self.requested is not None or self._is_hung():
+            why = "second signal" if self.requested is not None else "the current step is hung"
+            say(f"rank {os.environ.get('RANK', '?')}: {name}: {why}; exiting now without a checkpoint")
+            faulthandler.dump_traceback(2, all_threads=True)
+            self._exit(128 + signum)
+            return
+        self.requested, self._first_at = signum, self._clock()
+        say(f"rank {os.environ.get('RANK', '?')}: {name}: checkpointing at the next step boundary, "
+             f"then exiting (deadline {self.deadline_s:g}s; send it again to exit now)")
+        self._timer = threading.Timer(self.deadline_s, self._deadline_passed)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _deadline_passed(self) -> None:
+        say(f"rank {os.environ.get('RANK', '?')}: preemption checkpoint not committed within "
+             f"--preempt-deadline {self.deadline_s:g}s; exiting without it (stacks follow)")
+        faulthandler.dump_traceback(2, all_threads=True)
+        self._exit(1)
+
+
+def say(message: str) -> None:
+    """One line on stderr, safe inside a signal handler (a single write)."""
+    try:
+        os.write(2, (message + "\n").encode())
+    except OSError:
+        pass

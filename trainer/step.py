@@ -1,0 +1,164 @@
+"""The math of one optimizer step on one rank: forward and backward over the
+microbatches (or the pipeline schedule), the global gradient norm with clipping, and
+the global loss. The loop around it (data, bad-step verdict, optimizer and scheduler
+steps) is :meth:`shardsmith.trainer.train.Trainer.train_step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.pipelining import Schedule1F1B
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout.plan import param_specs
+from shardsmith.trainer.parallel import ShardedGradPipelineStage, device_type
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy; logits (B, T, V) (vocab-sharded DTensor under loss parallel),
+    targets (B, T)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def build_schedule(model: torch.nn.Module, stage_index: int, num_stages: int, pp_group: dist.ProcessGroup,
+                   num_microbatches: int) -> Schedule1F1B:
+    """The 1F1B pipeline schedule (``torch.distributed.pipelining``) of this rank's stage.
+    Every rank of the pipeline group builds its own, with the same ``num_microbatches``."""
+    pipe = ShardedGradPipelineStage(model, stage_index, num_stages, torch.device(device_type()), group=pp_group)
+    return Schedule1F1B(pipe, n_microbatches=num_microbatches, loss_fn=loss_fn)
+
+
+@dataclass
+class StepMetrics:
+    """What one optimizer step produced (the same on every rank).
+
+    Attributes:
+        step: global step number (1-based).
+        loss: mean loss over the global batch (not finite for a bad step).
+        grad_norm: global L2 norm of the gradients, before clipping.
+        lr: learning rate of the step.
+        duration_s: wall time of the step on this rank, in seconds.
+        tokens: tokens in the global batch.
+        skipped: the update was not applied (non-finite loss or gradient norm).
+    """
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    duration_s: float
+    tokens: int
+    skipped: bool = False
+
+
+@dataclass
+class StepMath:
+    """One rank's part of a step's computation.
+
+    Attributes:
+        model: this rank's (parallelized) stage.
+        schedule: the pipeline schedule when ``parallel.pp > 1``, else None.
+        model_cfg, parallel: the model and the layout (the sharding plan counts replicas).
+        coords: this rank's mesh coordinates.
+        num_microbatches: microbatches per rank per step.
+        bf16: autocast the forward to bfloat16.
+        grad_clip: clip the global gradient norm to this (0 = no clipping).
+    """
+
+    model: torch.nn.Module
+    schedule: Any
+    model_cfg: ModelConfig
+    parallel: ParallelDims
+    coords: dict[str, int]
+    num_microbatches: int
+    bf16: bool = False
+    grad_clip: float = 0.0
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.bf16:
+            return torch.autocast(device_type(), dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _loss_ctx(self) -> contextlib.AbstractContextManager:
+        return loss_parallel() if self.parallel.tp > 1 else contextlib.nullcontext()
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Run all microbatches of this rank's batch (inputs and targets (B, T)); returns the
+        mean loss on this rank's batch (only meaningful on the last pipeline stage; 0 elsewhere)."""
+        dev = device_type()
+        inputs, targets = inputs.to(dev), targets.to(dev)
+        if self.schedule is not None:
+            return self._pipelined(inputs, targets)
+        total = torch.zeros(())
+        for x, y in zip(inputs.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)):
+            with self._loss_ctx():
+                with self._autocast():
+                    logits = self.model(x)
+                loss = loss_fn(logits, y) / self.num_microbatches
+                loss.backward()
+            total += _plain(loss.detach()).float().cpu()
+        return total
+
+    def _pipelined(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        with self._loss_ctx(), self._autocast():
+            if self.coords["pp"] == 0:
+                self.schedule.step(inputs)
+            elif self.coords["pp"] == self.parallel.pp - 1:
+                self.schedule.step(target=targets, losses=losses)
+            else:
+                self.schedule.step()
+        if not losses:
+            return torch.zeros(())
+        return torch.stack([_plain(l).float() for l in losses]).mean()
+
+    def grad_norm_and_clip(self) -> float:
+        """Global L2 norm of all gradients, then clip to :attr:`grad_clip` (collective).
+
+        Each rank sums the squares of its local gradient shards, divided by the number of
+        ranks holding the same shard (replicas over dp_replicate / tp, from the sharding
+        plan), and one all-reduce over the world gives the exact global sum.
+        """
+        parallel = self.parallel
+        specs = param_specs(self.model_cfg, parallel)
+        total = torch.zeros((), dtype=torch.float64)
+        grads = []
+        for fqn, p in self.model.named_parameters():
+            if p.grad is None:
+                continue
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            grads.append(g)
+            used = {a for axes in specs[fqn].dim_axes for a in axes}
+            replicas = prod(getattr(parallel, a) for a in ("dp_replicate", "dp_shard", "tp") if a not in used)
+            replicas *= specs[fqn].tp_replicas * len(specs[fqn].stages)   # tied copies
+            total += g.double().pow(2).sum().cpu() / replicas
+        dist.all_reduce(total)
+        norm = float(total.sqrt())
+        clip = self.grad_clip
+        if clip > 0 and norm > clip:
+            coef = clip / (norm + 1e-6)
+            with torch.no_grad():
+                for g in grads:
+                    g.mul_(coef)
+        return norm
+
+    def global_loss(self, local: torch.Tensor) -> float:
+        """Mean loss over the global batch: last-stage, tp-rank-0 ranks contribute, divided by
+        dp (collective)."""
+        contributes = self.coords["pp"] == self.parallel.pp - 1 and self.coords["tp"] == 0
+        t = (local.double().cpu() if contributes else torch.zeros((), dtype=torch.float64)).reshape(1)
+        dist.all_reduce(t)
+        return float(t.item() / self.parallel.dp)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
