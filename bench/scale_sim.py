@@ -32,6 +32,7 @@ import json
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,8 +178,9 @@ def sample_ranks(dims: ParallelDims) -> list[int]:
     return sorted(out)
 
 
-def simulate_load(cfg: Config, step_store: SimStore, dims: ParallelDims, rank: int) -> tuple[int, float]:
-    """Metadata bytes one rank reads to resume in ``dims``, and its seconds."""
+def simulate_load(cfg: Config, step_store: SimStore, dims: ParallelDims, rank: int) -> tuple[int, float, list[int]]:
+    """Metadata bytes one rank reads to resume in ``dims``, its CPU seconds, and the bytes by
+    kind: [manifest, sidecars, headers, data files touched]."""
     counter = step_store.counter
     counter.nbytes = counter.num_reads = 0
     t0 = time.process_time()
@@ -187,15 +189,19 @@ def simulate_load(cfg: Config, step_store: SimStore, dims: ParallelDims, rank: i
     specs = checkpoint_specs(cfg.model, dims, with_optimizer=with_optim)
     boxes = rank_boxes(specs, dims, rank)
     manifest = reader.manifest(boxes)
+    parts = [counter.nbytes]
     requests: list[tuple[str, Box, None]] = [(f, b, None) for f, b in boxes.items() if b.numel and f in manifest.tensors]
     shards = intersecting_shards(manifest, requests)
     load_chunk_crcs(step_store, manifest, shards)               # type: ignore[arg-type]
-    for file in {s.file for s in shards}:                       # read_header's probe of each data file touched
+    parts.append(counter.nbytes - parts[0])
+    files = {s.file for s in shards}
+    for file in files:                                          # read_header's probe of each data file touched
         step_store.read_range(file + ".header", 0, max(_HEADER_PROBE_NBYTES, step_store.size(file + ".header")))
-    return counter.nbytes, time.process_time() - t0
+    parts += [counter.nbytes - sum(parts), len(files)]
+    return counter.nbytes, time.process_time() - t0, parts
 
 
-def run(cfg: Config, chunk: int) -> dict[str, Any]:
+def run(cfg: Config, chunk: int, dump: str | None = None) -> dict[str, Any]:
     """Every figure of one configuration."""
     root = SimStore()
     step_store = root.child(step_dir(STEP))
@@ -204,6 +210,9 @@ def run(cfg: Config, chunk: int) -> dict[str, Any]:
     del gathered
     gc.collect()
     manifest_nbytes = step_store.size(MANIFEST_NAME)
+    if dump:
+        with open(dump, "wb") as f:
+            f.write(step_store.files[f"{step_store.prefix}{MANIFEST_NAME}"])
     sidecars = sum(v for k, v in step_store.files.items() if k.endswith(".crc32c"))
     headers = sum(v for k, v in step_store.files.items() if k.endswith(".header"))
     same = [simulate_load(cfg, step_store, cfg.dims, r) for r in sample_ranks(cfg.dims)]
@@ -215,13 +224,38 @@ def run(cfg: Config, chunk: int) -> dict[str, Any]:
         "checkpoint_bytes": sum(v for k, v in step_store.files.items() if k.endswith(".safetensors")) + sidecars,
         "manifest_bytes": manifest_nbytes, "sidecar_bytes": sidecars, "header_bytes": headers,
         "metadata_bytes_total": manifest_nbytes + sidecars + headers,
-        "max_rank_metadata_read_bytes": max(n for n, _ in same),
-        "reshard_rank_metadata_read_bytes": max(n for n, _ in moved),
+        "max_rank_metadata_read_bytes": max(n for n, _, _ in same),
+        "reshard_rank_metadata_read_bytes": max(n for n, _, _ in moved),
+        "read_parts_same": max(same)[2], "read_parts_reshard": max(moved)[2],
         "plan_seconds": round(plan_seconds, 2), "commit_seconds": round(commit_seconds, 2),
-        "parse_seconds_per_rank": round(max(s for _, s in same + moved), 3),
+        "parse_seconds_per_rank": round(max(s for _, s, _ in same + moved), 3),
         "sampled_ranks": len(same) + len(moved),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
+
+
+def verify_rss(path: str, mode: str) -> dict[str, Any]:
+    """Peak RSS of verifying the metadata of a manifest (``path``) in a fresh process:
+    ``stream`` runs ``verify_checkpoint`` (version 2: tensor by tensor, 256 files per pass)
+    with the per-file data checks stubbed out (no data here); ``whole`` parses the manifest
+    whole (what verify held in memory before)."""
+    from shardsmith.storage import verify
+    from shardsmith.storage.manifest_parse import parse_manifest
+
+    raw = open(path, "rb").read()
+    store = SimStore({f"{step_dir(STEP)}/{MANIFEST_NAME}": raw}).child(step_dir(STEP))
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t0 = time.process_time()
+    if mode == "stream":
+        verify.file_problems = lambda *a, **k: ([], 0)          # type: ignore[assignment]
+        store.walk = lambda: {}                                  # type: ignore[attr-defined]
+        del raw
+        report = verify.verify_checkpoint(store)                 # type: ignore[arg-type]
+        assert report.ok, report.problems[:3]
+    else:
+        parse_manifest(raw, "manifest.json")
+    return {"mode": mode, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "rss_before_bytes": base, "seconds": round(time.process_time() - t0, 2)}
 
 
 def _mb(n: int) -> str:
@@ -246,23 +280,40 @@ def main() -> None:
     ap.add_argument("--only", choices=sorted(CONFIGS), help="run one configuration (default: all three)")
     ap.add_argument("--chunk-nbytes", type=int, default=DEFAULT_CHUNK_NBYTES)
     ap.add_argument("--row", action="store_true", help=argparse.SUPPRESS)     # child: print one row
+    ap.add_argument("--dump", help=argparse.SUPPRESS)                         # child: keep the manifest here
+    ap.add_argument("--verify-rss", nargs=2, metavar=("PATH", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.verify_rss:
+        print(json.dumps(verify_rss(*args.verify_rss)))
+        return
     if args.row:
         t0 = time.perf_counter()
-        row = run(CONFIGS[args.only], args.chunk_nbytes)
+        row = run(CONFIGS[args.only], args.chunk_nbytes, args.dump)
         print(json.dumps({**row, "sim_seconds": round(time.perf_counter() - t0, 1)}))
         return
     rows = {}
-    for name in [args.only] if args.only else ["small", "main", "large"]:   # each in its own process: own peak RSS
-        out = subprocess.run([sys.executable, __file__, "--only", name, "--row", "--chunk-nbytes",
-                              str(args.chunk_nbytes)], check=True, capture_output=True, text=True).stdout
-        rows[name] = json.loads(out.strip().splitlines()[-1])
-    print_table(list(rows.values()))
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in [args.only] if args.only else ["small", "main", "large"]:   # own processes: own peak RSS
+            rows[name] = _child(["--only", name, "--row", "--chunk-nbytes", str(args.chunk_nbytes),
+                                 "--dump", f"{tmp}/{name}.json"])
+        print_table(list(rows.values()))
+        for name in rows:
+            stream, whole = (_child(["--verify-rss", f"{tmp}/{name}.json", m]) for m in ("stream", "whole"))
+            print(f"verify metadata, {rows[name]['ranks']} ranks: streamed peak RSS {_mb(stream['peak_rss_bytes'])} "
+                  f"({stream['seconds']} s CPU); whole-manifest parse peak RSS {_mb(whole['peak_rss_bytes'])} "
+                  f"({whole['seconds']} s CPU); empty interpreter {_mb(stream['rss_before_bytes'])}")
+            rows[name]["verify_stream_peak_rss_bytes"] = stream["peak_rss_bytes"]
     main_row = rows.get("main", next(iter(rows.values())))
     print(json.dumps({k: main_row[k] for k in (
         "config", "ranks", "shards", "checkpoint_bytes", "manifest_bytes", "metadata_bytes_total",
         "max_rank_metadata_read_bytes", "reshard_rank_metadata_read_bytes", "plan_seconds", "commit_seconds",
-        "parse_seconds_per_rank", "peak_rss_bytes", "sim_seconds")}))
+        "parse_seconds_per_rank", "peak_rss_bytes", "verify_stream_peak_rss_bytes", "sim_seconds")}))
+
+
+def _child(argv: list[str]) -> dict[str, Any]:
+    """Run this script with ``argv`` in a fresh process; its last line, decoded."""
+    out = subprocess.run([sys.executable, __file__, *argv], check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from shardsmith.storage.manifest_v2 import check_files
 __all__ = ["Problem", "VerifyReport", "verify_checkpoint", "check_file_once", "shards_in_file",
            "DEFAULT_BLOCK_NBYTES"]
 #: Files whose shard records one pass of a version-2 verify holds at once (bounds memory).
-FILES_PER_PASS = 16
+FILES_PER_PASS = 256
 
 
 @dataclass
@@ -125,14 +125,19 @@ def _check_pass(reader: ManifestReader, files: list[str], block_nbytes: int) -> 
     return out
 
 
-def _check_files(url: str, storage_options: dict[str, Any], files: list[str], block_nbytes: int,
-                 files_per_pass: int) -> list[tuple[str, str, int]]:
-    """A worker: (file, problem, 0) of each problem and ("", "", bytes read) of each file."""
-    reader = ManifestReader(Store(url, storage_options))
+def _check_files(store: Store, files: list[str], block_nbytes: int, files_per_pass: int) -> list[tuple[str, str, int]]:
+    """One worker's files: (file, problem, 0) of each problem and ("", "", bytes read) of each file."""
+    reader = ManifestReader(store)
     out = []
     for i in range(0, len(files), files_per_pass):
         out += _check_pass(reader, files[i:i + files_per_pass], block_nbytes)
     return out
+
+
+def _check_files_at(url: str, storage_options: dict[str, Any], files: list[str], block_nbytes: int,
+                    files_per_pass: int) -> list[tuple[str, str, int]]:
+    """:func:`_check_files` in a worker process (the store rebuilt from its URL)."""
+    return _check_files(Store(url, storage_options), files, block_nbytes, files_per_pass)
 
 
 def _check_v1(step_store: Store, manifest: Manifest, block_nbytes: int) -> list[tuple[str, str, int]]:
@@ -189,12 +194,12 @@ def verify_checkpoint(step_store: Store, *, block_nbytes: int = DEFAULT_BLOCK_NB
             report.step, report.num_tensors = reader.head.data["step"], len(reader.head.index)
             files = reader.head.files
             groups = _split(files, workers)
-            args = [(step_store.url, step_store.storage_options, g, block_nbytes, files_per_pass) for g in groups]
             if len(groups) <= 1:
-                found = [r for a in args for r in _check_files(*a)]
+                found = [r for g in groups for r in _check_files(step_store, g, block_nbytes, files_per_pass)]
             else:
+                args = [(step_store.url, step_store.storage_options, g, block_nbytes, files_per_pass) for g in groups]
                 with ProcessPoolExecutor(len(groups)) as pool:
-                    found = [r for part in pool.map(_check_files, *zip(*args)) for r in part]
+                    found = [r for part in pool.map(_check_files_at, *zip(*args)) for r in part]
     except CheckpointNotFound:
         report.problems.append(Problem(MANIFEST_NAME, "missing: the step is not committed"))
         return report
