@@ -9,7 +9,7 @@
 2. For each format, alternating, ``--runs`` times (medians reported):
    - **save**: what the ranks of a ``--save-layout`` (default tp2·pp2) job write, each
      rank's boxes in turn in this one process (safetensors: one file per rank via
-     ``write_shard_file``; zarr: chunks via ``write_chunks`` plus the metadata), then the
+     ``SafetensorsFormat``; zarr: chunks and metadata via ``ZarrFormat``, storage/formats.py), then the
      commit. The same process and writer order for every format, so the ratio is fair;
      a real job writes the ranks' shares in parallel.
    - **reshard-load**: every rank of ``--load-layout`` (default dp_shard=4, a different
@@ -34,24 +34,21 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.plan import checkpoint_specs, rank_boxes, shard_file_name, write_assignment
-from shardsmith.storage.formats import layout_arrays
+from shardsmith.layout.plan import checkpoint_specs, rank_boxes, write_assignment
 from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, read_manifest, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord, TensorRecord
-from shardsmith.storage.shards import ReadStats
+from shardsmith.storage.manifest import ManifestBuilder
+from shardsmith.storage.reading.execute import ReadStats
 from shardsmith.storage.formats import read_boxes
-from shardsmith.storage.tensor_files import write_shard_file
-from shardsmith.storage.zarr_format import write_chunks, write_metadata
+from shardsmith.storage.formats import tensor_format as get_tensor_format
 
 STEP = 100
 MB = 1_000_000
@@ -93,31 +90,15 @@ def save(root: Store, full: dict[str, torch.Tensor], model: ModelConfig, dims: P
     """Write and commit ``full`` as a ``dims`` job would, one rank's share after another."""
     specs = checkpoint_specs(model, dims)
     step_store = root.child(step_dir(STEP))
-    tensors = {fqn: TensorRecord(shape=list(s.shape), dtype=s.dtype) for fqn, s in specs.items()}
-    files: dict[str, FileRecord] = {}
-    shards: dict[str, list[ShardRecord]] = {}
-    arrays = layout_arrays(specs, dims, codec) if tensor_format == "zarr" else {}
-    for rank, items in sorted(write_assignment(specs, dims).items()):
-        entries = [(fqn, _piece(full, fqn, box), box) for fqn, box in items]
-        if tensor_format == "zarr":
-            f, s = write_chunks(step_store, arrays, entries, DEFAULT_CHUNK_NBYTES)
-            files.update(f)
-            for fqn, recs in s.items():
-                shards.setdefault(fqn, []).extend(recs)
-        elif entries:
-            name = shard_file_name(rank)
-            files[name], recs1 = write_shard_file(step_store, name, [(f, t) for f, t, _ in entries],
-                                                  DEFAULT_CHUNK_NBYTES, {f: b for f, _, b in entries})
-            for fqn, rec in recs1.items():
-                shards.setdefault(fqn, []).append(rec)
-    if tensor_format == "zarr":
-        files.update(write_metadata(step_store, arrays.values()))
-    for fqn, recs in shards.items():
-        tensors[fqn].shards = sorted(recs, key=lambda r: r.offsets)
-    commit(root, Manifest(step=STEP, layout={**dims.to_json(), "world_size": dims.world_size},
-                          model=model.to_json(), config={}, state={"step": STEP}, tensors=tensors, files=files,
-                          tensor_format=tensor_format, chunk_nbytes=DEFAULT_CHUNK_NBYTES,
-                          created=datetime.now(timezone.utc).isoformat(timespec="seconds")))
+    fmt = get_tensor_format(tensor_format, codec)
+    gathered = [fmt.write_rank(step_store, rank, [(fqn, _piece(full, fqn, box), box) for fqn, box in items],
+                               specs, dims, DEFAULT_CHUNK_NBYTES)
+                for rank, items in sorted(write_assignment(specs, dims).items())]
+    builder = ManifestBuilder(step=STEP, dims=dims, model=model.to_json(), config={}, state={"step": STEP},
+                              tensors={f: (s.shape, s.dtype) for f, s in specs.items()},
+                              chunk_nbytes=DEFAULT_CHUNK_NBYTES, tensor_format=fmt.name)
+    fmt.add_records(builder, gathered, step_store, specs, dims)
+    commit(root, builder.build())
 
 
 def reshard_load(step_store: Store, model: ModelConfig, dims: ParallelDims) -> ReadStats:

@@ -51,7 +51,7 @@ from shardsmith.reshard.planner import ReshardOptions, plan_reshard
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import commit, read_manifest, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import FileRecord, Manifest, TensorRecord
+from shardsmith.storage.manifest import Manifest, ManifestBuilder
 from shardsmith.storage.formats import read_box
 from shardsmith.storage.tensor_files import encode_and_record
 
@@ -93,8 +93,10 @@ def llama_config(gb: float, optimizer: bool) -> ModelConfig:
 def build_source(root: Store, model: ModelConfig, dims: ParallelDims, optimizer: bool) -> Manifest:
     """Write and commit random tensors in layout ``dims``, one rank's file at a time."""
     specs = checkpoint_specs(model, dims, with_optimizer=optimizer)
-    tensors = {fqn: TensorRecord(list(s.shape), s.dtype) for fqn, s in specs.items()}
-    files, step = {}, root.child(step_dir(STEP))
+    builder = ManifestBuilder(step=STEP, dims=dims, model=model.to_json(), config={"parallel": dims.to_json()},
+                              state={"step": STEP}, tensors={f: (s.shape, s.dtype) for f, s in specs.items()},
+                              chunk_nbytes=4 << 20, created="bench")
+    step = root.child(step_dir(STEP))
     gen = torch.Generator().manual_seed(0)
     for rank, items in write_assignment(specs, dims).items():
         if not items:
@@ -103,13 +105,9 @@ def build_source(root: Store, model: ModelConfig, dims: ParallelDims, optimizer:
         encoded, records = encode_and_record(local, shard_file_name(rank), 4 << 20)
         del local
         step.write(shard_file_name(rank), encoded.data)
-        files[shard_file_name(rank)] = FileRecord(encoded.record.nbytes, encoded.record.crc32c)
-        for fqn, rec in records.items():
-            tensors[fqn].shards.append(rec)
+        builder.add_file(shard_file_name(rank), encoded.record, records)
         del encoded
-    manifest = Manifest(step=STEP, layout={**dims.to_json(), "world_size": dims.world_size},
-                        model=model.to_json(), config={"parallel": dims.to_json()}, state={"step": STEP},
-                        tensors=tensors, files=files, created="bench")
+    manifest = builder.build()
     commit(root, manifest)
     return manifest
 

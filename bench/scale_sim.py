@@ -38,13 +38,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.box import Box
 from shardsmith.layout.plan import checkpoint_specs, rank_boxes, shard_file_name, write_assignment
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, step_dir
-from shardsmith.storage.formats import SafetensorsFormat, intersecting_shards
+from shardsmith.storage.formats import SafetensorsFormat
 from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, ManifestBuilder
 from shardsmith.storage.manifest_read import ManifestReader
+from shardsmith.storage.reading.spans import intersections
 from shardsmith.storage.safetensors import _HEADER_PROBE_NBYTES, encode_header, file_order, shard_records
 from shardsmith.storage.sidecar import load_chunk_crcs, write_sidecar
 
@@ -190,9 +190,9 @@ def simulate_load(cfg: Config, step_store: SimStore, dims: ParallelDims, rank: i
     boxes = rank_boxes(specs, dims, rank)
     manifest = reader.manifest(boxes)
     parts = [counter.nbytes]
-    requests: list[tuple[str, Box, None]] = [(f, b, None) for f, b in boxes.items() if b.numel and f in manifest.tensors]
-    shards = intersecting_shards(manifest, requests)
-    load_chunk_crcs(step_store, manifest, shards)               # type: ignore[arg-type]
+    shards = [s for f, b in boxes.items() if b.numel and f in manifest.tensors
+              for s, _, _ in intersections(manifest.tensors[f], b)]
+    load_chunk_crcs(step_store, manifest.chunk_nbytes, shards)               # type: ignore[arg-type]
     parts.append(counter.nbytes - parts[0])
     files = {s.file for s in shards}
     for file in files:                                          # read_header's probe of each data file touched

@@ -31,6 +31,7 @@ from shardsmith.layout.box import Box, row_major_span
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.layout.dtypes import DTYPE_NBYTES, FLOAT_DTYPES
 from shardsmith.storage.manifest import Manifest, ShardRecord
+from shardsmith.storage.reading.spans import chunk_span, intersections
 from shardsmith.storage.safetensors import encode_header, file_order
 
 
@@ -239,14 +240,9 @@ def _pieces(manifest: Manifest, fqn: str, box: Box) -> tuple[Piece, ...]:
     rec = manifest.tensors[fqn]
     itemsize, chunk = DTYPE_NBYTES[rec.dtype], manifest.chunk_nbytes
     out = []
-    for shard in rec.shards:
-        saved = Box(tuple(shard.offsets), tuple(shard.lengths))
-        common = saved.intersect(box)
-        if common is None or common.numel == 0:
-            continue
+    for shard, saved, common in intersections(rec, box):
         first, last = row_major_span(saved, common)
-        start = first * itemsize // chunk * chunk
-        end = min(-(-last * itemsize // chunk) * chunk, shard.nbytes)
+        start, end = chunk_span(first * itemsize, last * itemsize, chunk, shard.nbytes)
         out.append(Piece(shard, saved, common, start, end, first * itemsize, last * itemsize))
     return tuple(out)
 

@@ -114,7 +114,7 @@ def read_piece(src: Store, manifest: Manifest, piece: Piece, pool: BufferPool) -
     """
     shard, chunk_nbytes = piece.shard, manifest.chunk_nbytes
     check_file_once(src, manifest, shard.file)
-    load_chunk_crcs(src, manifest, [shard])              # version 2: the shard's CRCs, from its sidecar
+    load_chunk_crcs(src, chunk_nbytes, [shard])              # version 2: the shard's CRCs, from its sidecar
     buf = pool.take(piece.read_nbytes)
     try:
         offset = shard.byte_offset + piece.read_start

@@ -21,6 +21,7 @@ from typing import Iterator
 
 import torch
 
+from shardsmith.errors import LayoutError
 from shardsmith.reshard.engine import ReshardReport
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import TensorSpec, checkpoint_specs, shard_file_name, write_assignment
@@ -32,7 +33,7 @@ from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.manifest import (FileRecord, Manifest, ManifestBuilder,
                                          ShardRecord)
 from shardsmith.storage.safetensors import encode_header, file_order, shard_records, write_stream
-from shardsmith.storage.shards import ReadStats
+from shardsmith.storage.reading.execute import ReadStats
 from shardsmith.storage.formats import SafetensorsFormat, ZarrFormat, layout_arrays, read_box
 from shardsmith.storage.formats import tensor_format as tensor_format_of
 from shardsmith.storage.tensor_files import byte_view

@@ -213,7 +213,7 @@ def file_problems(store: Store, manifest: Manifest, file: str, shards: Sequence[
         except IntegrityError as exc:
             problems.append(str(exc).split(": ", 1)[-1])
     try:
-        load_chunk_crcs(store, manifest, [s for _, _, s in shards])
+        load_chunk_crcs(store, manifest.chunk_nbytes, [s for _, _, s in shards])
     except IntegrityError as exc:
         return problems + [f"its checksum sidecar cannot be read: {str(exc).split(': ', 1)[-1]}"], 0
     streamed, nbytes = _stream_problems(store, file, manifest.files[file], shards, manifest.chunk_nbytes,

@@ -25,8 +25,8 @@ from shardsmith.layout.box import Box
 from shardsmith.layout.plan import TensorSpec, shard_file_name, write_assignment
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import TENSOR_FORMATS, FileRecord, Manifest, ManifestBuilder, ShardRecord
-from shardsmith.storage.shards import ReadStats, read_safetensors_boxes
-from shardsmith.storage.sidecar import load_chunk_crcs, write_sidecar
+from shardsmith.storage.reading.execute import ReadStats, read_safetensors_boxes
+from shardsmith.storage.sidecar import write_sidecar
 from shardsmith.storage.tensor_files import write_shard_file
 from shardsmith.storage.zarr_format import ZarrArray, parse_codec, regular_chunks, write_chunks, write_metadata
 from shardsmith.storage.zarr_read import read_zarr_boxes
@@ -165,27 +165,10 @@ def layout_arrays(specs: dict[str, TensorSpec], dims: ParallelDims, codec: str =
 def read_boxes(store: Store, manifest: Manifest, requests: Sequence[Request], stats: ReadStats | None = None,
                source: str = "") -> list[torch.Tensor]:
     """Assemble boxes of logical tensors from a committed step, whatever its format
-    (:func:`shardsmith.storage.shards.read_safetensors_boxes` for the contract: shapes,
-    destinations, verified ranged reads, errors raised). Any rank, any number of calls.
-    The chunk CRCs of the shards the boxes intersect are fetched from their sidecars first
-    (version 2; one ranged read per run of neighbouring shards)."""
-    load_chunk_crcs(store, manifest, intersecting_shards(manifest, requests), source)
+    (:func:`shardsmith.storage.reading.execute.read_safetensors_boxes` for the contract: shapes,
+    destinations, verified ranged reads, errors raised). Any rank, any number of calls."""
     reader = read_zarr_boxes if manifest.tensor_format == ZarrFormat.name else read_safetensors_boxes
     return reader(store, manifest, requests, stats, source)
-
-
-def intersecting_shards(manifest: Manifest, requests: Sequence[Request]) -> list[ShardRecord]:
-    """The saved shards holding some element of the requested boxes (a 0-d box: all of them).
-
-    Raises:
-        KeyError: an fqn is not in the manifest.
-    """
-    out = []
-    for fqn, box, _ in requests:
-        for s in manifest.tensors[fqn].shards:
-            if s.nbytes and (not box.lengths or s.box.intersect(box) is not None):
-                out.append(s)
-    return out
 
 
 def read_box(store: Store, manifest: Manifest, fqn: str, box: Box, out: torch.Tensor | None = None,

@@ -22,7 +22,7 @@ from typing import Iterable, Mapping
 from shardsmith.errors import IntegrityError
 from shardsmith.storage.checksum import crc32c, require_full_read
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord, sidecar_name
+from shardsmith.storage.manifest import FileRecord, ShardRecord, sidecar_name
 
 #: Bytes of one chunk CRC in a sidecar.
 CRC_NBYTES = 4
@@ -87,9 +87,10 @@ def _runs(wanted: list[ShardRecord], chunk_nbytes: int) -> list[tuple[int, int, 
     return runs
 
 
-def load_chunk_crcs(store: Store, manifest: Manifest, shards: Iterable[ShardRecord], source: str = "") -> int:
-    """Fetch the chunk CRCs of ``shards`` from their sidecars (those whose CRCs are not in
-    memory yet; version-1 shards carry them inline) into each record's ``crc32c``.
+def load_chunk_crcs(store: Store, chunk_nbytes: int, shards: Iterable[ShardRecord], source: str = "") -> int:
+    """Fetch the chunk CRCs (``chunk_nbytes`` chunks) of ``shards`` from their sidecars (those
+    whose CRCs are not in memory yet; version-1 shards carry them inline) into each record's
+    ``crc32c``.
 
     Any rank, before reading the shards' data. One ranged read per run of neighbouring
     shards of a sidecar, concurrently.
@@ -105,7 +106,7 @@ def load_chunk_crcs(store: Store, manifest: Manifest, shards: Iterable[ShardReco
         if s.crc_index >= 0 and not s.crc32c and s.nbytes:
             by_sidecar.setdefault(sidecar_name(s.file), {})[id(s)] = s
     jobs = [(name, run) for name, found in sorted(by_sidecar.items())
-            for run in _runs(list(found.values()), manifest.chunk_nbytes)]
+            for run in _runs(list(found.values()), chunk_nbytes)]
     if not jobs:
         return 0
 
@@ -120,7 +121,7 @@ def load_chunk_crcs(store: Store, manifest: Manifest, shards: Iterable[ShardReco
         require_full_read(len(data), end - start, start, url)
         for s in members:
             lo = s.crc_index * CRC_NBYTES - start
-            s.crc32c = decode_crcs(data[lo:lo + s.num_chunks(manifest.chunk_nbytes) * CRC_NBYTES])
+            s.crc32c = decode_crcs(data[lo:lo + s.num_chunks(chunk_nbytes) * CRC_NBYTES])
         return len(data)
 
     if len(jobs) == 1:

@@ -1,6 +1,6 @@
 """Reading boxes of a zarr checkpoint (see :mod:`shardsmith.storage.zarr_format`).
 
-:func:`read_zarr_boxes` is what :func:`shardsmith.storage.shards.read_safetensors_boxes` does for a
+:func:`read_zarr_boxes` is what :func:`shardsmith.storage.reading.execute.read_safetensors_boxes` does for a
 manifest whose ``tensor_format`` is ``zarr``: the same contract (any boxes, ranged and
 verified reads, concurrent), with chunks as the saved shards. Uncompressed chunks are read
 by byte range like safetensors shards (the zarr ``bytes`` codec is C-order little-endian
@@ -24,7 +24,8 @@ from shardsmith.storage.checksum import crc32c, require_full_read, verify_chunks
 from shardsmith.storage.fs import Store
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.manifest import Manifest, ShardRecord, TensorRecord
-from shardsmith.storage.shards import destination
+from shardsmith.storage.reading.execute import destination
+from shardsmith.storage.reading.spans import chunk_span, intersections
 from shardsmith.storage.verify import check_file_once
 from shardsmith.storage.zarr_format import (IO_WORKERS, MAX_PENDING_NBYTES, ZARR_DIR, ZarrArray, damaged, numpy_to_torch,
                                             parse_array_metadata)
@@ -50,7 +51,7 @@ def _load_array(store: Store, manifest: Manifest, fqn: str, rec: TensorRecord, s
 
 def _check_chunk_record(array: ZarrArray, shard: ShardRecord, manifest: Manifest, source: str) -> None:
     """A shard record must name the chunk file its box is, whole (byte offset 0, file size)."""
-    saved = Box(tuple(shard.offsets), tuple(shard.lengths))
+    saved = shard.box
     index = [o // c for o, c in zip(saved.offsets, array.chunks)]
     if array.chunk_region(index) != saved or array.chunk_key(saved) != shard.file:
         raise damaged(f"{source}/manifest.json", f"shard {saved} of {array.fqn} in {shard.file} is not a "
@@ -89,7 +90,7 @@ class _Piece:
         itemsize = DTYPE_NBYTES[self.array.dtype]
         first, last = row_major_span(Box(tuple(self.shard.offsets), self.array.chunks), self.common)
         a, b = first * itemsize, last * itemsize
-        return a, b, a // chunk * chunk, min(-(-b // chunk) * chunk, self.shard.nbytes)
+        return (a, b, *chunk_span(a, b, chunk, self.shard.nbytes))
 
 
 def _read_piece(store: Store, manifest: Manifest, piece: _Piece, source: str) -> np.ndarray:
@@ -139,7 +140,7 @@ def _decode(request: _Request, chunk_bytes: dict[str, bytes]) -> None:
 
 def read_zarr_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, Box, torch.Tensor | None]],
                     stats: Any = None, source: str = "") -> list[torch.Tensor]:
-    """:func:`shardsmith.storage.shards.read_safetensors_boxes` for zarr checkpoints (same contract).
+    """:func:`shardsmith.storage.reading.execute.read_safetensors_boxes` for zarr checkpoints (same contract).
 
     Reads the ``zarr.json`` of each tensor touched (checked against the manifest), then
     for every requested box the chunks intersecting it, concurrently: from an uncompressed
@@ -170,11 +171,7 @@ def read_zarr_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[s
                 stats.nbytes_read += nbytes
         request = _Request(arrays[fqn], box, out.detach(), [])
         filled = 0
-        for shard in rec.shards:
-            saved = Box(tuple(shard.offsets), tuple(shard.lengths))
-            common = saved.intersect(box) if box.lengths else saved
-            if common is None or common.numel == 0:
-                continue
+        for shard, _, common in intersections(rec, box):
             _check_chunk_record(request.array, shard, manifest, source)
             filled += common.numel
             if request.array.codec:

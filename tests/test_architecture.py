@@ -75,3 +75,13 @@ def test_modules_and_functions_stay_small() -> None:
                     if length > 60:
                         bad.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines (> 60)")
     assert not bad, "\n".join(bad)
+
+
+def test_every_package_is_listed_in_pyproject() -> None:
+    """A subpackage missing from ``[tool.setuptools] packages`` would be left out of a wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"shardsmith." + ".".join(p.parent.relative_to(ROOT).parts)
+             for package in PACKAGES for p in (ROOT / package).rglob("__init__.py")}
+    assert found <= listed, f"not in pyproject.toml packages: {sorted(found - listed)}"

@@ -32,7 +32,7 @@ from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import commit, find_latest_committed, read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, SIDECAR_SUFFIX, Manifest
-from shardsmith.storage.shards import ReadStats
+from shardsmith.storage.reading.execute import ReadStats
 from shardsmith.storage.formats import read_box, read_boxes
 from shardsmith.storage.tensor_files import DTYPE_NAMES
 from shardsmith.storage import formats as formats_module

@@ -40,7 +40,7 @@ def _version1_view(step: Path) -> bytes:
     version 2; the content must not have changed)."""
     store = Store(str(step))
     manifest = read_manifest(store)
-    load_chunk_crcs(store, manifest, [s for t in manifest.tensors.values() for s in t.shards])
+    load_chunk_crcs(store, manifest.chunk_nbytes, [s for t in manifest.tensors.values() for s in t.shards])
     manifest.files = {k: v for k, v in manifest.files.items() if not k.endswith(SIDECAR_SUFFIX)}
     manifest.version = 1
     doc = manifest.to_json()

@@ -388,14 +388,15 @@ def _unsafe_calls(tree: ast.AST) -> list[str]:
 
 def test_package_source_has_no_unpickling() -> None:
     """No module of the package imports pickle-family libraries, calls ``torch.load`` or
-    uses torch.distributed's pickling ``*_object`` collectives."""
+    uses torch.distributed's pickling ``*_object`` collectives, except the one restricted
+    unpickler of DCP's metadata (DESIGN.md, "Foreign formats")."""
     found = {}
     for path in sorted(PACKAGE_DIR.rglob("*.py")):
         rel = path.relative_to(PACKAGE_DIR)
         if rel.parts[0] in ("tests", "bench", ".venv", "build") or rel.parts[0].startswith("."):
             continue
         bad = _unsafe_calls(ast.parse(path.read_text(), str(path)))
-        if bad:
+        if bad and (str(rel), bad) != ("reshard/foreign/unpickler.py", ["pickle"]):
             found[str(rel)] = bad
     assert not found, f"unpickling code in the package: {found}"
     assert _unsafe_calls(ast.parse("import pickle\nx = torch.load(f)\n")) == ["pickle", "torch.load"]

@@ -36,6 +36,7 @@ from conftest import (LAYOUTS, TINY_MODEL, TINY_TRAIN_FLAGS, assert_tensors_bitw
                       open_checkpoint, read_full_tensors, run_torchrun, tiny_train_config)
 from shardsmith.reshard.engine import reshard
 from shardsmith.layout import ParallelDims
+from shardsmith.layout.plan import OPTIM_PREFIXES
 from shardsmith.storage.commit import step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.trainer.model import Transformer
@@ -176,8 +177,8 @@ def test_reference_has_nontrivial_optimizer_state(reference: dict[str, torch.Ten
     assert float(reference[f"optim.step.{fqn}"]) == K
     assert reference[f"optim.exp_avg.{fqn}"].abs().max() > 0
     assert reference[f"optim.exp_avg_sq.{fqn}"].min() > 0
-    assert len([k for k in reference if k.startswith("optim.")]) == 3 * len(
-        [k for k in reference if not k.startswith("optim.")])
+    assert len([k for k in reference if k.startswith(OPTIM_PREFIXES)]) == 3 * len(
+        [k for k in reference if not k.startswith(OPTIM_PREFIXES)])
 
 
 @pytest.mark.distributed

@@ -45,7 +45,7 @@ from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.gc import describe_steps, gc
 from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord
-from shardsmith.storage.shards import ReadStats
+from shardsmith.storage.reading.execute import ReadStats
 from shardsmith.storage.formats import read_box, read_boxes
 from shardsmith.storage.verify import verify_checkpoint
 from shardsmith.storage.zarr_format import parse_codec, regular_chunks

@@ -30,7 +30,7 @@ from shardsmith.storage.commit import commit, step_dir
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import Manifest, ManifestBuilder
-from shardsmith.storage.shards import ReadStats
+from shardsmith.storage.reading.execute import ReadStats
 from shardsmith.storage.formats import read_boxes
 from shardsmith.storage.formats import tensor_format as get_tensor_format
 from shardsmith.storage.tensor_files import DTYPE_NAMES

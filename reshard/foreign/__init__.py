@@ -1,0 +1,5 @@
+"""Foreign checkpoint formats: PyTorch DCP (torchtitan) and Megatron-Core ``torch_dist``.
+
+Readers of DCP's pickled ``.metadata`` go through :mod:`.unpickler`, the only unpickling in
+shardsmith; every importer writes through :func:`.write.write_checkpoint`.
+"""

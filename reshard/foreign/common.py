@@ -1,0 +1,76 @@
+"""What the foreign-format importers share: the model config from tensor shapes, and reports."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from shardsmith.errors import ConfigError
+from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout.plan import param_specs
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+@dataclass(kw_only=True)
+class ModelHints:
+    """Model fields no tensor shape tells (DCP and ``torch_dist`` store no model config).
+
+    Attributes:
+        num_attention_heads: query heads (needed to tell head_dim, hence the kv heads).
+        seq_length, rope_theta, norm_eps: recorded in the config; not checked against anything.
+    """
+
+    num_attention_heads: int
+    seq_length: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+
+@dataclass
+class ImportReport:
+    """What an importer wrote, and what of the source it did not carry over."""
+
+    source: str
+    target: str
+    step: int
+    model: ModelConfig
+    with_optimizer: bool
+    num_files: int = 0
+    nbytes_written: int = 0
+    seconds: float = 0.0
+    dropped: list[str] = field(default_factory=list)
+
+
+def infer_model_config(shapes: dict[str, tuple[int, ...]], hints: ModelHints, source: str) -> ModelConfig:
+    """Our :class:`ModelConfig` of a Llama whose parameters (our FQNs) have ``shapes``.
+
+    Raises:
+        ConfigError: a tensor is missing, unknown or misshapen for the inferred model
+            (names the tensor), or the heads do not divide the widths.
+    """
+    for name in ("tok_embeddings.weight", "layers.0.attention.wk.weight", "layers.0.feed_forward.w1.weight"):
+        if name not in shapes:
+            raise ConfigError(f"{source}: no tensor {name}; not a Llama checkpoint shardsmith can import")
+    vocab, hidden = shapes["tok_embeddings.weight"]
+    heads = hints.num_attention_heads
+    if hidden % heads:
+        raise ConfigError(f"{source}: hidden size {hidden} is not divisible by "
+                          f"--num-attention-heads {heads}; pass the model's query head count")
+    layers = {int(m.group(1)) for m in map(_LAYER.match, shapes) if m}
+    model = ModelConfig(num_layers=len(layers), hidden_size=hidden, num_attention_heads=heads,
+                        num_kv_heads=shapes["layers.0.attention.wk.weight"][0] // (hidden // heads),
+                        ffn_hidden_size=shapes["layers.0.feed_forward.w1.weight"][0], vocab_size=vocab,
+                        seq_length=hints.seq_length, tie_embeddings="output.weight" not in shapes,
+                        rope_theta=hints.rope_theta, norm_eps=hints.norm_eps)
+    specs = param_specs(model, ParallelDims())
+    for fqn, spec in specs.items():
+        if fqn not in shapes or tuple(shapes[fqn]) != spec.shape:
+            found = "missing" if fqn not in shapes else f"of shape {tuple(shapes[fqn])}"
+            raise ConfigError(f"{source}: tensor {fqn} is {found}, but the model the other shapes "
+                              f"imply ({model}) needs {spec.shape}")
+    extra = sorted(set(shapes) - set(specs))
+    if extra:
+        raise ConfigError(f"{source}: tensors {extra[:5]} have no place in shardsmith's Llama "
+                          "(biases and extra modules are not supported); nothing was imported")
+    return model

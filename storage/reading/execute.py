@@ -1,0 +1,174 @@
+"""Load-time read execution: run planned reads concurrently through the Store, verify, scatter.
+
+:func:`read_safetensors_boxes` (reached through :func:`shardsmith.storage.formats.read_boxes`)
+plans with :mod:`shardsmith.storage.reading.plan`, reads each coalesced range with one
+:meth:`~shardsmith.storage.fs.Store.read_into` (local ``preadv`` / ranged GET, under the
+store's retries), verifies every chunk with :func:`~shardsmith.storage.checksum.verify_chunks`
+before use, and copies scratch pieces into place.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from shardsmith.errors import IntegrityError
+from shardsmith.layout.box import Box, row_major_strides
+from shardsmith.layout.dtypes import DTYPE_NBYTES
+from shardsmith.storage.checksum import require_full_read, verify_chunks
+from shardsmith.storage.fs import Store
+from shardsmith.storage.manifest import Manifest
+from shardsmith.storage.reading.plan import ReadPart, ScratchPiece, coalesce, plan_piece
+from shardsmith.storage.reading.spans import intersections
+from shardsmith.storage.tensor_files import TORCH_DTYPES
+from shardsmith.storage.file_checks import check_file_once
+from shardsmith.storage.sidecar import load_chunk_crcs
+
+#: Ranged reads in flight at once in one :func:`read_safetensors_boxes` call (threads: local
+#: ``preadv`` and object-store GETs both release the GIL).
+READ_WORKERS = 8
+#: Scratch bytes (for pieces that cannot be read straight into their destination) one
+#: :func:`read_safetensors_boxes` call holds at once; beyond it the reads planned so far are run first.
+MAX_SCRATCH_NBYTES = 256 * 2**20
+
+
+@dataclass
+class ReadStats:
+    """Bytes read from storage vs bytes the caller needed, for read amplification."""
+
+    nbytes_read: int = 0
+    nbytes_needed: int = 0
+
+
+def _fill_from_scratch(piece: ScratchPiece) -> None:
+    """Copy a verified scratch piece into its place in ``out``."""
+    dtype = piece.out.dtype
+    raw = piece.scratch[piece.first:piece.last]
+    if piece.first % torch.empty((), dtype=dtype).element_size():
+        raw = raw.clone()                                     # realign (odd chunk sizes only)
+    elems = raw.view(dtype)
+    # elems covers the saved box's row-major storage from the intersection's first element:
+    # view it through the saved box's strides.
+    src = elems.as_strided(piece.common.lengths, row_major_strides(piece.saved.lengths)) if piece.common.lengths \
+        else elems.view(())
+    piece.out[piece.common.relative_to(piece.box)] = src
+
+
+def _run_reads(store: Store, parts: list[ReadPart], chunk: int, source: str) -> int:
+    """Read and verify all parts, concurrently; returns bytes read."""
+    def one(read: list[ReadPart]) -> int:
+        start, end = read[0].start, read[-1].end
+        url = f"{source}/{read[0].shard.file}"
+        got = store.read_into(read[0].shard.file, start, [d for p in read for d in p.dests])
+        require_full_read(got, end - start, start, url)
+        for p in read:
+            verify_chunks(p.shard, p.c0, p.dests, chunk, url)
+        return got
+
+    reads = coalesce(parts)
+    if len(reads) <= 1:
+        return sum(one(r) for r in reads)
+    with ThreadPoolExecutor(min(READ_WORKERS, len(reads))) as pool:
+        return sum(pool.map(one, reads))
+
+
+def destination(fqn: str, box: Box, dtype_name: str, out: torch.Tensor | None) -> torch.Tensor:
+    """The tensor a read of ``box`` fills: ``out`` after checking its shape and dtype, or a new one.
+
+    Raises:
+        ValueError: ``out`` does not have shape ``box.lengths`` and the tensor's dtype.
+    """
+    dtype = TORCH_DTYPES[dtype_name]
+    if out is None:
+        return torch.empty(box.lengths, dtype=dtype)
+    if tuple(out.shape) != box.lengths or out.dtype != dtype:
+        raise ValueError(f"read_box({fqn!r}): destination is {out.dtype} {tuple(out.shape)}, the box "
+                         f"needs {dtype} {box.lengths}")
+    return out
+
+
+@dataclass
+class _Batch:
+    """Reads planned but not yet run, and the scratch bytes they hold."""
+
+    store: Store
+    chunk_nbytes: int
+    source: str
+    stats: ReadStats | None
+    parts: list[ReadPart] = field(default_factory=list)
+    pieces: list[ScratchPiece] = field(default_factory=list)
+    scratch_nbytes: int = 0
+
+    def add(self, piece: ScratchPiece | None, parts: list[ReadPart]) -> None:
+        self.parts += parts
+        if piece is not None:
+            self.pieces.append(piece)
+            self.scratch_nbytes += piece.scratch.numel()
+        if self.scratch_nbytes > MAX_SCRATCH_NBYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Fetch the chunk CRCs of the shards about to be read (version 2: from their sidecars),
+        run the planned reads (verified), then fill the scratch pieces into place."""
+        load_chunk_crcs(self.store, self.chunk_nbytes, [p.shard for p in self.parts], self.source)
+        nbytes = _run_reads(self.store, self.parts, self.chunk_nbytes, self.source)
+        for piece in self.pieces:
+            _fill_from_scratch(piece)
+        if self.stats is not None:
+            self.stats.nbytes_read += nbytes
+        self.parts, self.pieces, self.scratch_nbytes = [], [], 0
+
+
+def read_safetensors_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, Box, torch.Tensor | None]],
+                           stats: ReadStats | None = None, source: str = "") -> list[torch.Tensor]:
+    """Assemble several boxes of logical tensors from a safetensors checkpoint's shards in one go.
+
+    For every (request, saved shard) intersection only the checksum chunks holding needed
+    bytes are read (row segments of strided intersections when the gaps are long), ranges
+    of a file that touch are coalesced, the reads run concurrently, and every byte read is
+    verified against the manifest's chunk checksums before it is used. Contiguous pieces
+    are read straight into their destination (no intermediate copy). Any rank; thread-safe
+    across calls.
+
+    Args:
+        store: the step directory's store (shard file paths are relative to it).
+        manifest: the parsed manifest of that step.
+        requests: (fqn, global box in elements, destination or ``None``); a destination has
+            shape ``box.lengths`` and the tensor's dtype (it is overwritten).
+        stats: optional counters updated with bytes read and needed.
+        source: URL for messages (default: the store's).
+
+    Returns:
+        One tensor per request, of shape ``box.lengths`` (the destination when given).
+
+    Raises:
+        KeyError: an fqn is not in the checkpoint.
+        ValueError: a destination has the wrong shape or dtype.
+        IntegrityError: a read byte does not match its checksum, or a file it touches is
+            truncated, oversized or has a safetensors header that disagrees with the manifest,
+            or the saved shards do not cover a box.
+    """
+    source = source or store.url
+    batch = _Batch(store, manifest.chunk_nbytes, source, stats)
+    outs: list[torch.Tensor] = []
+    for fqn, box, out in requests:
+        rec = manifest.tensors[fqn]
+        itemsize = DTYPE_NBYTES[rec.dtype]
+        out = destination(fqn, box, rec.dtype, out)
+        outs.append(out)
+        out = out.detach()                                    # same memory; writable under autograd
+        filled = 0
+        for shard, saved, common in intersections(rec, box):
+            check_file_once(store, manifest, shard.file, source)   # size + header, once per file
+            batch.add(*plan_piece(shard, saved, common, box, out, itemsize, manifest.chunk_nbytes))
+            filled += common.numel
+            if stats is not None:
+                stats.nbytes_needed += common.numel * itemsize
+        if filled != box.numel:
+            raise IntegrityError(f"{source}: saved shards of {fqn!r} cover {filled} of the "
+                                 f"{box.numel} elements of box {box}")
+    batch.flush()
+    return outs

@@ -1,0 +1,219 @@
+"""import-dcp / export-dcp with torch.distributed.checkpoint itself, and the restricted unpickler."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+from conftest import TESTS_DIR, TINY_MODEL, read_full_tensors
+from shardsmith.cli.main import cli
+from shardsmith.errors import IntegrityError
+from shardsmith.layout import ParallelDims
+from shardsmith.reshard.foreign.common import ModelHints
+from shardsmith.reshard.foreign.dcp import export_dcp, import_dcp
+from shardsmith.reshard.foreign.dcp_reader import DCPCheckpoint
+from shardsmith.reshard.foreign.unpickler import load_plain_value, load_tensor_record
+from shardsmith.trainer.config import TrainConfig
+from shardsmith.trainer.model import Transformer
+from shardsmith.trainer.weight_init import init_weights
+
+HINTS = ModelHints(num_attention_heads=4, seq_length=16)
+HINT_FLAGS = ["--num-attention-heads", "4", "--seq-length", "16"]
+
+
+class _Exploit:
+    """Unpickling this would create ``marker`` (via os.system)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _ours(key: str) -> str:
+    """Our FQN of a torchtitan DCP key."""
+    if key.startswith("optimizer.state."):
+        fqn, kind = key[len("optimizer.state."):].rsplit(".", 1)
+        return f"optim.{kind}.{fqn}"
+    return key
+
+
+def _torchtitan_state(seed: int = 1) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(state dict as torchtitan hands it to dcp.save, full tensors by DCP key): one AdamW step."""
+    model = Transformer(TINY_MODEL)
+    init_weights(model, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))).square().mean().backward()
+    opt.step()
+    optim = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    state = {**model.state_dict(), "optimizer": optim, "train_state": {"step": 5, "ntokens_seen": 640},
+             "lr_scheduler": {"last_epoch": 5}, "dataloader": {"dp_rank_0": b"opaque"}}
+    full = {**model.state_dict(), **{f"optimizer.{k}": v for k, v in optim.items() if isinstance(v, torch.Tensor)}}
+    return state, {k: v.detach().clone() for k, v in full.items()}
+
+
+def _load_exported(out: str, like: dict) -> dict:
+    """``dcp.load`` of ``out`` into zeroed tensors/values shaped like ``like`` (one process)."""
+    def zero(v):
+        if isinstance(v, dict):
+            return {k: zero(x) for k, x in v.items()}
+        return torch.zeros_like(v) if isinstance(v, torch.Tensor) else None
+    target = {k: zero(v) for k, v in like.items() if k != "dataloader"}
+    dcp.load(target, checkpoint_id=out, no_dist=True)
+    return target
+
+
+def test_import_then_export_roundtrip_is_bitwise(tmp_path):
+    state, full = _torchtitan_state()
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    dims = ParallelDims(tp=2, pp=2)
+    report = import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck"), dims, HINTS,
+                        make_config=lambda m: TrainConfig(model=m, parallel=dims).to_json())
+    assert report.step == 5 and report.with_optimizer and report.model.num_kv_heads == 2
+    assert any(d.startswith("optimizer.param_groups.*") for d in report.dropped)
+    got = read_full_tensors(str(tmp_path / "ck"))
+    assert len(got) == len(full)
+    for key, want in full.items():
+        assert torch.equal(got[_ours(key)], want), key
+    export_dcp(str(tmp_path / "ck"), str(tmp_path / "out"))
+    loaded = _load_exported(str(tmp_path / "out"), state)
+    for key, want in full.items():
+        parts = key.split(".", 1)
+        value = loaded["optimizer"][parts[1]] if parts[0] == "optimizer" else loaded[key]
+        assert torch.equal(value, want), key
+    assert loaded["train_state"] == {"step": 5, "ntokens_seen": 640}
+    assert loaded["lr_scheduler"] == {"last_epoch": 5}
+    assert loaded["optimizer"]["param_groups.norm.weight.betas"] == (0.9, 0.95)  # train defaults
+    assert loaded["optimizer"]["param_groups.norm.weight.lr"] == 3e-3
+
+
+def test_model_only_bf16_import_cli(tmp_path):
+    model = Transformer(TINY_MODEL)
+    init_weights(model, 3)
+    sd = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    result = CliRunner().invoke(cli, ["import-dcp", str(tmp_path / "dcp"), str(tmp_path / "ck"),
+                                      "--tp", "2", "--dp-shard", "2", *HINT_FLAGS])
+    assert result.exit_code == 0, result.output
+    assert "model weights only" in result.output
+    got = read_full_tensors(str(tmp_path / "ck"))
+    assert sorted(got) == sorted(sd)
+    for key, want in sd.items():
+        assert got[key].dtype == torch.float32 and torch.equal(got[key], want.float()), key
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(cli, ["import-dcp", str(tmp_path), str(tmp_path / "ck"), *HINT_FLAGS])
+    assert result.exit_code == 1 and "no .metadata" in result.output
+    state, _ = _torchtitan_state()
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    result = runner.invoke(cli, ["import-dcp", str(tmp_path / "dcp"), str(tmp_path / "ck"),
+                                 "--num-attention-heads", "3"])
+    assert result.exit_code == 1 and "--num-attention-heads 3" in result.output
+    assert result.output.count("\n") == 1
+    result = runner.invoke(cli, ["import-dcp", "--help"])
+    assert result.exit_code == 0 and "torchtitan" in result.output
+
+
+def test_hostile_metadata_is_refused_without_running(tmp_path):
+    marker = tmp_path / "pwned"
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(_Exploit(marker)))
+    with pytest.raises(IntegrityError, match=r"\.metadata: the pickle names (posix|os)\.system"):
+        DCPCheckpoint(str(tmp_path / "dcp"))
+    result = CliRunner().invoke(cli, ["import-dcp", str(tmp_path / "dcp"), str(tmp_path / "ck"), *HINT_FLAGS])
+    assert result.exit_code == 1 and "refused without running it" in result.output
+    assert not marker.exists()
+
+
+def test_hostile_value_and_tensor_pickles_are_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    state, _ = _torchtitan_state()
+    state["train_state"]["step"] = _Exploit(marker)         # dcp.save pickles it as a bytes item
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert not marker.exists()
+    with pytest.raises(IntegrityError, match="train_state.step"):
+        import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck"), ParallelDims(), HINTS)
+    with pytest.raises(IntegrityError, match="not one of the DCP tensor classes"):
+        load_tensor_record(pickle.dumps(_Exploit(marker)), "x")
+    with pytest.raises(IntegrityError, match="not one of the DCP plain classes"):
+        load_plain_value(pickle.dumps({"a": _Exploit(marker)}), "x")
+    assert not marker.exists()
+    assert load_plain_value(pickle.dumps({"a": [1, 2.5, (3, "x")]}), "x") == {"a": [1, 2.5, (3, "x")]}
+
+
+def test_metadata_allow_list_covers_real_dcp_metadata(tmp_path):
+    state, _ = _torchtitan_state()
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    ck = DCPCheckpoint(str(tmp_path / "dcp"))
+    assert ck.metadata == pickle.loads((tmp_path / "dcp" / ".metadata").read_bytes())  # trusted: test only
+
+
+@pytest.mark.distributed
+def test_training_resumes_from_imported_dcp(tmp_path, data_path):
+    """The imported step, AdamW state and LR position are what `train --resume` continues from."""
+    state, _ = _torchtitan_state()
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    result = CliRunner().invoke(cli, ["import-dcp", str(tmp_path / "dcp"), str(tmp_path / "run"), "--tp", "2",
+                                      *HINT_FLAGS])
+    assert result.exit_code == 0, result.output
+    flags = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--num-kv-heads", "2",
+             "--ffn-hidden-size", "64", "--vocab-size", "256", "--seq-length", "16", "--global-batch-size", "4",
+             "--micro-batch-size", "2", "--data", data_path]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "shardsmith", "train", *flags, "--steps", "6",
+                           "--ckpt", str(tmp_path / "run"), "--resume", "auto", "--save-interval", "100"],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    resume = [r for r in records if r.get("event") == "resume"]
+    assert len(resume) == 1 and resume[0]["step"] == 5 and resume[0]["saved_layout"]["tp"] == 2
+    assert [r["step"] for r in records if "loss" in r] == [6]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp2_tp_dcp_roundtrip(tmp_path):
+    """4 gloo ranks save FSDP2+TP DTensors with dcp.save; import into tp2·pp2 and export back."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                           str(TESTS_DIR / "foreign_scenarios.py"), str(tmp_path)],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    ref = load_file(str(tmp_path / "reference.safetensors"))
+    ck = DCPCheckpoint(str(tmp_path / "dcp"))
+    assert len(ck.chunks["layers.0.attention.wq.weight"]) == 4            # dp_shard x tp pieces
+    runner = CliRunner()
+    result = runner.invoke(cli, ["import-dcp", str(tmp_path / "dcp"), str(tmp_path / "ck"),
+                                 "--tp", "2", "--pp", "2", *HINT_FLAGS])
+    assert result.exit_code == 0, result.output
+    got = read_full_tensors(str(tmp_path / "ck"))
+    assert len(got) == len(ref)
+    for key, want in ref.items():
+        assert torch.equal(got[_ours(key)], want), key
+    result = runner.invoke(cli, ["export-dcp", str(tmp_path / "ck"), str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    like = {k: v for k, v in ref.items() if not k.startswith("optimizer.")}
+    like["optimizer"] = {k[len("optimizer."):]: v for k, v in ref.items() if k.startswith("optimizer.")}
+    loaded = _load_exported(str(tmp_path / "out"), like)
+    for key, want in ref.items():
+        value = loaded["optimizer"][key[len("optimizer."):]] if key.startswith("optimizer.") else loaded[key]
+        assert torch.equal(value, want), key
+    result = runner.invoke(cli, ["import-dcp", str(tmp_path / "out"), str(tmp_path / "ck2"),
+                                 "--dp-shard", "2", *HINT_FLAGS])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(cli, ["diff", str(tmp_path / "ck"), str(tmp_path / "ck2")])
+    assert result.exit_code == 0, result.output
