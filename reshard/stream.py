@@ -27,12 +27,14 @@ _RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}   # element-size 
 
 @dataclass
 class FileResult:
-    """A finished target file: its manifest records; ``written`` False when kept."""
+    """A finished target file: its manifest records; ``written`` False when kept; ``sidecar``
+    the record of its chunk-CRC sidecar (the shards' ``crc_index`` point into it)."""
 
     name: str
     record: FileRecord
     shards: dict[str, ShardRecord]
     written: bool
+    sidecar: FileRecord | None = None
 
 
 class BufferBudget:
