@@ -297,14 +297,14 @@ def main() -> None:
             rows[name] = _child(["--only", name, "--row", "--chunk-nbytes", str(args.chunk_nbytes),
                                  "--dump", f"{tmp}/{name}.json"])
         print_table(list(rows.values()))
-        for name in rows:
+        for name in (n for n in rows if n != "large"):          # large: 128 passes, too slow for a shared box
             stream, whole = (_child(["--verify-rss", f"{tmp}/{name}.json", m]) for m in ("stream", "whole"))
             print(f"verify metadata, {rows[name]['ranks']} ranks: streamed peak RSS {_mb(stream['peak_rss_bytes'])} "
                   f"({stream['seconds']} s CPU); whole-manifest parse peak RSS {_mb(whole['peak_rss_bytes'])} "
                   f"({whole['seconds']} s CPU); empty interpreter {_mb(stream['rss_before_bytes'])}")
             rows[name]["verify_stream_peak_rss_bytes"] = stream["peak_rss_bytes"]
     main_row = rows.get("main", next(iter(rows.values())))
-    print(json.dumps({k: main_row[k] for k in (
+    print(json.dumps({k: main_row.get(k) for k in (
         "config", "ranks", "shards", "checkpoint_bytes", "manifest_bytes", "metadata_bytes_total",
         "max_rank_metadata_read_bytes", "reshard_rank_metadata_read_bytes", "plan_seconds", "commit_seconds",
         "parse_seconds_per_rank", "peak_rss_bytes", "verify_stream_peak_rss_bytes", "sim_seconds")}))
