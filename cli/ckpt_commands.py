@@ -49,7 +49,7 @@ def inspect(ckpt: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
         click.echo(f"  {fqn:<{width}}  {str(tuple(t.shape)):<14} {t.dtype:<5}  {len(t.shards):>6}  {t.nbytes:,}")
 
 
-@click.command()
+@click.command(short_help="Check files, sizes, checksums and coverage.")
 @click.argument("ckpt")
 @json_option("the report")
 @click.option("--workers", "--nproc", "workers", type=click.IntRange(min=1), default=1, show_default=True,

@@ -36,13 +36,13 @@ def _echo_import(report, dims) -> None:
         click.echo(f"  dropped: {item}")
 
 
-@click.command("import-dcp")
+@click.command("import-dcp", short_help="Import a PyTorch DCP (torchtitan) checkpoint.")
 @click.argument("src")
 @click.argument("ckpt")
 @layout_options
 @hint_options
 @storage_option
-def import_dcp(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, num_attention_heads, seq_length,
+def import_dcp(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, expert_parallel, num_attention_heads, seq_length,
                rope_theta, norm_eps, step, storage_options) -> None:
     """Turn the torchtitan-style PyTorch DCP directory SRC (.metadata + *.distcp) into a
     shardsmith checkpoint at CKPT (a root or step directory) in the given layout: model
@@ -51,7 +51,7 @@ def import_dcp(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, num_at
     from shardsmith.reshard.foreign.common import ModelHints
     from shardsmith.reshard.foreign.dcp import import_dcp as do_import
 
-    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None)
+    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel)
     hints = ModelHints(num_attention_heads=num_attention_heads, seq_length=seq_length,
                        rope_theta=rope_theta, norm_eps=norm_eps)
     report = do_import(src, ckpt, dims, hints, step=step, make_config=_config_maker(dims),
@@ -59,7 +59,7 @@ def import_dcp(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, num_at
     _echo_import(report, dims)
 
 
-@click.command("export-dcp")
+@click.command("export-dcp", short_help="Export a checkpoint as a PyTorch DCP directory.")
 @click.argument("ckpt")
 @click.argument("out_dir")
 @click.option("--overwrite", is_flag=True, help="Replace a DCP checkpoint already in OUT_DIR.")
@@ -77,7 +77,7 @@ def export_dcp(ckpt, out_dir, overwrite, storage_options) -> None:
                f"{report.seconds:.2f}s -> {report.out_dir}")
 
 
-@click.command("import-megatron")
+@click.command("import-megatron", short_help="Import a Megatron-Core torch_dist checkpoint.")
 @click.argument("src")
 @click.argument("ckpt")
 @layout_options
@@ -85,7 +85,7 @@ def export_dcp(ckpt, out_dir, overwrite, storage_options) -> None:
 @click.option("--vocab-size", type=int, default=None,
               help="Unpadded vocabulary; Megatron's padding rows beyond it are dropped [default: every row].")
 @storage_option
-def import_megatron(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, num_attention_heads, seq_length,
+def import_megatron(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, expert_parallel, num_attention_heads, seq_length,
                     rope_theta, norm_eps, step, vocab_size, storage_options) -> None:
     """Turn the Megatron-Core GPT checkpoint SRC in the torch_dist format (.metadata, *.distcp,
     metadata.json; saved with any tp/pp) into a model-only shardsmith checkpoint at CKPT in the
@@ -94,7 +94,7 @@ def import_megatron(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, n
     from shardsmith.reshard.foreign.common import ModelHints
     from shardsmith.reshard.foreign.megatron import import_megatron as do_import
 
-    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None)
+    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel)
     hints = ModelHints(num_attention_heads=num_attention_heads, seq_length=seq_length,
                        rope_theta=rope_theta, norm_eps=norm_eps)
     report = do_import(src, ckpt, dims, hints, vocab_size=vocab_size, step=step,
@@ -102,7 +102,7 @@ def import_megatron(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, n
     _echo_import(report, dims)
 
 
-@click.command("export-megatron")
+@click.command("export-megatron", short_help="Export weights as a Megatron-Core checkpoint.")
 @click.argument("ckpt")
 @click.argument("out_dir")
 @click.option("--tp", "--tensor-model-parallel-size", "tp", type=int, default=1, show_default=True,

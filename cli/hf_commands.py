@@ -32,13 +32,14 @@ def export_hf(ckpt, out_dir, dtype, max_shard_nbytes, overwrite, storage_options
                f"-> {report.out_dir}")
 
 
-@click.command("import-hf")
+@click.command("import-hf", short_help="Import a Hugging Face Llama directory.")
 @click.argument("hf_dir")
 @click.argument("ckpt")
 @layout_options
 @click.option("--step", type=int, default=None, help="Step number of the new checkpoint [default: 0].")
 @storage_option
-def import_hf(hf_dir, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, step, storage_options) -> None:
+def import_hf(hf_dir, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, expert_parallel, step,
+              storage_options) -> None:
     """Make a shardsmith checkpoint of a Hugging Face Llama directory.
 
     Turns the local Hugging Face Llama directory HF_DIR into a model-only checkpoint at CKPT
@@ -47,7 +48,7 @@ def import_hf(hf_dir, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, step
     from shardsmith.reshard.hf_io import import_hf as do_import, read_model_config
     from shardsmith.trainer.config import TrainConfig
 
-    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None)
+    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel)
     config = TrainConfig(model=read_model_config(hf_dir), parallel=dims).to_json()
     report = do_import(hf_dir, ckpt, dims, step=step, config=config,
                        storage_options=parse_storage_options(storage_options))

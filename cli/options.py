@@ -164,18 +164,22 @@ layout_options = stack(
     _dims_option("dp_replicate", "--dp-replicate", help="Data-parallel replicas (HSDP replication)."),
     click.option("--pipeline-split", type=IntListType(), default="", metavar="N,N,...",
                  help="Layers per pipeline stage, e.g. 5,3 (default: as even as possible)."),
+    _dims_option("expert_parallel", "--ep", "--expert-model-parallel-size", "expert_parallel",
+                 help="Expert-parallel degree, carved out of the dp_shard ranks: 1 or dp_shard (Megatron: "
+                      "--expert-model-parallel-size). Checkpoints are the same either way."),
 )
 
 
 def make_dims(tp: int, pp: int, dp_shard: int, dp_replicate: int, pipeline_split: tuple[int, ...],
-              world: int | None) -> ParallelDims:
+              world: int | None, expert_parallel: int = 1) -> ParallelDims:
     """ParallelDims from the layout flags; ``dp_shard=-1`` takes the rest of ``world``
     (:meth:`ParallelDims.for_world_size`; 1 when the world size is not known).
 
     Raises:
         LayoutError: the layout does not have ``world`` ranks.
     """
-    kw: dict[str, Any] = {"pp": pp, "dp_replicate": dp_replicate, "tp": tp, "pipeline_split": pipeline_split}
+    kw: dict[str, Any] = {"pp": pp, "dp_replicate": dp_replicate, "tp": tp, "pipeline_split": pipeline_split,
+                          "expert_parallel": expert_parallel}
     if dp_shard == -1:
         return ParallelDims.for_world_size(world if world is not None else tp * pp * dp_replicate, **kw)
     dims = ParallelDims(dp_shard=dp_shard, **kw)
@@ -206,6 +210,11 @@ MODEL_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
                        "Share the input embedding with the output projection."),
     "rope_theta": (("--rope-theta", "--rotary-base"), "RoPE base (Megatron: --rotary-base)."),
     "norm_eps": (("--norm-eps",), "RMSNorm epsilon."),
+    "num_experts": (("--num-experts",), "Mixtral-style MoE FFN with this many experts (0 = dense)."),
+    "moe_router_topk": (("--moe-router-topk",), "Experts per token (softmax over the top-K router logits)."),
+    "moe_ffn_hidden_size": (("--moe-ffn-hidden-size",), "Each expert's SwiGLU width (0 = --ffn-hidden-size)."),
+    "moe_aux_loss_coeff": (("--moe-aux-loss-coeff",), "Weight of the Switch load-balancing loss."),
+    "moe_layer_freq": (("--moe-layer-freq",), "Every N-th layer is MoE (layer i with i % N == 0)."),
 }
 
 

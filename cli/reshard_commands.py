@@ -110,7 +110,7 @@ def run_diff(a_url: str, b_url: str, *, atol: float, storage_options: dict, cast
               help="Local processes, each converting a share of the target files (rank 0 commits). "
                    "Under torchrun, its RANK and WORLD_SIZE are used instead.")
 @storage_option
-def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, dtype, model_only, tensor_format,
+def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, expert_parallel, dtype, model_only, tensor_format,
             zarr_codec, max_buffer_nbytes, workers, dry_run, verify, quiet, nproc_per_node, storage_options) -> None:
     """Convert a checkpoint to a new layout (and format, dtype).
 
@@ -124,12 +124,14 @@ def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, dtype, mod
     from shardsmith.storage.commit import read_manifest, resolve_checkpoint
     from shardsmith.storage.fs import parse_storage_options
 
-    if _convert_zarr(src, dst, make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None), tensor_format,
-                     zarr_codec, dtype, model_only, dry_run, verify, parse_storage_options(storage_options)):
+    target = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel)
+    if _convert_zarr(src, dst, target, tensor_format, zarr_codec, dtype, model_only, dry_run, verify,
+                     parse_storage_options(storage_options)):
         return                                        # zarr source or target: single process
     if nproc_per_node > 1 and "WORLD_SIZE" not in os.environ and not dry_run:
         args = [src, dst, "--tp", str(tp), "--pp", str(pp), "--dp-shard", str(dp_shard), "--dp-replicate",
                 str(dp_replicate), "--pipeline-split", ",".join(map(str, pipeline_split)),
+                "--ep", str(expert_parallel),
                 "--max-buffer", str(max_buffer_nbytes),
                 "--workers", str(workers)] + (["--dtype", dtype] if dtype else []) \
             + (["--model-only"] if model_only else []) + (["--verify"] if verify else []) \
@@ -141,7 +143,7 @@ def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, dtype, mod
     share = Share.from_env()
     options = parse_storage_options(storage_options)
     _, src_store, _ = resolve_checkpoint(src, options)
-    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None)
+    dims = target
     opts = ReshardOptions(dtype=_DTYPES[dtype] if dtype else None, model_only=model_only,
                           max_buffer_nbytes=max_buffer_nbytes, workers=workers)
     plan = plan_reshard(read_manifest(src_store), dims, opts, src_store.url)

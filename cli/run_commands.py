@@ -29,7 +29,7 @@ def plot(run_dir: str, out_path: str) -> None:
     click.echo(f"wrote {written}")
 
 
-@click.command()
+@click.command(short_help="The main job: train TP2·PP2, reshard, resume on 2.")
 @click.option("--dir", "workdir", default="demo-run", show_default=True,
               help="Where the demo's checkpoints go (replaced if present).")
 @click.option("--steps", type=int, cls=FieldOption, default_from="shardsmith.cli.demo:run_demo.steps",

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from shardsmith.cli.greedy import GreedyOption
-from shardsmith.cli.options import (dry_run_option, field_option, json_option, layout_options, make_dims,
+from shardsmith.cli.options import (IntListType, dry_run_option, field_option, json_option, layout_options, make_dims,
                                     model_from_flags, model_options, stack, storage_option,
                                     tensor_format_option, zarr_codec_option)
 from shardsmith.layout.sizes import format_nbytes
@@ -60,6 +60,21 @@ run_options = stack(
     click.option("--bf16", is_flag=True, help="Same as --mixed-precision bf16 (Megatron name)."),
     field_option(T, "activation_checkpointing", "--activation-checkpointing", is_flag=True,
                  help="Recompute each block in backward."),
+    field_option(T, "sequence_parallel", "--sequence-parallel", is_flag=True,
+                 help="With --tp > 1: norms and residual activations sharded along the sequence over "
+                      "the TP group (Megatron: --sequence-parallel); checkpoints are unchanged."),
+    click.option("--virtual-stages", type=int, default=None,
+                 help="Model chunks per pipeline rank (interleaved pipeline; rank r holds chunks r, r+P, ...)."),
+    click.option("--num-layers-per-virtual-pipeline-stage", "layers_per_virtual_stage", type=int, default=None,
+                 help="Layers per model chunk (Megatron's flag): --virtual-stages = num_layers / (pp x N)."),
+    click.option("--pipeline-schedule", default="", metavar="NAME",
+                 help="Pipeline schedule: 1f1b, gpipe, interleaved-1f1b, looped-bfs or interleaved-zb "
+                      "(default: interleaved-1f1b with virtual stages, else 1f1b)."),
+    field_option(T, "compile", "--compile", is_flag=True,
+                 help="torch.compile each transformer block (in place: checkpoint names unchanged)."),
+    click.option("--profile-steps", type=IntListType(), default="", metavar="N,N,...",
+                 help="Trace these steps with the PyTorch profiler: one Chrome trace per rank under "
+                      "<run dir>/profile/step-N/."),
     field_option(T, "log_interval", "--log-interval", type=int, help="Print every N steps."),
     field_option(T, "run_dir", "--run-dir", help="Where metrics.jsonl goes (default: --ckpt when local)."),
 )
@@ -162,7 +177,10 @@ def train_config(f: dict[str, Any], world: int | None):
         model = dataclasses.replace(model, vocab_size=resolve_vocab_size(data, f["vocab_size"]))
     return TrainConfig(
         model=model,
-        parallel=make_dims(f["tp"], f["pp"], f["dp_shard"], f["dp_replicate"], f["pipeline_split"], world),
+        parallel=dataclasses.replace(
+            make_dims(f["tp"], f["pp"], f["dp_shard"], f["dp_replicate"], f["pipeline_split"], world,
+                      f["expert_parallel"]),
+            virtual_stages=virtual_stages(f, model)),
         optim=OptimConfig(**pick("lr", "decay_steps", "min_lr_ratio", "warmup_steps", "weight_decay",
                                  "grad_clip")),
         data=data,
@@ -175,7 +193,30 @@ def train_config(f: dict[str, Any], world: int | None):
                                  "hang_min_seconds", "max_bad_steps", "max_rollbacks", "peak_flops")),
         mixed_precision="bf16" if f["bf16"] else f["mixed_precision"],
         **pick("steps", "global_batch_size", "micro_batch_size", "seed", "activation_checkpointing",
-               "log_interval", "run_dir"))
+               "sequence_parallel", "pipeline_schedule", "compile", "profile_steps", "log_interval",
+               "run_dir"))
+
+
+def virtual_stages(f: dict[str, Any], model: Any) -> int:
+    """``--virtual-stages``, or num_layers / (pp x ``--num-layers-per-virtual-pipeline-stage``)
+    (Megatron's derivation); 1 when neither is given.
+
+    Raises:
+        ConfigError: both given and disagreeing, or the layers do not divide.
+    """
+    from shardsmith.errors import ConfigError
+
+    given, per_chunk = f.get("virtual_stages"), f.get("layers_per_virtual_stage")
+    if per_chunk is None:
+        return given or 1
+    if per_chunk < 1 or model.num_layers % (f["pp"] * per_chunk):
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_chunk}: num_layers={model.num_layers} "
+                          f"must be a multiple of pp={f['pp']} x {per_chunk}")
+    derived = model.num_layers // (f["pp"] * per_chunk)
+    if given is not None and given != derived:
+        raise ConfigError(f"--virtual-stages {given} disagrees with --num-layers-per-virtual-pipeline-stage "
+                          f"{per_chunk} ({model.num_layers} layers / pp {f['pp']} / {per_chunk} = {derived})")
+    return derived
 
 
 def print_estimate(cfg: Any, preset: str | None, as_json: bool) -> None:
@@ -185,7 +226,8 @@ def print_estimate(cfg: Any, preset: str | None, as_json: bool) -> None:
 
     est = estimate(cfg.model, cfg.parallel, micro_batch_size=cfg.micro_batch_size,
                    global_batch_size=cfg.global_batch_size,
-                   activation_checkpointing=cfg.activation_checkpointing, mixed_precision=cfg.mixed_precision)
+                   activation_checkpointing=cfg.activation_checkpointing, mixed_precision=cfg.mixed_precision,
+                   sequence_parallel=cfg.sequence_parallel)
     name = preset or preset_of(cfg.model)
     if as_json:
         click.echo(json.dumps({"preset": name, **est.to_json()}, indent=1))
@@ -197,7 +239,7 @@ def print_estimate(cfg: Any, preset: str | None, as_json: bool) -> None:
     click.echo(f"  layout {dims.describe()} = {dims.world_size:,} ranks; batch {est.global_batch_size} = "
                f"{est.micro_batch_size} per microbatch x {est.num_microbatches} microbatches x dp {dims.dp}; "
                f"{est.tokens_per_step:,} tokens/step")
-    click.echo(f"  pipeline bubble (P-1)/M = {dims.pp - 1}/{est.num_microbatches} = "
+    click.echo(f"  pipeline bubble (P-1)/(V*M) = {dims.pp - 1}/({dims.virtual_stages}*{est.num_microbatches}) = "
                f"{est.pipeline_bubble_fraction:.1%} of the step")
     click.echo(f"  FLOPs/step {est.flops_per_step:.3e} ({est.flops_per_step / dims.world_size:.3e} per rank)")
     click.echo(f"  {'stage':>5} {'layers':>7} {'ranks':>6} {'e.g.':>6} {'params':>15} {'weights':>10} "

@@ -6,6 +6,6 @@ dtype table).
 """
 
 from shardsmith.layout.dims import MESH_AXES, ParallelDims
-from shardsmith.layout.model_config import ModelConfig, stage_layers, validate_layout
+from shardsmith.layout.model_config import ModelConfig, chunk_layers, stage_layers, validate_layout
 
-__all__ = ["MESH_AXES", "ModelConfig", "ParallelDims", "stage_layers", "validate_layout"]
+__all__ = ["MESH_AXES", "ModelConfig", "ParallelDims", "chunk_layers", "stage_layers", "validate_layout"]

@@ -34,8 +34,17 @@ class ParallelDims:
         dp_replicate: data-parallel replicas (DDP/HSDP replication).
         dp_shard: data-parallel shards (FSDP2 ZeRO-3 sharding).
         tp: tensor-parallel degree (innermost: neighbouring ranks).
-        pipeline_split: layers per stage, one int per stage summing to num_layers;
-            empty = as even as possible, earlier stages taking the remainder.
+        pipeline_split: layers per model chunk, one int per chunk (``pp * virtual_stages``
+            of them) summing to num_layers; empty = as even as possible, earlier chunks
+            taking the remainder.
+        virtual_stages: model chunks per pipeline rank (Megatron's virtual pipeline, the
+            interleaved 1F1B schedule of Narayanan et al. 2021): rank ``r`` holds chunks
+            ``r, r + pp, r + 2*pp, ...``. Not a mesh axis: it moves layers between pipeline
+            ranks, never changes a tensor's box or name.
+        expert_parallel: expert-parallel degree, carved out of the dp_shard ranks (1 or
+            ``dp_shard``): each rank holds ``E / ep`` whole experts, the box FSDP2 would give
+            it along the expert dim, so checkpoints do not change; tokens reach their experts
+            by all-gather over the group (Megatron's ``allgather`` token dispatcher).
     """
 
     pp: int = 1
@@ -43,17 +52,35 @@ class ParallelDims:
     dp_shard: int = 1
     tp: int = 1
     pipeline_split: tuple[int, ...] = field(default=())
+    virtual_stages: int = 1
+    expert_parallel: int = 1
 
     def __post_init__(self) -> None:
-        for axis in MESH_AXES:
+        for axis in (*MESH_AXES, "virtual_stages", "expert_parallel"):
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"parallel.{axis}={value!r}: must be an integer >= 1")
+        if self.virtual_stages > 1 and self.pp < 2:
+            raise ConfigError(f"virtual_stages={self.virtual_stages} needs pp >= 2 (interleaved "
+                              "pipeline chunks live on different pipeline ranks)")
+        if self.expert_parallel not in (1, self.dp_shard) or (self.expert_parallel > 1 and self.dp_replicate > 1):
+            raise ConfigError(f"expert_parallel={self.expert_parallel}: expert parallelism is carved out of the "
+                              f"FSDP ranks; use 1 or dp_shard={self.dp_shard}, with dp_replicate=1")
         self.pipeline_split = tuple(int(n) for n in self.pipeline_split)
-        if self.pipeline_split and len(self.pipeline_split) != self.pp:
+        if self.pipeline_split and len(self.pipeline_split) != self.num_chunks:
             raise ConfigError(
                 f"pipeline_split={','.join(map(str, self.pipeline_split))} has "
-                f"{len(self.pipeline_split)} stages but pp={self.pp}")
+                f"{len(self.pipeline_split)} stages but pp={self.pp} x virtual_stages="
+                f"{self.virtual_stages} needs {self.num_chunks}")
+
+    @property
+    def num_chunks(self) -> int:
+        """Pipeline model chunks ``pp * virtual_stages`` (the schedule's stages)."""
+        return self.pp * self.virtual_stages
+
+    def chunk_ids(self, pp_rank: int) -> tuple[int, ...]:
+        """Model chunks pipeline rank ``pp_rank`` holds: ``r, r + pp, ...`` (Megatron's order)."""
+        return tuple(range(pp_rank, self.num_chunks, self.pp))
 
     @property
     def world_size(self) -> int:
@@ -89,7 +116,8 @@ class ParallelDims:
 
     @classmethod
     def for_world_size(cls, world_size: int, *, tp: int = 1, pp: int = 1, dp_replicate: int = 1,
-                       dp_shard: int = -1, pipeline_split: tuple[int, ...] = ()) -> "ParallelDims":
+                       dp_shard: int = -1, pipeline_split: tuple[int, ...] = (),
+                       virtual_stages: int = 1, expert_parallel: int = 1) -> "ParallelDims":
         """The layout of a job with ``world_size`` ranks; ``dp_shard=-1`` takes the rest.
 
         ``dp_shard = world_size / (pp * dp_replicate * tp)`` when it is -1 (tp, pp and
@@ -108,7 +136,8 @@ class ParallelDims:
                                   f"of {fixed} processes")
             dp_shard = world_size // fixed
         parallel = cls(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
-                       pipeline_split=pipeline_split)
+                       pipeline_split=pipeline_split, virtual_stages=virtual_stages,
+                       expert_parallel=expert_parallel)
         parallel.check_world_size(world_size)
         return parallel
 
@@ -146,13 +175,21 @@ class ParallelDims:
         return cls(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-safe dict of every field."""
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
-                "tp": self.tp, "pipeline_split": list(self.pipeline_split)}
+        """JSON-safe dict of every field (``virtual_stages`` only when > 1, so layouts without
+        it write the bytes they always wrote)."""
+        out = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
+               "tp": self.tp, "pipeline_split": list(self.pipeline_split)}
+        if self.virtual_stages > 1:
+            out["virtual_stages"] = self.virtual_stages
+        if self.expert_parallel > 1:
+            out["expert_parallel"] = self.expert_parallel
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ParallelDims":
         """Inverse of :meth:`to_json`."""
         return cls(pp=int(data["pp"]), dp_replicate=int(data["dp_replicate"]),
                    dp_shard=int(data["dp_shard"]), tp=int(data["tp"]),
-                   pipeline_split=tuple(data.get("pipeline_split", ())))
+                   pipeline_split=tuple(data.get("pipeline_split", ())),
+                   virtual_stages=int(data.get("virtual_stages", 1)),
+                   expert_parallel=int(data.get("expert_parallel", 1)))

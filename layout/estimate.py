@@ -9,12 +9,14 @@ rank really holds. The rest are standard estimates, each with its source:
 * activations per layer and microbatch (Korthikanti et al. 2022, "Reducing Activation
   Recomputation in Large Transformer Models", eq. 2, tensor parallel without sequence
   parallel): ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes at 2 bytes per value (= ``sbh(34 +
-  5as/h)`` at t = 1), doubled for fp32 activations; with full activation recomputation
-  (``--activation-checkpointing``, their section 4.1) ``2*s*b*h`` per layer plus one
-  layer's full set. A 1F1B stage ``p`` of ``P`` holds ``min(P - p, M)`` microbatches in
+  5as/h)`` at t = 1), doubled for fp32 activations; with sequence parallelism (their table 2)
+  ``s*b*h*(34/t + 5*a*s/(h*t))``; with full activation recomputation
+  (``--activation-checkpointing``, their section 4.1) ``2*s*b*h`` per layer (``/t`` with
+  sequence parallelism) plus one layer's full set. A 1F1B stage ``p`` of ``P`` holds ``min(P - p, M)`` microbatches in
   flight (their section 4.2.3); the last stage adds the fp32 logits ``4*s*b*V/t``;
-* pipeline bubble ``(P - 1) / M`` of the step (Narayanan et al. 2021, "Efficient
-  Large-Scale Language Model Training on GPU Clusters", section 2.2, 1F1B);
+* pipeline bubble ``(P - 1) / (V * M)`` of the step (Narayanan et al. 2021, "Efficient
+  Large-Scale Language Model Training on GPU Clusters", section 2.2: 1F1B at V = 1, the
+  interleaved schedule with V virtual stages per rank, sec. 2.2.2);
 * FLOPs per token ``6*N + 12*L*H*Q*T`` (Chowdhery et al. 2022, "PaLM", appendix B; see
   :func:`flops_per_token`).
 """
@@ -35,10 +37,12 @@ PARAM_NBYTES, GRAD_NBYTES, OPTIM_NBYTES = 4, 4, 8
 
 FORMULAS = {
     "activation": "per layer and microbatch s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at 16 bit, x2 at "
-                  "fp32 (Korthikanti et al. 2022, eq. 2; = sbh(34 + 5as/h) at t=1); with "
-                  "activation checkpointing 2*s*b*h per layer + one full layer (their sec. 4.1); "
+                  "fp32 (Korthikanti et al. 2022, eq. 2; = sbh(34 + 5as/h) at t=1); with sequence "
+                  "parallelism s*b*h*(34/t + 5*a*s/(h*t)) (their table 2); with "
+                  "activation checkpointing 2*s*b*h per layer (/t with SP) + one full layer (sec. 4.1); "
                   "min(P - stage, M) microbatches in flight under 1F1B; last stage + 4*s*b*V/t logits",
-    "bubble": "(P - 1) / M (Narayanan et al. 2021, sec. 2.2, 1F1B)",
+    "bubble": "(P - 1) / (V * M), V virtual stages per rank (Narayanan et al. 2021, sec. 2.2: 1F1B at "
+              "V = 1, interleaved 1F1B sec. 2.2.2)",
     "flops": "(6*N + 12*L*H*Q*T) * tokens, N = matmul parameters (all but the input embedding) "
              "(Chowdhery et al. 2022, PaLM, appendix B)",
     "memory": "per parameter element: fp32 weight 4 + fp32 gradient 4 + AdamW moments 8 bytes",
@@ -50,7 +54,8 @@ def flops_per_token(model: ModelConfig) -> float:
 
     ``6 * N + 12 * L * H * Q * T`` (Chowdhery et al. 2022, "PaLM", appendix B): N is the
     number of parameters that take part in matrix multiplies (all but the input embedding
-    table, which is a lookup; with tied embeddings the output projection still counts),
+    table, which is a lookup; with tied embeddings the output projection still counts; of a MoE
+    layer's experts only the K of E each token is routed to),
     L layers, H query heads, Q = head dim, T = sequence length; the second term is the
     attention score and value matmuls (counted for the full T x T matrix, as PaLM does).
     The same convention as nanoGPT's ``estimate_mfu`` and torchtitan's
@@ -60,7 +65,10 @@ def flops_per_token(model: ModelConfig) -> float:
         FLOPs per token (float, unitless count).
     """
     specs = param_specs(model, ParallelDims())
-    num_params = sum(prod(s.shape) for fqn, s in specs.items() if fqn != "tok_embeddings.weight")
+    num_params = sum(prod(s.shape) for fqn, s in specs.items() if fqn != "tok_embeddings.weight"
+                     and ".experts." not in fqn)
+    num_params += sum(prod(s.shape) * model.moe_router_topk // model.num_experts     # active experts only
+                      for fqn, s in specs.items() if ".experts." in fqn)
     if model.tie_embeddings:
         num_params += model.vocab_size * model.hidden_size          # the output matmul
     head_dim = model.hidden_size // model.num_attention_heads
@@ -68,13 +76,18 @@ def flops_per_token(model: ModelConfig) -> float:
 
 
 def activation_nbytes_per_layer(model: ModelConfig, micro_batch_size: int, tp: int, *,
-                                bytes_per_value: int = 2, recompute: bool = False) -> int:
+                                bytes_per_value: int = 2, recompute: bool = False,
+                                sequence_parallel: bool = False) -> int:
     """Activation bytes one transformer layer keeps for one microbatch (module doc, Korthikanti
-    et al. 2022 eq. 2; ``recompute``: only the layer input, 2*s*b*h at 16 bit)."""
+    et al. 2022 eq. 2 and table 2; ``recompute``: only the layer input, 2*s*b*h at 16 bit,
+    over t with sequence parallelism)."""
     s, b, h, a = model.seq_length, micro_batch_size, model.hidden_size, model.num_attention_heads
     scale = bytes_per_value / 2
+    sp = sequence_parallel and tp > 1
     if recompute:
-        return int(2 * s * b * h * scale)
+        return int(2 * s * b * h * scale / (tp if sp else 1))
+    if sp:
+        return int(s * b * h * (34 / tp + 5 * a * s / (h * tp)) * scale)
     return int(s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * scale)
 
 
@@ -175,21 +188,23 @@ def _stage_numels(specs: dict[str, TensorSpec], dims: ParallelDims) -> list[dict
 
 def _activation_nbytes(model: ModelConfig, dims: ParallelDims, stage: int, num_layers: int,
                        micro_batch_size: int, num_microbatches: int, bytes_per_value: int,
-                       recompute: bool) -> tuple[int, int]:
+                       recompute: bool, sequence_parallel: bool = False) -> tuple[int, int]:
     """(activation bytes, microbatches in flight) of one rank of ``stage`` (module doc)."""
     in_flight = min(dims.pp - stage, num_microbatches)
-    per_layer = activation_nbytes_per_layer(model, micro_batch_size, dims.tp,
-                                            bytes_per_value=bytes_per_value, recompute=recompute)
+    per_layer = activation_nbytes_per_layer(model, micro_batch_size, dims.tp, bytes_per_value=bytes_per_value,
+                                            recompute=recompute, sequence_parallel=sequence_parallel)
     total = num_layers * per_layer * in_flight
     if recompute and num_layers:
-        total += activation_nbytes_per_layer(model, micro_batch_size, dims.tp, bytes_per_value=bytes_per_value)
+        total += activation_nbytes_per_layer(model, micro_batch_size, dims.tp, bytes_per_value=bytes_per_value,
+                                             sequence_parallel=sequence_parallel)
     if stage == dims.pp - 1:
         total += 4 * model.seq_length * micro_batch_size * padded_vocab_size(model.vocab_size, dims.tp) // dims.tp
     return total, in_flight
 
 
 def estimate(model: ModelConfig, dims: ParallelDims, *, micro_batch_size: int, global_batch_size: int,
-             activation_checkpointing: bool = False, mixed_precision: str = "fp32") -> Estimate:
+             activation_checkpointing: bool = False, mixed_precision: str = "fp32",
+             sequence_parallel: bool = False) -> Estimate:
     """Per-role memory, FLOPs and bubble of training ``model`` under ``dims`` (module doc).
 
     Runs in well under a second for 405B parameters on 16,384 ranks: work grows with
@@ -212,7 +227,7 @@ def estimate(model: ModelConfig, dims: ParallelDims, *, micro_batch_size: int, g
         num_tensors = sum(1 for s in specs.values() if stage in s.stages)
         act, in_flight = _activation_nbytes(model, dims, stage, len(stages[stage]), micro_batch_size,
                                             num_microbatches, 2 if mixed_precision == "bf16" else 4,
-                                            activation_checkpointing)
+                                            activation_checkpointing, sequence_parallel)
         groups: dict[int, list[tuple[int, int]]] = {}
         for cell, numel in cells.items():
             groups.setdefault(numel, []).append(cell)
@@ -232,5 +247,5 @@ def estimate(model: ModelConfig, dims: ParallelDims, *, micro_batch_size: int, g
                     checkpoint_nbytes=(PARAM_NBYTES + OPTIM_NBYTES) * total + 4 * len(specs),
                     micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
                     num_microbatches=num_microbatches, tokens_per_step=tokens,
-                    pipeline_bubble_fraction=(dims.pp - 1) / num_microbatches,
+                    pipeline_bubble_fraction=(dims.pp - 1) / (dims.virtual_stages * num_microbatches),
                     flops_per_token=per_token, flops_per_step=per_token * tokens, roles=roles)

@@ -29,6 +29,14 @@ class ModelConfig:
         tie_embeddings: output projection shares the input embedding matrix.
         rope_theta: RoPE base (Su et al. 2021, "RoFormer", eq. 15).
         norm_eps: RMSNorm epsilon (Zhang & Sennrich 2019).
+        num_experts: experts E of a Mixtral-style mixture-of-experts FFN (Jiang et al. 2024);
+            0 = dense SwiGLU everywhere. Expert weights are one logical tensor per layer and
+            matrix with a leading expert dim ``[E, ...]``.
+        moe_router_topk: experts K each token is routed to (softmax over its top-K logits).
+        moe_ffn_hidden_size: each expert's SwiGLU width (0 = ``ffn_hidden_size``).
+        moe_aux_loss_coeff: weight of the Switch load-balancing loss ``E * sum_e f_e * P_e``
+            (Fedus et al. 2021), added to the loss of a step.
+        moe_layer_freq: every this-many-th layer is MoE (layer ``i`` with ``i % freq == 0``).
     """
 
     num_layers: int = 4
@@ -41,6 +49,11 @@ class ModelConfig:
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    num_experts: int = 0
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 0
+    moe_aux_loss_coeff: float = 0.0
+    moe_layer_freq: int = 1
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
@@ -60,14 +73,34 @@ class ModelConfig:
             raise ConfigError(
                 f"model head dim {self.hidden_size // self.num_attention_heads} must be even for RoPE")
 
+        if self.num_experts and not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ConfigError(f"model.moe_router_topk={self.moe_router_topk}: must be in 1..num_experts="
+                              f"{self.num_experts}")
+        if self.num_experts < 0 or self.moe_layer_freq < 1 or self.moe_ffn_hidden_size < 0:
+            raise ConfigError("model.num_experts, moe_ffn_hidden_size must be >= 0 and moe_layer_freq >= 1")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` has the mixture-of-experts FFN."""
+        return self.num_experts > 0 and layer % self.moe_layer_freq == 0
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Each expert's SwiGLU width."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
     @property
     def head_dim(self) -> int:
         """Per-head width ``hidden_size // num_attention_heads``."""
         return self.hidden_size // self.num_attention_heads
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-safe dict of every field."""
-        return dataclasses.asdict(self)
+        """JSON-safe dict of every field (the MoE fields only for a MoE model, so dense
+        models write the bytes they always wrote)."""
+        out = dataclasses.asdict(self)
+        if not self.num_experts:
+            for name in _MOE_FIELDS:
+                del out[name]
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ModelConfig":
@@ -79,34 +112,48 @@ class ModelConfig:
         return cls(**data)
 
 
-def stage_layers(model: ModelConfig, dims: ParallelDims) -> list[range]:
-    """Global layer indices owned by each pipeline stage.
+_MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_layer_freq")
+
+
+def chunk_layers(model: ModelConfig, dims: ParallelDims) -> list[range]:
+    """Global layer indices of each pipeline model chunk (``pp * virtual_stages`` of them,
+    in pipeline order; chunk ``c`` lives on pipeline rank ``c % pp``).
 
     Returns:
-        ``pp`` contiguous ranges covering ``0..num_layers-1``.
+        contiguous ranges covering ``0..num_layers-1``.
 
     Raises:
-        LayoutError: a stage would hold no layer, or ``pipeline_split`` does not sum to
+        LayoutError: a chunk would hold no layer, or ``pipeline_split`` does not sum to
             ``num_layers``.
     """
+    chunks = dims.num_chunks
     if dims.pipeline_split:
         counts = list(dims.pipeline_split)
         if sum(counts) != model.num_layers or min(counts) < 1:
             raise LayoutError(
-                f"pipeline_split={','.join(map(str, counts))} must be {dims.pp} positive counts "
+                f"pipeline_split={','.join(map(str, counts))} must be {chunks} positive counts "
                 f"summing to num_layers={model.num_layers}")
     else:
-        if dims.pp > model.num_layers:
+        if chunks > model.num_layers:
+            what, fix = (f"pp={dims.pp}", f"pp <= {model.num_layers}") if dims.virtual_stages == 1 else (
+                f"pp={dims.pp} x virtual_stages={dims.virtual_stages}", f"pp x virtual_stages <= {model.num_layers}")
             raise LayoutError(
-                f"pp={dims.pp} exceeds num_layers={model.num_layers}: every pipeline stage needs "
-                f"at least one layer; use pp <= {model.num_layers}")
-        base, extra = divmod(model.num_layers, dims.pp)
-        counts = [base + (1 if s < extra else 0) for s in range(dims.pp)]
+                f"{what} exceeds num_layers={model.num_layers}: every pipeline stage needs "
+                f"at least one layer; use {fix}")
+        base, extra = divmod(model.num_layers, chunks)
+        counts = [base + (1 if s < extra else 0) for s in range(chunks)]
     ranges, start = [], 0
     for count in counts:
         ranges.append(range(start, start + count))
         start += count
     return ranges
+
+
+def stage_layers(model: ModelConfig, dims: ParallelDims) -> list[tuple[int, ...]]:
+    """Global layer indices held by each pipeline rank (its chunks' layers, ascending; one
+    contiguous run without virtual stages). Raises as :func:`chunk_layers`."""
+    chunks = chunk_layers(model, dims)
+    return [tuple(i for c in dims.chunk_ids(r) for i in chunks[c]) for r in range(dims.pp)]
 
 
 def _divisors(n: int) -> list[int]:
@@ -135,4 +182,7 @@ def validate_layout(model: ModelConfig, dims: ParallelDims) -> None:
         raise LayoutError(
             f"tp={dims.tp} and num_kv_heads={kv}: one must divide the other (kv heads are split "
             f"over tp, or replicated when tp > num_kv_heads); tensor-parallel degrees that work: {ok}")
+    if dims.expert_parallel > 1 and (not model.num_experts or model.num_experts % dims.expert_parallel):
+        raise LayoutError(f"expert_parallel={dims.expert_parallel} needs a MoE model whose num_experts="
+                          f"{model.num_experts} it divides (--num-experts)")
     stage_layers(model, dims)

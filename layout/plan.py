@@ -148,14 +148,25 @@ def _param_shapes(model: ModelConfig) -> list[tuple[str, tuple[int, ...], int | 
             (p + "attention.wv.weight", (model.num_kv_heads * hd, d), i),
             (p + "attention.wo.weight", (d, model.num_attention_heads * hd), i),
             (p + "ffn_norm.weight", (d,), i),
-            (p + "feed_forward.w1.weight", (model.ffn_hidden_size, d), i),
-            (p + "feed_forward.w2.weight", (d, model.ffn_hidden_size), i),
-            (p + "feed_forward.w3.weight", (model.ffn_hidden_size, d), i),
         ]
+        out += _ffn_shapes(model, i)
     out.append(("norm.weight", (d,), None))
     if not model.tie_embeddings:
         out.append(("output.weight", (model.vocab_size, d), None))
     return out
+
+
+def _ffn_shapes(model: ModelConfig, i: int) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """The FFN parameters of layer ``i``: dense SwiGLU, or the MoE router ``[E, D]`` and the
+    experts' matrices with a leading expert dim ``[E, F, D]`` / ``[E, D, F]`` (so an expert-
+    parallel or FSDP split of dim 0 is a box along the experts)."""
+    d, p = model.hidden_size, f"layers.{i}.feed_forward."
+    if not model.is_moe_layer(i):
+        f = model.ffn_hidden_size
+        return [(p + "w1.weight", (f, d), i), (p + "w2.weight", (d, f), i), (p + "w3.weight", (f, d), i)]
+    e, f = model.num_experts, model.expert_ffn_size
+    return [(p + "router.weight", (e, d), i), (p + "experts.w1", (e, f, d), i),
+            (p + "experts.w2", (e, d, f), i), (p + "experts.w3", (e, f, d), i)]
 
 
 def _dim_axes(fqn: str, ndim: int) -> tuple[tuple[str, ...], ...]:

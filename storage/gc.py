@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any, Callable
 
+from shardsmith.layout.dims import ParallelDims
 from shardsmith.errors import ManifestError
 from shardsmith.storage.commit import parse_step_dir, read_manifest
 from shardsmith.storage.fs import Store
@@ -69,11 +70,6 @@ class StepSummary:
         return asdict(self)
 
 
-def layout_name(layout: dict[str, Any]) -> str:
-    """``pp2·dpr1·dps1·tp2`` from a manifest's layout record."""
-    return f"pp{layout['pp']}·dpr{layout['dp_replicate']}·dps{layout['dp_shard']}·tp{layout['tp']}"
-
-
 def _mtime(info: dict[str, Any]) -> float | None:
     """Modification time from an fsspec info dict, across backends (local ``mtime``, S3
     ``LastModified``, GCS ``updated``, memory ``created``)."""
@@ -117,7 +113,7 @@ def describe_steps(root: Store, *, read_manifests: bool = True) -> list[StepSumm
                               num_files=len(entries), mtime=max(times) if times else None)
         if summary.status == COMMITTED and read_manifests:
             try:
-                summary.layout = layout_name(read_manifest(root.child(name)).layout)
+                summary.layout = ParallelDims.from_json(read_manifest(root.child(name)).layout).describe()
             except (ManifestError, FileNotFoundError) as exc:
                 summary.status, summary.error = INVALID, str(exc)
         out.append(summary)

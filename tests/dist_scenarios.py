@@ -4,7 +4,8 @@
 
 SPEC.json holds ``{"config": <TrainConfig JSON whose parallel dims match N>, "tasks": [...]}``;
 every rank runs the tasks in order (each task is collective). One launch thus covers
-many cases: process start-up dominates the cost of a distributed test on CPU.
+many cases: process start-up dominates the cost of a distributed test on CPU. A task's
+``set`` replaces top-level TrainConfig fields for that task (e.g. ``{"sequence_parallel": true}``).
 
 Tasks (``kind``):
 
@@ -15,6 +16,9 @@ Tasks (``kind``):
   (B, T, D) with point-to-point send/recv between ranks that differ only in ``pp``.
 * ``reload``: a fresh Trainer resumes from ``src`` (any layout) and saves the loaded
   state, unchanged, under the root ``dst``.
+* ``grads``: a fresh Trainer runs one forward/backward of ``tokens`` (inputs) and
+  ``targets`` (B, T) with its step math (schedule included) and writes every parameter's
+  full gradient (FQN keys) to ``<out>/grads-rank-NNNNN.safetensors``.
 * ``train``: a fresh Trainer runs to ``steps`` with checkpoint root ``ckpt`` (may be
   empty), ``resume`` (``none`` or a URL) and ``save_interval``; rank 0 writes the
   per-step metrics to ``out`` as JSON ``[{"step", "loss", "grad_norm", "lr"}, ...]``.
@@ -46,26 +50,58 @@ def _with_checkpoint(cfg: TrainConfig, **kwargs: Any) -> TrainConfig:
 
 
 def task_logits(cfg: TrainConfig, task: dict[str, Any]) -> None:
-    """Forward ``task["tokens"]`` through the freshly initialized model; write last-stage logits."""
+    """Forward ``task["tokens"]`` through the freshly initialized model; write last-stage logits.
+    Model chunks run in pipeline order; chunk ``c`` lives on pipeline rank ``c % pp``."""
+    from shardsmith.trainer.pipeline import chunks_of
+
     trainer = Trainer.create(_with_checkpoint(cfg, resume="none"))
     dims, coords = cfg.parallel, trainer.coords
+    mine = {coords["pp"] if c < 0 else c: m for c, m in chunks_of(trainer.model)}
     tokens = torch.tensor(task["tokens"], dtype=torch.int64)                    # (B, T)
     batch, seq = tokens.shape
+    out = None
     with torch.no_grad():
-        if coords["pp"] == 0:
-            h = tokens
-        else:
-            h = torch.empty(batch, seq, cfg.model.hidden_size)                  # (B, T, D)
-            dist.recv(h, src=dims.rank_of({**coords, "pp": coords["pp"] - 1}))
-        out = trainer.model(h)
-        if isinstance(out, DTensor):                                            # vocab-sharded logits
-            out = out.full_tensor()
-        if coords["pp"] < dims.pp - 1:
-            dist.send(out.contiguous(), dst=dims.rank_of({**coords, "pp": coords["pp"] + 1}))
-        else:
+        for c in range(dims.num_chunks):
+            if c not in mine:
+                continue
+            if c == 0:
+                h = tokens
+            else:
+                h = torch.empty(batch, seq, cfg.model.hidden_size)              # (B, T, D)
+                dist.recv(h, src=dims.rank_of({**coords, "pp": (c - 1) % dims.pp}))
+            out = mine[c](h)
+            if isinstance(out, DTensor):                                        # vocab-sharded logits
+                out = out.full_tensor()
+            if c < dims.num_chunks - 1:
+                dist.send(out.contiguous(), dst=dims.rank_of({**coords, "pp": (c + 1) % dims.pp}))
+        if dims.num_chunks - 1 in mine:
             os.makedirs(task["out"], exist_ok=True)
             save_file({"logits": out.contiguous()},
                       os.path.join(task["out"], f"logits-rank-{trainer.rank:05d}.safetensors"))
+    dist.barrier()
+
+
+def task_grads(cfg: TrainConfig, task: dict[str, Any]) -> None:
+    """One forward/backward of ``task["tokens"]`` -> ``task["targets"]``; write full gradients."""
+    from shardsmith.trainer.parallel import finalize_grads
+
+    trainer = Trainer.create(_with_checkpoint(cfg, resume="none"))
+    inputs = torch.tensor(task["tokens"], dtype=torch.int64)
+    targets = torch.tensor(task["targets"], dtype=torch.int64)
+    trainer.step_math.forward_backward(inputs, targets)
+    finalize_grads(trainer.model, trainer.grad_sum_groups)
+    from shardsmith.trainer.moe import all_gather_rows, expert_parallel_params
+
+    experts = expert_parallel_params(trainer.model)
+    grads = {}
+    for fqn, p in trainer.model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            if fqn in experts:                                                  # E / ep experts per rank
+                g = all_gather_rows(g, trainer.mesh["dp_shard"].get_group())
+            grads[fqn] = g.detach().contiguous()
+    os.makedirs(task["out"], exist_ok=True)
+    save_file(grads, os.path.join(task["out"], f"grads-rank-{trainer.rank:05d}.safetensors"))
     dist.barrier()
 
 
@@ -92,7 +128,17 @@ def task_train(cfg: TrainConfig, task: dict[str, Any]) -> None:
                        for m in history], f)
 
 
-TASKS = {"logits": task_logits, "reload": task_reload, "train": task_train}
+TASKS = {"logits": task_logits, "grads": task_grads, "reload": task_reload, "train": task_train}
+
+
+def _task_config(cfg: TrainConfig, task: dict[str, Any]) -> TrainConfig:
+    """``cfg`` with the task's ``set`` fields (``parallel`` given as ParallelDims JSON)."""
+    from shardsmith.layout import ParallelDims
+
+    fields = dict(task.get("set", {}))
+    if "parallel" in fields:
+        fields["parallel"] = ParallelDims.from_json(fields["parallel"])
+    return dataclasses.replace(cfg, **fields)
 
 
 def main(argv: list[str]) -> int:
@@ -103,7 +149,7 @@ def main(argv: list[str]) -> int:
     try:
         for task in spec["tasks"]:
             t0 = time.perf_counter()
-            TASKS[task["kind"]](cfg, task)
+            TASKS[task["kind"]](_task_config(cfg, task), task)
             gc.collect()
             if dist.get_rank() == 0:
                 print(f"[scenario] {task['kind']} {task.get('src', '')} took "

@@ -17,6 +17,9 @@ from shardsmith.trainer.data import TokenDataset, resolve_vocab_size, stdlib_cor
 from conftest import TINY_MODEL, tiny_train_config
 from tokenizer_factory import sample_text, train_hf_bpe
 
+#: These build a Trainer on an in-process gloo group and train: with the process-group tests.
+pytestmark = pytest.mark.distributed
+
 MEGATRON = Path(__file__).resolve().parent / "fixtures" / "megatron" / "tiny_uint16_text_document"
 
 

@@ -335,6 +335,7 @@ def gloo_group():
     dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 def test_trainer_resume_detects_corruption_and_falls_back(tmp_path, data_path, gloo_group, monkeypatch) -> None:
     from conftest import tiny_train_config
 

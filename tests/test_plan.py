@@ -164,8 +164,8 @@ def test_tp_is_innermost() -> None:
 
 
 def test_stage_layers_uneven_and_split() -> None:
-    assert stage_layers(MODEL, ParallelDims(pp=3)) == [range(0, 2), range(2, 3), range(3, 4)]
-    assert stage_layers(MODEL, ParallelDims(pp=2, pipeline_split=(1, 3))) == [range(0, 1), range(1, 4)]
+    assert stage_layers(MODEL, ParallelDims(pp=3)) == [(0, 1), (2,), (3,)]
+    assert stage_layers(MODEL, ParallelDims(pp=2, pipeline_split=(1, 3))) == [(0,), (1, 2, 3)]
     with pytest.raises(LayoutError, match="summing to num_layers=4"):
         stage_layers(MODEL, ParallelDims(pp=2, pipeline_split=(1, 2)))
 

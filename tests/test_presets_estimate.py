@@ -102,7 +102,7 @@ def test_dry_run_explicit_flag_overrides_preset_and_text_output() -> None:
     result = CliRunner().invoke(cli, ["train", "--model", "llama2-7b", "--num-layers", "4", "--pp", "2",
                                       "--dry-run"])
     assert result.exit_code == 0, result.output
-    assert "4 layers, hidden 4096" in result.output and "pipeline bubble (P-1)/M = 1/8" in result.output
+    assert "4 layers, hidden 4096" in result.output and "pipeline bubble (P-1)/(V*M) = 1/(1*8)" in result.output
     assert "Korthikanti" in result.output
 
 

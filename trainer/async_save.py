@@ -91,6 +91,7 @@ class AsyncCheckpointer:
         entries = []
         with torch.cuda.stream(self._stream) if pin else contextlib.nullcontext():
             if ready is not None:
+                assert self._stream is not None
                 self._stream.wait_event(ready)
             for fqn, t, box in plan.entries:
                 buf = self._staging.get(fqn)
@@ -99,7 +100,7 @@ class AsyncCheckpointer:
                     self._staging[fqn] = buf
                 buf.copy_(t.detach(), non_blocking=pin)
                 entries.append((fqn, buf, box))
-        if pin:
+        if self._stream is not None:
             self._stream.synchronize()
         return WritePlan(plan.step, plan.specs, entries)
 

@@ -21,6 +21,12 @@ __all__ = ["ModelConfig", "ParallelDims", "DataConfig", "OptimConfig", "Checkpoi
            "FaultConfig", "TrainConfig"]
 
 
+#: Pipeline schedules (``--pipeline-schedule``; torch classes in
+#: :data:`shardsmith.trainer.pipeline.SCHEDULES`); the last three run several chunks per rank.
+PIPELINE_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved-1f1b", "looped-bfs", "interleaved-zb")
+SINGLE_STAGE_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """Root config of a training run.
@@ -33,6 +39,14 @@ class TrainConfig:
         seed: model init and data order.
         mixed_precision: ``fp32`` or ``bf16`` (autocast compute, fp32 master weights).
         activation_checkpointing: recompute each block in backward.
+        sequence_parallel: with tp > 1, shard norms and the residual stream along the
+            sequence over the TP group (Megatron's ``--sequence-parallel``); no checkpoint change.
+        pipeline_schedule: ``1f1b``, ``gpipe``, ``interleaved-1f1b``, ``looped-bfs`` or
+            ``interleaved-zb`` (:data:`shardsmith.trainer.pipeline.SCHEDULES`); empty =
+            ``interleaved-1f1b`` with virtual stages, else ``1f1b``.
+        compile: ``torch.compile`` each block in place (checkpoint FQNs unchanged).
+        profile_steps: steps to trace with the PyTorch profiler (one Chrome trace per rank
+            under the run directory, :mod:`shardsmith.trainer.profiling`).
         log_interval: print every this many steps.
         run_dir: where metrics.jsonl goes (default: the checkpoint root, else none).
         fault: preemption, hang, bad-step and elastic settings.
@@ -50,10 +64,15 @@ class TrainConfig:
     seed: int = 1234
     mixed_precision: str = "fp32"
     activation_checkpointing: bool = False
+    sequence_parallel: bool = False
+    pipeline_schedule: str = ""
+    compile: bool = False
+    profile_steps: tuple[int, ...] = ()
     log_interval: int = 1
     run_dir: str = ""
 
     def __post_init__(self) -> None:
+        self.profile_steps = tuple(int(s) for s in self.profile_steps)
         if self.steps < 0:
             raise ConfigError(f"steps={self.steps}: must be >= 0")
         if self.micro_batch_size < 1 or self.global_batch_size < 1:
@@ -61,6 +80,21 @@ class TrainConfig:
                               f"{self.micro_batch_size}: both must be >= 1")
         if self.mixed_precision not in ("fp32", "bf16"):
             raise ConfigError(f"mixed_precision={self.mixed_precision!r}: use 'fp32' or 'bf16'")
+        tp = self.parallel.tp
+        if self.sequence_parallel and tp > 1 and self.model.seq_length % tp:
+            raise ConfigError(f"--sequence-parallel: seq_length={self.model.seq_length} must be a multiple "
+                              f"of tp={tp} (the sequence is split over the TP group)")
+        if self.model.num_experts and (self.sequence_parallel and tp > 1):
+            raise ConfigError("a MoE model with --sequence-parallel is not supported yet; drop one")
+        if self.model.moe_aux_loss_coeff and self.parallel.pp > 1:
+            raise ConfigError("--moe-aux-loss-coeff with pp > 1 is not supported yet (the pipeline "
+                              "schedule's loss sees only the last stage); use pp=1 or coefficient 0")
+        schedule = self.pipeline_schedule
+        if schedule and schedule not in PIPELINE_SCHEDULES:
+            raise ConfigError(f"pipeline_schedule={schedule!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
+        if schedule in SINGLE_STAGE_SCHEDULES and self.parallel.virtual_stages > 1:
+            raise ConfigError(f"pipeline_schedule={schedule!r} runs one stage per rank; with virtual_stages="
+                              f"{self.parallel.virtual_stages} use interleaved-1f1b, looped-bfs or interleaved-zb")
         if self.log_interval < 0:
             raise ConfigError(f"log_interval={self.log_interval}: must be >= 0 (0 = never print)")
 
@@ -77,11 +111,16 @@ class TrainConfig:
         return int(per_rank)
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-safe dict (credentials in storage_options are dropped)."""
+        """JSON-safe dict (credentials in storage_options are dropped; the parallelism fields
+        added later are left out at their defaults)."""
         out = dataclasses.asdict(self)
         out["parallel"] = self.parallel.to_json()
         out["data"]["sources"] = list(self.data.sources)
         out["checkpoint"]["storage_options"] = {}
+        for name, default in (("sequence_parallel", False), ("pipeline_schedule", ""), ("compile", False),
+                              ("profile_steps", ())):
+            if out[name] == default:        # runs without them write the bytes they always wrote
+                del out[name]
         return out
 
     @classmethod

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardsmith.layout import ModelConfig
+from shardsmith.trainer.moe import MoEFeedForward
 
 
 def rope_tables(head_dim: int, seq_length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,14 +94,15 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x)); the FFN is a mixture of
+    experts (:mod:`shardsmith.trainer.moe`) when ``moe``."""
 
-    def __init__(self, cfg: ModelConfig, kv_copies: int = 1) -> None:
+    def __init__(self, cfg: ModelConfig, kv_copies: int = 1, moe: bool = False) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.attention = Attention(cfg, kv_copies)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoEFeedForward(cfg) if moe else FeedForward(cfg)
         self.activation_checkpointing = False
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -130,6 +132,9 @@ class Transformer(nn.Module):
     minimum, so they never take probability mass. ``kv_copies``: see :class:`Attention`.
     """
 
+    rope_cos: torch.Tensor      # (T, Dh/2), buffers registered in __init__
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, layer_ids: range | None = None, *, first: bool = True,
                  last: bool = True, padded_vocab: int = 0, kv_copies: int = 1) -> None:
         super().__init__()
@@ -138,7 +143,8 @@ class Transformer(nn.Module):
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
         self.tok_embeddings = nn.Embedding(self.padded_vocab, cfg.hidden_size) if first or (
             last and cfg.tie_embeddings) else None
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, kv_copies) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, kv_copies, cfg.is_moe_layer(i))
+                                     for i in layer_ids})
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if last else None
         self.output = nn.Linear(cfg.hidden_size, self.padded_vocab, bias=False) if (
             last and not cfg.tie_embeddings) else None
@@ -155,15 +161,21 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(sin)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(x) if self.first else x             # (B, T, D)
+        if self.first:
+            assert self.tok_embeddings is not None
+            h = self.tok_embeddings(x)                              # (B, T, D)
+        else:
+            h = x
         for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin)
         if not self.last:
             return h
+        assert self.norm is not None
         h = self.norm(h)
         if self.output is not None:
             logits = self.output(h)                                 # (B, T, Vp)
         else:
+            assert self.tok_embeddings is not None
             logits = tied_logits(h, self.tok_embeddings.weight)
         if self.padded_vocab != self.cfg.vocab_size:
             logits = mask_vocab_padding(logits, self.cfg.vocab_size)
@@ -195,5 +207,7 @@ def tied_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     if isinstance(weight, DTensor) and not isinstance(h, DTensor):
         h = DTensor.from_local(h, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim)
+    elif isinstance(h, DTensor):                                    # sequence-sharded under SP
+        h = h.redistribute(h.device_mesh, [Replicate()] * h.device_mesh.ndim)
     return F.linear(h, weight)
 

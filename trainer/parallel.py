@@ -16,17 +16,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining._backward import stage_backward
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 
-from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims, stage_layers
+from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims, chunk_layers, stage_layers
 from shardsmith.layout.plan import (COLWISE, ROWWISE, VOCAB_PARALLEL, TensorSpec, grad_sum_groups,
                                     kv_replicas, padded_vocab_size, param_specs, tp_module_key)
 from shardsmith.trainer.model import Transformer
+from shardsmith.trainer.moe import MoEFeedForward, expert_parallel_params, shard_experts
+from shardsmith.trainer.pipeline import ChunkedStage
 from shardsmith.trainer.weight_init import materialize_local_shards
 
 
@@ -69,7 +69,7 @@ class StageInfo:
 
     index: int
     num_stages: int
-    layers: range
+    layers: tuple[int, ...]
 
     @property
     def first(self) -> bool:
@@ -81,11 +81,14 @@ class StageInfo:
 
 
 def build_stage_model(cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, *, seed: int,
-                      bf16: bool = False, activation_checkpointing: bool = False) -> tuple[Transformer, StageInfo]:
+                      bf16: bool = False, activation_checkpointing: bool = False,
+                      sequence_parallel: bool = False,
+                      compile: bool = False) -> tuple[Transformer | ChunkedStage, StageInfo]:
     """Build this rank's pipeline stage without ever holding more than its own shards.
 
     The stage (only its layers; embedding on the first stage, norm and output on the last,
-    the embedding on both with tied embeddings) is built on the ``meta`` device, TP and
+    the embedding on both with tied embeddings; with virtual stages one such model per
+    chunk, in a :class:`~shardsmith.trainer.pipeline.ChunkedStage`) is built on the ``meta`` device, TP and
     FSDP2 are applied (:func:`parallelize`), then only the local shards are allocated
     (``to_empty``) and filled by the layout-independent init of
     :mod:`shardsmith.trainer.weight_init` (bitwise the same weights in every layout).
@@ -100,58 +103,80 @@ def build_stage_model(cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, *,
     """
     coords = dims.coords(dist.get_rank())
     info = StageInfo(coords["pp"], dims.pp, stage_layers(cfg, dims)[coords["pp"]])
-    with torch.device("meta"):
-        stage = Transformer(cfg, info.layers, first=info.first, last=info.last,
-                            padded_vocab=padded_vocab_size(cfg.vocab_size, dims.tp),
-                            kv_copies=kv_replicas(cfg, dims))
-    parallelize(stage, mesh, dims, bf16=bf16, activation_checkpointing=activation_checkpointing)
     specs = param_specs(cfg, dims)
-    check_placements(stage, specs, dims)
-    stage.to_empty(device=device_type())
-    stage.reset_buffers()
-    materialize_local_shards(stage, cfg, dims, coords, seed, specs)
-    return stage, info
+    layers = chunk_layers(cfg, dims)
+    chunks = []
+    for c in dims.chunk_ids(coords["pp"]):
+        with torch.device("meta"):
+            chunk = Transformer(cfg, layers[c], first=c == 0, last=c == dims.num_chunks - 1,
+                                padded_vocab=padded_vocab_size(cfg.vocab_size, dims.tp),
+                                kv_copies=kv_replicas(cfg, dims))
+        parallelize(chunk, mesh, dims, bf16=bf16, activation_checkpointing=activation_checkpointing,
+                    sequence_parallel=sequence_parallel, compile=compile)
+        check_placements(chunk, specs, dims)
+        chunk.to_empty(device=device_type())
+        chunk.reset_buffers()
+        materialize_local_shards(chunk, cfg, dims, coords, seed, specs)
+        chunks.append(chunk)
+    if len(chunks) == 1:
+        return chunks[0], info
+    return ChunkedStage(chunks, dims.chunk_ids(coords["pp"])), info
 
 
-def tp_plan(model: Transformer) -> dict[str, ParallelStyle]:
+def tp_plan(model: Transformer, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
     """``parallelize_module`` plan of one stage, from the tables of :mod:`shardsmith.layout.plan`.
 
     ``COLWISE``/``ROWWISE`` linears get torch's ``ColwiseParallel``/``RowwiseParallel``;
     ``VOCAB_PARALLEL`` modules split the vocab (dim 0): ``RowwiseParallel`` on the embedding
     (torch shards an ``nn.Embedding``'s dim 0 under it), ``ColwiseParallel`` on the output
     projection with vocab-sharded logits (B, T, Vp) kept as a DTensor for loss parallel.
+
+    ``sequence_parallel`` (Korthikanti et al. 2022; torchtitan's ``apply_tp``): the residual
+    stream and the norms run on sequence shards (B, T/tp, D): the embedding and the row-wise
+    linears reduce-scatter along T (``Shard(1)``), the norms are ``SequenceParallel``, and
+    attention, FFN and output all-gather T first (``PrepareModuleInput``). No parameter
+    changes placement (norm weights stay replicated over tp), so checkpoints are the same.
     """
+    seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {}
     for name, module in model.named_modules():
         key = tp_module_key(name)
         if key in COLWISE:
             plan[name] = ColwiseParallel()
         elif key in ROWWISE:
-            plan[name] = RowwiseParallel()
+            plan[name] = RowwiseParallel(output_layouts=seq)
         elif key in VOCAB_PARALLEL and isinstance(module, nn.Embedding):
-            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
         elif key in VOCAB_PARALLEL:
-            plan[name] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1),
+            plan[name] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
                                          use_local_output=False)
+        elif sequence_parallel and key in ("attention_norm", "ffn_norm", "norm"):
+            plan[name] = SequenceParallel()
+        elif sequence_parallel and key in ("attention", "feed_forward"):
+            extra = (None, None) if key == "attention" else ()           # rope cos, sin
+            plan[name] = PrepareModuleInput(input_layouts=(Shard(1), *extra),
+                                            desired_input_layouts=(Replicate(), *extra))
     return plan
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
     """Megatron-style TP over ``tp_mesh`` with the plan of :func:`tp_plan`, in place."""
-    parallelize_module(model, tp_mesh, tp_plan(model))
+    parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel=sequence_parallel))
 
 
-def placement_axes(p: torch.Tensor, ndim: int) -> tuple[tuple[str, ...], ...]:
+def placement_axes(p: torch.Tensor, ndim: int, expert_parallel: bool = False) -> tuple[tuple[str, ...], ...]:
     """Per tensor dim, the mesh axes a parameter's DTensor placements split it by, major to
     minor (the plan's ``dim_axes`` convention). FSDP2 over a TP-sharded dim records the
     dp_shard split as ``_StridedShard``: applied after (minor to) the plain ``Shard``."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    if expert_parallel:                             # expert-parallel experts: dim 0 over dp_shard
+        return (("dp_shard",),) + ((),) * (ndim - 1)
     major: list[list[str]] = [[] for _ in range(ndim)]
     minor: list[list[str]] = [[] for _ in range(ndim)]
     if isinstance(p, DTensor):
-        for axis, placement in zip(p.device_mesh.mesh_dim_names, p.placements):
+        for axis, placement in zip(p.device_mesh.mesh_dim_names or (), p.placements):
             if isinstance(placement, _StridedShard):
                 minor[placement.dim].append(axis)
             elif isinstance(placement, Shard):
@@ -162,61 +187,59 @@ def placement_axes(p: torch.Tensor, ndim: int) -> tuple[tuple[str, ...], ...]:
 def check_placements(model: Transformer, specs: dict[str, TensorSpec], dims: ParallelDims) -> None:
     """Assert every parameter is split exactly as the plan's ``dim_axes`` says (axes of
     degree 1 split nothing and are left out). Local to the rank; run at every build."""
+    experts = expert_parallel_params(model)
     for fqn, p in model.named_parameters():
         spec = specs[fqn]
         want = tuple(tuple(a for a in axes if getattr(dims, a) > 1) for axes in spec.dim_axes)
         got = tuple(tuple(a for a in axes if getattr(dims, a) > 1)
-                    for axes in placement_axes(p, len(spec.shape)))
+                    for axes in placement_axes(p, len(spec.shape), fqn in experts))
         assert got == want, f"{fqn}: DTensor placements split dims by {got}, the plan says {want}"
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, *, bf16: bool) -> None:
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, *, bf16: bool,
+               ignored: set[nn.Parameter] | None = None) -> None:
     """FSDP2 (ZeRO-3) over ``dp_shard``, HSDP replication over ``dp_replicate`` when the mesh is 2-D.
 
     Each block is its own FSDP unit, then the root; parameters are resharded after every
     forward, also with pipelining (with :class:`ShardedGradPipelineStage`, only one block's
-    unsharded parameters and gradients exist at a time, not the whole stage's).
+    unsharded parameters and gradients exist at a time, not the whole stage's). ``ignored``
+    parameters (expert-parallel experts, already split over dp_shard) are left alone.
     """
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True, ignored_params=ignored)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True, ignored_params=ignored)
 
 
-class ShardedGradPipelineStage(PipelineStage):
-    """``PipelineStage`` that keeps FSDP2 gradients sharded between microbatches.
-
-    Upstream (torch 2.13 ``_PipelineStageBase.backward_maybe_with_nosync``) turns FSDP's
-    gradient sync and reshard-after-backward off for every microbatch and reduces once at
-    the end: each rank then holds its whole stage's parameters *and* gradients unsharded
-    (``dp_shard`` times its share of each), which defeats ZeRO-3. Here every microbatch's
-    backward reduce-scatters each block's gradient into the sharded one (FSDP2 accumulates)
-    and reshards, at the price of one all-gather and one reduce-scatter per block and
-    microbatch. Same constructor as ``PipelineStage``; every rank of a stage uses it.
-    """
-
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        if backward_type != "full" or not isinstance(self.submod, FSDPModule):
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        self.submod.set_is_last_backward(False)         # the schedule's final reduce step finishes
-        self.submod.set_reshard_after_backward(True)
-        self.submod.set_requires_gradient_sync(True)
-        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
-                               bwd_kwargs["input_values"])
-        return grads, None
+def apply_compile(model: Transformer, backend: str = "inductor") -> None:
+    """``torch.compile`` each block, as torchtitan does (one graph per block, reused across
+    layers). In place (``nn.Module.compile``): parameter FQNs never gain ``_orig_mod.``, so
+    compiled and uncompiled runs read and write the same checkpoints."""
+    for block in model.layers.values():
+        block.compile(backend=backend)
 
 
 def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, *, bf16: bool,
-                activation_checkpointing: bool) -> Transformer:
-    """Apply activation checkpointing, TP and FSDP2 to one stage's model, in place."""
+                activation_checkpointing: bool, sequence_parallel: bool = False,
+                compile: bool = False) -> Transformer:
+    """Apply activation checkpointing, TP (with sequence parallelism when asked), per-block
+    ``torch.compile`` and FSDP2 to one stage's model, in place (torchtitan's order)."""
     for block in model.layers.values():
         block.activation_checkpointing = activation_checkpointing
     if dims.tp > 1:
-        apply_tp(model, mesh["tp"])
+        apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel)
+    if compile:
+        apply_compile(model)
+    experts: set[nn.Parameter] = set()
+    if dims.expert_parallel > 1:
+        group = mesh["dp_shard"].get_group()
+        for module in model.modules():
+            if isinstance(module, MoEFeedForward):
+                experts.update(shard_experts(module, group))
     if dims.dp > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, bf16=bf16)
+        apply_fsdp(model, dp_mesh, bf16=bf16, ignored=experts)
     return model
 
 
@@ -256,10 +279,14 @@ def finalize_grads(model: torch.nn.Module, groups: dict[str, dist.ProcessGroup])
     """
     from torch.distributed.tensor import DTensor
 
+    for p, ep in expert_parallel_params(model).values():
+        if p.grad is not None:                      # expert-parallel: summed over the group's batches
+            p.grad.div_(ep)
     for fqn, p in model.named_parameters():
         if p.grad is None:
             continue
-        if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
+        if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and \
+                tuple(p.grad.placements) != tuple(p.placements):
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         group = groups.get(fqn)
         if group is not None:

@@ -14,13 +14,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import Schedule1F1B
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import param_specs
-from shardsmith.trainer.parallel import ShardedGradPipelineStage, device_type
+from shardsmith.trainer import pipeline
+from shardsmith.trainer.moe import aux_loss as moe_aux_loss
+from shardsmith.trainer.parallel import device_type
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -29,12 +30,12 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
-def build_schedule(model: torch.nn.Module, stage_index: int, num_stages: int, pp_group: dist.ProcessGroup,
-                   num_microbatches: int) -> Schedule1F1B:
-    """The 1F1B pipeline schedule (``torch.distributed.pipelining``) of this rank's stage.
-    Every rank of the pipeline group builds its own, with the same ``num_microbatches``."""
-    pipe = ShardedGradPipelineStage(model, stage_index, num_stages, torch.device(device_type()), group=pp_group)
-    return Schedule1F1B(pipe, n_microbatches=num_microbatches, loss_fn=loss_fn)
+def build_schedule(model: torch.nn.Module, pp_rank: int, parallel: ParallelDims, pp_group: dist.ProcessGroup,
+                   num_microbatches: int, name: str = "") -> Any:
+    """This rank's pipeline schedule (see :func:`shardsmith.trainer.pipeline.build_schedule`)
+    with :func:`loss_fn`."""
+    return pipeline.build_schedule(model, pp_rank, parallel.num_chunks, pp_group, num_microbatches, loss_fn,
+                                   torch.device(device_type()), name)
 
 
 @dataclass
@@ -103,7 +104,11 @@ class StepMath:
             with self._loss_ctx():
                 with self._autocast():
                     logits = self.model(x)
-                loss = loss_fn(logits, y) / self.num_microbatches
+                loss = loss_fn(logits, y)
+                aux = moe_aux_loss(self.model) if self.model_cfg.moe_aux_loss_coeff else None
+                if aux is not None:
+                    loss = loss + self.model_cfg.moe_aux_loss_coeff * aux
+                loss = loss / self.num_microbatches
                 loss.backward()
             total += _plain(loss.detach()).float().cpu()
         return total

@@ -34,6 +34,7 @@ from shardsmith.trainer.fault_hooks import FaultHooks
 from shardsmith.trainer.metrics import (EventLog, MetricsWriter, flops_per_token,
                                         iter_json_lines, run_dir, step_line, step_record)
 from shardsmith.trainer.optim import build_optimizer, lr_lambda
+from shardsmith.trainer.profiling import peak_memory_bytes, profile_step
 from shardsmith.trainer.parallel import (build_grad_sum_groups, build_mesh, build_stage_model,
                                         finalize_grads, init_distributed)
 from shardsmith.trainer.rng import seed_rng
@@ -87,13 +88,15 @@ class Trainer:
         sampler = _build_sampler(cfg, coords)
         model, stage = build_stage_model(cfg.model, parallel, mesh, seed=cfg.seed,
                                          bf16=cfg.mixed_precision == "bf16",
-                                         activation_checkpointing=cfg.activation_checkpointing)
+                                         activation_checkpointing=cfg.activation_checkpointing,
+                                         sequence_parallel=cfg.sequence_parallel, compile=cfg.compile)
         seed_rng(cfg.seed, 0, coords)
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.optim.decay_steps or cfg.steps))
         schedule = None
         if parallel.pp > 1:
-            schedule = build_schedule(model, stage.index, stage.num_stages, mesh["pp"].get_group(), num_mb)
+            schedule = build_schedule(model, stage.index, parallel, mesh["pp"].get_group(), num_mb,
+                                      cfg.pipeline_schedule)
         state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                            bad_steps=BadStepPolicy(max_bad_steps=cfg.fault.max_bad_steps))
         step_math = StepMath(model, schedule, cfg.model, parallel, coords, num_mb,
@@ -185,6 +188,7 @@ class Trainer:
                              peak_flops=self.cfg.fault.peak_flops, world_size=self.cfg.parallel.world_size,
                              counters={"skipped_steps": bad_steps.skipped_steps,
                                        "rollbacks": bad_steps.rollbacks, "restarts": self.restarts})
+        record.setdefault("peak_memory_bytes", peak_memory_bytes())
         self.events(record)
         if m.skipped:
             self.events({"event": "bad_step", "step": m.step, "loss": repr(m.loss), "grad_norm": repr(m.grad_norm),
@@ -222,7 +226,8 @@ class Trainer:
         assert self.guard is not None
         self.hooks.at_step_start(self.step + 1)
         self.guard.begin(self.step + 1)
-        m = self.train_step()
+        with profile_step(self.step + 1, self.cfg.profile_steps, run_dir(self.cfg), self.rank):
+            m = self.train_step()
         preempt = self.guard.end()
         if len(self.history) == 1:            # start-up is over: training timeouts from now on
             groups = [None, *self.grad_sum_groups.values()]

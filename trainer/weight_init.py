@@ -47,7 +47,7 @@ def init_std(fqn: str, cfg: ModelConfig) -> float | None:
     """Standard deviation of ``fqn``'s normal init; ``None`` for norm weights (ones)."""
     if fqn.endswith("norm.weight"):
         return None
-    if fqn.endswith(("wo.weight", "w2.weight")):
+    if fqn.endswith(("wo.weight", "w2.weight", "experts.w2")):
         return 0.02 / (2 * cfg.num_layers) ** 0.5                   # GPT-2 scaled residual init
     return 0.02
 

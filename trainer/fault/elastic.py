@@ -53,7 +53,10 @@ def fit_world_size(cfg: TrainConfig, world_size: int) -> TrainConfig:
         parallel.check_world_size(world_size)
     fitted = ParallelDims.for_world_size(world_size, tp=parallel.tp, pp=parallel.pp,
                                          dp_replicate=parallel.dp_replicate,
-                                         pipeline_split=parallel.pipeline_split)
+                                         pipeline_split=parallel.pipeline_split,
+                                         virtual_stages=parallel.virtual_stages)
+    if parallel.expert_parallel > 1:                 # EP spans the (re-derived) dp_shard ranks
+        fitted = replace(fitted, expert_parallel=fitted.dp_shard)
     if os.environ.get("RANK", "0") == "0":
         log.warning("world size %d differs from layout %s: running as %s (dp_shard re-derived)",
                     world_size, parallel.describe(), fitted.describe())
