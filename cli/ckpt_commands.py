@@ -31,7 +31,7 @@ def inspect(ckpt: str, all_tensors: bool, as_json: bool, storage_options: tuple[
     m = read_manifest(step_store)
     groups = tensor_groups(m.tensors)
     if as_json:
-        summary = {"url": step_store.url, "step": m.step, "layout": m.layout, "model": m.model,
+        summary = {"url": step_store.url, "step": m.step, "version": m.version, "layout": m.layout, "model": m.model,
                    "config": m.config, "nbytes": m.nbytes, "num_files": len(m.files),
                    "groups": groups, "checked": "metadata only; run `shardsmith verify` to check the data"}
         summary["state"] = {k: v for k, v in m.state.items() if k != "rng"}
@@ -106,9 +106,11 @@ def _print_summary(url: str, m: Any, groups: dict[str, dict[str, int]]) -> None:
 @click.command(short_help="Check files, sizes, checksums and coverage.")
 @click.argument("ckpt")
 @json_option("the report")
+@click.option("--workers", "--nproc", "workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes the files are split over (each streams its share).")
 @storage_option
 @click.pass_context
-def verify(ctx: click.Context, ckpt: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
+def verify(ctx: click.Context, ckpt: str, as_json: bool, workers: int, storage_options: tuple[str, ...]) -> None:
     """Check a checkpoint's files, sizes, checksums and coverage.
 
     CKPT is a step directory, or a root (its newest committed step). Checks that every
@@ -118,7 +120,7 @@ def verify(ctx: click.Context, ckpt: str, as_json: bool, storage_options: tuple[
     from shardsmith.storage.verify import verify_checkpoint
 
     _, step_store, _ = resolve_checkpoint(ckpt, parse_storage_options(storage_options))
-    report = verify_checkpoint(step_store)
+    report = verify_checkpoint(step_store, workers=workers)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=1))
     else:

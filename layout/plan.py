@@ -16,11 +16,13 @@ Axes not named split nothing: the tensor is replicated over them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 from math import prod
 
 from shardsmith.layout.box import Box, chunk_range
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.layout import ModelConfig, ParallelDims, stage_layers, validate_layout
+from shardsmith.layout.dims import MESH_AXES
 
 
 #: Prefixes of optimizer-state FQNs; the rest of the name is the parameter's FQN.
@@ -243,24 +245,56 @@ def write_assignment(specs: dict[str, TensorSpec], dims: ParallelDims) -> dict[i
     lowest rank (greedy longest-processing-time load balancing, Graham 1969). Pure and
     deterministic, so a save and an offline reshard to the same layout write the same files.
 
+    Time: linear in the number of (distinct box, holder) pairs plus one sort of the boxes;
+    each tensor's boxes and holders come straight from its ``dim_axes`` (:func:`box_holders`).
+
     Returns:
         rank -> list of (fqn, box) in FQN order, for every rank (possibly empty lists).
     """
-    holders: dict[tuple[str, Box], list[int]] = {}
-    for rank in range(dims.world_size):
-        for fqn, box in rank_boxes(specs, dims, rank).items():
-            if not box.is_empty:
-                holders.setdefault((fqn, box), []).append(rank)
+    keys: list[tuple[int, str, Box, list[int]]] = []
+    for fqn, spec in specs.items():
+        itemsize = DTYPE_NBYTES[spec.dtype]
+        for box, holders in box_holders(spec, dims):
+            keys.append((box.numel * itemsize, fqn, box, holders))
+    keys.sort(key=lambda k: (-k[0], k[1], k[2].offsets))
     load = [0] * dims.world_size
     out: dict[int, list[tuple[str, Box]]] = {r: [] for r in range(dims.world_size)}
-    order = sorted(holders, key=lambda k: (-k[1].numel * DTYPE_NBYTES[specs[k[0]].dtype], k[0],
-                                           k[1].offsets))
-    for key in order:
-        writer = min(holders[key], key=lambda r: (load[r], r))
-        load[writer] += key[1].numel * DTYPE_NBYTES[specs[key[0]].dtype]
-        out[writer].append(key)
+    for nbytes, fqn, box, holders in keys:
+        writer = min(holders, key=lambda r: (load[r], r))
+        load[writer] += nbytes
+        out[writer].append((fqn, box))
     for items in out.values():
         items.sort(key=lambda k: k[0])
+    return out
+
+
+def _axis_parts(spec: TensorSpec, dims: ParallelDims, axis: str) -> list[list[int]]:
+    """The coordinates of ``axis`` grouped by the part of ``spec`` they hold: one group per
+    part when the axis splits the tensor (tp: ``tp_replicas`` consecutive ranks per part),
+    else one group of every coordinate (a replicated axis); pp: the holding stages."""
+    if axis == "pp":
+        return [list(spec.stages)]
+    size = getattr(dims, axis)
+    if not any(axis in axes for axes in spec.dim_axes):
+        return [list(range(size))]
+    width = spec.tp_replicas if axis == "tp" else 1
+    return [list(range(p * width, (p + 1) * width)) for p in range(size // width)]
+
+
+def box_holders(spec: TensorSpec, dims: ParallelDims) -> list[tuple[Box, list[int]]]:
+    """Every distinct non-empty box of ``spec`` under ``dims`` with the ranks holding it
+    (ascending), in mesh order of the splitting coordinates. Pure; no loop over ranks that
+    do not hold the tensor."""
+    groups = [_axis_parts(spec, dims, axis) for axis in MESH_AXES]
+    out = []
+    for parts in product(*groups[1:]):
+        coords = {axis: part[0] for axis, part in zip(MESH_AXES[1:], parts)}
+        coords["pp"] = spec.stages[0]
+        box = spec.box(dims, coords)
+        if box.is_empty:
+            continue
+        holders = sorted(dims.rank_of(dict(zip(MESH_AXES, c))) for c in product(groups[0][0], *parts))
+        out.append((box, holders))
     return out
 
 

@@ -43,8 +43,9 @@ from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
 from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.lineage import rewritten_state
-from shardsmith.storage.manifest import FileRecord, Manifest, ManifestBuilder, ShardRecord
+from shardsmith.storage.manifest import FileRecord, Manifest, ManifestBuilder, ShardRecord, sidecar_name
 from shardsmith.storage.model_record import check_model_record
+from shardsmith.storage.sidecar import write_sidecar
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,8 @@ class _Executor:
         record, crcs = safetensors.write_stream(self.dst, tf.name, tf.header, counted(), len(tf.entries),
                                                 self.plan.options.chunk_nbytes, tf.nbytes)
         self._count(num_files=1, nbytes_written=len(tf.header))
-        return FileResult(tf.name, record, _records(tf, crcs), True)
+        shards = _records(tf, crcs)
+        return FileResult(tf.name, record, shards, True, write_sidecar(self.dst, tf.name, shards))
 
     def _slab_stream(self, tf: TargetFile) -> Iterator[tuple[int, np.ndarray]]:
         """Yield (entry index, slab bytes) in file order, reading ahead within the budget."""
@@ -200,7 +202,8 @@ class _Executor:
                         self.dst.url_of(tf.name))
             return None
         self._count(num_skipped=1, nbytes_verified=len(header))
-        return FileResult(tf.name, FileRecord(tf.nbytes, file_crc), _records(tf, [c.finish() for c in crcs]), False)
+        shards = _records(tf, [c.finish() for c in crcs])       # the sidecar is rewritten from the CRCs just read
+        return FileResult(tf.name, FileRecord(tf.nbytes, file_crc), shards, False, write_sidecar(self.dst, tf.name, shards))
 
     def run(self, on_file_done: Callable[[str], None] | None) -> list[FileResult]:
         """This process's target files, ``workers`` at a time; progress saved after each."""
@@ -270,7 +273,7 @@ def build_manifest(plan: ReshardPlan, results: list[FileResult], target_root_url
     if target_root_url and isinstance(config.get("checkpoint"), dict):
         config["checkpoint"] = {**config["checkpoint"], "url": target_root_url}
     for r in results:
-        builder.add_file(r.name, r.record, r.shards)
+        builder.add_file(r.name, r.record, r.shards, sidecar=r.sidecar)
     manifest = builder.build()
     manifest.state = rewritten_state(manifest.state, source_url, plan.source.step, "reshard")
     return manifest
@@ -332,7 +335,7 @@ def _commit(plan: ReshardPlan, dst_root: Store, dst: Store, results: list[FileRe
     """Manifest last (after dropping shard files no plan file names), then clean up."""
     order = {tf.name: i for i, tf in enumerate(plan.files)}
     manifest = build_manifest(plan, sorted(results, key=lambda r: order[r.name]), dst_root.url, source_url)
-    wanted = {posixpath.basename(tf.name) for tf in plan.files}
+    wanted = {posixpath.basename(n) for r in results for n in (r.name, sidecar_name(r.name))}
     for name in dst.list_dir("shards"):
         if name not in wanted:                                      # left by an earlier, other plan
             dst.delete(f"shards/{name}")

@@ -82,7 +82,9 @@ def done_name(rank: int) -> str:
 def publish(dst: Store, share: Share, plan_id: str, results: list[FileResult], error: str = "") -> None:
     """Write this rank's file records (or its error) for the coordinator."""
     files = {r.name: {"nbytes": r.record.nbytes, "crc32c": r.record.crc32c,
-                      "shards": {fqn: s.to_json() for fqn, s in r.shards.items()}} for r in results}
+                      "sidecar": [r.sidecar.nbytes, r.sidecar.crc32c] if r.sidecar else None,
+                      "shards": {fqn: {**s.to_json(), "crc_index": s.crc_index} for fqn, s in r.shards.items()}}
+             for r in results}
     dst.write(done_name(share.rank), json.dumps({"attempt": share.attempt, "plan_id": plan_id,
                                                  "error": error, "files": files}).encode())
 
@@ -99,7 +101,8 @@ def _parse_done(raw: bytes, plan: ReshardPlan, rank: int, url: str) -> list[File
                 != (list(e.box.offsets), list(e.box.lengths), e.byte_offset, e.nbytes) for e in tf.entries):
             raise CheckpointError(f"{url}: rank {rank}'s records of {name} do not match the plan; "
                                   "were the ranks started with different options? Nothing was committed")
-        out.append(FileResult(name, FileRecord(f["nbytes"], f["crc32c"]), shards, False))
+        side = FileRecord(*f["sidecar"]) if f.get("sidecar") else None
+        out.append(FileResult(name, FileRecord(f["nbytes"], f["crc32c"]), shards, False, side))
     return out
 
 

@@ -19,6 +19,7 @@ from shardsmith.storage.checksum import require_full_read, verify_chunks
 from shardsmith.storage.fs import Store
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord
+from shardsmith.storage.sidecar import load_chunk_crcs
 from shardsmith.storage.verify import check_file_once
 
 _RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}   # element-size views: dtype-agnostic copies
@@ -26,12 +27,14 @@ _RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}   # element-size 
 
 @dataclass
 class FileResult:
-    """A finished target file: its manifest records; ``written`` False when kept."""
+    """A finished target file: its manifest records; ``written`` False when kept; ``sidecar``
+    the record of its chunk-CRC sidecar (the shards' ``crc_index`` point into it)."""
 
     name: str
     record: FileRecord
     shards: dict[str, ShardRecord]
     written: bool
+    sidecar: FileRecord | None = None
 
 
 class BufferBudget:
@@ -113,6 +116,7 @@ def read_piece(src: Store, manifest: Manifest, piece: Piece, pool: BufferPool) -
     """
     shard, chunk_nbytes = piece.shard, manifest.chunk_nbytes
     check_file_once(src, manifest, shard.file)
+    load_chunk_crcs(src, chunk_nbytes, [shard])              # version 2: the shard's CRCs, from its sidecar
     buf = pool.take(piece.read_nbytes)
     try:
         offset = shard.byte_offset + piece.read_start

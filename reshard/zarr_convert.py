@@ -30,7 +30,8 @@ from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.storage.manifest import (FileRecord, Manifest, ManifestBuilder,
+from shardsmith.storage.sidecar import write_sidecar
+from shardsmith.storage.manifest import (SIDECAR_SUFFIX, FileRecord, Manifest, ManifestBuilder, sidecar_name,
                                          ShardRecord)
 from shardsmith.storage.safetensors import encode_header, file_order, shard_records, write_stream
 from shardsmith.storage.reading.execute import ReadStats
@@ -96,6 +97,7 @@ def _write_safetensors(src: Store, manifest: Manifest, dst: Store, specs: dict[s
         if items:
             rec, recs = _write_safetensors_file(src, manifest, dst, rank, items, specs, chunk_nbytes, stats)
             files[shard_file_name(rank)] = rec
+            files[sidecar_name(shard_file_name(rank))] = write_sidecar(dst, shard_file_name(rank), recs)
             for fqn, r in recs.items():
                 shards.setdefault(fqn, []).append(r)
     return files, shards
@@ -147,6 +149,7 @@ def convert_format(src: Store, dst_url: str, dims: ParallelDims, tensor_format: 
     for fqn, recs in shards.items():
         builder.add_shards(fqn, recs)
     commit(root, builder.build())
-    return ReshardReport(step=manifest.step, target=dst.url, num_files=len(files),
+    return ReshardReport(step=manifest.step, target=dst.url,
+                         num_files=sum(not n.endswith(SIDECAR_SUFFIX) for n in files),
                          nbytes_written=sum(f.nbytes for f in files.values()), nbytes_read=stats.nbytes_read,
                          nbytes_needed=stats.nbytes_needed, seconds=time.perf_counter() - t0, committed=True)

@@ -14,12 +14,14 @@ import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Iterable
 
 from shardsmith.errors import CheckpointNotFound, LayoutError, ManifestError, SaveError, TargetCommitted
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, Manifest
 from shardsmith.storage.manifest_parse import parse_manifest
+from shardsmith.storage.manifest_read import ManifestReader
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +105,42 @@ def find_latest_committed(root: Store, runs: set[str] | None = None) -> int | No
     return newest
 
 
-def read_manifest(step_store: Store) -> Manifest:
-    """Read and validate ``manifest.json`` of a step directory.
+def open_manifest(step_store: Store) -> ManifestReader:
+    """Open ``manifest.json`` of a step directory for reading piecewise (its head is read
+    and validated; :meth:`ManifestReader.manifest` reads the tensors a rank asks for).
+
+    Raises:
+        CheckpointNotFound: no manifest (the step is not committed).
+        ManifestError: the head is invalid, or its ``step`` is not the one its directory
+            name says.
+    """
+    try:
+        reader = ManifestReader(step_store)
+    except FileNotFoundError as exc:
+        raise CheckpointNotFound(
+            f"{step_store.url} is not a committed checkpoint (no {MANIFEST_NAME}); "
+            "`shardsmith ls` on its parent lists committed steps") from exc
+    step = reader.whole.step if reader.whole is not None else reader.head.data["step"]  # type: ignore[union-attr]
+    name = step_store.url.rstrip("/").rsplit("/", 1)[-1]
+    dir_step = parse_step_dir(name)
+    if dir_step is not None and dir_step != step:
+        raise ManifestError(f"{reader.source}: step: the manifest says step {step} but its directory is "
+                            f"{name}; the checkpoint was tampered with or copied wrongly — do not load it")
+    return reader
+
+
+def read_manifest(step_store: Store, fqns: Iterable[str] | None = None) -> Manifest:
+    """Read and validate ``manifest.json`` of a step directory: all of it, or (``fqns``)
+    only the head and the records of those tensors (a partial manifest; version 2 reads
+    just those byte ranges).
 
     Raises:
         CheckpointNotFound: no manifest (the step is not committed).
         ManifestError: the manifest is invalid, or its ``step`` is not the one its
             directory name says.
     """
+    if fqns is not None:
+        return open_manifest(step_store).manifest(fqns)
     try:
         raw = step_store.read(MANIFEST_NAME)
     except FileNotFoundError as exc:

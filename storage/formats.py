@@ -26,6 +26,7 @@ from shardsmith.layout.plan import TensorSpec, shard_file_name, write_assignment
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import TENSOR_FORMATS, FileRecord, Manifest, ManifestBuilder, ShardRecord
 from shardsmith.storage.reading.execute import ReadStats, read_safetensors_boxes
+from shardsmith.storage.sidecar import write_sidecar
 from shardsmith.storage.tensor_files import write_shard_file
 from shardsmith.storage.zarr_format import ZarrArray, parse_codec, regular_chunks, write_chunks, write_metadata
 from shardsmith.storage.zarr_read import read_zarr_boxes
@@ -58,19 +59,28 @@ class TensorFormat(Protocol):
 
 
 class SafetensorsFormat:
-    """One safetensors file per writing rank (``shards/rank-NNNNN.safetensors``)."""
+    """One safetensors file per writing rank (``shards/rank-NNNNN.safetensors``) and its
+    chunk-CRC sidecar (``….safetensors.crc32c``, :mod:`shardsmith.storage.sidecar`)."""
 
     name = "safetensors"
 
     def write_rank(self, step_store: Store, rank: int, entries: list[Entry], specs: dict[str, TensorSpec],
                    dims: ParallelDims, chunk_nbytes: int) -> dict[str, Any]:
+        """Records: ``{"file": [name, nbytes, crc], "sidecar": [nbytes, crc], "shards": {fqn:
+        [byte_offset, nbytes, crc_index, offsets, lengths]}}`` (no chunk CRCs: they are in the sidecar)."""
         if not entries:
             return {}
         name = shard_file_name(rank)
         record, shards = write_shard_file(step_store, name, [(fqn, t.detach().to("cpu")) for fqn, t, _ in entries],
                                           chunk_nbytes, {fqn: box for fqn, _, box in entries})
-        return {"file": [name, record.nbytes, record.crc32c],
-                "shards": {fqn: r.to_json() for fqn, r in shards.items()}}
+        return self.rank_records(name, record, write_sidecar(step_store, name, shards), shards)
+
+    @staticmethod
+    def rank_records(name: str, record: FileRecord, sidecar: FileRecord, shards: dict[str, ShardRecord]) -> dict[str, Any]:
+        """What one rank sends the coordinator about the file it wrote (JSON-safe, no chunk CRCs)."""
+        return {"file": [name, record.nbytes, record.crc32c], "sidecar": [sidecar.nbytes, sidecar.crc32c],
+                "shards": {fqn: [r.byte_offset, r.nbytes, r.crc_index, r.offsets, r.lengths]
+                           for fqn, r in shards.items()}}
 
     def add_records(self, builder: ManifestBuilder, gathered: list[dict[str, Any]], step_store: Store,
                     specs: dict[str, TensorSpec], dims: ParallelDims) -> None:
@@ -78,10 +88,13 @@ class SafetensorsFormat:
             if "file" in g:
                 name, nbytes, crc = g["file"]
                 builder.add_file(name, FileRecord(nbytes=nbytes, crc32c=crc),
-                                 {fqn: ShardRecord(**r) for fqn, r in g["shards"].items()})
+                                 {fqn: ShardRecord(offsets=o, lengths=n, file=name, key=fqn, byte_offset=b,
+                                                   nbytes=size, crc32c=[], crc_index=c)
+                                  for fqn, (b, size, c, o, n) in g["shards"].items()},
+                                 sidecar=FileRecord(*g["sidecar"]))
 
     def gathered_nbytes(self, gathered: list[dict[str, Any]]) -> int:
-        return sum(g["file"][1] for g in gathered if "file" in g)
+        return sum(g["file"][1] + g["sidecar"][0] for g in gathered if "file" in g)
 
 
 class ZarrFormat:

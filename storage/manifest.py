@@ -20,11 +20,21 @@ from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 
 FORMAT_NAME = "shardsmith.checkpoint"
-FORMAT_VERSION = 1
+#: The version this shardsmith writes (2: chunk CRCs in sidecars, head + index; see
+#: :mod:`shardsmith.storage.manifest_v2`). Version 1 manifests still load.
+FORMAT_VERSION = 2
+#: Versions this shardsmith reads.
+READ_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 #: Tensor formats a manifest may name (zarr: see the zarr issue).
 TENSOR_FORMATS = ("safetensors", "zarr")
+#: Suffix of a data file's chunk-checksum sidecar (:mod:`shardsmith.storage.sidecar`).
+SIDECAR_SUFFIX = ".crc32c"
 
+
+def sidecar_name(data_file: str) -> str:
+    """Checkpoint-relative path of the chunk-CRC sidecar of ``data_file``."""
+    return data_file + SIDECAR_SUFFIX
 
 
 @dataclass
@@ -37,7 +47,11 @@ class ShardRecord:
         key: name of the entry inside the file (safetensors key / zarr array).
         byte_offset: first byte of the shard's data inside the file.
         nbytes: data bytes (``numel * itemsize``).
-        crc32c: CRC-32C of each ``chunk_nbytes`` piece of the data.
+        crc32c: CRC-32C of each ``chunk_nbytes`` piece of the data; with ``crc_index >= 0``
+            empty until fetched from the file's sidecar
+            (:func:`shardsmith.storage.sidecar.load_chunk_crcs`).
+        crc_index: index of the shard's first chunk CRC in the sidecar of ``file``; -1 when
+            the CRCs are in the manifest (version 1, zarr, small writers).
     """
 
     offsets: list[int]
@@ -47,6 +61,7 @@ class ShardRecord:
     byte_offset: int
     nbytes: int
     crc32c: list[int]
+    crc_index: int = -1
 
     @classmethod
     def from_box(cls, box: Box, *, file: str, key: str, byte_offset: int, nbytes: int,
@@ -60,9 +75,22 @@ class ShardRecord:
         """The shard's global box (offsets and lengths in elements)."""
         return Box(tuple(self.offsets), tuple(self.lengths))
 
+    def num_chunks(self, chunk_nbytes: int) -> int:
+        """Checksum chunks of the shard's data."""
+        return -(-self.nbytes // chunk_nbytes)
+
     def to_json(self) -> dict[str, Any]:
+        """The version-1 record (inline CRCs)."""
         return {"offsets": self.offsets, "lengths": self.lengths, "file": self.file, "key": self.key,
                 "byte_offset": self.byte_offset, "nbytes": self.nbytes, "crc32c": self.crc32c}
+
+    def to_compact(self, file_index: int, fqn: str) -> list[Any]:
+        """The version-2 record ``[file index, byte_offset, nbytes, crcs, offsets, lengths(, key)]``:
+        ``crcs`` is the sidecar index of the first chunk CRC, or the CRC list when inline; the
+        key is left out when it is ``fqn``."""
+        crcs: int | list[int] = self.crc_index if self.crc_index >= 0 else self.crc32c
+        out = [file_index, self.byte_offset, self.nbytes, crcs, self.offsets, self.lengths]
+        return out + [self.key] if self.key != fqn else out
 
 
 @dataclass
@@ -101,11 +129,29 @@ class Manifest:
     chunk_nbytes: int = DEFAULT_CHUNK_NBYTES
     created: str = ""
     version: int = FORMAT_VERSION
+    #: Every tensor of the step when ``tensors`` holds only some (a partial read, see
+    #: :class:`shardsmith.storage.manifest_read.ManifestReader`); not serialized.
+    all_tensors: tuple[str, ...] | None = field(default=None, repr=False, compare=False)
     #: Data files whose size and header this process has already checked against the
     #: manifest (see :func:`shardsmith.storage.verify.check_file_once`); not serialized.
     checked_files: set[str] = field(default_factory=set, repr=False, compare=False)
+    #: file -> (fqn, dtype, shard) of its non-empty shards, built on first use
+    #: (:func:`shardsmith.storage.file_checks.shards_in_file`); not serialized.
+    file_shards: dict[str, list[tuple[str, str, "ShardRecord"]]] | None = field(default=None, repr=False,
+                                                                                 compare=False)
+
+    @property
+    def partial(self) -> bool:
+        """True when ``tensors`` holds only the tensors a reader asked for."""
+        return self.all_tensors is not None
+
+    @property
+    def tensor_names(self) -> list[str]:
+        """The FQN of every tensor of the step (also of a partial manifest)."""
+        return list(self.all_tensors) if self.all_tensors is not None else list(self.tensors)
 
     def to_json(self) -> dict[str, Any]:
+        """The version-1 document (every chunk CRC inline); kept for reading tests and tools."""
         return {
             "format": FORMAT_NAME, "version": self.version, "step": self.step,
             "created": self.created, "tensor_format": self.tensor_format,
@@ -119,8 +165,13 @@ class Manifest:
         }
 
     def dumps(self) -> bytes:
-        """Compact UTF-8 JSON bytes (json's C encoder; `shardsmith inspect` is the human view)."""
-        return json.dumps(self.to_json(), separators=(",", ":")).encode()
+        """The ``manifest.json`` bytes: version 2 (:func:`shardsmith.storage.manifest_v2.encode`),
+        or version 1 compact JSON for a manifest read from a version-1 checkpoint."""
+        if self.version == 1:
+            return json.dumps(self.to_json(), separators=(",", ":")).encode()
+        from shardsmith.storage.manifest_v2 import encode     # manifest_v2 imports this module
+
+        return encode(self)
 
     @property
     def nbytes(self) -> int:
@@ -172,9 +223,13 @@ class ManifestBuilder:
         return cls(step=source.step, dims=dims, model=source.model, config=config, state=source.state,
                    tensors=tensors, chunk_nbytes=chunk_nbytes, tensor_format=tensor_format)
 
-    def add_file(self, name: str, record: FileRecord, shards: Mapping[str, ShardRecord] | Iterable[ShardRecord] = ()) -> None:
-        """A data file and the shards it holds (``fqn -> record``, or records keyed by ``key``)."""
+    def add_file(self, name: str, record: FileRecord, shards: Mapping[str, ShardRecord] | Iterable[ShardRecord] = (),
+                 sidecar: FileRecord | None = None) -> None:
+        """A data file and the shards it holds (``fqn -> record``, or records keyed by ``key``),
+        and its chunk-CRC sidecar when the shards' CRCs are there (``crc_index >= 0``)."""
         self.manifest.files[name] = record
+        if sidecar is not None:
+            self.manifest.files[sidecar_name(name)] = sidecar
         items = shards.items() if isinstance(shards, Mapping) else ((r.key, r) for r in shards)
         for fqn, rec in items:
             self.manifest.tensors[fqn].shards.append(rec)

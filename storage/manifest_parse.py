@@ -1,283 +1,45 @@
 """Parsing and validating a manifest: every read of a ``manifest.json`` goes through
-:func:`parse_manifest`, which refuses anything malformed, inconsistent or pointing outside
-the checkpoint before any byte of data is touched.
+:func:`parse_manifest` (a whole document, any version) or
+:class:`~shardsmith.storage.manifest_read.ManifestReader` (version 2, the tensors a rank
+loads), which refuse anything malformed, inconsistent or pointing outside the checkpoint
+before any byte of data is touched. This module holds the version-1 schema and the checks
+on a whole manifest.
 """
 
 from __future__ import annotations
 
-import json
-import posixpath
-from math import prod
 from typing import Any
 
-from shardsmith.errors import ManifestError
-from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.storage.manifest import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, TENSOR_FORMATS, FileRecord,
-                                         Manifest, ShardRecord, TensorRecord)
+from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord
+from shardsmith.storage.manifest_checks import (MAX_INT, Problems, check_bytes, check_coverage, check_files_disjoint,
+                                                err, fields, int_list, load_json, parse_header, parse_tensor,
+                                                reject_duplicate_keys, safe_relpath, to_int, to_str)
 
-#: Largest integer a manifest may hold anywhere (int64; also bounds shapes and byte counts).
-MAX_INT = 2**63 - 1
-#: Most problems listed in one error message.
-MAX_LISTED = 20
-
-
-class _Problems:
-    """Collects consistency problems of one manifest so one error lists them all."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.items: list[str] = []
-
-    def add(self, where: str, what: str) -> None:
-        self.items.append(f"{where}: {what}")
-
-    def raise_if_any(self) -> None:
-        if not self.items:
-            return
-        shown = "; ".join(self.items[:MAX_LISTED])
-        more = f"; and {len(self.items) - MAX_LISTED} more" if len(self.items) > MAX_LISTED else ""
-        head = f"{len(self.items)} problems: " if len(self.items) > 1 else ""
-        raise ManifestError(f"{self.source}: {head}{shown}{more}; {_ADVICE}")
-
-
-_ADVICE = "the checkpoint is damaged or was not written by shardsmith — do not load it"
-
-
-def _err(where: str, what: str, source: str) -> ManifestError:
-    return ManifestError(f"{source}: {where}: {what}; {_ADVICE}")
-
-
-def _int(value: Any, where: str, source: str, *, min_value: int = 0, max_value: int = MAX_INT) -> int:
-    """An integer (never a bool or float) in ``[min_value, max_value]``."""
-    if type(value) is not int:
-        raise _err(where, f"expected an integer, got {type(value).__name__} {value!r:.40}", source)
-    if not min_value <= value <= max_value:
-        raise _err(where, f"{value!r:.40} is outside [{min_value}, {max_value}]", source)
-    return value
-
-
-def _int_list(value: Any, where: str, source: str, *, min_value: int = 0,
-              max_value: int = MAX_INT) -> list[int]:
-    if not isinstance(value, list):
-        raise _err(where, f"expected a list of integers, got {type(value).__name__} {value!r:.40}",
-                   source)
-    for i, v in enumerate(value):
-        _int(v, f"{where}[{i}]", source, min_value=min_value, max_value=max_value)
-    return value
-
-
-def _safe_relpath(path: Any, where: str, source: str) -> str:
-    """Accept only a normalized relative path inside the checkpoint."""
-    if not isinstance(path, str) or not path:
-        raise _err(where, f"expected a relative file path, got {path!r:.80}", source)
-    if ("://" in path or path.startswith(("/", "\\", "~")) or "\\" in path or ":" in path
-            or any(ord(c) < 32 for c in path) or posixpath.normpath(path) != path
-            or ".." in path.split("/") or path == "." or path == MANIFEST_NAME):
-        raise _err(where, f"file path {path!r:.80} points outside the checkpoint's data files", source)
-    return path
-
-
-def _check_type(data: Any, kind: type, where: str, source: str) -> Any:
-    if kind is int:
-        return _int(data, where, source, min_value=-MAX_INT)
-    if not isinstance(data, kind):
-        raise _err(where, f"expected {kind.__name__}, got {type(data).__name__}", source)
-    return data
-
-
-def _str(data: Any, where: str, source: str) -> str:
-    if not isinstance(data, str) or not data:
-        raise _err(where, f"expected a non-empty string, got {data!r:.40}", source)
-    return data
-
-
-def _fields(data: Any, required: tuple[str, ...], where: str, source: str) -> dict[str, Any]:
-    _check_type(data, dict, where, source)
-    missing = [k for k in required if k not in data]
-    if missing:
-        raise _err(where, f"missing fields {missing}", source)
-    return data
+__all__ = ["parse_manifest", "reject_duplicate_keys", "MAX_INT"]
 
 
 def _parse_shard(data: Any, where: str, source: str) -> ShardRecord:
-    _fields(data, ("offsets", "lengths", "file", "key", "byte_offset", "nbytes", "crc32c"), where, source)
+    fields(data, ("offsets", "lengths", "file", "key", "byte_offset", "nbytes", "crc32c"), where, source)
     return ShardRecord(
-        offsets=_int_list(data["offsets"], where + ".offsets", source),
-        lengths=_int_list(data["lengths"], where + ".lengths", source),
-        file=_safe_relpath(data["file"], where + ".file", source),
-        key=_str(data["key"], where + ".key", source),
-        byte_offset=_int(data["byte_offset"], where + ".byte_offset", source),
-        nbytes=_int(data["nbytes"], where + ".nbytes", source),
-        crc32c=_int_list(data["crc32c"], where + ".crc32c", source, max_value=2**32 - 1),
+        offsets=int_list(data["offsets"], where + ".offsets", source),
+        lengths=int_list(data["lengths"], where + ".lengths", source),
+        file=safe_relpath(data["file"], where + ".file", source),
+        key=to_str(data["key"], where + ".key", source),
+        byte_offset=to_int(data["byte_offset"], where + ".byte_offset", source),
+        nbytes=to_int(data["nbytes"], where + ".nbytes", source),
+        crc32c=int_list(data["crc32c"], where + ".crc32c", source, max_value=2**32 - 1),
     )
-
-
-def _overlapping_pairs(boxes: list[tuple[list[int], list[int], int]]) -> list[tuple[int, int]]:
-    """Pairs of shard indices whose (non-empty) boxes intersect.
-
-    Sweeps along the dim with the most distinct offsets, so boxes of a regular grid are
-    compared only with their neighbours along that dim (not all pairs).
-    """
-    if not boxes:
-        return []
-    ndim = len(boxes[0][0])
-    if ndim == 0:
-        return [(boxes[0][2], b[2]) for b in boxes[1:]]
-    d = max(range(ndim), key=lambda k: len({b[0][k] for b in boxes}))
-    active: list[tuple[list[int], list[int], int]] = []
-    pairs = []
-    for box in sorted(boxes, key=lambda b: b[0][d]):
-        offs, lens, idx = box
-        active = [a for a in active if a[0][d] + a[1][d] > offs[d]]
-        for ao, al, ai in active:
-            if all(max(x, y) < min(x + xn, y + yn) for x, xn, y, yn in zip(ao, al, offs, lens)):
-                pairs.append((min(ai, idx), max(ai, idx)))
-        active.append(box)
-    return sorted(pairs)
-
-
-def _check_coverage(fqn: str, rec: TensorRecord, problems: _Problems, raw_nbytes: bool = True) -> None:
-    """Boxes of the tensor's rank, inside its shape, byte counts matching (``raw_nbytes``:
-    safetensors; zarr records the bytes as stored, encoded), disjoint, covering it exactly once."""
-    ndim = len(rec.shape)
-    total = 0
-    boxes = []
-    for i, s in enumerate(rec.shards):
-        where = f"tensors[{fqn!r}].shards[{i}]"
-        if len(s.offsets) != ndim or len(s.lengths) != ndim:
-            problems.add(where, f"box of rank {len(s.offsets)}/{len(s.lengths)} (offsets/lengths) "
-                         f"does not match shape {rec.shape}")
-            return
-        if any(o + n > d for o, n, d in zip(s.offsets, s.lengths, rec.shape)):
-            problems.add(where, f"box offsets={s.offsets} lengths={s.lengths} outside shape {rec.shape}")
-            return
-        numel = prod(s.lengths)
-        if raw_nbytes and s.nbytes != numel * DTYPE_NBYTES[rec.dtype]:
-            problems.add(where + ".nbytes", f"{s.nbytes} but the box holds {numel} {rec.dtype} "
-                         f"elements ({numel * DTYPE_NBYTES[rec.dtype]} bytes)")
-        total += numel
-        if numel:
-            boxes.append((s.offsets, s.lengths, i))
-    for a, b in _overlapping_pairs(boxes)[:MAX_LISTED]:
-        problems.add(f"tensors[{fqn!r}].shards", f"shards {a} and {b} overlap")
-    if total != prod(rec.shape):
-        problems.add(f"tensors[{fqn!r}].shards", f"shards hold {total} elements but the shape "
-                     f"{rec.shape} has {prod(rec.shape)} (missing coverage)")
-
-
-def _check_bytes(fqn: str, rec: TensorRecord, files: dict[str, FileRecord], chunk: int,
-                 problems: _Problems) -> None:
-    """Each shard's bytes lie inside a listed file, with one checksum per chunk."""
-    for i, s in enumerate(rec.shards):
-        where = f"tensors[{fqn!r}].shards[{i}]"
-        if s.file not in files:
-            problems.add(where + ".file", f"{s.file!r} is not listed in files")
-            continue
-        if s.byte_offset + s.nbytes > files[s.file].nbytes:
-            problems.add(where + ".byte_offset", f"bytes [{s.byte_offset}, {s.byte_offset + s.nbytes}) "
-                         f"lie outside {s.file} ({files[s.file].nbytes} bytes)")
-        expected_chunks = -(-s.nbytes // chunk)
-        if len(s.crc32c) != expected_chunks:
-            problems.add(where + ".crc32c", f"{len(s.crc32c)} checksums for {expected_chunks} chunks "
-                         f"of {chunk} bytes")
-
-
-def _check_files_disjoint(tensors: dict[str, TensorRecord], problems: _Problems) -> None:
-    """Within a file, entry keys are unique and shard byte ranges do not overlap."""
-    by_file: dict[str, list[tuple[int, int, str, str]]] = {}
-    for fqn, rec in tensors.items():
-        for i, s in enumerate(rec.shards):
-            if s.nbytes:
-                by_file.setdefault(s.file, []).append(
-                    (s.byte_offset, s.byte_offset + s.nbytes, s.key, f"tensors[{fqn!r}].shards[{i}]"))
-    for name, spans in sorted(by_file.items()):
-        keys: dict[str, str] = {}
-        for _, _, key, where in spans:
-            if key in keys:
-                problems.add(where + ".key", f"key {key!r} of {name} is also used by {keys[key]}")
-            keys[key] = where
-        spans.sort()
-        for (_, end, _, wa), (begin, _, _, wb) in zip(spans, spans[1:]):
-            if begin < end:
-                problems.add(wb + ".byte_offset", f"bytes of {name} overlap those of {wa}")
-
-
-def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json.loads`` object hook refusing duplicate keys (a JSON object may not say a thing twice)."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r:.80}")
-        out[key] = value
-    return out
-
-
-def _load_json(raw: bytes, source: str) -> dict[str, Any]:
-    try:
-        data = json.loads(raw, object_pairs_hook=reject_duplicate_keys, parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError, TypeError) as exc:
-        raise _err("document", f"not valid JSON ({str(exc)[:200]})", source) from exc
-    return _check_type(data, dict, "document", source)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _parse_header(data: dict[str, Any], source: str) -> tuple[int, int]:
-    """Format, version and checksum fields; returns (version, chunk_nbytes)."""
-    if data.get("format") != FORMAT_NAME:
-        raise _err("format", f"expected {FORMAT_NAME!r}, got {data.get('format')!r:.80}", source)
-    version = data.get("version")
-    if type(version) is not int or version != FORMAT_VERSION:
-        raise _err("version", f"unknown format version {version!r:.40}; this shardsmith reads version "
-                   f"{FORMAT_VERSION} — upgrade shardsmith", source)
-    for key, kind in (("step", int), ("layout", dict), ("model", dict), ("config", dict),
-                      ("state", dict), ("tensors", dict), ("files", dict), ("checksum", dict),
-                      ("tensor_format", str)):
-        if key not in data:
-            raise _err(key, "missing", source)
-        _check_type(data[key], kind, key, source)
-    _int(data["step"], "step", source)
-    if data["tensor_format"] not in TENSOR_FORMATS:
-        raise _err("tensor_format", f"unknown tensor format {data['tensor_format']!r:.40}; "
-                   f"known {list(TENSOR_FORMATS)}", source)
-    for key in ("pp", "dp_replicate", "dp_shard", "tp"):
-        if key not in data["layout"]:
-            raise _err(f"layout.{key}", "missing", source)
-        _int(data["layout"][key], f"layout.{key}", source, min_value=1)
-    if data["checksum"].get("algorithm") != "crc32c":
-        raise _err("checksum.algorithm", f"expected 'crc32c', got "
-                   f"{data['checksum'].get('algorithm')!r:.40}", source)
-    chunk = _int(data["checksum"].get("chunk_nbytes"), "checksum.chunk_nbytes", source, min_value=1)
-    return version, chunk
 
 
 def _parse_files(data: dict[str, Any], source: str) -> dict[str, FileRecord]:
     files: dict[str, FileRecord] = {}
     for name, f in data.items():
         where = f"files[{name!r:.80}]"
-        _safe_relpath(name, where, source)
-        _fields(f, ("nbytes", "crc32c"), where, source)
-        files[name] = FileRecord(nbytes=_int(f["nbytes"], where + ".nbytes", source),
-                                 crc32c=_int(f["crc32c"], where + ".crc32c", source, max_value=2**32 - 1))
+        safe_relpath(name, where, source)
+        fields(f, ("nbytes", "crc32c"), where, source)
+        files[name] = FileRecord(nbytes=to_int(f["nbytes"], where + ".nbytes", source),
+                                 crc32c=to_int(f["crc32c"], where + ".crc32c", source, max_value=2**32 - 1))
     return files
-
-
-def _parse_tensor(fqn: str, t: Any, source: str) -> TensorRecord:
-    where = f"tensors[{fqn!r:.120}]"
-    if not fqn:
-        raise _err(where, "empty tensor name", source)
-    _fields(t, ("shape", "dtype", "shards"), where, source)
-    dtype = t["dtype"]
-    if not isinstance(dtype, str) or dtype not in DTYPE_NBYTES:
-        raise _err(where + ".dtype", f"unknown dtype {dtype!r:.40}; known {sorted(DTYPE_NBYTES)}", source)
-    shape = _int_list(t["shape"], where + ".shape", source)
-    if prod(shape) * DTYPE_NBYTES[dtype] > MAX_INT:
-        raise _err(where + ".shape", f"{shape} of {dtype} is larger than {MAX_INT} bytes", source)
-    shards = [_parse_shard(s, f"{where}.shards[{i}]", source)
-              for i, s in enumerate(_check_type(t["shards"], list, where + ".shards", source))]
-    return TensorRecord(shape=shape, dtype=dtype, shards=shards)
 
 
 def parse_manifest(raw: bytes, source: str = "manifest.json") -> Manifest:
@@ -301,15 +63,23 @@ def parse_manifest(raw: bytes, source: str = "manifest.json") -> Manifest:
             count that does not match its box, a shard outside its file or in a file not
             listed, two shards sharing a key or bytes of one file, a wrong checksum count.
     """
-    data = _load_json(raw, source)
-    version, chunk = _parse_header(data, source)
+    from shardsmith.storage.manifest_v2 import PREFIX, parse_whole      # manifest_v2 imports this module
+
+    if raw[:len(PREFIX)] == PREFIX:
+        return parse_whole(raw, source)
+    data = load_json(raw, source)
+    if data.get("version") == 2:
+        raise err("version", "a version-2 manifest must begin with its head (format, version, "
+                  "head_nbytes); this one does not", source)
+    version, chunk = parse_header(data, source, (1,), (("tensors", dict), ("files", dict)))
     files = _parse_files(data["files"], source)
-    tensors = {fqn: _parse_tensor(fqn, t, source) for fqn, t in data["tensors"].items()}
-    problems = _Problems(source)
+    tensors = {fqn: parse_tensor(fqn, t, source, lambda d, w: _parse_shard(d, w, source))
+               for fqn, t in data["tensors"].items()}
+    problems = Problems(source)
     for fqn, rec in tensors.items():
-        _check_coverage(fqn, rec, problems, raw_nbytes=data["tensor_format"] == "safetensors")
-        _check_bytes(fqn, rec, files, chunk, problems)
-    _check_files_disjoint(tensors, problems)
+        check_coverage(fqn, rec, problems, raw_nbytes=data["tensor_format"] == "safetensors")
+        check_bytes(fqn, rec, files, chunk, problems)
+    check_files_disjoint(tensors, problems)
     problems.raise_if_any()
     return Manifest(step=data["step"], layout=data["layout"], model=data["model"],
                     config=data["config"], state=data["state"], tensors=tensors, files=files,

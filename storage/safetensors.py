@@ -29,8 +29,9 @@ from shardsmith.storage.manifest_parse import reject_duplicate_keys
 
 #: safetensors refuses headers larger than this (100 MB); so do we.
 MAX_HEADER_NBYTES = 100_000_000
-#: First read of a file's header: usually all of it in one request.
-_HEADER_PROBE_NBYTES = 64 * 1024
+#: First read of a file's header: all of it in one request up to a few hundred entries
+#: (a 1,024-rank save's files have ~20 KB headers: two requests, ~no bytes beyond the header).
+_HEADER_PROBE_NBYTES = 16 * 1024
 
 #: (key, safetensors dtype name, shape, data bytes) of one entry.
 HeaderEntry = tuple[str, str, Sequence[int], int]

@@ -2,33 +2,40 @@
 
 Two levels:
 
-* :func:`check_file_once` — cheap, run by every load the first time it touches a data
-  file: the file's size and its safetensors header (keys, dtypes, shapes, byte ranges)
-  must agree with the manifest. Ranged reads then verify every byte they read against
-  the per-chunk checksums (:func:`shardsmith.storage.formats.read_box`).
+* :func:`~shardsmith.storage.file_checks.check_file_once` — cheap, run by every load the
+  first time it touches a data file (size and safetensors header); ranged reads then verify
+  every byte they read against the per-chunk checksums.
 * :func:`verify_checkpoint` — everything, for ``shardsmith verify``: the manifest
-  (schema, coverage of every logical tensor exactly once), and for every data file its
+  (schema, coverage of every logical tensor exactly once), and for every file its
   presence, size, header, whole-file CRC-32C and every shard's chunk checksums, streamed
-  in bounded blocks. All problems are collected, each naming its file.
+  in bounded blocks. All problems are collected, each naming its file. A version-2
+  manifest is streamed too: tensor by tensor, then a few files at a time, so memory stays
+  bounded by one pass's file metadata and the read blocks, whatever the step's size; files
+  may be split over worker processes.
 
 Nothing here imports torch: the manifest's dtype names are safetensors' own.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardsmith.errors import CheckpointNotFound, IntegrityError, ManifestError
-from shardsmith.storage.checksum import crc32c_update
-from shardsmith.storage.commit import read_manifest
+from shardsmith.errors import CheckpointNotFound, ManifestError
+from shardsmith.storage.commit import open_manifest
+from shardsmith.storage.file_checks import (DEFAULT_BLOCK_NBYTES, FileShard, check_file_once, file_problems,
+                                            shards_in_file)
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, ShardRecord, TensorRecord
+from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, TensorRecord
+from shardsmith.storage.manifest_read import ManifestReader
+from shardsmith.storage.manifest_v2 import check_files
 from shardsmith.storage.model_record import model_record_problems
-from shardsmith.storage.safetensors import read_header
 
-#: Bytes read per request when streaming a file for its checksums (bounds memory).
-DEFAULT_BLOCK_NBYTES = 8 * 1024 * 1024
+__all__ = ["Problem", "VerifyReport", "verify_checkpoint", "check_file_once", "shards_in_file",
+           "DEFAULT_BLOCK_NBYTES"]
+#: Files whose shard records one pass of a version-2 verify holds at once (bounds memory).
+FILES_PER_PASS = 256
 
 
 @dataclass
@@ -86,196 +93,92 @@ class VerifyReport:
                 "extra_files": self.extra_files}
 
 
-# ---- headers ------------------------------------------------------------------------------
+# ---- one worker: a list of files, a few at a time ------------------------------------------
 
 
-def _same_ints(value: Any, want: list[int]) -> bool:
-    return isinstance(value, list) and all(type(v) is int for v in value) and value == want
+def _by_file(tensors: dict[str, TensorRecord], files: set[str]) -> dict[str, list[FileShard]]:
+    out: dict[str, list[FileShard]] = {f: [] for f in files}
+    for fqn, rec in tensors.items():
+        for s in rec.shards:
+            if s.file in out and s.nbytes:
+                out[s.file].append((fqn, rec.dtype, s))
+    return out
 
 
-def shards_in_file(manifest: Manifest, file: str) -> list[tuple[str, TensorRecord, ShardRecord]]:
-    """(fqn, tensor record, shard) of every non-empty shard stored in ``file``."""
-    return [(fqn, rec, s) for fqn, rec in manifest.tensors.items() for s in rec.shards
-            if s.file == file and s.nbytes]
-
-
-def header_problems(manifest: Manifest, file: str, data_start: int, header: dict[str, Any]) -> list[str]:
-    """Where a parsed safetensors header disagrees with the manifest (pure).
-
-    Checks, for every shard the manifest places in ``file``: the entry exists under its
-    key with the tensor's dtype, the box's lengths as shape, and exactly the manifest's
-    byte range; that the header lists nothing else; and that its data region ends at the
-    file's recorded size.
-    """
-    problems = []
-    keys = set()
-    for fqn, rec, s in shards_in_file(manifest, file):
-        keys.add(s.key)
-        entry = header.get(s.key)
-        if not isinstance(entry, dict):
-            problems.append(f"header has no entry {s.key!r} (tensor {fqn})")
-            continue
-        if entry.get("dtype") != rec.dtype:
-            problems.append(f"header says {s.key!r} is {entry.get('dtype')!r:.20}, the manifest {rec.dtype}")
-        if not _same_ints(entry.get("shape"), s.lengths):
-            problems.append(f"header says {s.key!r} has shape {entry.get('shape')!r:.60}, the manifest "
-                            f"box lengths {s.lengths}")
-        want = [s.byte_offset - data_start, s.byte_offset - data_start + s.nbytes]
-        if not _same_ints(entry.get("data_offsets"), want):
-            problems.append(f"header says {s.key!r} lies at data_offsets {entry.get('data_offsets')!r:.60}, "
-                            f"the manifest at {want} (bytes [{s.byte_offset}, {s.byte_offset + s.nbytes}))")
-    extra = sorted(set(header) - keys - {"__metadata__"})
-    if extra:
-        problems.append(f"header lists entries the manifest does not: {extra[:5]}")
-    ends = [e["data_offsets"][1] for k, e in header.items() if k in keys and isinstance(e, dict)
-            and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
-            and type(e["data_offsets"][1]) is int]
-    nbytes = manifest.files[file].nbytes
-    if ends and not problems and data_start + max(ends) != nbytes:
-        problems.append(f"header's data ends at byte {data_start + max(ends)} but the manifest "
-                        f"records {nbytes} bytes")
-    return problems
-
-
-def _size_problem(size: int, want: int) -> str:
-    kind = "truncated" if size < want else "oversized"
-    return f"{kind}: {size} bytes on storage, the manifest records {want}"
-
-
-def check_file_once(store: Store, manifest: Manifest, file: str, source: str = "") -> None:
-    """Check a data file's size and safetensors header against the manifest, once per
-    manifest object (remembered in ``manifest.checked_files``). Any rank may call it.
-
-    Costs one size query and one or two small ranged reads per file; the data itself
-    is verified chunk by chunk as it is read.
-
-    Raises:
-        IntegrityError: naming the file, when it is missing, truncated or oversized, or
-            its header disagrees with the manifest.
-    """
-    if file in manifest.checked_files:
-        return
-    url = f"{source}/{file}" if source else store.url_of(file)
-    want = manifest.files[file].nbytes
+def _check_pass(reader: ManifestReader, files: list[str], block_nbytes: int) -> list[tuple[str, str, int]]:
+    """One pass of a version-2 verify: stream every tensor, keep the shards of ``files``,
+    check them across tensors (shared bytes, sidecar ranges), then each file's bytes."""
+    assert reader.head is not None
+    wanted, kept = set(files), {}
+    for fqn, rec in reader.iter_tensors():
+        shards = [s for s in rec.shards if s.file in wanted]
+        if shards:
+            kept[fqn] = TensorRecord(shape=rec.shape, dtype=rec.dtype, shards=shards)
+    out: list[tuple[str, str, int]] = []
     try:
-        size = store.size(file)
-    except FileNotFoundError as exc:
-        raise IntegrityError(f"{url}: missing, but the manifest lists it ({want} bytes); the checkpoint "
-                             "is incomplete — resume from another step (`shardsmith ls`) or restore "
-                             "the file") from exc
-    if size != want:
-        raise IntegrityError(f"{url}: {_size_problem(size, want)}; the file is damaged — resume from "
-                             "another step (`shardsmith ls`) or restore it")
-    if manifest.tensor_format == "safetensors":
-        data_start, header = read_header(store, file, want)
-        problems = header_problems(manifest, file, data_start, header)
-        if problems:
-            raise IntegrityError(f"{url}: safetensors header disagrees with the manifest: "
-                                 + "; ".join(problems[:10]) + " — the file is damaged or was replaced; "
-                                 "resume from another step or restore it")
-    manifest.checked_files.add(file)
+        check_files(reader.head, kept, reader.source)
+    except ManifestError as exc:
+        out.append((MANIFEST_NAME, str(exc), 0))
+    manifest = reader.head.manifest(kept, partial=False)
+    for name, shards in _by_file(kept, wanted).items():
+        problems, nbytes = file_problems(reader.store, manifest, name, shards, block_nbytes)
+        out += [(name, what, 0) for what in problems] + [("", "", nbytes)]
+    return out
 
 
-# ---- streaming checksums ------------------------------------------------------------------
+def _check_files(store: Store, files: list[str], block_nbytes: int, files_per_pass: int) -> list[tuple[str, str, int]]:
+    """One worker's files: (file, problem, 0) of each problem and ("", "", bytes read) of each file."""
+    reader = ManifestReader(store)
+    out = []
+    for i in range(0, len(files), files_per_pass):
+        out += _check_pass(reader, files[i:i + files_per_pass], block_nbytes)
+    return out
 
 
-@dataclass
-class _Chunk:
-    start: int          # absolute byte range in the file
-    end: int
-    expected: int
-    shard: int          # index into the file's shard list
-    crc: int = 0
+def _check_files_at(url: str, storage_options: dict[str, Any], files: list[str], block_nbytes: int,
+                    files_per_pass: int) -> list[tuple[str, str, int]]:
+    """:func:`_check_files` in a worker process (the store rebuilt from its URL)."""
+    return _check_files(Store(url, storage_options), files, block_nbytes, files_per_pass)
 
 
-def _file_chunks(manifest: Manifest, shards: list[tuple[str, TensorRecord, ShardRecord]]) -> list[_Chunk]:
-    chunks = []
-    for i, (_, _, s) in enumerate(shards):
-        for c, expected in enumerate(s.crc32c):
-            begin = s.byte_offset + c * manifest.chunk_nbytes
-            chunks.append(_Chunk(begin, min(begin + manifest.chunk_nbytes, s.byte_offset + s.nbytes),
-                                 expected, i))
-    return sorted(chunks, key=lambda ch: ch.start)
+def _check_v1(step_store: Store, manifest: Manifest, block_nbytes: int) -> list[tuple[str, str, int]]:
+    """Every file of a version-1 manifest (already parsed whole)."""
+    by_file = _by_file(manifest.tensors, set(manifest.files))
+    out = []
+    for name in sorted(manifest.files):
+        problems, nbytes = file_problems(step_store, manifest, name, by_file[name], block_nbytes)
+        out += [(name, what, 0) for what in problems] + [("", "", nbytes)]
+    return out
 
 
-def _stream_problems(store: Store, manifest: Manifest, file: str, size: int,
-                     block_nbytes: int) -> tuple[list[str], int]:
-    """Whole-file CRC-32C and every shard chunk's CRC-32C in one streaming pass.
-
-    Returns (problems, bytes read). Memory: one block.
-    """
-    shards = shards_in_file(manifest, file)
-    chunks = _file_chunks(manifest, shards)
-    bad: dict[int, list[_Chunk]] = {}
-    file_crc, pos, nxt = 0, 0, 0
-    while pos < size:
-        data = store.read_range(file, pos, min(pos + block_nbytes, size))
-        if not data:
-            break
-        view = memoryview(data)
-        end = pos + len(data)
-        file_crc = crc32c_update(view, file_crc)
-        while nxt < len(chunks) and chunks[nxt].start < end:
-            ch = chunks[nxt]
-            lo, hi = max(ch.start, pos), min(ch.end, end)
-            if hi > lo:
-                ch.crc = crc32c_update(view[lo - pos:hi - pos], ch.crc)
-            if ch.end > end:
-                break
-            if ch.crc != ch.expected:
-                bad.setdefault(ch.shard, []).append(ch)
-            nxt += 1
-        pos = end
-    problems = []
-    record = manifest.files[file]
-    if pos == record.nbytes and int(file_crc) != record.crc32c:
-        problems.append(f"whole-file CRC-32C is {int(file_crc):#010x}, the manifest records {record.crc32c:#010x}")
-    for ch in chunks[nxt:]:
-        bad.setdefault(ch.shard, []).append(ch)
-    for i, chs in sorted(bad.items()):
-        fqn, _, s = shards[i]
-        past_end = sum(ch.end > pos for ch in chs)
-        what = (f"{past_end} of them past the end of the file" if past_end else "checksum mismatch")
-        problems.append(f"tensor {fqn} (key {s.key!r}): {len(chs)} of {len(s.crc32c)} checksum chunks "
-                        f"bad ({what}), first at bytes [{chs[0].start}, {chs[0].end})")
-    return problems, pos
+def _split(files: dict[str, Any], workers: int) -> list[list[str]]:
+    """Files over ``workers`` lists of about equal bytes (largest first to the lightest)."""
+    groups: list[list[str]] = [[] for _ in range(max(1, workers))]
+    load = [0] * len(groups)
+    for name in sorted(files, key=lambda n: (-files[n].nbytes, n)):
+        i = load.index(min(load))
+        groups[i].append(name)
+        load[i] += files[name].nbytes
+    return [sorted(g) for g in groups if g]
 
 
-def file_problems(store: Store, manifest: Manifest, file: str,
-                  block_nbytes: int = DEFAULT_BLOCK_NBYTES) -> tuple[list[str], int]:
-    """Everything wrong with one data file: presence, size, header, checksums.
-
-    Returns (problems, bytes read).
-    """
-    want = manifest.files[file].nbytes
-    try:
-        size = store.size(file)
-    except FileNotFoundError:
-        return [f"missing (the manifest records {want} bytes)"], 0
-    problems = [] if size == want else [_size_problem(size, want)]
-    if manifest.tensor_format == "safetensors":
-        try:
-            data_start, header = read_header(store, file, min(size, want))
-            problems += header_problems(manifest, file, data_start, header)
-        except IntegrityError as exc:
-            problems.append(str(exc).split(": ", 1)[-1])
-    streamed, nbytes = _stream_problems(store, manifest, file, min(size, want), block_nbytes)
-    return problems + streamed, nbytes
-
-
-def verify_checkpoint(step_store: Store, *, block_nbytes: int = DEFAULT_BLOCK_NBYTES) -> VerifyReport:
+def verify_checkpoint(step_store: Store, *, block_nbytes: int = DEFAULT_BLOCK_NBYTES, workers: int = 1,
+                      files_per_pass: int = FILES_PER_PASS) -> VerifyReport:
     """Check a whole checkpoint step against its manifest; collects every problem.
 
     Checks the manifest (schema; every logical tensor's boxes inside its shape and
-    covering it exactly once; byte ranges; every tensor's shape as the model record implies,
-    see :mod:`shardsmith.storage.model_record`), then for every data file: present, size,
-    safetensors header agreeing with the manifest (key -> dtype/shape/byte range),
-    whole-file CRC-32C, and each shard's chunk CRC-32Cs. Files are streamed in blocks
-    of ``block_nbytes``, so memory does not grow with file size. Single process.
+    covering it exactly once; byte ranges; checksum sidecar ranges; every tensor's shape as the
+    model record implies, see :mod:`shardsmith.storage.model_record`), then for every file:
+    present, size, safetensors header agreeing with the manifest (key -> dtype/shape/byte
+    range), whole-file CRC-32C, and each shard's chunk CRC-32Cs. Files are streamed in
+    blocks of ``block_nbytes``; a version-2 manifest is streamed tensor by tensor and its
+    files checked ``files_per_pass`` at a time, so memory does not grow with the step.
 
     Args:
         step_store: the step directory (``.../step-NNNNNNNNN``).
         block_nbytes: bytes per ranged read while streaming.
+        workers: processes the files are split over (version 2; each reads the manifest itself).
+        files_per_pass: files whose records one pass holds.
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is False when anything is wrong. A missing
@@ -283,20 +186,53 @@ def verify_checkpoint(step_store: Store, *, block_nbytes: int = DEFAULT_BLOCK_NB
     """
     report = VerifyReport(url=step_store.url)
     try:
-        manifest = read_manifest(step_store)
+        reader = open_manifest(step_store)
+        if reader.whole is not None:
+            manifest = reader.whole
+            report.step, report.num_tensors, files = manifest.step, len(manifest.tensors), manifest.files
+            found = _check_v1(step_store, manifest, block_nbytes)
+        else:
+            assert reader.head is not None
+            report.step, report.num_tensors = reader.head.data["step"], len(reader.head.index)
+            files = reader.head.files
+            groups = _split(files, workers)
+            if len(groups) <= 1:
+                found = [r for g in groups for r in _check_files(step_store, g, block_nbytes, files_per_pass)]
+            else:
+                args = [(step_store.url, step_store.storage_options, g, block_nbytes, files_per_pass) for g in groups]
+                with ProcessPoolExecutor(len(groups)) as pool:
+                    found = [r for part in pool.map(_check_files_at, *zip(*args)) for r in part]
+        report.problems += [Problem(MANIFEST_NAME, what) for what in _model_problems(reader)]
     except CheckpointNotFound:
         report.problems.append(Problem(MANIFEST_NAME, "missing: the step is not committed"))
         return report
     except ManifestError as exc:
         report.problems.append(Problem(MANIFEST_NAME, str(exc)))
         return report
-    report.step, report.num_tensors = manifest.step, len(manifest.tensors)
-    report.problems += [Problem(MANIFEST_NAME, what) for what in model_record_problems(manifest)]
-    for name in sorted(manifest.files):
-        problems, nbytes = file_problems(step_store, manifest, name, block_nbytes)
-        report.problems += [Problem(name, what) for what in problems]
-        report.num_files += 1
-        report.nbytes_checked += nbytes
+    _fill(report, found, files)
     present = step_store.walk()
-    report.extra_files = sorted(k for k in present if k not in manifest.files and k != MANIFEST_NAME)
+    report.extra_files = sorted(k for k in present if k not in files and k != MANIFEST_NAME)
     return report
+
+
+def _model_problems(reader: ManifestReader) -> list[str]:
+    """The model record checked against every tensor's shape; a version-2 manifest is streamed
+    for the shapes (no shard records kept)."""
+    if reader.whole is not None:
+        return model_record_problems(reader.whole)
+    assert reader.head is not None
+    shapes = {fqn: TensorRecord(shape=rec.shape, dtype=rec.dtype) for fqn, rec in reader.iter_tensors()}
+    return model_record_problems(reader.head.manifest(shapes, partial=False))
+
+
+def _fill(report: VerifyReport, found: list[tuple[str, str, int]], files: dict[str, Any]) -> None:
+    """Problems grouped by file in file order (the manifest's first), files and bytes counted."""
+    order = {name: i for i, name in enumerate(sorted(files))}
+    problems = [Problem(f, what) for f, what, _ in found if f]
+    seen = set()
+    for p in sorted(problems, key=lambda p: (p.file != MANIFEST_NAME, order.get(p.file, -1))):
+        if (p.file, p.what) not in seen:
+            seen.add((p.file, p.what))
+            report.problems.append(p)
+    report.num_files = len(files)
+    report.nbytes_checked = sum(n for f, _, n in found if not f)

@@ -23,6 +23,7 @@ from shardsmith.storage.commit import commit, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import Manifest, ManifestBuilder
 from shardsmith.storage.safetensors import file_order
+from shardsmith.storage.sidecar import write_sidecar
 from shardsmith.storage.tensor_files import DTYPE_NAMES, write_shard_file
 
 CHUNK_NBYTES = 16
@@ -60,7 +61,7 @@ def placement(full: dict[str, torch.Tensor]) -> dict[str, dict[str, tuple[torch.
 def write_step(root: Store, step: int, files: dict[str, dict[str, tuple[torch.Tensor, Box]]], *,
                dims: ParallelDims, chunk_nbytes: int, tensors: dict[str, tuple[tuple[int, ...], str]] | None = None,
                model: dict | None = None, config: dict | None = None, state: dict | None = None,
-               created: str = "test", do_commit: bool = True) -> Manifest:
+               created: str = "test", do_commit: bool = True, sidecars: bool = True) -> Manifest:
     """Write the data files of a step (file -> fqn -> (local tensor, global box)) and its
     manifest; commit it unless ``do_commit`` is false. ``tensors`` (fqn -> (global shape,
     dtype)) defaults to one whole-tensor shape per fqn taken from the boxes' ends."""
@@ -80,20 +81,20 @@ def write_step(root: Store, step: int, files: dict[str, dict[str, tuple[torch.Te
                          key=lambda e: file_order(e[0], DTYPE_NAMES[e[1].dtype]))
         record, shards = write_shard_file(step_store, name, entries, chunk_nbytes,
                                           {fqn: box for fqn, (_, box) in local.items()})
-        builder.add_file(name, record, shards)
+        builder.add_file(name, record, shards, sidecar=write_sidecar(step_store, name, shards) if sidecars else None)
     manifest = builder.build()
     if do_commit:
         commit(root, manifest)
     return manifest
 
 
-def build_manifest(root: Store, step: int, seed: int = 0,
-                   chunk_nbytes: int = CHUNK_NBYTES) -> tuple[Manifest, dict[str, torch.Tensor]]:
+def build_manifest(root: Store, step: int, seed: int = 0, chunk_nbytes: int = CHUNK_NBYTES,
+                   sidecars: bool = True) -> tuple[Manifest, dict[str, torch.Tensor]]:
     """Write the data files of a step (not committed) and return its manifest."""
     full = full_tensors(seed)
     tensors = {fqn: (tuple(t.shape), DTYPE_NAMES[t.dtype]) for fqn, t in full.items()}
     manifest = write_step(root, step, placement(full), dims=DIMS, chunk_nbytes=chunk_nbytes, tensors=tensors,
-                          do_commit=False)
+                          do_commit=False, sidecars=sidecars)
     return manifest, full
 
 

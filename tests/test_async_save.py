@@ -31,7 +31,7 @@ from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import commit, find_latest_committed, read_manifest, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, Manifest
+from shardsmith.storage.manifest import MANIFEST_NAME, SIDECAR_SUFFIX, Manifest
 from shardsmith.storage.reading.execute import ReadStats
 from shardsmith.storage.formats import read_box, read_boxes
 from shardsmith.storage.tensor_files import DTYPE_NAMES
@@ -92,7 +92,7 @@ def test_async_and_sync_saves_are_byte_identical_snapshots(gloo_group, tmp_path:
     assert all(sync_files[k] == async_files[k] for k in sync_files), "data files differ"
     assert manifest_sections(tmp_path / "sync", 4) == manifest_sections(tmp_path / "async", 4)
     files = manifest_sections(tmp_path / "sync", 4)["files"]     # whole-file CRCs (combined
-    assert {k: v["crc32c"] for k, v in files.items()} == {       # from the chunks') are right
+    assert {name: crc for name, _, crc in files} == {             # from the chunks') are right
         k: crc32c(data) for k, data in sync_files.items()}
     # the saved values are the snapshot taken by save(), not the later ones
     saved = safetensors.torch.load_file(str(tmp_path / "async" / step_dir(4) / "shards/rank-00000.safetensors"))
@@ -272,6 +272,8 @@ def whole_file_tensors(step_store: Store, manifest: Manifest) -> dict[str, torch
                                                               "F16": "float16"}[rec.dtype]))
             for fqn, rec in manifest.tensors.items()}
     for file in manifest.files:
+        if file.endswith(SIDECAR_SUFFIX):                        # chunk CRCs, not tensors
+            continue
         loaded = safetensors.torch.load(step_store.read(file))
         for fqn, rec in manifest.tensors.items():
             for s in rec.shards:

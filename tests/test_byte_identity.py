@@ -23,8 +23,10 @@ from shardsmith.reshard.engine import reshard
 from shardsmith.reshard.hf_io import export_hf
 from shardsmith.reshard.planner import ReshardOptions
 from shardsmith.reshard.zarr_convert import convert_format
-from shardsmith.storage.commit import step_dir
+from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store
+from shardsmith.storage.manifest import SIDECAR_SUFFIX
+from shardsmith.storage.sidecar import load_chunk_crcs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from storage_ckpt import full_tensors, save_offline  # noqa: E402
@@ -33,20 +35,31 @@ FIXTURE = Path(__file__).parent / "fixtures" / "byte_identity.json"
 STEP = 3
 
 
+def _version1_view(step: Path) -> bytes:
+    """A step's manifest as the version-1 document it stands for: chunk CRCs fetched from
+    the sidecars back inline, the sidecars left out of the file table (the fixture predates
+    version 2; the content must not have changed)."""
+    store = Store(str(step))
+    manifest = read_manifest(store)
+    load_chunk_crcs(store, manifest.chunk_nbytes, [s for t in manifest.tensors.values() for s in t.shards])
+    manifest.files = {k: v for k, v in manifest.files.items() if not k.endswith(SIDECAR_SUFFIX)}
+    manifest.version = 1
+    doc = manifest.to_json()
+    doc.pop("created", None)
+    parent = doc.get("state", {}).get("run", {}).get("parent") or {}
+    parent.pop("url", None)         # a reshard's source URL: the machine's temp path
+    return json.dumps(doc, sort_keys=True).encode()
+
+
 def _digest(path: Path) -> str:
-    data = path.read_bytes()
-    if path.name == "manifest.json":
-        doc = json.loads(data)
-        doc.pop("created", None)
-        parent = doc.get("state", {}).get("run", {}).get("parent") or {}
-        parent.pop("url", None)         # a reshard's source URL: the machine's temp path
-        data = json.dumps(doc, sort_keys=True).encode()
+    data = _version1_view(path.parent) if path.name == "manifest.json" else path.read_bytes()
     return hashlib.sha256(data).hexdigest()
 
 
 def _tree(root: Path) -> dict[str, str]:
+    """path -> digest of every file but the chunk-CRC sidecars (``verify`` covers those)."""
     return {str(p.relative_to(root)): _digest(p) for p in sorted(root.rglob("*"))
-            if p.is_file() and not p.name.startswith(".")}
+            if p.is_file() and not p.name.startswith(".") and not p.name.endswith(SIDECAR_SUFFIX)}
 
 
 def run_pipeline(tmp: Path) -> dict[str, str]:

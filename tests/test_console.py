@@ -231,10 +231,12 @@ def test_reshard_refuses_its_source_root_and_names_the_target_run(tmp_path: Path
 
     root = Store(str(tmp_path / "src"))
     manifest = save_direct(root, full_state(), SRC_DIMS)
-    path = tmp_path / "src" / step_dir(manifest.step) / MANIFEST_NAME
-    data = json.loads(path.read_text())
-    data["config"]["checkpoint"] = {"url": str(tmp_path / "src")}
-    path.write_text(json.dumps(data))
+    from shardsmith.storage.commit import read_manifest
+
+    step_store = root.child(step_dir(manifest.step))
+    saved = read_manifest(step_store)
+    saved.config["checkpoint"] = {"url": str(tmp_path / "src")}
+    step_store.write(MANIFEST_NAME, saved.dumps())
     same = CliRunner().invoke(cli, ["reshard", str(tmp_path / "src"), str(tmp_path / "src"), "--dp-shard", "4"])
     assert same.exit_code == 1 and "is the source's own checkpoint root" in same.output, same.output
     out = CliRunner().invoke(cli, ["reshard", str(tmp_path / "src"), str(tmp_path / "out"), "--dp-shard", "4", "-q"])

@@ -41,10 +41,10 @@ def test_describe_steps(root) -> None:
         (10, "committed"), (20, "committed"), (25, "invalid"), (30, "committed"), (40, "incomplete")]
     assert [s.step for s in steps if s.latest] == [30]
     s10 = steps[0]
-    expected = sum(root.size(f"{step_dir(10)}/{k}") for k in (FILE0, "shards/rank-00001.safetensors",
-                                                                MANIFEST_NAME))
-    assert (s10.nbytes, s10.num_files, s10.layout) == (expected, 3, "pp1·dpr1·dps2·tp1")
-    assert steps[-1].layout == "" and steps[-1].num_files == 2 and steps[-1].nbytes > 0
+    data = (FILE0, "shards/rank-00001.safetensors")            # and their chunk-CRC sidecars
+    expected = sum(root.size(f"{step_dir(10)}/{k}") for k in (*data, *(f + ".crc32c" for f in data), MANIFEST_NAME))
+    assert (s10.nbytes, s10.num_files, s10.layout) == (expected, 5, "pp1·dpr1·dps2·tp1")
+    assert steps[-1].layout == "" and steps[-1].num_files == 4 and steps[-1].nbytes > 0
     assert "not valid JSON" in steps[2].error
     assert all(s.mtime is not None for s in steps)
 

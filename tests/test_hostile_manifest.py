@@ -15,7 +15,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from ckpt_factory import FILE0, FILE1, make_checkpoint, memory_root
+from ckpt_factory import FILE0, FILE1, build_manifest, make_checkpoint, memory_root
 from shardsmith.errors import IntegrityError, ManifestError
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import commit, read_manifest, step_dir
@@ -32,9 +32,12 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def valid() -> tuple[Store, dict[str, Any]]:
-    """(step store, manifest JSON) of a valid committed step."""
+    """(step store, manifest JSON) of a valid committed step, written as a version-1 manifest
+    (the cases below mutate its JSON; version 2's own cases are in test_manifest_v2.py)."""
     root = memory_root()
-    make_checkpoint(root, STEP)
+    manifest, _ = build_manifest(root, STEP, sidecars=False)
+    manifest.version = 1
+    commit(root, manifest)
     step_store = root.child(step_dir(STEP))
     return step_store, json.loads(step_store.read(MANIFEST_NAME))
 
@@ -169,7 +172,8 @@ CASES: list[tuple[str, Callable, str, str]] = [
     ("empty_fqn", lambda d: d["tensors"].__setitem__("", d["tensors"].pop("b")), "tensors['']",
      "empty tensor name"),
     # versions and formats
-    ("version_2", _set("version", 2), "version", "unknown format version 2"),
+    ("version_3", _set("version", 3), "version", "unknown format version 3"),
+    ("version_2_without_head", _set("version", 2), "version", "must begin with its head"),
     ("version_str", _set("version", "1"), "version", "unknown format version '1'"),
     ("version_bool", _set("version", True), "version", "unknown format version True"),
     ("format", _set("format", "torch.save"), "format", "expected 'shardsmith.checkpoint'"),

@@ -59,8 +59,8 @@ def test_intact_checkpoint_loads_and_verifies(ckpt) -> None:
         assert all(got[f].dtype == full[f].dtype and torch.equal(got[f], full[f]) for f in full)
     report = verify_checkpoint(step_store)
     assert report.ok, report.problems
-    assert (report.step, report.num_files, report.num_tensors) == (STEP, 2, 4)
-    assert report.nbytes_checked == sum(step_store.size(f) for f in (FILE0, FILE1))
+    assert (report.step, report.num_files, report.num_tensors) == (STEP, 4, 4)      # 2 data files + sidecars
+    assert report.nbytes_checked == sum(step_store.size(f) for f in (FILE0, FILE1, FILE0 + ".crc32c", FILE1 + ".crc32c"))
     assert report.extra_files == []
 
 
@@ -304,7 +304,7 @@ def test_cli_verify(ckpt) -> None:
 
     root, step_store, _ = ckpt
     ok = CliRunner().invoke(cli, ["verify", root.url])
-    assert ok.exit_code == 0 and f"ok: {step_store.url} step {STEP}: 2 files" in ok.output, ok.output
+    assert ok.exit_code == 0 and f"ok: {step_store.url} step {STEP}: 4 files" in ok.output, ok.output
     flip_byte(step_store, FILE0, -2)
     step_store.delete(FILE1)
     bad = CliRunner().invoke(cli, ["verify", step_store.url])

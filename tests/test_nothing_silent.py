@@ -4,7 +4,6 @@ record against its tensors, load checks, interrupted exports, ``ls``/``gc`` edge
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 from click.testing import CliRunner
@@ -117,9 +116,9 @@ def test_verify_checks_the_model_record_against_the_tensors(tmp_path):
     _step(root, 4, None)
     step = root.child(step_dir(4))
     assert verify_checkpoint(step).ok
-    raw = json.loads(step.read("manifest.json"))
-    raw["model"]["vocab_size"] = 10**12
-    step.write("manifest.json", json.dumps(raw).encode())
+    saved = read_manifest(step)
+    saved.model["vocab_size"] = 10**12
+    step.write("manifest.json", saved.dumps())
     report = verify_checkpoint(step)
     assert not report.ok
     assert any("vocab_size=1000000000000" in p.what and "tok_embeddings" in p.what for p in report.problems), \

@@ -34,7 +34,7 @@ from shardsmith.storage.reading.execute import ReadStats
 from shardsmith.storage.formats import read_boxes
 from shardsmith.storage.formats import tensor_format as get_tensor_format
 from shardsmith.storage.tensor_files import DTYPE_NAMES
-from shardsmith.trainer.comm import broadcast_text, gather_json
+from shardsmith.trainer.comm import broadcast_text, gather_json, gather_json_to_root
 
 log = logging.getLogger(__name__)
 
@@ -168,27 +168,37 @@ def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, di
     except Exception as exc:  # reported to every rank below; nothing is committed
         log.exception("rank %d: writing %s failed", rank, step_store.url_of(file_name))
         error = f"rank {rank}: {type(exc).__name__}: {exc}"
-    gathered = gather_json({"error": error, **records}, group)
+    gathered = gather_json_to_root({"error": error, **records}, group)   # rank 0 only: records of every rank
     crash_point("save.after_gather")
+    outcome = {"error": "", "nbytes": 0}
+    if gathered is not None:
+        outcome = _commit_gathered(root, plan, gathered, fmt, model_cfg=model_cfg, dims=dims, config=config,
+                                   state=state, chunk_nbytes=chunk_nbytes)
+    outcome = json.loads(broadcast_text(json.dumps(outcome), group))
+    if outcome["error"]:
+        raise SaveError(f"checkpoint step {plan.step} not committed: {outcome['error']}")
+    crash_point("save.end")
+    return int(outcome["nbytes"])
+
+
+def _commit_gathered(root: Store, plan: WritePlan, gathered: list[dict[str, Any]], fmt: Any, *, model_cfg: ModelConfig,
+                     dims: ParallelDims, config: dict[str, Any], state: dict[str, Any],
+                     chunk_nbytes: int) -> dict[str, Any]:
+    """Rank 0 of a save: every rank's records into the manifest, validated and committed.
+    Returns ``{"error": text or "", "nbytes": data bytes}`` (broadcast to every rank)."""
     errors = [g["error"] for g in gathered if g["error"]]
     if errors:
-        raise SaveError(f"checkpoint step {plan.step} not committed: " + "; ".join(errors))
-    commit_error = ""
-    if rank == 0:
-        try:
-            builder = ManifestBuilder(step=plan.step, dims=dims, model=model_cfg.to_json(), config=config,
-                                      state=state, tensors={f: (s.shape, s.dtype) for f, s in plan.specs.items()},
-                                      chunk_nbytes=chunk_nbytes, tensor_format=fmt.name)
-            fmt.add_records(builder, gathered, step_store, plan.specs, dims)
-            commit(root, builder.build())                   # validates (schema, coverage) before writing
-        except Exception as exc:
-            log.exception("committing step %d failed", plan.step)
-            commit_error = f"commit: {type(exc).__name__}: {exc}"
-    commit_error = broadcast_text(commit_error, group)
-    if commit_error:
-        raise SaveError(f"checkpoint step {plan.step} not committed: {commit_error}")
-    crash_point("save.end")
-    return fmt.gathered_nbytes(gathered)
+        return {"error": "; ".join(errors), "nbytes": 0}
+    try:
+        builder = ManifestBuilder(step=plan.step, dims=dims, model=model_cfg.to_json(), config=config, state=state,
+                                  tensors={f: (s.shape, s.dtype) for f, s in plan.specs.items()},
+                                  chunk_nbytes=chunk_nbytes, tensor_format=fmt.name)
+        fmt.add_records(builder, gathered, root.child(step_dir(plan.step)), plan.specs, dims)
+        commit(root, builder.build())                       # validates (schema, coverage) before writing
+    except Exception as exc:
+        log.exception("committing step %d failed", plan.step)
+        return {"error": f"commit: {type(exc).__name__}: {exc}", "nbytes": 0}
+    return {"error": "", "nbytes": fmt.gathered_nbytes(gathered)}
 
 
 def save_checkpoint(root: Store, step: int, tensors: dict[str, torch.Tensor], *, model_cfg: ModelConfig,

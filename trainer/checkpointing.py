@@ -18,11 +18,12 @@ import torch
 
 from shardsmith.errors import ConfigError, TrainingDiverged
 from shardsmith.layout.plan import checkpoint_specs, rank_boxes
-from shardsmith.storage.commit import find_latest_committed, read_manifest, resolve_checkpoint, step_dir
+from shardsmith.storage.commit import find_latest_committed, open_manifest, resolve_checkpoint, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.gc import gc_after_commit
 from shardsmith.storage.lineage import check_new_run_root, remove_runs_except
-from shardsmith.storage.manifest import MANIFEST_NAME, Manifest
+from shardsmith.storage.manifest import MANIFEST_NAME
+from shardsmith.storage.manifest_read import ManifestReader
 from shardsmith.trainer.async_save import AsyncCheckpointer
 from shardsmith.trainer.checkpoint import (SaveResult, init_optimizer_state, load_into, model_state_tensors,
                                            save_checkpoint)
@@ -30,7 +31,7 @@ from shardsmith.trainer.comm import any_rank, broadcast_text, gather_json
 from shardsmith.trainer.data import GlobalBatchSampler
 from shardsmith.trainer.fault.bad_steps import BadStepPolicy
 from shardsmith.trainer.rng import apply_rng, gather_rng
-from shardsmith.trainer.run_checks import RunIdentity, check_before_load
+from shardsmith.trainer.run_checks import RunIdentity, check_before_load, reset_due
 
 if TYPE_CHECKING:
     from shardsmith.trainer.config import TrainConfig
@@ -308,13 +309,14 @@ class CheckpointPolicy:
                 self.event({"event": "overwrite", "deleted_steps": deleted, "root": self.root.url})
         any_rank(bool(deleted))
 
-    def _read(self, step_store: Store, manifest: Manifest, tensors: dict[str, torch.Tensor],
+    def _read(self, step_store: Store, reader: ManifestReader, tensors: dict[str, torch.Tensor],
               with_optimizer: bool) -> list[Any]:
-        """Fill ``tensors`` from the checkpoint by box intersection; every rank's
-        ``[nbytes_read, nbytes_needed]`` (all-gathered)."""
+        """Fill ``tensors`` from the checkpoint by box intersection, reading only the manifest
+        records of this rank's tensors; every rank's ``[nbytes_read, nbytes_needed]`` (all-gathered)."""
         cfg = self.cfg
         specs = checkpoint_specs(cfg.model, cfg.parallel, with_optimizer=with_optimizer)
         boxes = rank_boxes(specs, cfg.parallel, self.rank)
+        manifest = reader.manifest(boxes)                     # the records of this rank's tensors only
         stats = load_into(step_store, manifest, tensors, boxes, {f: s.shape for f, s in specs.items()})
         return gather_json([stats.nbytes_read, stats.nbytes_needed])
 
@@ -322,24 +324,26 @@ class CheckpointPolicy:
         """Load only the model weights of checkpoint ``url`` (any layout; optimizer state,
         counters and data position stay fresh). Collective."""
         _, step_store, step = resolve_checkpoint(url, self.cfg.checkpoint.storage_options)
-        manifest = read_manifest(step_store)
+        reader = open_manifest(step_store)                    # the head: configs, layout, state, index
+        manifest = reader.manifest(())
         self._warn(check_before_load(manifest, self.cfg, step_store.url, resume=False))
-        read = self._read(step_store, manifest, model_state_tensors(self.state.model, None), False)
+        read = self._read(step_store, reader, model_state_tensors(self.state.model, None), False)
         self.run.initialized_from(manifest.state, step_store.url, step)
         self.event({"event": "init_from", "from": step_store.url, "source_step": step,
-                    "saved_layout": manifest.layout, "nbytes_read": sum(r[0] for r in read)})
+                    "saved_layout": reader.manifest(()).layout, "nbytes_read": sum(r[0] for r in read)})
 
     def _load(self, step_store: Store, step: int, *, reason: str) -> None:
         """Load tensors (resharding by box intersection), counters, data position, LR
         schedule, bad-step state and RNG (restored, or re-derived on a new layout)."""
         t0 = time.perf_counter()
         state, cfg = self.state, self.cfg
-        manifest = read_manifest(step_store)
-        reset = self._reset_due(manifest) and reason != "rollback"
+        reader = open_manifest(step_store)                    # the head: configs, layout, state, index
+        manifest = reader.manifest(())
+        reset = reset_due(manifest, cfg.checkpoint.reset_optimizer) and reason != "rollback"
         self._warn(check_before_load(manifest, cfg, step_store.url, resume=True, reset_optimizer=reset))
         init_optimizer_state(state.model, state.optimizer)
         tensors = model_state_tensors(state.model, state.optimizer if not reset else None)
-        read = self._read(step_store, manifest, tensors, not reset)
+        read = self._read(step_store, reader, tensors, not reset)
         if reason != "rollback":
             self.run.resumed(manifest.state, step_store.url, step)
         state.load_state_json(manifest.state, rollback=reason == "rollback")
@@ -357,15 +361,6 @@ class CheckpointPolicy:
             self.run.events.append(record)
             self.event(record)
             log.warning("--reset-optimizer: continuing from step %d of %s with a fresh AdamW", step, step_store.url)
-
-    def _reset_due(self, manifest: Manifest) -> bool:
-        """``reset_optimizer``, unless the checkpoint was written after this run's reset (a
-        requeued or restarted job loads its own optimizer state)."""
-        if not self.cfg.checkpoint.reset_optimizer:
-            return False
-        has_optim = any(k.startswith("optim.") for k in manifest.tensors)
-        events = manifest.state.get("run", {}).get("events") or []
-        return not (has_optim and any(e.get("event") == "reset_optimizer" for e in events))
 
     def _warn(self, warnings: list[str]) -> None:
         for line in warnings:

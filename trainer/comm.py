@@ -36,6 +36,32 @@ def gather_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     return [json.loads(bytes(t[: int(s.item())].tolist())) for t, s in zip(out, sizes)]
 
 
+def gather_json_to_root(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any] | None:
+    """Every rank's JSON-serializable ``obj`` on group rank 0 (``None`` on the others): UTF-8
+    bytes over the process group, no pickle. Rank 0 receives world x the longest message;
+    the others only send theirs (no all-gather of everything to everyone). Every rank of
+    ``group`` must call it.
+
+    Returns:
+        On group rank 0, one decoded object per rank in group-rank order; elsewhere ``None``.
+    """
+    data = json.dumps(obj).encode()
+    longest = torch.tensor([len(data)], dtype=torch.int64)
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+    buf = torch.zeros(8 + int(longest.item()), dtype=torch.uint8)
+    buf[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+    if data:
+        buf[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    root = dist.get_global_rank(group, 0) if group is not None else 0
+    if dist.get_rank(group) != 0:
+        dist.gather(buf, None, dst=root, group=group)
+        return None
+    out = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
+    dist.gather(buf, out, dst=root, group=group)
+    raw = [bytes(t.numpy()) for t in out]
+    return [json.loads(r[8:8 + int.from_bytes(r[:8], "little")]) for r in raw]
+
+
 def broadcast_text(text: str, group: dist.ProcessGroup | None = None) -> str:
     """Group rank 0's ``text`` on every rank of ``group`` (UTF-8 over the process group; one
     small collective when it is empty, the common case). Every rank of ``group`` must call it."""

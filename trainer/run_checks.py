@@ -52,7 +52,7 @@ def check_before_load(manifest: Manifest, cfg: TrainConfig, source: str, *, resu
             optimizer state for a resume (names the difference and the way forward).
     """
     warnings = check_model_compatible(manifest.model, cfg.model, source=source)
-    names = list(manifest.tensors)
+    names = manifest.tensor_names                 # every tensor of the step (a partial read too)
     load_optim = resume and not reset_optimizer
     if load_optim:
         check_has_optimizer_state(names, source=source, optimizer_prefix=OPTIM_PREFIX)
@@ -139,3 +139,13 @@ def preflight(cfg: TrainConfig) -> list[str]:
         _, step_store, _ = resolve_checkpoint(ckpt.init_from, ckpt.storage_options)
         return check_before_load(read_manifest(step_store), cfg, step_store.url, resume=False)
     return []
+
+
+def reset_due(manifest: Manifest, reset_optimizer: bool) -> bool:
+    """``--reset-optimizer``, unless the checkpoint was written after this run's reset (a
+    requeued or restarted job loads its own optimizer state)."""
+    if not reset_optimizer:
+        return False
+    has_optim = any(k.startswith(OPTIM_PREFIX) for k in manifest.tensor_names)
+    events = manifest.state.get("run", {}).get("events") or []
+    return not (has_optim and any(e.get("event") == "reset_optimizer" for e in events))

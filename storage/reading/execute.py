@@ -24,7 +24,8 @@ from shardsmith.storage.manifest import Manifest
 from shardsmith.storage.reading.plan import ReadPart, ScratchPiece, coalesce, plan_piece
 from shardsmith.storage.reading.spans import intersections
 from shardsmith.storage.tensor_files import TORCH_DTYPES
-from shardsmith.storage.verify import check_file_once
+from shardsmith.storage.file_checks import check_file_once
+from shardsmith.storage.sidecar import load_chunk_crcs
 
 #: Ranged reads in flight at once in one :func:`read_safetensors_boxes` call (threads: local
 #: ``preadv`` and object-store GETs both release the GIL).
@@ -110,7 +111,9 @@ class _Batch:
             self.flush()
 
     def flush(self) -> None:
-        """Run the planned reads (verified), then fill the scratch pieces into place."""
+        """Fetch the chunk CRCs of the shards about to be read (version 2: from their sidecars),
+        run the planned reads (verified), then fill the scratch pieces into place."""
+        load_chunk_crcs(self.store, self.chunk_nbytes, [p.shard for p in self.parts], self.source)
         nbytes = _run_reads(self.store, self.parts, self.chunk_nbytes, self.source)
         for piece in self.pieces:
             _fill_from_scratch(piece)

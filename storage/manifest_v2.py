@@ -1,0 +1,237 @@
+"""Manifest version 2: one JSON document laid out so a reader can fetch only what it loads.
+
+``manifest.json`` = HEAD + BODY, one valid JSON object::
+
+    {"format":"shardsmith.checkpoint","version":2,"head_nbytes":        12345,
+     "step":..,"created":..,"tensor_format":..,"checksum":{..},"layout":{..},"model":{..},
+     "config":{..},"state":{..},
+     "files":[[name, nbytes, crc32c], ...],             # sorted by name; shards refer by index
+     "index":{fqn: [start, end], ...},                  # byte range of the tensor's entry in BODY
+     "tensors":{                                        # <- HEAD ends here (head_nbytes bytes)
+    "fqn":{"shape":[..],"dtype":"..","shards":[[file, byte_offset, nbytes, crcs, offsets, lengths(, key)], ..]},
+    ...}}                                               # BODY: entries joined by ",", then "}}"
+
+``head_nbytes`` is right-aligned in a fixed 16-character field at a fixed offset, so the
+first :data:`PREFIX_NBYTES` bytes say how long the head is. ``index`` ranges are relative to
+the start of BODY and tile it: entry after entry, one ``,`` between, in natural FQN order
+(``layers.2`` before ``layers.10``, so one stage's tensors are neighbours). A shard's
+``crcs`` is the index of its first chunk CRC in the file's sidecar
+(:mod:`shardsmith.storage.sidecar`) or, for writers without sidecars, the CRC list itself;
+its ``key`` is given only when it differs from the FQN.
+
+:func:`encode` writes it; :func:`parse_head`, :func:`parse_entry` read the pieces a rank
+fetched (:class:`~shardsmith.storage.manifest_read.ManifestReader`); :func:`parse_whole`
+reads a whole document and checks that the pieces tile it, so a partial reader and a full
+reader always see the same tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from shardsmith.storage.manifest import FORMAT_NAME, FileRecord, Manifest, ShardRecord, TensorRecord
+from shardsmith.storage.manifest_checks import (Problems, check_bytes, check_coverage, check_files_disjoint,
+                                                check_sidecars, check_type, err, int_list, load_json, parse_header, parse_tensor,
+                                                safe_relpath, to_int, to_str)
+
+VERSION = 2
+PREFIX = f'{{"format":"{FORMAT_NAME}","version":{VERSION},"head_nbytes":'.encode()
+_WIDTH = 16
+#: Bytes that say how long the head is (the prefix, the fixed-width number and a comma).
+PREFIX_NBYTES = len(PREFIX) + _WIDTH + 1
+_HEAD_END = b',"tensors":{'
+_BODY_END = b"}}"
+
+
+def natural_key(fqn: str) -> list[Any]:
+    """Sort key putting ``layers.2`` before ``layers.10``."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", fqn)]
+
+
+def encode(manifest: Manifest) -> bytes:
+    """The version-2 ``manifest.json`` bytes of ``manifest`` (compact; json's C encoder)."""
+    names = sorted(manifest.files)
+    file_index = {name: i for i, name in enumerate(names)}
+    entries, index, pos = [], {}, 0
+    for fqn in sorted(manifest.tensors, key=natural_key):
+        t = manifest.tensors[fqn]
+        value = {"shape": t.shape, "dtype": t.dtype,
+                 "shards": [s.to_compact(file_index[s.file], fqn) for s in t.shards]}
+        entry = (json.dumps(fqn) + ":" + json.dumps(value, separators=(",", ":"))).encode()
+        index[fqn] = [pos, pos + len(entry)]
+        entries.append(entry)
+        pos += len(entry) + 1
+    rest = {"step": manifest.step, "created": manifest.created, "tensor_format": manifest.tensor_format,
+            "checksum": {"algorithm": "crc32c", "chunk_nbytes": manifest.chunk_nbytes},
+            "layout": manifest.layout, "model": manifest.model, "config": manifest.config, "state": manifest.state,
+            "files": [[n, manifest.files[n].nbytes, manifest.files[n].crc32c] for n in names], "index": index}
+    tail = json.dumps(rest, separators=(",", ":")).encode()[1:-1] + _HEAD_END
+    head_nbytes = PREFIX_NBYTES + len(tail)
+    head = PREFIX + f"{head_nbytes:>{_WIDTH}},".encode() + tail
+    return head + b",".join(entries) + _BODY_END
+
+
+def head_nbytes_of(prefix: bytes, source: str) -> int:
+    """The head's length from the first :data:`PREFIX_NBYTES` bytes of a version-2 manifest."""
+    field = prefix[len(PREFIX):PREFIX_NBYTES - 1]
+    if prefix[:len(PREFIX)] != PREFIX or len(prefix) < PREFIX_NBYTES or prefix[PREFIX_NBYTES - 1:PREFIX_NBYTES] != b"," \
+            or not field.strip().isdigit():
+        raise err("head_nbytes", "the document does not begin with a version-2 head", source)
+    return to_int(int(field), "head_nbytes", source, min_value=PREFIX_NBYTES + len(_HEAD_END))
+
+
+@dataclass
+class Head:
+    """The head of a version-2 manifest: everything but the tensors' shard records."""
+
+    nbytes: int
+    data: dict[str, Any]
+    chunk_nbytes: int
+    files: dict[str, FileRecord]
+    file_names: list[str]
+    index: dict[str, tuple[int, int]]
+
+    def manifest(self, tensors: dict[str, TensorRecord], *, partial: bool) -> Manifest:
+        """A :class:`Manifest` of this head and ``tensors`` (a partial one knows every FQN)."""
+        d = self.data
+        return Manifest(step=d["step"], layout=d["layout"], model=d["model"], config=d["config"], state=d["state"],
+                        tensors=tensors, files=self.files, tensor_format=d["tensor_format"],
+                        chunk_nbytes=self.chunk_nbytes, created=str(d.get("created", "")), version=VERSION,
+                        all_tensors=tuple(self.index) if partial else None)
+
+
+def _parse_files(data: Any, source: str) -> tuple[list[str], dict[str, FileRecord]]:
+    names, files = [], {}
+    for i, f in enumerate(check_type(data, list, "files", source)):
+        where = f"files[{i}]"
+        if not isinstance(f, list) or len(f) != 3:
+            raise err(where, f"expected [name, nbytes, crc32c], got {f!r:.80}", source)
+        name = safe_relpath(f[0], where + "[0]", source)
+        if name in files:
+            raise err(where, f"{name!r:.80} is listed twice", source)
+        names.append(name)
+        files[name] = FileRecord(nbytes=to_int(f[1], where + ".nbytes", source),
+                                 crc32c=to_int(f[2], where + ".crc32c", source, max_value=2**32 - 1))
+    return names, files
+
+
+def _parse_index(data: Any, source: str) -> dict[str, tuple[int, int]]:
+    """fqn -> [start, end) in BODY, non-empty, in increasing order with a one-byte separator."""
+    index: dict[str, tuple[int, int]] = {}
+    last_end = -1
+    for fqn, span in check_type(data, dict, "index", source).items():
+        where = f"index[{fqn!r:.120}]"
+        if not fqn:
+            raise err(where, "empty tensor name", source)
+        if not isinstance(span, list) or len(span) != 2:
+            raise err(where, f"expected a byte range [start, end), got {span!r:.60}", source)
+        start, end = to_int(span[0], where, source), to_int(span[1], where, source)
+        if end <= start:
+            raise err(where, f"expected a byte range [start, end) with start < end, got {span!r:.60}", source)
+        if start <= last_end:
+            raise err(where, f"bytes [{start}, {end}) overlap or precede the previous tensor's (ending "
+                      f"at {last_end})", source)
+        index[fqn] = (start, end)
+        last_end = end
+    return index
+
+
+def parse_head(raw: bytes, source: str) -> Head:
+    """Parse and validate the first ``head_nbytes`` bytes of a version-2 manifest.
+
+    Raises:
+        ManifestError: see :func:`shardsmith.storage.manifest_parse.parse_manifest`; also a
+            head that does not end where ``head_nbytes`` says, an index range that is empty,
+            overlaps or is out of order, a file listed twice.
+    """
+    nbytes = head_nbytes_of(raw[:PREFIX_NBYTES], source)
+    if len(raw) != nbytes or not raw.endswith(_HEAD_END):
+        raise err("head_nbytes", f"{nbytes} bytes of head, but the head read has {len(raw)} bytes or does not "
+                  "end where the tensors begin", source)
+    data = load_json(raw[:-len(_HEAD_END)] + b"}", source)
+    _, chunk = parse_header(data, source, (VERSION,), (("files", list), ("index", dict)))
+    names, files = _parse_files(data["files"], source)
+    return Head(nbytes, data, chunk, files, names, _parse_index(data["index"], source))
+
+
+def _parse_shard(data: Any, fqn: str, head: Head, where: str, source: str) -> ShardRecord:
+    if not isinstance(data, list) or len(data) not in (6, 7):
+        raise err(where, f"expected [file, byte_offset, nbytes, crcs, offsets, lengths(, key)], got {data!r:.80}",
+                  source)
+    f = to_int(data[0], where + "[0]", source, max_value=len(head.file_names) - 1)
+    crcs = data[3]
+    inline = isinstance(crcs, list)
+    return ShardRecord(
+        offsets=int_list(data[4], where + ".offsets", source), lengths=int_list(data[5], where + ".lengths", source),
+        file=head.file_names[f], key=to_str(data[6], where + ".key", source) if len(data) == 7 else fqn,
+        byte_offset=to_int(data[1], where + ".byte_offset", source), nbytes=to_int(data[2], where + ".nbytes", source),
+        crc32c=int_list(crcs, where + ".crc32c", source, max_value=2**32 - 1) if inline else [],
+        crc_index=-1 if inline else to_int(crcs, where + ".crc32c", source))
+
+
+def parse_entry(raw: bytes, fqn: str, head: Head, source: str) -> TensorRecord:
+    """Parse the bytes ``index[fqn]`` names: exactly ``"fqn":{shape, dtype, shards}``."""
+    where = f"tensors[{fqn!r:.120}]"
+    data = load_json(b"{" + raw + b"}", source)
+    if list(data) != [fqn]:
+        raise err(f"index[{fqn!r:.120}]", f"points at the entry of {list(data)[:1]!r:.120}, not of this tensor",
+                  source)
+    t = check_type(data[fqn], dict, where, source)
+    if sorted(t) != ["dtype", "shape", "shards"]:
+        raise err(where, f"expected fields shape, dtype, shards; got {sorted(t)!r:.80}", source)
+    return parse_tensor(fqn, t, source, lambda d, w: _parse_shard(d, fqn, head, w, source))
+
+
+def check_tensors(head: Head, tensors: dict[str, TensorRecord], source: str, *, whole: bool) -> None:
+    """Consistency of the tensors read (all of them with ``whole``): coverage, byte ranges
+    inside listed files, checksum counts and sidecar ranges, no two shards sharing bytes.
+
+    Raises:
+        ManifestError: listing every problem.
+    """
+    problems = Problems(source)
+    raw_nbytes = head.data["tensor_format"] == "safetensors"
+    for fqn, rec in tensors.items():
+        check_coverage(fqn, rec, problems, raw_nbytes=raw_nbytes)
+        check_bytes(fqn, rec, head.files, head.chunk_nbytes, problems)
+    check_files_disjoint(tensors, problems)
+    check_sidecars(tensors, head.files, head.chunk_nbytes, problems, whole=whole)
+    problems.raise_if_any()
+
+
+def check_files(head: Head, tensors: dict[str, TensorRecord], source: str) -> None:
+    """Across tensors, for files whose shards are all in ``tensors``: no two shards share
+    bytes or a key, and the sidecars' checksum ranges tile them exactly.
+
+    Raises:
+        ManifestError: listing every problem.
+    """
+    problems = Problems(source)
+    check_files_disjoint(tensors, problems)
+    check_sidecars(tensors, head.files, head.chunk_nbytes, problems, whole=True)
+    problems.raise_if_any()
+
+
+def parse_whole(raw: bytes, source: str) -> Manifest:
+    """Parse and validate a whole version-2 document: the head, every entry, and that the
+    index ranges tile the body exactly (so the document is the one JSON object a partial
+    reader sees). Linear in the document's size."""
+    head = parse_head(raw[:head_nbytes_of(raw[:PREFIX_NBYTES], source)], source)
+    body = memoryview(raw)[head.nbytes:]
+    pos, tensors = 0, {}
+    for n, (fqn, (start, end)) in enumerate(head.index.items()):
+        if start != pos or end > len(body) - len(_BODY_END):
+            raise err(f"index[{fqn!r:.120}]", f"bytes [{start}, {end}) of the tensors: expected an entry starting "
+                      f"at {pos} inside the document; the index does not tile the tensors", source)
+        tensors[fqn] = parse_entry(bytes(body[start:end]), fqn, head, source)
+        if n + 1 < len(head.index) and body[end:end + 1] != b",":
+            raise err(f"index[{fqn!r:.120}]", "the tensor's entry is not followed by ','", source)
+        pos = end + 1
+    if bytes(body[max(pos - 1, 0):]) != _BODY_END:
+        raise err("tensors", "the document does not end right after the last indexed tensor: every "
+                  "tensor must be in the index", source)
+    check_tensors(head, tensors, source, whole=True)
+    return head.manifest(tensors, partial=False)
