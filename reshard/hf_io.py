@@ -34,19 +34,18 @@ from shardsmith.errors import CheckpointError, ConfigError
 from shardsmith.reshard.hf import (HF_IGNORED, from_hf_name, hf_config, model_config_from_hf,
                                    permute_from_hf, permute_to_hf, rope_heads, to_hf_name)
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.plan import TensorSpec, param_specs, shard_file_name, write_assignment
+from shardsmith.layout.plan import TensorSpec, param_specs
 from shardsmith.layout.box import Box
 from shardsmith.layout.dtypes import DTYPE_CHOICES, DTYPES
+from shardsmith.reshard.foreign.write import write_checkpoint
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
-from shardsmith.storage.commit import (commit, ensure_not_committed, read_manifest, resolve_checkpoint, resolve_target,
-                                       step_dir)
+from shardsmith.storage.commit import read_manifest, resolve_checkpoint
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, ManifestBuilder
-from shardsmith.storage.manifest_parse import parse_manifest
+from shardsmith.storage.manifest import Manifest
 from shardsmith.storage.model_record import check_model_record
-from shardsmith.storage.safetensors import encode_header, file_order, write_stream
+from shardsmith.storage.safetensors import encode_header, write_stream
 from shardsmith.storage.formats import read_box
-from shardsmith.storage.tensor_files import DTYPE_NAMES, byte_view, write_shard_file
+from shardsmith.storage.tensor_files import DTYPE_NAMES, byte_view
 
 log = logging.getLogger(__name__)
 
@@ -351,29 +350,13 @@ def import_hf(hf_dir: str, ckpt_url: str, dims: ParallelDims, *, step: int | Non
     model = model_config_from_hf(src.config, os.path.join(hf_dir, "config.json"))
     specs = param_specs(model, dims)
     names = _match_tensors(src, specs, model)
-    root, step = resolve_target(ckpt_url, step, storage_options)
-    dst = root.child(step_dir(step))
-    ensure_not_committed(dst)
-    report = HFImportReport(target=dst.url, step=step, model=model)
     state = {"step": step, "tokens_seen": 0, "data": {"sample_index": 0},
              "source": {"format": "huggingface", "path": os.path.abspath(hf_dir)}}
-    builder = ManifestBuilder(step=step, dims=dims, model=model.to_json(),
-                              config=config or {"model": model.to_json(), "parallel": dims.to_json()},
-                              state=state, tensors={fqn: (s.shape, s.dtype) for fqn, s in specs.items()},
-                              chunk_nbytes=chunk_nbytes)
-    for rank, items in write_assignment(specs, dims).items():
-        if not items:
-            continue
-        file_name = shard_file_name(rank)
-        items = sorted(items, key=lambda it: file_order(it[0], specs[it[0]].dtype))
-        local = [(fqn, read_hf_box(src, names[fqn], fqn, box, model)) for fqn, box in items]
-        file_rec, records = write_shard_file(dst, file_name, local, chunk_nbytes, dict(items))
-        del local
-        builder.add_file(file_name, file_rec, records)
-        report.num_files += 1
-        report.nbytes_written += file_rec.nbytes
-    manifest = builder.build()
-    parse_manifest(manifest.dumps(), dst.url_of(MANIFEST_NAME))     # coverage check before commit
-    commit(root, manifest)
+    written = write_checkpoint(ckpt_url, model, dims, lambda fqn, box: read_hf_box(src, names[fqn], fqn, box, model),
+                               state=state, config=config or {"model": model.to_json(), "parallel": dims.to_json()},
+                               with_optimizer=False, step=step, storage_options=storage_options,
+                               chunk_nbytes=chunk_nbytes)
+    report = HFImportReport(target=written.target, step=written.step, model=model, num_files=written.num_files,
+                            nbytes_written=written.nbytes_written)
     report.seconds = time.perf_counter() - t0
     return report
