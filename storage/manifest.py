@@ -84,13 +84,17 @@ class ShardRecord:
         return {"offsets": self.offsets, "lengths": self.lengths, "file": self.file, "key": self.key,
                 "byte_offset": self.byte_offset, "nbytes": self.nbytes, "crc32c": self.crc32c}
 
-    def to_compact(self, file_index: int, fqn: str) -> list[Any]:
-        """The version-2 record ``[file index, byte_offset, nbytes, crcs, offsets, lengths(, key)]``:
-        ``crcs`` is the sidecar index of the first chunk CRC, or the CRC list when inline; the
-        key is left out when it is ``fqn``."""
-        crcs: int | list[int] = self.crc_index if self.crc_index >= 0 else self.crc32c
-        out = [file_index, self.byte_offset, self.nbytes, crcs, self.offsets, self.lengths]
-        return out + [self.key] if self.key != fqn else out
+    def to_v2_json(self) -> dict[str, Any]:
+        """The version-2 record: the version-1 fields, with ``crc_index`` (the index of the
+        shard's first chunk CRC in its file's sidecar) in place of ``crc32c`` when the CRCs
+        live in a sidecar."""
+        out: dict[str, Any] = {"file": self.file, "key": self.key, "offsets": self.offsets,
+                               "lengths": self.lengths, "byte_offset": self.byte_offset, "nbytes": self.nbytes}
+        if self.crc_index >= 0:
+            out["crc_index"] = self.crc_index
+        else:
+            out["crc32c"] = self.crc32c
+        return out
 
 
 @dataclass

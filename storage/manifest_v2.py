@@ -8,16 +8,24 @@
      "files":[[name, nbytes, crc32c], ...],             # sorted by name; shards refer by index
      "index":{fqn: [start, end], ...},                  # byte range of the tensor's entry in BODY
      "tensors":{                                        # <- HEAD ends here (head_nbytes bytes)
-    "fqn":{"shape":[..],"dtype":"..","shards":[[file, byte_offset, nbytes, crcs, offsets, lengths(, key)], ..]},
+    "fqn":{"shape":[..],"dtype":"..","shards":[{"file":..,"key":..,"offsets":[..],"lengths":[..],
+                                                "byte_offset":..,"nbytes":..,"crc_index":..}, ..]},
     ...}}                                               # BODY: entries joined by ",", then "}}"
 
 ``head_nbytes`` is right-aligned in a fixed 16-character field at a fixed offset, so the
 first :data:`PREFIX_NBYTES` bytes say how long the head is. ``index`` ranges are relative to
 the start of BODY and tile it: entry after entry, one ``,`` between, in natural FQN order
-(``layers.2`` before ``layers.10``, so one stage's tensors are neighbours). A shard's
-``crcs`` is the index of its first chunk CRC in the file's sidecar
-(:mod:`shardsmith.storage.sidecar`) or, for writers without sidecars, the CRC list itself;
-its ``key`` is given only when it differs from the FQN.
+(``layers.2`` before ``layers.10``, so one stage's tensors are neighbours). A shard record
+names its fields as version 1 does (so any JSON reader can find a shard's bytes: ``file``
+relative to the step directory, safetensors ``key``, global ``offsets``/``lengths`` in
+elements, ``byte_offset``/``nbytes`` in the file); ``crc_index`` is the index of its first
+chunk CRC in the file's sidecar (:mod:`shardsmith.storage.sidecar`), or, for writers without
+sidecars, ``crc32c`` is the CRC list itself. The head's small sections (``layout``,
+``model``, ``config``, ``state``) are written with ``json``'s default spacing for people
+reading them; ``files``, ``index`` and the body are compact.
+
+Manifests written before shard records were named (positional
+``[file index, byte_offset, nbytes, crcs, offsets, lengths(, key)]``) still parse.
 
 :func:`encode` writes it; :func:`parse_head`, :func:`parse_entry` read the pieces a rank
 fetched (:class:`~shardsmith.storage.manifest_read.ManifestReader`); :func:`parse_whole`
@@ -34,7 +42,7 @@ from typing import Any
 
 from shardsmith.storage.manifest import FORMAT_NAME, FileRecord, Manifest, ShardRecord, TensorRecord
 from shardsmith.storage.manifest_checks import (Problems, check_bytes, check_coverage, check_files_disjoint,
-                                                check_sidecars, check_type, err, int_list, load_json, parse_header, parse_tensor,
+                                                check_sidecars, check_type, err, fields, int_list, load_json, parse_header, parse_tensor,
                                                 safe_relpath, to_int, to_str)
 
 VERSION = 2
@@ -54,21 +62,20 @@ def natural_key(fqn: str) -> list[Any]:
 def encode(manifest: Manifest) -> bytes:
     """The version-2 ``manifest.json`` bytes of ``manifest`` (compact; json's C encoder)."""
     names = sorted(manifest.files)
-    file_index = {name: i for i, name in enumerate(names)}
     entries, index, pos = [], {}, 0
     for fqn in sorted(manifest.tensors, key=natural_key):
         t = manifest.tensors[fqn]
         value = {"shape": t.shape, "dtype": t.dtype,
-                 "shards": [s.to_compact(file_index[s.file], fqn) for s in t.shards]}
+                 "shards": [s.to_v2_json() for s in t.shards]}
         entry = (json.dumps(fqn) + ":" + json.dumps(value, separators=(",", ":"))).encode()
         index[fqn] = [pos, pos + len(entry)]
         entries.append(entry)
         pos += len(entry) + 1
-    rest = {"step": manifest.step, "created": manifest.created, "tensor_format": manifest.tensor_format,
-            "checksum": {"algorithm": "crc32c", "chunk_nbytes": manifest.chunk_nbytes},
-            "layout": manifest.layout, "model": manifest.model, "config": manifest.config, "state": manifest.state,
-            "files": [[n, manifest.files[n].nbytes, manifest.files[n].crc32c] for n in names], "index": index}
-    tail = json.dumps(rest, separators=(",", ":")).encode()[1:-1] + _HEAD_END
+    readable = {"step": manifest.step, "created": manifest.created, "tensor_format": manifest.tensor_format,
+                "checksum": {"algorithm": "crc32c", "chunk_nbytes": manifest.chunk_nbytes},
+                "layout": manifest.layout, "model": manifest.model, "config": manifest.config, "state": manifest.state}
+    compact = {"files": [[n, manifest.files[n].nbytes, manifest.files[n].crc32c] for n in names], "index": index}
+    tail = (json.dumps(readable)[1:-1] + "," + json.dumps(compact, separators=(",", ":"))[1:-1]).encode() + _HEAD_END
     head_nbytes = PREFIX_NBYTES + len(tail)
     head = PREFIX + f"{head_nbytes:>{_WIDTH}},".encode() + tail
     return head + b",".join(entries) + _BODY_END
@@ -157,8 +164,31 @@ def parse_head(raw: bytes, source: str) -> Head:
     return Head(nbytes, data, chunk, files, names, _parse_index(data["index"], source))
 
 
+_SHARD_FIELDS = ("file", "key", "offsets", "lengths", "byte_offset", "nbytes")
+
+
 def _parse_shard(data: Any, fqn: str, head: Head, where: str, source: str) -> ShardRecord:
-    if not isinstance(data, list) or len(data) not in (6, 7):
+    if isinstance(data, list):
+        return _parse_positional_shard(data, fqn, head, where, source)
+    fields(data, _SHARD_FIELDS, where, source)
+    if ("crc_index" in data) == ("crc32c" in data):
+        raise err(where, "expected exactly one of crc_index (sidecar) and crc32c (inline CRC list)", source)
+    file = safe_relpath(data["file"], where + ".file", source)
+    inline = "crc32c" in data
+    return ShardRecord(
+        offsets=int_list(data["offsets"], where + ".offsets", source),
+        lengths=int_list(data["lengths"], where + ".lengths", source),
+        file=file, key=to_str(data["key"], where + ".key", source),
+        byte_offset=to_int(data["byte_offset"], where + ".byte_offset", source),
+        nbytes=to_int(data["nbytes"], where + ".nbytes", source),
+        crc32c=int_list(data["crc32c"], where + ".crc32c", source, max_value=2**32 - 1) if inline else [],
+        crc_index=-1 if inline else to_int(data["crc_index"], where + ".crc32c", source))
+
+
+def _parse_positional_shard(data: list[Any], fqn: str, head: Head, where: str, source: str) -> ShardRecord:
+    """A record of the first version-2 writers: ``[file index, byte_offset, nbytes, crcs,
+    offsets, lengths(, key)]``."""
+    if len(data) not in (6, 7):
         raise err(where, f"expected [file, byte_offset, nbytes, crcs, offsets, lengths(, key)], got {data!r:.80}",
                   source)
     f = to_int(data[0], where + "[0]", source, max_value=len(head.file_names) - 1)

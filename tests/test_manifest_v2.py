@@ -73,7 +73,10 @@ def test_document_is_one_json_whose_index_tiles_the_tensors() -> None:
         assert json.loads(b"{" + body[start:end] + b"}") == {fqn: doc["tensors"][fqn]}
     assert [f[0] for f in doc["files"]] == sorted([FILE0, sidecar_name(FILE0), FILE1, sidecar_name(FILE1)])
     shard = doc["tensors"]["w"]["shards"][0]
-    assert len(shard) == 6 and isinstance(shard[3], int)         # file index, ..., sidecar index; no key
+    assert {k: v for k, v in shard.items() if k not in ("byte_offset", "crc_index")} == {
+        "file": FILE0, "key": "w", "offsets": [0, 0], "lengths": [3, 4], "nbytes": 3 * 4 * 4}
+    assert isinstance(shard["crc_index"], int) and "crc32c" not in shard   # CRCs in the sidecar
+    assert '"vocab_size": ' in raw[:head_nbytes].decode() or '"model": {' in raw[:head_nbytes].decode()
     manifest = parse_manifest(raw, "m")
     assert manifest.dumps() == raw                              # round trip, byte for byte
 
@@ -215,8 +218,9 @@ def encode_doc(doc: dict[str, Any], index_fn: Callable[[dict], None] | None = No
         pos += len(entry) + 1
     if index_fn:
         index_fn(index)
-    rest = {k: v for k, v in doc.items() if k not in ("format", "version", "head_nbytes", "index", "tensors")}
-    tail = json.dumps({**rest, "index": index}, separators=(",", ":")).encode()[1:-1] + b',"tensors":{'
+    readable = {k: v for k, v in doc.items() if k not in ("format", "version", "head_nbytes", "files", "index", "tensors")}
+    compact = {"files": doc["files"], "index": index}
+    tail = (json.dumps(readable)[1:-1] + "," + json.dumps(compact, separators=(",", ":"))[1:-1]).encode() + b',"tensors":{'
     return PREFIX + f"{PREFIX_NBYTES + len(tail):>16},".encode() + tail + b",".join(entries) + extra + b"}}"
 
 
@@ -229,9 +233,9 @@ def valid2() -> tuple[Store, dict[str, Any], bytes]:
     return step_store, json.loads(raw), raw
 
 
-def _shard(i_tensor: str, i: int, pos: int, value: Any) -> Callable[[dict], None]:
+def _shard(i_tensor: str, i: int, key: str, value: Any) -> Callable[[dict], None]:
     def mutate(doc: dict) -> None:
-        doc["tensors"][i_tensor]["shards"][i][pos] = value
+        doc["tensors"][i_tensor]["shards"][i][key] = value
     return mutate
 
 
@@ -240,18 +244,23 @@ def _file(name: str) -> int:
 
 
 CASES2: list[tuple[str, Callable[[dict], Any], str, str]] = [
-    ("sidecar_range_outside", _shard("w", 0, 3, 1000), "tensors['w'].shards[0].crc32c", "lie outside sidecar"),
+    ("sidecar_range_outside", _shard("w", 0, "crc_index", 1000), "tensors['w'].shards[0].crc32c", "lie outside sidecar"),
     ("sidecar_unlisted", lambda d: d.__setitem__("files", [f for f in d["files"] if f[0] != sidecar_name(FILE0)]),
      "tensors['", "which is not listed in files"),
-    ("shard_in_a_sidecar", _shard("b", 0, 0, _file(sidecar_name(FILE0))), "tensors['b'].shards[0].file",
+    ("shard_in_a_sidecar", _shard("b", 0, "file", sidecar_name(FILE0)), "tensors['b'].shards[0].file",
      "is a checksum sidecar"),
-    ("sidecar_ranges_overlap", lambda d: d["tensors"]["h"]["shards"][0].__setitem__(3, d["tensors"]["w"]["shards"][0][3]),
+    ("sidecar_ranges_overlap",
+     lambda d: d["tensors"]["h"]["shards"][0].__setitem__("crc_index", d["tensors"]["w"]["shards"][0]["crc_index"]),
      ".crc32c", "overlap those of"),
     ("sidecar_file_outside", lambda d: d["files"][_file(sidecar_name(FILE0))].__setitem__(0, "../x.crc32c"),
      "files[", "points outside"),
-    ("file_index_outside", _shard("w", 0, 0, 9), "tensors['w'].shards[0][0]", "9 is outside [0, 3]"),
+    ("file_unlisted", _shard("w", 0, "file", "shards/nowhere.safetensors"), "tensors['w']", "not listed in files"),
+    ("file_outside", _shard("w", 0, "file", "../x.safetensors"), "tensors['w'].shards[0].file", "points outside"),
+    ("both_crc_forms", _shard("w", 0, "crc32c", [1]), "tensors['w'].shards[0]", "exactly one of crc_index"),
     ("file_listed_twice", lambda d: d["files"].append(list(d["files"][0])), "files[4]", "listed twice"),
-    ("shard_arity", _shard("w", 0, 5, None) , "tensors['w'].shards[0].lengths", "expected a list"),
+    ("shard_lengths", _shard("w", 0, "lengths", None), "tensors['w'].shards[0].lengths", "expected a list"),
+    ("shard_missing_field", lambda d: d["tensors"]["w"]["shards"][0].pop("key"), "tensors['w'].shards[0]",
+     "missing fields ['key']"),
     ("sidecar_size", lambda d: d["files"][_file(sidecar_name(FILE0))].__setitem__(1, 4096),
      f"files['{sidecar_name(FILE0)}']", "checksums of 4 bytes"),
 ]
@@ -349,3 +358,17 @@ def _assignment_by_ranks(specs: dict, dims: ParallelDims) -> dict[int, list[tupl
 def test_write_assignment_matches_rank_by_rank(model, dims) -> None:
     specs = checkpoint_specs(model, dims)
     assert write_assignment(specs, dims) == _assignment_by_ranks(specs, dims)
+
+
+def test_positional_shard_records_of_the_first_v2_writers_still_parse() -> None:
+    """Checkpoints written before shard records were named keep loading, to the same manifest."""
+    root = memory_root()
+    make_checkpoint(root, STEP)
+    raw = root.child(step_dir(STEP)).read(MANIFEST_NAME)
+    doc = json.loads(raw)
+    names = [f[0] for f in doc["files"]]
+    for fqn, t in doc["tensors"].items():
+        t["shards"] = [[names.index(s["file"]), s["byte_offset"], s["nbytes"], s["crc_index"], s["offsets"],
+                        s["lengths"]] + ([s["key"]] if s["key"] != fqn else []) for s in t["shards"]]
+    old = parse_manifest(encode_doc(doc), "old")
+    assert old.tensors == parse_manifest(raw, "new").tensors
