@@ -84,14 +84,17 @@ class ShardRecord:
         return {"offsets": self.offsets, "lengths": self.lengths, "file": self.file, "key": self.key,
                 "byte_offset": self.byte_offset, "nbytes": self.nbytes, "crc32c": self.crc32c}
 
-    def to_v2_json(self) -> dict[str, Any]:
-        """The version-2 record: the version-1 fields, with ``crc_index`` (the index of the
+    def to_v2_json(self, itemsize: int) -> dict[str, Any]:
+        """The version-2 record: the version-1 fields, with ``crc`` (the index of the
         shard's first chunk CRC in its file's sidecar) in place of ``crc32c`` when the CRCs
-        live in a sidecar."""
+        live in a sidecar, and ``nbytes`` left out when it is the box's raw size (elements x
+        ``itemsize`` bytes), as it always is for safetensors."""
         out: dict[str, Any] = {"file": self.file, "key": self.key, "offsets": self.offsets,
-                               "lengths": self.lengths, "byte_offset": self.byte_offset, "nbytes": self.nbytes}
+                               "lengths": self.lengths, "byte_offset": self.byte_offset}
+        if self.nbytes != prod(self.lengths) * itemsize:
+            out["nbytes"] = self.nbytes
         if self.crc_index >= 0:
-            out["crc_index"] = self.crc_index
+            out["crc"] = self.crc_index
         else:
             out["crc32c"] = self.crc32c
         return out

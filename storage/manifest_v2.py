@@ -9,7 +9,7 @@
      "index":{fqn: [start, end], ...},                  # byte range of the tensor's entry in BODY
      "tensors":{                                        # <- HEAD ends here (head_nbytes bytes)
     "fqn":{"shape":[..],"dtype":"..","shards":[{"file":..,"key":..,"offsets":[..],"lengths":[..],
-                                                "byte_offset":..,"nbytes":..,"crc_index":..}, ..]},
+                                                "byte_offset":..,"crc":..}, ..]},
     ...}}                                               # BODY: entries joined by ",", then "}}"
 
 ``head_nbytes`` is right-aligned in a fixed 16-character field at a fixed offset, so the
@@ -18,7 +18,8 @@ the start of BODY and tile it: entry after entry, one ``,`` between, in natural 
 (``layers.2`` before ``layers.10``, so one stage's tensors are neighbours). A shard record
 names its fields as version 1 does (so any JSON reader can find a shard's bytes: ``file``
 relative to the step directory, safetensors ``key``, global ``offsets``/``lengths`` in
-elements, ``byte_offset``/``nbytes`` in the file); ``crc_index`` is the index of its first
+elements, ``byte_offset``/``nbytes`` in the file, ``nbytes`` left out when it is the box's
+raw size, as it always is for safetensors); ``crc`` is the index of its first
 chunk CRC in the file's sidecar (:mod:`shardsmith.storage.sidecar`), or, for writers without
 sidecars, ``crc32c`` is the CRC list itself. The head's small sections (``layout``,
 ``model``, ``config``, ``state``) are written with ``json``'s default spacing for people
@@ -38,8 +39,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from math import prod
 from typing import Any
 
+from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.manifest import FORMAT_NAME, FileRecord, Manifest, ShardRecord, TensorRecord
 from shardsmith.storage.manifest_checks import (Problems, check_bytes, check_coverage, check_files_disjoint,
                                                 check_sidecars, check_type, err, fields, int_list, load_json, parse_header, parse_tensor,
@@ -66,7 +69,7 @@ def encode(manifest: Manifest) -> bytes:
     for fqn in sorted(manifest.tensors, key=natural_key):
         t = manifest.tensors[fqn]
         value = {"shape": t.shape, "dtype": t.dtype,
-                 "shards": [s.to_v2_json() for s in t.shards]}
+                 "shards": [s.to_v2_json(DTYPE_NBYTES[t.dtype]) for s in t.shards]}
         entry = (json.dumps(fqn) + ":" + json.dumps(value, separators=(",", ":"))).encode()
         index[fqn] = [pos, pos + len(entry)]
         entries.append(entry)
@@ -164,25 +167,26 @@ def parse_head(raw: bytes, source: str) -> Head:
     return Head(nbytes, data, chunk, files, names, _parse_index(data["index"], source))
 
 
-_SHARD_FIELDS = ("file", "key", "offsets", "lengths", "byte_offset", "nbytes")
+_SHARD_FIELDS = ("file", "key", "offsets", "lengths", "byte_offset")
 
 
-def _parse_shard(data: Any, fqn: str, head: Head, where: str, source: str) -> ShardRecord:
+def _parse_shard(data: Any, fqn: str, itemsize: int, head: Head, where: str, source: str) -> ShardRecord:
+    """A named record; a missing ``nbytes`` is the box's raw size (elements x ``itemsize``)."""
     if isinstance(data, list):
         return _parse_positional_shard(data, fqn, head, where, source)
     fields(data, _SHARD_FIELDS, where, source)
-    if ("crc_index" in data) == ("crc32c" in data):
-        raise err(where, "expected exactly one of crc_index (sidecar) and crc32c (inline CRC list)", source)
+    if ("crc" in data) == ("crc32c" in data):
+        raise err(where, "expected exactly one of crc (index into the sidecar) and crc32c (inline CRC list)", source)
     file = safe_relpath(data["file"], where + ".file", source)
     inline = "crc32c" in data
+    lengths = int_list(data["lengths"], where + ".lengths", source)
     return ShardRecord(
-        offsets=int_list(data["offsets"], where + ".offsets", source),
-        lengths=int_list(data["lengths"], where + ".lengths", source),
+        offsets=int_list(data["offsets"], where + ".offsets", source), lengths=lengths,
         file=file, key=to_str(data["key"], where + ".key", source),
         byte_offset=to_int(data["byte_offset"], where + ".byte_offset", source),
-        nbytes=to_int(data["nbytes"], where + ".nbytes", source),
+        nbytes=to_int(data["nbytes"], where + ".nbytes", source) if "nbytes" in data else prod(lengths) * itemsize,
         crc32c=int_list(data["crc32c"], where + ".crc32c", source, max_value=2**32 - 1) if inline else [],
-        crc_index=-1 if inline else to_int(data["crc_index"], where + ".crc32c", source))
+        crc_index=-1 if inline else to_int(data["crc"], where + ".crc", source))
 
 
 def _parse_positional_shard(data: list[Any], fqn: str, head: Head, where: str, source: str) -> ShardRecord:
@@ -212,7 +216,8 @@ def parse_entry(raw: bytes, fqn: str, head: Head, source: str) -> TensorRecord:
     t = check_type(data[fqn], dict, where, source)
     if sorted(t) != ["dtype", "shape", "shards"]:
         raise err(where, f"expected fields shape, dtype, shards; got {sorted(t)!r:.80}", source)
-    return parse_tensor(fqn, t, source, lambda d, w: _parse_shard(d, fqn, head, w, source))
+    itemsize = DTYPE_NBYTES.get(t["dtype"], 0) if isinstance(t.get("dtype"), str) else 0
+    return parse_tensor(fqn, t, source, lambda d, w: _parse_shard(d, fqn, itemsize, head, w, source))
 
 
 def check_tensors(head: Head, tensors: dict[str, TensorRecord], source: str, *, whole: bool) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -19,6 +20,7 @@ from storage_ckpt import MODEL, assert_bitwise_equal, full_tensors, load_full, s
 from shardsmith.errors import IntegrityError, ManifestError
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.box import Box
+from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.layout.plan import checkpoint_specs, rank_boxes, write_assignment
 from shardsmith.reshard.engine import reshard
@@ -73,9 +75,9 @@ def test_document_is_one_json_whose_index_tiles_the_tensors() -> None:
         assert json.loads(b"{" + body[start:end] + b"}") == {fqn: doc["tensors"][fqn]}
     assert [f[0] for f in doc["files"]] == sorted([FILE0, sidecar_name(FILE0), FILE1, sidecar_name(FILE1)])
     shard = doc["tensors"]["w"]["shards"][0]
-    assert {k: v for k, v in shard.items() if k not in ("byte_offset", "crc_index")} == {
-        "file": FILE0, "key": "w", "offsets": [0, 0], "lengths": [3, 4], "nbytes": 3 * 4 * 4}
-    assert isinstance(shard["crc_index"], int) and "crc32c" not in shard   # CRCs in the sidecar
+    assert {k: v for k, v in shard.items() if k not in ("byte_offset", "crc")} == {
+        "file": FILE0, "key": "w", "offsets": [0, 0], "lengths": [3, 4]}   # nbytes: the box's raw size
+    assert isinstance(shard["crc"], int) and "crc32c" not in shard   # CRCs in the sidecar
     assert '"vocab_size": ' in raw[:head_nbytes].decode() or '"model": {' in raw[:head_nbytes].decode()
     manifest = parse_manifest(raw, "m")
     assert manifest.dumps() == raw                              # round trip, byte for byte
@@ -244,23 +246,24 @@ def _file(name: str) -> int:
 
 
 CASES2: list[tuple[str, Callable[[dict], Any], str, str]] = [
-    ("sidecar_range_outside", _shard("w", 0, "crc_index", 1000), "tensors['w'].shards[0].crc32c", "lie outside sidecar"),
+    ("sidecar_range_outside", _shard("w", 0, "crc", 1000), "tensors['w'].shards[0].crc32c", "lie outside sidecar"),
     ("sidecar_unlisted", lambda d: d.__setitem__("files", [f for f in d["files"] if f[0] != sidecar_name(FILE0)]),
      "tensors['", "which is not listed in files"),
     ("shard_in_a_sidecar", _shard("b", 0, "file", sidecar_name(FILE0)), "tensors['b'].shards[0].file",
      "is a checksum sidecar"),
     ("sidecar_ranges_overlap",
-     lambda d: d["tensors"]["h"]["shards"][0].__setitem__("crc_index", d["tensors"]["w"]["shards"][0]["crc_index"]),
+     lambda d: d["tensors"]["h"]["shards"][0].__setitem__("crc", d["tensors"]["w"]["shards"][0]["crc"]),
      ".crc32c", "overlap those of"),
     ("sidecar_file_outside", lambda d: d["files"][_file(sidecar_name(FILE0))].__setitem__(0, "../x.crc32c"),
      "files[", "points outside"),
     ("file_unlisted", _shard("w", 0, "file", "shards/nowhere.safetensors"), "tensors['w']", "not listed in files"),
     ("file_outside", _shard("w", 0, "file", "../x.safetensors"), "tensors['w'].shards[0].file", "points outside"),
-    ("both_crc_forms", _shard("w", 0, "crc32c", [1]), "tensors['w'].shards[0]", "exactly one of crc_index"),
+    ("both_crc_forms", _shard("w", 0, "crc32c", [1]), "tensors['w'].shards[0]", "exactly one of crc (index"),
     ("file_listed_twice", lambda d: d["files"].append(list(d["files"][0])), "files[4]", "listed twice"),
     ("shard_lengths", _shard("w", 0, "lengths", None), "tensors['w'].shards[0].lengths", "expected a list"),
     ("shard_missing_field", lambda d: d["tensors"]["w"]["shards"][0].pop("key"), "tensors['w'].shards[0]",
      "missing fields ['key']"),
+    ("shard_nbytes_wrong", _shard("w", 0, "nbytes", 7), "tensors['w'].shards[0].nbytes", "but the box holds"),
     ("sidecar_size", lambda d: d["files"][_file(sidecar_name(FILE0))].__setitem__(1, 4096),
      f"files['{sidecar_name(FILE0)}']", "checksums of 4 bytes"),
 ]
@@ -368,7 +371,7 @@ def test_positional_shard_records_of_the_first_v2_writers_still_parse() -> None:
     doc = json.loads(raw)
     names = [f[0] for f in doc["files"]]
     for fqn, t in doc["tensors"].items():
-        t["shards"] = [[names.index(s["file"]), s["byte_offset"], s["nbytes"], s["crc_index"], s["offsets"],
+        t["shards"] = [[names.index(s["file"]), s["byte_offset"], DTYPE_NBYTES[t["dtype"]] * math.prod(s["lengths"]), s["crc"], s["offsets"],
                         s["lengths"]] + ([s["key"]] if s["key"] != fqn else []) for s in t["shards"]]
     old = parse_manifest(encode_doc(doc), "old")
     assert old.tensors == parse_manifest(raw, "new").tensors
