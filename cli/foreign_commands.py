@@ -9,9 +9,8 @@ from shardsmith.cli.options import layout_options, make_dims, stack, storage_opt
 from shardsmith.storage.fs import parse_storage_options
 
 hint_options = stack(
-    click.option("--num-attention-heads", type=int, default=None,
-                 help="Query heads (not recorded in the checkpoint's tensors; import-dcp reads them from "
-                      "the shardsmith_model.json export-dcp writes)."),
+    click.option("--num-attention-heads", type=int, required=True,
+                 help="Query heads (not recorded in the checkpoint's tensors)."),
     click.option("--seq-length", type=int, default=2048, show_default=True,
                  help="Training sequence length to record."),
     click.option("--rope-theta", "--rotary-base", "rope_theta", type=float, default=10000.0,
@@ -53,8 +52,8 @@ def import_dcp(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, expert
     from shardsmith.reshard.foreign.dcp import import_dcp as do_import
 
     dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel)
-    hints = None if num_attention_heads is None else ModelHints(
-        num_attention_heads=num_attention_heads, seq_length=seq_length, rope_theta=rope_theta, norm_eps=norm_eps)
+    hints = ModelHints(num_attention_heads=num_attention_heads, seq_length=seq_length,
+                       rope_theta=rope_theta, norm_eps=norm_eps)
     report = do_import(src, ckpt, dims, hints, step=step, make_config=_config_maker(dims),
                        storage_options=parse_storage_options(storage_options))
     _echo_import(report, dims)
@@ -96,8 +95,6 @@ def import_megatron(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, e
     from shardsmith.reshard.foreign.megatron import import_megatron as do_import
 
     dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel)
-    if num_attention_heads is None:
-        raise click.UsageError("Missing option '--num-attention-heads' (a torch_dist checkpoint does not record it).")
     hints = ModelHints(num_attention_heads=num_attention_heads, seq_length=seq_length,
                        rope_theta=rope_theta, norm_eps=norm_eps)
     report = do_import(src, ckpt, dims, hints, vocab_size=vocab_size, step=step,

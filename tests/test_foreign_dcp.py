@@ -114,31 +114,6 @@ def test_model_only_bf16_import_cli(tmp_path):
         assert got[key].dtype == torch.float32 and torch.equal(got[key], want.float()), key
 
 
-def test_export_records_the_model_so_import_needs_no_flags(tmp_path):
-    """export-dcp writes shardsmith_model.json; import-dcp of that directory takes the heads from
-    it (a torchtitan directory without it asks for --num-attention-heads)."""
-    state, full = _torchtitan_state()
-    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    runner = CliRunner()
-    result = runner.invoke(cli, ["import-dcp", str(tmp_path / "dcp"), str(tmp_path / "ck")])
-    assert result.exit_code == 1 and "pass --num-attention-heads" in result.output
-    import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck"), ParallelDims(tp=2), ModelHints(num_attention_heads=4,
-               seq_length=16, rope_theta=5e5))
-    export_dcp(str(tmp_path / "ck"), str(tmp_path / "out"))
-    record = json.loads((tmp_path / "out" / "shardsmith_model.json").read_text())
-    assert record["num_attention_heads"] == 4 and record["rope_theta"] == 5e5
-    result = runner.invoke(cli, ["import-dcp", str(tmp_path / "out"), str(tmp_path / "back"), "--dp-shard", "1"])
-    assert result.exit_code == 0, result.output
-    back = json.loads((tmp_path / "back" / "step-000000005" / "manifest.json").read_bytes())["model"]
-    assert back == json.loads((tmp_path / "ck" / "step-000000005" / "manifest.json").read_bytes())["model"]
-    got = read_full_tensors(str(tmp_path / "back"))
-    for key, want in full.items():
-        assert torch.equal(got[_ours(key)], want), key
-    (tmp_path / "out" / "shardsmith_model.json").write_text("[1, 2]")
-    result = runner.invoke(cli, ["import-dcp", str(tmp_path / "out"), str(tmp_path / "again")])
-    assert result.exit_code == 1 and "not a shardsmith model record" in result.output
-
-
 def test_cli_errors_are_one_line(tmp_path):
     runner = CliRunner()
     result = runner.invoke(cli, ["import-dcp", str(tmp_path), str(tmp_path / "ck"), *HINT_FLAGS])

@@ -23,7 +23,6 @@ is one logical tensor.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -40,10 +39,6 @@ from shardsmith.reshard.foreign.dcp_reader import METADATA_NAME, DCPCheckpoint
 from shardsmith.reshard.foreign.write import write_checkpoint
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
 from shardsmith.storage.formats import read_box
-
-#: Written by :func:`export_dcp` next to ``.metadata``: the model fields no tensor shape tells,
-#: as JSON (the manifest's ``model`` record), so :func:`import_dcp` needs no flags for it.
-MODEL_RECORD_NAME = "shardsmith_model.json"
 
 #: AdamW state kinds: DCP name (after ``optimizer.state.<fqn>.``) -> our prefix.
 OPTIM_KINDS = {"exp_avg": "optim.exp_avg.", "exp_avg_sq": "optim.exp_avg_sq.", "step": "optim.step."}
@@ -117,26 +112,7 @@ def _state(ck: DCPCheckpoint, step: int | None) -> tuple[dict[str, Any], set[str
     return state, {"train_state.step", "train_state.ntokens_seen", "lr_scheduler.last_epoch"}
 
 
-def recorded_hints(src_dir: str) -> ModelHints | None:
-    """The :data:`MODEL_RECORD_NAME` record of ``src_dir`` as hints, None when there is none.
-
-    Raises:
-        ConfigError: the record is not a shardsmith model record (JSON object).
-    """
-    path = os.path.join(src_dir, MODEL_RECORD_NAME)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path, "rb") as f:
-            model = ModelConfig.from_json(json.loads(f.read()))
-    except (ValueError, TypeError, KeyError) as e:
-        raise ConfigError(f"{path}: not a shardsmith model record ({e}); delete it and pass "
-                          "--num-attention-heads") from None
-    return ModelHints(num_attention_heads=model.num_attention_heads, seq_length=model.seq_length,
-                      rope_theta=model.rope_theta, norm_eps=model.norm_eps)
-
-
-def import_dcp(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: ModelHints | None, *,
+def import_dcp(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: ModelHints, *,
                step: int | None = None, make_config: Callable[[ModelConfig], dict] | None = None,
                storage_options: dict | None = None) -> ImportReport:
     """Write the torchtitan-style DCP checkpoint in ``src_dir`` as a shardsmith checkpoint.
@@ -148,22 +124,16 @@ def import_dcp(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: ModelHint
         src_dir: local DCP directory (``.metadata`` + ``*.distcp``).
         ckpt_url: target root or step directory.
         dims: target layout.
-        hints: model fields the shapes do not tell; None: from the directory's
-            :data:`MODEL_RECORD_NAME` (written by :func:`export_dcp`).
+        hints: model fields the shapes do not tell.
         step: step to commit (default: ``train_state.step``, else 0).
         make_config: root config to record for the inferred model (default ``{"model", "parallel"}``).
 
     Raises:
         CheckpointNotFound / IntegrityError: not a readable DCP directory (see :class:`DCPCheckpoint`).
-        ConfigError: the tensors are not a Llama shardsmith can represent (names the tensor);
-            no ``hints`` and no model record in ``src_dir``.
+        ConfigError: the tensors are not a Llama shardsmith can represent (names the tensor).
         LayoutError / FileExistsError: as :func:`write_checkpoint`.
     """
     t0 = time.perf_counter()
-    hints = hints or recorded_hints(src_dir)
-    if hints is None:
-        raise ConfigError(f"{src_dir}: the number of attention heads is not in a DCP checkpoint's tensors "
-                          f"(and there is no {MODEL_RECORD_NAME}); pass --num-attention-heads")
     ck = DCPCheckpoint(src_dir)
     try:
         prefix = _model_prefix(ck)
@@ -288,10 +258,6 @@ def export_dcp(ckpt_url: str, out_dir: str, *, overwrite: bool = False,
     os.makedirs(out_dir, exist_ok=True)
     writer = dcp.FileSystemWriter(out_dir, single_file_per_rank=False, thread_count=1, sync_files=False)
     dcp.save(sd, storage_writer=writer, planner=lazy_planner(read, set(ours)), no_dist=True)
-    tmp = os.path.join(out_dir, MODEL_RECORD_NAME + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(model.to_json(), f, indent=1)
-    os.replace(tmp, os.path.join(out_dir, MODEL_RECORD_NAME))
     return DCPExportReport(source=step_store.url, out_dir=os.path.abspath(out_dir), step=step,
                            num_tensors=len(ours), with_optimizer=with_optim,
                            seconds=time.perf_counter() - t0)
