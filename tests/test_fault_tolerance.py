@@ -188,6 +188,37 @@ def test_preemption_handler_exits_when_hung_or_past_the_deadline() -> None:
     assert exits[-1] == 1
 
 
+def test_second_ctrl_c_forwarded_as_sigterm_exits_at_once() -> None:
+    """torchrun's agent forwards the first Ctrl-C as SIGINT; a second one interrupts its
+    wait and it stops the workers with SIGTERM, within the SIGTERM repeat grace: that is
+    the user's second signal, not a repeat of the first."""
+    exits: list[int] = []
+    now = [0.0]
+    handler = PreemptionHandler(600, exit_fn=exits.append, repeat_grace_s=5, clock=lambda: now[0])
+    assert handler.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert handler.requested == signal.SIGINT and exits == []
+        now[0] = 0.5
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert exits == [128 + signal.SIGTERM]
+    finally:
+        handler.uninstall()
+
+
+def test_launcher_sets_worker_malloc_env_unless_set(monkeypatch) -> None:
+    from shardsmith.trainer import launch
+
+    for name in ("MALLOC_MMAP_THRESHOLD_", "OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+                 "TORCHELASTIC_SIGNALS_TO_HANDLE"):
+        monkeypatch.setenv(name, "")            # so that monkeypatch restores what was there
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")                   # the user's own value stays
+    launch._set_worker_env()
+    assert (os.environ["MALLOC_MMAP_THRESHOLD_"], os.environ["MALLOC_ARENA_MAX"]) == ("65536", "4")
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+
+
 def test_rng_state_is_saved_by_role_and_rederived_on_new_roles() -> None:
     dims = ParallelDims(tp=2, dp_shard=2)
     torch.manual_seed(1)
