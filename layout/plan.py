@@ -260,31 +260,32 @@ def write_assignment(specs: dict[str, TensorSpec], dims: ParallelDims) -> dict[i
     Returns:
         rank -> list of (fqn, box) in FQN order, for every rank (possibly empty lists).
     """
-    boxes: list[tuple[int, str, Box, list[int]]] = []
+    tiny = sum(spec.nbytes for spec in specs.values()) * TINY_BOX_SHARE / dims.world_size
+    items: list[tuple[int, str, Box, list[int], list[tuple[str, Box]] | None]] = []
+    groups: dict[tuple[int, ...], list] = {}          # holders -> [nbytes, fqn, box, holders, members]
     for fqn, spec in specs.items():
         itemsize = DTYPE_NBYTES[spec.dtype]
         for box, holders in box_holders(spec, dims):
-            boxes.append((box.numel * itemsize, fqn, box, holders))
-    tiny = sum(b[0] for b in boxes) * TINY_BOX_SHARE / dims.world_size
-    items: list[tuple[int, str, Box, list[int], list[tuple[str, Box]]]] = []
-    groups: dict[tuple[int, ...], list] = {}
-    for nbytes, fqn, box, holders in boxes:
-        if nbytes > tiny:
-            items.append((nbytes, fqn, box, holders, [(fqn, box)]))
-            continue
-        group = groups.setdefault(tuple(holders), [0, fqn, box, holders, []])
-        if (fqn, box.offsets) < (group[1], group[2].offsets):    # sorted by its first box
-            group[1:3] = fqn, box
-        group[0] += nbytes
-        group[4].append((fqn, box))
+            nbytes = box.numel * itemsize
+            if nbytes > tiny:
+                items.append((nbytes, fqn, box, holders, None))
+                continue
+            group = groups.setdefault(tuple(holders), [0, fqn, box, holders, []])
+            if (fqn, box.offsets) < (group[1], group[2].offsets):    # sorted by its first box
+                group[1:3] = fqn, box
+            group[0] += nbytes
+            group[4].append((fqn, box))
     items += [tuple(g) for g in groups.values()]   # type: ignore[misc]
     items.sort(key=lambda k: (-k[0], k[1], k[2].offsets))
     load = [0] * dims.world_size
     out: dict[int, list[tuple[str, Box]]] = {r: [] for r in range(dims.world_size)}
-    for nbytes, _, _, holders, members in items:
+    for nbytes, fqn, box, holders, members in items:
         writer = min(holders, key=lambda r: (load[r], r))
         load[writer] += nbytes
-        out[writer] += members
+        if members is None:
+            out[writer].append((fqn, box))
+        else:
+            out[writer] += members
     for written in out.values():
         written.sort(key=lambda k: k[0])
     return out
