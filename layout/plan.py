@@ -237,34 +237,57 @@ def shard_file_name(rank: int) -> str:
     return f"shards/rank-{rank:05d}.safetensors"
 
 
+#: A box is *tiny* when it holds at most this fraction of a rank's even share of the
+#: checkpoint's bytes (norms, AdamW step counters, biases: kilobytes beside gigabytes).
+TINY_BOX_SHARE = 1 / 1024
+
+
 def write_assignment(specs: dict[str, TensorSpec], dims: ParallelDims) -> dict[int, list[tuple[str, Box]]]:
     """Which rank writes which (fqn, box): each distinct non-empty box exactly once.
 
     Replicas of a box (over dp_replicate, or tp for TP-replicated norms) are given to
-    the holder with the fewest bytes assigned so far, largest boxes first, ties to the
-    lowest rank (greedy longest-processing-time load balancing, Graham 1969). Pure and
-    deterministic, so a save and an offline reshard to the same layout write the same files.
+    the holder with the fewest bytes assigned so far, largest first, ties to the lowest
+    rank (greedy longest-processing-time load balancing, Graham 1969). Tiny boxes
+    (:data:`TINY_BOX_SHARE`) with the same holders move as one item, so they land in one
+    file: a loading rank that needs a stage's norms and step counters then reads one or
+    two files' metadata for them, not every file of the stage (at 1,024 ranks, 128
+    files' safetensors headers and sidecars for a reshard). Pure and deterministic, so a
+    save and an offline reshard to the same layout write the same files.
 
-    Time: linear in the number of (distinct box, holder) pairs plus one sort of the boxes;
+    Time: linear in the number of (distinct box, holder) pairs plus one sort of the items;
     each tensor's boxes and holders come straight from its ``dim_axes`` (:func:`box_holders`).
 
     Returns:
         rank -> list of (fqn, box) in FQN order, for every rank (possibly empty lists).
     """
-    keys: list[tuple[int, str, Box, list[int]]] = []
+    tiny = sum(spec.nbytes for spec in specs.values()) * TINY_BOX_SHARE / dims.world_size
+    items: list[tuple[int, str, Box, list[int], list[tuple[str, Box]] | None]] = []
+    groups: dict[tuple[int, ...], list] = {}          # holders -> [nbytes, fqn, box, holders, members]
     for fqn, spec in specs.items():
         itemsize = DTYPE_NBYTES[spec.dtype]
         for box, holders in box_holders(spec, dims):
-            keys.append((box.numel * itemsize, fqn, box, holders))
-    keys.sort(key=lambda k: (-k[0], k[1], k[2].offsets))
+            nbytes = box.numel * itemsize
+            if nbytes > tiny:
+                items.append((nbytes, fqn, box, holders, None))
+                continue
+            group = groups.setdefault(tuple(holders), [0, fqn, box, holders, []])
+            if (fqn, box.offsets) < (group[1], group[2].offsets):    # sorted by its first box
+                group[1:3] = fqn, box
+            group[0] += nbytes
+            group[4].append((fqn, box))
+    items += [tuple(g) for g in groups.values()]   # type: ignore[misc]
+    items.sort(key=lambda k: (-k[0], k[1], k[2].offsets))
     load = [0] * dims.world_size
     out: dict[int, list[tuple[str, Box]]] = {r: [] for r in range(dims.world_size)}
-    for nbytes, fqn, box, holders in keys:
+    for nbytes, fqn, box, holders, members in items:
         writer = min(holders, key=lambda r: (load[r], r))
         load[writer] += nbytes
-        out[writer].append((fqn, box))
-    for items in out.values():
-        items.sort(key=lambda k: k[0])
+        if members is None:
+            out[writer].append((fqn, box))
+        else:
+            out[writer] += members
+    for written in out.values():
+        written.sort(key=lambda k: k[0])
     return out
 
 

@@ -149,23 +149,36 @@ def test_watchdog_dumps_every_thread_once_per_hung_step(tmp_path: Path) -> None:
     dog.close()
 
 
-def test_preemption_handler_first_signal_asks_second_exits() -> None:
+def _signal_handler(signals: list[tuple[float, signal.Signals]]) -> list[list[int]]:
+    """Deliver (clock time, signal) pairs to a fresh PreemptionHandler (5 s repeat grace);
+    the exit codes it asked for after each."""
     exits: list[int] = []
     now = [0.0]
     handler = PreemptionHandler(600, exit_fn=exits.append, repeat_grace_s=5, clock=lambda: now[0])
     assert handler.install()
+    seen = []
     try:
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert handler.requested == signal.SIGUSR1 and exits == []
-        now[0] = 4.9                              # the same notice again (e.g. torchrun forwarding it)
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert handler.requested == signal.SIGUSR1 and exits == []
-        now[0] = 5.1
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert exits == [128 + signal.SIGTERM]
+        for when, sig in signals:
+            now[0] = when
+            os.kill(os.getpid(), sig)
+            seen.append(list(exits))
     finally:
         handler.uninstall()
     assert signal.getsignal(signal.SIGTERM) != handler._handle
+    return seen
+
+
+def test_preemption_handler_first_signal_asks_second_exits() -> None:
+    # SIGUSR1, then the same notice again (e.g. torchrun forwarding it), then a second signal
+    seen = _signal_handler([(0.0, signal.SIGUSR1), (4.9, signal.SIGTERM), (5.1, signal.SIGTERM)])
+    assert seen == [[], [], [128 + signal.SIGTERM]]
+
+
+def test_second_ctrl_c_forwarded_as_sigterm_exits_at_once() -> None:
+    """torchrun's agent forwards the first Ctrl-C as SIGINT; a second one interrupts its
+    wait and it stops the workers with SIGTERM, within the SIGTERM repeat grace: that is
+    the user's second signal, not a repeat of the first."""
+    assert _signal_handler([(0.0, signal.SIGINT), (0.5, signal.SIGTERM)]) == [[], [128 + signal.SIGTERM]]
 
 
 def test_preemption_handler_exits_when_hung_or_past_the_deadline() -> None:
@@ -186,6 +199,19 @@ def test_preemption_handler_exits_when_hung_or_past_the_deadline() -> None:
     finally:
         late.uninstall()
     assert exits[-1] == 1
+
+
+def test_launcher_sets_worker_malloc_env_unless_set(monkeypatch) -> None:
+    from shardsmith.trainer import launch
+
+    for name in ("MALLOC_MMAP_THRESHOLD_", "OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+                 "TORCHELASTIC_SIGNALS_TO_HANDLE"):
+        monkeypatch.setenv(name, "")            # so that monkeypatch restores what was there
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")                   # the user's own value stays
+    launch._set_worker_env()
+    assert (os.environ["MALLOC_MMAP_THRESHOLD_"], os.environ["MALLOC_ARENA_MAX"]) == ("65536", "4")
+    assert os.environ["OMP_NUM_THREADS"] == "1"
 
 
 def test_rng_state_is_saved_by_role_and_rederived_on_new_roles() -> None:

@@ -21,8 +21,7 @@ from shardsmith.errors import IntegrityError, ManifestError
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.layout.plan import checkpoint_specs, rank_boxes, write_assignment
+from shardsmith.layout.plan import TINY_BOX_SHARE, checkpoint_specs, rank_boxes, write_assignment
 from shardsmith.reshard.engine import reshard
 from shardsmith.storage.commit import open_manifest, read_manifest, step_dir
 from shardsmith.storage.formats import read_box, read_boxes
@@ -339,12 +338,20 @@ def _assignment_by_ranks(specs: dict, dims: ParallelDims) -> dict[int, list[tupl
         for fqn, box in rank_boxes(specs, dims, rank).items():
             if not box.is_empty:
                 holders.setdefault((fqn, box), []).append(rank)
+    def nbytes(key: tuple[str, Box]) -> int:
+        return key[1].numel * DTYPE_NBYTES[specs[key[0]].dtype]
+
+    tiny = sum(map(nbytes, holders)) * TINY_BOX_SHARE / dims.world_size
+    items: dict[tuple, list[tuple[str, Box]]] = {}       # one item per box, tiny boxes by holders
+    for key in sorted(holders, key=lambda k: (k[0], k[1].offsets)):
+        items.setdefault(("box", key) if nbytes(key) > tiny else ("tiny", tuple(holders[key])), []).append(key)
+    groups = sorted(items.values(), key=lambda g: (-sum(map(nbytes, g)), g[0][0], g[0][1].offsets))
     load = [0] * dims.world_size
     out: dict[int, list[tuple[str, Box]]] = {r: [] for r in range(dims.world_size)}
-    for key in sorted(holders, key=lambda k: (-k[1].numel * DTYPE_NBYTES[specs[k[0]].dtype], k[0], k[1].offsets)):
-        writer = min(holders[key], key=lambda r: (load[r], r))
-        load[writer] += key[1].numel * DTYPE_NBYTES[specs[key[0]].dtype]
-        out[writer].append(key)
+    for group in groups:
+        writer = min(holders[group[0]], key=lambda r: (load[r], r))
+        load[writer] += sum(map(nbytes, group))
+        out[writer] += group
     for items in out.values():
         items.sort(key=lambda k: k[0])
     return out

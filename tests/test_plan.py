@@ -11,7 +11,7 @@ import torch
 
 from shardsmith.errors import LayoutError
 from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims, stage_layers, validate_layout
-from shardsmith.layout.plan import (checkpoint_specs, param_specs, rank_boxes, shard_file_name,
+from shardsmith.layout.plan import (box_holders, checkpoint_specs, param_specs, rank_boxes, shard_file_name,
                                      write_assignment)
 from shardsmith.layout.box import Box, chunk_range, row_major_span
 from shardsmith.layout.dtypes import DTYPE_NBYTES
@@ -281,6 +281,35 @@ def test_write_assignment_balances_bytes_over_replicas(dims: ParallelDims) -> No
     assert max(nbytes) / min(nbytes) < 1.05, nbytes
     total = sum(s.nbytes for s in specs.values())
     assert sum(nbytes) == total                                     # replicas written once
+
+
+def test_tiny_boxes_with_the_same_holders_share_one_file() -> None:
+    """Norms, their AdamW moments and the step counters (kilobytes beside megabytes of
+    matrices) go to one writer per group of ranks holding them: a rank loading a stage in
+    another layout then opens one file for the stage's step counters and one per dp_shard
+    index for its norms, not every file of the stage, and the bytes stay balanced."""
+    model = ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16, num_kv_heads=8,
+                        ffn_hidden_size=2816, vocab_size=32000, seq_length=16)
+    dims = ParallelDims(pp=2, dp_shard=4, tp=4)
+    specs = checkpoint_specs(model, dims)
+    assignment = write_assignment(specs, dims)
+    writer = {(fqn, box): r for r, items in assignment.items() for fqn, box in items}
+    for spec_fqn, spec in specs.items():
+        for box, holders in box_holders(spec, dims):
+            assert writer[(spec_fqn, box)] in holders
+    step_files = {specs[f].stages: set() for f in specs}
+    norm_files: dict[tuple, set[int]] = {}
+    for (fqn, box), rank in writer.items():
+        if fqn.startswith("optim.step."):
+            step_files[specs[fqn].stages].add(rank)
+        elif "norm" in fqn:
+            norm_files.setdefault((specs[fqn].stages[0], box.offsets), set()).add(rank)
+    assert sorted(map(len, step_files.values())) == [1, 1]           # one file per stage
+    assert len(norm_files) == 2 * 4 and all(len(r) == 1 for r in norm_files.values())
+    assert len({r for ranks in norm_files.values() for r in ranks}) == 8
+    nbytes = [sum(box.numel * DTYPE_NBYTES[specs[fqn].dtype] for fqn, box in assignment[r])
+              for r in range(dims.world_size)]
+    assert max(nbytes) / min(nbytes) < 1.05, nbytes
 
 
 def test_shard_file_name() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from math import prod
 
 import pytest
@@ -69,12 +68,12 @@ def test_estimate_rank_roles_add_up_to_the_model() -> None:
     assert activation_nbytes_per_layer(model, 1, 1, recompute=True) == 2 * s * h
 
 
-def test_estimate_is_fast_at_16384_ranks() -> None:
-    t0 = time.perf_counter()
+def test_estimate_groups_16384_ranks_into_few_roles() -> None:
+    """Ranks with the same share are one role (the estimate's cost grows with the roles, not
+    the ranks; ~0.2 s here on an idle core — speed is not asserted in tests)."""
     est = estimate(PRESETS["llama3-405b"], ParallelDims(tp=8, pp=16, dp_shard=128), micro_batch_size=1,
                    global_batch_size=2048)
     assert sum(r.num_ranks for r in est.roles) == 16384 and len(est.roles) < 64
-    assert time.perf_counter() - t0 < 30          # generous: a loaded 2-core box; ~0.2 s idle
 
 
 def _dry_run(*flags: str) -> dict:

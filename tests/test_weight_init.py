@@ -83,7 +83,7 @@ STEP0_LAYOUTS = {"1.1.1.1": ParallelDims(), "2.1.1.2": ParallelDims(pp=2, tp=2),
 @pytest.mark.distributed
 def test_step0_checkpoints_of_every_layout_are_bitwise_equal(data_path: str, tmp_path) -> None:
     """A job's step-0 save (its freshly materialized local shards) is the same in every
-    layout, and equals the single-process init."""
+    layout, and equals the single-process init; ``shardsmith diff`` against tp1's agrees."""
     from conftest import read_full_tensors, run_torchrun
     from shardsmith.storage.commit import step_dir
     from test_layout_cases import AWKWARD, _config
@@ -101,3 +101,11 @@ def test_step0_checkpoints_of_every_layout_are_bitwise_equal(data_path: str, tmp
     want = {f: p.detach() for f, p in model.named_parameters()}
     for name, got in saved.items():
         assert_tensors_bitwise_equal(got, want, f"step-0 save in {name}")
+    from click.testing import CliRunner
+
+    from shardsmith.cli.main import cli
+
+    tp1 = str(tmp_path / "1.1.1.1" / step_dir(0))
+    for name in STEP0_LAYOUTS:                       # `shardsmith diff`: every tensor, optimizer too
+        result = CliRunner().invoke(cli, ["diff", tp1, str(tmp_path / name / step_dir(0))])
+        assert result.exit_code == 0, f"shardsmith diff 1.1.1.1 {name}:\n{result.output}"

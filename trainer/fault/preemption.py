@@ -74,7 +74,10 @@ class PreemptionHandler:
         ctrl_c = signum == signal.SIGINT
         name = "Ctrl-C" if ctrl_c else signal.Signals(signum).name
         grace = SIGINT_REPEAT_GRACE_S if ctrl_c else self._grace_s
-        if self.requested is not None and self._clock() - self._first_at < grace:
+        # torchrun's agent forwards a second Ctrl-C as SIGTERM (its shutdown after the first
+        # forward was interrupted): never the same notice as the Ctrl-C.
+        again = self.requested == signal.SIGINT and signum == signal.SIGTERM
+        if self.requested is not None and not again and self._clock() - self._first_at < grace:
             return                                   # the same notice, delivered twice
         # Ctrl-C reaches every rank at once: rank 0 speaks for all. Another signal may reach
         # one rank only (a scheduler's, or a rank's own): that rank says so.
