@@ -90,15 +90,17 @@ def task_grads(cfg: TrainConfig, task: dict[str, Any]) -> None:
     targets = torch.tensor(task["targets"], dtype=torch.int64)
     trainer.step_math.forward_backward(inputs, targets)
     finalize_grads(trainer.model, trainer.grad_sum_groups)
-    from shardsmith.trainer.moe import all_gather_rows, expert_parallel_params
+    from shardsmith.trainer.moe import EXPERT_TP_DIMS, all_gather_rows, expert_params
 
-    experts = expert_parallel_params(trainer.model)
+    experts = expert_params(trainer.model)
     grads = {}
     for fqn, p in trainer.model.named_parameters():
         if p.grad is not None:
             g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            if fqn in experts:                                                  # E / ep experts per rank
+            if fqn in experts and experts[fqn][1].ep_size > 1:                  # E / ep experts per rank
                 g = all_gather_rows(g, trainer.mesh["dp_shard"].get_group())
+            if fqn in experts and experts[fqn][1].tp_size > 1:                  # F / tp per expert
+                g = all_gather_rows(g, trainer.mesh["tp"].get_group(), EXPERT_TP_DIMS[experts[fqn][2]])
             grads[fqn] = g.detach().contiguous()
     os.makedirs(task["out"], exist_ok=True)
     save_file(grads, os.path.join(task["out"], f"grads-rank-{trainer.rank:05d}.safetensors"))
