@@ -19,6 +19,8 @@ Tasks (``kind``):
 * ``grads``: a fresh Trainer runs one forward/backward of ``tokens`` (inputs) and
   ``targets`` (B, T) with its step math (schedule included) and writes every parameter's
   full gradient (FQN keys) to ``<out>/grads-rank-NNNNN.safetensors``.
+* ``reshard``: rank 0 reshards the step directory ``src`` offline to ``dst`` under the
+  layout ``parallel`` (ParallelDims JSON); the others wait.
 * ``train``: a fresh Trainer runs to ``steps`` with checkpoint root ``ckpt`` (may be
   empty), ``resume`` (``none`` or a URL) and ``save_interval``; rank 0 writes the
   per-step metrics to ``out`` as JSON ``[{"step", "loss", "grad_norm", "lr"}, ...]``.
@@ -130,16 +132,31 @@ def task_train(cfg: TrainConfig, task: dict[str, Any]) -> None:
                        for m in history], f)
 
 
-TASKS = {"logits": task_logits, "grads": task_grads, "reload": task_reload, "train": task_train}
+def task_reshard(cfg: TrainConfig, task: dict[str, Any]) -> None:
+    """Rank 0 reshards ``src`` to ``dst`` offline (the engine of ``shardsmith reshard``)."""
+    from shardsmith.layout import ParallelDims
+    from shardsmith.reshard.engine import reshard
+    from shardsmith.storage.fs import Store
+
+    if dist.get_rank() == 0:
+        reshard(Store(task["src"]), task["dst"], ParallelDims.from_json(task["parallel"]))
+    dist.barrier()
+
+
+TASKS = {"logits": task_logits, "grads": task_grads, "reload": task_reload, "train": task_train,
+         "reshard": task_reshard}
 
 
 def _task_config(cfg: TrainConfig, task: dict[str, Any]) -> TrainConfig:
-    """``cfg`` with the task's ``set`` fields (``parallel`` given as ParallelDims JSON)."""
-    from shardsmith.layout import ParallelDims
+    """``cfg`` with the task's ``set`` fields (``parallel`` given as ParallelDims JSON,
+    ``model`` as ModelConfig JSON)."""
+    from shardsmith.layout import ModelConfig, ParallelDims
 
     fields = dict(task.get("set", {}))
     if "parallel" in fields:
         fields["parallel"] = ParallelDims.from_json(fields["parallel"])
+    if "model" in fields:
+        fields["model"] = ModelConfig.from_json(fields["model"])
     return dataclasses.replace(cfg, **fields)
 
 

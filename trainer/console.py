@@ -103,10 +103,13 @@ def duration(seconds: float) -> str:
 
 
 def layout_name(layout: dict[str, Any] | None) -> str:
-    """A layout record in short form: only the axes above 1 (``tp2·pp2``, ``dps2``; ``1 rank``)."""
+    """A layout record in short form: only the axes above 1 (``tp2·pp2``, ``dps2``; ``1 rank``),
+    then virtual stages and expert parallelism when above 1 (``pp2·dps2·ep2``)."""
     if not layout:
         return "?"
     parts = [f"{short}{layout[axis]}" for axis, short in _AXES if int(layout.get(axis, 1)) > 1]
+    parts += [f"{short}{layout[key]}" for key, short in (("virtual_stages", "v"), ("expert_parallel", "ep"))
+              if int(layout.get(key, 1)) > 1]
     return "·".join(parts) or "1 rank"
 
 
