@@ -276,6 +276,11 @@ def print_estimate(cfg: Any, preset: str | None, as_json: bool) -> None:
     click.echo(f"  pipeline bubble (P-1)/(V*M) = {dims.pp - 1}/({dims.virtual_stages}*{est.num_microbatches}) = "
                f"{est.pipeline_bubble_fraction:.1%} of the step")
     click.echo(f"  FLOPs/step {est.flops_per_step:.3e} ({est.flops_per_step / dims.world_size:.3e} per rank)")
+    if est.moe:
+        click.echo(f"  MoE: {est.moe['num_moe_layers']} layers x {m.num_experts} experts (top-{m.moe_router_topk}); "
+                   f"{est.moe['experts_per_rank']} experts x {est.moe['expert_ffn_per_rank']} hidden per rank; "
+                   f"all-to-all {format_nbytes(est.moe['dispatch_nbytes_per_layer_microbatch'])} sent per rank, "
+                   "layer and microbatch")
     click.echo(f"  {'stage':>5} {'layers':>7} {'ranks':>6} {'e.g.':>6} {'params':>15} {'weights':>10} "
                f"{'grads':>10} {'optim':>10} {'activ.':>10} {'total':>10} {'ckpt':>10}")
     for r in est.roles:
@@ -283,7 +288,7 @@ def print_estimate(cfg: Any, preset: str | None, as_json: bool) -> None:
                    f"{r.num_params:>15,} " + " ".join(
                        f"{_short(n):>10}" for n in (r.param_nbytes, r.grad_nbytes, r.optim_nbytes,
                                                      r.activation_nbytes, r.total_nbytes, r.checkpoint_nbytes)))
-    for what in ("memory", "activation", "bubble", "flops"):
+    for what in ("memory", "activation", "bubble", "flops") + (("moe",) if est.moe else ()):
         click.echo(textwrap.fill(f"{what}: {FORMULAS[what]}", 100, initial_indent="  ",
                                  subsequent_indent="    "))
 

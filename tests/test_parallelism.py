@@ -187,3 +187,17 @@ def test_moe_flops_count_only_the_routed_experts() -> None:
     dense = flops_per_token(MODEL)
     moe = dataclasses.replace(MODEL, num_experts=4, moe_router_topk=1)     # 1 of 4 experts = the dense FFN
     assert flops_per_token(moe) == dense + 6 * MODEL.num_layers * 4 * MODEL.hidden_size    # + the routers
+
+
+def test_dry_run_covers_moe_and_interleaving() -> None:
+    moe = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96")
+    dense_ep = _dry_run(*moe, "--nproc-per-node", "2")["moe"]
+    ep = _dry_run(*moe, "--nproc-per-node", "4", "--tp", "2", "--ep", "2")
+    assert dense_ep["experts_per_rank"] == 4 and dense_ep["dispatch_nbytes_per_layer_microbatch"] == 0
+    assert ep["moe"]["experts_per_rank"] == 2 and ep["moe"]["expert_ffn_per_rank"] == 48
+    s, b, k, h = 64, 1, 2, 64                                    # 4 s b K h (ep-1)/ep values, fp32
+    assert ep["moe"]["dispatch_nbytes_per_layer_microbatch"] == 4 * s * b * k * h // 2 * 4
+    assert ep["moe"]["expert_params"] == 8 * 3 * 4 * 96 * 64 and "moe" not in _dry_run()
+    pp = _dry_run("--pp", "2", "--nproc-per-node", "2")["roles"][0]["activation_nbytes"]
+    vp = _dry_run("--pp", "2", "--nproc-per-node", "2", "--virtual-stages", "2")["roles"][0]["activation_nbytes"]
+    assert vp > pp                                              # interleaving keeps more in flight
