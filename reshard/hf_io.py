@@ -314,8 +314,8 @@ def read_hf_box(src: HFSource, names: list[str], fqn: str, box: Box, model: Mode
     """
     index = tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))
     if expert_hf_names(fqn, model.num_experts) is not None:
-        rows = [src.read(names[e], index[1:]) for e in range(box.offsets[0], box.offsets[0] + box.lengths[0])]
-        return (torch.stack(rows) if rows else torch.empty(box.lengths)).to(torch.float32).contiguous()
+        experts = [src.read(names[e], index[1:]) for e in range(box.offsets[0], box.offsets[0] + box.lengths[0])]
+        return (torch.stack(experts) if experts else torch.empty(box.lengths)).to(torch.float32).contiguous()
     name = names[0]
     heads = rope_heads(fqn, model)
     if heads is None:
