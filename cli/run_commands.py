@@ -30,7 +30,7 @@ def plot(run_dirs: tuple[str, ...], out_path: str) -> None:
     click.echo(f"wrote {written}")
 
 
-@click.command(short_help="The main job: train TP2·PP2 (--moe: PP2·EP2), reshard, resume.")
+@click.command(short_help="The main job: train TP2·PP2 (or MoE), reshard, resume on 2.")
 @click.option("--dir", "workdir", default="demo-run", show_default=True,
               help="Where the demo's checkpoints go (replaced if present).")
 @click.option("--steps", type=int, cls=FieldOption, default_from="shardsmith.cli.demo:run_demo.steps",
