@@ -158,6 +158,10 @@ def test_moe_flags_reach_the_model() -> None:
                                          "moe_aux_loss_coeff", "moe_layer_freq")} == \
         {"num_experts": 4, "moe_router_topk": 1, "moe_ffn_hidden_size": 32, "moe_aux_loss_coeff": 0.01,
          "moe_layer_freq": 2}
+    moe = ("--num-experts", "4", "--nproc-per-node", "2", "--tp", "2")
+    assert _dry_run(*moe, "--expert-tensor-parallel-size", "2")["moe"]["expert_ffn_per_rank"] == 64
+    bad = CliRunner().invoke(cli, ["train", *FLAGS, *moe, "--expert-tensor-parallel-size", "1"])
+    assert bad.exit_code != 0 and "--expert-tensor-parallel-size 1" in bad.output and "use 2" in bad.output
 
 
 def test_expert_parallel_layout_rules() -> None:
