@@ -84,8 +84,6 @@ class TrainConfig:
         if self.sequence_parallel and tp > 1 and self.model.seq_length % tp:
             raise ConfigError(f"--sequence-parallel: seq_length={self.model.seq_length} must be a multiple "
                               f"of tp={tp} (the sequence is split over the TP group)")
-        if self.model.num_experts and (self.sequence_parallel and tp > 1):
-            raise ConfigError("a MoE model with --sequence-parallel is not supported yet; drop one")
         schedule = self.pipeline_schedule
         if schedule and schedule not in PIPELINE_SCHEDULES:
             raise ConfigError(f"pipeline_schedule={schedule!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")

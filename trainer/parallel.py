@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                                               RowwiseParallel, SequenceParallel, parallelize_module)
+                                               PrepareModuleInputOutput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 
 from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims, chunk_layers, stage_layers
 from shardsmith.layout.plan import (COLWISE, ROWWISE, VOCAB_PARALLEL, TensorSpec, grad_sum_groups,
@@ -136,6 +137,7 @@ def tp_plan(model: Transformer, *, sequence_parallel: bool = False) -> dict[str,
     linears reduce-scatter along T (``Shard(1)``), the norms are ``SequenceParallel``, and
     attention, FFN and output all-gather T first (``PrepareModuleInput``). No parameter
     changes placement (norm weights stay replicated over tp), so checkpoints are the same.
+    A MoE FFN gets its whole sequence (all-gathered) and keeps its sequence shard of the output.
     """
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {}
@@ -152,6 +154,12 @@ def tp_plan(model: Transformer, *, sequence_parallel: bool = False) -> dict[str,
                                          use_local_output=False)
         elif sequence_parallel and key in ("attention_norm", "ffn_norm", "norm"):
             plan[name] = SequenceParallel()
+        elif sequence_parallel and isinstance(module, MoEFeedForward):
+            # the experts run on the whole sequence (split over tp inside each expert) and
+            # keep their rank's sequence shard of the TP-reduced output
+            plan[name] = PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                                  use_local_input=True, output_layouts=Replicate(),
+                                                  desired_output_layouts=Shard(1))
         elif sequence_parallel and key in ("attention", "feed_forward"):
             extra = (None, None) if key == "attention" else ()           # rope cos, sin
             plan[name] = PrepareModuleInput(input_layouts=(Shard(1), *extra),
