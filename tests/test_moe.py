@@ -86,3 +86,19 @@ def test_router_stats_count_tokens_per_expert(gloo_group: None) -> None:
     aux = sum(float(m.aux_loss) for m in layers.values())
     assert stats["moe_aux_loss"] == pytest.approx(aux, abs=1e-5)
     assert router_stats(model, TINY_MODEL) == {}
+
+
+def test_demo_moe_layouts_move_stages_experts_and_tp() -> None:
+    from shardsmith.cli.demo import demo_layouts
+    from shardsmith.layout import validate_layout
+    from shardsmith.layout.plan import param_specs
+
+    model, first, then = demo_layouts(moe=True)
+    assert model.num_experts == 4 and (first.world_size, then.world_size) == (4, 2)
+    assert (first.pp, first.expert_parallel, then.tp, then.expert_parallel) == (2, 2, 2, 1)
+    for dims in (first, then):
+        validate_layout(model, dims)
+    w1 = "layers.0.feed_forward.experts.w1"
+    assert param_specs(model, first)[w1].dim_axes[0] == ("dp_shard",)              # experts split over EP
+    assert param_specs(model, then)[w1].dim_axes[1] == ("tp",)                     # each expert over tp
+    assert demo_layouts(moe=False)[0].num_experts == 0
