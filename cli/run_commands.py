@@ -30,21 +30,24 @@ def plot(run_dirs: tuple[str, ...], out_path: str) -> None:
     click.echo(f"wrote {written}")
 
 
-@click.command(short_help="The main job: train TP2·PP2, reshard, resume on 2.")
+@click.command(short_help="The main job: train TP2·PP2 (or MoE), reshard, resume on 2.")
 @click.option("--dir", "workdir", default="demo-run", show_default=True,
               help="Where the demo's checkpoints go (replaced if present).")
 @click.option("--steps", type=int, cls=FieldOption, default_from="shardsmith.cli.demo:run_demo.steps",
               help="Steps before the move.")
 @click.option("--more-steps", type=int, cls=FieldOption, default_from="shardsmith.cli.demo:run_demo.more_steps",
               help="Steps after the move.")
-def demo(workdir: str, steps: int, more_steps: int) -> None:
+@click.option("--moe", is_flag=True,
+              help="A 4-expert MoE model: train PP2·EP2 on 4 processes, reshard to TP2 (EP1), resume on 2.")
+def demo(workdir: str, steps: int, more_steps: int, moe: bool) -> None:
     """The main job: train TP2·PP2, reshard to dp_shard=2, resume.
 
     Trains TP2·PP2 on 4 processes on the Python stdlib, reshards the last checkpoint to
-    dp_shard=2, resumes on 2 processes and compares the losses."""
+    dp_shard=2, resumes on 2 processes and compares the losses. With --moe the model is a
+    Mixtral-style MoE trained PP2·EP2 and resumed as TP2 with every expert on every rank."""
     from shardsmith.cli.demo import run_demo
 
-    run_demo(workdir, steps, more_steps)
+    run_demo(workdir, steps, more_steps, moe=moe)
 
 
 def register(cli: click.Group) -> None:

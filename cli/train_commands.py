@@ -67,6 +67,9 @@ run_options = stack(
                  help="Model chunks per pipeline rank (interleaved pipeline; rank r holds chunks r, r+P, ...)."),
     click.option("--num-layers-per-virtual-pipeline-stage", "layers_per_virtual_stage", type=int, default=None,
                  help="Layers per model chunk (Megatron's flag): --virtual-stages = num_layers / (pp x N)."),
+    click.option("--expert-tensor-parallel-size", "expert_tensor_parallel", type=int, default=None,
+                 help="TP degree inside each expert (Megatron's flag); experts always use the whole TP "
+                      "group (w1/w3 column-, w2 row-parallel), so it must equal --tp."),
     click.option("--pipeline-schedule", default="", metavar="NAME",
                  help="Pipeline schedule: 1f1b, gpipe, interleaved-1f1b, looped-bfs or interleaved-zb "
                       "(default: interleaved-1f1b with virtual stages, else 1f1b)."),
@@ -192,6 +195,7 @@ def train_config(f: dict[str, Any], world: int | None):
     data = DataConfig(sources=sources, weights=weights, token_dtype=f["token_dtype"], seed=f["seed"],
                       tokenizer=f["tokenizer"], text_key=f["text_key"], cache_dir=f["data_cache"])
     model = model_from_flags(f)
+    check_expert_tensor_parallel(f)
     if f["vocab_size"] is not None or data.tokenizer:     # the tokenizer's vocab unless given
         model = dataclasses.replace(model, vocab_size=resolve_vocab_size(data, f["vocab_size"]))
     return TrainConfig(
@@ -214,6 +218,17 @@ def train_config(f: dict[str, Any], world: int | None):
         **pick("steps", "global_batch_size", "micro_batch_size", "seed", "activation_checkpointing",
                "sequence_parallel", "pipeline_schedule", "compile", "profile_steps", "log_interval",
                "run_dir"))
+
+
+def check_expert_tensor_parallel(f: dict[str, Any]) -> None:
+    """Raise ConfigError when ``--expert-tensor-parallel-size`` is given and differs from
+    ``--tp`` (shardsmith splits every expert over the whole TP group, Megatron's default)."""
+    from shardsmith.errors import ConfigError
+
+    etp = f.get("expert_tensor_parallel")
+    if etp is not None and etp != f["tp"]:
+        raise ConfigError(f"--expert-tensor-parallel-size {etp}: experts are split over the whole TP group; "
+                          f"use {f['tp']} (= --tp) or leave it out")
 
 
 def virtual_stages(f: dict[str, Any], model: Any) -> int:
@@ -261,6 +276,11 @@ def print_estimate(cfg: Any, preset: str | None, as_json: bool) -> None:
     click.echo(f"  pipeline bubble (P-1)/(V*M) = {dims.pp - 1}/({dims.virtual_stages}*{est.num_microbatches}) = "
                f"{est.pipeline_bubble_fraction:.1%} of the step")
     click.echo(f"  FLOPs/step {est.flops_per_step:.3e} ({est.flops_per_step / dims.world_size:.3e} per rank)")
+    if est.moe:
+        click.echo(f"  MoE: {est.moe['num_moe_layers']} layers x {m.num_experts} experts (top-{m.moe_router_topk}); "
+                   f"{est.moe['experts_per_rank']} experts x {est.moe['expert_ffn_per_rank']} hidden per rank; "
+                   f"all-to-all {format_nbytes(est.moe['dispatch_nbytes_per_layer_microbatch'])} sent per rank, "
+                   "layer and microbatch")
     click.echo(f"  {'stage':>5} {'layers':>7} {'ranks':>6} {'e.g.':>6} {'params':>15} {'weights':>10} "
                f"{'grads':>10} {'optim':>10} {'activ.':>10} {'total':>10} {'ckpt':>10}")
     for r in est.roles:
@@ -268,7 +288,7 @@ def print_estimate(cfg: Any, preset: str | None, as_json: bool) -> None:
                    f"{r.num_params:>15,} " + " ".join(
                        f"{_short(n):>10}" for n in (r.param_nbytes, r.grad_nbytes, r.optim_nbytes,
                                                      r.activation_nbytes, r.total_nbytes, r.checkpoint_nbytes)))
-    for what in ("memory", "activation", "bubble", "flops"):
+    for what in ("memory", "activation", "bubble", "flops") + (("moe",) if est.moe else ()):
         click.echo(textwrap.fill(f"{what}: {FORMULAS[what]}", 100, initial_indent="  ",
                                  subsequent_indent="    "))
 

@@ -13,10 +13,15 @@ rank really holds. The rest are standard estimates, each with its source:
   ``s*b*h*(34/t + 5*a*s/(h*t))``; with full activation recomputation
   (``--activation-checkpointing``, their section 4.1) ``2*s*b*h`` per layer (``/t`` with
   sequence parallelism) plus one layer's full set. A 1F1B stage ``p`` of ``P`` holds ``min(P - p, M)`` microbatches in
-  flight (their section 4.2.3); the last stage adds the fp32 logits ``4*s*b*V/t``;
+  flight (their section 4.2.3), times ``1 + (P - 1)/(P*V)`` under the interleaved schedule
+  with V virtual stages (the same section); the last stage adds the fp32 logits ``4*s*b*V/t``;
 * pipeline bubble ``(P - 1) / (V * M)`` of the step (Narayanan et al. 2021, "Efficient
   Large-Scale Language Model Training on GPU Clusters", section 2.2: 1F1B at V = 1, the
   interleaved schedule with V virtual stages per rank, sec. 2.2.2);
+* MoE (:func:`moe_estimate`): experts and expert hidden units per rank from the plan's
+  split (E/ep whole experts, F/tp of each), and the all-to-all traffic of the token
+  dispatcher, ``4 * s*b*K*h * (ep-1)/ep`` values sent per rank, MoE layer and microbatch
+  (dispatch and combine, forward and backward; Megatron's ``alltoall`` dispatcher);
 * FLOPs per token ``6*N + 12*L*H*Q*T`` (Chowdhery et al. 2022, "PaLM", appendix B; see
   :func:`flops_per_token`).
 """
@@ -40,12 +45,15 @@ FORMULAS = {
                   "fp32 (Korthikanti et al. 2022, eq. 2; = sbh(34 + 5as/h) at t=1); with sequence "
                   "parallelism s*b*h*(34/t + 5*a*s/(h*t)) (their table 2); with "
                   "activation checkpointing 2*s*b*h per layer (/t with SP) + one full layer (sec. 4.1); "
-                  "min(P - stage, M) microbatches in flight under 1F1B; last stage + 4*s*b*V/t logits",
+                  "min(P - stage, M) microbatches in flight under 1F1B, x(1 + (P-1)/(P*V)) interleaved (sec. "
+                  "4.2.3); last stage + 4*s*b*V/t logits",
     "bubble": "(P - 1) / (V * M), V virtual stages per rank (Narayanan et al. 2021, sec. 2.2: 1F1B at "
               "V = 1, interleaved 1F1B sec. 2.2.2)",
     "flops": "(6*N + 12*L*H*Q*T) * tokens, N = matmul parameters (all but the input embedding) "
              "(Chowdhery et al. 2022, PaLM, appendix B)",
     "memory": "per parameter element: fp32 weight 4 + fp32 gradient 4 + AdamW moments 8 bytes",
+    "moe": "experts per rank E/ep, expert hidden units per rank F/tp; all-to-all bytes sent per rank, "
+           "MoE layer and microbatch 4*s*b*K*h*(ep-1)/ep values (dispatch + combine, forward + backward)",
 }
 
 
@@ -137,10 +145,13 @@ class Estimate:
     flops_per_token: float
     flops_per_step: float
     roles: list[RankRole] = field(default_factory=list)
+    moe: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe dict: model config, layout, totals, formulas and one record per role."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("model", "dims", "roles")}
+        out = {k: v for k, v in asdict(self).items() if k not in ("model", "dims", "roles", "moe")}
+        if self.moe:
+            out["moe"] = self.moe
         return {"model": self.model.to_json(),
                 "parallel": {**self.dims.to_json(), "world_size": self.dims.world_size,
                              "layout": self.dims.describe()},
@@ -194,6 +205,8 @@ def _activation_nbytes(model: ModelConfig, dims: ParallelDims, stage: int, num_l
     per_layer = activation_nbytes_per_layer(model, micro_batch_size, dims.tp, bytes_per_value=bytes_per_value,
                                             recompute=recompute, sequence_parallel=sequence_parallel)
     total = num_layers * per_layer * in_flight
+    if dims.virtual_stages > 1:                     # interleaved 1F1B (Korthikanti et al. sec. 4.2.3)
+        total = int(total * (1 + (dims.pp - 1) / (dims.pp * dims.virtual_stages)))
     if recompute and num_layers:
         total += activation_nbytes_per_layer(model, micro_batch_size, dims.tp, bytes_per_value=bytes_per_value,
                                              sequence_parallel=sequence_parallel)
@@ -248,4 +261,25 @@ def estimate(model: ModelConfig, dims: ParallelDims, *, micro_batch_size: int, g
                     micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
                     num_microbatches=num_microbatches, tokens_per_step=tokens,
                     pipeline_bubble_fraction=(dims.pp - 1) / (dims.virtual_stages * num_microbatches),
-                    flops_per_token=per_token, flops_per_step=per_token * tokens, roles=roles)
+                    flops_per_token=per_token, flops_per_step=per_token * tokens, roles=roles,
+                    moe=moe_estimate(model, dims, micro_batch_size, 2 if mixed_precision == "bf16" else 4))
+
+
+def moe_estimate(model: ModelConfig, dims: ParallelDims, micro_batch_size: int,
+                 bytes_per_value: int) -> dict[str, Any]:
+    """The dry run's MoE figures (module doc); {} for a dense model.
+
+    Returns ``num_moe_layers``, ``experts_per_rank`` (E/ep), ``expert_ffn_per_rank`` (F/tp,
+    rounded up), ``expert_params`` (all layers, all experts), ``active_expert_params_per_token``
+    (K of E) and ``dispatch_nbytes_per_layer_microbatch`` (bytes each rank sends by all-to-all
+    per MoE layer and microbatch, forward and backward; 0 without expert parallelism).
+    """
+    if not model.num_experts:
+        return {}
+    e, f, h, k = model.num_experts, model.expert_ffn_size, model.hidden_size, model.moe_router_topk
+    layers = sum(1 for i in range(model.num_layers) if model.is_moe_layer(i))
+    ep = dims.expert_parallel
+    values = 4 * model.seq_length * micro_batch_size * k * h * (ep - 1) // ep
+    return {"num_moe_layers": layers, "experts_per_rank": e // ep, "expert_ffn_per_rank": -(-f // dims.tp),
+            "expert_params": layers * 3 * e * f * h, "active_expert_params_per_token": layers * 3 * k * f * h,
+            "dispatch_nbytes_per_layer_microbatch": values * bytes_per_value}

@@ -38,6 +38,11 @@ COLWISE: tuple[str, ...] = ("attention.wq", "attention.wk", "attention.wv", "fee
 ROWWISE: tuple[str, ...] = ("attention.wo", "feed_forward.w2")
 #: Vocab-parallel embedding and output projection: the vocab rows (dim 0) split over tp.
 VOCAB_PARALLEL: tuple[str, ...] = ("tok_embeddings", "output")
+#: MoE expert tensors ``[E, F, D]`` / ``[E, D, F]`` under expert tensor parallelism (Megatron's
+#: default ``--expert-tensor-parallel-size`` = tp): w1/w3 column-parallel, w2 row-parallel,
+#: so the expert hidden size F splits over tp (trainer/moe.py::shard_experts slices them).
+EXPERT_TP: dict[str, int] = {"feed_forward.experts.w1": 1, "feed_forward.experts.w3": 1,
+                             "feed_forward.experts.w2": 2}
 
 
 def tp_module_key(module: str) -> str:
@@ -48,6 +53,8 @@ def tp_module_key(module: str) -> str:
 
 def tp_split_dim(fqn: str) -> int | None:
     """The dim of parameter ``fqn`` that the tp axis splits, or ``None`` (replicated over tp)."""
+    if tp_module_key(fqn) in EXPERT_TP:
+        return EXPERT_TP[tp_module_key(fqn)]
     key = tp_module_key(fqn.rsplit(".", 1)[0])
     if key in COLWISE or key in VOCAB_PARALLEL:
         return 0

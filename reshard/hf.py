@@ -13,6 +13,16 @@ Names (ours -> ``transformers`` ``LlamaForCausalLM``)::
     norm.weight                              model.norm.weight
     output.weight                            lm_head.weight   (absent when embeddings are tied)
 
+A MoE model exports as ``MixtralForCausalLM`` (the classic Mixtral checkpoint layout, which
+``transformers`` 4.x loads as is and 5.x converts on load), each ``[E, ...]`` expert tensor
+as E per-expert matrices (:func:`expert_hf_names`)::
+
+    layers.{i}.feed_forward.router.weight    model.layers.{i}.block_sparse_moe.gate.weight
+    layers.{i}.feed_forward.experts.w1[e]    model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight (w2, w3 alike)
+
+Mixtral's router (softmax over all E logits, top-K, renormalized over the K) weighs the K
+experts exactly as ours (softmax over the K logits).
+
 RoPE convention: :func:`shardsmith.trainer.model.apply_rope` rotates interleaved pairs
 ``(x[2i], x[2i+1])`` of each head (Meta's original Llama and torchtitan); ``transformers``
 rotates ``(x[i], x[i + Dh/2])`` (``rotate_half``), both with frequency
@@ -38,6 +48,8 @@ from shardsmith.layout import ModelConfig
 #: The ``architectures`` entry and ``model_type`` of exported configs.
 HF_ARCHITECTURE = "LlamaForCausalLM"
 HF_MODEL_TYPE = "llama"
+#: The same for a MoE model.
+HF_MOE_ARCHITECTURE, HF_MOE_MODEL_TYPE = "MixtralForCausalLM", "mixtral"
 
 #: (our FQN pattern, HF name pattern), ``{i}`` standing for a layer index.
 NAME_MAP: tuple[tuple[str, str], ...] = (
@@ -53,7 +65,12 @@ NAME_MAP: tuple[tuple[str, str], ...] = (
     ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
     ("norm.weight", "model.norm.weight"),
     ("output.weight", "lm_head.weight"),
+    ("layers.{i}.feed_forward.router.weight", "model.layers.{i}.block_sparse_moe.gate.weight"),
 )
+
+#: Expert tensors ``[E, ...]`` and the per-expert HF name pattern (``{e}``: the expert).
+_EXPERT_RE = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
+_HF_EXPERT = "model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight"
 
 #: HF tensors that carry no weights of the model and are skipped on import (old
 #: checkpoints stored the RoPE frequency buffer).
@@ -93,6 +110,15 @@ def from_hf_name(name: str) -> str:
         KeyError: not a tensor shardsmith's Llama has (e.g. a bias).
     """
     return _translate(name, _FROM_HF, "Hugging Face tensor")
+
+
+def expert_hf_names(fqn: str, num_experts: int) -> list[str] | None:
+    """The E per-expert HF names of an expert tensor ``layers.{i}.feed_forward.experts.w1``
+    (expert e's matrix is row e of ours), or None for any other tensor."""
+    m = _EXPERT_RE.match(fqn)
+    if m is None:
+        return None
+    return [_HF_EXPERT.format(i=m.group(1), e=e, w=m.group(2)) for e in range(num_experts)]
 
 
 def rope_heads(fqn: str, model: ModelConfig) -> int | None:
@@ -136,7 +162,7 @@ def hf_config(model: ModelConfig, torch_dtype: str) -> dict[str, Any]:
         and 5.x (``rope_parameters``, ``dtype``). Token ids are null: shardsmith's byte-level
         data has no BOS/EOS/pad token.
     """
-    return {
+    out = {
         "architectures": [HF_ARCHITECTURE],
         "model_type": HF_MODEL_TYPE,
         "hidden_size": model.hidden_size,
@@ -162,6 +188,17 @@ def hf_config(model: ModelConfig, torch_dtype: str) -> dict[str, Any]:
         "torch_dtype": torch_dtype,
         "dtype": torch_dtype,
     }
+    if model.num_experts:
+        if model.moe_layer_freq != 1:
+            raise ConfigError(f"moe_layer_freq={model.moe_layer_freq}: Mixtral has experts in every layer; "
+                              "only models with --moe-layer-freq 1 export to Hugging Face")
+        out.update(architectures=[HF_MOE_ARCHITECTURE], model_type=HF_MOE_MODEL_TYPE,
+                   intermediate_size=model.expert_ffn_size, num_local_experts=model.num_experts,
+                   num_experts_per_tok=model.moe_router_topk, router_aux_loss_coef=model.moe_aux_loss_coeff,
+                   output_router_logits=False, sliding_window=None, router_jitter_noise=0.0)
+        for key in ("mlp_bias", "attention_bias"):
+            del out[key]
+    return out
 
 
 def _field_error(source: str, name: str, value: Any, why: str) -> ConfigError:
@@ -202,8 +239,10 @@ def model_config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> Mo
             scaled RoPE (``rope_scaling``), or a missing size field.
     """
     model_type = cfg.get("model_type")
-    if model_type != HF_MODEL_TYPE:
-        raise _field_error(source, "model_type", model_type, "only 'llama' checkpoints are supported")
+    if model_type not in (HF_MODEL_TYPE, HF_MOE_MODEL_TYPE):
+        raise _field_error(source, "model_type", model_type, "only 'llama' and 'mixtral' checkpoints are supported")
+    if model_type == HF_MOE_MODEL_TYPE and cfg.get("sliding_window") is not None:
+        raise _field_error(source, "sliding_window", cfg["sliding_window"], "only full attention is supported")
     for key, allowed in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
         if cfg.get(key, allowed) != allowed:
             raise _field_error(source, key, cfg[key], f"only {allowed!r} is supported")
@@ -218,8 +257,12 @@ def model_config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> Mo
     if head_dim is not None and head_dim * heads != sizes["hidden_size"]:
         raise _field_error(source, "head_dim", head_dim,
                            f"must equal hidden_size / num_attention_heads = {sizes['hidden_size'] / heads}")
+    moe = {}
+    if model_type == HF_MOE_MODEL_TYPE:
+        moe = {"num_experts": int(cfg.get("num_local_experts", 8)), "moe_router_topk": int(cfg.get("num_experts_per_tok", 2)),
+               "moe_aux_loss_coeff": float(cfg.get("router_aux_loss_coef", 0.0))}
     return ModelConfig(
-        num_layers=sizes["num_hidden_layers"], hidden_size=sizes["hidden_size"],
+        **moe, num_layers=sizes["num_hidden_layers"], hidden_size=sizes["hidden_size"],
         num_attention_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
         ffn_hidden_size=sizes["intermediate_size"], vocab_size=sizes["vocab_size"],
         seq_length=sizes["max_position_embeddings"],

@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 
 from shardsmith.errors import CheckpointError, ConfigError
-from shardsmith.reshard.hf import (HF_IGNORED, from_hf_name, hf_config, model_config_from_hf,
+from shardsmith.reshard.hf import (HF_IGNORED, expert_hf_names, from_hf_name, hf_config, model_config_from_hf,
                                    permute_from_hf, permute_to_hf, rope_heads, to_hf_name)
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import TensorSpec, param_specs
@@ -76,11 +76,13 @@ class HFExportReport:
 
 @dataclass(frozen=True)
 class WeightEntry:
-    """One exported tensor: HF name, our FQN, global shape."""
+    """One exported tensor: HF name, our FQN, global shape (of the HF tensor), and for a
+    Mixtral expert matrix the expert (row of our ``[E, ...]`` tensor; -1 otherwise)."""
 
     hf_name: str
     fqn: str
     shape: tuple[int, ...]
+    expert: int = -1
 
 
 def plan_weight_files(entries: list[WeightEntry], itemsize: int, max_nbytes: int) -> list[list[WeightEntry]]:
@@ -120,14 +122,22 @@ def _export_entries(manifest: Manifest, model: ModelConfig, source: str) -> list
             found = "missing" if rec is None else f"of shape {tuple(rec.shape)}"
             raise CheckpointError(f"{source}: tensor {fqn} is {found} but the model config needs "
                                   f"{spec.shape}; the checkpoint is incomplete or not a shardsmith Llama")
-        entries.append(WeightEntry(to_hf_name(fqn), fqn, spec.shape))
+        experts = expert_hf_names(fqn, model.num_experts)
+        if experts is not None:
+            entries += [WeightEntry(name, fqn, spec.shape[1:], e) for e, name in enumerate(experts)]
+        else:
+            entries.append(WeightEntry(to_hf_name(fqn), fqn, spec.shape))
     return entries
 
 
 def _hf_tensor(step_store: Store, manifest: Manifest, entry: WeightEntry, model: ModelConfig,
                dtype: torch.dtype) -> torch.Tensor:
     """One whole tensor read from the checkpoint, in HF row order and the export dtype."""
-    t = read_box(step_store, manifest, entry.fqn, Box((0,) * len(entry.shape), entry.shape))
+    if entry.expert >= 0:                           # row ``expert`` of an [E, ...] expert tensor
+        t = read_box(step_store, manifest, entry.fqn, Box((entry.expert,) + (0,) * len(entry.shape),
+                                                          (1,) + entry.shape))[0]
+    else:
+        t = read_box(step_store, manifest, entry.fqn, Box((0,) * len(entry.shape), entry.shape))
     heads = rope_heads(entry.fqn, model)
     if heads is not None:
         t = permute_to_hf(t, heads)
@@ -271,9 +281,11 @@ def read_model_config(hf_dir: str) -> ModelConfig:
     return model_config_from_hf(HFSource(hf_dir).config, os.path.join(hf_dir, "config.json"))
 
 
-def _match_tensors(src: HFSource, specs: dict[str, TensorSpec], model: ModelConfig) -> dict[str, str]:
-    """Our FQN -> HF name for every parameter; refuses missing, misshapen or unknown tensors."""
-    wanted = {to_hf_name(fqn): fqn for fqn in specs}
+def _match_tensors(src: HFSource, specs: dict[str, TensorSpec], model: ModelConfig) -> dict[str, list[str]]:
+    """Our FQN -> HF names (one, or one per expert for a Mixtral expert tensor) for every
+    parameter; refuses missing, misshapen or unknown tensors."""
+    names = {fqn: expert_hf_names(fqn, model.num_experts) or [to_hf_name(fqn)] for fqn in specs}
+    wanted = {name: fqn for fqn, hf in names.items() for name in hf}
     for name in src.file_of:
         if name in wanted or HF_IGNORED.match(name) or (model.tie_embeddings and name == "lm_head.weight"):
             continue
@@ -284,21 +296,27 @@ def _match_tensors(src: HFSource, specs: dict[str, TensorSpec], model: ModelConf
                               "extra modules are not supported); it was not imported") from None
         raise ConfigError(f"{src.dir}: tensor {name} is not part of the model its config.json describes")
     for name, fqn in wanted.items():
+        shape = specs[fqn].shape[1:] if expert_hf_names(fqn, 1) else specs[fqn].shape     # per-expert matrices
         if name not in src.file_of:
             raise ConfigError(f"{src.dir}: tensor {name} (for {fqn}) is missing")
-        if src.shape(name) != specs[fqn].shape:
+        if src.shape(name) != shape:
             raise ConfigError(f"{src.dir}: tensor {name} has shape {src.shape(name)} but config.json "
-                              f"implies {specs[fqn].shape}")
-    return {fqn: name for name, fqn in wanted.items()}
+                              f"implies {shape}")
+    return names
 
 
-def read_hf_box(src: HFSource, name: str, fqn: str, box: Box, model: ModelConfig) -> torch.Tensor:
-    """``box`` (our row order) of parameter ``fqn`` read from HF tensor ``name``, as float32.
+def read_hf_box(src: HFSource, names: list[str], fqn: str, box: Box, model: ModelConfig) -> torch.Tensor:
+    """``box`` (our row order) of parameter ``fqn`` read from its HF tensors ``names``, as float32.
 
     For q/k projections the whole heads covering the box's rows are read and un-permuted
-    (:func:`permute_from_hf`); other tensors are read exactly.
+    (:func:`permute_from_hf`); a Mixtral expert tensor stacks the box's experts' matrices
+    (``names[e]`` holds expert e); other tensors are read exactly.
     """
     index = tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))
+    if expert_hf_names(fqn, model.num_experts) is not None:
+        experts = [src.read(names[e], index[1:]) for e in range(box.offsets[0], box.offsets[0] + box.lengths[0])]
+        return (torch.stack(experts) if experts else torch.empty(box.lengths)).to(torch.float32).contiguous()
+    name = names[0]
     heads = rope_heads(fqn, model)
     if heads is None:
         return src.read(name, index).to(torch.float32).contiguous()

@@ -19,6 +19,8 @@ Tasks (``kind``):
 * ``grads``: a fresh Trainer runs one forward/backward of ``tokens`` (inputs) and
   ``targets`` (B, T) with its step math (schedule included) and writes every parameter's
   full gradient (FQN keys) to ``<out>/grads-rank-NNNNN.safetensors``.
+* ``reshard``: rank 0 reshards the step directory ``src`` offline to ``dst`` under the
+  layout ``parallel`` (ParallelDims JSON); the others wait.
 * ``train``: a fresh Trainer runs to ``steps`` with checkpoint root ``ckpt`` (may be
   empty), ``resume`` (``none`` or a URL) and ``save_interval``; rank 0 writes the
   per-step metrics to ``out`` as JSON ``[{"step", "loss", "grad_norm", "lr"}, ...]``.
@@ -90,15 +92,17 @@ def task_grads(cfg: TrainConfig, task: dict[str, Any]) -> None:
     targets = torch.tensor(task["targets"], dtype=torch.int64)
     trainer.step_math.forward_backward(inputs, targets)
     finalize_grads(trainer.model, trainer.grad_sum_groups)
-    from shardsmith.trainer.moe import all_gather_rows, expert_parallel_params
+    from shardsmith.trainer.moe import EXPERT_TP_DIMS, all_gather_rows, expert_params
 
-    experts = expert_parallel_params(trainer.model)
+    experts = expert_params(trainer.model)
     grads = {}
     for fqn, p in trainer.model.named_parameters():
         if p.grad is not None:
             g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            if fqn in experts:                                                  # E / ep experts per rank
+            if fqn in experts and experts[fqn][1].ep_size > 1:                  # E / ep experts per rank
                 g = all_gather_rows(g, trainer.mesh["dp_shard"].get_group())
+            if fqn in experts and experts[fqn][1].tp_size > 1:                  # F / tp per expert
+                g = all_gather_rows(g, trainer.mesh["tp"].get_group(), EXPERT_TP_DIMS[experts[fqn][2]])
             grads[fqn] = g.detach().contiguous()
     os.makedirs(task["out"], exist_ok=True)
     save_file(grads, os.path.join(task["out"], f"grads-rank-{trainer.rank:05d}.safetensors"))
@@ -128,16 +132,31 @@ def task_train(cfg: TrainConfig, task: dict[str, Any]) -> None:
                        for m in history], f)
 
 
-TASKS = {"logits": task_logits, "grads": task_grads, "reload": task_reload, "train": task_train}
+def task_reshard(cfg: TrainConfig, task: dict[str, Any]) -> None:
+    """Rank 0 reshards ``src`` to ``dst`` offline (the engine of ``shardsmith reshard``)."""
+    from shardsmith.layout import ParallelDims
+    from shardsmith.reshard.engine import reshard
+    from shardsmith.storage.fs import Store
+
+    if dist.get_rank() == 0:
+        reshard(Store(task["src"]), task["dst"], ParallelDims.from_json(task["parallel"]))
+    dist.barrier()
+
+
+TASKS = {"logits": task_logits, "grads": task_grads, "reload": task_reload, "train": task_train,
+         "reshard": task_reshard}
 
 
 def _task_config(cfg: TrainConfig, task: dict[str, Any]) -> TrainConfig:
-    """``cfg`` with the task's ``set`` fields (``parallel`` given as ParallelDims JSON)."""
-    from shardsmith.layout import ParallelDims
+    """``cfg`` with the task's ``set`` fields (``parallel`` given as ParallelDims JSON,
+    ``model`` as ModelConfig JSON)."""
+    from shardsmith.layout import ModelConfig, ParallelDims
 
     fields = dict(task.get("set", {}))
     if "parallel" in fields:
         fields["parallel"] = ParallelDims.from_json(fields["parallel"])
+    if "model" in fields:
+        fields["model"] = ModelConfig.from_json(fields["model"])
     return dataclasses.replace(cfg, **fields)
 
 

@@ -142,7 +142,9 @@ def test_moe_plan_stores_experts_with_a_leading_expert_dim() -> None:
     assert specs["layers.1.feed_forward.w1.weight"].shape == (128, 64)           # freq 2: layer 1 dense
     box = specs["layers.2.feed_forward.experts.w3"].box(ParallelDims(dp_shard=2, tp=2),
                                                         {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "tp": 0})
-    assert box.offsets == (2, 0, 0) and box.lengths == (2, 96, 64)              # experts 2, 3: whole
+    assert box.offsets == (2, 0, 0) and box.lengths == (2, 48, 64)              # experts 2, 3; F split by tp
+    assert specs["layers.2.feed_forward.experts.w2"].dim_axes == (("dp_shard",), (), ("tp",))   # row-parallel
+    assert specs["layers.2.feed_forward.experts.w1"].dim_axes == (("dp_shard",), ("tp",), ())   # column-parallel
     assert "num_experts" not in MODEL.to_json() and moe.to_json()["num_experts"] == 4
     assert ModelConfig.from_json(moe.to_json()) == moe
     with pytest.raises(ConfigError, match="moe_router_topk"):
@@ -156,6 +158,10 @@ def test_moe_flags_reach_the_model() -> None:
                                          "moe_aux_loss_coeff", "moe_layer_freq")} == \
         {"num_experts": 4, "moe_router_topk": 1, "moe_ffn_hidden_size": 32, "moe_aux_loss_coeff": 0.01,
          "moe_layer_freq": 2}
+    moe = ("--num-experts", "4", "--nproc-per-node", "2", "--tp", "2")
+    assert _dry_run(*moe, "--expert-tensor-parallel-size", "2")["moe"]["expert_ffn_per_rank"] == 64
+    bad = CliRunner().invoke(cli, ["train", *FLAGS, *moe, "--expert-tensor-parallel-size", "1"])
+    assert bad.exit_code != 0 and "--expert-tensor-parallel-size 1" in bad.output and "use 2" in bad.output
 
 
 def test_expert_parallel_layout_rules() -> None:
@@ -185,3 +191,17 @@ def test_moe_flops_count_only_the_routed_experts() -> None:
     dense = flops_per_token(MODEL)
     moe = dataclasses.replace(MODEL, num_experts=4, moe_router_topk=1)     # 1 of 4 experts = the dense FFN
     assert flops_per_token(moe) == dense + 6 * MODEL.num_layers * 4 * MODEL.hidden_size    # + the routers
+
+
+def test_dry_run_covers_moe_and_interleaving() -> None:
+    moe = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96")
+    dense_ep = _dry_run(*moe, "--nproc-per-node", "2")["moe"]
+    ep = _dry_run(*moe, "--nproc-per-node", "4", "--tp", "2", "--ep", "2")
+    assert dense_ep["experts_per_rank"] == 4 and dense_ep["dispatch_nbytes_per_layer_microbatch"] == 0
+    assert ep["moe"]["experts_per_rank"] == 2 and ep["moe"]["expert_ffn_per_rank"] == 48
+    s, b, k, h = 64, 1, 2, 64                                    # 4 s b K h (ep-1)/ep values, fp32
+    assert ep["moe"]["dispatch_nbytes_per_layer_microbatch"] == 4 * s * b * k * h // 2 * 4
+    assert ep["moe"]["expert_params"] == 8 * 3 * 4 * 96 * 64 and "moe" not in _dry_run()
+    pp = _dry_run("--pp", "2", "--nproc-per-node", "2")["roles"][0]["activation_nbytes"]
+    vp = _dry_run("--pp", "2", "--nproc-per-node", "2", "--virtual-stages", "2")["roles"][0]["activation_nbytes"]
+    assert vp > pp                                              # interleaving keeps more in flight

@@ -84,11 +84,6 @@ class TrainConfig:
         if self.sequence_parallel and tp > 1 and self.model.seq_length % tp:
             raise ConfigError(f"--sequence-parallel: seq_length={self.model.seq_length} must be a multiple "
                               f"of tp={tp} (the sequence is split over the TP group)")
-        if self.model.num_experts and (self.sequence_parallel and tp > 1):
-            raise ConfigError("a MoE model with --sequence-parallel is not supported yet; drop one")
-        if self.model.moe_aux_loss_coeff and self.parallel.pp > 1:
-            raise ConfigError("--moe-aux-loss-coeff with pp > 1 is not supported yet (the pipeline "
-                              "schedule's loss sees only the last stage); use pp=1 or coefficient 0")
         schedule = self.pipeline_schedule
         if schedule and schedule not in PIPELINE_SCHEDULES:
             raise ConfigError(f"pipeline_schedule={schedule!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")

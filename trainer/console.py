@@ -61,7 +61,8 @@ class EtaClock:
 
 def step_line(record: dict[str, Any]) -> str:
     """The console line of a step record: step/total, loss, LR, gradient norm, tokens/s,
-    ms/step, tokens seen, peak memory, MFU and ETA (each when the record has it)."""
+    ms/step, tokens seen, peak memory, MFU, the MoE router's load imbalance (max/mean routed
+    tokens per expert, the worst layer) and aux loss, and ETA (each when the record has it)."""
     def num(x: Any, fmt: str) -> str:
         return "nan" if x is None else format(x, fmt)
 
@@ -76,6 +77,8 @@ def step_line(record: dict[str, Any]) -> str:
         parts.append(f"mem {format_nbytes(record['peak_mem_nbytes'])}")
     if "mfu" in record:
         parts.append(f"MFU {record['mfu']:.1%}")
+    if record.get("moe_load_imbalance"):
+        parts.append(f"experts max/mean {max(record['moe_load_imbalance']):.2f}  aux {record['moe_aux_loss']:.3f}")
     if "eta_s" in record:
         parts.append(f"ETA {duration(record['eta_s'])}")
     return "  ".join(parts) + ("  SKIPPED (non-finite)" if record["skipped"] else "")
@@ -100,10 +103,13 @@ def duration(seconds: float) -> str:
 
 
 def layout_name(layout: dict[str, Any] | None) -> str:
-    """A layout record in short form: only the axes above 1 (``tp2·pp2``, ``dps2``; ``1 rank``)."""
+    """A layout record in short form: only the axes above 1 (``tp2·pp2``, ``dps2``; ``1 rank``),
+    then virtual stages and expert parallelism when above 1 (``pp2·dps2·ep2``)."""
     if not layout:
         return "?"
     parts = [f"{short}{layout[axis]}" for axis, short in _AXES if int(layout.get(axis, 1)) > 1]
+    parts += [f"{short}{layout[key]}" for key, short in (("virtual_stages", "v"), ("expert_parallel", "ep"))
+              if int(layout.get(key, 1)) > 1]
     return "·".join(parts) or "1 rank"
 
 

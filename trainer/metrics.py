@@ -7,7 +7,8 @@ SIGKILL never leaves half a line):
 
 * step records: ``{"step", "loss", "lr", "grad_norm", "tokens_per_s", "seconds",
   "flops_per_s", "mfu"?, "skipped", "skipped_steps", "rollbacks", "restarts", "steps"?,
-  "tokens_seen"?, "peak_mem_nbytes"?, "eta_s"?}``;
+  "tokens_seen"?, "peak_mem_nbytes"?, "eta_s"?, "moe_load_imbalance"? (max/mean routed
+  tokens per expert, one per MoE layer), "moe_aux_loss"?}``;
 * events, with an ``"event"`` key: ``start`` (``restart_count``, ``world_size``, ``layout``),
   ``resume`` (``step``, ``saved_layout``, ``layout``, ``resharded``, ``reason``, ``seconds``,
   ``nbytes_read``, ``rng``), ``save`` (``step``, ``nbytes``, ``seconds``, ``blocked_seconds``),

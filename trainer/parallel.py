@@ -19,13 +19,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                                               RowwiseParallel, SequenceParallel, parallelize_module)
+                                               PrepareModuleInputOutput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 
 from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims, chunk_layers, stage_layers
 from shardsmith.layout.plan import (COLWISE, ROWWISE, VOCAB_PARALLEL, TensorSpec, grad_sum_groups,
                                     kv_replicas, padded_vocab_size, param_specs, tp_module_key)
 from shardsmith.trainer.model import Transformer
-from shardsmith.trainer.moe import MoEFeedForward, expert_parallel_params, shard_experts
+from shardsmith.trainer.moe import EXPERT_TP_DIMS, MoEFeedForward, expert_params, expert_parallel_params, shard_experts
 from shardsmith.trainer.pipeline import ChunkedStage
 from shardsmith.trainer.weight_init import materialize_local_shards
 
@@ -136,6 +137,7 @@ def tp_plan(model: Transformer, *, sequence_parallel: bool = False) -> dict[str,
     linears reduce-scatter along T (``Shard(1)``), the norms are ``SequenceParallel``, and
     attention, FFN and output all-gather T first (``PrepareModuleInput``). No parameter
     changes placement (norm weights stay replicated over tp), so checkpoints are the same.
+    A MoE FFN gets its whole sequence (all-gathered) and keeps its sequence shard of the output.
     """
     seq = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {}
@@ -152,6 +154,12 @@ def tp_plan(model: Transformer, *, sequence_parallel: bool = False) -> dict[str,
                                          use_local_output=False)
         elif sequence_parallel and key in ("attention_norm", "ffn_norm", "norm"):
             plan[name] = SequenceParallel()
+        elif sequence_parallel and isinstance(module, MoEFeedForward):
+            # the experts run on the whole sequence (split over tp inside each expert) and
+            # keep their rank's sequence shard of the TP-reduced output
+            plan[name] = PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                                  use_local_input=True, output_layouts=Replicate(),
+                                                  desired_output_layouts=Shard(1))
         elif sequence_parallel and key in ("attention", "feed_forward"):
             extra = (None, None) if key == "attention" else ()           # rope cos, sin
             plan[name] = PrepareModuleInput(input_layouts=(Shard(1), *extra),
@@ -164,17 +172,21 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool
     parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel=sequence_parallel))
 
 
-def placement_axes(p: torch.Tensor, ndim: int, expert_parallel: bool = False) -> tuple[tuple[str, ...], ...]:
+def placement_axes(p: torch.Tensor, ndim: int, expert: tuple[int, int] | None = None) -> tuple[tuple[str, ...], ...]:
     """Per tensor dim, the mesh axes a parameter's DTensor placements split it by, major to
     minor (the plan's ``dim_axes`` convention). FSDP2 over a TP-sharded dim records the
-    dp_shard split as ``_StridedShard``: applied after (minor to) the plain ``Shard``."""
+    dp_shard split as ``_StridedShard``: applied after (minor to) the plain ``Shard``.
+    ``expert`` = (ep, tp dim or -1) of an expert tensor, whose TP split (and, with ep > 1,
+    expert split over dp_shard) is by plain local slicing (:func:`shard_experts`)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    if expert_parallel:                             # expert-parallel experts: dim 0 over dp_shard
-        return (("dp_shard",),) + ((),) * (ndim - 1)
     major: list[list[str]] = [[] for _ in range(ndim)]
     minor: list[list[str]] = [[] for _ in range(ndim)]
+    if expert is not None and expert[1] >= 0:
+        major[expert[1]].append("tp")
+    if expert is not None and expert[0] > 1:
+        major[0].append("dp_shard")
     if isinstance(p, DTensor):
         for axis, placement in zip(p.device_mesh.mesh_dim_names or (), p.placements):
             if isinstance(placement, _StridedShard):
@@ -187,12 +199,13 @@ def placement_axes(p: torch.Tensor, ndim: int, expert_parallel: bool = False) ->
 def check_placements(model: Transformer, specs: dict[str, TensorSpec], dims: ParallelDims) -> None:
     """Assert every parameter is split exactly as the plan's ``dim_axes`` says (axes of
     degree 1 split nothing and are left out). Local to the rank; run at every build."""
-    experts = expert_parallel_params(model)
+    experts = {fqn: (m.ep_size, EXPERT_TP_DIMS[name] if m.tp_size > 1 else -1)
+               for fqn, (_, m, name) in expert_params(model).items()}
     for fqn, p in model.named_parameters():
         spec = specs[fqn]
         want = tuple(tuple(a for a in axes if getattr(dims, a) > 1) for axes in spec.dim_axes)
         got = tuple(tuple(a for a in axes if getattr(dims, a) > 1)
-                    for axes in placement_axes(p, len(spec.shape), fqn in experts))
+                    for axes in placement_axes(p, len(spec.shape), experts.get(fqn)))
         assert got == want, f"{fqn}: DTensor placements split dims by {got}, the plan says {want}"
 
 
@@ -232,11 +245,12 @@ def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, *, bf1
     if compile:
         apply_compile(model)
     experts: set[nn.Parameter] = set()
-    if dims.expert_parallel > 1:
-        group = mesh["dp_shard"].get_group()
+    if dims.expert_parallel > 1 or dims.tp > 1:
+        ep_group = mesh["dp_shard"].get_group() if dims.expert_parallel > 1 else None
+        tp_group = mesh["tp"].get_group() if dims.tp > 1 else None
         for module in model.modules():
             if isinstance(module, MoEFeedForward):
-                experts.update(shard_experts(module, group))
+                experts.update(shard_experts(module, ep_group, tp_group))
     if dims.dp > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
         apply_fsdp(model, dp_mesh, bf16=bf16, ignored=experts)

@@ -7,7 +7,7 @@ steps) is :meth:`shardsmith.trainer.train.Trainer.train_step`.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import param_specs
 from shardsmith.trainer import pipeline
-from shardsmith.trainer.moe import aux_loss as moe_aux_loss
+from shardsmith.trainer.moe import set_aux_loss_scale
 from shardsmith.trainer.parallel import device_type
 
 
@@ -50,6 +50,7 @@ class StepMetrics:
         duration_s: wall time of the step on this rank, in seconds.
         tokens: tokens in the global batch.
         skipped: the update was not applied (non-finite loss or gradient norm).
+        moe: MoE router statistics (:func:`shardsmith.trainer.moe.router_stats`); {} when dense.
     """
 
     step: int
@@ -59,6 +60,7 @@ class StepMetrics:
     duration_s: float
     tokens: int
     skipped: bool = False
+    moe: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -94,9 +96,16 @@ class StepMath:
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Run all microbatches of this rank's batch (inputs and targets (B, T)); returns the
-        mean loss on this rank's batch (only meaningful on the last pipeline stage; 0 elsewhere)."""
+        mean loss on this rank's batch (only meaningful on the last pipeline stage; 0 elsewhere).
+
+        The MoE load-balancing loss (times ``moe_aux_loss_coeff``) enters the gradients in
+        each MoE layer's backward (:mod:`shardsmith.trainer.moe`), scaled like the
+        microbatch losses (1 / microbatches here; the pipeline schedule divides its
+        gradients by the microbatches itself); the returned loss is the LM loss alone."""
         dev = device_type()
         inputs, targets = inputs.to(dev), targets.to(dev)
+        coeff = self.model_cfg.moe_aux_loss_coeff
+        set_aux_loss_scale(self.model, coeff if self.schedule is not None else coeff / self.num_microbatches)
         if self.schedule is not None:
             return self._pipelined(inputs, targets)
         total = torch.zeros(())
@@ -104,11 +113,7 @@ class StepMath:
             with self._loss_ctx():
                 with self._autocast():
                     logits = self.model(x)
-                loss = loss_fn(logits, y)
-                aux = moe_aux_loss(self.model) if self.model_cfg.moe_aux_loss_coeff else None
-                if aux is not None:
-                    loss = loss + self.model_cfg.moe_aux_loss_coeff * aux
-                loss = loss / self.num_microbatches
+                loss = loss_fn(logits, y) / self.num_microbatches
                 loss.backward()
             total += _plain(loss.detach()).float().cpu()
         return total

@@ -32,6 +32,7 @@ from shardsmith.trainer.fault.guard import FaultGuard
 from shardsmith.trainer.fault.watchdog import apply_collective_timeout, set_group_timeouts
 from shardsmith.trainer.fault_hooks import FaultHooks
 from shardsmith.trainer.console import EtaClock, duration, known_peak_flops, peak_memory_nbytes
+from shardsmith.trainer.moe import router_stats
 from shardsmith.trainer.metrics import (EventLog, MetricsWriter, flops_per_token,
                                         iter_json_lines, run_dir, step_line, step_record)
 from shardsmith.trainer.preflight import schedule_change
@@ -155,6 +156,7 @@ class Trainer:
         inputs, targets = state.sampler.next_local_batch()
         state.optimizer.zero_grad(set_to_none=True)
         local_loss = step_math.forward_backward(inputs, targets)
+        moe = router_stats(state.model, self.cfg.model)
         finalize_grads(state.model, self.grad_sum_groups)
         local_loss = self.hooks.corrupt(start // self.cfg.global_batch_size, state.model, local_loss)
         self.hooks.in_step(step)
@@ -171,7 +173,7 @@ class Trainer:
             state.optimizer.zero_grad(set_to_none=True)
         state.step = step
         metrics = StepMetrics(step, loss, grad_norm, lr, time.perf_counter() - t0, tokens,
-                              skipped=verdict != "ok")
+                              skipped=verdict != "ok", moe=moe)
         self.history.append(metrics)
         return metrics
 
@@ -192,6 +194,7 @@ class Trainer:
                              world_size=self.cfg.parallel.world_size,
                              counters={"skipped_steps": bad_steps.skipped_steps,
                                        "rollbacks": bad_steps.rollbacks, "restarts": self.restarts})
+        record.update(m.moe)
         record.update(steps=self.cfg.steps, tokens_seen=self.state.tokens_seen,
                       peak_mem_nbytes=peak_memory_nbytes(),
                       eta_s=round(self.eta.eta_s(m.duration_s, self.cfg.steps - m.step), 1))
