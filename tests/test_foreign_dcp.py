@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -97,6 +98,40 @@ def test_import_then_export_roundtrip_is_bitwise(tmp_path):
     assert loaded["lr_scheduler"] == {"last_epoch": 5}
     assert loaded["optimizer"]["param_groups.norm.weight.betas"] == (0.9, 0.95)  # train defaults
     assert loaded["optimizer"]["param_groups.norm.weight.lr"] == 3e-3
+
+
+def test_tied_embeddings_carry_output_weight_both_ways(tmp_path):
+    """A tied torchtitan state dict names the shared matrix twice (``output.weight`` too, one
+    optimizer entry): import takes it as tied; export writes it back; an untied model whose
+    output differs stays untied."""
+    model = Transformer(dataclasses.replace(TINY_MODEL, tie_embeddings=True))
+    init_weights(model, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))).square().mean().backward()
+    opt.step()
+    sd = model.state_dict()
+    optim = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    assert "output.weight" not in sd and not [k for k in optim if ".output." in k]
+    dcp.save({**sd, "output.weight": sd["tok_embeddings.weight"], "optimizer": optim},
+             checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    report = import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck"), ParallelDims(tp=2), HINTS)
+    assert report.model.tie_embeddings and report.with_optimizer
+    assert any("imported as tied embeddings" in d for d in report.dropped)
+    got = read_full_tensors(str(tmp_path / "ck"))
+    assert "output.weight" not in got and torch.equal(got["tok_embeddings.weight"], sd["tok_embeddings.weight"])
+    export_dcp(str(tmp_path / "ck"), str(tmp_path / "out"))
+    md = dcp.FileSystemReader(str(tmp_path / "out")).read_metadata().state_dict_metadata
+    assert "output.weight" in md and not [k for k in md if k.startswith("optimizer.state.output.")]
+    back = {"output.weight": torch.zeros(256, 32), "tok_embeddings.weight": torch.zeros(256, 32)}
+    dcp.load(back, checkpoint_id=str(tmp_path / "out"), no_dist=True)
+    assert torch.equal(back["output.weight"], sd["tok_embeddings.weight"])
+    assert torch.equal(back["tok_embeddings.weight"], sd["tok_embeddings.weight"])
+    report = import_dcp(str(tmp_path / "out"), str(tmp_path / "ck2"), ParallelDims(), HINTS)
+    assert report.model.tie_embeddings
+    assert CliRunner().invoke(cli, ["diff", str(tmp_path / "ck"), str(tmp_path / "ck2")]).exit_code == 0
+    untied = {**sd, "output.weight": sd["tok_embeddings.weight"] + 1}
+    dcp.save(untied, checkpoint_id=str(tmp_path / "dcp3"), no_dist=True)
+    assert not import_dcp(str(tmp_path / "dcp3"), str(tmp_path / "ck3"), ParallelDims(), HINTS).model.tie_embeddings
 
 
 def test_model_only_bf16_import_cli(tmp_path):

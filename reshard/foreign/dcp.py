@@ -15,6 +15,11 @@ state (shardsmith recomputes the LR from it on resume, as torchtitan does); ever
 is dropped and listed in the report (hyperparameters come from the training flags; the data
 position of another data loader has no meaning here).
 
+Tied embeddings: a tied model's state dict names the shared matrix twice, so export writes
+``output.weight`` too (a copy of ``tok_embeddings.weight``; no optimizer entry: one parameter),
+and import takes an ``output.weight`` bitwise equal to ``tok_embeddings.weight`` and without
+optimizer state of its own as that copy (absent ``output.weight`` also means tied).
+
 Export writes those keys with ``torch.distributed.checkpoint`` itself (``FileSystemWriter``,
 one file per tensor): the state dict handed to ``dcp.save`` holds zero-byte placeholders and
 a planner that reads each tensor from the checkpoint only when DCP writes it, so peak memory
@@ -112,6 +117,23 @@ def _state(ck: DCPCheckpoint, step: int | None) -> tuple[dict[str, Any], set[str
     return state, {"train_state.step", "train_state.ntokens_seen", "lr_scheduler.last_epoch"}
 
 
+def _tied_output(ck: DCPCheckpoint, prefix: str, rows_per_read: int = 4096) -> bool:
+    """Whether ``output.weight`` is only the tied copy of ``tok_embeddings.weight`` a tied
+    model's state dict also carries: same shape, bitwise equal (compared ``rows_per_read``
+    rows at a time), and no optimizer state of its own (a tied parameter is one parameter)."""
+    out, emb = prefix + "output.weight", prefix + "tok_embeddings.weight"
+    if out not in ck.chunks or ck.shape(out) != ck.shape(emb):
+        return False
+    if any(k.startswith("optimizer.state.output.weight.") for k in ck.chunks):
+        return False
+    rows, cols = ck.shape(emb)
+    for r in range(0, rows, rows_per_read):
+        box = Box((r, 0), (min(rows_per_read, rows - r), cols))
+        if not torch.equal(ck.read(out, box), ck.read(emb, box)):
+            return False
+    return True
+
+
 def import_dcp(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: ModelHints, *,
                step: int | None = None, make_config: Callable[[ModelConfig], dict] | None = None,
                storage_options: dict | None = None) -> ImportReport:
@@ -139,6 +161,9 @@ def import_dcp(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: ModelHint
         prefix = _model_prefix(ck)
         shapes = {k[len(prefix):]: ck.shape(k) for k in ck.chunks
                   if k.startswith(prefix) and not k.startswith("optimizer.")}
+        tied = _tied_output(ck, prefix)
+        if tied:
+            del shapes["output.weight"]
         model = infer_model_config(shapes, hints, ck.dir)
         source_of, with_optim = _source_map(ck, model, prefix)
         state, used = _state(ck, step)
@@ -148,12 +173,14 @@ def import_dcp(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: ModelHint
                                    storage_options=storage_options)
     finally:
         ck.close()
-    taken = set(source_of.values()) | used
+    taken = set(source_of.values()) | used | ({prefix + "output.weight"} if tied else set())
     rest = sorted(k for k in (*ck.chunks, *ck.values) if k not in taken)
     return ImportReport(source=ck.dir, target=written.target, step=written.step, model=model,
                         with_optimizer=with_optim, num_files=written.num_files,
                         nbytes_written=written.nbytes_written, seconds=time.perf_counter() - t0,
-                        dropped=_dropped(rest))
+                        dropped=_dropped(rest) + (["output.weight (equal to tok_embeddings.weight and without "
+                                                   "optimizer state of its own: imported as tied embeddings)"]
+                                                  if tied else []))
 
 
 # ---- export -------------------------------------------------------------------------------------
@@ -190,6 +217,8 @@ def _dcp_state_dict(manifest: Any, model: ModelConfig) -> tuple[dict[str, Any], 
     fqns = list(param_specs(model, ParallelDims()))
     with_optim = all(f"optim.exp_avg.{fqn}" in manifest.tensors for fqn in fqns)
     ours = {fqn: fqn for fqn in fqns}
+    if model.tie_embeddings:        # torchtitan's tied state dict names the shared weight twice
+        ours["output.weight"] = "tok_embeddings.weight"
     optimizer: dict[str, Any] = {}
     if with_optim:
         group = _param_groups(manifest.config, manifest.state)
