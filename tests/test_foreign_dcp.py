@@ -17,10 +17,12 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from conftest import TESTS_DIR, TINY_MODEL, read_full_tensors
+import foreign_scenarios
+from conftest import TESTS_DIR, TINY_MODEL, TINY_TRAIN_FLAGS, read_full_tensors
 from shardsmith.cli.main import cli
 from shardsmith.errors import IntegrityError
 from shardsmith.layout import ParallelDims
+from shardsmith.layout.box import Box
 from shardsmith.reshard.foreign.common import ModelHints
 from shardsmith.reshard.foreign.dcp import export_dcp, import_dcp
 from shardsmith.reshard.foreign.dcp_reader import DCPCheckpoint
@@ -219,10 +221,47 @@ def test_training_resumes_from_imported_dcp(tmp_path, data_path):
     assert [r["step"] for r in records if "loss" in r] == [6]
 
 
+def _native_checkpoint(ref: dict[str, torch.Tensor], root: Path, dims: ParallelDims) -> None:
+    """The reference tensors (DCP-keyed) as shardsmith's own checkpoint of step 1 in ``dims``,
+    written by the storage API directly (no DCP reading involved)."""
+    from shardsmith.reshard.foreign.write import write_checkpoint
+
+    def dcp_key(fqn: str) -> str:
+        if fqn.startswith("optim."):
+            _, kind, rest = fqn.split(".", 2)
+            return f"optimizer.state.{rest}.{kind}"
+        return fqn
+
+    model = foreign_scenarios.MODEL
+    state = {"step": 1, "tokens_seen": 64, "data": {"sample_index": 0},
+             "lr_scheduler": {"last_epoch": 1, "_step_count": 2, "lr_lambdas": [None]}}
+    def read(fqn: str, box: Box) -> torch.Tensor:
+        whole = ref[dcp_key(fqn)]
+        return whole[box.relative_to(Box((0,) * whole.dim(), tuple(whole.shape)))]
+
+    write_checkpoint(str(root), model, dims, read, state=state,
+                     config=TrainConfig(model=model, parallel=dims).to_json(), with_optimizer=True)
+
+
+def _resume_losses(root: Path, layout: list[str], nproc: int, data_path: str) -> dict[int, float]:
+    """Steps 2 and 3 trained by `shardsmith train --resume auto` from the step-1 checkpoint in ``root``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "shardsmith", "train", "--nproc-per-node", str(nproc), *layout,
+                           *TINY_TRAIN_FLAGS, "--data", data_path, "--steps", "3", "--ckpt", str(root),
+                           "--resume", "auto", "--save-interval", "100"],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    records = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("event") == "resume"] == [1]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_fsdp2_tp_dcp_roundtrip(tmp_path):
-    """4 gloo ranks save FSDP2+TP DTensors with dcp.save; import into tp2·pp2 and export back."""
+def test_fsdp2_tp_dcp_roundtrip(tmp_path, data_path):
+    """4 gloo ranks save FSDP2+TP DTensors with dcp.save; import into tp2·pp2 and export back;
+    resuming the import (tp2·pp2) trains like resuming the same state saved by shardsmith
+    itself in the torchtitan run's layout (dp_shard 2 · tp 2): losses within 1e-5."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
                            str(TESTS_DIR / "foreign_scenarios.py"), str(tmp_path)],
@@ -252,3 +291,9 @@ def test_fsdp2_tp_dcp_roundtrip(tmp_path):
     assert result.exit_code == 0, result.output
     result = runner.invoke(cli, ["diff", str(tmp_path / "ck"), str(tmp_path / "ck2")])
     assert result.exit_code == 0, result.output
+    _native_checkpoint(ref, tmp_path / "native", ParallelDims(dp_shard=2, tp=2))
+    want = _resume_losses(tmp_path / "native", ["--dp-shard", "2", "--tp", "2"], 4, data_path)
+    got = _resume_losses(tmp_path / "ck", ["--tp", "2", "--pp", "2", "--dp-shard", "1"], 4, data_path)
+    assert sorted(got) == sorted(want) == [2, 3]
+    for step in want:
+        assert abs(got[step] - want[step]) <= 1e-5, (step, got[step], want[step])
