@@ -9,13 +9,15 @@ from shardsmith.cli.options import layout_options, make_dims, stack, storage_opt
 from shardsmith.storage.fs import parse_storage_options
 
 hint_options = stack(
-    click.option("--num-attention-heads", type=int, required=True,
-                 help="Query heads (not recorded in the checkpoint's tensors)."),
-    click.option("--seq-length", type=int, default=2048, show_default=True,
-                 help="Training sequence length to record."),
-    click.option("--rope-theta", "--rotary-base", "rope_theta", type=float, default=10000.0,
-                 show_default=True, help="RoPE base to record (Megatron: --rotary-base)."),
-    click.option("--norm-eps", type=float, default=1e-5, show_default=True, help="RMSNorm epsilon to record."),
+    click.option("--num-attention-heads", type=int, default=None,
+                 help="Query heads (not told by the tensors' shapes); needed unless SRC records its "
+                      "model config (DCP written by export-dcp)."),
+    click.option("--seq-length", type=int, default=None,
+                 help="Training sequence length to record [default: SRC's record, else 2048]."),
+    click.option("--rope-theta", "--rotary-base", "rope_theta", type=float, default=None,
+                 help="RoPE base to record (Megatron: --rotary-base) [default: SRC's record, else 10000]."),
+    click.option("--norm-eps", type=float, default=None,
+                 help="RMSNorm epsilon to record [default: SRC's record, else 1e-5]."),
     click.option("--step", type=int, default=None,
                  help="Step number of the new checkpoint [default: the source's step, else 0]."),
 )

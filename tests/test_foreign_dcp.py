@@ -27,6 +27,7 @@ from shardsmith.reshard.foreign.common import ModelHints
 from shardsmith.reshard.foreign.dcp import export_dcp, import_dcp
 from shardsmith.reshard.foreign.dcp_reader import DCPCheckpoint
 from shardsmith.reshard.foreign.unpickler import load_plain_value, load_tensor_record
+from shardsmith.storage.commit import read_manifest, resolve_checkpoint
 from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.model import Transformer
 from shardsmith.trainer.weight_init import init_weights
@@ -134,6 +135,30 @@ def test_tied_embeddings_carry_output_weight_both_ways(tmp_path):
     untied = {**sd, "output.weight": sd["tok_embeddings.weight"] + 1}
     dcp.save(untied, checkpoint_id=str(tmp_path / "dcp3"), no_dist=True)
     assert not import_dcp(str(tmp_path / "dcp3"), str(tmp_path / "ck3"), ParallelDims(), HINTS).model.tie_embeddings
+
+
+def test_export_records_the_model_so_import_needs_no_flags(tmp_path):
+    """export-dcp writes the model config as one JSON item; import-dcp takes it (flags still win);
+    a torchtitan directory without it needs --num-attention-heads, and says so."""
+    state, _ = _torchtitan_state()
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    runner = CliRunner()
+    result = runner.invoke(cli, ["import-dcp", str(tmp_path / "dcp"), str(tmp_path / "ck")])
+    assert result.exit_code == 1 and "pass --num-attention-heads" in result.output
+    model = dataclasses.replace(TINY_MODEL, seq_length=64, rope_theta=500000.0, norm_eps=1e-6)
+    dims = ParallelDims()
+    import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck"), dims,
+               ModelHints(num_attention_heads=4, seq_length=64, rope_theta=500000.0, norm_eps=1e-6))
+    assert runner.invoke(cli, ["export-dcp", str(tmp_path / "ck"), str(tmp_path / "out")]).exit_code == 0
+    result = runner.invoke(cli, ["import-dcp", str(tmp_path / "out"), str(tmp_path / "back"), "--tp", "2"])
+    assert result.exit_code == 0, result.output
+    assert "shardsmith.model" not in result.output                 # used, not reported as dropped
+    got = TrainConfig.from_json(read_manifest(resolve_checkpoint(str(tmp_path / "back"))[1]).config).model
+    assert got == model
+    assert runner.invoke(cli, ["diff", str(tmp_path / "ck"), str(tmp_path / "back")]).exit_code == 0
+    result = runner.invoke(cli, ["import-dcp", str(tmp_path / "out"), str(tmp_path / "b2"), "--seq-length", "32"])
+    assert result.exit_code == 0
+    assert TrainConfig.from_json(read_manifest(resolve_checkpoint(str(tmp_path / "b2"))[1]).config).model.seq_length == 32
 
 
 def test_model_only_bf16_import_cli(tmp_path):

@@ -23,11 +23,14 @@ optimizer state of its own as that copy (absent ``output.weight`` also means tie
 Export writes those keys with ``torch.distributed.checkpoint`` itself (``FileSystemWriter``,
 one file per tensor): the state dict handed to ``dcp.save`` holds zero-byte placeholders and
 a planner that reads each tensor from the checkpoint only when DCP writes it, so peak memory
-is one logical tensor.
+is one logical tensor. It also writes the model config as one JSON string item,
+``shardsmith.model`` (:data:`MODEL_RECORD_KEY`), which ``dcp.load`` of a torchtitan state dict
+never asks for and import reads instead of the model flags.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -39,7 +42,7 @@ from shardsmith.errors import CheckpointError, ConfigError
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.layout.plan import param_specs
-from shardsmith.reshard.foreign.common import ImportReport, ModelHints, infer_model_config
+from shardsmith.reshard.foreign.common import MODEL_RECORD_KEY, ImportReport, ModelHints, infer_model_config
 from shardsmith.reshard.foreign.dcp_reader import METADATA_NAME, DCPCheckpoint
 from shardsmith.reshard.foreign.write import write_checkpoint
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
@@ -117,6 +120,21 @@ def _state(ck: DCPCheckpoint, step: int | None) -> tuple[dict[str, Any], set[str
     return state, {"train_state.step", "train_state.ntokens_seen", "lr_scheduler.last_epoch"}
 
 
+def _recorded_model(ck: DCPCheckpoint) -> dict | None:
+    """The model config ``export-dcp`` recorded (:data:`MODEL_RECORD_KEY`), or None."""
+    if MODEL_RECORD_KEY not in ck.values:
+        return None
+    value = ck.read_value(MODEL_RECORD_KEY)
+    try:
+        record = json.loads(value) if isinstance(value, str) else None
+    except json.JSONDecodeError:
+        record = None
+    if not isinstance(record, dict):
+        raise ConfigError(f"{ck.dir}: {MODEL_RECORD_KEY} is not a JSON model config; pass the model "
+                          "flags (--num-attention-heads ...) and remove the item, or re-export")
+    return record
+
+
 def _tied_output(ck: DCPCheckpoint, prefix: str, rows_per_read: int = 4096) -> bool:
     """Whether ``output.weight`` is only the tied copy of ``tok_embeddings.weight`` a tied
     model's state dict also carries: same shape, bitwise equal (compared ``rows_per_read``
@@ -161,6 +179,7 @@ def import_dcp(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: ModelHint
         prefix = _model_prefix(ck)
         shapes = {k[len(prefix):]: ck.shape(k) for k in ck.chunks
                   if k.startswith(prefix) and not k.startswith("optimizer.")}
+        hints = hints.completed(_recorded_model(ck), ck.dir)
         tied = _tied_output(ck, prefix)
         if tied:
             del shapes["output.weight"]
@@ -173,7 +192,7 @@ def import_dcp(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: ModelHint
                                    storage_options=storage_options)
     finally:
         ck.close()
-    taken = set(source_of.values()) | used | ({prefix + "output.weight"} if tied else set())
+    taken = set(source_of.values()) | used | {MODEL_RECORD_KEY} | ({prefix + "output.weight"} if tied else set())
     rest = sorted(k for k in (*ck.chunks, *ck.values) if k not in taken)
     return ImportReport(source=ck.dir, target=written.target, step=written.step, model=model,
                         with_optimizer=with_optim, num_files=written.num_files,
@@ -236,6 +255,7 @@ def _dcp_state_dict(manifest: Any, model: ModelConfig) -> tuple[dict[str, Any], 
     sd["train_state"] = {"step": int(state.get("step", manifest.step)),
                          "ntokens_seen": int(state.get("tokens_seen", 0))}
     sd["lr_scheduler"] = {"last_epoch": int(state.get("lr_scheduler", {}).get("last_epoch", manifest.step))}
+    sd[MODEL_RECORD_KEY] = json.dumps(model.to_json(), sort_keys=True)
     return sd, ours, with_optim
 
 

@@ -157,6 +157,8 @@ def infer_megatron_model(src: MegatronSource, hints: ModelHints, vocab_size: int
     vocab = vocab_size or padded
     if vocab > padded:
         raise ConfigError(f"{ck.dir}: --vocab-size {vocab} exceeds the {padded} embedding rows")
+    hints = hints.completed(None, ck.dir)
+    assert hints.num_attention_heads is not None
     hd = hidden // hints.num_attention_heads
     shapes = src.shapes(_num_layers(ck))
     fused: dict[str, tuple[int, ...]] = {}
