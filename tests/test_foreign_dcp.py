@@ -26,7 +26,7 @@ from shardsmith.layout.box import Box
 from shardsmith.reshard.foreign.common import ModelHints
 from shardsmith.reshard.foreign.dcp import export_dcp, import_dcp
 from shardsmith.reshard.foreign.dcp_reader import DCPCheckpoint
-from shardsmith.reshard.foreign.unpickler import load_plain_value, load_tensor_record
+from shardsmith.reshard.foreign.unpickler import Opaque, load_inert_value, load_plain_value, load_tensor_record
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
 from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.model import Transformer
@@ -215,6 +215,24 @@ def test_hostile_value_and_tensor_pickles_are_refused(tmp_path):
         load_plain_value(pickle.dumps({"a": _Exploit(marker)}), "x")
     assert not marker.exists()
     assert load_plain_value(pickle.dumps({"a": [1, 2.5, (3, "x")]}), "x") == {"a": [1, 2.5, (3, "x")]}
+
+
+def test_inert_values_run_nothing_and_keep_the_plain_parts(tmp_path):
+    """Megatron-LM's common_state holds its own objects (args: an argparse.Namespace with dtypes);
+    the inert reader turns every named global into a placeholder of ours and keeps the rest."""
+    import argparse
+
+    marker = tmp_path / "pwned"
+    value = [{"args": argparse.Namespace(params_dtype=torch.bfloat16, hook=_Exploit(marker)), "iteration": 7,
+              "rng": torch.arange(3), "optimizer": {"param_groups": [{"step": 7.0, "betas": (0.9, 0.95)}]}}]
+    got = load_inert_value(pickle.dumps(value), "x")
+    assert not marker.exists()
+    assert got[0]["iteration"] == 7 and got[0]["optimizer"] == value[0]["optimizer"]
+    assert isinstance(got[0]["args"], Opaque) and got[0]["args"].global_name == "argparse.Namespace"
+    assert isinstance(got[0]["args"].state["hook"], Opaque)      # os.system: named, never called
+    assert isinstance(got[0]["rng"], Opaque)
+    with pytest.raises(IntegrityError, match="argparse.Namespace"):
+        load_plain_value(pickle.dumps(value[0]["args"]), "x")
 
 
 def test_metadata_allow_list_covers_real_dcp_metadata(tmp_path):

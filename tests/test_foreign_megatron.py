@@ -188,9 +188,34 @@ def test_export_then_import_carries_adam_state_bitwise(tmp_path):
     want = read_full_tensors(str(tmp_path / "a"))
     got = read_full_tensors(str(tmp_path / "b"))
     assert_tensors_bitwise_equal(got, want, "export-megatron -> import-megatron")
+    _as_megatron_lm(tmp_path / "meg", tmp_path / "lm")
+    result = runner.invoke(cli, ["import-megatron", str(tmp_path / "lm"), str(tmp_path / "c"), "--vocab-size", "256",
+                                 *HINT_FLAGS])
+    assert result.exit_code == 0 and "as step 9" in result.output and "AdamW state and step" in result.output
+    assert "dropped: common_state: args, opt_param_scheduler" in result.output
+    assert_tensors_bitwise_equal(read_full_tensors(str(tmp_path / "c")), want, "with Megatron-LM's common state")
     result = runner.invoke(cli, ["export-megatron", str(tmp_path / "a"), str(tmp_path / "weights"), "--no-optimizer"])
     assert result.exit_code == 0 and "(model weights," in result.output
     assert not [k for k in DCPCheckpoint(str(tmp_path / "weights")).chunks if k.startswith("optimizer.")]
+
+
+def _as_megatron_lm(src: Path, out: Path) -> None:
+    """``src`` rewritten with the common state Megatron-LM saves: its args (a Namespace holding
+    a dtype) and scheduler next to the iteration and the optimizer's param groups."""
+    import argparse
+
+    import torch.distributed.checkpoint as dcp
+    from shardsmith.layout.box import Box
+
+    ck = DCPCheckpoint(str(src))
+    sd: dict = {k: ck.read(k, Box((0,) * len(ck.shape(k)), ck.shape(k))) for k in ck.chunks}
+    sd.update({k: ck.read_value(k) for k in ck.values if k != "common_state/shard_0_1"})
+    common = ck.read_value("common_state/shard_0_1")[0]
+    sd["common_state/shard_0_1"] = [{**common, "iteration": 9, "opt_param_scheduler": {"num_steps": 72},
+                                     "args": argparse.Namespace(params_dtype=torch.bfloat16, lr=3e-3)}]
+    ck.close()
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(out)), no_dist=True,
+             planner=dcp.DefaultSavePlanner(flatten_state_dict=False))
 
 
 _OURS = {"input_layernorm.weight": "attention_norm.weight", "self_attention.linear_proj.weight": "attention.wo.weight",

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from shardsmith.errors import ConfigError, IntegrityError
+from shardsmith.errors import ConfigError
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.reshard.foreign.common import ImportReport, ModelHints, infer_model_config
@@ -214,14 +214,16 @@ def _is_model_key(key: str) -> bool:
 
 
 def _common_state(ck: DCPCheckpoint) -> tuple[Any, list[str]]:
-    """The decoded ``common_state`` object (None when absent or unreadable) and notes."""
+    """The decoded ``common_state`` object (None when absent) and notes: Megatron-LM's own
+    objects in it (``args`` ...) are inert placeholders, listed as not carried over."""
     if "common_state/shard_0_1" not in ck.values:
         return None, []
-    try:
-        return ck.read_value("common_state/shard_0_1"), []
-    except IntegrityError:
-        return None, ["common_state (holds objects other than plain values, e.g. Megatron-LM's args; "
-                      "not read)"]
+    common = ck.read_value("common_state/shard_0_1", inert=True)
+    first = common[0] if isinstance(common, list) and common and isinstance(common[0], dict) else {}
+    skipped = sorted(k for k, v in first.items() if k not in ("iteration", "checkpoint_version", "optimizer",
+                                                                 "content_metadata"))
+    return common, ([f"common_state: {', '.join(map(str, skipped))} (Megatron-LM run state; the run's "
+                     "flags and schedule come from the train flags)"] if skipped else [])
 
 
 def _megatron_state(ck: DCPCheckpoint, common: Any, step: int | None, optim: MegatronOptim | None
