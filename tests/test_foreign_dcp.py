@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -34,6 +35,10 @@ from shardsmith.trainer.weight_init import init_weights
 
 HINTS = ModelHints(num_attention_heads=4, seq_length=16)
 HINT_FLAGS = ["--num-attention-heads", "4", "--seq-length", "16"]
+
+
+class Items(dict):
+    """A dict subclass a pickle names by its global (as Megatron-LM's own containers)."""
 
 
 class _Exploit:
@@ -224,6 +229,7 @@ def test_inert_values_run_nothing_and_keep_the_plain_parts(tmp_path):
 
     marker = tmp_path / "pwned"
     value = [{"args": argparse.Namespace(params_dtype=torch.bfloat16, hook=_Exploit(marker)), "iteration": 7,
+              "sched": collections.OrderedDict(a=1), "custom": Items(b=2),
               "rng": torch.arange(3), "optimizer": {"param_groups": [{"step": 7.0, "betas": (0.9, 0.95)}]}}]
     got = load_inert_value(pickle.dumps(value), "x")
     assert not marker.exists()
@@ -231,6 +237,7 @@ def test_inert_values_run_nothing_and_keep_the_plain_parts(tmp_path):
     assert isinstance(got[0]["args"], Opaque) and got[0]["args"].global_name == "argparse.Namespace"
     assert isinstance(got[0]["args"].state["hook"], Opaque)      # os.system: named, never called
     assert isinstance(got[0]["rng"], Opaque)
+    assert got[0]["sched"] == {"a": 1} and got[0]["custom"].items == {"b": 2}
     with pytest.raises(IntegrityError, match="argparse.Namespace"):
         load_plain_value(pickle.dumps(value[0]["args"]), "x")
 

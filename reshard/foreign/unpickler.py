@@ -115,11 +115,31 @@ class Opaque:
 
     global_name = "?"
 
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    state: Any
+    items: dict[Any, Any]
+    elements: list[Any]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Opaque":     # NEWOBJ calls only this
+        obj = super().__new__(cls)
+        obj.args, obj.kwargs, obj.state, obj.items, obj.elements = args, kwargs, None, {}, []
+        return obj
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args, self.kwargs, self.state = args, kwargs, None
+        pass
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
+
+    def __setitem__(self, key: Any, value: Any) -> None:     # SETITEMS of a dict subclass
+        self.items[key] = value
+
+    def append(self, value: Any) -> None:                      # APPENDS of a list subclass
+        self.elements.append(value)
+
+    def extend(self, values: Any) -> None:
+        self.elements.extend(values)
 
     def __repr__(self) -> str:
         return f"<opaque {self.global_name}>"
@@ -161,7 +181,7 @@ class RestrictedUnpickler(pickle.Unpickler):
             elif module == "torch" and name in self._storage_dtypes:
                 found = name
         elif self.kind == "inert":
-            found = _opaque(module, name)
+            found = dict if (module, name) == ("collections", "OrderedDict") else _opaque(module, name)
         if found is None:
             raise IntegrityError(
                 f"{self.source}: the pickle names {module}.{name}, which is not one of the DCP "
