@@ -61,7 +61,8 @@ def _assert_same_logits(weights: dict[str, torch.Tensor], want: torch.Tensor, *,
     model.load_state_dict(weights)
     with torch.no_grad():
         logits = model(TOKENS)
-    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    # 1e-5 relative to the logits' scale (Megatron's and our kernels differ in summation order)
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 def _assert_bitwise(want_path: Path, got_path: Path) -> None:
