@@ -9,13 +9,15 @@ from shardsmith.cli.options import layout_options, make_dims, stack, storage_opt
 from shardsmith.storage.fs import parse_storage_options
 
 hint_options = stack(
-    click.option("--num-attention-heads", type=int, required=True,
-                 help="Query heads (not recorded in the checkpoint's tensors)."),
-    click.option("--seq-length", type=int, default=2048, show_default=True,
-                 help="Training sequence length to record."),
-    click.option("--rope-theta", "--rotary-base", "rope_theta", type=float, default=10000.0,
-                 show_default=True, help="RoPE base to record (Megatron: --rotary-base)."),
-    click.option("--norm-eps", type=float, default=1e-5, show_default=True, help="RMSNorm epsilon to record."),
+    click.option("--num-attention-heads", type=int, default=None,
+                 help="Query heads (not told by the tensors' shapes); needed unless SRC records its "
+                      "model config (DCP written by export-dcp)."),
+    click.option("--seq-length", type=int, default=None,
+                 help="Training sequence length to record [default: SRC's record, else 2048]."),
+    click.option("--rope-theta", "--rotary-base", "rope_theta", type=float, default=None,
+                 help="RoPE base to record (Megatron: --rotary-base) [default: SRC's record, else 10000]."),
+    click.option("--norm-eps", type=float, default=None,
+                 help="RMSNorm epsilon to record [default: SRC's record, else 1e-5]."),
     click.option("--step", type=int, default=None,
                  help="Step number of the new checkpoint [default: the source's step, else 0]."),
 )
@@ -88,9 +90,12 @@ def export_dcp(ckpt, out_dir, overwrite, storage_options) -> None:
 def import_megatron(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, expert_parallel, num_attention_heads, seq_length,
                     rope_theta, norm_eps, step, vocab_size, storage_options) -> None:
     """Turn the Megatron-Core GPT checkpoint SRC in the torch_dist format (.metadata, *.distcp,
-    metadata.json; saved with any tp/pp) into a model-only shardsmith checkpoint at CKPT in the
-    given layout: fused QKV and SwiGLU FC1 split, RoPE rows reordered, vocab padding dropped.
-    Optimizer state is not converted; start training from it with `train --init-from CKPT`."""
+    metadata.json; saved with any tp/pp/dp) into a shardsmith checkpoint at CKPT in the given
+    layout: fused QKV and SwiGLU FC1 split, RoPE rows reordered, vocab padding dropped. The
+    Adam state (moments and step) is converted when Megatron saved it in model space (the
+    distributed optimizer's fully_reshardable layout, Megatron-LM
+    --dist-ckpt-optim-fully-reshardable); the dp_reshardable bucket layout is reported and not
+    converted: then start training from the weights with `train --init-from CKPT`."""
     from shardsmith.reshard.foreign.common import ModelHints
     from shardsmith.reshard.foreign.megatron import import_megatron as do_import
 
@@ -111,18 +116,22 @@ def import_megatron(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, e
               help="Megatron pipeline stages to check the layers against (torch_dist loads into any pp).")
 @click.option("--make-vocab-size-divisible-by", "divisible_by", type=int, default=128, show_default=True,
               help="Megatron's vocabulary padding unit (times tp).")
+@click.option("--no-optimizer", is_flag=True, help="Weights only, even when CKPT has Adam state.")
 @click.option("--overwrite", is_flag=True, help="Replace a checkpoint already in OUT_DIR.")
 @storage_option
-def export_megatron(ckpt, out_dir, tp, pp, divisible_by, overwrite, storage_options) -> None:
-    """Write the model weights of checkpoint CKPT as a Megatron-Core GPT torch_dist directory
-    OUT_DIR (Transformer Engine key names, layer-stacked) that
-    megatron.core.dist_checkpointing.load reads into a GPTModel with SwiGLU, RMSNorm, RoPE,
-    no biases and num_query_groups = the kv heads."""
+def export_megatron(ckpt, out_dir, tp, pp, divisible_by, no_optimizer, overwrite, storage_options) -> None:
+    """Write checkpoint CKPT as a Megatron-Core GPT torch_dist directory OUT_DIR (Transformer
+    Engine key names, layer-stacked) that megatron.core.dist_checkpointing.load reads into a
+    GPTModel with SwiGLU, RMSNorm, RoPE, no biases and num_query_groups = the kv heads; with
+    the Adam state, when CKPT has it, in the distributed optimizer's fully_reshardable layout
+    (load it with metadata distrib_optim_sharding_type=fully_reshardable and the same --lr and
+    --min-lr: Megatron pairs param groups by them)."""
     from shardsmith.reshard.foreign.megatron_export import export_megatron as do_export
 
-    report = do_export(ckpt, out_dir, tp=tp, pp=pp, divisible_by=divisible_by, overwrite=overwrite,
-                       storage_options=parse_storage_options(storage_options))
-    click.echo(f"exported step {report.step} from {report.source} (model weights, vocab padded to "
+    report = do_export(ckpt, out_dir, tp=tp, pp=pp, divisible_by=divisible_by, optimizer=not no_optimizer,
+                       overwrite=overwrite, storage_options=parse_storage_options(storage_options))
+    what = "weights and Adam state" if report.with_optimizer else "model weights"
+    click.echo(f"exported step {report.step} from {report.source} ({what}, vocab padded to "
                f"{report.padded_vocab_size}): {report.num_tensors} tensors, {report.seconds:.2f}s "
                f"-> {report.out_dir}")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from shardsmith.cli.options import dtype_option, layout_options, make_dims, size_option, storage_option
@@ -22,7 +24,8 @@ def export_hf(ckpt, out_dir, dtype, max_shard_nbytes, overwrite, storage_options
     """Write a checkpoint as a Hugging Face Llama directory.
 
     CKPT is a step directory, or a root (its newest step); OUT_DIR is what transformers'
-    LlamaForCausalLM.from_pretrained loads."""
+    LlamaForCausalLM.from_pretrained loads, with the run's --tokenizer (tokenizer.json and
+    tokenizer_config.json) when that file is still here and unchanged."""
     from shardsmith.reshard.hf_io import export_hf as do_export
 
     report = do_export(ckpt, out_dir, dtype=dtype, max_shard_nbytes=max_shard_nbytes,
@@ -30,6 +33,10 @@ def export_hf(ckpt, out_dir, dtype, max_shard_nbytes, overwrite, storage_options
     click.echo(f"exported step {report.step} from {report.source}: {report.num_tensors} tensors, "
                f"{report.nbytes:,} bytes in {len(report.files)} file(s), {report.seconds:.2f}s "
                f"-> {report.out_dir}")
+    if report.tokenizer.files:
+        click.echo(f"  tokenizer: {', '.join(report.tokenizer.files)}")
+    if report.tokenizer.note:
+        click.echo(f"  tokenizer: {report.tokenizer.note}")
 
 
 @click.command("import-hf", short_help="Import a Hugging Face Llama directory.")
@@ -44,16 +51,24 @@ def import_hf(hf_dir, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, expe
 
     Turns the local Hugging Face Llama directory HF_DIR into a model-only checkpoint at CKPT
     (a root or step directory) in the given layout; start training from it with
-    `train --init-from CKPT`."""
+    `train --init-from CKPT`. A tokenizer.json in HF_DIR is recorded as the checkpoint's
+    tokenizer (train with --tokenizer HF_DIR)."""
     from shardsmith.reshard.hf_io import import_hf as do_import, read_model_config
+    from shardsmith.reshard.hf_tokenizer import find_hf_tokenizer
     from shardsmith.trainer.config import TrainConfig
+    from shardsmith.trainer.data.config import DataConfig
 
     dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel)
-    config = TrainConfig(model=read_model_config(hf_dir), parallel=dims).to_json()
+    tokenizer = find_hf_tokenizer(hf_dir)
+    config = TrainConfig(model=read_model_config(hf_dir), parallel=dims,
+                         data=DataConfig(tokenizer=os.path.abspath(tokenizer) if tokenizer else "")).to_json()
     report = do_import(hf_dir, ckpt, dims, step=step, config=config,
                        storage_options=parse_storage_options(storage_options))
     click.echo(f"imported {hf_dir} as step {report.step} in {dims.describe()}: {report.num_files} files, "
                f"{report.nbytes_written:,} bytes, {report.seconds:.2f}s -> {report.target}")
+    if tokenizer:
+        click.echo(f"  tokenizer: {tokenizer} recorded (vocab {config['data']['tokenizer_vocab_size']}); "
+                   f"train from it with --tokenizer {hf_dir}")
 
 
 def register(group: click.Group) -> None:

@@ -38,6 +38,7 @@ from shardsmith.layout.plan import TensorSpec, param_specs
 from shardsmith.layout.box import Box
 from shardsmith.layout.dtypes import DTYPE_CHOICES, DTYPES
 from shardsmith.reshard.foreign.write import write_checkpoint
+from shardsmith.reshard.hf_tokenizer import TokenizerCopy, copy_tokenizer
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
 from shardsmith.storage.fs import Store
@@ -72,6 +73,7 @@ class HFExportReport:
     nbytes: int = 0
     num_tensors: int = 0
     seconds: float = 0.0
+    tokenizer: TokenizerCopy = field(default_factory=TokenizerCopy)
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,8 @@ def export_hf(ckpt_url: str, out_dir: str, *, dtype: str = "fp32", max_shard_nby
     """Write the model weights of a checkpoint as a ``transformers`` Llama directory.
 
     Optimizer state is not exported. Tied embeddings give ``tie_word_embeddings: true``
-    and no ``lm_head.weight``.
+    and no ``lm_head.weight``. The run's tokenizer is copied along when it is still on this
+    machine (:func:`shardsmith.reshard.hf_tokenizer.copy_tokenizer`; ``report.tokenizer``).
 
     Args:
         ckpt_url: a step directory, or a root (its newest committed step).
@@ -206,6 +209,7 @@ def export_hf(ckpt_url: str, out_dir: str, *, dtype: str = "fp32", max_shard_nby
         index = {"metadata": {"total_size": sum(prod(e.shape) * itemsize for e in entries)},
                  "weight_map": weight_map}
         out.write(INDEX_FILE, json.dumps(index, indent=2).encode())
+    report.tokenizer = copy_tokenizer(manifest.config, out)
     out.write("config.json", json.dumps(hf_config(model, dtype_name), indent=2).encode())
     report.seconds = time.perf_counter() - t0
     return report

@@ -12,19 +12,44 @@ from shardsmith.layout.plan import param_specs
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
+#: DCP item where ``export-dcp`` records the model config (a JSON string); other readers ignore it.
+MODEL_RECORD_KEY = "shardsmith.model"
+_HINT_DEFAULTS = {"seq_length": 2048, "rope_theta": 10000.0, "norm_eps": 1e-5}
+
+
 @dataclass(kw_only=True)
 class ModelHints:
     """Model fields no tensor shape tells (DCP and ``torch_dist`` store no model config).
+
+    ``None`` means: take it from the model config the source records (a DCP directory written
+    by ``export-dcp`` has one, :data:`MODEL_RECORD_KEY`), else the default
+    (seq_length 2048, rope_theta 10000, norm_eps 1e-5); see :meth:`completed`.
 
     Attributes:
         num_attention_heads: query heads (needed to tell head_dim, hence the kv heads).
         seq_length, rope_theta, norm_eps: recorded in the config; not checked against anything.
     """
 
-    num_attention_heads: int
-    seq_length: int = 2048
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
+    num_attention_heads: int | None = None
+    seq_length: int | None = None
+    rope_theta: float | None = None
+    norm_eps: float | None = None
+
+    def completed(self, recorded: dict | None, source: str) -> "ModelHints":
+        """Every field set: given here, else from ``recorded`` (a ``ModelConfig.to_json()``), else
+        the default.
+
+        Raises:
+            ConfigError: the query head count is neither given nor recorded.
+        """
+        rec = recorded or {}
+        heads = self.num_attention_heads or rec.get("num_attention_heads")
+        if not heads:
+            raise ConfigError(f"{source}: the checkpoint does not record the model's query head count; "
+                              "pass --num-attention-heads")
+        values = {k: getattr(self, k) if getattr(self, k) is not None else rec.get(k, default)
+                  for k, default in _HINT_DEFAULTS.items()}
+        return ModelHints(num_attention_heads=int(heads), **values)
 
 
 @dataclass
@@ -54,6 +79,7 @@ def infer_model_config(shapes: dict[str, tuple[int, ...]], hints: ModelHints, so
             raise ConfigError(f"{source}: no tensor {name}; not a Llama checkpoint shardsmith can import")
     vocab, hidden = shapes["tok_embeddings.weight"]
     heads = hints.num_attention_heads
+    assert heads is not None and hints.seq_length is not None, "call ModelHints.completed first"
     if hidden % heads:
         raise ConfigError(f"{source}: hidden size {hidden} is not divisible by "
                           f"--num-attention-heads {heads}; pass the model's query head count")
@@ -62,7 +88,7 @@ def infer_model_config(shapes: dict[str, tuple[int, ...]], hints: ModelHints, so
                         num_kv_heads=shapes["layers.0.attention.wk.weight"][0] // (hidden // heads),
                         ffn_hidden_size=shapes["layers.0.feed_forward.w1.weight"][0], vocab_size=vocab,
                         seq_length=hints.seq_length, tie_embeddings="output.weight" not in shapes,
-                        rope_theta=hints.rope_theta, norm_eps=hints.norm_eps)
+                        rope_theta=float(hints.rope_theta or 0), norm_eps=float(hints.norm_eps or 0))
     specs = param_specs(model, ParallelDims())
     for fqn, spec in specs.items():
         if fqn not in shapes or tuple(shapes[fqn]) != spec.shape:

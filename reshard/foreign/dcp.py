@@ -15,14 +15,22 @@ state (shardsmith recomputes the LR from it on resume, as torchtitan does); ever
 is dropped and listed in the report (hyperparameters come from the training flags; the data
 position of another data loader has no meaning here).
 
+Tied embeddings: a tied model's state dict names the shared matrix twice, so export writes
+``output.weight`` too (a copy of ``tok_embeddings.weight``; no optimizer entry: one parameter),
+and import takes an ``output.weight`` bitwise equal to ``tok_embeddings.weight`` and without
+optimizer state of its own as that copy (absent ``output.weight`` also means tied).
+
 Export writes those keys with ``torch.distributed.checkpoint`` itself (``FileSystemWriter``,
 one file per tensor): the state dict handed to ``dcp.save`` holds zero-byte placeholders and
 a planner that reads each tensor from the checkpoint only when DCP writes it, so peak memory
-is one logical tensor.
+is one logical tensor. It also writes the model config as one JSON string item,
+``shardsmith.model`` (:data:`MODEL_RECORD_KEY`), which ``dcp.load`` of a torchtitan state dict
+never asks for and import reads instead of the model flags.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -34,7 +42,7 @@ from shardsmith.errors import CheckpointError, ConfigError
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.layout.plan import param_specs
-from shardsmith.reshard.foreign.common import ImportReport, ModelHints, infer_model_config
+from shardsmith.reshard.foreign.common import MODEL_RECORD_KEY, ImportReport, ModelHints, infer_model_config
 from shardsmith.reshard.foreign.dcp_reader import METADATA_NAME, DCPCheckpoint
 from shardsmith.reshard.foreign.write import write_checkpoint
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
@@ -112,6 +120,38 @@ def _state(ck: DCPCheckpoint, step: int | None) -> tuple[dict[str, Any], set[str
     return state, {"train_state.step", "train_state.ntokens_seen", "lr_scheduler.last_epoch"}
 
 
+def _recorded_model(ck: DCPCheckpoint) -> dict | None:
+    """The model config ``export-dcp`` recorded (:data:`MODEL_RECORD_KEY`), or None."""
+    if MODEL_RECORD_KEY not in ck.values:
+        return None
+    value = ck.read_value(MODEL_RECORD_KEY)
+    try:
+        record = json.loads(value) if isinstance(value, str) else None
+    except json.JSONDecodeError:
+        record = None
+    if not isinstance(record, dict):
+        raise ConfigError(f"{ck.dir}: {MODEL_RECORD_KEY} is not a JSON model config; pass the model "
+                          "flags (--num-attention-heads ...) and remove the item, or re-export")
+    return record
+
+
+def _tied_output(ck: DCPCheckpoint, prefix: str, rows_per_read: int = 4096) -> bool:
+    """Whether ``output.weight`` is only the tied copy of ``tok_embeddings.weight`` a tied
+    model's state dict also carries: same shape, bitwise equal (compared ``rows_per_read``
+    rows at a time), and no optimizer state of its own (a tied parameter is one parameter)."""
+    out, emb = prefix + "output.weight", prefix + "tok_embeddings.weight"
+    if out not in ck.chunks or ck.shape(out) != ck.shape(emb):
+        return False
+    if any(k.startswith("optimizer.state.output.weight.") for k in ck.chunks):
+        return False
+    rows, cols = ck.shape(emb)
+    for r in range(0, rows, rows_per_read):
+        box = Box((r, 0), (min(rows_per_read, rows - r), cols))
+        if not torch.equal(ck.read(out, box), ck.read(emb, box)):
+            return False
+    return True
+
+
 def import_dcp(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: ModelHints, *,
                step: int | None = None, make_config: Callable[[ModelConfig], dict] | None = None,
                storage_options: dict | None = None) -> ImportReport:
@@ -139,6 +179,10 @@ def import_dcp(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: ModelHint
         prefix = _model_prefix(ck)
         shapes = {k[len(prefix):]: ck.shape(k) for k in ck.chunks
                   if k.startswith(prefix) and not k.startswith("optimizer.")}
+        hints = hints.completed(_recorded_model(ck), ck.dir)
+        tied = _tied_output(ck, prefix)
+        if tied:
+            del shapes["output.weight"]
         model = infer_model_config(shapes, hints, ck.dir)
         source_of, with_optim = _source_map(ck, model, prefix)
         state, used = _state(ck, step)
@@ -148,12 +192,14 @@ def import_dcp(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: ModelHint
                                    storage_options=storage_options)
     finally:
         ck.close()
-    taken = set(source_of.values()) | used
+    taken = set(source_of.values()) | used | {MODEL_RECORD_KEY} | ({prefix + "output.weight"} if tied else set())
     rest = sorted(k for k in (*ck.chunks, *ck.values) if k not in taken)
     return ImportReport(source=ck.dir, target=written.target, step=written.step, model=model,
                         with_optimizer=with_optim, num_files=written.num_files,
                         nbytes_written=written.nbytes_written, seconds=time.perf_counter() - t0,
-                        dropped=_dropped(rest))
+                        dropped=_dropped(rest) + (["output.weight (equal to tok_embeddings.weight and without "
+                                                   "optimizer state of its own: imported as tied embeddings)"]
+                                                  if tied else []))
 
 
 # ---- export -------------------------------------------------------------------------------------
@@ -190,6 +236,8 @@ def _dcp_state_dict(manifest: Any, model: ModelConfig) -> tuple[dict[str, Any], 
     fqns = list(param_specs(model, ParallelDims()))
     with_optim = all(f"optim.exp_avg.{fqn}" in manifest.tensors for fqn in fqns)
     ours = {fqn: fqn for fqn in fqns}
+    if model.tie_embeddings:        # torchtitan's tied state dict names the shared weight twice
+        ours["output.weight"] = "tok_embeddings.weight"
     optimizer: dict[str, Any] = {}
     if with_optim:
         group = _param_groups(manifest.config, manifest.state)
@@ -207,6 +255,7 @@ def _dcp_state_dict(manifest: Any, model: ModelConfig) -> tuple[dict[str, Any], 
     sd["train_state"] = {"step": int(state.get("step", manifest.step)),
                          "ntokens_seen": int(state.get("tokens_seen", 0))}
     sd["lr_scheduler"] = {"last_epoch": int(state.get("lr_scheduler", {}).get("last_epoch", manifest.step))}
+    sd[MODEL_RECORD_KEY] = json.dumps(model.to_json(), sort_keys=True)
     return sd, ours, with_optim
 
 

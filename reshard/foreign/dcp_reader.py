@@ -25,7 +25,8 @@ import torch
 
 from shardsmith.errors import CheckpointNotFound, IntegrityError
 from shardsmith.layout.box import Box
-from shardsmith.reshard.foreign.unpickler import (TensorRecord, load_dcp_metadata, load_plain_value,
+from shardsmith.reshard.foreign.unpickler import (TensorRecord, load_dcp_metadata, load_inert_value,
+                                                  load_plain_value,
                                                   load_tensor_record)
 
 METADATA_NAME = ".metadata"
@@ -161,11 +162,14 @@ class DCPCheckpoint:
             raise IntegrityError(f"{source}: no single data.pkl in the archive")
         return archive, f, pkl[0][:-len("data.pkl")]
 
-    def read_value(self, key: str) -> Any:
-        """A bytes item (``int``, ``float``, lists ...) through the plain allow-list."""
+    def read_value(self, key: str, *, inert: bool = False) -> Any:
+        """A bytes item (``int``, ``float``, lists ...) through the plain allow-list; with
+        ``inert``, other objects become :class:`~.unpickler.Opaque` placeholders instead of
+        refusing the item (Megatron-LM's ``common_state``)."""
         chunk = self.values[key]
         archive, _, prefix = self._archive(chunk, key)
-        return load_plain_value(archive.read(prefix + "data.pkl"), f"{self.dir}/{chunk.file} ({key})")
+        load = load_inert_value if inert else load_plain_value
+        return load(archive.read(prefix + "data.pkl"), f"{self.dir}/{chunk.file} ({key})")
 
     def _chunk_tensor(self, key: str, chunk: Chunk, rows: tuple[int, int]) -> torch.Tensor:
         """Rows ``[r0, r1)`` (chunk-local, dim 0) of a saved chunk; the whole chunk if 0-d."""

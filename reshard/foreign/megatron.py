@@ -23,7 +23,7 @@ query heads, then its key head, then its value head (Megatron ``SelfAttention``,
 like Hugging Face), shardsmith interleaved pairs, so q/k rows are permuted within each head
 exactly as for Hugging Face (:func:`shardsmith.reshard.hf.permute_from_hf`). The vocabulary
 is padded to a multiple of ``make_vocab_size_divisible_by * tp`` with zero rows.
-Optimizer state is not converted (model weights only).
+Adam state: :mod:`.megatron_optim` (model-space layout converted, bucket layout reported).
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ from typing import Any, Callable
 
 import torch
 
-from shardsmith.errors import ConfigError, IntegrityError
+from shardsmith.errors import ConfigError
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.reshard.foreign.common import ImportReport, ModelHints, infer_model_config
 from shardsmith.reshard.foreign.dcp_reader import DCPCheckpoint
+from shardsmith.reshard.foreign.megatron_optim import (BUCKET_SPACE, KINDS, STATE, MegatronOptim,
+                                                       optimizer_layout, step_tensor)
 from shardsmith.reshard.foreign.write import write_checkpoint
 from shardsmith.reshard.hf import permute_from_hf, permute_to_hf
 
@@ -87,25 +89,35 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelConf
 
 
 class MegatronSource:
-    """Whole per-layer tensors of a ``torch_dist`` checkpoint, by Megatron name."""
+    """Whole per-layer tensors of a ``torch_dist`` checkpoint, by Megatron name.
 
-    def __init__(self, ck: DCPCheckpoint) -> None:
-        self.ck = ck
+    Args:
+        prefix: before every key: ``""`` for the weights, ``"optimizer.state.exp_avg."`` ... for
+            the optimizer state of the same parameters (see :mod:`.megatron_optim`).
+    """
+
+    def __init__(self, ck: DCPCheckpoint, prefix: str = "") -> None:
+        self.ck, self.prefix = ck, prefix
         self.layer = lru_cache(maxsize=4)(self._layer)
 
     def key(self, name: str, i: int) -> tuple[str, bool] | None:
         """(DCP key, stacked) holding layer ``i``'s ``name``, trying the local-spec norm names."""
+        p = self.prefix
         for n in (name, LOCAL_NORMS.get(name, name)):
-            if f"{LAYERS}{i}.{n}" in self.ck.chunks:
-                return f"{LAYERS}{i}.{n}", False
-            if LAYERS + n in self.ck.chunks:
-                return LAYERS + n, True
+            if f"{p}{LAYERS}{i}.{n}" in self.ck.chunks:
+                return f"{p}{LAYERS}{i}.{n}", False
+            if p + LAYERS + n in self.ck.chunks:
+                return p + LAYERS + n, True
         return None
+
+    def global_tensor(self, fqn: str, box: Box) -> torch.Tensor:
+        """Box of the non-layer tensor our ``fqn`` names (vocab padding rows are never asked for)."""
+        return self.ck.read(self.prefix + GLOBAL_MAP[fqn], box, torch.float32)
 
     def _layer(self, name: str, i: int) -> torch.Tensor:
         found = self.key(name, i)
         if found is None:
-            raise ConfigError(f"{self.ck.dir}: no {LAYERS}{name} for layer {i}; not a Megatron-Core "
+            raise ConfigError(f"{self.ck.dir}: no {self.prefix}{LAYERS}{name} for layer {i}; not a Megatron-Core "
                               "GPT checkpoint shardsmith can import (SwiGLU, RMSNorm, no biases)")
         key, stacked = found
         shape = self.ck.shape(key)
@@ -145,6 +157,8 @@ def infer_megatron_model(src: MegatronSource, hints: ModelHints, vocab_size: int
     vocab = vocab_size or padded
     if vocab > padded:
         raise ConfigError(f"{ck.dir}: --vocab-size {vocab} exceeds the {padded} embedding rows")
+    hints = hints.completed(None, ck.dir)
+    assert hints.num_attention_heads is not None
     hd = hidden // hints.num_attention_heads
     shapes = src.shapes(_num_layers(ck))
     fused: dict[str, tuple[int, ...]] = {}
@@ -166,10 +180,17 @@ def infer_megatron_model(src: MegatronSource, hints: ModelHints, vocab_size: int
     return infer_model_config(fused, hints, ck.dir)
 
 
-def _reader(src: MegatronSource, model: ModelConfig) -> Callable[[str, Box], torch.Tensor]:
+def _reader(sources: dict[str, MegatronSource], model: ModelConfig, step: int | None
+            ) -> Callable[[str, Box], torch.Tensor]:
+    """``read(fqn, box)`` over our FQNs; ``sources`` by our prefix (``""``, ``"optim.exp_avg."`` ...)."""
     def read(fqn: str, box: Box) -> torch.Tensor:
+        if fqn.startswith("optim.step."):
+            assert step is not None and box.lengths == ()
+            return step_tensor(step)
+        ours = next(p for p in sources if p and fqn.startswith(p)) if fqn.startswith("optim.") else ""
+        src, fqn = sources[ours], fqn[len(ours):]
         if fqn in GLOBAL_MAP:
-            return src.ck.read(GLOBAL_MAP[fqn], box, torch.float32)
+            return src.global_tensor(fqn, box)
         _, i, rest = fqn.split(".", 2)
         name, part = LAYER_MAP[rest]
         whole = src.layer(name, int(i))
@@ -192,29 +213,56 @@ def _is_model_key(key: str) -> bool:
     return name in {n for n, _ in LAYER_MAP.values()} | set(LOCAL_NORMS.values())
 
 
-def _megatron_state(ck: DCPCheckpoint, step: int | None) -> tuple[dict[str, Any], list[str]]:
-    """Manifest state (step from ``common_state``'s ``iteration`` when readable) and notes."""
-    notes, saved = [], None
-    if "common_state/shard_0_1" in ck.values:
-        try:
-            common = ck.read_value("common_state/shard_0_1")
-            saved = common[0].get("iteration") if isinstance(common, list) and common and isinstance(common[0], dict) else None
-        except IntegrityError:
-            notes.append("common_state (holds objects other than plain values, e.g. Megatron-LM's "
-                         "args; not read)")
-    step = step if step is not None else int(saved or 0)
-    return {"step": step, "tokens_seen": 0, "data": {"sample_index": 0},
-            "source": {"format": "megatron_torch_dist", "path": ck.dir, "iteration": saved}}, notes
+def _common_state(ck: DCPCheckpoint) -> tuple[Any, list[str]]:
+    """The decoded ``common_state`` object (None when absent) and notes: Megatron-LM's own
+    objects in it (``args`` ...) are inert placeholders, listed as not carried over."""
+    if "common_state/shard_0_1" not in ck.values:
+        return None, []
+    common = ck.read_value("common_state/shard_0_1", inert=True)
+    first = common[0] if isinstance(common, list) and common and isinstance(common[0], dict) else {}
+    skipped = sorted(k for k, v in first.items() if k not in ("iteration", "checkpoint_version", "optimizer",
+                                                                 "content_metadata"))
+    return common, ([f"common_state: {', '.join(map(str, skipped))} (Megatron-LM run state; the run's "
+                     "flags and schedule come from the train flags)"] if skipped else [])
+
+
+def _megatron_state(ck: DCPCheckpoint, common: Any, step: int | None, optim: MegatronOptim | None
+                    ) -> dict[str, Any]:
+    """Manifest state: step from ``iteration`` (else the Adam step, else 0), LR position with it."""
+    first = common[0] if isinstance(common, list) and common and isinstance(common[0], dict) else {}
+    saved = first.get("iteration")
+    step = step if step is not None else int(saved if saved is not None else (optim.step if optim else 0))
+    state: dict[str, Any] = {"step": step, "tokens_seen": 0, "data": {"sample_index": 0},
+                             "source": {"format": "megatron_torch_dist", "path": ck.dir, "iteration": saved}}
+    if optim is not None:
+        state["lr_scheduler"] = {"last_epoch": step, "_step_count": step + 1, "lr_lambdas": [None]}
+    return state
+
+
+def _model_keys(ck: DCPCheckpoint) -> list[str]:
+    return sorted(k for k in ck.chunks if _is_model_key(k))
+
+
+def _sources(ck: DCPCheckpoint, optim: MegatronOptim | None) -> dict[str, MegatronSource]:
+    """Our prefix -> source; weights from the fp32 main params when the model is stored narrower."""
+    narrow = any(ck.dtype(k) != torch.float32 for k in _model_keys(ck))
+    weights = f"{STATE}param." if optim is not None and optim.main_params and narrow else ""
+    sources = {"": MegatronSource(ck, weights)}
+    if optim is not None:
+        sources.update({ours: MegatronSource(ck, f"{STATE}{kind}.") for ours, kind in KINDS.items()})
+    return sources
 
 
 def import_megatron(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: ModelHints, *,
                     vocab_size: int | None = None, step: int | None = None,
                     make_config: Callable[[ModelConfig], dict] | None = None,
                     storage_options: dict | None = None) -> ImportReport:
-    """Write the model weights of a Megatron-Core GPT ``torch_dist`` checkpoint as shardsmith's.
+    """Write a Megatron-Core GPT ``torch_dist`` checkpoint as shardsmith's: the weights, and
+    the Adam state (moments and step) when it is stored in model space (see
+    :mod:`.megatron_optim`; what is not converted is listed in the report's ``dropped``).
 
-    Each target box is cut from whole per-layer tensors (at most 4 cached), read from only
-    the DCP chunks of that layer. Float32 storage.
+    Each target box is cut from whole per-layer tensors (at most 4 cached per kind), read
+    from only the DCP chunks of that layer. Float32 storage.
 
     Args:
         vocab_size: the unpadded vocabulary (padding rows are dropped); default: every row.
@@ -222,25 +270,30 @@ def import_megatron(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: Mode
 
     Raises:
         CheckpointNotFound / IntegrityError: not a readable ``torch_dist`` directory.
-        ConfigError: not a GPT shardsmith's Llama can represent (names the tensor).
+        ConfigError: not a GPT shardsmith's Llama can represent (names the tensor), or partial
+            Adam state.
     """
     t0 = time.perf_counter()
     ck = DCPCheckpoint(src_dir)
     try:
-        src = MegatronSource(ck)
-        model = infer_megatron_model(src, hints, vocab_size)
-        state, notes = _megatron_state(ck, step)
+        model = infer_megatron_model(MegatronSource(ck), hints, vocab_size)
+        common, notes = _common_state(ck)
+        optim, optim_notes = optimizer_layout(set(ck.chunks), _model_keys(ck), common, ck.dir)
+        state = _megatron_state(ck, common, step, optim)
         config = make_config(model) if make_config else {"model": model.to_json(), "parallel": dims.to_json()}
-        written = write_checkpoint(ckpt_url, model, dims, _reader(src, model), state=state, config=config,
-                                   with_optimizer=False, storage_options=storage_options)
+        read = _reader(_sources(ck, optim), model, optim.step if optim else None)
+        written = write_checkpoint(ckpt_url, model, dims, read, state=state, config=config,
+                                   with_optimizer=optim is not None, storage_options=storage_options)
     finally:
         ck.close()
-    rest = sorted(k for k in ck.chunks if not _is_model_key(k))
-    dropped = [f"{k} (optimizer state is not converted)" if k.startswith("optimizer.") else k for k in rest]
+    used = tuple(STATE + k for k in ("exp_avg.", "exp_avg_sq.", "param.")) if optim else ()
+    rest = sorted(k for k in ck.chunks if not _is_model_key(k) and not k.startswith(used)
+                  and not k.startswith(BUCKET_SPACE))
+    dropped = [f"{k} (not a parameter or Adam state shardsmith has)" for k in rest]
     extra = [k for k in ck.values if "_extra_state" in k]
     if extra:
         dropped.append(f"*._extra_state ({len(extra)} entries; Transformer Engine bookkeeping)")
     return ImportReport(source=ck.dir, target=written.target, step=written.step, model=model,
-                        with_optimizer=False, num_files=written.num_files,
+                        with_optimizer=optim is not None, num_files=written.num_files,
                         nbytes_written=written.nbytes_written, seconds=time.perf_counter() - t0,
-                        dropped=dropped + notes)
+                        dropped=dropped + notes + optim_notes)

@@ -8,7 +8,9 @@ order and vocabulary padding are those of :mod:`.megatron`. The directory also g
 3.0}``, as Megatron-LM's ``load_checkpoint`` reads them; a plain ``dist_checkpointing.load``
 returns these two keys next to the model's) and per-layer
 ``_extra_state`` objects (``None``), so ``dist_checkpointing.load`` finds every key a GPT
-model's ``sharded_state_dict()`` asks for.
+model's ``sharded_state_dict()`` asks for; with Adam state, also what a
+``DistributedOptimizer.sharded_state_dict(..., metadata={"distrib_optim_sharding_type":
+"fully_reshardable"})`` asks for (:mod:`.megatron_optim`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from shardsmith.reshard.foreign.dcp import lazy_planner
 from shardsmith.reshard.foreign.dcp_reader import METADATA_NAME
 from shardsmith.reshard.foreign.megatron import (BACKEND_JSON, EXTRA_STATE_MODULES, FC1, GLOBAL_MAP,
                                                  LAYER_MAP, LAYERS, QKV, fuse_qkv)
+from shardsmith.reshard.foreign.megatron_optim import STATE, common_steps, optimizer_common
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
 from shardsmith.storage.formats import read_box
 
@@ -42,6 +45,7 @@ class MegatronExportReport:
     step: int
     padded_vocab_size: int
     num_tensors: int
+    with_optimizer: bool
     seconds: float = 0.0
 
 
@@ -66,8 +70,13 @@ def _megatron_shapes(model: ModelConfig, padded: int) -> dict[str, tuple[int, ..
     return shapes
 
 
+#: Megatron state kind -> our prefix (``param``: the fp32 main copy, our weights).
+OUR_PREFIX = {"param": "", "exp_avg": "optim.exp_avg.", "exp_avg_sq": "optim.exp_avg_sq."}
+
+
 class _Reader:
-    """Builds each Megatron tensor from whole shardsmith tensors."""
+    """Builds each Megatron tensor (weights, or ``optimizer.state.<kind>.*``) from whole
+    shardsmith tensors."""
 
     def __init__(self, step_store: Any, manifest: Any, model: ModelConfig, padded: int) -> None:
         self.store, self.manifest, self.model, self.padded = step_store, manifest, model, padded
@@ -76,8 +85,8 @@ class _Reader:
         shape = tuple(self.manifest.tensors[fqn].shape)
         return read_box(self.store, self.manifest, fqn, Box((0,) * len(shape), shape)).to(torch.float32)
 
-    def layer(self, name: str, i: int) -> torch.Tensor:
-        p = f"layers.{i}."
+    def layer(self, name: str, i: int, prefix: str) -> torch.Tensor:
+        p = f"{prefix}layers.{i}."
         if name == QKV:
             return fuse_qkv(*(self.ours(p + f"attention.{w}.weight") for w in ("wq", "wk", "wv")), self.model)
         if name == FC1:
@@ -86,27 +95,49 @@ class _Reader:
         return self.ours(p + ours)
 
     def __call__(self, key: str) -> torch.Tensor:
+        prefix = ""
+        if key.startswith(STATE):
+            kind, key = key[len(STATE):].split(".", 1)
+            prefix = OUR_PREFIX[kind]
         if key.startswith(LAYERS):
-            return torch.stack([self.layer(key[len(LAYERS):], i) for i in range(self.model.num_layers)])
+            return torch.stack([self.layer(key[len(LAYERS):], i, prefix) for i in range(self.model.num_layers)])
         ours = next(o for o, m in GLOBAL_MAP.items() if m == key)
-        t = self.ours(ours)
+        t = self.ours(prefix + ours)
         if ours != "norm.weight" and self.padded > t.shape[0]:
             t = torch.cat([t, t.new_zeros(self.padded - t.shape[0], t.shape[1])])
         return t
 
 
+def _common_state(step_store: Any, manifest: Any, model: ModelConfig, step: int,
+                  with_optimizer: bool) -> dict[str, Any]:
+    """Megatron-LM's ``iteration`` / ``checkpoint_version``, and the optimizer's param groups."""
+    common: dict[str, Any] = {"iteration": step, "checkpoint_version": 3.0}
+    if with_optimizer:
+        def read_step(fqn: str) -> float:
+            return float(read_box(step_store, manifest, fqn, Box((), ())))
+        fqns = list(param_specs(model, ParallelDims()))
+        adam_step = common_steps(manifest.tensors, read_step, fqns, step_store.url)
+        common.update(optimizer_common(manifest.config, adam_step))
+    return common
+
+
 def export_megatron(ckpt_url: str, out_dir: str, *, tp: int = 1, pp: int = 1, divisible_by: int = 128,
-                    overwrite: bool = False, storage_options: dict | None = None) -> MegatronExportReport:
-    """Write the model weights of checkpoint ``ckpt_url`` as a Megatron-Core GPT ``torch_dist``
-    directory (float32) that ``dist_checkpointing.load`` reads into any tp/pp.
+                    optimizer: bool = True, overwrite: bool = False,
+                    storage_options: dict | None = None) -> MegatronExportReport:
+    """Write checkpoint ``ckpt_url`` as a Megatron-Core GPT ``torch_dist`` directory (float32)
+    that ``dist_checkpointing.load`` reads into any tp/pp: the weights, and the Adam state in
+    the distributed optimizer's ``fully_reshardable`` layout when the checkpoint has it (see
+    :mod:`.megatron_optim`).
 
     Args:
         tp: Megatron TP degree the vocabulary padding is computed for.
         pp: checked to fit the layers (``torch_dist`` itself is layout-free).
         divisible_by: Megatron's ``--make-vocab-size-divisible-by``.
+        optimizer: False: weights only even when the checkpoint has Adam state.
 
     Raises:
         CheckpointError: a model tensor is missing or misshapen.
+        ConfigError: the parameters' Adam steps differ (Megatron keeps one per group).
         LayoutError: ``tp``/``pp`` do not divide the model.
         FileExistsError: ``out_dir`` already holds ``.metadata`` and ``overwrite`` is false.
     """
@@ -127,8 +158,11 @@ def export_megatron(ckpt_url: str, out_dir: str, *, tp: int = 1, pp: int = 1, di
                               "directory or pass --overwrite")
     padded = megatron_padded_vocab(model.vocab_size, tp, divisible_by)
     shapes = _megatron_shapes(model, padded)
+    with_optim = optimizer and all(f"optim.exp_avg.{f}" in manifest.tensors for f in param_specs(model, ParallelDims()))
+    if with_optim:
+        shapes.update({f"{STATE}{kind}.{k}": s for kind in OUR_PREFIX for k, s in list(shapes.items())})
     sd: dict[str, Any] = {k: torch.empty(()).expand(s) for k, s in shapes.items()}
-    sd["common_state/shard_0_1"] = [{"iteration": step, "checkpoint_version": 3.0}]    # as Megatron-LM
+    sd["common_state/shard_0_1"] = [_common_state(step_store, manifest, model, step, with_optim)]
     for module in EXTRA_STATE_MODULES:
         for i in range(model.num_layers):
             sd[f"{LAYERS}{module}._extra_state/shard_{i}_{model.num_layers}"] = [None]
@@ -139,5 +173,5 @@ def export_megatron(ckpt_url: str, out_dir: str, *, tp: int = 1, pp: int = 1, di
     with open(os.path.join(out_dir, "metadata.json"), "w", encoding="utf-8") as f:
         json.dump(BACKEND_JSON, f)
     return MegatronExportReport(source=step_store.url, out_dir=os.path.abspath(out_dir), step=step,
-                                padded_vocab_size=padded, num_tensors=len(shapes),
+                                padded_vocab_size=padded, num_tensors=len(shapes), with_optimizer=with_optim,
                                 seconds=time.perf_counter() - t0)

@@ -21,6 +21,12 @@ Three allow-lists, one per kind of pickle:
   stride; storages become :class:`StorageRef`; the bytes are then read raw.
 * a bytes item's ``data.pkl`` (:func:`load_plain_value`): no global at all (ints, floats,
   strings, bytes, lists, tuples, dicts).
+* Megatron's ``common_state`` item (:func:`load_inert_value`), which Megatron-LM fills with
+  objects of its own (``args``, an ``argparse.Namespace`` holding dtypes, enums ...) next to the
+  plain values shardsmith reads (``iteration``, the optimizer's ``param_groups``): every global
+  it names becomes an inert :class:`Opaque` placeholder class of ours, so building the value
+  calls only shardsmith's own code; storages become placeholders too. Nothing named is
+  imported; the placeholders are never used as anything but "not a plain value".
 
 shardsmith's own format never contains a pickle; the exporters write DCP's through
 ``torch.distributed.checkpoint`` itself.
@@ -103,6 +109,46 @@ class TensorRecord:
     stride: tuple[int, ...]
 
 
+class Opaque:
+    """An object of a class the pickle names (``global_name``), not built: the arguments and
+    state the pickle gives it are kept as they are. Subclassed per name by the inert reader."""
+
+    global_name = "?"
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    state: Any
+    items: dict[Any, Any]
+    elements: list[Any]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Opaque":     # NEWOBJ calls only this
+        obj = super().__new__(cls)
+        obj.args, obj.kwargs, obj.state, obj.items, obj.elements = args, kwargs, None, {}, []
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __setitem__(self, key: Any, value: Any) -> None:     # SETITEMS of a dict subclass
+        self.items[key] = value
+
+    def append(self, value: Any) -> None:                      # APPENDS of a list subclass
+        self.elements.append(value)
+
+    def extend(self, values: Any) -> None:
+        self.elements.extend(values)
+
+    def __repr__(self) -> str:
+        return f"<opaque {self.global_name}>"
+
+
+def _opaque(module: str, name: str) -> type:
+    return type(f"Opaque_{name}", (Opaque,), {"global_name": f"{module}.{name}"})
+
+
 def _tensor_record(storage: Any, storage_offset: Any, size: Any, stride: Any, *_: Any) -> TensorRecord:
     if not isinstance(storage, StorageRef) or not isinstance(storage_offset, int):
         raise pickle.UnpicklingError("tensor rebuild arguments are not (storage, offset, size, stride)")
@@ -115,7 +161,7 @@ class RestrictedUnpickler(pickle.Unpickler):
     Args:
         file: the pickle bytes.
         source: file name for error messages.
-        kind: ``"metadata"``, ``"tensor"`` or ``"plain"`` (see the module docstring).
+        kind: ``"metadata"``, ``"tensor"``, ``"plain"`` or ``"inert"`` (see the module docstring).
     """
 
     def __init__(self, file: BinaryIO, source: str, kind: str) -> None:
@@ -134,6 +180,8 @@ class RestrictedUnpickler(pickle.Unpickler):
                 found = dict
             elif module == "torch" and name in self._storage_dtypes:
                 found = name
+        elif self.kind == "inert":
+            found = dict if (module, name) == ("collections", "OrderedDict") else _opaque(module, name)
         if found is None:
             raise IntegrityError(
                 f"{self.source}: the pickle names {module}.{name}, which is not one of the DCP "
@@ -142,6 +190,8 @@ class RestrictedUnpickler(pickle.Unpickler):
         return found
 
     def persistent_load(self, pid: Any) -> Any:
+        if self.kind == "inert":
+            return _opaque("persistent", str(pid[0]) if isinstance(pid, tuple) and pid else "id")()
         if (self.kind != "tensor" or not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
                 or pid[1] not in self._storage_dtypes or not isinstance(pid[4], int)):
             raise IntegrityError(f"{self.source}: unexpected persistent id {pid!r:.80} in a "
@@ -194,3 +244,13 @@ def load_plain_value(data: bytes, source: str) -> Any:
         IntegrityError: the pickle names any global or storage.
     """
     return _load(data, source, "plain")
+
+
+def load_inert_value(data: bytes, source: str) -> Any:
+    """A bytes item's value with every named global replaced by an inert :class:`Opaque`
+    placeholder (nothing named is imported or called; see the module docstring).
+
+    Raises:
+        IntegrityError: the pickle is malformed.
+    """
+    return _load(data, source, "inert")

@@ -137,7 +137,7 @@ class TiktokenTokenizer:
     """A tiktoken BPE file (``.tiktoken``) with a cl100k/o200k pre-tokenizer (module doc)."""
 
     def __init__(self, path: str, kind: str, sha256: str) -> None:
-        tiktoken = _import("tiktoken")
+        _import("tiktoken")         # a clear error when it is not installed
         import tiktoken.load
 
         try:  # expected_hash: tiktoken caches files by path; a changed file must not hit it
