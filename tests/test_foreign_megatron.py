@@ -194,15 +194,16 @@ def test_export_then_import_carries_adam_state_bitwise(tmp_path):
                                  *HINT_FLAGS])
     assert result.exit_code == 0 and "as step 9" in result.output and "AdamW state and step" in result.output
     assert "dropped: common_state: args, opt_param_scheduler" in result.output
-    assert_tensors_bitwise_equal(read_full_tensors(str(tmp_path / "c")), want, "with Megatron-LM's common state")
+    assert_tensors_bitwise_equal(read_full_tensors(str(tmp_path / "c")), want, "fp32 main params of a bf16 model")
     result = runner.invoke(cli, ["export-megatron", str(tmp_path / "a"), str(tmp_path / "weights"), "--no-optimizer"])
     assert result.exit_code == 0 and "(model weights," in result.output
     assert not [k for k in DCPCheckpoint(str(tmp_path / "weights")).chunks if k.startswith("optimizer.")]
 
 
 def _as_megatron_lm(src: Path, out: Path) -> None:
-    """``src`` rewritten with the common state Megatron-LM saves: its args (a Namespace holding
-    a dtype) and scheduler next to the iteration and the optimizer's param groups."""
+    """``src`` rewritten as Megatron-LM saves a bf16 run: bf16 model weights (the fp32 main
+    params stay in ``optimizer.state.param.*``) and a common state with its args (a Namespace
+    holding a dtype) and scheduler next to the iteration and the optimizer's param groups."""
     import argparse
 
     import torch.distributed.checkpoint as dcp
@@ -210,6 +211,7 @@ def _as_megatron_lm(src: Path, out: Path) -> None:
 
     ck = DCPCheckpoint(str(src))
     sd: dict = {k: ck.read(k, Box((0,) * len(ck.shape(k)), ck.shape(k))) for k in ck.chunks}
+    sd.update({k: v.to(torch.bfloat16) for k, v in sd.items() if not k.startswith("optimizer.")})  # bf16 model
     sd.update({k: ck.read_value(k) for k in ck.values if k != "common_state/shard_0_1"})
     common = ck.read_value("common_state/shard_0_1")[0]
     sd["common_state/shard_0_1"] = [{**common, "iteration": 9, "opt_param_scheduler": {"num_steps": 72},

@@ -80,3 +80,17 @@ def test_tokenizer_not_copied_is_said(tmp_path: Path) -> None:
     _invoke("import-hf", str(tmp_path / "plain"), str(tmp_path / "ck3"))
     out = _invoke("export-hf", str(tmp_path / "ck3"), str(tmp_path / "back3"))
     assert "byte tokenizer" in out and not (tmp_path / "back3" / "tokenizer_config.json").exists()
+
+
+def test_tiktoken_file_is_copied_under_its_name(tmp_path: Path) -> None:
+    from shardsmith.reshard.hf_tokenizer import copy_tokenizer
+    from shardsmith.storage.fs import Store
+
+    bpe = tmp_path / "cl100k_base.tiktoken"
+    bpe.write_bytes(b"IQ== 0\nIg== 1\n")
+    config = {"data": {"tokenizer": str(bpe), "tokenizer_kind": "tiktoken:cl100k",
+                       "tokenizer_sha256": hashlib.sha256(bpe.read_bytes()).hexdigest()}}
+    (tmp_path / "out").mkdir()
+    copy = copy_tokenizer(config, Store(str(tmp_path / "out")))
+    assert copy.files == ["cl100k_base.tiktoken"] and "transformers does not load it" in copy.note
+    assert (tmp_path / "out" / "cl100k_base.tiktoken").read_bytes() == bpe.read_bytes()
