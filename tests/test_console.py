@@ -203,6 +203,45 @@ def test_ctrl_c_saves_and_exits_130(tmp_path: Path, data_path: str) -> None:
     assert committed, out
 
 
+@pytest.mark.distributed
+def test_second_ctrl_c_stops_workers_that_cannot_checkpoint(tmp_path: Path, data_path: str) -> None:
+    """Rank 1 hangs inside step 3 (test hook; not yet a suspected hang) and rank 0 waits in
+    a collective, so the first Ctrl-C's checkpoint cannot come. The second Ctrl-C interrupts
+    the agent's wait; it stops the workers with SIGTERM, which they take as the second
+    Ctrl-C: they exit at once, not at the --preempt-deadline. (``SHARDSMITH_DEBUG`` keeps
+    the agent's log lines, which say when it forwards each signal.)"""
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--num-kv-heads", "1",
+             "--ffn-hidden-size", "64", "--seq-length", "32", "--global-batch-size", "4", "--micro-batch-size", "2",
+             "--data", data_path, "--hang-min-seconds", "600", "--preempt-deadline", "60"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SHARDSMITH_TEST_HANG_AT": "1:3",
+           "SHARDSMITH_DEBUG": "1"}
+    log_path = tmp_path / "c.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "shardsmith", "train", "--nproc-per-node", "2",
+                                 "--dp-shard", "2", *flags, "--steps", "500", "--ckpt", str(tmp_path / "c")],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_for(text: str) -> None:
+        deadline = time.monotonic() + 120
+        while text not in log_path.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+
+    try:
+        wait_for("test hook: hanging in step 3")
+        os.killpg(proc.pid, signal.SIGINT)
+        wait_for("closing signal SIGINT")                # the agent forwarded the first Ctrl-C
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 130, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = log_path.read_text()
+    assert "closing signal SIGTERM" in out, out[-3000:]                # the second, forwarded
+    assert "not committed within --preempt-deadline" not in out, out[-3000:]
+    assert "interrupted again: stopped the workers without a checkpoint" in out, out[-3000:]
+    assert not (tmp_path / "c" / "step-000000003").exists()
+
+
 def test_rng_state_is_compact_and_the_old_form_still_loads() -> None:
     import json
 

@@ -178,7 +178,7 @@ def test_second_ctrl_c_forwarded_as_sigterm_exits_at_once() -> None:
     """torchrun's agent forwards the first Ctrl-C as SIGINT; a second one interrupts its
     wait and it stops the workers with SIGTERM, within the SIGTERM repeat grace: that is
     the user's second signal, not a repeat of the first."""
-    assert _signal_handler([(0.0, signal.SIGINT), (0.5, signal.SIGTERM)]) == [[], [128 + signal.SIGTERM]]
+    assert _signal_handler([(0.0, signal.SIGINT), (0.5, signal.SIGTERM)]) == [[], [128 + signal.SIGINT]]
 
 
 def test_preemption_handler_exits_when_hung_or_past_the_deadline() -> None:

@@ -40,7 +40,7 @@ from shardsmith.trainer.metrics import iter_json_lines
 STEPS = 6
 SAVE_EVERY = 2
 KILL_STEP = 5             # after the save of step 4: the survivor resumes step 4 on 2 processes
-HUNG_RANK = 3             # a rank of node B (node ranks follow the join order: A joined first)
+HUNG_RANK = 3             # a rank of node B (torchrun orders nodes by (host, agent pid): A started first)
 TIMEOUT = 600
 
 
@@ -124,7 +124,9 @@ def test_losing_a_node_reshards_onto_the_survivor(tmp_path: Path, data_path: str
                                                   reference: dict[int, float]) -> None:
     root, markers = tmp_path / "ckpt", tmp_path / "markers"
     env = _env(SHARDSMITH_TEST_HANG_AT=f"{HUNG_RANK}:{KILL_STEP}", SHARDSMITH_TEST_MARKER_DIR=str(markers))
-    port, flags = _free_port(), _train_flags(root, data_path)
+    # a short --preempt-deadline: if A held rank 3 (pid wrap-around), its hung rank would wait
+    # that long for a checkpoint when A's agent stops its group, then exit
+    port, flags = _free_port(), [*_train_flags(root, data_path), "--preempt-deadline", "10"]
     node_a = _agent(port, True, flags, env, tmp_path / "node-a.log")
     time.sleep(1.0)                                  # A hosts the store and joins first
     node_b = _agent(port, False, flags, env, tmp_path / "node-b.log")

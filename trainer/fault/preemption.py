@@ -71,12 +71,13 @@ class PreemptionHandler:
             self._timer = None
 
     def _handle(self, signum: int, frame: Any) -> None:
+        # torchrun's agent forwards the user's second Ctrl-C as SIGTERM (it stops the workers
+        # when its wait after the first forward is interrupted): that is the second Ctrl-C.
+        again = self.requested == signal.SIGINT and signum == signal.SIGTERM
+        signum = signal.SIGINT if again else signum
         ctrl_c = signum == signal.SIGINT
         name = "Ctrl-C" if ctrl_c else signal.Signals(signum).name
         grace = SIGINT_REPEAT_GRACE_S if ctrl_c else self._grace_s
-        # torchrun's agent forwards a second Ctrl-C as SIGTERM (its shutdown after the first
-        # forward was interrupted): never the same notice as the Ctrl-C.
-        again = self.requested == signal.SIGINT and signum == signal.SIGTERM
         if self.requested is not None and not again and self._clock() - self._first_at < grace:
             return                                   # the same notice, delivered twice
         # Ctrl-C reaches every rank at once: rank 0 speaks for all. Another signal may reach
