@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import sys
@@ -137,6 +138,12 @@ def _rchar() -> int:
         return 0
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process (all threads) and its waited-for children."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def settle(base: str, local_disk: bool) -> None:
     """Flush dirty pages and evict the bench's files from the page cache (rank 0), then barrier."""
     if dist.get_rank() == 0 and local_disk:
@@ -160,6 +167,7 @@ def log(msg: str) -> None:
 def measure(fn: Callable[[], Any], profile: bool = False) -> dict[str, float]:
     """Run ``fn`` on every rank from a barrier. Returns the slowest rank's seconds (``s``) and
     ``blocked``/``snapshot`` seconds (``fn``'s own, max over ranks), peak RSS (MiB, max over
+    ranks), CPU seconds (``cpu``: user + system of every thread and waited child, summed over
     ranks), and bytes: ``rchar`` read by syscalls, ``read``/``needed`` (``fn``'s, summed)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -168,6 +176,7 @@ def measure(fn: Callable[[], Any], profile: bool = False) -> dict[str, float]:
         pass
     rchar0 = _rchar()
     dist.barrier()
+    cpu0 = _cpu_seconds()
     t0 = time.perf_counter()
     if profile:
         import cProfile
@@ -179,14 +188,16 @@ def measure(fn: Callable[[], Any], profile: bool = False) -> dict[str, float]:
     else:
         extra = fn() or {}
     seconds = time.perf_counter() - t0
+    cpu = _cpu_seconds() - cpu0
     maxed = torch.tensor([seconds, _hwm_kib() / 1024, extra.get("blocked", 0.0), extra.get("snapshot", 0.0)],
                          dtype=torch.float64)
-    summed = torch.tensor([_rchar() - rchar0, extra.get("read", 0), extra.get("needed", 0)], dtype=torch.float64)
+    summed = torch.tensor([_rchar() - rchar0, extra.get("read", 0), extra.get("needed", 0), cpu],
+                          dtype=torch.float64)
     dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
     dist.all_reduce(summed)
     return {"s": float(maxed[0]), "rss_mib": float(maxed[1]), "blocked": float(maxed[2]),
             "snapshot": float(maxed[3]), "rchar": float(summed[0]), "read": float(summed[1]),
-            "needed": float(summed[2])}
+            "needed": float(summed[2]), "cpu": float(summed[3])}
 
 
 def fsync_own(path: str, rank: int) -> None:
@@ -405,6 +416,7 @@ def report(args: argparse.Namespace, data: dict) -> dict[str, Any]:
 
     rows: list[tuple[str, float, float, float | None]] = [
         ("sync save (s)", m("ours.save"), m("dcp.save"), m("raw.write")),
+        ("  CPU, all ranks (s)", m("ours.save", "cpu"), m("dcp.save", "cpu"), m("raw.write", "cpu")),
         ("async save, DCP default: blocked (s)", m("ours.async_bg", "blocked"), m("dcp.async_fg", "blocked"), None),
         ("  ours with the snapshot inside save() (s)", m("ours.async_fg", "blocked"),
          m("dcp.async_fg", "blocked"), None),
@@ -412,18 +424,21 @@ def report(args: argparse.Namespace, data: dict) -> dict[str, Any]:
          m("dcp.async_bg", "blocked"), None),
         ("  snapshot copied after (s)", m("ours.async_bg", "snapshot"), m("dcp.async_bg", "snapshot"), None),
         ("async save until committed (s)", m("ours.async_bg"), m("dcp.async_fg"), None),
+        ("  CPU, all ranks (s)", m("ours.async_bg", "cpu"), m("dcp.async_fg", "cpu"), None),
         ("peak RSS, sync save (MiB/rank)", m("ours.save", "rss_mib"), m("dcp.save", "rss_mib"),
          m("raw.write", "rss_mib")),
         ("peak RSS, async save (MiB/rank)", m("ours.async_bg", "rss_mib"), m("dcp.async_fg", "rss_mib"), None)]
-    loads, amps = {}, {}
+    loads, amps, load_cpu = {}, {}, {}
     for target in args.load_layouts.split(","):
         ours, theirs = f"ours.load.{target}", f"dcp.load.{target}"
         rows += [(f"load -> {target} (s)", m(ours), m(theirs), m("raw.read")),
+                 ("  CPU, all ranks (s)", m(ours, "cpu"), m(theirs, "cpu"), m("raw.read", "cpu")),
                  ("  syscall bytes read (GiB)", m(ours, "rchar") / 2**30, m(theirs, "rchar") / 2**30,
                   m("raw.read", "rchar") / 2**30),
                  ("  peak RSS (MiB/rank)", m(ours, "rss_mib"), m(theirs, "rss_mib"), m("raw.read", "rss_mib"))]
         loads[target] = m(theirs) / m(ours)
         amps[target] = m(ours, "read") / m(ours, "needed")
+        load_cpu[target] = m(ours, "cpu") / m("raw.read", "cpu")
     print(f"\nstate: {gib:.2f} GiB on {args.nproc} ranks, saved as {args.save_layout}; storage "
           f"{'s3 (moto)' if args.s3 else 'local disk'}; fsync {'on' if args.fsync else 'off'}; "
           f"medians of {args.repeats} (after {args.warmup} warm-up)")
@@ -436,18 +451,26 @@ def report(args: argparse.Namespace, data: dict) -> dict[str, Any]:
           f"raw {gib / m('raw.write'):.2f} GiB/s; raw read {gib / m('raw.read'):.2f} GiB/s")
     for target, amp in amps.items():
         print(f"shardsmith read amplification -> {target}: {amp:.4f} (bytes read / bytes needed)")
-    print(f"loaded tensors identical (shardsmith vs DCP): {data['crc_ok']}")
+    print(f"loaded tensors identical (shardsmith vs DCP): {data['crc_ok']}; load average "
+          f"{os.getloadavg()[0]:.1f} (1 min), {os.cpu_count()} CPUs")
     return {"stall_vs_dcp": m("ours.async_bg", "blocked") / m("dcp.async_fg", "blocked"),
             "save_speedup_vs_dcp": m("dcp.save") / m("ours.save"),
             "load_speedup_vs_dcp": min(loads.values()),
             "read_amplification": max(amps.values()),
             "write_fraction_of_raw": m("raw.write") / m("ours.save"),
+            "save_cpu_vs_raw": m("ours.save", "cpu") / m("raw.write", "cpu"),
+            "load_cpu_vs_raw": max(load_cpu.values()),
+            "save_cpu_vs_dcp": m("ours.save", "cpu") / m("dcp.save", "cpu"),
+            "load_cpu_vs_raw_by_layout": load_cpu,
+            "cpu_seconds": {k: round(m(k, "cpu"), 4) for k in sorted(res)},
+            "load_average_1m": round(os.getloadavg()[0], 1),
             "stall_snapshot_in_save_vs_dcp": m("ours.async_fg", "blocked") / m("dcp.async_fg", "blocked"),
             "stall_vs_dcp_async_staging": m("ours.async_bg", "blocked") / m("dcp.async_bg", "blocked"),
             "snapshot_vs_dcp_blocked": m("ours.async_bg", "snapshot") / m("dcp.async_fg", "blocked"),
             "load_speedup_by_layout": loads, "read_amplification_by_layout": amps,
             "per_round": {"save_speedup_vs_dcp": per_round(res, "dcp.save", "ours.save"),
                           "write_fraction_of_raw": per_round(res, "raw.write", "ours.save"),
+                          "save_cpu_vs_raw": per_round(res, "ours.save", "raw.write", "cpu"),
                           "stall_vs_dcp": per_round(res, "ours.async_bg", "dcp.async_fg", "blocked"),
                           **{f"load_speedup_vs_dcp.{t}": per_round(res, f"dcp.load.{t}", f"ours.load.{t}")
                              for t in loads}},

@@ -42,6 +42,7 @@ from shardsmith.storage import safetensors
 from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
 from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
 from shardsmith.storage.fs import Store
+from shardsmith.storage.local import FileSpan
 from shardsmith.storage.lineage import rewritten_state
 from shardsmith.storage.manifest import FileRecord, Manifest, ManifestBuilder, ShardRecord, sidecar_name
 from shardsmith.storage.model_record import check_model_record
@@ -117,8 +118,9 @@ class _Executor:
         if self.progress is not None and done:
             self.progress(done)
 
-    def _read(self, slab: Slab, entry: PlanEntry) -> tuple[np.ndarray, np.ndarray | None]:
-        out = assemble_slab(self.src, self.plan.source, slab, entry, self.pool)
+    def _read(self, slab: Slab, entry: PlanEntry) -> tuple[np.ndarray | FileSpan, np.ndarray | None, list[int] | None]:
+        """(slab bytes, pool buffer to give back, their chunk CRCs when the verified source's serve)."""
+        out = assemble_slab(self.src, self.plan.source, slab, entry, self.pool, self.plan.options.chunk_nbytes)
         self._count(nbytes_read=sum(p.read_nbytes for p in slab.pieces), nbytes_needed=slab.src_nbytes)
         return out
 
@@ -131,10 +133,10 @@ class _Executor:
         return self._write(tf)
 
     def _write(self, tf: TargetFile) -> FileResult:
-        def counted() -> Iterator[tuple[int, np.ndarray]]:
-            for i, data in self._slab_stream(tf):
-                yield i, data
-                self._count(nbytes_written=len(data))
+        def counted() -> Iterator[tuple[int, np.ndarray | FileSpan, list[int] | None]]:
+            for i, data, known in self._slab_stream(tf):
+                yield i, data, known
+                self._count(nbytes_written=len(data.view) if isinstance(data, FileSpan) else len(data))
 
         record, crcs = safetensors.write_stream(self.dst, tf.name, tf.header, counted(), len(tf.entries),
                                                 self.plan.options.chunk_nbytes, tf.nbytes)
@@ -142,8 +144,9 @@ class _Executor:
         shards = _records(tf, crcs)
         return FileResult(tf.name, record, shards, True, write_sidecar(self.dst, tf.name, shards))
 
-    def _slab_stream(self, tf: TargetFile) -> Iterator[tuple[int, np.ndarray]]:
-        """Yield (entry index, slab bytes) in file order, reading ahead within the budget."""
+    def _slab_stream(self, tf: TargetFile) -> Iterator[tuple[int, np.ndarray | FileSpan, list[int] | None]]:
+        """Yield (entry index, slab bytes, their chunk CRCs or None) in file order, reading
+        ahead within the budget."""
         assert self.reads is not None
         work = deque((i, s) for i, e in enumerate(tf.entries) for s in e.slabs)
         pending: deque[tuple[int, int, Future]] = deque()
@@ -156,10 +159,10 @@ class _Executor:
                 i, cost, fut = pending.popleft()
                 buf = None
                 try:
-                    data, buf = fut.result()
+                    data, buf, known = fut.result()
                     if self.stop.is_set():
                         raise _Stopped()
-                    yield i, data                      # the writer is done with it on resume
+                    yield i, data, known               # the writer is done with it on resume
                 finally:
                     if buf is not None:
                         self.pool.give(buf)

@@ -15,8 +15,9 @@ from numpy.lib.stride_tricks import as_strided
 
 from shardsmith.layout.box import row_major_strides
 from shardsmith.reshard.planner import Piece, PlanEntry, Slab
-from shardsmith.storage.checksum import require_full_read, verify_chunks
+from shardsmith.storage.checksum import require_full_read, verify_chunks, verify_chunks_split
 from shardsmith.storage.fs import Store
+from shardsmith.storage.local import FileSpan, map_range
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord
 from shardsmith.storage.sidecar import load_chunk_crcs
@@ -95,7 +96,9 @@ class BufferPool:
         return np.empty(size, dtype=np.uint8)
 
     def give(self, buf: np.ndarray) -> None:
-        """Return a buffer from :meth:`take`."""
+        """Return a buffer from :meth:`take` (a view of mapped file pages is just dropped)."""
+        if not buf.flags.owndata:
+            return
         with self._lock:
             if self.allocated > self.keep_nbytes:
                 self.allocated -= buf.nbytes
@@ -103,12 +106,23 @@ class BufferPool:
                 self.free.append(buf)
 
 
-def read_piece(src: Store, manifest: Manifest, piece: Piece, pool: BufferPool) -> np.ndarray:
-    """Read a piece's chunk-aligned range into a pool buffer and verify every chunk against
-    the manifest (and, the first time a file is touched, its size and header).
+def read_piece(src: Store, manifest: Manifest, piece: Piece, pool: BufferPool,
+               sub_nbytes: int = 0) -> tuple[np.ndarray, list[int] | None]:
+    """Read a piece's chunk-aligned range and verify every chunk against the manifest (and,
+    the first time a file is touched, its size and header).
+
+    Local sources are mapped from the page cache (:meth:`Store.map_range`: the checksum pass
+    is the only one over the bytes; the write copies straight from the mapping); other
+    stores read into a pool buffer.
+
+    Args:
+        sub_nbytes: when it divides the source's chunk size, also return the CRC-32Cs of the
+            range's ``sub_nbytes`` pieces, from the same pass (0: don't).
 
     Returns:
-        The pool buffer; its first ``piece.read_nbytes`` bytes hold the range.
+        (a 1-d ``uint8`` array whose first ``piece.read_nbytes`` bytes hold the range: a pool
+        buffer or a read-only view of the mapping, which :meth:`BufferPool.give` drops;
+        the pieces' CRCs or ``None``).
 
     Raises:
         IntegrityError: missing, short or oversized file, header or checksum mismatch
@@ -117,42 +131,62 @@ def read_piece(src: Store, manifest: Manifest, piece: Piece, pool: BufferPool) -
     shard, chunk_nbytes = piece.shard, manifest.chunk_nbytes
     check_file_once(src, manifest, shard.file)
     load_chunk_crcs(src, chunk_nbytes, [shard])              # version 2: the shard's CRCs, from its sidecar
-    buf = pool.take(piece.read_nbytes)
+    offset, first = shard.byte_offset + piece.read_start, piece.read_start // chunk_nbytes
+    url = src.url_of(shard.file)
+    path = src.local_path(shard.file)
+    mapped = map_range(path, offset, piece.read_nbytes) if path is not None else None
+    buf = np.frombuffer(mapped, dtype=np.uint8) if mapped is not None else pool.take(piece.read_nbytes)
     try:
-        offset = shard.byte_offset + piece.read_start
-        url = src.url_of(shard.file)
-        got = src.read_into(shard.file, offset, [buf.data[:piece.read_nbytes]])
+        got = len(mapped) if mapped is not None else src.read_into(shard.file, offset, [buf.data[:piece.read_nbytes]])
         require_full_read(got, piece.read_nbytes, offset, url)
-        verify_chunks(shard, piece.read_start // chunk_nbytes, [buf.data[:got]], chunk_nbytes, url)
+        if sub_nbytes and chunk_nbytes % sub_nbytes == 0:
+            return buf, verify_chunks_split(shard, first, buf.data[:got], chunk_nbytes, sub_nbytes, url)
+        verify_chunks(shard, first, [buf.data[:got]], chunk_nbytes, url)
     except BaseException:
         pool.give(buf)
         raise
-    return buf
+    return buf, None
 
 
-def assemble_slab(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry,
-                  pool: BufferPool) -> tuple[np.ndarray, np.ndarray | None]:
+def _slab_crcs(piece: Piece, subs: list[int] | None, sub_nbytes: int) -> list[int] | None:
+    """The ``sub_nbytes`` chunk CRCs of a zero-copy slab's bytes ``[piece.first, piece.last)``
+    from those of the verified read (which starts at ``piece.read_start``); ``None`` when the
+    slab does not start on a piece or ends inside one."""
+    skip, end = piece.first - piece.read_start, piece.last - piece.read_start
+    if subs is None or skip % sub_nbytes or (end % sub_nbytes and piece.last != piece.read_end):
+        return None
+    return subs[skip // sub_nbytes:-(-end // sub_nbytes)]
+
+
+def assemble_slab(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry, pool: BufferPool,
+                  chunk_nbytes: int = 0) -> tuple[np.ndarray | FileSpan, np.ndarray | None, list[int] | None]:
     """The slab's bytes in the target dtype, as a contiguous 1-d ``uint8`` array.
 
     Each piece is read, verified, and copied through a strided view of the source
     shard's row-major storage into the slab; pieces are read one at a time. A slab that
-    one read holds as it is written (:attr:`Slab.zero_copy`) is returned as a view of it.
+    one read holds as it is written (:attr:`Slab.zero_copy`) is returned as a view of it
+    (of a local source: a :class:`FileSpan`, which the writer copies in the kernel), with its
+    ``chunk_nbytes`` chunk CRCs when they came out of the verifying pass.
 
     Returns:
-        (bytes, the pool buffer holding them, to give back once written; ``None`` when
-        converted to a new array).
+        (bytes, the pool buffer holding them, to give back once written, or ``None`` when
+        converted to a new array; the bytes' chunk CRCs or ``None``).
     """
     if slab.zero_copy:
         piece = slab.pieces[0]
-        buf = read_piece(src, manifest, piece, pool)
-        return buf[piece.first - piece.read_start:piece.last - piece.read_start], buf
+        buf, subs = read_piece(src, manifest, piece, pool, chunk_nbytes)
+        data: np.ndarray | FileSpan = buf[piece.first - piece.read_start:piece.last - piece.read_start]
+        path = src.local_path(piece.shard.file)
+        if path is not None and not buf.flags.owndata:          # mapped: the writer may copy in the kernel
+            data = FileSpan(path, piece.shard.byte_offset + piece.first, data.data)
+        return data, buf, _slab_crcs(piece, subs, chunk_nbytes)
     itemsize = DTYPE_NBYTES[entry.src_dtype]
     raw = _RAW[itemsize]
     held = pool.take(slab.src_nbytes)
     try:
         out = held[:slab.src_nbytes].view(raw).reshape(slab.box.lengths)
         for piece in slab.pieces:
-            buf = read_piece(src, manifest, piece, pool)
+            buf, _ = read_piece(src, manifest, piece, pool)
             try:
                 seg = buf[piece.first - piece.read_start:piece.last - piece.read_start].view(raw)
                 strides = [s * itemsize for s in row_major_strides(piece.saved.lengths)]
@@ -161,13 +195,13 @@ def assemble_slab(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry,
             finally:
                 pool.give(buf)
         if entry.dtype == entry.src_dtype:
-            return held[:slab.src_nbytes], held
+            return held[:slab.src_nbytes], held, None
         converted = convert_dtype(out, entry.src_dtype, entry.dtype).reshape(-1).view(np.uint8)
     except BaseException:
         pool.give(held)
         raise
     pool.give(held)
-    return converted, None
+    return converted, None, None
 
 
 def convert_dtype(raw: np.ndarray, src: str, dst: str) -> np.ndarray:

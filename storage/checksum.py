@@ -51,12 +51,25 @@ class ChunkedCrc:
     def __init__(self, chunk_nbytes: int) -> None:
         self.chunk_nbytes = chunk_nbytes
         self.done: list[int] = []
+        self.nbytes = 0
         self._crc = 0
         self._fill = 0
 
-    def update(self, data: Any) -> None:
-        """Feed the next bytes of the stream (any buffer)."""
+    def update(self, data: Any, known: Sequence[int] | None = None) -> None:
+        """Feed the next bytes of the stream (any buffer).
+
+        Args:
+            known: the chunk CRC-32Cs of ``data`` cut in ``chunk_nbytes`` pieces from its first
+                byte (the last may be short), already computed (e.g. verified source chunks);
+                used, with no pass over the bytes, when ``data`` starts a chunk of the stream.
+        """
         view = memoryview(data).cast("B")
+        self.nbytes += len(view)
+        if known is not None and self._fill == 0 and len(known) == -(-len(view) // self.chunk_nbytes):
+            tail = len(view) % self.chunk_nbytes
+            self.done.extend(known[:-1] if tail else known)
+            self._crc, self._fill = (known[-1], tail) if tail else (0, 0)
+            return
         while len(view):
             take = min(len(view), self.chunk_nbytes - self._fill)
             self._crc = crc32c_update(view[:take], self._crc)
@@ -69,6 +82,11 @@ class ChunkedCrc:
     def finish(self) -> list[int]:
         """The chunk CRCs of everything fed (the last chunk may be short)."""
         return self.done + ([self._crc] if self._fill else [])
+
+    def extend_crc(self, crc: int) -> int:
+        """CRC-32C of (the bytes ``crc`` covers) followed by everything fed, combined from the
+        chunk CRCs (:func:`crc32c_combine`) without another pass over the bytes."""
+        return crc32c_extend(crc, self.finish(), self.nbytes, self.chunk_nbytes)
 
 
 # ---- verifying what a ranged read returned: one home for the check and its messages ----
@@ -114,12 +132,45 @@ def verify_chunks(shard: "ShardRecord", first_chunk: int, views: Sequence[Any], 
             value = crc32c_update(take, value)
             left -= len(take)
             view = view[len(take):]
-        if c >= len(shard.crc32c) or value != shard.crc32c[c] or need <= 0:
-            raise IntegrityError(f"{url}: checksum mismatch in {shard.key!r} bytes [{c * chunk_nbytes}, "
-                                 f"{c * chunk_nbytes + need}) — the file is corrupt; restore it, or load "
-                                 "or reshard another step")
+        _check_chunk(shard, c, value, need, chunk_nbytes, url)
         remaining -= need
         c += 1
+
+
+def _check_chunk(shard: "ShardRecord", c: int, value: int, need: int, chunk_nbytes: int, url: str) -> None:
+    if c >= len(shard.crc32c) or value != shard.crc32c[c] or need <= 0:
+        raise IntegrityError(f"{url}: checksum mismatch in {shard.key!r} bytes [{c * chunk_nbytes}, "
+                             f"{c * chunk_nbytes + need}) — the file is corrupt; restore it, or load "
+                             "or reshard another step")
+
+
+def verify_chunks_split(shard: "ShardRecord", first_chunk: int, data: Any, chunk_nbytes: int, sub_nbytes: int,
+                        url: str) -> list[int]:
+    """:func:`verify_chunks` of one contiguous buffer that also returns the CRC-32Cs of its
+    ``sub_nbytes`` pieces (from its first byte; the last may be short), in the same pass:
+    each saved chunk's CRC is combined from its pieces' (:func:`crc32c_combine`).
+
+    Lets a writer checksum bytes it copies with a smaller chunk size than the source's without
+    reading them again. ``sub_nbytes`` must divide ``chunk_nbytes``.
+
+    Raises:
+        IntegrityError: a chunk's CRC differs (as :func:`verify_chunks`).
+    """
+    assert chunk_nbytes % sub_nbytes == 0, (chunk_nbytes, sub_nbytes)
+    view = memoryview(data).cast("B")
+    subs: list[int] = []
+    pos, c = 0, first_chunk
+    while pos < len(view):
+        need = min(chunk_nbytes, shard.nbytes - c * chunk_nbytes, len(view) - pos)
+        value = 0
+        for start in range(pos, pos + max(need, 0), sub_nbytes):
+            piece = view[start:min(start + sub_nbytes, pos + need)]
+            subs.append(crc32c(piece))
+            value = crc32c_combine(value, subs[-1], len(piece))
+        _check_chunk(shard, c, value, need, chunk_nbytes, url)
+        pos += need
+        c += 1
+    return subs
 
 
 # ---- combining: CRC(A || B) from CRC(A), CRC(B) and len(B), without touching the data ----
@@ -159,12 +210,41 @@ def _zeros_operator(nbytes: int) -> tuple[int, ...]:
     return tuple(result or [1 << i for i in range(32)])
 
 
+@functools.lru_cache(maxsize=256)
+def _zeros_tables(nbytes: int) -> tuple[tuple[int, ...], ...]:
+    """:func:`_zeros_operator` as four 256-entry tables, one per byte of the CRC (the map is
+    linear: the image of a CRC is the XOR of its bytes' images), so applying it costs four
+    lookups instead of up to 32 column XORs."""
+    matrix = _zeros_operator(nbytes)
+    tables = []
+    for k in range(4):
+        cols = matrix[8 * k:8 * k + 8]
+        table = [0] * 256
+        for b in range(1, 256):
+            low = b & -b
+            table[b] = table[b ^ low] ^ cols[low.bit_length() - 1]
+        tables.append(tuple(table))
+    return tuple(tables)
+
+
 def crc32c_combine(crc_a: int, crc_b: int, nbytes_b: int) -> int:
     """CRC-32C of ``A || B`` given ``crc32c(A)``, ``crc32c(B)`` and ``len(B)``.
 
-    Costs a few microseconds per call (operators are cached per length), so a file's CRC
-    can be assembled from its chunk CRCs instead of a second pass over the bytes.
+    About a microsecond per call once the length's tables are cached (the first call for a
+    length builds them, about a millisecond), so a file's CRC is assembled from its chunk
+    CRCs instead of a second pass over the bytes.
     """
     if nbytes_b == 0:
         return crc_a
-    return _gf2_times(_zeros_operator(nbytes_b), crc_a) ^ crc_b
+    t0, t1, t2, t3 = _zeros_tables(nbytes_b)
+    return t0[crc_a & 0xFF] ^ t1[(crc_a >> 8) & 0xFF] ^ t2[(crc_a >> 16) & 0xFF] ^ t3[crc_a >> 24] ^ crc_b
+
+
+def crc32c_extend(crc: int, chunk_crcs: Sequence[int], nbytes: int, chunk_nbytes: int) -> int:
+    """CRC-32C of (the bytes ``crc`` covers) followed by ``nbytes`` bytes whose consecutive
+    ``chunk_nbytes`` pieces (the last may be short) have the CRCs ``chunk_crcs``."""
+    for value in chunk_crcs[:-1]:
+        crc = crc32c_combine(crc, value, chunk_nbytes)
+    if chunk_crcs:
+        crc = crc32c_combine(crc, chunk_crcs[-1], nbytes - (len(chunk_crcs) - 1) * chunk_nbytes)
+    return crc

@@ -229,6 +229,11 @@ class Store:
             pos += take
         return pos
 
+    def local_path(self, key: str) -> str | None:
+        """The filesystem path of ``key`` on a local store (for mapped reads and kernel copies,
+        :mod:`shardsmith.storage.local`); ``None`` on any other backend."""
+        return self._path(key) if self.is_local else None
+
     def exists(self, key: str) -> bool:
         """True when ``key`` is an object (or a non-empty prefix).
 
@@ -301,12 +306,15 @@ class Store:
     def write_parts(self, key: str, parts: Sequence[Bytes]) -> None:
         """Create or replace an object with the concatenation of ``parts``, without building
         a joined copy of it (S3 copies one multipart part per upload thread). Atomic like
-        :meth:`write`; retried as a whole, or part by part on S3."""
+        :meth:`write`; retried as a whole, or part by part on S3. Local files take the parts
+        in one pass of ``iter(parts)``, each written as it is yielded."""
         path = self._path(key)
-        total = sum(memoryview(p).nbytes for p in parts)
         if self.is_local:
             self._call("write", key, lambda: local.write_parts(path, parts))
-        elif self._is_s3:
+            self.fs.invalidate_cache(path)
+            return
+        total = sum(memoryview(p).nbytes for p in parts)
+        if self._is_s3:
             with self.open_writer(key, nbytes_hint=total) as f:
                 for part in parts:
                     f.write(part)

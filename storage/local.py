@@ -7,9 +7,13 @@ retry policy (:meth:`Store._call`), which names the URL in every error.
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
+import mmap
 import os
 import uuid
-from typing import BinaryIO, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Iterator, Sequence
 
 from shardsmith.storage.crashpoints import crash_point
 
@@ -47,7 +51,8 @@ def atomic_file(path: str) -> Iterator[BinaryIO]:
 
 
 def write_parts(path: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
-    """Atomically create or replace ``path`` with the concatenation of ``parts``."""
+    """Atomically create or replace ``path`` with the concatenation of ``parts`` (one pass of
+    ``iter(parts)``, each part written as it is yielded)."""
     with atomic_file(path) as f:
         for i, part in enumerate(parts):
             f.write(part)
@@ -81,3 +86,76 @@ def preadv_into(path: str, offset: int, views: Sequence[memoryview]) -> int:
         return total
     finally:
         os.close(fd)
+
+
+def map_range(path: str, offset: int, nbytes: int) -> memoryview:
+    """A read-only view of bytes ``[offset, offset + nbytes)`` of ``path``, mapped from the
+    page cache (``mmap``, pre-faulted): no copy into user memory. Shorter when the file ends
+    first. The mapping lives as long as the view (or anything made from it).
+
+    Raises:
+        OSError: the file cannot be opened or mapped.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        nbytes = max(0, min(nbytes, size - offset))
+        if nbytes == 0:
+            return memoryview(b"")
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapped = mmap.mmap(fd, offset + nbytes - start, flags=flags, prot=mmap.PROT_READ, offset=start)
+    finally:
+        os.close(fd)
+    return memoryview(mapped)[offset - start:]
+
+
+@dataclass(frozen=True)
+class FileSpan:
+    """Bytes ``[offset, offset + len(view))`` of the local file ``path``, with ``view`` a
+    mapping of them (:func:`map_range`): a writer to a local file copies them in the kernel
+    (:func:`copy_span`), any other writes ``view``."""
+
+    path: str
+    offset: int
+    view: memoryview
+
+
+#: copy_file_range errors that mean "not here" (other filesystem, old kernel): write instead.
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
+
+
+def copy_span(f: Any, span: FileSpan) -> bool:
+    """Append ``span``'s bytes to the open local file ``f`` with ``os.copy_file_range`` (the
+    kernel copies page cache to page cache: no pass through user memory, like ``cp``).
+
+    Returns:
+        False, having written nothing, when ``f`` has no file descriptor or the kernel cannot
+        copy between these files (the caller writes ``span.view``).
+
+    Raises:
+        OSError: the copy failed, or the source ended early.
+    """
+    try:
+        out = f.fileno()
+    except (AttributeError, io.UnsupportedOperation):
+        return False
+    f.flush()
+    pos, nbytes, done = f.tell(), len(span.view), 0
+    fd = os.open(span.path, os.O_RDONLY)
+    try:
+        while done < nbytes:
+            try:
+                n = os.copy_file_range(fd, out, nbytes - done, span.offset + done, pos + done)
+            except OSError as exc:
+                if done == 0 and exc.errno in _NO_KERNEL_COPY:
+                    return False
+                raise
+            if n == 0:
+                raise OSError(errno.EIO, f"{span.path}: ended at byte {span.offset + done}, "
+                                         f"{nbytes - done} bytes short of the copy")
+            done += n
+    finally:
+        os.close(fd)
+    f.seek(pos + done)
+    return True

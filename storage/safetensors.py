@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import json
 import struct
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from shardsmith.errors import IntegrityError
 from shardsmith.layout.box import Box
 from shardsmith.layout.dtypes import SAFETENSORS_DTYPE_ORDER
-from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_combine, crc32c_update
+from shardsmith.storage.checksum import ChunkedCrc, chunk_crc32c, crc32c, crc32c_extend
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
+from shardsmith.storage.local import FileSpan, copy_span
 from shardsmith.storage.manifest import FileRecord, ShardRecord
 from shardsmith.storage.manifest_parse import reject_duplicate_keys
 
@@ -124,10 +124,18 @@ def shard_records(file: str, entries: Sequence[tuple[str, Box, int]], data_start
     return records
 
 
+#: Bytes a buffered write checksums just before writing them (a multiple of the chunk size):
+#: small enough that the write's copy reads them from cache, large enough for few syscalls.
+_HOT_PIECE_NBYTES = 4 << 20
+
+
 def write_buffers(store: Store, key: str, entries: Sequence[tuple[str, str, Sequence[int], memoryview]],
                   chunk_nbytes: int, metadata: dict[str, str] | None = None) -> tuple[FileRecord, list[list[int]]]:
     """Write a file whose entries are all in memory, as one atomic ``write_parts`` (no joined
-    copy), the checksums computed by a second thread while the bytes go out.
+    copy), each piece of a few MiB checksummed just before it is written, so the write's copy
+    reads it from cache on a local store (one pass over memory instead of two; the file CRC is
+    combined from the chunk CRCs). Other stores look at every part before writing (S3 sizes
+    its upload first), so there the checksums are a separate pass.
 
     Args:
         entries: (key, dtype, shape, raw little-endian bytes) in file order; no empty ones.
@@ -140,50 +148,85 @@ def write_buffers(store: Store, key: str, entries: Sequence[tuple[str, str, Sequ
         StorageError / OSError: the write failed (after the store's retries).
     """
     prefix, _ = encode_header([(k, d, s, len(v)) for k, d, s, v in entries], metadata)
-    views = [v for *_, v in entries]
-    with ThreadPoolExecutor(1, thread_name_prefix="shardsmith-crc") as pool:
-        checksums = pool.submit(_file_checksums, prefix, views, chunk_nbytes)
-        crash_point("shard.before_write")                           # test hook; inert normally
-        store.write_parts(key, [memoryview(prefix), *views])
-        crash_point("shard.after_write")
-        file_crc, chunk_crcs = checksums.result()
-    return FileRecord(nbytes=len(prefix) + sum(len(v) for v in views), crc32c=file_crc), chunk_crcs
+    step = max(chunk_nbytes, _HOT_PIECE_NBYTES // chunk_nbytes * chunk_nbytes)
+    parts = _HotParts(memoryview(prefix), chunk_nbytes)
+    for i, (*_, view) in enumerate(entries):
+        for start in range(0, len(view), step):
+            parts.add(memoryview(view)[start:start + step], i)
+    crash_point("shard.before_write")                           # test hook; inert normally
+    store.write_parts(key, parts)
+    crash_point("shard.after_write")
+    chunk_crcs: list[list[int]] = [[] for _ in entries]
+    for i in range(1, len(parts)):
+        chunk_crcs[parts.owner[i]] += parts.crcs_of(i)
+    file_crc = crc32c(prefix)
+    for view, crcs in zip((v for *_, v in entries), chunk_crcs):
+        file_crc = crc32c_extend(file_crc, crcs, len(view), chunk_nbytes)
+    return FileRecord(nbytes=len(prefix) + sum(len(v) for *_, v in entries), crc32c=file_crc), chunk_crcs
 
 
-def write_stream(store: Store, key: str, header: bytes, data: Iterable[tuple[int, Any]], num_entries: int,
+class _HotParts(Sequence[memoryview]):
+    """A file's parts (the header, then pieces of entries) that checksum each piece as
+    iteration hands it to the writer, so its copy into the page cache reads it from cache.
+    Indexing does not checksum; :meth:`crcs_of` computes what iteration did not reach."""
+
+    def __init__(self, header: memoryview, chunk_nbytes: int) -> None:
+        self.parts, self.owner, self.chunk_nbytes = [header], [-1], chunk_nbytes
+        self.crcs: dict[int, list[int]] = {}
+
+    def add(self, piece: memoryview, entry: int) -> None:
+        self.parts.append(piece)
+        self.owner.append(entry)
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]  # Sequence's int/slice overloads
+        return self.parts[i]
+
+    def __iter__(self) -> Iterator[memoryview]:
+        for i, part in enumerate(self.parts):
+            if i:
+                self.crcs_of(i)
+            yield part
+
+    def crcs_of(self, i: int) -> list[int]:
+        """Chunk CRC-32Cs of piece ``i`` (computed once)."""
+        if i not in self.crcs:
+            self.crcs[i] = chunk_crc32c(self.parts[i], self.chunk_nbytes)
+        return self.crcs[i]
+
+
+def write_stream(store: Store, key: str, header: bytes, data: Iterable[tuple[Any, ...]], num_entries: int,
                  chunk_nbytes: int, nbytes_hint: int | None = None) -> tuple[FileRecord, list[list[int]]]:
     """Stream a file front to back: ``header`` (from :func:`encode_header`), then each
-    ``(entry index, bytes)`` of ``data`` in file order, checksummed as it goes. The file
-    appears atomically when every byte is written, never on an error.
+    ``(entry index, bytes)`` of ``data`` in file order (entry indices never decrease),
+    checksummed as it goes: one CRC pass per byte, the file's CRC combined from the chunks'.
+    An item ``(entry index, bytes, chunk CRCs)`` brings the CRCs of its bytes' chunks
+    (:meth:`ChunkedCrc.update`'s ``known``), saving that pass; bytes given as a
+    :class:`~shardsmith.storage.local.FileSpan` are copied by the kernel into a local file. The file appears atomically
+    when every byte is written, never on an error.
 
     Returns:
         (the file's record, each entry's chunk CRC-32Cs).
 
     Raises:
         StorageError / OSError: the write failed; whatever ``data`` raises.
+        ValueError: an entry index decreased (a caller's bug: the file CRC assumes order).
     """
     crcs = [ChunkedCrc(chunk_nbytes) for _ in range(num_entries)]
-    file_crc, nbytes = crc32c(header), len(header)
+    last = 0
     with store.open_writer(key, nbytes_hint=nbytes_hint) as f:
         f.write(header)
-        for i, chunk in data:
-            f.write(chunk)
-            crcs[i].update(chunk)
-            file_crc = crc32c_update(chunk, file_crc)
-            nbytes += memoryview(chunk).nbytes
-    return FileRecord(nbytes=nbytes, crc32c=file_crc), [c.finish() for c in crcs]
-
-
-def _file_checksums(prefix: bytes, views: list[memoryview], chunk_nbytes: int) -> tuple[int, list[list[int]]]:
-    """(CRC-32C of the whole file, per-entry chunk CRC-32Cs) in one pass over the bytes: the
-    file's CRC is combined from the chunks' (crc32c releases the GIL on large buffers)."""
-    file_crc = crc32c(prefix)
-    out = []
-    for view in views:
-        crcs = []
-        for i in range(0, len(view), chunk_nbytes):
-            piece = view[i:i + chunk_nbytes]
-            crcs.append(crc32c(piece))
-            file_crc = crc32c_combine(file_crc, crcs[-1], len(piece))
-        out.append(crcs)
-    return file_crc, out
+        for i, chunk, *known in data:
+            if i < last:
+                raise ValueError(f"write_stream {key}: entry {i} after entry {last}; feed entries in file order")
+            last = i
+            view = chunk.view if isinstance(chunk, FileSpan) else chunk
+            if not (isinstance(chunk, FileSpan) and copy_span(f, chunk)):
+                f.write(view)
+            crcs[i].update(view, known[0] if known else None)
+    file_crc = crc32c(header)
+    for c in crcs:
+        file_crc = c.extend_crc(file_crc)
+    return FileRecord(nbytes=len(header) + sum(c.nbytes for c in crcs), crc32c=file_crc), [c.finish() for c in crcs]

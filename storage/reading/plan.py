@@ -12,10 +12,10 @@ into one request. Execution (threads, ranged reads, verification) is in
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from math import prod
 
+import numpy as np
 import torch
 
 from shardsmith.layout.box import Box, row_major_span, row_major_strides
@@ -79,15 +79,22 @@ def _chunk_groups(saved: Box, common: Box, itemsize: int, chunk: int, a: int, b:
     if strides[j - 1] * itemsize - run < chunk or prod(common.lengths[:j]) > _MAX_RUNS:
         return whole                                          # every chunk of the span is touched
     rel = [c - s for c, s in zip(common.offsets, saved.offsets)]
-    groups: list[tuple[int, int]] = []
-    for index in itertools.product(*(range(n) for n in common.lengths[:j])):
-        begin = (sum((r + i) * s for r, i, s in zip(rel, index, strides)) + rel[j] * strides[j]) * itemsize
-        c0, c1 = begin // chunk, -(-(begin + run) // chunk)
-        if groups and c0 <= groups[-1][1]:
-            groups[-1] = (groups[-1][0], max(groups[-1][1], c1))
-        else:
-            groups.append((c0, c1))
-    return groups
+    begin = run_starts(rel, strides, common.lengths, j) * itemsize       # increasing
+    c0, c1 = begin // chunk, -(-(begin + run) // chunk)
+    cuts = np.flatnonzero(c0[1:] > c1[:-1]) + 1                         # a row past the group so far
+    heads, tails = np.concatenate(([0], cuts)), np.concatenate((cuts - 1, [len(c0) - 1]))
+    return list(zip(c0[heads].tolist(), c1[tails].tolist()))
+
+
+def run_starts(rel: list[int], strides: list[int], lengths: tuple[int, ...], j: int) -> np.ndarray:
+    """First elements (row-major order) of the row segments of a box inside a larger row-major
+    array: the box starts at ``rel`` (elements, per dim) and has ``lengths``; dims ``>= j`` are
+    one contiguous segment. Vectorized: one array for all ``prod(lengths[:j])`` segments."""
+    starts = np.array([rel[j] * strides[j]], dtype=np.int64)
+    for d in range(j - 1, -1, -1):
+        outer = (rel[d] + np.arange(lengths[d], dtype=np.int64)) * strides[d]
+        starts = (outer[:, None] + starts[None, :]).reshape(-1)
+    return starts
 
 
 def _scatter_views(box: Box, common: Box, out: torch.Tensor, itemsize: int) -> list[memoryview] | None:
@@ -107,11 +114,8 @@ def _scatter_views(box: Box, common: Box, out: torch.Tensor, itemsize: int) -> l
     if count > 1 and (count > _MAX_SCATTER_RUNS or run * itemsize < _MIN_SCATTER_NBYTES):
         return None
     rel = [c - o for c, o in zip(common.offsets, box.offsets)]
-    views = []
-    for index in itertools.product(*(range(n) for n in common.lengths[:j])):
-        start = sum((r + i) * s for r, i, s in zip(rel, index, strides)) + rel[j] * strides[j]
-        views.append(view[start * itemsize:(start + run) * itemsize])
-    return views
+    nbytes = run * itemsize
+    return [view[s:s + nbytes] for s in (run_starts(rel, strides, common.lengths, j) * itemsize).tolist()]
 
 
 def plan_piece(shard: ShardRecord, saved: Box, common: Box, box: Box, out: torch.Tensor, itemsize: int,

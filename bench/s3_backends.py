@@ -1,0 +1,135 @@
+"""Benchmark: s3fs (our ``Store``) vs obstore on a loopback moto S3 server, for shard-sized objects.
+
+    OMP_NUM_THREADS=1 python bench/s3_backends.py [--mib 32,256] [--repeats 3]
+
+The moto server runs in its own process (so the client's CPU is measured alone). For each
+object size, alternating which goes first on every repeat, it measures wall seconds and the
+client process's CPU seconds (user + system, all threads) of:
+
+* **put**: ``Store.write`` (s3fs, our parallel multipart upload: ``storage/multipart.py``) vs
+  ``obstore.put`` (Rust; multipart with the same part size and concurrency);
+* **get**: ``Store.read`` of the whole object vs ``obstore.get(...).bytes()``;
+* **ranged get**: 8 ranged reads of 1/8 of the object each (``Store.read_range`` vs
+  ``obstore.get_range``), as a resharding load reads.
+
+s3torchconnector is not measured: it ships no wheel for this platform (sdist only, a Rust/CRT
+build). Prints a table and, last, one JSON line with ``<op>_speedup_obstore_vs_s3fs`` (wall,
+median) and ``<op>_cpu_obstore_vs_s3fs`` per size. Not a test: nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import socket
+import statistics
+import time
+import uuid
+from typing import Any, Callable
+
+KEY, SECRET, REGION = "bench", "bench", "us-east-1"
+
+
+def _serve(port: int) -> None:
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    while True:
+        time.sleep(3600)
+
+
+def start_server() -> tuple[mp.Process, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = mp.get_context("spawn").Process(target=_serve, args=(port,), daemon=True)
+    proc.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, endpoint
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit("moto server did not start")
+
+
+def cpu() -> float:
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
+def clients(endpoint: str, bucket: str) -> tuple[Any, Any]:
+    import fsspec
+    from obstore.store import S3Store
+
+    from shardsmith.storage.fs import Store
+
+    opts = {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": endpoint, "region_name": REGION}}
+    fsspec.filesystem("s3", skip_instance_cache=True, **opts).call_s3("create_bucket", Bucket=bucket)
+    ours = Store(f"s3://{bucket}", opts)
+    obs = S3Store(bucket, endpoint=endpoint, access_key_id=KEY, secret_access_key=SECRET, region=REGION,
+                  client_options={"allow_http": True})
+    return ours, obs
+
+
+def ops(ours: Any, obs: Any, data: bytes) -> dict[str, dict[str, Callable[[], Any]]]:
+    import obstore
+
+    n = len(data)
+    ranges = [(i * n // 8, (i + 1) * n // 8) for i in range(8)]
+    part, conc = ours.part_nbytes, ours.max_concurrency
+    return {
+        "put": {"s3fs": lambda: ours.write("obj-s3fs", data),
+                "obstore": lambda: obstore.put(obs, "obj-obstore", data, chunk_size=part, max_concurrency=conc)},
+        "get": {"s3fs": lambda: ours.read("obj-s3fs"),
+                "obstore": lambda: obstore.get(obs, "obj-obstore").bytes()},
+        "ranged_get": {"s3fs": lambda: [ours.read_range("obj-s3fs", a, b) for a, b in ranges],
+                       "obstore": lambda: obstore.get_ranges(obs, "obj-obstore", starts=[a for a, _ in ranges],
+                                                             ends=[b for _, b in ranges])}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", default="32,256", help="object sizes, MiB")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    proc, endpoint = start_server()
+    summary: dict[str, Any] = {"load_average_1m": 0.0, "sizes_mib": []}
+    try:
+        ours, obs = clients(endpoint, f"bench-{uuid.uuid4().hex[:8]}")
+        print(f"{'op':<12}{'MiB':>6}{'s3fs s':>9}{'obstore s':>11}{'s3fs cpu':>10}{'obs cpu':>9}")
+        for mib in (int(x) for x in args.mib.split(",")):
+            data = os.urandom(mib << 20)
+            table = ops(ours, obs, data)
+            for op, fns in table.items():
+                wall: dict[str, list[float]] = {k: [] for k in fns}
+                used: dict[str, list[float]] = {k: [] for k in fns}
+                for rep in range(args.repeats + 1):                     # the first is a warm-up
+                    for who in (list(fns) if rep % 2 else list(fns)[::-1]):
+                        c0, t0 = cpu(), time.perf_counter()
+                        fns[who]()
+                        if rep:
+                            wall[who].append(time.perf_counter() - t0)
+                            used[who].append(cpu() - c0)
+                w = {k: statistics.median(v) for k, v in wall.items()}
+                c = {k: statistics.median(v) for k, v in used.items()}
+                print(f"{op:<12}{mib:>6}{w['s3fs']:>9.3f}{w['obstore']:>11.3f}{c['s3fs']:>10.3f}{c['obstore']:>9.3f}")
+                summary[f"{op}_{mib}mib_speedup_obstore_vs_s3fs"] = round(w["s3fs"] / w["obstore"], 3)
+                summary[f"{op}_{mib}mib_cpu_obstore_vs_s3fs"] = round(c["obstore"] / c["s3fs"], 3)
+            summary["sizes_mib"].append(mib)
+    finally:
+        proc.terminate()
+    summary["load_average_1m"] = round(os.getloadavg()[0], 1)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

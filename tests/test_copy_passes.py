@@ -1,0 +1,151 @@
+"""Tests of the single-pass checksum pieces (issue 16): CRC combine tables, chunk CRCs handed
+over from a verified source, verify-and-split, mapped reads, and reshards across chunk sizes
+that take those paths (compared byte for byte with a direct save)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from shardsmith.errors import IntegrityError
+from shardsmith.layout import ParallelDims
+from shardsmith.reshard.engine import reshard
+from shardsmith.reshard.planner import ReshardOptions
+from shardsmith.storage.checksum import (ChunkedCrc, chunk_crc32c, crc32c, crc32c_combine, verify_chunks,
+                                         verify_chunks_split)
+from shardsmith.storage.commit import read_manifest, step_dir
+from shardsmith.storage.fs import Store
+from shardsmith.storage.local import FileSpan, copy_span, map_range
+from shardsmith.storage.manifest import ShardRecord
+from shardsmith.storage.safetensors import write_stream
+from shardsmith.storage.verify import verify_checkpoint
+
+from test_reshard_engine import SRC_DIMS, STEP, _manifest_json, full_state, save_direct
+
+
+def _bytes(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 8, 255, 4096, 262_144, 262_147])
+def test_combine_equals_crc_of_concatenation(n: int) -> None:
+    a, b = _bytes(37, 1), _bytes(n, 2)
+    assert crc32c_combine(crc32c(a), crc32c(b), n) == crc32c(a + b)
+    assert crc32c_combine(0, crc32c(b), n) == crc32c(b)          # empty prefix
+
+
+def test_chunked_crc_uses_known_chunks_only_on_a_chunk_boundary() -> None:
+    data = _bytes(1000)
+    fed = ChunkedCrc(64)
+    fed.update(data[:128], known=chunk_crc32c(data[:128], 64))          # on a boundary: taken as is
+    fed.update(data[128:300], known=chunk_crc32c(data[128:300], 64))    # ends mid-chunk: carried on
+    fed.update(data[300:500], known=[0xDEAD] * 4)                       # mid-chunk: ignored, computed
+    fed.update(data[500:])
+    assert fed.finish() == chunk_crc32c(data, 64) and fed.nbytes == len(data)
+    assert fed.extend_crc(crc32c(b"head")) == crc32c(b"head" + data)
+
+
+def test_known_chunks_are_trusted_as_given() -> None:
+    """The writer does not re-read bytes whose chunk CRCs it is handed: the caller (the reshard,
+    from the source chunks it just verified) answers for them."""
+    fed = ChunkedCrc(64)
+    fed.update(_bytes(64), known=[7])
+    assert fed.finish() == [7]
+
+
+def _shard(data: bytes, chunk: int) -> ShardRecord:
+    return ShardRecord(key="w", file="f", byte_offset=0, nbytes=len(data), offsets=[0], lengths=[len(data) // 4],
+                       crc32c=chunk_crc32c(data, chunk))
+
+
+@pytest.mark.parametrize("nbytes", [1024, 1000, 64 * 7 + 5])
+def test_verify_split_returns_sub_chunk_crcs(nbytes: int) -> None:
+    data = _bytes(nbytes)
+    shard = _shard(data, 256)
+    assert verify_chunks_split(shard, 0, data, 256, 64, "u") == chunk_crc32c(data, 64)
+    assert verify_chunks_split(shard, 1, data[256:], 256, 64, "u") == chunk_crc32c(data[256:], 64)
+
+
+def test_verify_split_refuses_what_verify_refuses() -> None:
+    data = bytearray(_bytes(1000))
+    shard = _shard(bytes(data), 256)
+    data[700] ^= 0x10
+    for check in (lambda: verify_chunks(shard, 0, [data], 256, "file:///x"),
+                  lambda: verify_chunks_split(shard, 0, data, 256, 64, "file:///x")):
+        with pytest.raises(IntegrityError, match=r"file:///x: checksum mismatch in 'w' bytes \[512, 768\)"):
+            check()
+
+
+def test_map_range_reads_local_bytes_and_stops_at_the_end(tmp_path) -> None:
+    data = _bytes(3 * 65536 + 11)
+    (tmp_path / "f").write_bytes(data)
+    path = Store(str(tmp_path)).local_path("f")
+    assert path is not None
+    for start, n in [(0, 10), (5, 65536 * 2), (65536 * 3 - 1, 100), (len(data), 4)]:
+        assert bytes(map_range(path, start, n)) == data[start:start + n]
+    assert Store("memory://copy-passes").local_path("f") is None
+
+
+def test_copy_span_copies_in_the_kernel_or_declines(tmp_path) -> None:
+    data = _bytes(70_000)
+    (tmp_path / "src").write_bytes(data)
+    span = FileSpan(str(tmp_path / "src"), 1000, map_range(str(tmp_path / "src"), 1000, 50_000))
+    with open(tmp_path / "dst", "wb") as f:
+        f.write(b"head")                                       # buffered: flushed before the copy
+        assert copy_span(f, span)
+        f.write(b"tail")
+    assert (tmp_path / "dst").read_bytes() == b"head" + data[1000:51_000] + b"tail"
+    assert not copy_span(io.BytesIO(), span)                  # no file descriptor: the caller writes
+    (tmp_path / "src").write_bytes(data[:20_000])             # the source shrank under the span
+    with open(tmp_path / "short", "wb") as f, pytest.raises(OSError, match="short of the copy"):
+        copy_span(f, FileSpan(str(tmp_path / "src"), 1000, memoryview(bytes(50_000))))
+
+
+def test_write_stream_checksums_and_refuses_out_of_order_entries(tmp_path) -> None:
+    store = Store(str(tmp_path))
+    a, b = _bytes(300, 1), _bytes(129, 2)
+    record, crcs = write_stream(store, "f", b"HEAD", [(0, a[:100]), (0, a[100:], None), (1, b, chunk_crc32c(b, 64))],
+                                2, 64)
+    assert (tmp_path / "f").read_bytes() == b"HEAD" + a + b
+    assert record.crc32c == crc32c(b"HEAD" + a + b) and crcs == [chunk_crc32c(a, 64), chunk_crc32c(b, 64)]
+    with pytest.raises(ValueError, match="entry 0 after entry 1"):
+        write_stream(store, "g", b"", [(1, a), (0, b)], 2, 64)
+    assert not (tmp_path / "g").exists()
+
+
+@pytest.mark.parametrize("src_chunk,dst_chunk", [(256, 64), (64, 256), (128, 128)])
+def test_reshard_across_chunk_sizes_is_byte_identical(tmp_path, src_chunk: int, dst_chunk: int) -> None:
+    """A target chunk dividing the source's takes its CRCs from the verifying pass; any other
+    computes them: the files and manifest equal a direct save in the target layout either way."""
+    full = full_state(3)
+    save_direct(Store(str(tmp_path / "src")), full, SRC_DIMS, chunk=src_chunk)
+    step = Store(str(tmp_path / "src")).child(step_dir(STEP))
+    for dims, slab in ((ParallelDims(), 512), (ParallelDims(tp=2), 1000), (ParallelDims(dp_shard=2, tp=2), 4096)):
+        out = tmp_path / f"out-{dims.describe()}"
+        reshard(step, str(out), dims, options=ReshardOptions(chunk_nbytes=dst_chunk, slab_nbytes=slab,
+                                                             max_buffer_nbytes=8192, workers=2))
+        want_root = Store(str(tmp_path / f"want-{dims.describe()}"))
+        want = save_direct(want_root, full, dims, chunk=dst_chunk)
+        got_step = Store(str(out)).child(step_dir(STEP))
+        assert _manifest_json(read_manifest(got_step)) == _manifest_json(want)
+        for name in want.files:
+            assert got_step.read(name) == want_root.child(step_dir(STEP)).read(name), name
+        assert not verify_checkpoint(got_step).problems
+
+
+def test_reshard_from_local_to_another_backend_writes_the_mapped_bytes(tmp_path) -> None:
+    """A local source's spans cannot be kernel-copied into ``memory://``: the writer falls back
+    to writing the mapped, verified bytes, with the same result as a direct save."""
+    full = full_state(4)
+    save_direct(Store(str(tmp_path / "src")), full, SRC_DIMS, chunk=128)
+    step = Store(str(tmp_path / "src")).child(step_dir(STEP))
+    dst = f"memory://copy-passes-{tmp_path.name}"
+    reshard(step, dst, ParallelDims(), options=ReshardOptions(chunk_nbytes=64, workers=2))
+    want_root = Store(str(tmp_path / "want"))
+    want = save_direct(want_root, full, ParallelDims(), chunk=64)
+    got_step = Store(dst).child(step_dir(STEP))
+    assert _manifest_json(read_manifest(got_step)) == _manifest_json(want)
+    for name in want.files:
+        assert got_step.read(name) == want_root.child(step_dir(STEP)).read(name), name
