@@ -109,7 +109,13 @@ checkpoint_options = stack(
 
 fault_options = stack(
     click.option("--max-restarts", type=int, default=0, show_default=True,
-                 help="Restart the worker group this many times after a failure (torchrun elastic)."),
+                 help="Restart the worker group this many times after a failure."),
+    click.option("--restart", "restart_mode", type=click.Choice(["torchrun", "in-process"]), default="torchrun",
+                 show_default=True,
+                 help="How a failed group restarts: torchrun (the elastic agent starts every worker anew) or "
+                      "in-process (survivors rejoin in place, warm spares replace the dead; README 'Recovery')."),
+    click.option("--spares", type=click.IntRange(min=0), default=1, show_default=True,
+                 help="With --restart in-process: warm spare processes kept ready to replace dead ranks."),
     field_option(FC, "preempt_deadline", "--preempt-deadline", type=float,
                  help="Seconds from SIGTERM/SIGUSR1 to a committed checkpoint and exit 0."),
     field_option(FC, "collective_timeout", "--collective-timeout", type=float,
@@ -167,7 +173,12 @@ def train(**flags: Any) -> None:
     dims = cfg.parallel
     click.echo(f"training {dims.describe()} on {plural(dims.world_size, 'process')} to step {cfg.steps}",
                err=True)
-    code = launcher.launch(cfg, dims.world_size, max_restarts=flags["max_restarts"])
+    if flags["restart_mode"] == "in-process":
+        from shardsmith.trainer.supervisor import launch_in_process
+
+        code = launch_in_process(cfg, dims.world_size, max_restarts=flags["max_restarts"], spares=flags["spares"])
+    else:
+        code = launcher.launch(cfg, dims.world_size, max_restarts=flags["max_restarts"])
     if code:
         raise SystemExit(code)
 

@@ -15,6 +15,7 @@ and the checkpoint loads by resharding.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -23,6 +24,7 @@ import signal
 import sys
 import tempfile
 import uuid
+from typing import Iterator
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -83,21 +85,11 @@ def launch(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0) -> i
             stopped the job.
         CheckpointNotFound, CheckpointMismatch, StorageError: from the preflight checks.
     """
-    found = preflight(cfg)
-    for note in found.notes:
-        print(f"warning: {note}", file=sys.stderr, flush=True)
-    if found.resume_step is not None and found.resume_step >= cfg.steps:
-        print(f"{found.resume_url} is at step {found.resume_step}, at or past --steps {cfg.steps}: nothing "
-              "to train (raise --steps to continue)", file=sys.stderr, flush=True)
+    if not ready_to_train(cfg):
         return 0
     _quiet_elastic_logs()
-    _set_worker_env()
-    workdir = tempfile.mkdtemp(prefix="shardsmith-launch-")
-    path, error_file = os.path.join(workdir, "config.json"), os.path.join(workdir, "error.txt")
-    os.environ[ERROR_FILE_ENV] = error_file
-    try:
-        with open(path, "w") as f:
-            json.dump(config_payload(cfg), f)
+    set_worker_env()
+    with job_files(cfg) as (path, error_file):
         lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node,
                           run_id=f"shardsmith-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=max_restarts,
@@ -106,20 +98,51 @@ def launch(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0) -> i
             elastic_launch(lc, entrypoint=sys.executable)("-m", "shardsmith.trainer.worker", path)
         except ChildFailedError as exc:
             rank, failure = exc.get_first_failure()
-            raise LaunchError(_first_error(error_file) or f"worker rank {rank} failed with exit code "
+            raise LaunchError(first_error(error_file) or f"worker rank {rank} failed with exit code "
                               f"{failure.exitcode}; {len(exc.failures)} worker(s) failed") from None
         except SignalException as exc:
             return _stopped_by(exc)
+    return 0
+
+
+def ready_to_train(cfg: TrainConfig) -> bool:
+    """Run the launcher's :func:`~shardsmith.trainer.preflight.preflight` (its notes go to
+    stderr); False, with a line saying why, when the checkpoint to resume is already at or
+    past ``cfg.steps`` (nothing to train).
+
+    Raises:
+        CheckpointNotFound, CheckpointMismatch, StorageError: from the preflight checks.
+    """
+    found = preflight(cfg)
+    for note in found.notes:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
+    if found.resume_step is not None and found.resume_step >= cfg.steps:
+        print(f"{found.resume_url} is at step {found.resume_step}, at or past --steps {cfg.steps}: nothing "
+              "to train (raise --steps to continue)", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def job_files(cfg: TrainConfig) -> Iterator[tuple[str, str]]:
+    """A temporary directory with the workers' config JSON and the path of the error file
+    (exported as ``SHARDSMITH_ERROR_FILE``); both are removed on exit."""
+    workdir = tempfile.mkdtemp(prefix="shardsmith-launch-")
+    path, error_file = os.path.join(workdir, "config.json"), os.path.join(workdir, "error.txt")
+    os.environ[ERROR_FILE_ENV] = error_file
+    try:
+        with open(path, "w") as f:
+            json.dump(config_payload(cfg), f)
+        yield path, error_file
     finally:
         os.environ.pop(ERROR_FILE_ENV, None)
         for name in (path, error_file):
             if os.path.exists(name):
                 os.unlink(name)
         os.rmdir(workdir)
-    return 0
 
 
-def _set_worker_env() -> None:
+def set_worker_env() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # The agent's shared TCPStore keeps the previous group's keys across restarts, so a
     # restarted group can read stale peer addresses and fail to connect (pytorch#135712);
@@ -137,7 +160,7 @@ def _quiet_elastic_logs() -> None:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 
 
-def _first_error(error_file: str) -> str:
+def first_error(error_file: str) -> str:
     """The first failing worker's error line, if one wrote it."""
     try:
         with open(error_file) as f:
