@@ -263,8 +263,8 @@ class Trainer:
         bad_steps = self.state.bad_steps
         if bad_steps.consecutive >= bad_steps.max_bad_steps:
             self.checkpointing.roll_back()
-        elif self.checkpointing.interval_due(m.step):
-            self.save()
+        elif self.checkpointing.interval_due(m.step):          # either tier (local: every N steps)
+            self.checkpointing.save(persistent=self.checkpointing.persistent_due(m.step))
         if preempt:
             self._preempt()
 
