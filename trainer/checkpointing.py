@@ -10,6 +10,7 @@ it, in the same order.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -194,6 +195,13 @@ class CheckpointPolicy:
                                  config=cfg.to_json(), state=saved, tensor_format=cfg.checkpoint.tensor_format,
                                  zarr_codec=cfg.checkpoint.zarr_codec)
         self._on_commit(result)
+
+    def lose_local_node(self) -> None:
+        """Test hook (``SHARDSMITH_TEST_LOSE_NODE_AT``): wait for the save in flight, then
+        delete this node's local tier, as if its disk were gone."""
+        if self.local is not None:
+            self.wait()
+            shutil.rmtree(self.local.root.root, ignore_errors=True)
 
     def _uncommit(self, step: int) -> None:
         """Rank 0 deletes the manifest of ``step`` if committed; the all-reduce keeps every

@@ -128,7 +128,11 @@ def build_manifest(copies: list[tuple[RankCopy, str]]) -> Manifest:
         gathered.append({"file": [prefix + rec["file"][0], *rec["file"][1:]], "sidecar": rec["sidecar"],
                          "shards": shards})
     SafetensorsFormat().add_records(builder, gathered, copies[0][0].store, specs, dims)
-    return builder.build()
+    manifest = builder.build()
+    # A rank file holds every box of its rank, replicas included, and the duplicates are left
+    # out above: like a partial read, a file may hold entries its records do not name.
+    manifest.all_tensors = tuple(manifest.tensors)
+    return manifest
 
 
 def recover_local(policy: CheckpointPolicy) -> bool:

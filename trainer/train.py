@@ -250,7 +250,7 @@ class Trainer:
     def _iteration(self) -> None:
         """One step, then its boundary: agree on preemption, roll back or save."""
         assert self.guard is not None
-        self.hooks.at_step_start(self.step + 1)
+        self.hooks.at_step_start(self.step + 1, on_node_loss=self.checkpointing.lose_local_node)
         self.guard.begin(self.step + 1)
         with profile_step(self.step + 1, self.cfg.profile_steps, run_dir(self.cfg), self.rank):
             m = self.train_step()
