@@ -174,17 +174,14 @@ def _assert_same_run(got: Run, want: Run, where: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("local-tier")
-
-
-@pytest.fixture(scope="module")
-def reference(work: Path, data_path: str) -> Run:
-    return train(work / "reference", 4, data_path).check()
+def reference(tmp_path_factory: pytest.TempPathFactory, data_path: str) -> Run:
+    """The uninterrupted run; the other runs go beside it (``reference.root.parent``)."""
+    return train(tmp_path_factory.mktemp("local-tier") / "reference", 4, data_path).check()
 
 
 @pytest.mark.distributed
-def test_a_killed_rank_resumes_from_the_local_tier_bitwise(reference: Run, work: Path, data_path: str) -> None:
+def test_a_killed_rank_resumes_from_the_local_tier_bitwise(reference: Run, data_path: str) -> None:
+    work = reference.root.parent
     env = {"SHARDSMITH_TEST_KILL_AT": "1:4", "SHARDSMITH_TEST_MARKER_DIR": str(work / "kill-markers")}
     run = train(work / "killed", 4, data_path, "--max-restarts", "1", env=env).check()
     [(step, source)] = run.recovered()
@@ -195,7 +192,8 @@ def test_a_killed_rank_resumes_from_the_local_tier_bitwise(reference: Run, work:
 
 
 @pytest.mark.distributed
-def test_a_lost_node_recovers_from_buddy_copies_bitwise(reference: Run, work: Path, data_path: str) -> None:
+def test_a_lost_node_recovers_from_buddy_copies_bitwise(reference: Run, data_path: str) -> None:
+    work = reference.root.parent
     env = {"SHARDSMITH_TEST_LOSE_NODE_AT": "2:7,3:7", "SHARDSMITH_TEST_MARKER_DIR": str(work / "node-markers")}
     run = train(work / "node", 4, data_path, "--max-restarts", "1", env=env).check()
     assert run.recovered() == [(6, "buddy")], run.output[-3000:]       # the persistent tier has only 5
@@ -203,7 +201,8 @@ def test_a_lost_node_recovers_from_buddy_copies_bitwise(reference: Run, work: Pa
 
 
 @pytest.mark.distributed
-def test_a_node_not_replaced_continues_on_fewer_ranks(reference: Run, work: Path, data_path: str) -> None:
+def test_a_node_not_replaced_continues_on_fewer_ranks(reference: Run, data_path: str) -> None:
+    work = reference.root.parent
     env = {"SHARDSMITH_TEST_LOSE_NODE_AT": "2:7,3:7", "SHARDSMITH_TEST_MARKER_DIR": str(work / "shrink-markers")}
     lost = train(work / "shrunk", 4, data_path, env=env)
     assert lost.returncode != 0
@@ -218,9 +217,8 @@ def test_a_node_not_replaced_continues_on_fewer_ranks(reference: Run, work: Path
 
 
 @pytest.mark.distributed
-def test_a_damaged_local_tier_is_named_and_skipped_for_the_buddy_copy(reference: Run, work: Path,
-                                                                      data_path: str) -> None:
-    root = work / "damaged"
+def test_a_damaged_local_tier_is_named_and_skipped_for_the_buddy_copy(reference: Run, data_path: str) -> None:
+    root = reference.root.parent / "damaged"
     train(root, 4, data_path, steps=4).check()
     node0 = Path(f"{root}-local") / "node-00000" / step_dir(4)
     node1 = Path(f"{root}-local") / "node-00001" / step_dir(4)
