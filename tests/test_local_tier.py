@@ -46,6 +46,7 @@ from shardsmith.trainer.metrics import iter_json_lines
 from shardsmith.trainer.recovery import agree
 
 RUN = "a" * 32
+RECOVERED = re.compile(r"recovered step (\d+) from (local|buddy|persistent)")
 
 
 # ---- unit tests ------------------------------------------------------------------------------
@@ -108,8 +109,18 @@ def test_retention_keeps_two_committed_steps_below_the_one_written(tmp_path: Pat
         _write(tier, step)
     node = tmp_path / "local" / "node-00000"
     assert sorted(p.name for p in node.iterdir()) == [step_dir(3), step_dir(4), step_dir(5)]
-    _write(tier, 2)                          # sent back (a rollback or an older resume): newer ones go
+    tier.forget_after(4)                     # a rollback to step 4: step 5 is of the abandoned trajectory
+    assert sorted(p.name for p in node.iterdir()) == [step_dir(3), step_dir(4)]
+    _write(tier, 2)                          # sent back (an older resume): newer ones go
     assert sorted(p.name for p in node.iterdir()) == [step_dir(2)]
+
+
+def test_the_recovery_event_is_the_line_benches_parse() -> None:
+    from shardsmith.trainer.console import event_line
+
+    line = event_line({"event": "recovery", "step": 6, "source": "local", "detail": "resharded", "seconds": 0.1})
+    assert line == "recovered step 6 from local (resharded)" and RECOVERED.findall(line) == [("6", "local")]
+    assert event_line({"event": "recovery", "step": 3, "source": "buddy", "detail": ""}) == "recovered step 3 from buddy"
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -128,7 +139,6 @@ def test_local_tier_config_refuses_bad_values(kwargs: dict[str, Any], match: str
 
 STEPS = 8
 LOCAL = ["--save-interval", "5", "--local-replicas", "1", "--simulate-nodes", "2"]
-RECOVERED = re.compile(r"recovered step (\d+) from (local|buddy|persistent)")
 
 
 @dataclass

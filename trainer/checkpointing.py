@@ -361,5 +361,7 @@ class CheckpointPolicy:
                                    "gradient norm and there is no committed checkpoint to roll back to; "
                                    "set --ckpt and --save-interval, or lower --lr")
         self._load(self.root.child(step_dir(latest)), latest, reason="rollback")
+        if self.local is not None:
+            self.local.forget_after(latest)
         self.event({"event": "rollback", "from_step": bad_step, "to_step": latest, "skip_samples": window,
                     "rollbacks": bad_steps.rollbacks, "skipped_steps": bad_steps.skipped_steps})

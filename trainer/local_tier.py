@@ -38,7 +38,7 @@ import torch
 from shardsmith.errors import ConfigError, ManifestError
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.box import Box
-from shardsmith.layout.plan import checkpoint_specs, rank_boxes, shard_file_name
+from shardsmith.layout.plan import TensorSpec, checkpoint_specs, rank_boxes, shard_file_name
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES, crc32c
 from shardsmith.storage.commit import parse_step_dir, step_dir
 from shardsmith.storage.crashpoints import crash_point
@@ -201,7 +201,7 @@ class LocalTier:
                         "use --simulate-nodes K to test on one machine", self.per_node)
         self.buddy = buddy_of(rank, dims.world_size, self.per_node) if self.replicas else None
         self.source = (rank - self.per_node) % dims.world_size if self.replicas else None
-        self._boxes: dict[str, Box] | None = None
+        self._plans: dict[bool, tuple[dict[str, TensorSpec], dict[str, Box]]] = {}
 
     def due(self, step: int) -> bool:
         """True when the local tier is written after ``step``."""
@@ -211,10 +211,12 @@ class LocalTier:
 
     def plan(self, step: int, tensors: dict[str, torch.Tensor]) -> WritePlan:
         """Every (fqn, local tensor, box) this rank holds (empty boxes left out): what it writes."""
-        specs = checkpoint_specs(self.model_cfg, self.dims, with_optimizer=any(k.startswith("optim.") for k in tensors))
-        if self._boxes is None or set(self._boxes) != set(specs):
-            self._boxes = rank_boxes(specs, self.dims, self.rank)
-        entries = [(fqn, unpadded(tensors[fqn], box), box) for fqn, box in self._boxes.items() if box.numel]
+        with_optim = any(k.startswith("optim.") for k in tensors)
+        if with_optim not in self._plans:               # pure in (model, layout, rank): once per run
+            specs = checkpoint_specs(self.model_cfg, self.dims, with_optimizer=with_optim)
+            self._plans[with_optim] = (specs, rank_boxes(specs, self.dims, self.rank))
+        specs, boxes = self._plans[with_optim]
+        entries = [(fqn, unpadded(tensors[fqn], box), box) for fqn, box in boxes.items() if box.numel]
         return WritePlan(step, specs, entries)
 
     def rank_doc(self, step: int, *, state: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
@@ -230,7 +232,8 @@ class LocalTier:
 
     def write(self, plan: WritePlan, doc: dict[str, Any]) -> dict[str, bytes]:
         """Write this rank's files of ``plan.step`` (data, sidecar, then the rank manifest: the
-        commit) after retention. Save thread. Returns the three files' bytes (for the buddy)."""
+        commit) after retention. Save thread. Returns the three files' bytes for the buddy
+        (``{}`` without replicas)."""
         step_store = self.root.child(step_dir(plan.step))
         self.retain(self.root, self.rank, plan.step)
         crash_point("local.before_write", step=plan.step)     # test hooks (storage/crashpoints.py)
@@ -239,7 +242,9 @@ class LocalTier:
         raw = json.dumps({**doc, "records": records}).encode()
         crash_point("local.before_commit", step=plan.step)
         step_store.write(rank_manifest_name(self.rank), raw)
-        name = records["file"][0]
+        if not self.replicas:
+            return {}
+        name = records["file"][0]                        # read back from the page cache, for the buddy
         return {name: step_store.read(name), sidecar_name(name): step_store.read(sidecar_name(name)),
                 rank_manifest_name(self.rank): raw}
 
@@ -263,6 +268,15 @@ class LocalTier:
             (committed if s < step and root.exists(marker) else others).append(s)
         for s in sorted(committed)[:-2] + others:
             self._delete(root, rank, s)
+
+    def forget_after(self, step: int) -> None:
+        """Delete this rank's copies (own and held) of steps after ``step`` (a rollback went
+        back to it: they belong to the abandoned trajectory)."""
+        for root, rank in ((self.root, self.rank), (self.replica_root, self.source)):
+            if rank is not None:
+                for s in self._step_dirs(root):
+                    if s > step:
+                        self._delete(root, rank, s)
 
     def _step_dirs(self, root: Store) -> list[int]:
         try:

@@ -10,16 +10,15 @@ copies it can reach on its filesystem (all of them on one machine) and, when som
 complete, loads it by box intersection (resharding) from the local tier; else from the
 persistent tier.
 
-Rank 0 prints one line the benches parse: ``recovered step S from local|buddy|persistent``
-(regex ``recovered step (\\d+) from (local|buddy|persistent)``), and writes a ``recovery``
-event to metrics.jsonl.
+Rank 0 logs one line the benches parse: ``recovered step S from local|buddy|persistent``
+(regex ``recovered step (\\d+) from (local|buddy|persistent)``), from the ``recovery`` event
+it writes to metrics.jsonl (``step``, ``source``, ``detail``, ``seconds``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -54,11 +53,10 @@ class StaticManifest:
 
 
 def announce(policy: CheckpointPolicy, step: int, source: str, detail: str = "", seconds: float = 0.0) -> None:
-    """Rank 0: the one line saying which tier a (re)start loaded, and a ``recovery`` event."""
-    policy.event({"event": "recovery", "step": step, "source": source, "detail": detail.strip(),
+    """The ``recovery`` event: which tier a (re)start loaded (rank 0 logs it as the line
+    ``recovered step S from SOURCE[ (DETAIL)]``, :mod:`shardsmith.trainer.console`)."""
+    policy.event({"event": "recovery", "step": step, "source": source, "detail": detail,
                   "seconds": round(seconds, 4)})
-    if policy.rank == 0:
-        print(f"recovered step {step} from {source}{detail}", file=sys.stderr, flush=True)
 
 
 def agree(infos: list[dict[str, Any]], per_node: int, replicas: bool) -> tuple[int | None, list[str]]:
@@ -171,7 +169,7 @@ def recover_local(policy: CheckpointPolicy) -> bool:
         step = _reshard_from_local(policy, lineage, newest_persistent)
         if step is None:
             return False
-        announce(policy, step, "local", " (resharded)", seconds=time.perf_counter() - t0)
+        announce(policy, step, "local", "resharded", seconds=time.perf_counter() - t0)
     else:
         return False
     policy.last_saved_step = newest_persistent       # the persistent tier still needs the final save
