@@ -115,6 +115,33 @@ def test_retention_keeps_two_committed_steps_below_the_one_written(tmp_path: Pat
     assert sorted(p.name for p in node.iterdir()) == [step_dir(2)]
 
 
+def test_two_ranks_copies_merge_into_one_manifest_that_reshards_bitwise(tmp_path: Path) -> None:
+    """tp=2 copies (norms replicated in both files) read back whole by a 1-rank layout."""
+    from shardsmith.layout.plan import rank_boxes
+    from shardsmith.trainer.checkpoint import load_into
+    from shardsmith.trainer.recovery import build_manifest, reachable_steps
+
+    dims = ParallelDims(tp=2)
+    ckpt = CheckpointConfig(url=str(tmp_path / "ckpt"), local_ckpt=str(tmp_path / "local"))
+    specs = checkpoint_specs(TINY_MODEL, dims, with_optimizer=True)
+    gen = torch.Generator().manual_seed(0)
+    full = {f: torch.randn(s.shape, generator=gen).to(TORCH_DTYPES[s.dtype]) for f, s in specs.items()}
+    for rank in (0, 1):
+        tier = LocalTier(TrainConfig(model=TINY_MODEL, parallel=dims, checkpoint=ckpt), rank)
+        local = {f: full[f][tuple(slice(o, o + n) for o, n in zip(b.offsets, b.lengths))].clone()
+                 for f, b in rank_boxes(specs, dims, rank).items()}
+        tier.write(tier.plan(7, local), tier.rank_doc(7, state={"step": 7, "run": {"id": RUN}}, config={}))
+    steps = reachable_steps(tier, Lineage(run=RUN))
+    assert list(steps) == [7] and [c.rank for c, _ in steps[7]] == [0, 1]
+    manifest = build_manifest(steps[7])
+    assert manifest.layout["tp"] == 2 and manifest.state["step"] == 7
+    one = checkpoint_specs(TINY_MODEL, ParallelDims(), with_optimizer=True)
+    got = {f: torch.zeros(s.shape, dtype=TORCH_DTYPES[s.dtype]) for f, s in one.items()}
+    load_into(tier.top, manifest, got, rank_boxes(one, ParallelDims(), 0), {f: s.shape for f, s in one.items()})
+    for fqn, want in full.items():
+        assert torch.equal(got[fqn], want), fqn
+
+
 def test_the_recovery_event_is_the_line_benches_parse() -> None:
     from shardsmith.trainer.console import event_line
 

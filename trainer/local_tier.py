@@ -303,7 +303,7 @@ class LocalTier:
         first), and one warning per copy skipped (path and reason: partial, corrupt, another run)."""
         found, skipped = [], []
         for s in sorted(self._step_dirs(root), reverse=True):
-            copy, why = self._check(root.child(step_dir(s)), rank, s, lineage, crc)
+            copy, why = self.check(root.child(step_dir(s)), rank, s, lineage, crc)
             if copy is not None:
                 found.append(copy)
             elif why:
@@ -311,7 +311,10 @@ class LocalTier:
                                "falling back to the next tier")
         return found, skipped
 
-    def _check(self, store: Store, rank: int, step: int, lineage: Lineage, crc: bool) -> tuple[RankCopy | None, str]:
+    def check(self, store: Store, rank: int, step: int, lineage: Lineage, crc: bool) -> tuple[RankCopy | None, str]:
+        """``rank``'s copy of ``step`` in step directory ``store`` if it is committed, of
+        ``lineage`` and intact (``crc``: whole-file CRC-32C too); else None and why ("" when
+        the rank has nothing there)."""
         marker = rank_manifest_name(rank)
         try:
             raw = store.read(marker)

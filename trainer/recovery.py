@@ -213,7 +213,7 @@ def reachable_steps(tier: LocalTier, lineage: Lineage) -> dict[int, list[tuple[R
                 continue
             for f in store.list_dir(name):
                 if f.startswith("rank-") and f.endswith(".json") and f[5:-5].isdigit():
-                    copy, _ = tier._check(store.child(name), int(f[5:-5]), step, lineage, False)
+                    copy, _ = tier.check(store.child(name), int(f[5:-5]), step, lineage, False)
                     if copy is not None:
                         found.setdefault(step, {}).setdefault(copy.rank, copy)
     out = {}
