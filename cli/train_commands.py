@@ -16,8 +16,8 @@ import click
 
 from shardsmith.cli.greedy import GreedyOption
 from shardsmith.cli.options import (IntListType, dry_run_option, field_option, json_option, layout_options, make_dims,
-                                    model_from_flags, model_options, stack, storage_option,
-                                    tensor_format_option, zarr_codec_option)
+                                    local_tier_options, model_from_flags, model_options, stack,
+                                    storage_option, tensor_format_option, zarr_codec_option)
 from shardsmith.layout.sizes import format_nbytes
 
 T, O, C, FC = "TrainConfig", "OptimConfig", "CheckpointConfig", "FaultConfig"
@@ -139,6 +139,7 @@ fault_options = stack(
 @model_options
 @run_options
 @checkpoint_options
+@local_tier_options
 @fault_options
 @dry_run_option("Check the configuration and print per-rank memory, FLOPs and pipeline bubble; "
                 "start nothing.")
@@ -217,7 +218,8 @@ def train_config(f: dict[str, Any], world: int | None):
         checkpoint=CheckpointConfig(
             url=f["ckpt"], storage_options=parse_storage_options(f["storage_options"]),
             **pick("save_interval", "resume", "init_from", "keep_last", "keep_every", "async_save",
-                   "tensor_format", "zarr_codec", "reset_optimizer", "overwrite")),
+                   "tensor_format", "zarr_codec", "reset_optimizer", "overwrite", "local_ckpt",
+                   "local_save_interval", "local_replicas", "simulate_nodes")),
         fault=FaultConfig(derive_dp_shard=f["dp_shard"] == -1,
                           **pick("preempt_deadline", "collective_timeout", "init_timeout", "hang_factor",
                                  "hang_min_seconds", "max_bad_steps", "max_rollbacks", "peak_flops")),

@@ -15,6 +15,9 @@ Points, in the order a save reaches them (``c`` = the coordinator, rank 0, only)
 ===========================  ==================================================================
 ``async.before_snapshot``    async save: before this rank's tensors are copied to host buffers
 ``async.after_snapshot``     async save: snapshot taken, nothing written yet
+``local.before_write``       local tier: retention done, this rank's files not yet written
+``local.before_commit``      local tier: data and sidecar written, the rank manifest not yet
+``local.before_replicate``   local tier: committed here, nothing sent to or from the buddies
 ``save.begin``               ``write_and_commit`` entered: nothing of this step written
 ``shard.before_write``       this rank's shard file encoded (header), nothing on storage
 ``fs.mid_write``             the first part of a file written (a local temp file / the first

@@ -61,9 +61,9 @@ def config_payload(cfg: TrainConfig) -> dict:
     """
     data = cfg.to_json()
     data["checkpoint"]["storage_options"] = cfg.checkpoint.storage_options
-    for section, key in (("checkpoint", "url"), (None, "run_dir")):
+    for section, key in (("checkpoint", "url"), ("checkpoint", "local_ckpt"), (None, "run_dir")):
         holder = data[section] if section else data
-        if holder[key] and "://" not in holder[key]:
+        if holder.get(key) and "://" not in holder[key]:
             holder[key] = os.path.abspath(holder[key])
     return data
 
