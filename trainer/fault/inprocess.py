@@ -25,6 +25,7 @@ treats like a death: the group restarts, up to ``--max-restarts`` times, as unde
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardsmith.storage import crashpoints
 from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.fault.preemption import say
 
@@ -92,9 +94,13 @@ def join_generation(cfg: TrainConfig, store: dist.TCPStore, job: dict[str, Any])
     from shardsmith.trainer.train import Trainer
 
     gen, rank, world = job["gen"], job["rank"], job["world"]
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       TORCHELASTIC_RESTART_COUNT=str(gen))
     logging.getLogger().setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    # Crash points (tests) follow the rank; SHARDSMITH_TEST_CRASH_AT fires in generation 0,
+    # SHARDSMITH_TEST_CRASH_AT_GEN{G} in generation G (a replayed save must not crash again).
+    crash_env = "SHARDSMITH_TEST_CRASH_AT" + (f"_GEN{gen}" if gen else "")
+    crashpoints.configure(os.environ.get(crash_env, ""), rank=rank)
     timeout = max(cfg.fault.init_timeout, cfg.fault.collective_timeout)
     apply_collective_timeout(timeout)
     dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{gen}/", store), rank=rank,
@@ -233,7 +239,7 @@ def main(argv: list[str]) -> int:
     setup_process()
     with open(argv[0]) as f:
         cfg = TrainConfig.from_json(json.load(f))
-    import shardsmith.trainer.train  # noqa: F401  (warm: the imports happen before any assignment)
+    importlib.import_module("shardsmith.trainer.train")   # warm: the imports happen before any assignment
 
     store = connect(os.environ[SUPERVISOR_ENV], max(cfg.fault.init_timeout, cfg.fault.collective_timeout))
     try:
