@@ -17,8 +17,8 @@ tp2 x dp_shard2, 2 simulated nodes of 2 ranks (``--simulate-nodes 2``), in one b
 
 Measured from ``metrics.jsonl`` (rank 0 stamps every record with Unix time) and the kill
 hooks' marker files (created just before the SIGKILL: their mtime is the kill time):
-``mttr_s`` = first step record after the kill - the kill; ``lost_steps`` = the last step
-finished before the kill - the step the restart loaded; ``source`` = the ``recovery`` event's
+``mttr_s`` = the first step record after the restart's ``start`` - the kill; ``lost_steps`` = the
+last step finished before the kill (the killed step - 1) - the step the restart loaded; ``source`` = the ``recovery`` event's
 tier. The last stdout line is one JSON object; the targets are ``lost_steps <= 1``,
 ``mttr_s <= 0.3 * baseline_mttr_s`` and ``overhead >= 0.95``.
 """
@@ -63,16 +63,16 @@ def train(root: Path, data: str, steps: int, *flags: str, env: dict[str, str] | 
     return records(root)
 
 
-def recovery(recs: list[dict[str, Any]], kill_time: float) -> dict[str, Any]:
-    """MTTR, lost steps and source of the restart after the kill at ``kill_time``."""
-    steps = [r for r in recs if "event" not in r and "loss" in r]
-    before = [r["step"] for r in steps if r["time"] <= kill_time]
-    after = [r for r in steps if r["time"] > kill_time]
+def recovery(recs: list[dict[str, Any]], kill_time: float, kill_step: int) -> dict[str, Any]:
+    """MTTR, lost steps and source of the restart after the kill at ``kill_time``, as step
+    ``kill_step`` started (so ``kill_step - 1`` had finished: rank 0 may log it just after)."""
+    restart = next(r["time"] for r in recs if r.get("event") == "start" and r["time"] > kill_time)
+    after = [r for r in recs if "event" not in r and "loss" in r and r["time"] > restart]
     if not after:
-        raise SystemExit("no step finished after the kill")
+        raise SystemExit("no step finished after the restart")
     first = after[0]
-    events = [r for r in recs if r.get("event") == "recovery" and r["time"] > kill_time]
-    return {"mttr_s": round(first["time"] - kill_time, 3), "lost_steps": max(before) - (first["step"] - 1),
+    events = [r for r in recs if r.get("event") == "recovery" and r["time"] > restart]
+    return {"mttr_s": round(first["time"] - kill_time, 3), "lost_steps": kill_step - first["step"],
             "source": events[0]["source"] if events else "persistent"}
 
 
@@ -89,7 +89,7 @@ def run_baseline(work: Path, data: str, args: argparse.Namespace) -> dict[str, A
     env = {"SHARDSMITH_TEST_KILL_AT": f"1:{args.kill_step}", "SHARDSMITH_TEST_MARKER_DIR": str(markers)}
     recs = train(root, data, args.kill_step + 3, "--ckpt", str(root), "--save-interval", str(args.save_interval),
                  "--max-restarts", "1", env=env)
-    return recovery(recs, kill_time(markers, "kill", args.kill_step))
+    return recovery(recs, kill_time(markers, "kill", args.kill_step), args.kill_step)
 
 
 def run_new(work: Path, data: str, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -100,8 +100,8 @@ def run_new(work: Path, data: str, args: argparse.Namespace) -> tuple[dict[str, 
     recs = train(root, data, args.node_step + 3, "--ckpt", str(root), "--save-interval", str(args.save_interval),
                  "--local-ckpt", str(local), "--local-save-interval", "1", "--local-replicas", "1",
                  "--restart", "in-process", "--spares", "3", "--max-restarts", "2", env=env)
-    rank = recovery(recs, kill_time(markers, "kill", args.kill_step))
-    node = recovery(recs, kill_time(markers, "lose-node", args.node_step))
+    rank = recovery(recs, kill_time(markers, "kill", args.kill_step), args.kill_step)
+    node = recovery(recs, kill_time(markers, "lose-node", args.node_step), args.node_step)
     return rank, node
 
 
@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int, default=8, help="rank 1 dies as this step starts")
     parser.add_argument("--node-step", type=int, default=13, help="node 1 (ranks 2, 3) dies as this step starts")
     parser.add_argument("--save-interval", type=int, default=5, help="persistent-store interval (both paths)")
-    parser.add_argument("--repeats", type=int, default=2, help="overhead: pairs of runs")
+    parser.add_argument("--repeats", type=int, default=3, help="overhead: pairs of runs")
     parser.add_argument("--warmup", type=int, default=5, help="overhead: steps left out of the rate")
     parser.add_argument("--measure", type=int, default=30, help="overhead: steps measured")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (its path is printed)")

@@ -32,7 +32,7 @@ from shardsmith.errors import SaveError
 from shardsmith.storage.commit import step_dir
 from shardsmith.trainer.fault.inprocess import peer_lost, sever_connections
 
-STEPS = 10
+STEPS = 11
 GLOO_RESET = ("[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1234: "
               "Connection reset by peer. This is typically caused by a remote worker hanging")
 
@@ -111,11 +111,11 @@ def train(root: Path, data_path: str, env: dict[str, str], max_restarts: int) ->
 
 
 def chaos_env(seed: int, markers: Path) -> tuple[dict[str, str], list[tuple[str, int, Any]]]:
-    """Four faults at distinct steps, in an order drawn from ``seed``. Crash points (inside a
+    """Four faults at steps 3, 5, 7, 9 (one per generation), in an order and on ranks drawn from ``seed``. Crash points (inside a
     save) fire in the one generation the fault is reached in (``..._GEN{G}``, G = its index);
     kills fire once (marker files)."""
     rng = random.Random(seed)
-    steps = sorted(rng.sample(range(2, STEPS), 4))
+    steps = [3, 5, 7, 9]       # 2 apart: a crash in the save of step s happens before step s + 2 starts
     kinds = ["rank", "node", "local-save", "replicate"]
     rng.shuffle(kinds)
     env: dict[str, str] = {"SHARDSMITH_TEST_MARKER_DIR": str(markers)}
@@ -135,6 +135,20 @@ def chaos_env(seed: int, markers: Path) -> tuple[dict[str, str], list[tuple[str,
     env["SHARDSMITH_TEST_KILL_AT"] = ",".join(kills)
     env["SHARDSMITH_TEST_LOSE_NODE_AT"] = ",".join(lose)
     return env, plan
+
+
+def lost_steps(records: list[dict[str, Any]]) -> list[int]:
+    """Per restart: the newest step finished before it - the step its recovery loaded."""
+    lost, last, restarted = [], 0, False
+    for r in records:
+        if r.get("event") == "start" and r["restart_count"] > 0:
+            restarted = True
+        elif r.get("event") == "recovery" and restarted:
+            lost.append(last - r["step"])
+            restarted = False
+        elif "event" not in r:
+            last = r["step"]
+    return lost
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +176,8 @@ def test_chaos_in_process_restarts_end_bitwise_equal_to_an_uninterrupted_run(wor
     restarts = [line for line in chaos.output.splitlines() if line.startswith("restart ")]
     assert len(restarts) == 4 and all("in place" in line for line in restarts), f"{where}: {restarts}"
     assert [e["restart_count"] for e in chaos.events("start")] == [0, 1, 2, 3, 4], where
+    lost = lost_steps(chaos.records)
+    assert len(lost) == 4 and max(lost) <= 1, f"{where}: steps lost per restart {lost}"
     ref = reference.losses()
     assert sorted(ref) == list(range(1, STEPS + 1))
     for r in chaos.records:                                       # every step, each time it ran

@@ -21,6 +21,7 @@ next step boundary and exit 0); a second Ctrl-C stops everything at once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -40,9 +42,9 @@ from shardsmith.trainer.launch import (EXIT_INTERRUPTED, LaunchError, first_erro
 
 log = logging.getLogger(__name__)
 
-#: Seconds the supervisor waits after the first death before it opens the next generation,
-#: so the ranks of one node that die together are replaced in one restart.
-DEATH_GRACE_S = 0.25
+#: Seconds the supervisor waits at most, after a failure, for every member to be dead or to
+#: have rejoined before it opens the next generation.
+SETTLE_S = 10.0
 
 
 class Supervisor:
@@ -70,12 +72,14 @@ class Supervisor:
         self.gen = 0
         self.refill_at: float | None = None
         self.signals: list[int] = []
+        self.run_id = f"shardsmith-{uuid.uuid4().hex[:8]}"
 
     # ---- processes ----------------------------------------------------------------------------
 
     def _start_process(self) -> str:
         worker_id = f"w{len(self.procs)}"
-        env = {**os.environ, SUPERVISOR_ENV: f"127.0.0.1:{self.store.port}", WORKER_ID_ENV: worker_id}
+        env = {**os.environ, SUPERVISOR_ENV: f"127.0.0.1:{self.store.port}", WORKER_ID_ENV: worker_id,
+               "TORCHELASTIC_RUN_ID": self.run_id}           # the launch id the local tier checks
         self.procs[worker_id] = subprocess.Popen(
             [sys.executable, "-m", "shardsmith.trainer.fault.inprocess", self.config_path], env=env)
         self.assigned[worker_id] = 0
@@ -121,6 +125,9 @@ class Supervisor:
         finally:
             self._restore_signals(previous)
             self._stop_all()
+            for gen in range(self.gen + 1):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(os.path.dirname(self.config_path), f"abort-{gen}"))
 
     def _watch(self) -> int:
         while True:
@@ -131,7 +138,8 @@ class Supervisor:
             if any(code not in (None, 0) for code in codes) or self._reported():
                 if signal.SIGINT in self.signals:
                     return EXIT_INTERRUPTED
-                self.store.set(f"abort/{self.gen}", "1")     # survivors drop their connections
+                with open(os.path.join(os.path.dirname(self.config_path), f"abort-{self.gen}"), "w"):
+                    pass                                   # survivors drop their connections
                 self._restart()
             if self.refill_at is not None and time.monotonic() >= self.refill_at:
                 self.refill_at = None
@@ -141,9 +149,18 @@ class Supervisor:
         """A member of this generation caught a peer failure (none died: e.g. a timeout)."""
         return self.store.add(f"failed/{self.gen}", 0) > 0
 
+    def _settle(self) -> list[int]:
+        """The ranks dead once every member is dead or has rejoined (at most ``SETTLE_S``): the
+        ranks of a node that die a moment apart are replaced in one restart."""
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            dead = [rank for rank, w in enumerate(self.members) if not self._alive(w)]
+            if len(dead) + self.store.add(f"failed/{self.gen}", 0) >= self.nproc or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.02)
+
     def _restart(self) -> None:
-        time.sleep(DEATH_GRACE_S)
-        dead = [rank for rank, w in enumerate(self.members) if not self._alive(w)]
+        dead = self._settle()
         codes = {rank: self.procs[self.members[rank]].returncode for rank in dead}
         if self.gen >= self.max_restarts:
             raise LaunchError(self._failure_line(dead))

@@ -10,13 +10,14 @@ imports torch and the trainer once, then serves *assignments* the supervisor wri
 For each assignment the worker joins generation G: a gloo process group over a
 ``PrefixStore("gen{G}/")`` of the supervisor's store (a new prefix per generation, so no key of
 an old group is ever read), builds the mesh, the model (meta device, local shards only), the
-optimizer, resumes the newest complete checkpoint and trains. When a peer dies, gloo fails the
-collective in flight on every rank connected to it (``Connection reset/closed by peer``), and
-a rank that tears down its groups makes its own peers fail the same way: every survivor
-reaches :func:`peer_lost`, destroys its process groups, joins its background save thread,
-counts itself in ``failed/{G}`` and waits for its next assignment, while the supervisor gives
-the dead rank's slot to a warm spare. Nothing is re-imported, re-spawned or re-read from the
-package: the restart costs a rendezvous, a model build, a load and the first step.
+optimizer, resumes the newest complete checkpoint and trains. When a member dies, the
+supervisor creates the file ``abort-{G}`` beside the config; every member's
+:class:`AbortWatcher` then shuts down the process's TCP connections, so whatever it waits in (a
+gloo collective, a rendezvous on the store) fails at once. The survivor sees :func:`peer_lost`,
+aborts its process groups, joins its background save thread, reconnects to the store, counts
+itself in ``failed/{G}`` and waits for its next assignment, while the supervisor gives the dead
+rank's slot to a warm spare. Nothing is re-imported or re-spawned: the restart costs a
+rendezvous, a model build, a load and the first step.
 
 Any other error (a bug, bad input, a failed save of one's own) ends the process with exit 1
 and the error line (:func:`~shardsmith.trainer.worker.report_error`), which the supervisor
@@ -125,9 +126,9 @@ def abort_groups() -> None:
             dist.destroy_process_group()
 
 
-def sever_connections(keep_port: int) -> int:
-    """Shut down every connected TCP socket of this process except those to ``keep_port`` (the
-    supervisor's store); returns how many. A gloo collective blocked on such a socket fails at
+def sever_connections(keep_port: int | None = None) -> int:
+    """Shut down every connected TCP socket of this process (except those to ``keep_port``);
+    returns how many. A gloo collective blocked on such a socket fails at
     once (``Connection closed``), here and on the peer at the other end: gloo has no other way to
     interrupt a collective another thread waits in (``ProcessGroupGloo.abort`` does not wake a
     local wait, and gloo's algorithms talk to a few peers only, so a death does not reach every
@@ -143,7 +144,7 @@ def sever_connections(keep_port: int) -> int:
             continue
         try:
             if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
-                if sock.getpeername()[1] != keep_port:       # listening sockets raise: skipped
+                if sock.getpeername()[1] != keep_port:       # a listening socket raises: skipped
                     sock.shutdown(socket.SHUT_RDWR)
                     count += 1
         except OSError:
@@ -154,27 +155,22 @@ def sever_connections(keep_port: int) -> int:
 
 
 class AbortWatcher:
-    """A daemon thread that severs this process's collective connections
-    (:func:`sever_connections`) once the supervisor sets ``abort/{gen}`` (a member of
-    generation ``gen`` died or failed), so every member reaches :func:`peer_lost` within
-    milliseconds. It polls on its own store connection (``address``)."""
+    """A daemon thread that severs every connection of this process (:func:`sever_connections`:
+    the gloo pairs and the store client a rendezvous may wait on) once the supervisor creates
+    the file ``flag`` (a member of this generation died or failed), so every member reaches
+    :func:`peer_lost` within milliseconds, wherever it waits."""
 
-    def __init__(self, address: str, gen: int) -> None:
-        self.store = connect(address, 60)
-        self.key, self.port = f"abort/{gen}", int(address.rpartition(":")[2])
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name=f"shardsmith-abort-{gen}", daemon=True)
+        self.thread = threading.Thread(target=self._loop, name="shardsmith-abort", daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
         while not self._stop.wait(0.02):
-            try:
-                if self.store.check([self.key]):
-                    say(f"rank {os.environ.get('RANK', '?')}: generation aborted by the supervisor; "
-                        f"closed {sever_connections(self.port)} connection(s)")
-                    return
-            except Exception as exc:   # the supervisor is gone: nothing left to watch for
-                log.warning("abort watcher stopped: %s", exc)
+            if os.path.exists(self.flag):
+                say(f"rank {os.environ.get('RANK', '?')}: generation aborted by the supervisor; "
+                    f"closed {sever_connections()} connection(s)")
                 return
 
     def close(self) -> None:
@@ -193,22 +189,23 @@ def tear_down(trainer: Any) -> None:
         thread.join(timeout=30)
 
 
-def serve(cfg: TrainConfig, store: dist.TCPStore, worker_id: str) -> int:
-    """Serve assignments until training ends (0), an exit order, or a non-peer error (1)."""
+def serve(cfg: TrainConfig, address: str, worker_id: str, flag_dir: str) -> int:
+    """Serve assignments until training ends (0), an exit order, or a non-peer error (1).
+
+    ``address``: the supervisor's store; ``flag_dir``: where it creates ``abort-{gen}``."""
     from shardsmith.trainer.worker import report_error
 
-    parent, k = os.getppid(), 0
+    timeout = max(cfg.fault.init_timeout, cfg.fault.collective_timeout)
+    parent, k, store = os.getppid(), 0, connect(address, timeout)
     while True:
         job = next_assignment(store, worker_id, k, parent)
         k += 1
         if "exit" in job:
             return int(job["exit"])
         trainer = None
-        t0 = time.time()
-        watcher = AbortWatcher(os.environ[SUPERVISOR_ENV], job["gen"])
+        watcher = AbortWatcher(os.path.join(flag_dir, f"abort-{job['gen']}"))
         try:
             trainer = join_generation(cfg, store, job)
-            store.set(f"joined/{job['gen']}/{job['rank']}", str(round(time.time() - t0, 3)))
             trainer.run()
             watcher.close()
             dist.destroy_process_group()                  # the normal end: no abort
@@ -221,7 +218,9 @@ def serve(cfg: TrainConfig, store: dist.TCPStore, worker_id: str) -> int:
                 return 1
             say(f"rank {job['rank']}: a peer of generation {job['gen']} is gone ({_first_line(exc)}); "
                 "rejoining")
+            watcher.close()
             tear_down(trainer)
+            store = connect(address, timeout)             # the old connection may be severed
             store.add(f"failed/{job['gen']}", 1)
         finally:
             watcher.close()
@@ -241,9 +240,8 @@ def main(argv: list[str]) -> int:
         cfg = TrainConfig.from_json(json.load(f))
     importlib.import_module("shardsmith.trainer.train")   # warm: the imports happen before any assignment
 
-    store = connect(os.environ[SUPERVISOR_ENV], max(cfg.fault.init_timeout, cfg.fault.collective_timeout))
     try:
-        return serve(cfg, store, os.environ[WORKER_ID_ENV])
+        return serve(cfg, os.environ[SUPERVISOR_ENV], os.environ[WORKER_ID_ENV], os.path.dirname(argv[0]))
     except KeyboardInterrupt:
         return 130
 
