@@ -173,8 +173,8 @@ def test_chaos_in_process_restarts_end_bitwise_equal_to_an_uninterrupted_run(wor
     assert chaos.returncode == 0, f"{where}:\n{chaos.output[-8000:]}"
     assert chaos.output.count("test hook: SIGKILL") == 3, where
     assert chaos.output.count("test hook: node lost") == 2, where    # both ranks of the node
-    restarts = [line for line in chaos.output.splitlines() if line.startswith("restart ")]
-    assert len(restarts) == 4 and all("in place" in line for line in restarts), f"{where}: {restarts}"
+    restarts = [line for line in chaos.output.splitlines() if line.startswith("restart ") and "in place" in line]
+    assert len(restarts) == 4, f"{where}: {restarts}"
     assert [e["restart_count"] for e in chaos.events("start")] == [0, 1, 2, 3, 4], where
     lost = lost_steps(chaos.records)
     assert len(lost) == 4 and max(lost) <= 1, f"{where}: steps lost per restart {lost}"
