@@ -219,9 +219,9 @@ def serve(cfg: TrainConfig, address: str, worker_id: str, flag_dir: str) -> int:
             say(f"rank {job['rank']}: a peer of generation {job['gen']} is gone ({_first_line(exc)}); "
                 "rejoining")
             watcher.close()
-            tear_down(trainer)
             store = connect(address, timeout)             # the old connection may be severed
-            store.add(f"failed/{job['gen']}", 1)
+            store.add(f"failed/{job['gen']}", 1)          # the supervisor may open the next generation
+            tear_down(trainer)                            # ...which waits in rendezvous for this rank
         finally:
             watcher.close()
             abort_groups()
