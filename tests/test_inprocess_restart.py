@@ -21,13 +21,13 @@ import random
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from conftest import TINY_TRAIN_FLAGS, assert_tensors_bitwise_equal, read_full_tensors
+from test_fault_tolerance import Run     # a finished launch: exit code, output, root, records
 from shardsmith.errors import SaveError
 from shardsmith.storage.commit import step_dir
 from shardsmith.trainer.fault.inprocess import peer_lost, sever_connections
@@ -80,20 +80,6 @@ def test_sever_connections_closes_peers_but_keeps_the_supervisor() -> None:
 
 
 # ---- gloo: chaos vs reference ----------------------------------------------------------------
-
-
-@dataclass
-class Run:
-    returncode: int
-    output: str
-    root: Path
-    records: list[dict[str, Any]]
-
-    def losses(self) -> dict[int, float]:
-        return {r["step"]: r["loss"] for r in self.records if "event" not in r}
-
-    def events(self, kind: str) -> list[dict[str, Any]]:
-        return [r for r in self.records if r.get("event") == kind]
 
 
 def train(root: Path, data_path: str, env: dict[str, str], max_restarts: int) -> Run:
