@@ -13,6 +13,8 @@ buddy copy, the persistent tier every 5 steps, 8 steps):
   get step 6 from their buddies' copies (the persistent tier has only 5); bitwise equal.
 * ``shrunk``: the same loss without a restart, then 2 processes (a node not replaced):
   step 6 is resharded from the reachable local copies; losses within 1e-4 of the reference.
+* ``chaos``: rank 1 dies before committing its local step 4, rank 2 before replicating
+  step 6 (``--max-restarts 2``): each restart loads the newest step every rank committed.
 * ``damaged``: a run to step 4, then rank 0's local file corrupted, rank 1's rank manifest
   removed and rank 2's marked as another run's: each is named in a warning and loaded from
   its buddy instead; the rest of the run is bitwise equal to the reference.
@@ -226,6 +228,21 @@ def test_a_killed_rank_resumes_from_the_local_tier_bitwise(reference: Run, data_
     [resume] = [e for e in run.records if e.get("event") == "resume"]
     assert resume["step"] == step and "-local/node-0000" in resume["from"] and not resume["resharded"]
     _assert_same_run(run, reference, "rank killed")
+
+
+@pytest.mark.distributed
+def test_kills_during_a_local_save_and_a_replication_never_load_a_mixed_step(reference: Run, data_path: str) -> None:
+    work = reference.root.parent
+    env = {"SHARDSMITH_TEST_CRASH_AT": "1:local.before_commit:4,2:local.before_replicate:6",
+           "SHARDSMITH_TEST_MARKER_DIR": str(work / "chaos-markers")}
+    run = train(work / "chaos", 4, data_path, "--max-restarts", "2", env=env).check()
+    assert run.output.count("test hook: SIGKILL at crash point local.") == 2, run.output[-3000:]
+    # rank 1 never committed step 4: step 3 on every rank; rank 2 committed 6 but its buddy
+    # copy may be missing: 6 if every rank committed it, else 5 (never a step some rank lacks)
+    [(first, src1), (second, src2)] = run.recovered()
+    assert (first, src1) == (3, "local") and second in (5, 6) and src2 == "local", run.output[-3000:]
+    assert "partial: no commit marker rank-00001.json" in run.output
+    _assert_same_run(run, reference, "killed during local saves")
 
 
 @pytest.mark.distributed
