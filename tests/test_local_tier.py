@@ -114,7 +114,9 @@ def test_retention_keeps_two_committed_steps_below_the_one_written(tmp_path: Pat
     tier.forget_after(4)                     # a rollback to step 4: step 5 is of the abandoned trajectory
     assert sorted(p.name for p in node.iterdir()) == [step_dir(3), step_dir(4)]
     _write(tier, 2)                          # sent back (an older resume): newer ones go
-    assert sorted(p.name for p in node.iterdir()) == [step_dir(2)]
+    assert sorted(p.parent.name for p in node.glob("*/rank-*.json")) == [step_dir(2)]
+    assert not list((node / step_dir(3)).rglob("*.*"))   # emptied; the directory next to the step
+    assert not (node / step_dir(4)).exists()            # written stays (another rank may write it)
 
 
 def test_two_ranks_copies_merge_into_one_manifest_that_reshards_bitwise(tmp_path: Path) -> None:
