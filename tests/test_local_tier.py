@@ -12,7 +12,8 @@ buddy copy, the persistent tier every 5 steps, 8 steps):
 * ``node_lost``: both ranks of node 1 lose their disk and die as step 7 starts: node 1's ranks
   get step 6 from their buddies' copies (the persistent tier has only 5); bitwise equal.
 * ``shrunk``: the same loss without a restart, then 2 processes (a node not replaced):
-  step 6 is resharded from the reachable local copies; losses within 1e-4 of the reference.
+  step 6 (5 when the survivors died before storing node 1's copies of 6) is resharded from the
+  reachable local copies; losses within 1e-4 of the reference.
 * ``chaos``: rank 1 dies before committing its local step 4, rank 2 before replicating
   step 6 (``--max-restarts 2``): each restart loads the newest step every rank committed.
 * ``damaged``: a run to step 4, then rank 0's local file corrupted, rank 1's rank manifest
@@ -263,11 +264,13 @@ def test_a_node_not_replaced_continues_on_fewer_ranks(reference: Run, data_path:
     lost = train(work / "shrunk", 4, data_path, env=env)
     assert lost.returncode != 0
     run = train(work / "shrunk", 2, data_path).check()
-    assert run.recovered() == [(6, "local")] and "recovered step 6 from local (resharded)" in run.output
+    # step 6, or 5 when the survivors died before writing node 1's buddy copies of 6 to disk
+    [(step, source)] = run.recovered()
+    assert step in (5, 6) and f"recovered step {step} from local (resharded)" in run.output, run.output[-3000:]
     [resume] = [e for e in run.records if e.get("event") == "resume"]
     assert resume["resharded"] and resume["saved_layout"]["world_size"] == 4
     ref = reference.losses()
-    assert sorted(run.losses()) == [7, 8]
+    assert sorted(run.losses()) == list(range(step + 1, STEPS + 1))
     for step, loss in run.losses().items():
         assert abs(loss - ref[step]) <= 1e-4, (step, loss, ref[step])
 
