@@ -260,14 +260,19 @@ class LocalTier:
 
     def retain(self, root: Store, rank: int, step: int) -> None:
         """Before writing ``rank``'s ``step`` under ``root``: keep its two newest committed
-        steps below ``step``, delete the rest of its files (rank manifest first)."""
+        steps below ``step``, delete the rest of its files (rank manifest first).
+
+        The ranks of a node share step directories, and while this rank writes ``step`` another
+        may be writing ``step`` or the step one interval before or after (each rank has one save
+        in flight and the training collectives keep them within one step): those directories
+        are never removed, even when empty, or that rank's write would lose its directory."""
         committed: list[int] = []
         others: list[int] = []
         for s in self._step_dirs(root):
             marker = f"{step_dir(s)}/{rank_manifest_name(rank)}"
             (committed if s < step and root.exists(marker) else others).append(s)
         for s in sorted(committed)[:-2] + others:
-            self._delete(root, rank, s)
+            self._delete(root, rank, s, remove_dir=abs(s - step) > self.interval)
 
     def forget_after(self, step: int) -> None:
         """Delete this rank's copies (own and held) of steps after ``step`` (a rollback went
@@ -285,12 +290,12 @@ class LocalTier:
             return []
         return [s for s in (parse_step_dir(n.rstrip("/").rsplit("/", 1)[-1]) for n in names) if s is not None]
 
-    def _delete(self, root: Store, rank: int, step: int) -> None:
+    def _delete(self, root: Store, rank: int, step: int, remove_dir: bool = True) -> None:
         name = step_dir(step)
         data = shard_file_name(rank)
         for key in (rank_manifest_name(rank), data, sidecar_name(data)):
             root.delete(f"{name}/{key}")
-        for sub in (f"{name}/shards", name):             # empty directories; others' files stay
+        for sub in (f"{name}/shards", name) if remove_dir else ():    # if empty; others' files stay
             try:
                 os.rmdir(os.path.join(root.root, sub))          # a local store's root is its path
             except OSError:

@@ -149,15 +149,7 @@ def recover_local(policy: CheckpointPolicy) -> bool:
         return False
     newest_persistent = persistent[1] if persistent is not None else -1
     dims = policy.cfg.parallel
-    own, skipped = tier.scan(tier.root, policy.rank, lineage)
-    held: list[RankCopy] = []
-    if tier.replicas:
-        assert tier.source is not None
-        held, more = tier.scan(tier.replica_root, tier.source, lineage)
-        skipped += more
-    for line in skipped:
-        log.warning("%s", line)
-        policy.event({"event": "warning", "message": line})
+    own, held = _scan_this_rank(policy, tier, lineage)
     infos = gather_json({"own": [c.step for c in own if c.same_layout(dims)],
                          "held": [c.step for c in held if c.same_layout(dims)],
                          "other": any(not c.same_layout(dims) for c in own + held)})
@@ -174,6 +166,28 @@ def recover_local(policy: CheckpointPolicy) -> bool:
         return False
     policy.last_saved_step = newest_persistent       # the persistent tier still needs the final save
     return True
+
+
+def _scan_this_rank(policy: CheckpointPolicy, tier: LocalTier, lineage: Lineage) -> tuple[list[RankCopy], list[RankCopy]]:
+    """This rank's own copies and the buddy copies it holds; each skipped copy is warned about
+    (path, reason). A scan that fails (an unreadable disk) counts as finding nothing, so the
+    all-gather that follows still runs on every rank."""
+    own: list[RankCopy] = []
+    held: list[RankCopy] = []
+    skipped: list[str] = []
+    try:
+        own, skipped = tier.scan(tier.root, policy.rank, lineage)
+        if tier.replicas:
+            assert tier.source is not None
+            held, more = tier.scan(tier.replica_root, tier.source, lineage)
+            skipped += more
+    except Exception as exc:  # noqa: BLE001 — reported, and the next tier is used
+        skipped.append(f"local tier: cannot scan {tier.root.url}: {type(exc).__name__}: {exc}; "
+                       "falling back to the next tier")
+    for line in skipped:
+        log.warning("%s", line)
+        policy.event({"event": "warning", "message": line})
+    return own, held
 
 
 def _load_same_layout(policy: CheckpointPolicy, step: int, sources: list[str], own: list[RankCopy],
@@ -204,7 +218,8 @@ def _load_same_layout(policy: CheckpointPolicy, step: int, sources: list[str], o
 def reachable_steps(tier: LocalTier, lineage: Lineage) -> dict[int, list[tuple[RankCopy, str]]]:
     """Steps for which this process can reach a copy of every rank of the layout they were
     saved in (own or replica directories of any node), each with those copies and their
-    paths relative to ``tier.top``. Sizes are checked; chunk CRCs are checked as the load reads."""
+    paths relative to ``tier.top``. Whole-file CRCs are checked (a world change is rare; with
+    node-local disks a rank reaches only its own node's few copies)."""
     found: dict[int, dict[int, RankCopy]] = {}
     for store, _ in tier.node_dirs():
         for name in store.list_dir():
@@ -213,7 +228,7 @@ def reachable_steps(tier: LocalTier, lineage: Lineage) -> dict[int, list[tuple[R
                 continue
             for f in store.list_dir(name):
                 if f.startswith("rank-") and f.endswith(".json") and f[5:-5].isdigit():
-                    copy, _ = tier.check(store.child(name), int(f[5:-5]), step, lineage, False)
+                    copy, _ = tier.check(store.child(name), int(f[5:-5]), step, lineage, True)
                     if copy is not None:
                         found.setdefault(step, {}).setdefault(copy.rank, copy)
     out = {}
@@ -230,7 +245,12 @@ def _reshard_from_local(policy: CheckpointPolicy, lineage: Lineage, newest_persi
     every rank: one all-gather), resharding; None when there is none newer than persistent."""
     tier = policy.local
     assert tier is not None
-    steps = reachable_steps(tier, lineage)
+    try:
+        steps = reachable_steps(tier, lineage)
+    except Exception as exc:  # noqa: BLE001 — as in _scan_this_rank: nothing found, next tier
+        log.warning("local tier: cannot scan %s: %s: %s; falling back to the persistent tier",
+                    tier.top.url, type(exc).__name__, exc)
+        steps = {}
     common = set.intersection(*(set(s) for s in gather_json(sorted(steps))))
     step = max(common) if common else None
     if step is None or step < newest_persistent:
