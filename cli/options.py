@@ -256,3 +256,25 @@ def model_from_flags(flags: dict[str, Any]) -> ModelConfig:
 
     given = {f: flags[f] for f in MODEL_FLAGS if flags.get(f) is not None}
     return resolve_model(flags.get("model_preset"), given)
+
+
+# ---- the local checkpoint tier (train) -------------------------------------------------------------
+
+def _local_option(field: str, *decls: str, **kwargs: Any) -> F:
+    return field_option("CheckpointConfig", field, *decls, module="shardsmith.trainer.ckpt_config", **kwargs)
+
+
+local_tier_options = stack(
+    _local_option("local_ckpt", "--local-ckpt", metavar="DIR",
+                  help="Node-local checkpoint tier (local disk or /dev/shm): every rank writes its own state "
+                       "there every --local-save-interval steps, off the training thread; a restart loads "
+                       "it when it is the newest complete step. Needs --ckpt (the persistent tier)."),
+    _local_option("local_save_interval", "--local-save-interval", type=int,
+                  help="Write the local tier every N steps (with --local-ckpt)."),
+    _local_option("local_replicas", "--local-replicas", type=click.IntRange(0, 1),
+                  help="1: also copy each rank's local state to the rank one node over (over the process "
+                       "group), so losing a whole node loses no local step."),
+    _local_option("simulate_nodes", "--simulate-nodes", type=int,
+                  help="Treat the ranks as this many nodes (testing replication on one machine); "
+                       "0 = torchrun's nodes (LOCAL_WORLD_SIZE ranks each)."),
+)

@@ -16,8 +16,8 @@ import click
 
 from shardsmith.cli.greedy import GreedyOption
 from shardsmith.cli.options import (IntListType, dry_run_option, field_option, json_option, layout_options, make_dims,
-                                    model_from_flags, model_options, stack, storage_option,
-                                    tensor_format_option, zarr_codec_option)
+                                    local_tier_options, model_from_flags, model_options, stack,
+                                    storage_option, tensor_format_option, zarr_codec_option)
 from shardsmith.layout.sizes import format_nbytes
 
 T, O, C, FC = "TrainConfig", "OptimConfig", "CheckpointConfig", "FaultConfig"
@@ -112,7 +112,13 @@ checkpoint_options = stack(
 
 fault_options = stack(
     click.option("--max-restarts", type=int, default=0, show_default=True,
-                 help="Restart the worker group this many times after a failure (torchrun elastic)."),
+                 help="Restart the worker group this many times after a failure."),
+    click.option("--restart", "restart_mode", type=click.Choice(["torchrun", "in-process"]), default="torchrun",
+                 show_default=True,
+                 help="How a failed group restarts: torchrun (the elastic agent starts every worker anew) or "
+                      "in-process (survivors rejoin in place, warm spares replace the dead; README 'Recovery')."),
+    click.option("--spares", type=click.IntRange(min=0), default=1, show_default=True,
+                 help="With --restart in-process: warm spare processes kept ready to replace dead ranks."),
     field_option(FC, "preempt_deadline", "--preempt-deadline", type=float,
                  help="Seconds from SIGTERM/SIGUSR1 to a committed checkpoint and exit 0."),
     field_option(FC, "collective_timeout", "--collective-timeout", type=float,
@@ -136,6 +142,7 @@ fault_options = stack(
 @model_options
 @run_options
 @checkpoint_options
+@local_tier_options
 @fault_options
 @dry_run_option("Check the configuration and print per-rank memory, FLOPs and pipeline bubble; "
                 "start nothing.")
@@ -170,7 +177,12 @@ def train(**flags: Any) -> None:
     dims = cfg.parallel
     click.echo(f"training {dims.describe()} on {plural(dims.world_size, 'process')} to step {cfg.steps}",
                err=True)
-    code = launcher.launch(cfg, dims.world_size, max_restarts=flags["max_restarts"])
+    if flags["restart_mode"] == "in-process":
+        from shardsmith.trainer.supervisor import launch_in_process
+
+        code = launch_in_process(cfg, dims.world_size, max_restarts=flags["max_restarts"], spares=flags["spares"])
+    else:
+        code = launcher.launch(cfg, dims.world_size, max_restarts=flags["max_restarts"])
     if code:
         raise SystemExit(code)
 
@@ -210,7 +222,8 @@ def train_config(f: dict[str, Any], world: int | None):
         checkpoint=CheckpointConfig(
             url=f["ckpt"], storage_options=parse_storage_options(f["storage_options"]),
             **pick("save_interval", "resume", "init_from", "keep_last", "keep_every", "async_save",
-                   "tensor_format", "zarr_codec", "reset_optimizer", "overwrite")),
+                   "tensor_format", "zarr_codec", "reset_optimizer", "overwrite", "local_ckpt",
+                   "local_save_interval", "local_replicas", "simulate_nodes")),
         fault=FaultConfig(derive_dp_shard=f["dp_shard"] == -1,
                           **pick("preempt_deadline", "collective_timeout", "init_timeout", "hang_factor",
                                  "hang_min_seconds", "max_bad_steps", "max_rollbacks", "peak_flops")),

@@ -9,12 +9,18 @@ during the save of step STEP (any step when left out). POINT is a name below, or
 ``NAME@FILE`` for the storage points, which then fire only for a file of that base name
 (``fs.mid_write@rank-00001.safetensors``, ``fs.before_publish@manifest.json``). Before dying
 the process writes ``test hook: SIGKILL at crash point POINT (rank R, step S)`` to stderr.
+With ``SHARDSMITH_TEST_MARKER_DIR`` set, each (rank, point, step) fires once across elastic
+restarts (a marker file there, as the step hooks of ``trainer/fault_hooks.py``), so a restarted
+group that saves the same step again gets through.
 
 Points, in the order a save reaches them (``c`` = the coordinator, rank 0, only):
 
 ===========================  ==================================================================
 ``async.before_snapshot``    async save: before this rank's tensors are copied to host buffers
 ``async.after_snapshot``     async save: snapshot taken, nothing written yet
+``local.before_write``       local tier: retention done, this rank's files not yet written
+``local.before_commit``      local tier: data and sidecar written, the rank manifest not yet
+``local.before_replicate``   local tier: committed here, nothing sent to or from the buddies
 ``save.begin``               ``write_and_commit`` entered: nothing of this step written
 ``shard.before_write``       this rank's shard file encoded (header), nothing on storage
 ``fs.mid_write``             the first part of a file written (a local temp file / the first
@@ -90,8 +96,22 @@ def crash_point(point: str, *, key: str = "", step: int | None = None) -> None:
         _save_step = step
     names = {point, f"{point}@{posixpath.basename(key.rstrip('/'))}"} if key else {point}
     for name, want_step in _SPECS:
-        if name in names and (want_step is None or want_step == _save_step):
+        if name in names and (want_step is None or want_step == _save_step) and _first_time(name):
             _die(name)
+
+
+def _first_time(name: str) -> bool:
+    """False when ``SHARDSMITH_TEST_MARKER_DIR`` says this point already fired (before a restart)."""
+    marker_dir = os.environ.get("SHARDSMITH_TEST_MARKER_DIR", "")
+    if not marker_dir:
+        return True
+    os.makedirs(marker_dir, exist_ok=True)
+    marker = f"crash-rank{os.environ.get('RANK', '0')}-{name.replace('/', '_')}-step{_save_step}"
+    try:
+        os.close(os.open(os.path.join(marker_dir, marker), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _die(name: str) -> None:

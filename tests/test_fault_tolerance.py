@@ -209,7 +209,7 @@ def test_launcher_sets_worker_malloc_env_unless_set(monkeypatch) -> None:
         monkeypatch.setenv(name, "")            # so that monkeypatch restores what was there
         monkeypatch.delenv(name)
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")                   # the user's own value stays
-    launch._set_worker_env()
+    launch.set_worker_env()
     assert (os.environ["MALLOC_MMAP_THRESHOLD_"], os.environ["MALLOC_ARENA_MAX"]) == ("65536", "4")
     assert os.environ["OMP_NUM_THREADS"] == "1"
 

@@ -35,6 +35,7 @@ from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
 from shardsmith.trainer.checkpoint import SaveResult, WritePlan, plan_local_writes, write_and_commit
+from shardsmith.trainer.local_tier import LocalTier, replicate
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,9 @@ class AsyncCheckpointer:
         model_cfg, dims: model and layout.
         on_commit: called in the background thread after a successful commit.
         tensor_format, zarr_codec: see :func:`~shardsmith.trainer.checkpoint.write_and_commit`.
+        local: the node-local tier (:mod:`shardsmith.trainer.local_tier`): a save given a
+            ``local_doc`` stages every box this rank holds, writes them there first (and to
+            the buddy), then the persistent subset to ``root`` from the same host buffers.
 
     Attributes:
         snapshot_wait_seconds: total time callers waited for background snapshots
@@ -55,8 +59,8 @@ class AsyncCheckpointer:
 
     def __init__(self, root: Store, model_cfg: ModelConfig, dims: ParallelDims,
                  on_commit: Callable[[SaveResult], None] | None = None, *,
-                 tensor_format: str = "safetensors", zarr_codec: str = "") -> None:
-        self.root, self.model_cfg, self.dims = root, model_cfg, dims
+                 tensor_format: str = "safetensors", zarr_codec: str = "", local: LocalTier | None = None) -> None:
+        self.root, self.model_cfg, self.dims, self.local = root, model_cfg, dims, local
         self.tensor_format, self.zarr_codec = tensor_format, zarr_codec
         self.group = dist.new_group(backend="gloo")
         self.on_commit = on_commit
@@ -70,6 +74,7 @@ class AsyncCheckpointer:
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._waited = 0.0
         self.last_result: SaveResult | None = None
+        self.last_local_seconds = 0.0
 
     def overlap_with(self, optimizer: torch.optim.Optimizer) -> None:
         """Take snapshots in the background from now on; ``optimizer.step`` waits for the
@@ -105,11 +110,17 @@ class AsyncCheckpointer:
         return WritePlan(plan.step, plan.specs, entries)
 
     def save(self, step: int, tensors: dict[str, torch.Tensor], *, config: dict[str, Any],
-             state: dict[str, Any]) -> float:
-        """Snapshot and start a background save. Collective over all ranks.
+             state: dict[str, Any], persistent: bool = True, local_doc: dict[str, Any] | None = None) -> float:
+        """Snapshot and start a background save. Collective over all ranks (same arguments'
+        kinds on every rank: ``persistent`` and whether ``local_doc`` is given).
 
         Without :meth:`overlap_with` the snapshot is taken before this returns; with it, in the
         background (that optimizer's next step waits for it).
+
+        Args:
+            persistent: write and commit the step under ``root``.
+            local_doc: the rank manifest (:meth:`LocalTier.rank_doc`): also write the step to
+                the local tier, and to the buddy rank. Needs ``local``.
 
         Returns:
             Seconds the caller was blocked (waiting for the previous save + planning +
@@ -121,7 +132,11 @@ class AsyncCheckpointer:
         """
         t0 = time.perf_counter()
         self.wait()
-        plan = plan_local_writes(step, tensors, self.model_cfg, self.dims, dist.get_rank(self.group))
+        plan = plan_local_writes(step, tensors, self.model_cfg, self.dims, dist.get_rank(self.group)) \
+            if persistent else None
+        local_plan = self.local.plan(step, tensors) if self.local is not None and local_doc is not None else None
+        staged = local_plan or plan                        # the local plan holds the persistent one's boxes
+        assert staged is not None, "save() with neither tier"
         self._waited = 0.0
         self._snapshot_done.clear()
         ready = None
@@ -131,25 +146,31 @@ class AsyncCheckpointer:
         if not self.overlap_snapshot:
             crash_point("async.before_snapshot", step=step)       # test hooks (storage/crashpoints.py)
             try:
-                plan = self._stage(plan, ready)
+                staged = self._stage(staged, ready)
             finally:
                 self._snapshot_done.set()
         blocked = time.perf_counter() - t0
-        self._thread = threading.Thread(target=self._run, args=(plan, config, state, blocked, t0, ready),
-                                        name=f"shardsmith-save-{step}", daemon=True)
+        job = (staged, plan, local_doc, config, state, blocked, t0, ready)
+        self._thread = threading.Thread(target=self._run, args=job, name=f"shardsmith-save-{step}", daemon=True)
         self._thread.start()
         return blocked
 
-    def _run(self, plan: WritePlan, config: dict[str, Any], state: dict[str, Any], blocked: float,
-             t0: float, ready: Any) -> None:
+    def _run(self, staged: WritePlan, plan: WritePlan | None, local_doc: dict[str, Any] | None,
+             config: dict[str, Any], state: dict[str, Any], blocked: float, t0: float, ready: Any) -> None:
         try:
             if not self._snapshot_done.is_set():
-                crash_point("async.before_snapshot", step=plan.step)
+                crash_point("async.before_snapshot", step=staged.step)
                 try:
-                    plan = self._stage(plan, ready)
+                    staged = self._stage(staged, ready)
                 finally:
                     self._snapshot_done.set()
-            crash_point("async.after_snapshot", step=plan.step)
+            crash_point("async.after_snapshot", step=staged.step)
+            if local_doc is not None:
+                self._write_local(staged, local_doc)
+            if plan is None:
+                return
+            buffers = {fqn: t for fqn, t, _ in staged.entries}
+            plan = WritePlan(plan.step, plan.specs, [(fqn, buffers[fqn], box) for fqn, _, box in plan.entries])
             nbytes = write_and_commit(self.root, plan, model_cfg=self.model_cfg, dims=self.dims,
                                       config=config, state=state, group=self.group,
                                       tensor_format=self.tensor_format, zarr_codec=self.zarr_codec)
@@ -158,8 +179,18 @@ class AsyncCheckpointer:
             if self.on_commit is not None:
                 self.on_commit(self.last_result)
         except BaseException as exc:  # never dies silently: logged now, raised by the next call
-            log.error("background save of step %d failed: %s", plan.step, exc)
+            log.error("background save of step %d failed: %s", staged.step, exc)
             self._error = exc
+
+    def _write_local(self, staged: WritePlan, local_doc: dict[str, Any]) -> None:
+        """The local tier: this rank's files, then (with replicas) the exchange with the buddies."""
+        assert self.local is not None
+        t0 = time.perf_counter()
+        files = self.local.write(staged, local_doc)
+        if self.local.replicas:
+            crash_point("local.before_replicate", step=staged.step)
+            replicate(self.local, staged.step, files, self.group)
+        self.last_local_seconds = time.perf_counter() - t0
 
     def wait_snapshot(self) -> None:
         """Block until the save in flight (if any) has copied its tensors; then they may change."""

@@ -10,13 +10,14 @@ it, in the same order.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from shardsmith.errors import ConfigError, TrainingDiverged
+from shardsmith.errors import TrainingDiverged
 from shardsmith.layout.plan import checkpoint_specs, rank_boxes
 from shardsmith.storage.commit import find_latest_committed, open_manifest, resolve_checkpoint, step_dir
 from shardsmith.storage.fs import Store
@@ -30,76 +31,18 @@ from shardsmith.trainer.checkpoint import (SaveResult, init_optimizer_state, loa
 from shardsmith.trainer.comm import any_rank, broadcast_text, gather_json
 from shardsmith.trainer.data import GlobalBatchSampler
 from shardsmith.trainer.fault.bad_steps import BadStepPolicy
+from shardsmith.trainer.local_tier import LocalTier
 from shardsmith.trainer.rng import apply_rng, gather_rng
 from shardsmith.trainer.run_checks import RunIdentity, check_before_load, reset_due
 
 if TYPE_CHECKING:
     from shardsmith.trainer.config import TrainConfig
+    from shardsmith.trainer.recovery import StaticManifest
 
 log = logging.getLogger(__name__)
 
 #: Receives one metrics.jsonl record (see :class:`shardsmith.trainer.metrics.EventLog`).
 EventFn = Callable[[dict[str, Any]], None]
-
-
-@dataclass(kw_only=True)
-class CheckpointConfig:
-    """Where and when to checkpoint.
-
-    Attributes:
-        url: checkpoint root (local dir or fsspec URL); empty = no checkpoints.
-        save_interval: save every this many steps (0 = only at the end).
-        resume: ``auto`` (newest committed step under ``url`` if any), ``none``, or a URL
-            of a root or step directory.
-        storage_options: fsspec options (credentials, endpoint).
-        save_final: save after the last step.
-        async_save: snapshot to host memory, then write and commit in the background
-            (training is blocked only for the snapshot; at most one save in flight).
-        tensor_format: ``safetensors`` (one file per writing rank) or ``zarr`` (one zarr
-            array per tensor, chunked on shard boundaries; see ``storage/zarr_format.py``).
-        zarr_codec: compression of the optimizer state in zarr checkpoints: ``""`` (none),
-            ``zstd``, ``gzip``, optionally with a level (``zstd:5``).
-        init_from: a checkpoint (root or step URL, any layout) whose *model weights* start
-            this run when nothing is resumed: fresh optimizer, step 0 (e.g. from
-            ``shardsmith import-hf``).
-        keep_last, keep_every: retention applied after each commit (0 = keep all) to this
-            run's steps only; incomplete steps are always collected (see
-            :func:`shardsmith.storage.gc.gc_after_commit`).
-        reset_optimizer: resume the step count, data position and LR schedule of a checkpoint
-            but start a fresh AdamW (e.g. from a ``--model-only`` one); recorded as an event.
-        overwrite: start a new run in a root that holds another run's steps, deleting them
-            (loudly) before anything is saved. Without it such a start is refused.
-    """
-
-    url: str = ""
-    save_interval: int = 0
-    resume: str = "auto"
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    save_final: bool = True
-    async_save: bool = True
-    tensor_format: str = "safetensors"
-    zarr_codec: str = ""
-    init_from: str = ""
-    keep_last: int = 0
-    keep_every: int = 0
-    reset_optimizer: bool = False
-    overwrite: bool = False
-
-    def __post_init__(self) -> None:
-        if self.save_interval < 0:
-            raise ConfigError(f"checkpoint.save_interval={self.save_interval}: must be >= 0")
-        if self.keep_last < 0 or self.keep_every < 0:
-            raise ConfigError(f"checkpoint.keep_last={self.keep_last}, keep_every={self.keep_every}: "
-                              "must be >= 0 (0 = keep all)")
-        if self.tensor_format not in ("safetensors", "zarr"):
-            raise ConfigError(f"checkpoint.tensor_format={self.tensor_format!r}: choose 'safetensors' or 'zarr'")
-        if self.zarr_codec:
-            if self.tensor_format != "zarr":
-                raise ConfigError(f"checkpoint.zarr_codec={self.zarr_codec!r} needs tensor_format='zarr' "
-                                  "(safetensors checkpoints are not compressed)")
-            from shardsmith.storage.zarr_format import parse_codec
-
-            parse_codec(self.zarr_codec)
 
 
 def choose_resume(how: str, root: Store | None, restarts: int,
@@ -196,15 +139,21 @@ class CheckpointPolicy:
         self.last_saved_step = -1
         self.run = RunIdentity(id=broadcast_text(RunIdentity.new_id() if rank == 0 else ""), seed=cfg.seed)
         self.checkpointer: AsyncCheckpointer | None = None
+        self.local = LocalTier(cfg, rank) if ckpt.local_ckpt else None      # the node-local tier
         if self.root is not None and ckpt.async_save:
             self.checkpointer = AsyncCheckpointer(self.root, cfg.model, cfg.parallel, on_commit=self._on_commit,
-                                                  tensor_format=ckpt.tensor_format, zarr_codec=ckpt.zarr_codec)
+                                                  tensor_format=ckpt.tensor_format, zarr_codec=ckpt.zarr_codec,
+                                                  local=self.local)
             self.checkpointer.overlap_with(state.optimizer)   # snapshot overlaps fwd/bwd; step waits
 
     # ---- saving ---------------------------------------------------------------------------
 
     def interval_due(self, step: int) -> bool:
-        """True when ``checkpoint.save_interval`` asks for a save after ``step``."""
+        """True when either tier asks for a save after ``step`` (see :meth:`persistent_due`)."""
+        return self.persistent_due(step) or (self.local is not None and self.local.due(step))
+
+    def persistent_due(self, step: int) -> bool:
+        """True when ``checkpoint.save_interval`` asks for a persistent save after ``step``."""
         interval = self.cfg.checkpoint.save_interval
         return self.root is not None and bool(interval) and step % interval == 0
 
@@ -213,9 +162,11 @@ class CheckpointPolicy:
         return (self.root is not None and self.cfg.checkpoint.save_final
                 and self.state.step != self.last_saved_step)
 
-    def save(self) -> None:
+    def save(self, *, persistent: bool = True) -> None:
         """Checkpoint the current step (collective). With ``async_save`` this returns after
         the host snapshot and the commit happens in the background (see :meth:`wait`).
+        ``persistent=False``: the local tier only (its interval is due; no collective).
+        The local tier is written too whenever its interval is due.
 
         The state includes every rank's RNG state by role (all-gathered, see
         :mod:`shardsmith.trainer.rng`). A step that is already committed (a job sent back to
@@ -226,19 +177,31 @@ class CheckpointPolicy:
         """
         assert self.root is not None
         state, cfg = self.state, self.cfg
-        self._uncommit(state.step)
+        if persistent:
+            self._uncommit(state.step)
         init_optimizer_state(state.model, state.optimizer)
         tensors = model_state_tensors(state.model, state.optimizer)
+        local = self.local.rank_doc(state.step, state={**state.state_json(), "run": self.run.to_json()},
+                                    config=cfg.to_json()) if self.local and self.local.due(state.step) else None
         saved = {**state.state_json(), "rng": gather_rng(self.rank, self.coords, cfg.parallel),
-                 "run": self.run.to_json()}
-        self.last_saved_step = state.step
+                 "run": self.run.to_json()} if persistent else {}
+        if persistent:
+            self.last_saved_step = state.step
         if self.checkpointer is not None:
-            self.checkpointer.save(state.step, tensors, config=cfg.to_json(), state=saved)
+            self.checkpointer.save(state.step, tensors, config=cfg.to_json(), state=saved, persistent=persistent,
+                                   local_doc=local)
             return
         result = save_checkpoint(self.root, state.step, tensors, model_cfg=cfg.model, dims=cfg.parallel,
                                  config=cfg.to_json(), state=saved, tensor_format=cfg.checkpoint.tensor_format,
                                  zarr_codec=cfg.checkpoint.zarr_codec)
         self._on_commit(result)
+
+    def lose_local_node(self) -> None:
+        """Test hook (``SHARDSMITH_TEST_LOSE_NODE_AT``): wait for the save in flight, then
+        delete this node's local tier, as if its disk were gone."""
+        if self.local is not None:
+            self.wait()
+            shutil.rmtree(self.local.root.root, ignore_errors=True)
 
     def _uncommit(self, step: int) -> None:
         """Rank 0 deletes the manifest of ``step`` if committed; the all-reduce keeps every
@@ -286,12 +249,19 @@ class CheckpointPolicy:
         explicit URL without a committed step.
         """
         self._check_root()
+        if self.local is not None:
+            from shardsmith.trainer.recovery import announce, recover_local
+
+            if recover_local(self):
+                return True
         src = self.resume_source()
         if src is None:
             if self.cfg.checkpoint.init_from:
                 self._init_from(self.cfg.checkpoint.init_from)
             return False
         self._load(*src, reason="resume")
+        if self.local is not None:
+            announce(self, src[1], "persistent")
         return True
 
     def _check_root(self) -> None:
@@ -309,7 +279,7 @@ class CheckpointPolicy:
                 self.event({"event": "overwrite", "deleted_steps": deleted, "root": self.root.url})
         any_rank(bool(deleted))
 
-    def _read(self, step_store: Store, reader: ManifestReader, tensors: dict[str, torch.Tensor],
+    def _read(self, step_store: Store, reader: ManifestReader | StaticManifest, tensors: dict[str, torch.Tensor],
               with_optimizer: bool) -> list[Any]:
         """Fill ``tensors`` from the checkpoint by box intersection, reading only the manifest
         records of this rank's tensors; every rank's ``[nbytes_read, nbytes_needed]`` (all-gathered)."""
@@ -332,12 +302,14 @@ class CheckpointPolicy:
         self.event({"event": "init_from", "from": step_store.url, "source_step": step,
                     "saved_layout": reader.manifest(()).layout, "nbytes_read": sum(r[0] for r in read)})
 
-    def _load(self, step_store: Store, step: int, *, reason: str) -> None:
+    def _load(self, step_store: Store, step: int, *, reason: str,
+              reader: ManifestReader | StaticManifest | None = None) -> None:
         """Load tensors (resharding by box intersection), counters, data position, LR
-        schedule, bad-step state and RNG (restored, or re-derived on a new layout)."""
+        schedule, bad-step state and RNG (restored, or re-derived on a new layout); ``reader``:
+        a manifest already in memory (the local tier's), else the step's is read."""
         t0 = time.perf_counter()
         state, cfg = self.state, self.cfg
-        reader = open_manifest(step_store)                    # the head: configs, layout, state, index
+        reader = reader or open_manifest(step_store)          # the head: configs, layout, state, index
         manifest = reader.manifest(())
         reset = reset_due(manifest, cfg.checkpoint.reset_optimizer) and reason != "rollback"
         self._warn(check_before_load(manifest, cfg, step_store.url, resume=True, reset_optimizer=reset))
@@ -389,5 +361,7 @@ class CheckpointPolicy:
                                    "gradient norm and there is no committed checkpoint to roll back to; "
                                    "set --ckpt and --save-interval, or lower --lr")
         self._load(self.root.child(step_dir(latest)), latest, reason="rollback")
+        if self.local is not None:
+            self.local.forget_after(latest)
         self.event({"event": "rollback", "from_step": bad_step, "to_step": latest, "skip_samples": window,
                     "rollbacks": bad_steps.rollbacks, "skipped_steps": bad_steps.skipped_steps})

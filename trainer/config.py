@@ -12,7 +12,7 @@ from typing import Any
 
 from shardsmith.errors import ConfigError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.trainer.checkpointing import CheckpointConfig
+from shardsmith.trainer.ckpt_config import CheckpointConfig
 from shardsmith.trainer.data import DataConfig
 from shardsmith.trainer.fault import FaultConfig
 from shardsmith.trainer.optim import OptimConfig
@@ -112,6 +112,11 @@ class TrainConfig:
         out["parallel"] = self.parallel.to_json()
         out["data"]["sources"] = list(self.data.sources)
         out["checkpoint"]["storage_options"] = {}
+        local_defaults: dict[str, Any] = {"local_ckpt": "", "local_save_interval": 1, "local_replicas": 0,
+                                          "simulate_nodes": 0}
+        for name, value in local_defaults.items():
+            if out["checkpoint"][name] == value:      # manifests of runs without a local tier unchanged
+                del out["checkpoint"][name]
         for name, default in (("sequence_parallel", False), ("pipeline_schedule", ""), ("compile", False),
                               ("profile_steps", ())):
             if out[name] == default:        # runs without them write the bytes they always wrote

@@ -164,6 +164,8 @@ _EVENT_LINES = {
                             f"(step {r.get('source_step')}, layout {layout_name(r.get('saved_layout'))})"),
     "bad_step": lambda r: (f"step {r['step']}: non-finite loss {r.get('loss')} or grad norm "
                            f"{r.get('grad_norm')}; update skipped ({r.get('consecutive')} in a row)"),
+    "recovery": lambda r: (f"recovered step {r['step']} from {r.get('source')}"       # benches parse this
+                           + (f" ({r['detail']})" if r.get("detail") else "")),
     "rollback": lambda r: (f"rolled back from step {r['from_step']} to {r['to_step']}, skipping "
                            f"{r.get('skip_samples')} samples"),
     "data_skip": lambda r: f"skipping samples {r['from_sample']}..{r['to_sample']} (marked bad by a rollback)",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -32,6 +33,9 @@ class FaultHooks:
     ``SHARDSMITH_TEST_NAN_AT="RANK:BATCH[:loss|grad],..."``: makes the local loss (default)
     or a gradient of the step that trains on global batch BATCH (sample index / global
     batch size) NaN.
+    ``SHARDSMITH_TEST_LOSE_NODE_AT="RANK:STEP,..."``: as step STEP starts, that rank waits for
+    its save in flight, deletes its node's local checkpoint tier (the node's disk is gone) and
+    SIGKILLs itself; name every rank of a node to lose the whole node.
     ``SHARDSMITH_TEST_MARKER_DIR``: kills, signals and hangs fire once per (rank, step)
     across restarts (a marker file each); without it, once per process.
     """
@@ -43,6 +47,7 @@ class FaultHooks:
         self.signal = self._parse(env.get("SHARDSMITH_TEST_SIGNAL_AT", ""))
         self.hang = self._parse(env.get("SHARDSMITH_TEST_HANG_AT", ""))
         self.nan = self._parse(env.get("SHARDSMITH_TEST_NAN_AT", ""))
+        self.lose_node = self._parse(env.get("SHARDSMITH_TEST_LOSE_NODE_AT", ""))
         self.marker_dir = env.get("SHARDSMITH_TEST_MARKER_DIR", "")
         self._fired: set[str] = set()
 
@@ -68,8 +73,14 @@ class FaultHooks:
             return False
         return True
 
-    def at_step_start(self, step: int) -> None:
-        """Kill or signal this rank as step ``step`` starts, if asked."""
+    def at_step_start(self, step: int, on_node_loss: Callable[[], None] | None = None) -> None:
+        """Kill or signal this rank as step ``step`` starts, if asked (a node loss calls
+        ``on_node_loss`` first: wipe the local tier)."""
+        if step in self.lose_node and self._once("lose-node", step):
+            say(f"rank {self.rank}: test hook: node lost at step {step}")
+            if on_node_loss is not None:
+                on_node_loss()
+            os.kill(os.getpid(), signal.SIGKILL)
         if step in self.kill and self._once("kill", step):
             say(f"rank {self.rank}: test hook: SIGKILL at step {step}")
             os.kill(os.getpid(), signal.SIGKILL)

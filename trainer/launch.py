@@ -15,6 +15,7 @@ and the checkpoint loads by resharding.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -23,6 +24,7 @@ import signal
 import sys
 import tempfile
 import uuid
+from typing import Iterator
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -59,9 +61,9 @@ def config_payload(cfg: TrainConfig) -> dict:
     """
     data = cfg.to_json()
     data["checkpoint"]["storage_options"] = cfg.checkpoint.storage_options
-    for section, key in (("checkpoint", "url"), (None, "run_dir")):
+    for section, key in (("checkpoint", "url"), ("checkpoint", "local_ckpt"), (None, "run_dir")):
         holder = data[section] if section else data
-        if holder[key] and "://" not in holder[key]:
+        if holder.get(key) and "://" not in holder[key]:
             holder[key] = os.path.abspath(holder[key])
     return data
 
@@ -87,21 +89,11 @@ def launch(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0) -> i
             stopped the job.
         CheckpointNotFound, CheckpointMismatch, StorageError: from the preflight checks.
     """
-    found = preflight(cfg)
-    for note in found.notes:
-        print(f"warning: {note}", file=sys.stderr, flush=True)
-    if found.resume_step is not None and found.resume_step >= cfg.steps:
-        print(f"{found.resume_url} is at step {found.resume_step}, at or past --steps {cfg.steps}: nothing "
-              "to train (raise --steps to continue)", file=sys.stderr, flush=True)
+    if not ready_to_train(cfg):
         return 0
     _quiet_elastic_logs()
-    _set_worker_env()
-    workdir = tempfile.mkdtemp(prefix="shardsmith-launch-")
-    path, error_file = os.path.join(workdir, "config.json"), os.path.join(workdir, "error.txt")
-    os.environ[ERROR_FILE_ENV] = error_file
-    try:
-        with open(path, "w") as f:
-            json.dump(config_payload(cfg), f)
+    set_worker_env()
+    with job_files(cfg) as (path, error_file):
         lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node,
                           run_id=f"shardsmith-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint="localhost:0", max_restarts=max_restarts,
@@ -110,17 +102,48 @@ def launch(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0) -> i
             elastic_launch(lc, entrypoint=sys.executable)("-m", "shardsmith.trainer.worker", path)
         except ChildFailedError as exc:
             rank, failure = exc.get_first_failure()
-            raise LaunchError(_first_error(error_file) or f"worker rank {rank} failed with exit code "
+            raise LaunchError(first_error(error_file) or f"worker rank {rank} failed with exit code "
                               f"{failure.exitcode}; {len(exc.failures)} worker(s) failed") from None
         except SignalException as exc:
             return _stopped_by(exc)
+    return 0
+
+
+def ready_to_train(cfg: TrainConfig) -> bool:
+    """Run the launcher's :func:`~shardsmith.trainer.preflight.preflight` (its notes go to
+    stderr); False, with a line saying why, when the checkpoint to resume is already at or
+    past ``cfg.steps`` (nothing to train).
+
+    Raises:
+        CheckpointNotFound, CheckpointMismatch, StorageError: from the preflight checks.
+    """
+    found = preflight(cfg)
+    for note in found.notes:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
+    if found.resume_step is not None and found.resume_step >= cfg.steps:
+        print(f"{found.resume_url} is at step {found.resume_step}, at or past --steps {cfg.steps}: nothing "
+              "to train (raise --steps to continue)", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def job_files(cfg: TrainConfig) -> Iterator[tuple[str, str]]:
+    """A temporary directory with the workers' config JSON and the path of the error file
+    (exported as ``SHARDSMITH_ERROR_FILE``); both are removed on exit."""
+    workdir = tempfile.mkdtemp(prefix="shardsmith-launch-")
+    path, error_file = os.path.join(workdir, "config.json"), os.path.join(workdir, "error.txt")
+    os.environ[ERROR_FILE_ENV] = error_file
+    try:
+        with open(path, "w") as f:
+            json.dump(config_payload(cfg), f)
+        yield path, error_file
     finally:
         os.environ.pop(ERROR_FILE_ENV, None)
         for name in (path, error_file):
             if os.path.exists(name):
                 os.unlink(name)
         os.rmdir(workdir)
-    return 0
 
 
 #: glibc malloc settings for the workers, unless the user set them. A fixed mmap threshold
@@ -131,7 +154,7 @@ def launch(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0) -> i
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2"}
 
 
-def _set_worker_env() -> None:
+def set_worker_env() -> None:
     """Environment the workers inherit (each value only where the user has not set it)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for name, value in MALLOC_ENV.items():
@@ -152,7 +175,7 @@ def _quiet_elastic_logs() -> None:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
 
 
-def _first_error(error_file: str) -> str:
+def first_error(error_file: str) -> str:
     """The first failing worker's error line, if one wrote it."""
     try:
         with open(error_file) as f:

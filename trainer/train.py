@@ -253,7 +253,7 @@ class Trainer:
     def _iteration(self) -> None:
         """One step, then its boundary: agree on preemption, roll back or save."""
         assert self.guard is not None
-        self.hooks.at_step_start(self.step + 1)
+        self.hooks.at_step_start(self.step + 1, on_node_loss=self.checkpointing.lose_local_node)
         self.guard.begin(self.step + 1)
         with profile_step(self.step + 1, self.cfg.profile_steps, run_dir(self.cfg), self.rank):
             m = self.train_step()
@@ -266,8 +266,8 @@ class Trainer:
         bad_steps = self.state.bad_steps
         if bad_steps.consecutive >= bad_steps.max_bad_steps:
             self.checkpointing.roll_back()
-        elif self.checkpointing.interval_due(m.step):
-            self.save()
+        elif self.checkpointing.interval_due(m.step):          # either tier (local: every N steps)
+            self.checkpointing.save(persistent=self.checkpointing.persistent_due(m.step))
         if preempt:
             self._preempt()
 

@@ -23,7 +23,8 @@ from shardsmith.trainer.config import TrainConfig
 ERROR_FILE_ENV = "SHARDSMITH_ERROR_FILE"
 
 
-def main(argv: list[str]) -> int:
+def setup_process() -> None:
+    """Logging, warnings and stack dumps of a worker process (rank 0 logs INFO, others WARNING)."""
     # Known-noisy upstream warnings (FSDP2 hook registration, torchrun's OMP notice).
     warnings.filterwarnings("ignore", message=".*_register_pre_backward_hook.*")
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -34,6 +35,10 @@ def main(argv: list[str]) -> int:
             logging.getLogger(name).setLevel(logging.ERROR)
     faulthandler.enable()                                 # stacks on SIGSEGV/SIGABRT/...
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 PID` dumps stacks
+
+
+def main(argv: list[str]) -> int:
+    setup_process()
     with open(argv[0]) as f:
         cfg = TrainConfig.from_json(json.load(f))
     from shardsmith.trainer.train import run_training

@@ -1,0 +1,187 @@
+"""Recovery after a kill: in-process restart + local tier vs torchrun restart + persistent store.
+
+    OMP_NUM_THREADS=1 python bench/recovery_bench.py        (no arguments needed)
+
+Every run is the real ``shardsmith train`` CLI on the tiny model of the tests, 4 processes,
+tp2 x dp_shard2, 2 simulated nodes of 2 ranks (``--simulate-nodes 2``), in one bench run:
+
+* ``baseline``: today's path: persistent store only (``--save-interval 5``), ``--max-restarts 1``
+  by torchrun's elastic agent; rank 1 SIGKILLs itself as step ``--kill-step`` starts.
+* ``new``: ``--restart in-process --spares 3``, the local tier every step with buddy copies
+  (``--local-ckpt --local-replicas 1``), the same persistent store and interval; rank 1 is
+  SIGKILLed as step ``--kill-step`` starts, then the whole node 1 (ranks 2 and 3, whose
+  local tier is deleted: ``SHARDSMITH_TEST_LOSE_NODE_AT``) as step ``--node-step`` starts.
+* ``overhead``: ``--repeats`` pairs of uninterrupted runs, alternating which goes first: the
+  local tier every step (the persistent store only at the end) vs no checkpoints; steps/s
+  between the step records of ``metrics.jsonl`` after ``--warmup`` steps; the median of the
+  pairs' ratios (each pair ran back to back, under one load).
+
+Measured from ``metrics.jsonl`` (rank 0 stamps every record with Unix time) and the kill
+hooks' marker files (created just before the SIGKILL: their mtime is the kill time):
+``mttr_s`` = the first step record after the restart's ``start`` - the kill; ``lost_steps`` = the
+last step finished before the kill (the killed step - 1) - the step the restart loaded; ``source`` = the ``recovery`` event's
+tier. The last stdout line is one JSON object; the targets are ``lost_steps <= 1``,
+``mttr_s <= 0.3 * baseline_mttr_s`` and ``overhead >= 0.95``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MODEL_FLAGS = ["--tp", "2", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+               "--num-kv-heads", "2", "--ffn-hidden-size", "64", "--vocab-size", "256", "--seq-length", "16",
+               "--lr", "3e-3", "--warmup-steps", "2", "--global-batch-size", "8", "--micro-batch-size", "2",
+               "--seed", "1234", "--log-interval", "1", "--simulate-nodes", "2"]
+
+
+def records(root: Path) -> list[dict[str, Any]]:
+    path = root / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train(root: Path, data: str, steps: int, *flags: str, env: dict[str, str] | None = None,
+          timeout: float = 900) -> list[dict[str, Any]]:
+    """One ``shardsmith train`` (4 processes); its metrics records. Raises on failure."""
+    cmd = [sys.executable, "-m", "shardsmith", "train", "--nproc-per-node", "4", *MODEL_FLAGS, "--data", data,
+           "--steps", str(steps), "--lr-decay-steps", str(steps), "--run-dir", str(root), *flags]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})})
+    (root.parent / f"{root.name}.log").write_text(proc.stdout)
+    if proc.returncode != 0:
+        raise SystemExit(f"{root.name} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+    return records(root)
+
+
+def recovery(recs: list[dict[str, Any]], kill_time: float, kill_step: int) -> dict[str, Any]:
+    """MTTR, lost steps and source of the restart after the kill at ``kill_time``, as step
+    ``kill_step`` started (so ``kill_step - 1`` had finished: rank 0 may log it just after)."""
+    restart = next(r["time"] for r in recs if r.get("event") == "start" and r["time"] > kill_time)
+    after = [r for r in recs if "event" not in r and "loss" in r and r["time"] > restart]
+    if not after:
+        raise SystemExit("no step finished after the restart")
+    first = after[0]
+    events = [r for r in recs if r.get("event") == "recovery" and r["time"] > restart]
+    return {"mttr_s": round(first["time"] - kill_time, 3), "lost_steps": kill_step - first["step"],
+            "source": events[0]["source"] if events else "persistent"}
+
+
+def kill_time(markers: Path, kind: str, step: int) -> float:
+    """The mtime of the hook's marker (written just before its SIGKILL); the earliest of a node."""
+    found = sorted(markers.glob(f"{kind}-rank*-step{step}"))
+    if not found:
+        raise SystemExit(f"no {kind} marker for step {step} under {markers}")
+    return min(p.stat().st_mtime for p in found)
+
+
+def run_baseline(work: Path, data: str, args: argparse.Namespace) -> dict[str, Any]:
+    root, markers = work / "baseline", work / "baseline-markers"
+    env = {"SHARDSMITH_TEST_KILL_AT": f"1:{args.kill_step}", "SHARDSMITH_TEST_MARKER_DIR": str(markers)}
+    recs = train(root, data, args.kill_step + 3, "--ckpt", str(root), "--save-interval", str(args.save_interval),
+                 "--max-restarts", "1", env=env)
+    return recovery(recs, kill_time(markers, "kill", args.kill_step), args.kill_step)
+
+
+def run_new(work: Path, data: str, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    root, markers, local = work / "new", work / "new-markers", work / "new-local"
+    env = {"SHARDSMITH_TEST_KILL_AT": f"1:{args.kill_step}",
+           "SHARDSMITH_TEST_LOSE_NODE_AT": f"2:{args.node_step},3:{args.node_step}",
+           "SHARDSMITH_TEST_MARKER_DIR": str(markers)}
+    recs = train(root, data, args.node_step + 3, "--ckpt", str(root), "--save-interval", str(args.save_interval),
+                 "--local-ckpt", str(local), "--local-save-interval", "1", "--local-replicas", "1",
+                 "--restart", "in-process", "--spares", "3", "--max-restarts", "2", env=env)
+    rank = recovery(recs, kill_time(markers, "kill", args.kill_step), args.kill_step)
+    node = recovery(recs, kill_time(markers, "lose-node", args.node_step), args.node_step)
+    return rank, node
+
+
+def steps_per_s(recs: list[dict[str, Any]], warmup: int) -> float:
+    times = [r["time"] for r in recs if "event" not in r and "loss" in r and r["step"] > warmup]
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def run_overhead(work: Path, data: str, args: argparse.Namespace, t0: float) -> dict[str, Any]:
+    """Steps/s with the local tier every step / without checkpoints (median of the pairs'
+    ratios); no new pair starts once the bench has run ``--budget-s`` seconds (one always runs)."""
+    rates: dict[str, list[float]] = {"local": [], "none": []}
+    for i in range(args.repeats):
+        if i and time.time() - t0 > args.budget_s:
+            print(f"  overhead: {i} pair(s) only (--budget-s {args.budget_s} reached)", file=sys.stderr, flush=True)
+            break
+        for kind in (("local", "none") if i % 2 == 0 else ("none", "local")):
+            root = work / f"overhead-{kind}-{i}"
+            flags = ["--ckpt", str(root), "--save-interval", "0", "--local-ckpt", str(work / f"overhead-local-{i}"),
+                     "--local-save-interval", "1"] if kind == "local" else []
+            recs = train(root, data, args.warmup + args.measure, *flags)
+            rates[kind].append(steps_per_s(recs, args.warmup))
+            print(f"  overhead run {i} {kind}: {rates[kind][-1]:.2f} steps/s", file=sys.stderr, flush=True)
+    # Each pair ran back to back, so its ratio sees one load; the load drifts between pairs by
+    # more than the effect measured (x2 on this shared machine), hence the median of the ratios.
+    ratios = [a / b for a, b in zip(rates["local"], rates["none"])]
+    return {"overhead": round(statistics.median(ratios), 3), "overhead_pairs": [round(r, 3) for r in ratios],
+            "steps_per_s_local": round(statistics.median(rates["local"]), 3),
+            "steps_per_s_none": round(statistics.median(rates["none"]), 3)}
+
+
+def corpus(path: Path) -> str:
+    """~100 KB of real text (standard-library sources), tokenized as bytes."""
+    import argparse as a
+    import json as j
+    import textwrap as t
+
+    path.write_bytes(b"\n\n".join(Path(m.__file__).read_bytes() for m in (j, a, t)))
+    return str(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kill-step", type=int, default=8, help="rank 1 dies as this step starts")
+    parser.add_argument("--node-step", type=int, default=13, help="node 1 (ranks 2, 3) dies as this step starts")
+    parser.add_argument("--save-interval", type=int, default=5, help="persistent-store interval (both paths)")
+    parser.add_argument("--repeats", type=int, default=3, help="overhead: pairs of runs")
+    parser.add_argument("--warmup", type=int, default=5, help="overhead: steps left out of the rate")
+    parser.add_argument("--measure", type=int, default=20, help="overhead: steps measured")
+    parser.add_argument("--budget-s", type=float, default=780,
+                        help="overhead: start no new pair after this many seconds of the bench")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (its path is printed)")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="recovery-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    t0 = time.time()
+    try:
+        data = corpus(work / "corpus.txt")
+        base = run_baseline(work, data, args)
+        print(f"baseline (torchrun, persistent every {args.save_interval}): {base}", file=sys.stderr, flush=True)
+        rank, node = run_new(work, data, args)
+        print(f"in-process + local tier: rank {rank}, node {node}", file=sys.stderr, flush=True)
+        over = run_overhead(work, data, args, t0)
+    finally:
+        if args.keep:
+            print(f"work directory: {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    result = {"mttr_s": rank["mttr_s"], "lost_steps": max(rank["lost_steps"], node["lost_steps"]),
+              "source": rank["source"], "node_mttr_s": node["mttr_s"], "node_lost_steps": node["lost_steps"],
+              "node_source": node["source"], "baseline_mttr_s": base["mttr_s"],
+              "baseline_lost_steps": base["lost_steps"], "baseline_source": base["source"],
+              "mttr_ratio": round(rank["mttr_s"] / base["mttr_s"], 3), **over,
+              "load_avg_1m": round(os.getloadavg()[0], 2), "wall_s": round(time.time() - t0, 1)}
+    print(f"{'':24}{'mttr_s':>8}{'lost':>6}  source\n{'torchrun + persistent':24}{base['mttr_s']:>8}"
+          f"{base['lost_steps']:>6}  {base['source']}\n{'in-process, one rank':24}{rank['mttr_s']:>8}"
+          f"{rank['lost_steps']:>6}  {rank['source']}\n{'in-process, one node':24}{node['mttr_s']:>8}"
+          f"{node['lost_steps']:>6}  {node['source']}\noverhead (local every step / none): {over['overhead']}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
