@@ -479,6 +479,33 @@ def report(args: argparse.Namespace, data: dict) -> dict[str, Any]:
             "fsync": args.fsync, "loads_identical": data["crc_ok"]}
 
 
+def megatron_side(args: argparse.Namespace, data: dict, summary: dict[str, Any]) -> dict[str, Any]:
+    """With ``--megatron`` (local disk only), Megatron-Core's figures on the same state, run
+    after ours (bench/megatron_peer.py); the keys are None, with the reason printed, otherwise."""
+    import megatron_peer
+
+    res = data["results"]
+    meg, why = None, "not requested (--megatron)"
+    if args.megatron and args.s3:
+        why = "not run on --s3 (Megatron's torch_dist writes to a local path)"
+    elif args.megatron:
+        meg, why = megatron_peer.run_peer(ModelConfig.from_json(data["model"]), args)
+    keys = megatron_peer.summarize(median(res, "ours.save"),
+                                   {t: median(res, f"ours.load.{t}") for t in args.load_layouts.split(",")},
+                                   median(res, "ours.save", "cpu"), meg)
+    if meg is None:
+        print(f"Megatron-Core: skipped, {why}")
+        return keys
+    print(f"Megatron-Core (after ours; load average {os.getloadavg()[0]:.1f}): medians of {args.repeats}, "
+          f"loads identical to the saved values: {keys['megatron_loads_identical']}")
+    for k, v in keys["megatron_seconds"].items():
+        print(f"  {k:24s}{v:9.3f} s{keys['megatron_cpu_seconds'][k]:9.3f} CPU-s")
+    print(f"  async blocked {keys['megatron_async_blocked']:.3f} s; best save {keys['megatron_best_save_variant']}"
+          f" ({keys['save_speedup_vs_megatron']:.2f}x ours), loads {keys['megatron_best_load_variant']}"
+          f" ({keys['load_speedup_vs_megatron']:.2f}x ours, worst layout)")
+    return keys
+
+
 def start_s3() -> tuple[Any, dict[str, Any], str]:
     """moto's ThreadedMotoServer on a loopback port, with a bucket; (server, options, url)."""
     import logging
@@ -508,6 +535,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fsync", action="store_true", help="durable writes (DCP sync_files=True; fsync ours/raw)")
     p.add_argument("--verbose", action="store_true", help="print every measurement to stderr")
     p.add_argument("--profile", default="", help="cProfile this measurement on rank 0, e.g. ours.save")
+    p.add_argument("--megatron", action="store_true",
+                   help="also run Megatron-Core dist_checkpointing on the same state (bench/megatron_peer.py; "
+                        "interpreter from SHARDSMITH_MCORE_PYTHON, default .venv-mcore/bin/python)")
     p.add_argument("--dir", default="", help="local directory for the checkpoints (default: a temp dir)")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -534,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.stop()
     summary = report(args, data)
+    summary.update(megatron_side(args, data, summary))
     print(json.dumps(summary))
     return 0
 
