@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from pagecache import flush_and_evict
 
 from shardsmith.layout import ModelConfig, ParallelDims, stage_layers
 from shardsmith.layout.plan import checkpoint_specs, kv_replicas, padded_vocab_size, rank_boxes
@@ -147,14 +148,7 @@ def _cpu_seconds() -> float:
 def settle(base: str, local_disk: bool) -> None:
     """Flush dirty pages and evict the bench's files from the page cache (rank 0), then barrier."""
     if dist.get_rank() == 0 and local_disk:
-        os.sync()
-        for dirpath, _, names in os.walk(base):
-            for name in names:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+        flush_and_evict(base)
     dist.barrier()
 
 
@@ -500,6 +494,8 @@ def megatron_side(args: argparse.Namespace, data: dict, summary: dict[str, Any])
           f"loads identical to the saved values: {keys['megatron_loads_identical']}")
     for k, v in keys["megatron_seconds"].items():
         print(f"  {k:24s}{v:9.3f} s{keys['megatron_cpu_seconds'][k]:9.3f} CPU-s")
+    if keys["megatron_fp_load_skipped"]:
+        print(f"  fully parallel load not run: {keys['megatron_fp_load_skipped']}")
     print(f"  async blocked {keys['megatron_async_blocked']:.3f} s; best save {keys['megatron_best_save_variant']}"
           f" ({keys['save_speedup_vs_megatron']:.2f}x ours), loads {keys['megatron_best_load_variant']}"
           f" ({keys['load_speedup_vs_megatron']:.2f}x ours, worst layout)")

@@ -25,6 +25,7 @@ AdamW ``step`` scalars go into Megatron's common state (rank 0's ``common.pt``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import shutil
@@ -106,7 +107,8 @@ def run_peer(cfg: Any, args: Any, timeout_s: float = 900.0) -> tuple[dict[str, A
                                os.path.join(tmp, "run"), out], env=env, timeout=timeout_s,
                               capture_output=True, text=True)
         if proc.returncode or not os.path.exists(out):
-            return None, f"megatron peer failed (rc {proc.returncode}): {proc.stderr[-2000:]}"
+            errors = [line for line in proc.stderr.splitlines() if "Error" in line or "Killed" in line]
+            return None, f"megatron peer failed (rc {proc.returncode}): {' | '.join(errors[-3:]) or proc.stderr[-500:]}"
         with open(out) as f:
             return json.load(f), ""
     except (subprocess.TimeoutExpired, ValueError, OSError) as e:
@@ -123,11 +125,12 @@ def summarize(ours_save: float, ours_loads: dict[str, float], ours_save_cpu: flo
     ``megatron_async_blocked`` medians. All None without figures."""
     ok = bool(meg and meg.get("loads_identical"))
     if not meg:
-        return {"megatron_loads_identical": None, "save_speedup_vs_megatron": None, "load_speedup_vs_megatron": None,
+        return {"megatron_loads_identical": None, "megatron_fp_load_skipped": None, "save_speedup_vs_megatron": None, "load_speedup_vs_megatron": None,
                 "megatron_best_save_variant": None, "megatron_best_load_variant": None,
                 "megatron_seconds": None, "megatron_cpu_seconds": None, "megatron_async_blocked": None}
 
-    meg = {k: v for k, v in meg.items() if k != "loads_identical"}
+    skipped = meg.get("load_fp_skipped", "")
+    meg = {k: v for k, v in meg.items() if k not in ("loads_identical", "load_fp_skipped")}
 
     def med(key: str, field: str = "s") -> float:
         return statistics.median(r[field] for r in meg[key])
@@ -135,7 +138,7 @@ def summarize(ours_save: float, ours_loads: dict[str, float], ours_save_cpu: flo
     save_var = min(("save", "save_fp"), key=med)
     load_speed, load_var = {}, {}
     for target, ours in ours_loads.items():
-        load_var[target] = min((f"load.{target}", f"load_fp.{target}"), key=med)
+        load_var[target] = min((k for k in (f"load.{target}", f"load_fp.{target}") if k in meg), key=med)
         load_speed[target] = med(load_var[target]) / ours
     return {"save_speedup_vs_megatron": med(save_var) / ours_save,
             "load_speedup_vs_megatron": min(load_speed.values()),
@@ -145,7 +148,7 @@ def summarize(ours_save: float, ours_loads: dict[str, float], ours_save_cpu: flo
             "megatron_seconds": {k: round(med(k), 4) for k in sorted(meg)},
             "megatron_cpu_seconds": {k: round(med(k, "cpu"), 4) for k in sorted(meg)},
             "megatron_async_blocked": round(med("async", "blocked"), 4),
-            "megatron_loads_identical": ok}
+            "megatron_loads_identical": ok, "megatron_fp_load_skipped": skipped or None}
 
 
 # ---- megatron-core side ------------------------------------------------------------------------
@@ -157,15 +160,10 @@ def _cpu_seconds() -> float:
 
 
 def _settle(base: str) -> None:
+    from pagecache import flush_and_evict
+
     if dist.get_rank() == 0:
-        os.sync()
-        for dirpath, _, names in os.walk(base):
-            for name in names:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+        flush_and_evict(base)
     dist.barrier()
 
 
@@ -292,6 +290,18 @@ class _Ops:
         self.loaded[target] = self.dc.load(self.dst[target], os.path.join(self.base, name), strategy)
 
 
+def _fp_load_too_big(spec: dict[str, Any]) -> str:
+    """Why the fully parallel load is not run ("" if it is): with ``gather_object`` every rank
+    receives every shard it needs as pickles, several copies of the state per rank (a 1.11 GiB
+    state drove one rank past 6 GiB and the kernel OOM-killed it); run it only if ``nproc`` x
+    3 x the state fits in half of MemAvailable."""
+    nbytes = 4 * sum(math.prod(row[3]) for rows in spec["layouts"][spec["save"]] for row in rows if row[4] == 0)
+    with open("/proc/meminfo") as f:
+        avail = int(next(line.split()[1] for line in f if line.startswith("MemAvailable"))) * 1024
+    need = spec["nproc"] * 3 * nbytes
+    return "" if need < avail / 2 else f"needs ~{need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
+
+
 def _worker(rank: int, spec: dict[str, Any], base: str, out: str, port: int) -> None:
     torch.set_num_threads(1)
     torch.cuda.current_device = lambda: "cpu"                       # type: ignore[assignment]
@@ -303,7 +313,7 @@ def _worker(rank: int, spec: dict[str, Any], base: str, out: str, port: int) -> 
             _no_fsync()
         ops = _Ops(spec, base)
         ops.save("warmup", False)                  # the first save in a process takes seconds
-        results: dict[str, Any] = {"loads_identical": True}
+        results: dict[str, Any] = {"loads_identical": True, "load_fp_skipped": _fp_load_too_big(spec)}
 
         def run(key: str, fn: Callable[[], Any]) -> None:
             results.setdefault(key, []).append(_measure(base, fn))
@@ -316,7 +326,8 @@ def _worker(rank: int, spec: dict[str, Any], base: str, out: str, port: int) -> 
             run("async", lambda: ops.async_save("async"))
             for target in spec["loads"]:
                 run(f"load.{target}", lambda: ops.load("plain", target, False))
-                run(f"load_fp.{target}", lambda: ops.load("plain", target, True))
+                if not results["load_fp_skipped"]:
+                    run(f"load_fp.{target}", lambda: ops.load("plain", target, True))
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(results, f)
