@@ -16,6 +16,12 @@ which goes first on every repeat, on the same storage it measures:
   compared (CRC-32C of every local tensor) so both must agree bit for bit;
 * raw fsspec bandwidth: every rank writes the bytes it saves as one file, then reads it back.
 
+With ``--megatron`` (local disk), Megatron-Core's ``dist_checkpointing`` then runs on the same
+state under megatron-core's own interpreter (bench/megatron_peer.py; env
+``SHARDSMITH_MCORE_PYTHON``): plain, fully parallel and async save, plain and fully parallel load
+into each layout; keys ``save_speedup_vs_megatron``/``load_speedup_vs_megatron`` (ours vs its
+best variant) and ``megatron_*``. Without it (or without the interpreter) they are null.
+
 Also: shardsmith's bytes read / bytes needed (``ReadStats``), bytes read by syscalls
 (``rchar`` of ``/proc/self/io``, local disk) for both, and the peak RSS of each rank during
 each operation (``VmHWM``, reset through ``/proc/self/clear_refs`` before every operation).
