@@ -16,6 +16,12 @@ which goes first on every repeat, on the same storage it measures:
   compared (CRC-32C of every local tensor) so both must agree bit for bit;
 * raw fsspec bandwidth: every rank writes the bytes it saves as one file, then reads it back.
 
+With ``--megatron`` (local disk), Megatron-Core's ``dist_checkpointing`` then runs on the same
+state under megatron-core's own interpreter (bench/megatron_peer.py; env
+``SHARDSMITH_MCORE_PYTHON``): plain, fully parallel and async save, plain and fully parallel load
+into each layout; keys ``save_speedup_vs_megatron``/``load_speedup_vs_megatron`` (ours vs its
+best variant) and ``megatron_*``. Without it (or without the interpreter) they are null.
+
 Also: shardsmith's bytes read / bytes needed (``ReadStats``), bytes read by syscalls
 (``rchar`` of ``/proc/self/io``, local disk) for both, and the peak RSS of each rank during
 each operation (``VmHWM``, reset through ``/proc/self/clear_refs`` before every operation).
@@ -53,6 +59,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from pagecache import flush_and_evict
 
 from shardsmith.layout import ModelConfig, ParallelDims, stage_layers
 from shardsmith.layout.plan import checkpoint_specs, kv_replicas, padded_vocab_size, rank_boxes
@@ -147,14 +154,7 @@ def _cpu_seconds() -> float:
 def settle(base: str, local_disk: bool) -> None:
     """Flush dirty pages and evict the bench's files from the page cache (rank 0), then barrier."""
     if dist.get_rank() == 0 and local_disk:
-        os.sync()
-        for dirpath, _, names in os.walk(base):
-            for name in names:
-                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+        flush_and_evict(base)
     dist.barrier()
 
 
@@ -479,6 +479,35 @@ def report(args: argparse.Namespace, data: dict) -> dict[str, Any]:
             "fsync": args.fsync, "loads_identical": data["crc_ok"]}
 
 
+def megatron_side(args: argparse.Namespace, data: dict, summary: dict[str, Any]) -> dict[str, Any]:
+    """With ``--megatron`` (local disk only), Megatron-Core's figures on the same state, run
+    after ours (bench/megatron_peer.py); the keys are None, with the reason printed, otherwise."""
+    import megatron_peer
+
+    res = data["results"]
+    meg, why = None, "not requested (--megatron)"
+    if args.megatron and args.s3:
+        why = "not run on --s3 (Megatron's torch_dist writes to a local path)"
+    elif args.megatron:
+        meg, why = megatron_peer.run_peer(ModelConfig.from_json(data["model"]), args)
+    keys = megatron_peer.summarize(median(res, "ours.save"),
+                                   {t: median(res, f"ours.load.{t}") for t in args.load_layouts.split(",")},
+                                   median(res, "ours.save", "cpu"), meg)
+    if meg is None:
+        print(f"Megatron-Core: skipped, {why}")
+        return keys
+    print(f"Megatron-Core (after ours; load average {os.getloadavg()[0]:.1f}): medians of {args.repeats}, "
+          f"loads identical to the saved values: {keys['megatron_loads_identical']}")
+    for k, v in keys["megatron_seconds"].items():
+        print(f"  {k:24s}{v:9.3f} s{keys['megatron_cpu_seconds'][k]:9.3f} CPU-s")
+    if keys["megatron_fp_load_skipped"]:
+        print(f"  fully parallel load not run: {keys['megatron_fp_load_skipped']}")
+    print(f"  async blocked {keys['megatron_async_blocked']:.3f} s; best save {keys['megatron_best_save_variant']}"
+          f" ({keys['save_speedup_vs_megatron']:.2f}x ours), loads {keys['megatron_best_load_variant']}"
+          f" ({keys['load_speedup_vs_megatron']:.2f}x ours, worst layout)")
+    return keys
+
+
 def start_s3() -> tuple[Any, dict[str, Any], str]:
     """moto's ThreadedMotoServer on a loopback port, with a bucket; (server, options, url)."""
     import logging
@@ -508,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fsync", action="store_true", help="durable writes (DCP sync_files=True; fsync ours/raw)")
     p.add_argument("--verbose", action="store_true", help="print every measurement to stderr")
     p.add_argument("--profile", default="", help="cProfile this measurement on rank 0, e.g. ours.save")
+    p.add_argument("--megatron", action="store_true",
+                   help="also run Megatron-Core dist_checkpointing on the same state (bench/megatron_peer.py; "
+                        "interpreter from SHARDSMITH_MCORE_PYTHON, default .venv-mcore/bin/python)")
     p.add_argument("--dir", default="", help="local directory for the checkpoints (default: a temp dir)")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -534,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             server.stop()
     summary = report(args, data)
+    summary.update(megatron_side(args, data, summary))
     print(json.dumps(summary))
     return 0
 

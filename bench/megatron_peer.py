@@ -1,0 +1,353 @@
+"""Megatron-Core ``dist_checkpointing`` on the state of bench/checkpoint_vs_dcp.py (its peer run).
+
+Two halves, in two interpreters:
+
+* :func:`run_peer` (shardsmith's Python, called by checkpoint_vs_dcp.py ``--megatron``) writes
+  the state's description (every rank's FQN, global shape, box, replica id and fill seed, for
+  the save layout and each load layout) to JSON and runs this file under megatron-core's
+  Python (env ``SHARDSMITH_MCORE_PYTHON``, default ``<repo>/.venv-mcore/bin/python``). It
+  returns the figures, or ``None`` and a reason when that interpreter is absent or fails.
+* ``python bench/megatron_peer.py SPEC DIR OUT`` (megatron-core's Python; no shardsmith import)
+  spawns ``nproc`` gloo ranks that build the same tensors (same values: the same generator
+  seeds) as ``ShardedTensor`` s, warm up once, then per repeat measure, from a barrier after a
+  page-cache flush + evict, like the bench: ``save`` (default torch_dist strategy), ``save_fp``
+  (``FullyParallelSaveStrategyWrapper``), ``async`` (``async_sharded_save`` + a
+  non-persistent ``AsyncCallsQueue``: ``blocked`` = seconds in ``save``, ``s`` = until
+  finalized), and per load layout ``load.<L>`` / ``load_fp.<L>``
+  (``FullyParallelLoadStrategyWrapper``, ``exchange_algo="gather_object"``).
+
+On CPU, ``torch.cuda.current_device`` / ``torch.cuda.synchronize`` are replaced by no-ops in
+the Megatron ranks (shared/notes/megatron-core-on-cpu.md). Megatron always fsyncs its shard
+files; without ``--fsync`` the peer turns that off (``use_fsync=False``) to match the bench.
+AdamW ``step`` scalars go into Megatron's common state (rank 0's ``common.pt``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---- shardsmith side ---------------------------------------------------------------------------
+
+
+def describe_state(cfg: Any, save_layout: str, load_layouts: list[str], nproc: int) -> dict[str, Any]:
+    """The bench's state per layout and rank: ``[fqn, global_shape, offsets, lengths, replica_id,
+    seed]`` rows (non-empty boxes only), plus the scalar ``step`` FQNs. Raises ValueError if a
+    box is not on a regular grid (Megatron's ``ShardedTensor`` needs one)."""
+    from checkpoint_vs_dcp import parse_layout
+    from shardsmith.layout.plan import checkpoint_specs, rank_boxes
+
+    layouts: dict[str, list[list[list[Any]]]] = {}
+    steps: list[str] = []
+    for name in [save_layout, *load_layouts]:
+        dims = parse_layout(name)
+        specs = checkpoint_specs(cfg, dims)
+        boxes = [rank_boxes(specs, dims, r) for r in range(nproc)]
+        holders: dict[tuple[str, str], list[int]] = {}
+        for r in range(nproc):
+            for fqn, box in boxes[r].items():
+                holders.setdefault((fqn, str(box)), []).append(r)
+        rows: list[list[list[Any]]] = []
+        for r in range(nproc):
+            mine = []
+            for fqn, box in sorted(boxes[r].items()):
+                shape = tuple(specs[fqn].shape)
+                if not shape:
+                    if name == save_layout and r == 0:
+                        steps.append(fqn)
+                    continue
+                if box.is_empty:
+                    continue
+                if any(g % n or o % n for g, o, n in zip(shape, box.offsets, box.lengths)):
+                    raise ValueError(f"{fqn} box {box} of {shape} is not on a regular grid")
+                mine.append([fqn, list(shape), list(box.offsets), list(box.lengths),
+                             holders[(fqn, str(box))].index(r), zlib.crc32(f"{fqn}{box}".encode())])
+            rows.append(mine)
+        layouts[name] = rows
+    return {"save": save_layout, "loads": load_layouts, "layouts": layouts, "steps": steps}
+
+
+def mcore_python() -> str:
+    return os.environ.get("SHARDSMITH_MCORE_PYTHON", os.path.join(REPO, ".venv-mcore", "bin", "python"))
+
+
+def run_peer(cfg: Any, args: Any, timeout_s: float = 900.0) -> tuple[dict[str, Any] | None, str]:
+    """Run the Megatron ranks on ``args``' state (``nproc``, ``save_layout``, ``load_layouts``,
+    ``repeats``, ``fsync``, ``dir``). Returns (figures: key -> list of per-repeat measurements,
+    ``""``) or (None, why not)."""
+    py = mcore_python()
+    if not os.path.exists(py):
+        return None, f"no megatron-core interpreter at {py} (set SHARDSMITH_MCORE_PYTHON)"
+    tmp = tempfile.mkdtemp(prefix="mcore-bench-", dir=args.dir or None)
+    try:
+        spec = describe_state(cfg, args.save_layout, args.load_layouts.split(","), args.nproc)
+        spec.update(nproc=args.nproc, repeats=args.repeats, fsync=args.fsync)
+        with open(os.path.join(tmp, "spec.json"), "w") as f:
+            json.dump(spec, f)
+        out = os.path.join(tmp, "out.json")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([py, os.path.abspath(__file__), os.path.join(tmp, "spec.json"),
+                               os.path.join(tmp, "run"), out], env=env, timeout=timeout_s,
+                              capture_output=True, text=True)
+        if proc.returncode or not os.path.exists(out):
+            errors = [line for line in proc.stderr.splitlines() if "Error" in line or "Killed" in line]
+            return None, f"megatron peer failed (rc {proc.returncode}): {' | '.join(errors[-3:]) or proc.stderr[-500:]}"
+        with open(out) as f:
+            return json.load(f), ""
+    except (subprocess.TimeoutExpired, ValueError, OSError) as e:
+        return None, f"megatron peer not run: {e}"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def summarize(ours_save: float, ours_loads: dict[str, float], ours_save_cpu: float,
+              meg: dict[str, Any] | None) -> dict[str, Any]:
+    """Final-JSON keys: ``save_speedup_vs_megatron`` (Megatron's best sync save variant's median
+    seconds / ours), ``load_speedup_vs_megatron`` (min over load layouts of Megatron's best
+    load variant / ours), the variants, and ``megatron_seconds``/``megatron_cpu_seconds``/
+    ``megatron_async_blocked`` medians. All None without figures."""
+    ok = bool(meg and meg.get("loads_identical"))
+    if not meg:
+        return {"megatron_loads_identical": None, "megatron_fp_load_skipped": None, "save_speedup_vs_megatron": None, "load_speedup_vs_megatron": None,
+                "megatron_best_save_variant": None, "megatron_best_load_variant": None,
+                "megatron_seconds": None, "megatron_cpu_seconds": None, "megatron_async_blocked": None}
+
+    skipped = meg.get("load_fp_skipped", "")
+    meg = {k: v for k, v in meg.items() if k not in ("loads_identical", "load_fp_skipped")}
+
+    def med(key: str, field: str = "s") -> float:
+        return statistics.median(r[field] for r in meg[key])
+
+    save_var = min(("save", "save_fp"), key=med)
+    load_speed, load_var = {}, {}
+    for target, ours in ours_loads.items():
+        load_var[target] = min((k for k in (f"load.{target}", f"load_fp.{target}") if k in meg), key=med)
+        load_speed[target] = med(load_var[target]) / ours
+    return {"save_speedup_vs_megatron": med(save_var) / ours_save,
+            "load_speedup_vs_megatron": min(load_speed.values()),
+            "load_speedup_vs_megatron_by_layout": load_speed,
+            "save_cpu_vs_megatron": ours_save_cpu / med(save_var, "cpu"),
+            "megatron_best_save_variant": save_var, "megatron_best_load_variant": load_var,
+            "megatron_seconds": {k: round(med(k), 4) for k in sorted(meg)},
+            "megatron_cpu_seconds": {k: round(med(k, "cpu"), 4) for k in sorted(meg)},
+            "megatron_async_blocked": round(med("async", "blocked"), 4),
+            "megatron_loads_identical": ok, "megatron_fp_load_skipped": skipped or None}
+
+
+# ---- megatron-core side ------------------------------------------------------------------------
+
+
+def _cpu_seconds() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _settle(base: str) -> None:
+    from pagecache import flush_and_evict
+
+    if dist.get_rank() == 0:
+        flush_and_evict(base)
+    dist.barrier()
+
+
+def _measure(base: str, fn: Callable[[], Any]) -> dict[str, float]:
+    """Slowest rank's seconds and ``blocked``; CPU seconds (own + waited children) summed."""
+    _settle(base)
+    dist.barrier()
+    cpu0, t0 = _cpu_seconds(), time.perf_counter()
+    blocked = fn() or 0.0
+    seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
+    maxed = torch.tensor([seconds, blocked], dtype=torch.float64)
+    summed = torch.tensor([cpu], dtype=torch.float64)
+    dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
+    dist.all_reduce(summed)
+    return {"s": float(maxed[0]), "blocked": float(maxed[1]), "cpu": float(summed[0])}
+
+
+def _sharded(rows: list[list[Any]], steps: list[str], fill: bool) -> dict[str, Any]:
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    sd: dict[str, Any] = {}
+    for fqn, shape, offsets, lengths, replica, seed in rows:
+        t = torch.zeros(lengths)
+        if fill:
+            t.uniform_(-1, 1, generator=torch.Generator().manual_seed(seed))
+        sd[fqn] = ShardedTensor(key=fqn, data=t, dtype=t.dtype, local_shape=tuple(lengths),
+                                global_shape=tuple(shape), global_offset=tuple(offsets),
+                                axis_fragmentations=tuple(g // n for g, n in zip(shape, lengths)),
+                                replica_id=replica)
+    sd["step"] = {fqn: torch.tensor(7.0) for fqn in steps}
+    return sd
+
+
+def _loaded_ok(spec: dict[str, Any], target: str, dst: dict[str, Any]) -> bool:
+    """Whether every loaded tensor equals the saved values (regenerated from the source rows'
+    seeds, overlap by overlap), on all ranks. Collective; untimed."""
+    sources: dict[str, list[list[Any]]] = {}
+    for rows in spec["layouts"][spec["save"]]:
+        for row in rows:
+            if row[4] == 0:
+                sources.setdefault(row[0], []).append(row)
+    ok = True
+    for fqn, _, offsets, lengths, _, _ in spec["layouts"][target][dist.get_rank()]:
+        got, covered = dst[fqn], 0
+        for _, _, s_off, s_len, _, seed in sources[fqn]:
+            lo = [max(a, b) for a, b in zip(offsets, s_off)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, lengths, s_off, s_len)]
+            if any(h <= low for low, h in zip(lo, hi)):
+                continue
+            src = torch.zeros(s_len).uniform_(-1, 1, generator=torch.Generator().manual_seed(seed))
+            mine = got[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
+            ok &= torch.equal(mine, src[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, s_off))])
+            covered += mine.numel()
+        ok &= covered == got.numel()
+        if not ok and os.environ.get("MEGATRON_PEER_DEBUG"):
+            print(f"rank {dist.get_rank()} {target} {fqn} differs", file=sys.stderr)
+    flag = torch.tensor([0 if ok else 1])
+    dist.all_reduce(flag)
+    return not int(flag)
+
+
+def _no_fsync() -> None:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    write = FileSystemWriterAsync.write_preloaded_data
+
+    def no_fsync(*a: Any, **k: Any) -> Any:
+        k["use_fsync"] = False
+        return write(*a, **k)
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(no_fsync)  # type: ignore[method-assign]
+
+
+class _Ops:
+    """One rank's Megatron save/load variants on the bench's state."""
+
+    def __init__(self, spec: dict[str, Any], base: str) -> None:
+        from megatron.core import dist_checkpointing as dc
+        from megatron.core.dist_checkpointing import serialization
+        from megatron.core.dist_checkpointing.strategies import fully_parallel as fp
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.dc, self.ser, self.fp, self.queue_cls, self.base = dc, serialization, fp, AsyncCallsQueue, base
+        rank = dist.get_rank()
+        self.src = _sharded(spec["layouts"][spec["save"]][rank], spec["steps"], True)
+        self.dst = {t: _sharded(spec["layouts"][t][rank], spec["steps"], False) for t in spec["loads"]}
+        self.loaded: dict[str, dict[str, Any]] = {}
+
+    def _dir(self, name: str) -> str:
+        path = os.path.join(self.base, name)
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(path)
+        dist.barrier()
+        return path
+
+    def save(self, name: str, fully_parallel: bool) -> None:
+        strategy = self.ser.get_default_save_sharded_strategy()
+        if fully_parallel:
+            strategy = self.fp.FullyParallelSaveStrategyWrapper(strategy)
+        self.dc.save(self.src, self._dir(name), strategy)
+
+    def async_save(self, name: str) -> float:
+        path = self._dir(name)
+        queue = self.queue_cls()
+        t0 = time.perf_counter()
+        request = self.dc.save(self.src, path, async_sharded_save=True, async_strategy="mcore")
+        queue.schedule_async_request(request)
+        blocked = time.perf_counter() - t0
+        queue.maybe_finalize_async_calls(blocking=True)
+        queue.close()
+        return blocked
+
+    def load(self, name: str, target: str, fully_parallel: bool) -> None:
+        strategy = None
+        if fully_parallel:
+            strategy = self.fp.FullyParallelLoadStrategyWrapper(
+                self.ser.get_default_load_sharded_strategy(os.path.join(self.base, name)),
+                exchange_algo="gather_object")
+        for t in self.dst[target].values():
+            if isinstance(t, torch.Tensor):
+                t.zero_()
+            elif hasattr(t, "data"):
+                t.data.zero_()
+        self.loaded[target] = self.dc.load(self.dst[target], os.path.join(self.base, name), strategy)
+
+
+def _fp_load_too_big(spec: dict[str, Any]) -> str:
+    """Why the fully parallel load is not run ("" if it is): with ``gather_object`` every rank
+    receives every shard it needs as pickles, several copies of the state per rank (a 1.11 GiB
+    state drove one rank past 6 GiB and the kernel OOM-killed it); run it only if ``nproc`` x
+    3 x the state fits in half of MemAvailable."""
+    nbytes = 4 * sum(math.prod(row[3]) for rows in spec["layouts"][spec["save"]] for row in rows if row[4] == 0)
+    with open("/proc/meminfo") as f:
+        avail = int(next(line.split()[1] for line in f if line.startswith("MemAvailable"))) * 1024
+    need = spec["nproc"] * 3 * nbytes
+    return "" if need < avail / 2 else f"needs ~{need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
+
+
+def _worker(rank: int, spec: dict[str, Any], base: str, out: str, port: int) -> None:
+    torch.set_num_threads(1)
+    torch.cuda.current_device = lambda: "cpu"                       # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None                   # type: ignore[assignment]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=spec["nproc"])
+    try:
+        if not spec["fsync"]:
+            _no_fsync()
+        ops = _Ops(spec, base)
+        ops.save("warmup", False)                  # the first save in a process takes seconds
+        results: dict[str, Any] = {"loads_identical": True, "load_fp_skipped": _fp_load_too_big(spec)}
+
+        def run(key: str, fn: Callable[[], Any]) -> None:
+            results.setdefault(key, []).append(_measure(base, fn))
+            if key.startswith("load") and len(results[key]) == 1:
+                target = key.split(".", 1)[1]
+                results["loads_identical"] &= _loaded_ok(spec, target, ops.loaded[target])
+        for _ in range(spec["repeats"]):
+            run("save", lambda: ops.save("plain", False))
+            run("save_fp", lambda: ops.save("fp", True))
+            run("async", lambda: ops.async_save("async"))
+            for target in spec["loads"]:
+                run(f"load.{target}", lambda: ops.load("plain", target, False))
+                if not results["load_fp_skipped"]:
+                    run(f"load_fp.{target}", lambda: ops.load("plain", target, True))
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    import torch.multiprocessing as mp
+
+    spec_path, base, out = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    os.makedirs(base, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_worker, args=(spec, base, out, port), nprocs=spec["nproc"], start_method="spawn")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
