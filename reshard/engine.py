@@ -35,7 +35,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from shardsmith.layout import ParallelDims
-from shardsmith.reshard.planner import PlanEntry, ReshardOptions, ReshardPlan, Slab, TargetFile, plan_reshard
+from shardsmith.reshard.planner import PlanEntry, ReshardOptions, ReshardPlan, TargetFile, plan_reshard
+from shardsmith.reshard.slabs import Slab
 from shardsmith.reshard.scaleout import Share, assign_files, cleanup, gather, publish
 from shardsmith.reshard.stream import BufferBudget, BufferPool, FileResult, assemble_slab, return_freed_buffers_to_os
 from shardsmith.storage import safetensors

@@ -14,7 +14,8 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from shardsmith.layout.box import row_major_strides
-from shardsmith.reshard.planner import Piece, PlanEntry, Slab
+from shardsmith.reshard.planner import PlanEntry
+from shardsmith.reshard.slabs import Piece, Slab
 from shardsmith.storage.checksum import require_full_read, verify_chunks, verify_chunks_split
 from shardsmith.storage.fs import Store
 from shardsmith.storage.local import FileSpan, map_range

@@ -1,4 +1,10 @@
-"""Checksums: CRC-32C (Castagnoli; RFC 3720 §B.4) via the ``crc32c`` package (hardware accelerated).
+"""Checksums: CRC-32C (Castagnoli; RFC 3720 §B.4), hardware accelerated.
+
+The bytes are checksummed by ``crc32c-rs`` where it is installed (AVX-512 / PCLMULQDQ
+folding kernels chosen at run time: 28 vs 17.5 GB/s from cache, 10.6 vs 6.6 GB/s from the
+page cache, against the ``crc32c`` package's SSE4.2 code on this machine; see
+bench/README.md), else by ``crc32c``. Both compute the same function (tests/test_checksum.py
+compares them on random lengths, alignments and seeds).
 
 Shard bytes are checksummed in fixed-size chunks so a ranged read can verify
 exactly the chunks it touched without reading the whole shard.
@@ -9,7 +15,14 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any, Sequence
 
-import crc32c as _crc32c
+import crc32c as _crc32c_sse42
+
+try:                                  # optional, faster; same function (RFC 3720 CRC-32C)
+    from crc32c_rs import crc32c as _crc32c_impl
+    CRC32C_BACKEND = "crc32c-rs"
+except ImportError:                   # pragma: no cover - platforms without its wheels
+    _crc32c_impl = _crc32c_sse42.crc32c
+    CRC32C_BACKEND = "crc32c"
 
 from shardsmith.errors import IntegrityError
 
@@ -27,7 +40,7 @@ DEFAULT_CHUNK_NBYTES = 256 * 1024
 
 def crc32c(data: bytes | bytearray | memoryview) -> int:
     """CRC-32C of ``data`` as an unsigned 32-bit int."""
-    return int(_crc32c.crc32c(data))
+    return int(_crc32c_impl(data))
 
 
 def chunk_crc32c(data: bytes | bytearray | memoryview, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> list[int]:
@@ -41,7 +54,7 @@ def chunk_crc32c(data: bytes | bytearray | memoryview, chunk_nbytes: int = DEFAU
 
 def crc32c_update(data: Any, value: int) -> int:
     """CRC-32C of ``data`` (any buffer) continuing from the CRC ``value`` of the bytes before it."""
-    return int(_crc32c.crc32c(data, value))
+    return int(_crc32c_impl(data, value))
 
 
 class ChunkedCrc:

@@ -12,8 +12,8 @@ import pytest
 from shardsmith.errors import IntegrityError
 from shardsmith.layout import ParallelDims
 from shardsmith.reshard.engine import reshard
-from shardsmith.reshard.planner import ReshardOptions
-from shardsmith.storage.checksum import (ChunkedCrc, chunk_crc32c, crc32c, crc32c_combine, verify_chunks,
+from shardsmith.reshard.planner import ReshardOptions, plan_reshard
+from shardsmith.storage.checksum import (ChunkedCrc, chunk_crc32c, crc32c, crc32c_combine, crc32c_update, verify_chunks,
                                          verify_chunks_split)
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store
@@ -27,6 +27,34 @@ from test_reshard_engine import SRC_DIMS, STEP, _manifest_json, full_state, save
 
 def _bytes(n: int, seed: int = 0) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def test_crc32c_backend_is_the_rfc3720_function() -> None:
+    """Whichever library checksums (``crc32c-rs`` if installed, else ``crc32c``): the RFC 3720
+    check values, and equal to the ``crc32c`` package on random lengths, offsets and seeds."""
+    import crc32c as reference
+
+    assert crc32c(b"123456789") == 0xE3069283
+    assert crc32c(bytes(32)) == 0x8A9136AA and crc32c(b"\xff" * 32) == 0x62A8AB43   # RFC 3720 B.4
+    data = memoryview(_bytes(1 << 20, 7))
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        start, n = int(rng.integers(0, 1 << 19)), int(rng.choice([0, 1, 15, 64, 255, 4097, int(rng.integers(0, 1 << 19))]))
+        seed = int(rng.integers(0, 1 << 32))
+        assert crc32c_update(data[start:start + n], seed) == reference.crc32c(data[start:start + n], seed)
+
+
+def test_slabs_of_dim0_sharded_tensors_are_single_source_copies(tmp_path) -> None:
+    """Slabs are cut at the source shards' rows: a tensor saved split on dim 0 (column-parallel
+    TP, vocab-parallel embedding) is copied slab by slab from one read each, zero-copy; a tensor
+    split on dim 1 (row-parallel ``wo``/``w2``) still needs assembling."""
+    manifest = save_direct(Store(str(tmp_path / "src")), full_state(1), SRC_DIMS)
+    plan = plan_reshard(manifest, ParallelDims(), ReshardOptions(slab_nbytes=1 << 20))
+    entries = {e.fqn: e for f in plan.files for e in f.entries}
+    for fqn in ("layers.0.attention.wq.weight", "layers.1.feed_forward.w1.weight", "tok_embeddings.weight"):
+        assert len(entries[fqn].slabs) == 2 and all(s.zero_copy for s in entries[fqn].slabs), fqn
+    wo = entries["layers.0.attention.wo.weight"]
+    assert len(wo.slabs) == 1 and not wo.slabs[0].zero_copy and len(wo.slabs[0].pieces) == 2
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 8, 255, 4096, 262_144, 262_147])
