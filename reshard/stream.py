@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass
+from math import prod
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -16,7 +17,7 @@ from numpy.lib.stride_tricks import as_strided
 from shardsmith.layout.box import row_major_strides
 from shardsmith.reshard.planner import PlanEntry
 from shardsmith.reshard.slabs import Piece, Slab
-from shardsmith.storage.checksum import require_full_read, verify_chunks, verify_chunks_split
+from shardsmith.storage.checksum import chunk_crc32c, require_full_read, verify_chunks, verify_chunks_split
 from shardsmith.storage.fs import Store
 from shardsmith.storage.local import FileSpan, map_range
 from shardsmith.layout.dtypes import DTYPE_NBYTES
@@ -196,13 +197,25 @@ def assemble_slab(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry, 
             finally:
                 pool.give(buf)
         if entry.dtype == entry.src_dtype:
-            return held[:slab.src_nbytes], held, None
+            return held[:slab.src_nbytes], held, _assembled_crcs(held[:slab.src_nbytes], slab, entry, chunk_nbytes)
         converted = convert_dtype(out, entry.src_dtype, entry.dtype).reshape(-1).view(np.uint8)
     except BaseException:
         pool.give(held)
         raise
     pool.give(held)
     return converted, None, None
+
+
+def _assembled_crcs(data: np.ndarray, slab: Slab, entry: PlanEntry, chunk_nbytes: int) -> list[int] | None:
+    """The ``chunk_nbytes`` chunk CRCs of an assembled slab, computed here (on a read thread,
+    off the writer's path) when the slab starts a chunk of its entry; else ``None`` (the
+    writer checksums it as it streams)."""
+    if not chunk_nbytes or not slab.box.lengths:
+        return None
+    row_nbytes = prod(entry.box.lengths[1:]) * DTYPE_NBYTES[entry.dtype]
+    if (slab.box.offsets[0] - entry.box.offsets[0]) * row_nbytes % chunk_nbytes:
+        return None
+    return chunk_crc32c(data, chunk_nbytes)
 
 
 def convert_dtype(raw: np.ndarray, src: str, dst: str) -> np.ndarray:
