@@ -38,7 +38,8 @@ from shardsmith.layout import ParallelDims
 from shardsmith.reshard.planner import PlanEntry, ReshardOptions, ReshardPlan, TargetFile, plan_reshard
 from shardsmith.reshard.slabs import Slab
 from shardsmith.reshard.scaleout import Share, assign_files, cleanup, gather, publish
-from shardsmith.reshard.stream import BufferBudget, BufferPool, FileResult, assemble_slab, return_freed_buffers_to_os
+from shardsmith.reshard.stream import (BufferBudget, BufferPool, FileResult, assemble_slab, gc_frozen,
+                                       return_freed_buffers_to_os)
 from shardsmith.storage import safetensors
 from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
 from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
@@ -316,7 +317,8 @@ def execute(plan: ReshardPlan, src: Store, dst_root: Store, *, share: Share | No
     progress_name = PROGRESS_NAME if share.world_size == 1 else f".reshard-progress-{share.rank:05d}.json"
     executor = _Executor(plan, src, dst, mine, progress_name, progress, ReshardReport(plan.source.step, dst.url))
     try:
-        results = executor.run(on_file_done)
+        with gc_frozen():
+            results = executor.run(on_file_done)
     except BaseException as exc:
         if share.world_size > 1:
             publish(dst, share, plan.plan_id, [], error=f"{type(exc).__name__}: {exc}")
@@ -377,8 +379,10 @@ def reshard(src: Store, dst_url: str, dims: ParallelDims, *, options: ReshardOpt
         CheckpointNotFound / ManifestError / IntegrityError: bad source.
         TargetCommitted (a CheckpointError): the target is already committed.
     """
-    manifest = read_manifest(src)
-    check_model_record(manifest, src.url)          # refuse before a byte is written
-    plan = plan_reshard(manifest, dims, options, src.url)
-    return execute(plan, src, target_root(dst_url, manifest.step, storage_options), share=share,
-                   progress=progress, on_file_done=on_file_done)
+    with gc_frozen():
+        manifest = read_manifest(src)
+        check_model_record(manifest, src.url)          # refuse before a byte is written
+        plan = plan_reshard(manifest, dims, options, src.url)
+        return execute(plan, src, target_root(dst_url, manifest.step, storage_options), share=share,
+                       progress=progress, on_file_done=on_file_done)
+
