@@ -1,20 +1,18 @@
 """Offline resharding: execute a :mod:`~shardsmith.reshard.planner` plan, streaming, resumable.
 
-No process group and no torch (unless ``--dtype`` converts): every target file is
-written front to back as a stream (header from the plan, then each tensor's slabs as
-they are assembled from verified ranged reads of the source), its checksums computed
-on the fly. Reads run ahead on a thread pool within a byte budget, and several target
-files are written at once, so I/O overlaps while memory stays bounded:
+No process group and no torch (unless ``--dtype`` converts): each tensor's slabs are
+assembled from verified ranged reads of the source on a thread pool, within a byte budget;
+a local target file gets them written at their offsets by those threads (kernel copies
+where a slab is a run of a source file), any other is written front to back as a stream.
+Checksums are computed on the fly; several target files are written at once:
 
     peak buffer <= max(max_buffer, the largest single slab)   (see ``Slab.buffer_nbytes``)
 
 a slab being at most one ``max_buffer // 8`` cut of a tensor shard (or one row of it).
 
-Resuming: after each target file, ``<dst step>/.reshard-progress.json`` records its size
-and CRC-32C under the plan's id. A rerun of the same plan re-reads and re-checks those
-files instead of rewriting them (a file that no longer matches is written again). The
-manifest is written last (:func:`shardsmith.storage.commit.commit`), so nothing
-half-done ever looks committed.
+Resuming: a rerun of the same plan re-checks the files an interrupted run finished
+(:mod:`shardsmith.reshard.progress`). The manifest is written last
+(:func:`shardsmith.storage.commit.commit`), so nothing half-done ever looks committed.
 
 Scale-out: several processes (torchrun, or ``--nproc-per-node``) each convert a share of
 the target files and rank 0 commits (:mod:`shardsmith.reshard.scaleout`).
@@ -22,24 +20,26 @@ the target files and rank 0 commits (:mod:`shardsmith.reshard.scaleout`).
 
 from __future__ import annotations
 
-import json
+import functools
 import logging
+import os
 import posixpath
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 import numpy as np
 
 from shardsmith.layout import ParallelDims
 from shardsmith.reshard.planner import PlanEntry, ReshardOptions, ReshardPlan, TargetFile, plan_reshard
 from shardsmith.reshard.slabs import Slab
+from shardsmith.reshard.progress import PROGRESS_NAME, load_progress, save_progress
 from shardsmith.reshard.scaleout import Share, assign_files, cleanup, gather, publish
 from shardsmith.reshard.stream import (BufferBudget, BufferPool, FileResult, assemble_slab, gc_frozen,
-                                       return_freed_buffers_to_os)
+                                       return_freed_buffers_to_os, write_slab_at)
 from shardsmith.storage import safetensors
 from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
 from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
@@ -52,7 +52,6 @@ from shardsmith.storage.sidecar import write_sidecar
 
 log = logging.getLogger(__name__)
 
-PROGRESS_NAME = ".reshard-progress.json"
 
 
 @dataclass
@@ -135,6 +134,9 @@ class _Executor:
         return self._write(tf)
 
     def _write(self, tf: TargetFile) -> FileResult:
+        if self.dst.local_path(tf.name) is not None:
+            return self._write_at_offsets(tf)
+
         def counted() -> Iterator[tuple[int, np.ndarray | FileSpan, list[int] | None]]:
             for i, data, known in self._slab_stream(tf):
                 yield i, data, known
@@ -146,10 +148,49 @@ class _Executor:
         shards = _records(tf, crcs)
         return FileResult(tf.name, record, shards, True, write_sidecar(self.dst, tf.name, shards))
 
-    def _slab_stream(self, tf: TargetFile) -> Iterator[tuple[int, np.ndarray | FileSpan, list[int] | None]]:
+    def _write_at_offsets(self, tf: TargetFile) -> FileResult:
+        """A local target file: each slab is written at its offset by the read thread that read
+        it (kernel copy or ``pwrite``), several at once, so the copies of one file use every
+        core; this thread only combines the slabs' chunk CRCs in file order. The file appears
+        (renamed into place) only when every slab is written."""
+        chunk = self.plan.options.chunk_nbytes
+        crcs = [ChunkedCrc(chunk) for _ in tf.entries]
+        with self.dst.open_writer(tf.name) as f:
+            f.write(tf.header)
+            f.flush()
+            os.ftruncate(f.fileno(), tf.nbytes)
+            slabs = self._slab_stream(tf, functools.partial(self._read_and_write, f.fileno()))
+            try:
+                for i, pieces, nbytes in slabs:
+                    crcs[i].add(pieces)
+                    self._count(nbytes_written=nbytes)
+            finally:
+                slabs.close()          # waits for the slabs in flight: none writes after the file closes
+        file_crc = crc32c(tf.header)
+        for c in crcs:
+            file_crc = c.extend_crc(file_crc)
+        self._count(num_files=1, nbytes_written=len(tf.header))
+        shards = _records(tf, [c.finish() for c in crcs])
+        return FileResult(tf.name, FileRecord(nbytes=tf.nbytes, crc32c=file_crc), shards, True,
+                          write_sidecar(self.dst, tf.name, shards))
+
+    def _read_and_write(self, out: int, slab: Slab, entry: PlanEntry) -> tuple[list[tuple[int, int]], None, int]:
+        """Task of :meth:`_write_at_offsets`: (the slab's CRC pieces, no buffer, bytes written)."""
+        data, buf, known = self._read(slab, entry)
+        try:
+            pieces = write_slab_at(out, entry, slab, data, known, self.plan.options.chunk_nbytes)
+        finally:
+            if buf is not None:
+                self.pool.give(buf)
+        return pieces, None, sum(n for _, n in pieces)
+
+    def _slab_stream(self, tf: TargetFile, task: Callable[[Slab, PlanEntry], tuple[Any, Any, Any]] | None = None,
+                     ) -> Generator[tuple[int, Any, Any], None, None]:
         """Yield (entry index, slab bytes, their chunk CRCs or None) in file order, reading
-        ahead within the budget."""
+        ahead within the budget; with ``task``, what it returned (its second item, a pool
+        buffer or ``None``, is given back here) instead of :meth:`_read`'s."""
         assert self.reads is not None
+        task = task or self._read
         work = deque((i, s) for i, e in enumerate(tf.entries) for s in e.slabs)
         pending: deque[tuple[int, int, Future]] = deque()
         try:
@@ -157,7 +198,7 @@ class _Executor:
                 while work and self.budget.acquire(work[0][1].buffer_nbytes, block=not pending):
                     i, slab = work.popleft()
                     pending.append((i, slab.buffer_nbytes,
-                                    self.reads.submit(self._read, slab, tf.entries[i])))
+                                    self.reads.submit(task, slab, tf.entries[i])))
                 i, cost, fut = pending.popleft()
                 buf = None
                 try:
@@ -212,7 +253,7 @@ class _Executor:
 
     def run(self, on_file_done: Callable[[str], None] | None) -> list[FileResult]:
         """This process's target files, ``workers`` at a time; progress saved after each."""
-        kept = _load_progress(self.dst, self.plan.plan_id, {tf.name for tf in self.files})
+        kept = load_progress(self.dst, self.plan.plan_id, {tf.name for tf in self.files})
         results: dict[str, FileResult] = {}
         workers = self.plan.options.workers
         with ThreadPoolExecutor(workers, "reshard-read") as reads, \
@@ -223,7 +264,7 @@ class _Executor:
                 for fut in as_completed(futures):
                     result = fut.result()
                     results[result.name] = result
-                    _save_progress(self.dst, self.progress_name, self.plan.plan_id, results)
+                    save_progress(self.dst, self.progress_name, self.plan.plan_id, results)
                     if on_file_done is not None:
                         on_file_done(result.name)
             except BaseException:
@@ -237,35 +278,6 @@ class _Executor:
 
 def _records(tf: TargetFile, crcs: list[list[int]]) -> dict[str, ShardRecord]:
     return safetensors.shard_records(tf.name, [(e.fqn, e.box, e.nbytes) for e in tf.entries], len(tf.header), crcs)
-
-
-def _load_progress(dst: Store, plan_id: str, mine: set[str]) -> dict[str, dict[str, Any]]:
-    """Files of ``mine`` (this process's share) that an interrupted run of the same plan
-    finished (any rank's progress file): name -> {nbytes, crc32c}. Other ranks of this very
-    run may already have saved progress for their own files: those are not counted."""
-    kept: dict[str, dict[str, Any]] = {}
-    for name in dst.list_dir():
-        if not name.startswith(".reshard-progress"):
-            continue
-        try:
-            data = json.loads(dst.read(name))
-        except (FileNotFoundError, ValueError):
-            log.warning("%s is unreadable; its files will be written again", dst.url_of(name))
-            continue
-        if not isinstance(data, dict) or data.get("plan_id") != plan_id or not isinstance(data.get("files"), dict):
-            log.warning("%s belongs to a different reshard (source, layout or options changed); "
-                        "its files will be written again", dst.url_of(name))
-            continue
-        kept.update({k: v for k, v in data["files"].items() if isinstance(v, dict) and k in mine})
-    if kept:
-        log.info("resuming: %s written by an interrupted run", "1 target file was" if len(kept) == 1
-                 else f"{len(kept)} target files were")
-    return kept
-
-
-def _save_progress(dst: Store, name: str, plan_id: str, results: dict[str, FileResult]) -> None:
-    files = {n: {"nbytes": r.record.nbytes, "crc32c": r.record.crc32c} for n, r in results.items()}
-    dst.write(name, json.dumps({"plan_id": plan_id, "files": files}, indent=1).encode())
 
 
 def build_manifest(plan: ReshardPlan, results: list[FileResult], target_root_url: str = "",

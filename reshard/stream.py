@@ -20,9 +20,10 @@ from numpy.lib.stride_tricks import as_strided
 from shardsmith.layout.box import row_major_strides
 from shardsmith.reshard.planner import PlanEntry
 from shardsmith.reshard.slabs import Piece, Slab
-from shardsmith.storage.checksum import chunk_crc32c, require_full_read, verify_chunks, verify_chunks_split
+from shardsmith.storage.checksum import (chunk_crc32c, grid_crcs, require_full_read, verify_chunks,
+                                         verify_chunks_split)
 from shardsmith.storage.fs import Store
-from shardsmith.storage.local import FileSpan, map_range
+from shardsmith.storage.local import FileSpan, copy_span_at, map_range, pwrite_all
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord
 from shardsmith.storage.sidecar import load_chunk_crcs
@@ -209,16 +210,40 @@ def assemble_slab(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry, 
     return converted, None, None
 
 
+def slab_offset(entry: PlanEntry, slab: Slab) -> int:
+    """Byte offset of ``slab`` in its entry's data (target dtype)."""
+    if not slab.box.lengths:
+        return 0
+    return (slab.box.offsets[0] - entry.box.offsets[0]) * prod(entry.box.lengths[1:]) * DTYPE_NBYTES[entry.dtype]
+
+
 def _assembled_crcs(data: np.ndarray, slab: Slab, entry: PlanEntry, chunk_nbytes: int) -> list[int] | None:
     """The ``chunk_nbytes`` chunk CRCs of an assembled slab, computed here (on a read thread,
-    off the writer's path) when the slab starts a chunk of its entry; else ``None`` (the
-    writer checksums it as it streams)."""
-    if not chunk_nbytes or not slab.box.lengths:
-        return None
-    row_nbytes = prod(entry.box.lengths[1:]) * DTYPE_NBYTES[entry.dtype]
-    if (slab.box.offsets[0] - entry.box.offsets[0]) * row_nbytes % chunk_nbytes:
+    while the bytes are in cache) when the slab starts a chunk of its entry; else ``None``
+    (the writer checksums it)."""
+    if not chunk_nbytes or slab_offset(entry, slab) % chunk_nbytes:
         return None
     return chunk_crc32c(data, chunk_nbytes)
+
+
+def write_slab_at(out: int, entry: PlanEntry, slab: Slab, data: np.ndarray | FileSpan, known: list[int] | None,
+                  chunk_nbytes: int) -> list[tuple[int, int]]:
+    """Write a slab's bytes (from :func:`assemble_slab`) at their place in the local target file
+    open as descriptor ``out`` (whose entry data starts at ``entry.byte_offset``): a
+    :class:`FileSpan` by the kernel, else ``pwrite``. Any thread may call it for any slab.
+
+    Returns:
+        The bytes' ``(CRC-32C, length)`` pieces on the entry's ``chunk_nbytes`` grid
+        (:func:`~shardsmith.storage.checksum.grid_crcs`; from ``known`` when given and aligned).
+
+    Raises:
+        OSError: the copy or write failed (``ENOSPC``: the disk is full).
+    """
+    start = slab_offset(entry, slab)
+    view = data.view if isinstance(data, FileSpan) else data
+    if not (isinstance(data, FileSpan) and copy_span_at(out, entry.byte_offset + start, data)):
+        pwrite_all(out, view, entry.byte_offset + start)
+    return grid_crcs(view, start, chunk_nbytes, known)
 
 
 def convert_dtype(raw: np.ndarray, src: str, dst: str) -> np.ndarray:

@@ -57,6 +57,29 @@ def crc32c_update(data: Any, value: int) -> int:
     return int(_crc32c_impl(data, value))
 
 
+def grid_crcs(data: Any, start: int, chunk_nbytes: int,
+              known: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """``(CRC-32C, length)`` of ``data`` (any buffer) cut on a ``chunk_nbytes`` grid, for bytes
+    that start at stream position ``start``: the first piece ends at the next multiple of
+    ``chunk_nbytes``, then whole chunks, the last may be short. Feed them to
+    :meth:`ChunkedCrc.add` in stream order, from any thread that wrote them.
+
+    Args:
+        known: the chunk CRCs of ``data`` cut in ``chunk_nbytes`` pieces from its first byte,
+            already computed; used (no pass over the bytes) when ``start`` is on the grid.
+    """
+    view = memoryview(data).cast("B")
+    size = len(view)
+    if known is not None and start % chunk_nbytes == 0 and len(known) == -(-size // chunk_nbytes):
+        return [(int(c), min(chunk_nbytes, size - k * chunk_nbytes)) for k, c in enumerate(known)]
+    out, pos = [], 0
+    while pos < size:
+        n = min(size - pos, chunk_nbytes - (start + pos) % chunk_nbytes)
+        out.append((crc32c(view[pos:pos + n]), n))
+        pos += n
+    return out
+
+
 class ChunkedCrc:
     """CRC-32C of each consecutive ``chunk_nbytes`` piece of a byte stream fed in any
     pieces (equals :func:`chunk_crc32c` of the whole)."""
@@ -76,18 +99,24 @@ class ChunkedCrc:
                 byte (the last may be short), already computed (e.g. verified source chunks);
                 used, with no pass over the bytes, when ``data`` starts a chunk of the stream.
         """
-        view = memoryview(data).cast("B")
-        self.nbytes += len(view)
-        if known is not None and self._fill == 0 and len(known) == -(-len(view) // self.chunk_nbytes):
-            tail = len(view) % self.chunk_nbytes
-            self.done.extend(known[:-1] if tail else known)
-            self._crc, self._fill = (known[-1], tail) if tail else (0, 0)
-            return
-        while len(view):
-            take = min(len(view), self.chunk_nbytes - self._fill)
-            self._crc = crc32c_update(view[:take], self._crc)
-            self._fill += take
-            view = view[take:]
+        self.add(grid_crcs(data, self._fill, self.chunk_nbytes, known))
+
+    def add(self, pieces: Sequence[tuple[int, int]]) -> None:
+        """Feed the next bytes of the stream by their CRCs: ``(CRC-32C, length)`` of consecutive
+        pieces cut on this stream's chunk grid (:func:`grid_crcs` from the stream position
+        ``nbytes``). A piece that fills a chunk alone is taken as it is; pieces of one chunk
+        are combined (:func:`crc32c_combine`), no pass over any bytes.
+
+        Raises:
+            ValueError: a piece crosses a chunk boundary (not cut on this grid).
+        """
+        for crc, n in pieces:
+            if self._fill + n > self.chunk_nbytes:
+                raise ValueError(f"a {n}-byte piece at stream byte {self.nbytes} crosses a "
+                                 f"{self.chunk_nbytes}-byte chunk boundary")
+            self._crc = crc32c_combine(self._crc, crc, n) if self._fill else crc
+            self._fill += n
+            self.nbytes += n
             if self._fill == self.chunk_nbytes:
                 self.done.append(self._crc)
                 self._crc, self._fill = 0, 0

@@ -141,7 +141,25 @@ def copy_span(f: Any, span: FileSpan) -> bool:
     except (AttributeError, io.UnsupportedOperation):
         return False
     f.flush()
-    pos, nbytes, done = f.tell(), len(span.view), 0
+    pos = f.tell()
+    if not copy_span_at(out, pos, span):
+        return False
+    f.seek(pos + len(span.view))
+    return True
+
+
+def copy_span_at(out: int, pos: int, span: FileSpan) -> bool:
+    """Copy ``span``'s bytes to byte ``pos`` of the local file open as descriptor ``out``
+    (``os.copy_file_range`` with explicit offsets: the file position is untouched, so several
+    threads may fill one file at different offsets).
+
+    Returns:
+        False, having written nothing, when the kernel cannot copy between these files.
+
+    Raises:
+        OSError: the copy failed, or the source ended early.
+    """
+    nbytes, done = len(span.view), 0
     fd = os.open(span.path, os.O_RDONLY)
     try:
         while done < nbytes:
@@ -157,5 +175,17 @@ def copy_span(f: Any, span: FileSpan) -> bool:
             done += n
     finally:
         os.close(fd)
-    f.seek(pos + done)
     return True
+
+
+def pwrite_all(out: int, data: Any, pos: int) -> None:
+    """Write all of ``data`` (any buffer) at byte ``pos`` of the file open as descriptor
+    ``out`` (``os.pwrite``, repeated after short writes; the file position is untouched).
+
+    Raises:
+        OSError: the write failed (e.g. ``ENOSPC``: the disk is full).
+    """
+    view = memoryview(data).cast("B")
+    while len(view):
+        n = os.pwrite(out, view, pos)
+        view, pos = view[n:], pos + n

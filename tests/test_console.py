@@ -356,13 +356,13 @@ def test_ctrl_c_during_a_reshard_says_the_target_is_incomplete(tmp_path: Path, m
 def test_another_ranks_fresh_progress_is_not_an_interrupted_run(tmp_path: Path, caplog) -> None:
     import json
 
-    from shardsmith.reshard.engine import _load_progress
+    from shardsmith.reshard.progress import load_progress
 
     dst = Store(str(tmp_path))
     dst.write(".reshard-progress-00001.json", json.dumps(
         {"plan_id": "p", "files": {"shards/rank-00001.safetensors": {"nbytes": 1, "crc32c": 2}}}).encode())
-    with caplog.at_level(logging.INFO, logger="shardsmith.reshard.engine"):
-        assert _load_progress(dst, "p", {"shards/rank-00000.safetensors"}) == {}
-        assert list(_load_progress(dst, "p", {"shards/rank-00001.safetensors"})) == ["shards/rank-00001.safetensors"]
+    with caplog.at_level(logging.INFO, logger="shardsmith.reshard.progress"):
+        assert load_progress(dst, "p", {"shards/rank-00000.safetensors"}) == {}
+        assert list(load_progress(dst, "p", {"shards/rank-00001.safetensors"})) == ["shards/rank-00001.safetensors"]
     assert [m for m in caplog.messages if "resuming" in m] == [
         "resuming: 1 target file was written by an interrupted run"]

@@ -22,7 +22,8 @@ from safetensors.torch import save as safetensors_save
 from shardsmith.cli.main import cli
 from shardsmith.errors import CheckpointError, IntegrityError, LayoutError
 from shardsmith.reshard.diff import diff_checkpoints
-from shardsmith.reshard.engine import PROGRESS_NAME, reshard
+from shardsmith.reshard.engine import reshard
+from shardsmith.reshard.progress import PROGRESS_NAME
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import checkpoint_specs, shard_file_name, write_assignment
 from shardsmith.reshard.planner import ReshardOptions, plan_reshard
@@ -30,7 +31,7 @@ from shardsmith.storage.safetensors import encode_header, file_order
 from shardsmith.reshard.scaleout import Share, assign_files
 from shardsmith.reshard.stream import BufferBudget, BufferPool
 from shardsmith.layout.box import Box
-from shardsmith.storage.checksum import ChunkedCrc, chunk_crc32c
+from shardsmith.storage.checksum import ChunkedCrc, chunk_crc32c, grid_crcs
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import SIDECAR_SUFFIX, Manifest
@@ -230,6 +231,22 @@ def test_chunked_crc_matches_whole_stream() -> None:
     assert pos == len(data) and crc.finish() == chunk_crc32c(data, 64)
 
 
+def test_grid_pieces_of_slabs_combine_to_the_stream_chunks() -> None:
+    """Slabs written by different threads at their offsets: each one's CRC pieces on the
+    chunk grid (computed alone, in any order) add up, in stream order, to the whole stream's
+    chunk CRCs; a piece crossing a chunk boundary is refused."""
+    data = np.random.default_rng(1).integers(0, 256, 1000, dtype=np.uint8).tobytes()
+    cuts = [0, 1, 64, 100, 107, 407, 448, 1000]
+    pieces = {a: grid_crcs(data[a:b], a, 64) for a, b in reversed(list(zip(cuts, cuts[1:])))}
+    crc = ChunkedCrc(64)
+    for a in cuts[:-1]:
+        crc.add(pieces[a])
+    assert crc.nbytes == 1000 and crc.finish() == chunk_crc32c(data, 64)
+    assert grid_crcs(data[64:320], 64, 64, known=[1, 2, 3, 4]) == [(1, 64), (2, 64), (3, 64), (4, 64)]
+    with pytest.raises(ValueError, match="crosses a 64-byte chunk boundary"):
+        ChunkedCrc(64).add([(0, 40), (0, 40)])
+
+
 def test_corrupt_source_names_the_file(tmp_path) -> None:
     root = Store(str(tmp_path / "src"))
     save_direct(root, full_state(1, optim=False), ParallelDims(dp_shard=2))
@@ -241,6 +258,7 @@ def test_corrupt_source_names_the_file(tmp_path) -> None:
     with pytest.raises(IntegrityError, match="rank-00001.safetensors"):
         reshard(root.child(step_dir(STEP)), str(tmp_path / "out"), ParallelDims(), options=ReshardOptions(**SMALL))
     assert not (tmp_path / "out" / step_dir(STEP) / "manifest.json").exists()
+    assert not list((tmp_path / "out" / step_dir(STEP)).rglob("*.safetensors*"))   # no partial nor temporary file
 
 
 def test_refuses_a_committed_target_and_a_wrong_step(source, tmp_path) -> None:
