@@ -22,6 +22,11 @@ hooks' marker files (created just before the SIGKILL: their mtime is the kill ti
 last step finished before the kill (the killed step - 1) - the step the restart loaded; ``source`` = the ``recovery`` event's
 tier. The last stdout line is one JSON object; the targets are ``lost_steps <= 1``,
 ``mttr_s <= 0.3 * baseline_mttr_s`` and ``overhead >= 0.95``.
+
+``--persistent s3``: every ``--ckpt`` (baseline, new, overhead) is an ``s3://`` prefix on the
+tests' loopback moto server (``tests/s3server.py``, in this process), reached by the workers
+through the standard ``AWS_*`` environment; the local tier stays on ``/dev/shm``. This is where
+loading from the local tier instead of the persistent store is what saves time.
 """
 
 from __future__ import annotations
@@ -51,13 +56,41 @@ def records(root: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+class Persistent:
+    """Where each run's ``--ckpt`` goes: a local directory, or a prefix on a loopback moto S3
+    server started here (``--persistent s3``); ``env`` reaches it from the workers."""
+
+    def __init__(self, kind: str) -> None:
+        self.env: dict[str, str] = {}
+        self.server: Any = None
+        self.bucket = ""
+        if kind == "s3":
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+            from s3server import start_server        # the tests' moto server: one way to start it
+
+            self.server, info = start_server("recovery-bench")
+            self.env, self.bucket = info.env, info.bucket
+
+    def url(self, root: Path) -> str:
+        """``--ckpt`` of the run whose run directory is ``root``."""
+        return f"s3://{self.bucket}/{root.name}" if self.server else str(root)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+STORE = Persistent("local")     # main() replaces it per --persistent
+
+
 def train(root: Path, data: str, steps: int, *flags: str, env: dict[str, str] | None = None,
           timeout: float = 900) -> list[dict[str, Any]]:
     """One ``shardsmith train`` (4 processes); its metrics records. Raises on failure."""
     cmd = [sys.executable, "-m", "shardsmith", "train", "--nproc-per-node", "4", *MODEL_FLAGS, "--data", data,
            "--steps", str(steps), "--lr-decay-steps", str(steps), "--run-dir", str(root), *flags]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **STORE.env,
+                               **(env or {})})
     (root.parent / f"{root.name}.log").write_text(proc.stdout)
     if proc.returncode != 0:
         raise SystemExit(f"{root.name} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
@@ -88,7 +121,7 @@ def kill_time(markers: Path, kind: str, step: int) -> float:
 def run_baseline(work: Path, data: str, args: argparse.Namespace) -> dict[str, Any]:
     root, markers = work / "baseline", work / "baseline-markers"
     env = {"SHARDSMITH_TEST_KILL_AT": f"1:{args.kill_step}", "SHARDSMITH_TEST_MARKER_DIR": str(markers)}
-    recs = train(root, data, args.kill_step + 3, "--ckpt", str(root), "--save-interval", str(args.save_interval),
+    recs = train(root, data, args.kill_step + 3, "--ckpt", STORE.url(root), "--save-interval", str(args.save_interval),
                  "--max-restarts", "1", env=env)
     return recovery(recs, kill_time(markers, "kill", args.kill_step), args.kill_step)
 
@@ -98,7 +131,7 @@ def run_new(work: Path, data: str, args: argparse.Namespace) -> tuple[dict[str, 
     env = {"SHARDSMITH_TEST_KILL_AT": f"1:{args.kill_step}",
            "SHARDSMITH_TEST_LOSE_NODE_AT": f"2:{args.node_step},3:{args.node_step}",
            "SHARDSMITH_TEST_MARKER_DIR": str(markers)}
-    recs = train(root, data, args.node_step + 3, "--ckpt", str(root), "--save-interval", str(args.save_interval),
+    recs = train(root, data, args.node_step + 3, "--ckpt", STORE.url(root), "--save-interval", str(args.save_interval),
                  "--local-ckpt", str(local), "--local-save-interval", "1", "--local-replicas", "1",
                  "--restart", "in-process", "--spares", "3", "--max-restarts", "2", env=env)
     rank = recovery(recs, kill_time(markers, "kill", args.kill_step), args.kill_step)
@@ -121,7 +154,7 @@ def run_overhead(work: Path, data: str, args: argparse.Namespace, t0: float) -> 
             break
         for kind in (("local", "none") if i % 2 == 0 else ("none", "local")):
             root = work / f"overhead-{kind}-{i}"
-            flags = ["--ckpt", str(root), "--save-interval", "0", "--local-ckpt", str(work / f"overhead-local-{i}"),
+            flags = ["--ckpt", STORE.url(root), "--save-interval", "0", "--local-ckpt", str(work / f"overhead-local-{i}"),
                      "--local-save-interval", "1"] if kind == "local" else []
             recs = train(root, data, args.warmup + args.measure, *flags)
             rates[kind].append(steps_per_s(recs, args.warmup))
@@ -154,8 +187,12 @@ def main() -> None:
     parser.add_argument("--measure", type=int, default=20, help="overhead: steps measured")
     parser.add_argument("--budget-s", type=float, default=780,
                         help="overhead: start no new pair after this many seconds of the bench")
+    parser.add_argument("--persistent", choices=("local", "s3"), default="local",
+                        help="the persistent store (--ckpt): /dev/shm, or the tests' loopback moto S3 server")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (its path is printed)")
     args = parser.parse_args()
+    global STORE
+    STORE = Persistent(args.persistent)
     work = Path(tempfile.mkdtemp(prefix="recovery-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     t0 = time.time()
     try:
@@ -166,6 +203,7 @@ def main() -> None:
         print(f"in-process + local tier: rank {rank}, node {node}", file=sys.stderr, flush=True)
         over = run_overhead(work, data, args, t0)
     finally:
+        STORE.stop()
         if args.keep:
             print(f"work directory: {work}", file=sys.stderr)
         else:
@@ -174,7 +212,7 @@ def main() -> None:
               "source": rank["source"], "node_mttr_s": node["mttr_s"], "node_lost_steps": node["lost_steps"],
               "node_source": node["source"], "baseline_mttr_s": base["mttr_s"],
               "baseline_lost_steps": base["lost_steps"], "baseline_source": base["source"],
-              "mttr_ratio": round(rank["mttr_s"] / base["mttr_s"], 3), **over,
+              "mttr_ratio": round(rank["mttr_s"] / base["mttr_s"], 3), **over, "persistent": args.persistent,
               "load_avg_1m": round(os.getloadavg()[0], 2), "wall_s": round(time.time() - t0, 1)}
     print(f"{'':24}{'mttr_s':>8}{'lost':>6}  source\n{'torchrun + persistent':24}{base['mttr_s']:>8}"
           f"{base['lost_steps']:>6}  {base['source']}\n{'in-process, one rank':24}{rank['mttr_s']:>8}"

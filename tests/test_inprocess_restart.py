@@ -5,12 +5,14 @@ Unit tests first (no processes): which errors mean "a peer is gone", and that se
 process's connections makes the peer at the other end see EOF while the supervisor's stays up.
 
 Then one chaos pair on gloo (4 processes, tp2 x dp_shard2, 2 simulated nodes, the local tier
-every step with buddy copies, 2 warm spares): ``reference`` uninterrupted, ``chaos`` with four
-faults at random steps in random order (one rank SIGKILLed as a step starts, a whole simulated
-node lost with its local tier, a rank killed inside its local-tier save, a rank killed before
-its buddy replication). Each fault is one in-process restart; every step record's loss and the
-final checkpoint must be bitwise equal to the reference. The CI test keeps these four faults
-(~2 CPU-minutes of restarts); ``bench/recovery_bench.py`` measures the times.
+every step with buddy copies): ``reference`` uninterrupted (no spares: they change nothing it
+computes), ``chaos`` with 2 warm spares and five faults at steps 3, 5, 7, 9, 11: one of each
+kind (one rank SIGKILLed as a step starts, a whole simulated node lost with its local tier, a
+rank killed inside its local-tier save, a rank killed before its buddy replication) plus a
+fifth of a kind drawn at random, in an order and on ranks drawn from a seed the test prints
+(``SHARDSMITH_CHAOS_SEED`` replays it). Each fault is one in-process restart; every step
+record's loss and the final checkpoint must be bitwise equal to the reference.
+``bench/recovery_bench.py`` measures the times.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from shardsmith.errors import SaveError
 from shardsmith.storage.commit import step_dir
 from shardsmith.trainer.fault.inprocess import peer_lost, sever_connections
 
-STEPS = 11
+STEPS = 12
+KINDS = ("rank", "node", "local-save", "replicate")
 GLOO_RESET = ("[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1234: "
               "Connection reset by peer. This is typically caused by a remote worker hanging")
 
@@ -82,11 +85,11 @@ def test_sever_connections_closes_peers_but_keeps_the_supervisor() -> None:
 # ---- gloo: chaos vs reference ----------------------------------------------------------------
 
 
-def train(root: Path, data_path: str, env: dict[str, str], max_restarts: int) -> Run:
+def train(root: Path, data_path: str, env: dict[str, str], max_restarts: int, spares: int) -> Run:
     cmd = [sys.executable, "-m", "shardsmith", "train", "--nproc-per-node", "4", "--tp", "2", *TINY_TRAIN_FLAGS,
            "--data", data_path, "--steps", str(STEPS), "--ckpt", str(root), "--save-interval", "5",
            "--local-ckpt", str(root.parent / f"{root.name}-local"), "--local-replicas", "1",
-           "--simulate-nodes", "2", "--restart", "in-process", "--spares", "2",
+           "--simulate-nodes", "2", "--restart", "in-process", "--spares", str(spares),
            "--max-restarts", str(max_restarts)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **env})
@@ -97,12 +100,13 @@ def train(root: Path, data_path: str, env: dict[str, str], max_restarts: int) ->
 
 
 def chaos_env(seed: int, markers: Path) -> tuple[dict[str, str], list[tuple[str, int, Any]]]:
-    """Four faults at steps 3, 5, 7, 9 (one per generation), in an order and on ranks drawn from ``seed``. Crash points (inside a
-    save) fire in the one generation the fault is reached in (``..._GEN{G}``, G = its index);
-    kills fire once (marker files)."""
+    """Five faults at steps 3, 5, 7, 9, 11 (one per generation): every kind of :data:`KINDS`
+    once plus one drawn again, in an order and on ranks drawn from ``seed``. Crash points
+    (inside a save) fire in the one generation the fault is reached in (``..._GEN{G}``, G = its
+    index); kills fire once (marker files)."""
     rng = random.Random(seed)
-    steps = [3, 5, 7, 9]       # 2 apart: a crash in the save of step s happens before step s + 2 starts
-    kinds = ["rank", "node", "local-save", "replicate"]
+    steps = [3, 5, 7, 9, 11]   # 2 apart: a crash in the save of step s happens before step s + 2 starts
+    kinds = [*KINDS, rng.choice(KINDS)]
     rng.shuffle(kinds)
     env: dict[str, str] = {"SHARDSMITH_TEST_MARKER_DIR": str(markers)}
     kills, lose, plan = [], [], []
@@ -144,7 +148,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(work: Path, data_path: str) -> Run:
-    run = train(work / "reference", data_path, {}, 0)
+    run = train(work / "reference", data_path, {}, 0, spares=0)
     assert run.returncode == 0, run.output[-6000:]
     return run
 
@@ -154,16 +158,18 @@ def test_chaos_in_process_restarts_end_bitwise_equal_to_an_uninterrupted_run(wor
                                                                              reference: Run) -> None:
     seed = int(os.environ.get("SHARDSMITH_CHAOS_SEED", random.randrange(2**31)))
     env, plan = chaos_env(seed, work / "markers")
-    chaos = train(work / "chaos", data_path, env, 4)
     where = f"chaos seed {seed} (SHARDSMITH_CHAOS_SEED={seed} replays it), faults {plan}"
+    print(where)                                                  # shown with -s, and on failure
+    chaos = train(work / "chaos", data_path, env, len(plan), spares=2)
     assert chaos.returncode == 0, f"{where}:\n{chaos.output[-8000:]}"
-    assert chaos.output.count("test hook: SIGKILL") == 3, where
-    assert chaos.output.count("test hook: node lost") == 2, where    # both ranks of the node
+    kinds = [kind for kind, _, _ in plan]
+    assert chaos.output.count("test hook: SIGKILL") == len(plan) - kinds.count("node"), where   # kills, crashes
+    assert chaos.output.count("test hook: node lost") == 2 * kinds.count("node"), where         # both ranks
     restarts = [line for line in chaos.output.splitlines() if line.startswith("restart ") and "in place" in line]
-    assert len(restarts) == 4, f"{where}: {restarts}"
-    assert [e["restart_count"] for e in chaos.events("start")] == [0, 1, 2, 3, 4], where
+    assert len(restarts) == len(plan), f"{where}: {restarts}"
+    assert [e["restart_count"] for e in chaos.events("start")] == list(range(len(plan) + 1)), where
     lost = lost_steps(chaos.records)
-    assert len(lost) == 4 and max(lost) <= 1, f"{where}: steps lost per restart {lost}"
+    assert len(lost) == len(plan) and max(lost) <= 1, f"{where}: steps lost per restart {lost}"
     ref = reference.losses()
     assert sorted(ref) == list(range(1, STEPS + 1))
     for r in chaos.records:                                       # every step, each time it ran
