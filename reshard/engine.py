@@ -36,10 +36,10 @@ import numpy as np
 from shardsmith.layout import ParallelDims
 from shardsmith.reshard.planner import PlanEntry, ReshardOptions, ReshardPlan, TargetFile, plan_reshard
 from shardsmith.reshard.slabs import Slab
-from shardsmith.reshard.progress import PROGRESS_NAME, load_progress, save_progress
+from shardsmith.reshard.progress import PROGRESS_NAME, ReshardReport, load_progress, save_progress
 from shardsmith.reshard.scaleout import Share, assign_files, cleanup, gather, publish
-from shardsmith.reshard.stream import (BufferBudget, BufferPool, FileResult, assemble_slab, gc_frozen,
-                                       return_freed_buffers_to_os, write_slab_at)
+from shardsmith.reshard.stream import (BufferBudget, BufferPool, FileResult, assemble_slab, copy_slab_verified,
+                                       gc_frozen, return_freed_buffers_to_os, write_slab_at)
 from shardsmith.storage import safetensors
 from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
 from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
@@ -52,38 +52,6 @@ from shardsmith.storage.sidecar import write_sidecar
 
 log = logging.getLogger(__name__)
 
-
-
-@dataclass
-class ReshardReport:
-    """What a reshard did.
-
-    Attributes:
-        step, target: the step and the target step directory's URL.
-        num_files: target files written (by this process); num_skipped: files kept from an
-            interrupted run (by this process).
-        num_target_files / target_nbytes: files and bytes of the whole committed target, every
-            rank's (set by the process that commits).
-        nbytes_written: bytes written; nbytes_verified: bytes re-read to check kept files.
-        nbytes_read / nbytes_needed: source bytes read (chunk-aligned) / bytes used.
-        peak_buffer_nbytes: the executor's buffer high-water mark (its accounting).
-        seconds: wall time.
-        committed: this process committed the result (rank 0, or the only process).
-    """
-
-    step: int
-    target: str
-    num_files: int = 0
-    num_skipped: int = 0
-    nbytes_written: int = 0
-    num_target_files: int = 0
-    target_nbytes: int = 0
-    nbytes_verified: int = 0
-    nbytes_read: int = 0
-    nbytes_needed: int = 0
-    peak_buffer_nbytes: int = 0
-    seconds: float = 0.0
-    committed: bool = False
 
 
 class _Stopped(Exception):
@@ -176,6 +144,10 @@ class _Executor:
 
     def _read_and_write(self, out: int, slab: Slab, entry: PlanEntry) -> tuple[list[tuple[int, int]], None, int]:
         """Task of :meth:`_write_at_offsets`: (the slab's CRC pieces, no buffer, bytes written)."""
+        pieces = copy_slab_verified(self.src, self.plan.source, slab, entry, out, self.plan.options.chunk_nbytes)
+        if pieces is not None:
+            self._count(nbytes_read=slab.pieces[0].read_nbytes, nbytes_needed=slab.src_nbytes)
+            return pieces, None, slab.nbytes
         data, buf, known = self._read(slab, entry)
         try:
             pieces = write_slab_at(out, entry, slab, data, known, self.plan.options.chunk_nbytes)

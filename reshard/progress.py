@@ -1,11 +1,13 @@
-"""Resuming an interrupted reshard: ``<dst step>/.reshard-progress*.json`` records each finished
-target file (size, CRC-32C) under the plan's id; a rerun of the same plan re-checks those
-files instead of rewriting them (:mod:`shardsmith.reshard.engine`)."""
+"""What a reshard did (:class:`ReshardReport`), and resuming an interrupted one:
+``<dst step>/.reshard-progress*.json`` records each finished target file (size, CRC-32C)
+under the plan's id; a rerun of the same plan re-checks those files instead of rewriting
+them (:mod:`shardsmith.reshard.engine`)."""
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from shardsmith.reshard.stream import FileResult
@@ -15,6 +17,38 @@ log = logging.getLogger(__name__)
 
 #: the progress file of a one-process reshard (process ``r`` of several: ``.reshard-progress-000rr.json``).
 PROGRESS_NAME = ".reshard-progress.json"
+
+
+@dataclass
+class ReshardReport:
+    """What a reshard did.
+
+    Attributes:
+        step, target: the step and the target step directory's URL.
+        num_files: target files written (by this process); num_skipped: files kept from an
+            interrupted run (by this process).
+        num_target_files / target_nbytes: files and bytes of the whole committed target, every
+            rank's (set by the process that commits).
+        nbytes_written: bytes written; nbytes_verified: bytes re-read to check kept files.
+        nbytes_read / nbytes_needed: source bytes read (chunk-aligned) / bytes used.
+        peak_buffer_nbytes: the executor's buffer high-water mark (its accounting).
+        seconds: wall time.
+        committed: this process committed the result (rank 0, or the only process).
+    """
+
+    step: int
+    target: str
+    num_files: int = 0
+    num_skipped: int = 0
+    nbytes_written: int = 0
+    num_target_files: int = 0
+    target_nbytes: int = 0
+    nbytes_verified: int = 0
+    nbytes_read: int = 0
+    nbytes_needed: int = 0
+    peak_buffer_nbytes: int = 0
+    seconds: float = 0.0
+    committed: bool = False
 
 
 def load_progress(dst: Store, plan_id: str, mine: set[str]) -> dict[str, dict[str, Any]]:

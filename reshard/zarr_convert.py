@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 
 from shardsmith.errors import LayoutError
-from shardsmith.reshard.engine import ReshardReport
+from shardsmith.reshard.progress import ReshardReport
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import TensorSpec, checkpoint_specs, shard_file_name, write_assignment
 from shardsmith.layout.box import Box
@@ -126,7 +126,7 @@ def convert_format(src: Store, dst_url: str, dims: ParallelDims, tensor_format: 
         storage_options: fsspec options of the target.
 
     Returns:
-        A :class:`~shardsmith.reshard.engine.ReshardReport` (``num_files``: data files).
+        A :class:`~shardsmith.reshard.progress.ReshardReport` (``num_files``: data files).
 
     Raises:
         ConfigError: an unknown format or codec.

@@ -150,8 +150,8 @@ def copy_span(f: Any, span: FileSpan) -> bool:
 
 def copy_span_at(out: int, pos: int, span: FileSpan) -> bool:
     """Copy ``span``'s bytes to byte ``pos`` of the local file open as descriptor ``out``
-    (``os.copy_file_range`` with explicit offsets: the file position is untouched, so several
-    threads may fill one file at different offsets).
+    (:func:`copy_range`: the file position is untouched, so several threads may fill one
+    file at different offsets).
 
     Returns:
         False, having written nothing, when the kernel cannot copy between these files.
@@ -159,22 +159,36 @@ def copy_span_at(out: int, pos: int, span: FileSpan) -> bool:
     Raises:
         OSError: the copy failed, or the source ended early.
     """
-    nbytes, done = len(span.view), 0
     fd = os.open(span.path, os.O_RDONLY)
     try:
-        while done < nbytes:
-            try:
-                n = os.copy_file_range(fd, out, nbytes - done, span.offset + done, pos + done)
-            except OSError as exc:
-                if done == 0 and exc.errno in _NO_KERNEL_COPY:
-                    return False
-                raise
-            if n == 0:
-                raise OSError(errno.EIO, f"{span.path}: ended at byte {span.offset + done}, "
-                                         f"{nbytes - done} bytes short of the copy")
-            done += n
+        return copy_range(fd, span.offset, out, pos, len(span.view), span.path)
     finally:
         os.close(fd)
+
+
+def copy_range(src: int, src_pos: int, out: int, pos: int, nbytes: int, name: str = "source") -> bool:
+    """Copy ``nbytes`` from byte ``src_pos`` of the file open as ``src`` to byte ``pos`` of the
+    file open as ``out`` with ``os.copy_file_range`` (page cache to page cache in the kernel,
+    like ``cp``; explicit offsets, no file position moves).
+
+    Returns:
+        False, having written nothing, when the kernel cannot copy between these files
+        (other filesystem, old kernel: the caller writes the bytes).
+
+    Raises:
+        OSError: the copy failed, or ``name`` ended early.
+    """
+    done = 0
+    while done < nbytes:
+        try:
+            n = os.copy_file_range(src, out, nbytes - done, src_pos + done, pos + done)
+        except OSError as exc:
+            if done == 0 and exc.errno in _NO_KERNEL_COPY:
+                return False
+            raise
+        if n == 0:
+            raise OSError(errno.EIO, f"{name}: ended at byte {src_pos + done}, {nbytes - done} bytes short of the copy")
+        done += n
     return True
 
 

@@ -177,3 +177,26 @@ def test_reshard_from_local_to_another_backend_writes_the_mapped_bytes(tmp_path)
     assert _manifest_json(read_manifest(got_step)) == _manifest_json(want)
     for name in want.files:
         assert got_step.read(name) == want_root.child(step_dir(STEP)).read(name), name
+
+
+def test_kernel_refusing_the_copy_gets_the_verified_bytes_written(tmp_path, monkeypatch) -> None:
+    """Where ``copy_file_range`` is refused (``EXDEV``: another filesystem), a local reshard
+    writes the verified mapped bytes instead, with the same files and manifest."""
+    import errno
+    import os
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EXDEV, "cross-device")
+
+    full = full_state(5)
+    save_direct(Store(str(tmp_path / "src")), full, SRC_DIMS, chunk=128)
+    step = Store(str(tmp_path / "src")).child(step_dir(STEP))
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    reshard(step, str(tmp_path / "out"), ParallelDims(), options=ReshardOptions(chunk_nbytes=64, workers=2))
+    want_root = Store(str(tmp_path / "want"))
+    want = save_direct(want_root, full, ParallelDims(), chunk=64)
+    got_step = Store(str(tmp_path / "out")).child(step_dir(STEP))
+    assert _manifest_json(read_manifest(got_step)) == _manifest_json(want)
+    for name in want.files:
+        assert got_step.read(name) == want_root.child(step_dir(STEP)).read(name), name
+
