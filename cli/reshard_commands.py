@@ -83,12 +83,21 @@ def run_diff(a_url: str, b_url: str, *, atol: float, storage_options: dict, cast
     for fqn in report.only_b:
         click.echo(f"only in B   {fqn}")
     if ma.state != mb.state:
-        click.echo("note: the non-tensor state differs (not counted): "
-                   f"A step {ma.state.get('step')}, B step {mb.state.get('step')}")
+        keys = _differing_keys(ma.state, mb.state)
+        click.echo("note: the non-tensor state differs (not counted): " + ", ".join(keys[:6])
+                   + (f" and {len(keys) - 6} more" if len(keys) > 6 else ""))
     click.echo(f"{'equal' if report.equal else 'DIFFERENT'}: {report.num_compared} tensors compared, "
                f"{len(report.differing)} differ, {len(report.only_a)} only in A, "
                f"{len(report.only_b)} only in B ({'bitwise' if atol == 0 else f'atol {atol:g}'})")
     return report.equal
+
+
+def _differing_keys(a: Any, b: Any, path: str = "state") -> list[str]:
+    """Dotted paths of the leaves where two JSON values differ (``state.run.parent``)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [k for key in sorted(set(a) | set(b), key=str)
+                for k in _differing_keys(a.get(key), b.get(key), f"{path}.{key}")]
+    return [] if a == b else [path]
 
 
 @click.command()

@@ -101,7 +101,7 @@ def test_make_dims_derives_dp_shard_from_the_world_size() -> None:
     assert make_dims(2, 1, -1, 1, (), 8) == ParallelDims(tp=2, dp_shard=4)
     assert make_dims(2, 2, -1, 1, (3, 1), None) == ParallelDims(tp=2, pp=2, pipeline_split=(3, 1))
     assert ParallelDims.for_world_size(16, pp=2, tp=2) == ParallelDims(pp=2, tp=2, dp_shard=4)
-    with pytest.raises(LayoutError, match="world size 6 is not a multiple of pp\*dp_replicate\*tp=4"):
+    with pytest.raises(LayoutError, match=r"world size 6 is not a multiple of pp\*dp_replicate\*tp=4"):
         make_dims(2, 2, -1, 1, (), 6)
     with pytest.raises(LayoutError, match="needs 4 processes but 2"):
         make_dims(2, 1, 2, 1, (), 2)

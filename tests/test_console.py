@@ -366,3 +366,14 @@ def test_another_ranks_fresh_progress_is_not_an_interrupted_run(tmp_path: Path, 
         assert list(load_progress(dst, "p", {"shards/rank-00001.safetensors"})) == ["shards/rank-00001.safetensors"]
     assert [m for m in caplog.messages if "resuming" in m] == [
         "resuming: 1 target file was written by an interrupted run"]
+
+
+def test_diff_names_the_state_fields_that_differ() -> None:
+    """`shardsmith diff`'s note on the non-tensor state names the differing fields (a reshard
+    records its parent), not the steps, which are equal."""
+    from shardsmith.cli.reshard_commands import _differing_keys
+
+    a = {"step": 30, "run": {"id": "r1", "parent": None}, "rng": [1, 2]}
+    b = {"step": 30, "run": {"id": "r1", "parent": "demo-run/a/step-000000030"}, "rng": [1, 2], "extra": 1}
+    assert _differing_keys(a, b) == ["state.extra", "state.run.parent"]
+    assert _differing_keys(a, dict(a)) == []
