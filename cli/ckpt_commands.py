@@ -98,8 +98,9 @@ def _print_summary(url: str, m: Any, groups: dict[str, dict[str, int]]) -> None:
         click.echo(f"  trained with lr {optim.get('lr')}, warmup {optim.get('warmup_steps')}, decay to step "
                    f"{optim.get('decay_steps') or steps}, --steps {steps}")
     click.echo(f"  state step={state.get('step')} tokens_seen={state.get('tokens_seen')} data={state.get('data')}")
+    width = max([14] + [len(name) for name in groups])
     for name, g in groups.items():
-        click.echo(f"  {name:<14} {g['num_tensors']:>5} tensors  {g['numel']:>15,} elements  "
+        click.echo(f"  {name:<{width}} {g['num_tensors']:>5} tensors  {g['numel']:>15,} elements  "
                    f"{format_nbytes(g['nbytes']):>10}")
 
 
