@@ -127,7 +127,7 @@ class _Executor:
             f.write(tf.header)
             f.flush()
             os.ftruncate(f.fileno(), tf.nbytes)
-            slabs = self._slab_stream(tf, functools.partial(self._read_and_write, f.fileno()))
+            slabs = self._slab_stream(tf, functools.partial(self._read_and_write, f.fileno(), threading.Lock()))
             try:
                 for i, pieces, nbytes in slabs:
                     crcs[i].add(pieces)
@@ -142,15 +142,17 @@ class _Executor:
         return FileResult(tf.name, FileRecord(nbytes=tf.nbytes, crc32c=file_crc), shards, True,
                           write_sidecar(self.dst, tf.name, shards))
 
-    def _read_and_write(self, out: int, slab: Slab, entry: PlanEntry) -> tuple[list[tuple[int, int]], None, int]:
+    def _read_and_write(self, out: int, lock: Any, slab: Slab,
+                        entry: PlanEntry) -> tuple[list[tuple[int, int]], None, int]:
         """Task of :meth:`_write_at_offsets`: (the slab's CRC pieces, no buffer, bytes written)."""
-        pieces = copy_slab_verified(self.src, self.plan.source, slab, entry, out, self.plan.options.chunk_nbytes)
+        chunk = self.plan.options.chunk_nbytes
+        pieces = copy_slab_verified(self.src, self.plan.source, slab, entry, out, chunk, lock)
         if pieces is not None:
             self._count(nbytes_read=slab.pieces[0].read_nbytes, nbytes_needed=slab.src_nbytes)
             return pieces, None, slab.nbytes
         data, buf, known = self._read(slab, entry)
         try:
-            pieces = write_slab_at(out, entry, slab, data, known, self.plan.options.chunk_nbytes)
+            pieces = write_slab_at(out, entry, slab, data, known, chunk, lock)
         finally:
             if buf is not None:
                 self.pool.give(buf)
