@@ -185,12 +185,6 @@ def _assert_same_run(got: Run, want: Run, where: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tp2_reference: Run) -> Run:
-    """The uninterrupted run (the session's: the local tier changes no loss and no weight)."""
-    return tp2_reference
-
-
-@pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("local-tier")
 
@@ -205,17 +199,17 @@ def killed_then_node_lost(work: Path, data_path: str) -> Run:
 
 
 @pytest.mark.distributed
-def test_a_killed_rank_resumes_from_the_local_tier_bitwise(reference: Run, killed_then_node_lost: Run) -> None:
+def test_a_killed_rank_resumes_from_the_local_tier_bitwise(tp2_reference: Run, killed_then_node_lost: Run) -> None:
     run = killed_then_node_lost
     (step, source), _ = run.recovered()
     assert source == "local" and step in (2, 3), run.output[-3000:]      # lost steps <= 1 (4 - 1 - step)
     resume = run.events("resume")[0]
     assert resume["step"] == step and "-local/node-0000" in resume["from"] and not resume["resharded"]
-    _assert_same_run(run, reference, "rank killed, then node lost")
+    _assert_same_run(run, tp2_reference, "rank killed, then node lost")
 
 
 @pytest.mark.distributed
-def test_kills_during_a_local_save_and_a_replication_never_load_a_mixed_step(reference: Run, work: Path,
+def test_kills_during_a_local_save_and_a_replication_never_load_a_mixed_step(tp2_reference: Run, work: Path,
                                                                              data_path: str) -> None:
     env = {"SHARDSMITH_TEST_CRASH_AT": "1:local.before_commit:4,2:local.before_replicate:6",
            "SHARDSMITH_TEST_MARKER_DIR": str(work / "chaos-markers")}
@@ -226,19 +220,19 @@ def test_kills_during_a_local_save_and_a_replication_never_load_a_mixed_step(ref
     [(first, src1), (second, src2)] = run.recovered()
     assert (first, src1) == (3, "local") and second in (5, 6) and src2 == "local", run.output[-3000:]
     assert "partial: no commit marker rank-00001.json" in run.output
-    _assert_same_run(run, reference, "killed during local saves")
+    _assert_same_run(run, tp2_reference, "killed during local saves")
 
 
 @pytest.mark.distributed
-def test_a_lost_node_recovers_from_buddy_copies_bitwise(reference: Run, killed_then_node_lost: Run) -> None:
+def test_a_lost_node_recovers_from_buddy_copies_bitwise(tp2_reference: Run, killed_then_node_lost: Run) -> None:
     run = killed_then_node_lost
     assert run.recovered()[1:] == [(6, "buddy")], run.output[-3000:]       # the persistent tier has only 5
     assert [e["step"] for e in run.events("resume")][1:] == [6]
-    _assert_same_run(run, reference, "rank killed, then node lost")
+    _assert_same_run(run, tp2_reference, "rank killed, then node lost")
 
 
 @pytest.mark.distributed
-def test_a_node_not_replaced_continues_on_fewer_ranks(reference: Run, work: Path, data_path: str) -> None:
+def test_a_node_not_replaced_continues_on_fewer_ranks(tp2_reference: Run, work: Path, data_path: str) -> None:
     env = {"SHARDSMITH_TEST_LOSE_NODE_AT": "2:7,3:7", "SHARDSMITH_TEST_MARKER_DIR": str(work / "shrink-markers")}
     lost = train(work / "shrunk", 4, data_path, env=env)
     assert lost.returncode != 0
@@ -248,14 +242,14 @@ def test_a_node_not_replaced_continues_on_fewer_ranks(reference: Run, work: Path
     assert step in (5, 6) and f"recovered step {step} from local (resharded)" in run.output, run.output[-3000:]
     [resume] = [e for e in run.records if e.get("event") == "resume"]
     assert resume["resharded"] and resume["saved_layout"]["world_size"] == 4
-    ref = reference.losses()
+    ref = tp2_reference.losses()
     assert sorted(run.losses()) == list(range(step + 1, STEPS + 1))
     for step, loss in run.losses().items():
         assert abs(loss - ref[step]) <= 1e-4, (step, loss, ref[step])
 
 
 @pytest.mark.distributed
-def test_a_damaged_local_tier_is_named_and_skipped_for_the_buddy_copy(reference: Run, work: Path,
+def test_a_damaged_local_tier_is_named_and_skipped_for_the_buddy_copy(tp2_reference: Run, work: Path,
                                                                      data_path: str) -> None:
     root = work / "damaged"
     train(root, 4, data_path, steps=4).check()
@@ -273,5 +267,5 @@ def test_a_damaged_local_tier_is_named_and_skipped_for_the_buddy_copy(reference:
     assert f"skipping {node0} (rank 0): corrupt: CRC-32C of shards/rank-00000.safetensors" in run.output
     assert f"skipping {node0} (rank 1): partial: no commit marker rank-00001.json" in run.output
     assert f"skipping {node1} (rank 2): from another run (run ffffffffffff" in run.output
-    _assert_same_run(run, reference, "damaged local tier")
+    _assert_same_run(run, tp2_reference, "damaged local tier")
     shutil.rmtree(f"{root}-local")

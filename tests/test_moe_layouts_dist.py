@@ -151,8 +151,8 @@ def test_moe_with_expert_tensor_and_sequence_parallelism(tmp_path: Path, data_pa
     cfg = dataclasses.replace(tiny_train_config(ParallelDims(tp=2), data_path), model=MOE)
     tokens, targets = _batch()
     sp = {"sequence_parallel": True}
-    tasks = (_reference_tasks(tmp_path / "tp", tokens, targets, {}) + _reference_tasks(tmp_path / "sp", tokens, targets, sp)
-             + _resume_tasks(tmp_path / "sp", sp))
+    tasks = (_reference_tasks(tmp_path / "tp", tokens, targets, {})
+             + _reference_tasks(tmp_path / "sp", tokens, targets, sp) + _resume_tasks(tmp_path / "sp", sp))
     run_torchrun({"config": cfg.to_json(), "tasks": tasks}, 2, tmp_path, "moe-sp").check()
 
     logits, grads = _single_process_reference(tokens, targets, cfg.num_microbatches(), MOE)

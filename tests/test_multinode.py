@@ -10,7 +10,8 @@ with one node (B's heartbeats stop), the workers re-derive ``dp_shard`` = 1 for 
 of 2 (tp2·dp_shard1) and resume the newest committed checkpoint by resharding.
 
 Reference: the same job uninterrupted on 4 processes (``shardsmith train --nproc-per-node
-4``, the same model, data and schedule flags: conftest's ``tp2_reference``, shared with other modules). After the resume every step's loss matches the reference's within
+4``, the same model, data and schedule flags: conftest's ``tp2_reference``, shared with
+other modules). After the resume every step's loss matches the reference's within
 1e-4 (relative): the curve continues, only the reduction order changed.
 
 Rendezvous settings (``--rdzv-conf``): a dead node is dropped after ``keep_alive_interval``
