@@ -10,7 +10,7 @@ Models:
   2, 2, 2, 0 — an empty shard).
 
 Each source checkpoint is trained on one process; a job in each target layout resumes it,
-saves it again, and trains one more step. The offline resharder's output for the target
+saves it again, and trains one more step (the jobs of one process count share a launch). The offline resharder's output for the target
 layout must equal that job's save file for file (names, keys, boxes) and tensor for
 tensor, and the target layout's next loss must match the single-process one.
 """
@@ -53,18 +53,52 @@ def _config(model: ModelConfig, dims: ParallelDims, data_path: str) -> TrainConf
                        micro_batch_size=2, seed=7)
 
 
+def _set(model: ModelConfig, dims: ParallelDims) -> dict:
+    """A scenario task's ``set``: this model in this layout."""
+    return {"model": model.to_json(), "parallel": dims.to_json()}
+
+
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory: pytest.TempPathFactory, data_path: str) -> dict[str, tuple[str, list]]:
-    """model name -> (root of a 1-process checkpoint saved at step 2, losses of steps 1..3)."""
-    work = tmp_path_factory.mktemp("layout-cases")
-    out: dict[str, tuple[str, list]] = {}
-    for name, model in (("awkward", AWKWARD), ("uneven", UNEVEN)):
-        root, metrics = work / f"src-{name}", work / f"src-{name}.json"
-        spec = {"config": _config(model, ParallelDims(), data_path).to_json(),
-                "tasks": [{"kind": "train", "steps": SAVE_STEP + 1, "ckpt": str(root), "save_interval": SAVE_STEP,
-                           "resume": "none", "out": str(metrics)}]}
-        run_torchrun(spec, 1, work, f"src-{name}").check()
-        out[name] = (str(root), json.loads(metrics.read_text()))
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("layout-cases")
+
+
+@pytest.fixture(scope="module")
+def sources(work: Path, data_path: str) -> dict[str, tuple[str, list]]:
+    """model name -> (root of a 1-process checkpoint saved at step 2, losses of steps 1..3);
+    both models in one launch."""
+    models = {"awkward": AWKWARD, "uneven": UNEVEN}
+    tasks = [{"kind": "train", "steps": SAVE_STEP + 1, "ckpt": str(work / f"src-{name}"), "save_interval": SAVE_STEP,
+              "resume": "none", "out": str(work / f"src-{name}.json"), "set": _set(model, ParallelDims())}
+             for name, model in models.items()]
+    run_torchrun({"config": _config(AWKWARD, ParallelDims(), data_path).to_json(), "tasks": tasks}, 1,
+                 work, "sources").check()
+    return {name: (str(work / f"src-{name}"), json.loads((work / f"src-{name}.json").read_text()))
+            for name in models}
+
+
+def _source_step(sources: dict[str, tuple[str, list]], model: ModelConfig) -> str:
+    return f"{sources['awkward' if model is AWKWARD else 'uneven'][0]}/{step_dir(SAVE_STEP)}"
+
+
+@pytest.fixture(scope="module")
+def jobs(work: Path, sources: dict[str, tuple[str, list]], data_path: str) -> dict[int, str]:
+    """Every case's job (reload the source and save it to ``work/<case>/job``; resume it and
+    train one step, metrics to ``work/<case>/job.json``), one launch per process count:
+    nproc -> "" when the launch succeeded, else its error."""
+    out = {}
+    for nproc in sorted({c[3] for c in CASES}):
+        tasks = []
+        for name, model, dims, _ in (c for c in CASES if c[3] == nproc):
+            src_step = _source_step(sources, model)
+            (work / name).mkdir()
+            tasks += [{"kind": "reload", "src": src_step, "dst": str(work / name / "job"), "set": _set(model, dims)},
+                      {"kind": "train", "steps": SAVE_STEP + 1, "resume": src_step,
+                       "out": str(work / name / "job.json"), "set": _set(model, dims)}]
+        first = next(c for c in CASES if c[3] == nproc)
+        result = run_torchrun({"config": _config(first[1], first[2], data_path).to_json(), "tasks": tasks}, nproc,
+                              work, f"jobs-{nproc}")
+        out[nproc] = "" if result.returncode == 0 else result.output[-8000:]
     return out
 
 
@@ -83,15 +117,12 @@ def _file_layout(url: str) -> dict[str, dict[str, tuple]]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_layout_case(case, sources, data_path: str, tmp_path: Path) -> None:
+def test_layout_case(case, sources, jobs, work: Path, tmp_path: Path) -> None:
     name, model, dims, nproc = case
-    src_root, src_losses = sources["awkward" if model is AWKWARD else "uneven"]
-    src_step = f"{src_root}/{step_dir(SAVE_STEP)}"
-    job_root, metrics = tmp_path / "job", tmp_path / "job.json"
-    spec = {"config": _config(model, dims, data_path).to_json(),
-            "tasks": [{"kind": "reload", "src": src_step, "dst": str(job_root)},
-                      {"kind": "train", "steps": SAVE_STEP + 1, "resume": src_step, "out": str(metrics)}]}
-    run_torchrun(spec, nproc, tmp_path, name).check()
+    _, src_losses = sources["awkward" if model is AWKWARD else "uneven"]
+    src_step = _source_step(sources, model)
+    assert not jobs[nproc], f"the {nproc}-process launch failed:\n{jobs[nproc]}"
+    job_root, metrics = work / name / "job", work / name / "job.json"
 
     offline = tmp_path / "offline"
     reshard(Store(src_step), f"{offline}/{step_dir(SAVE_STEP)}", dims)

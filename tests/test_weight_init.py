@@ -88,14 +88,14 @@ def test_step0_checkpoints_of_every_layout_are_bitwise_equal(data_path: str, tmp
     from shardsmith.storage.commit import step_dir
     from test_layout_cases import AWKWARD, _config
 
-    saved = {}
-    for name, dims in STEP0_LAYOUTS.items():
-        root = tmp_path / name
-        spec = {"config": _config(AWKWARD, dims, data_path).to_json(),
-                "tasks": [{"kind": "train", "steps": 0, "ckpt": str(root), "out": str(tmp_path / f"{name}.json")}]}
-        run_torchrun(spec, dims.world_size, tmp_path, name).check()
-        saved[name] = {f: t for f, t in read_full_tensors(str(root / step_dir(0))).items()
-                       if not f.startswith(OPTIM_PREFIXES)}
+    for world in sorted({dims.world_size for dims in STEP0_LAYOUTS.values()}):    # one launch per world size
+        names = [n for n, dims in STEP0_LAYOUTS.items() if dims.world_size == world]
+        tasks = [{"kind": "train", "steps": 0, "ckpt": str(tmp_path / n), "out": str(tmp_path / f"{n}.json"),
+                  "set": {"parallel": STEP0_LAYOUTS[n].to_json()}} for n in names]
+        spec = {"config": _config(AWKWARD, STEP0_LAYOUTS[names[0]], data_path).to_json(), "tasks": tasks}
+        run_torchrun(spec, world, tmp_path, f"world{world}").check()
+    saved = {name: {f: t for f, t in read_full_tensors(str(tmp_path / name / step_dir(0))).items()
+                    if not f.startswith(OPTIM_PREFIXES)} for name in STEP0_LAYOUTS}
     model = Transformer(AWKWARD)
     init_weights(model, _config(AWKWARD, ParallelDims(), data_path).seed)
     want = {f: p.detach() for f, p in model.named_parameters()}
