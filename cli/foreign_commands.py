@@ -29,7 +29,8 @@ def _config_maker(dims):
     return lambda model: TrainConfig(model=model, parallel=dims).to_json()
 
 
-def _echo_import(report, dims) -> None:
+def echo_import(report, dims) -> None:
+    """Print an importer's :class:`~shardsmith.reshard.foreign.common.ImportReport` (HF, DCP, Megatron)."""
     what = "model weights, AdamW state and step" if report.with_optimizer else "model weights only"
     click.echo(f"imported {report.source} as step {report.step} in {dims.describe()} ({what}): "
                f"{report.num_files} files, {report.nbytes_written:,} bytes, {report.seconds:.2f}s "
@@ -58,7 +59,7 @@ def import_dcp(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, expert
                        rope_theta=rope_theta, norm_eps=norm_eps)
     report = do_import(src, ckpt, dims, hints, step=step, make_config=_config_maker(dims),
                        storage_options=parse_storage_options(storage_options))
-    _echo_import(report, dims)
+    echo_import(report, dims)
 
 
 @click.command("export-dcp", short_help="Export a checkpoint as a PyTorch DCP directory.")
@@ -104,7 +105,7 @@ def import_megatron(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, e
                        rope_theta=rope_theta, norm_eps=norm_eps)
     report = do_import(src, ckpt, dims, hints, vocab_size=vocab_size, step=step,
                        make_config=_config_maker(dims), storage_options=parse_storage_options(storage_options))
-    _echo_import(report, dims)
+    echo_import(report, dims)
 
 
 @click.command("export-megatron", short_help="Export weights as a Megatron-Core checkpoint.")

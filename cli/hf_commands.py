@@ -6,6 +6,7 @@ import os
 
 import click
 
+from shardsmith.cli.foreign_commands import echo_import
 from shardsmith.cli.options import dtype_option, layout_options, make_dims, size_option, storage_option
 from shardsmith.storage.fs import parse_storage_options
 
@@ -64,8 +65,7 @@ def import_hf(hf_dir, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, expe
                          data=DataConfig(tokenizer=os.path.abspath(tokenizer) if tokenizer else "")).to_json()
     report = do_import(hf_dir, ckpt, dims, step=step, config=config,
                        storage_options=parse_storage_options(storage_options))
-    click.echo(f"imported {hf_dir} as step {report.step} in {dims.describe()}: {report.num_files} files, "
-               f"{report.nbytes_written:,} bytes, {report.seconds:.2f}s -> {report.target}")
+    echo_import(report, dims)
     if tokenizer:
         click.echo(f"  tokenizer: {tokenizer} recorded (vocab {config['data']['tokenizer_vocab_size']}); "
                    f"train from it with --tokenizer {hf_dir}")

@@ -37,6 +37,7 @@ from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import TensorSpec, param_specs
 from shardsmith.layout.box import Box
 from shardsmith.layout.dtypes import DTYPE_CHOICES, DTYPES
+from shardsmith.reshard.foreign.common import ImportReport
 from shardsmith.reshard.foreign.write import write_checkpoint
 from shardsmith.reshard.hf_tokenizer import TokenizerCopy, copy_tokenizer
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
@@ -332,21 +333,9 @@ def read_hf_box(src: HFSource, names: list[str], fqn: str, box: Box, model: Mode
     return ours.to(torch.float32).contiguous()
 
 
-@dataclass
-class HFImportReport:
-    """What :func:`import_hf` wrote."""
-
-    target: str
-    step: int
-    model: ModelConfig
-    num_files: int = 0
-    nbytes_written: int = 0
-    seconds: float = 0.0
-
-
 def import_hf(hf_dir: str, ckpt_url: str, dims: ParallelDims, *, step: int | None = None,
               config: dict[str, Any] | None = None, storage_options: dict | None = None,
-              chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> HFImportReport:
+              chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> ImportReport:
     """Write the HF Llama in ``hf_dir`` as a model-only shardsmith checkpoint in layout ``dims``.
 
     Tensors are stored in float32 (the trainer's master weights) whatever the source dtype.
@@ -378,7 +367,4 @@ def import_hf(hf_dir: str, ckpt_url: str, dims: ParallelDims, *, step: int | Non
                                state=state, config=config or {"model": model.to_json(), "parallel": dims.to_json()},
                                with_optimizer=False, step=step, storage_options=storage_options,
                                chunk_nbytes=chunk_nbytes)
-    report = HFImportReport(target=written.target, step=written.step, model=model, num_files=written.num_files,
-                            nbytes_written=written.nbytes_written)
-    report.seconds = time.perf_counter() - t0
-    return report
+    return ImportReport.of(written, source=hf_dir, model=model, with_optimizer=False, started=t0)

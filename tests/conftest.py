@@ -134,3 +134,13 @@ def gloo_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def tp2_reference(tmp_path_factory: pytest.TempPathFactory, data_path: str):
+    """The uninterrupted tiny-model run (4 processes, tp2·dp_shard2, 8 steps, a checkpoint
+    every 2) the fault-tolerance, local-tier and multi-node tests compare against; see
+    :mod:`train_runs`. One launch for all of them."""
+    from train_runs import reference_run
+
+    return reference_run(tmp_path_factory.mktemp("tp2-reference") / "reference", data_path)

@@ -5,7 +5,8 @@ covering several cases (process start-up dominates their cost), all on the tiny 
 ``conftest`` with tp=2 and dp_shard left free (4 processes: tp2·dps2, 2 processes: tp2·dps1),
 ``STEPS`` steps, a checkpoint every 2 steps:
 
-* ``reference``: uninterrupted, 4 processes.
+* ``reference``: uninterrupted, 4 processes (conftest's ``tp2_reference``, one launch shared
+  with test_local_tier and test_multinode).
 * ``chaos``: 4 processes, ``--max-restarts 3``; three random (rank, step) pairs SIGKILL
   themselves (test hook, once each: markers survive the restarts). Final model == reference.
 * chain: ``preempted`` (4 processes; as step PREEMPT_STEP starts one rank SIGTERMs itself
@@ -27,10 +28,7 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +37,10 @@ import torch
 from click.testing import CliRunner
 
 from conftest import TINY_MODEL, TINY_TRAIN_FLAGS, assert_tensors_bitwise_equal, read_full_tensors
+from train_runs import REFERENCE_SAVE_EVERY, REFERENCE_STEPS, Run, train_tp2
 from shardsmith.errors import ConfigError, LayoutError
 from shardsmith.layout import ParallelDims
-from shardsmith.storage.commit import list_steps, read_latest_hint, step_dir
+from shardsmith.storage.commit import read_latest_hint, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.trainer.config import FaultConfig, TrainConfig
 from shardsmith.trainer.optim import OptimConfig
@@ -56,8 +55,8 @@ from shardsmith.trainer.plot import loss_segments, run_markers
 from shardsmith.trainer.rng import (capture_rng, pack_rng_states, restore_rng, role_seed,
                                     select_rng_state)
 
-STEPS = 8
-SAVE_EVERY = 2
+STEPS = REFERENCE_STEPS
+SAVE_EVERY = REFERENCE_SAVE_EVERY
 PREEMPT_STEP = 3          # not a save step: the preemption checkpoint is its own
 HANG_STEP = 7             # after the save of step 6
 MAX_BAD = 3
@@ -389,45 +388,11 @@ def test_cli_maps_fault_flags_and_hands_workers_absolute_paths(tmp_path, monkeyp
 # ---- distributed runs ------------------------------------------------------------------------
 
 
-@dataclass
-class Run:
-    """A finished ``shardsmith train`` launch: exit code, output, checkpoint root, and the
-    metrics.jsonl records this launch wrote (all its elastic restarts included)."""
-
-    returncode: int
-    output: str
-    root: Path
-    records: list[dict[str, Any]]
-
-    def losses(self) -> dict[int, float]:
-        """Step -> loss of the last time each step ran (re-run steps overwrite)."""
-        return {r["step"]: r["loss"] for r in self.records if "event" not in r}
-
-    def events(self, kind: str) -> list[dict[str, Any]]:
-        return [r for r in self.records if r.get("event") == kind]
-
-    def committed(self) -> list[int]:
-        return [s.step for s in list_steps(Store(str(self.root))) if s.committed]
-
-    def check(self) -> "Run":
-        assert self.returncode == 0, f"launch failed (exit {self.returncode}):\n{self.output[-8000:]}"
-        return self
-
-
 def train(root: Path, nproc: int, data_path: str, *flags: str, env: dict[str, str] | None = None) -> Run:
-    """``shardsmith train`` on ``nproc`` processes (tp=2, dp_shard from the world size)."""
-    metrics = root / "metrics.jsonl"
-    before = len(list(iter_json_lines(str(metrics)))) if metrics.exists() else 0
-    cmd = [sys.executable, "-m", "shardsmith", "train", "--nproc-per-node", str(nproc), "--tp", "2",
-           *TINY_TRAIN_FLAGS, "--data", data_path, "--steps", str(STEPS), "--save-interval", str(SAVE_EVERY),
-           "--ckpt", str(root), *flags]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})})
-    root.mkdir(parents=True, exist_ok=True)
-    launches = len(list(root.parent.glob(f"{root.name}-*.log")))
-    (root.parent / f"{root.name}-{launches}.log").write_text(proc.stdout)
-    records = list(iter_json_lines(str(metrics)))[before:] if metrics.exists() else []
-    return Run(proc.returncode, proc.stdout, root, records)
+    """``shardsmith train`` on ``nproc`` processes (tp=2, dp_shard from the world size),
+    ``STEPS`` steps, a checkpoint every ``SAVE_EVERY``."""
+    return train_tp2(root, nproc, data_path, "--steps", str(STEPS), "--save-interval", str(SAVE_EVERY), *flags,
+                     env=env)
 
 
 @pytest.fixture(scope="module")
@@ -436,8 +401,9 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(work: Path, data_path: str) -> Run:
-    return train(work / "reference", 4, data_path).check()
+def reference(tp2_reference: Run) -> Run:
+    """The uninterrupted 4-process run (the session's, shared with other modules)."""
+    return tp2_reference
 
 
 @pytest.fixture(scope="module")

@@ -221,6 +221,7 @@ def test_transformers_model_imported_tp2_pp2_gives_same_logits(tmp_path: Path) -
     result = CliRunner().invoke(cli, ["import-hf", str(src), str(ckpt), "--tp", "2", "--pp", "2",
                                       "--dp-shard", "1"])
     assert result.exit_code == 0, result.output
+    assert f"imported {src} as step 0 in pp2·dpr1·dps1·tp2 (model weights only): 4 files" in result.output
     _, step_store, step = resolve_checkpoint(str(ckpt))
     manifest = read_manifest(step_store)
     assert step == 0 and manifest.state["step"] == 0

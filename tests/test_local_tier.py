@@ -5,12 +5,13 @@ partial, another run), retention, the config checks. Then ``shardsmith train`` l
 gloo (tiny model, tp=2, 4 processes as 2 simulated nodes, the local tier every step with a
 buddy copy, the persistent tier every 5 steps, 8 steps):
 
-* ``reference``: uninterrupted.
-* ``rank_killed``: rank 1 SIGKILLs itself as step 4 starts, ``--max-restarts 1``: resumes from
-  the local tier (step 3, or 2 when step 3's write was cut off), losses and final model
+* ``reference``: uninterrupted (conftest's ``tp2_reference``, shared with other modules: the
+  local tier changes no loss and no weight).
+* ``killed_then_node_lost``, one launch with ``--max-restarts 2``: rank 1 SIGKILLs itself as
+  step 4 starts and resumes from the local tier (step 3, or 2 when step 3's write was cut
+  off); then both ranks of node 1 lose their disk and die as step 7 starts and get step 6
+  from their buddies' copies (the persistent tier has only 5). Losses and final model
   bitwise equal to the reference.
-* ``node_lost``: both ranks of node 1 lose their disk and die as step 7 starts: node 1's ranks
-  get step 6 from their buddies' copies (the persistent tier has only 5); bitwise equal.
 * ``shrunk``: the same loss without a restart, then 2 processes (a node not replaced):
   step 6 (5 when the survivors died before storing node 1's copies of 6) is resharded from the
   reachable local copies; losses within 1e-4 of the reference.
@@ -24,19 +25,15 @@ buddy copy, the persistent tier every 5 steps, 8 steps):
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
-import subprocess
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from conftest import TINY_MODEL, TINY_TRAIN_FLAGS, assert_tensors_bitwise_equal, read_full_tensors
+from conftest import TINY_MODEL, assert_tensors_bitwise_equal, read_full_tensors
+from train_runs import RECOVERED, REFERENCE_STEPS, Run, train_tp2
 from shardsmith.errors import ConfigError
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.plan import checkpoint_specs
@@ -45,11 +42,9 @@ from shardsmith.storage.tensor_files import TORCH_DTYPES
 from shardsmith.trainer.ckpt_config import CheckpointConfig
 from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.local_tier import Lineage, LocalTier, rank_manifest_name
-from shardsmith.trainer.metrics import iter_json_lines
 from shardsmith.trainer.recovery import agree
 
 RUN = "a" * 32
-RECOVERED = re.compile(r"recovered step (\d+) from (local|buddy|persistent)")
 
 
 # ---- unit tests ------------------------------------------------------------------------------
@@ -169,41 +164,15 @@ def test_local_tier_config_refuses_bad_values(kwargs: dict[str, Any], match: str
 
 # ---- distributed runs ------------------------------------------------------------------------
 
-STEPS = 8
+STEPS = REFERENCE_STEPS
 LOCAL = ["--save-interval", "5", "--local-replicas", "1", "--simulate-nodes", "2"]
-
-
-@dataclass
-class Run:
-    returncode: int
-    output: str
-    root: Path
-    records: list[dict[str, Any]]
-
-    def check(self) -> "Run":
-        assert self.returncode == 0, f"launch failed (exit {self.returncode}):\n{self.output[-8000:]}"
-        return self
-
-    def losses(self) -> dict[int, float]:
-        return {r["step"]: r["loss"] for r in self.records if "event" not in r}
-
-    def recovered(self) -> list[tuple[int, str]]:
-        return [(int(s), src) for s, src in RECOVERED.findall(self.output)]
 
 
 def train(root: Path, nproc: int, data_path: str, *flags: str, steps: int = STEPS,
           env: dict[str, str] | None = None) -> Run:
     """``shardsmith train`` (tp=2) with the persistent tier in ``root`` and the local one in ``root``-local."""
-    metrics = root / "metrics.jsonl"
-    before = len(list(iter_json_lines(str(metrics)))) if metrics.exists() else 0
-    cmd = [sys.executable, "-m", "shardsmith", "train", "--nproc-per-node", str(nproc), "--tp", "2",
-           *TINY_TRAIN_FLAGS, "--data", data_path, "--steps", str(steps), "--ckpt", str(root),
-           "--local-ckpt", f"{root}-local", *LOCAL, *flags]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})})
-    root.parent.joinpath(f"{root.name}-{before}.log").write_text(proc.stdout)
-    records = list(iter_json_lines(str(metrics)))[before:] if metrics.exists() else []
-    return Run(proc.returncode, proc.stdout, root, records)
+    return train_tp2(root, nproc, data_path, "--steps", str(steps), "--local-ckpt", f"{root}-local", *LOCAL, *flags,
+                     env=env)
 
 
 def _assert_same_run(got: Run, want: Run, where: str) -> None:
@@ -216,26 +185,32 @@ def _assert_same_run(got: Run, want: Run, where: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, data_path: str) -> Run:
-    """The uninterrupted run; the other runs go beside it (``reference.root.parent``)."""
-    return train(tmp_path_factory.mktemp("local-tier") / "reference", 4, data_path).check()
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("local-tier")
+
+
+@pytest.fixture(scope="module")
+def killed_then_node_lost(work: Path, data_path: str) -> Run:
+    """One launch, two restarts: rank 1 SIGKILLs itself as step 4 starts, then node 1 (ranks
+    2 and 3) loses its disk and dies as step 7 starts."""
+    env = {"SHARDSMITH_TEST_KILL_AT": "1:4", "SHARDSMITH_TEST_LOSE_NODE_AT": "2:7,3:7",
+           "SHARDSMITH_TEST_MARKER_DIR": str(work / "kill-markers")}
+    return train(work / "killed", 4, data_path, "--max-restarts", "2", env=env).check()
 
 
 @pytest.mark.distributed
-def test_a_killed_rank_resumes_from_the_local_tier_bitwise(reference: Run, data_path: str) -> None:
-    work = reference.root.parent
-    env = {"SHARDSMITH_TEST_KILL_AT": "1:4", "SHARDSMITH_TEST_MARKER_DIR": str(work / "kill-markers")}
-    run = train(work / "killed", 4, data_path, "--max-restarts", "1", env=env).check()
-    [(step, source)] = run.recovered()
+def test_a_killed_rank_resumes_from_the_local_tier_bitwise(tp2_reference: Run, killed_then_node_lost: Run) -> None:
+    run = killed_then_node_lost
+    (step, source), _ = run.recovered()
     assert source == "local" and step in (2, 3), run.output[-3000:]      # lost steps <= 1 (4 - 1 - step)
-    [resume] = [e for e in run.records if e.get("event") == "resume"]
+    resume = run.events("resume")[0]
     assert resume["step"] == step and "-local/node-0000" in resume["from"] and not resume["resharded"]
-    _assert_same_run(run, reference, "rank killed")
+    _assert_same_run(run, tp2_reference, "rank killed, then node lost")
 
 
 @pytest.mark.distributed
-def test_kills_during_a_local_save_and_a_replication_never_load_a_mixed_step(reference: Run, data_path: str) -> None:
-    work = reference.root.parent
+def test_kills_during_a_local_save_and_a_replication_never_load_a_mixed_step(tp2_reference: Run, work: Path,
+                                                                             data_path: str) -> None:
     env = {"SHARDSMITH_TEST_CRASH_AT": "1:local.before_commit:4,2:local.before_replicate:6",
            "SHARDSMITH_TEST_MARKER_DIR": str(work / "chaos-markers")}
     run = train(work / "chaos", 4, data_path, "--max-restarts", "2", env=env).check()
@@ -245,21 +220,19 @@ def test_kills_during_a_local_save_and_a_replication_never_load_a_mixed_step(ref
     [(first, src1), (second, src2)] = run.recovered()
     assert (first, src1) == (3, "local") and second in (5, 6) and src2 == "local", run.output[-3000:]
     assert "partial: no commit marker rank-00001.json" in run.output
-    _assert_same_run(run, reference, "killed during local saves")
+    _assert_same_run(run, tp2_reference, "killed during local saves")
 
 
 @pytest.mark.distributed
-def test_a_lost_node_recovers_from_buddy_copies_bitwise(reference: Run, data_path: str) -> None:
-    work = reference.root.parent
-    env = {"SHARDSMITH_TEST_LOSE_NODE_AT": "2:7,3:7", "SHARDSMITH_TEST_MARKER_DIR": str(work / "node-markers")}
-    run = train(work / "node", 4, data_path, "--max-restarts", "1", env=env).check()
-    assert run.recovered() == [(6, "buddy")], run.output[-3000:]       # the persistent tier has only 5
-    _assert_same_run(run, reference, "node lost")
+def test_a_lost_node_recovers_from_buddy_copies_bitwise(tp2_reference: Run, killed_then_node_lost: Run) -> None:
+    run = killed_then_node_lost
+    assert run.recovered()[1:] == [(6, "buddy")], run.output[-3000:]       # the persistent tier has only 5
+    assert [e["step"] for e in run.events("resume")][1:] == [6]
+    _assert_same_run(run, tp2_reference, "rank killed, then node lost")
 
 
 @pytest.mark.distributed
-def test_a_node_not_replaced_continues_on_fewer_ranks(reference: Run, data_path: str) -> None:
-    work = reference.root.parent
+def test_a_node_not_replaced_continues_on_fewer_ranks(tp2_reference: Run, work: Path, data_path: str) -> None:
     env = {"SHARDSMITH_TEST_LOSE_NODE_AT": "2:7,3:7", "SHARDSMITH_TEST_MARKER_DIR": str(work / "shrink-markers")}
     lost = train(work / "shrunk", 4, data_path, env=env)
     assert lost.returncode != 0
@@ -269,15 +242,16 @@ def test_a_node_not_replaced_continues_on_fewer_ranks(reference: Run, data_path:
     assert step in (5, 6) and f"recovered step {step} from local (resharded)" in run.output, run.output[-3000:]
     [resume] = [e for e in run.records if e.get("event") == "resume"]
     assert resume["resharded"] and resume["saved_layout"]["world_size"] == 4
-    ref = reference.losses()
+    ref = tp2_reference.losses()
     assert sorted(run.losses()) == list(range(step + 1, STEPS + 1))
     for step, loss in run.losses().items():
         assert abs(loss - ref[step]) <= 1e-4, (step, loss, ref[step])
 
 
 @pytest.mark.distributed
-def test_a_damaged_local_tier_is_named_and_skipped_for_the_buddy_copy(reference: Run, data_path: str) -> None:
-    root = reference.root.parent / "damaged"
+def test_a_damaged_local_tier_is_named_and_skipped_for_the_buddy_copy(tp2_reference: Run, work: Path,
+                                                                     data_path: str) -> None:
+    root = work / "damaged"
     train(root, 4, data_path, steps=4).check()
     node0 = Path(f"{root}-local") / "node-00000" / step_dir(4)
     node1 = Path(f"{root}-local") / "node-00001" / step_dir(4)
@@ -293,5 +267,5 @@ def test_a_damaged_local_tier_is_named_and_skipped_for_the_buddy_copy(reference:
     assert f"skipping {node0} (rank 0): corrupt: CRC-32C of shards/rank-00000.safetensors" in run.output
     assert f"skipping {node0} (rank 1): partial: no commit marker rank-00001.json" in run.output
     assert f"skipping {node1} (rank 2): from another run (run ffffffffffff" in run.output
-    _assert_same_run(run, reference, "damaged local tier")
+    _assert_same_run(run, tp2_reference, "damaged local tier")
     shutil.rmtree(f"{root}-local")

@@ -51,19 +51,39 @@ DENSE_LAYOUTS: dict[str, tuple[ParallelDims, dict]] = {
 _TRAINED = ("ep2·tp2", "pp2·ep2")
 
 
+def _reference_tasks(d: Path, tokens: list, targets: list, overrides: dict) -> list[dict]:
+    """Fresh-init logits and first-step gradients into ``d/logits``, ``d/grads`` (compared
+    with one process by :func:`_assert_reference`)."""
+    return [{"kind": "logits", "tokens": tokens, "out": str(d / "logits"), "set": overrides},
+            {"kind": "grads", "tokens": tokens, "targets": targets, "out": str(d / "grads"), "set": overrides}]
+
+
+def _resume_tasks(d: Path, overrides: dict) -> list[dict]:
+    """Two steps saved every step into ``d/full``, and a resume from step 1 into ``d/resumed``
+    (checked by :func:`_assert_resume_bitwise`)."""
+    return [{"kind": "train", "steps": 2, "ckpt": str(d / "full"), "save_interval": 1,
+             "out": str(d / "full.json"), "set": overrides},
+            {"kind": "train", "steps": 2, "ckpt": str(d / "resumed"), "resume": str(d / "full" / step_dir(1)),
+             "out": str(d / "resumed.json"), "set": overrides}]
+
+
+def _assert_reference(d: Path, logits, grads, what: str) -> None:
+    _assert_close(_load_all(d / "logits", "logits"), {"logits": logits}, f"{what} logits")
+    _assert_close(_load_all(d / "grads", "grads"), grads, f"{what} first-step grads")
+
+
+def _assert_resume_bitwise(d: Path, what: str) -> None:
+    full, resumed = _metrics(d / "full.json"), _metrics(d / "resumed.json")
+    assert [m["step"] for m in resumed] == [2], what
+    assert (resumed[0]["loss"], resumed[0]["grad_norm"]) == (full[1]["loss"], full[1]["grad_norm"]), \
+        f"{what}: same-layout resume is not bitwise"
+
+
 def _moe_tasks(tmp_path: Path, tokens: list, targets: list) -> list[dict]:
     tasks: list[dict] = []
     for name in _TRAINED:
         layout = {"parallel": MOE_LAYOUTS[name].to_json(), "model": MOE.to_json()}
-        d = tmp_path / name
-        tasks += [
-            {"kind": "logits", "tokens": tokens, "out": str(d / "logits"), "set": layout},
-            {"kind": "grads", "tokens": tokens, "targets": targets, "out": str(d / "grads"), "set": layout},
-            {"kind": "train", "steps": 2, "ckpt": str(d / "full"), "save_interval": 1,
-             "out": str(d / "full.json"), "set": layout},
-            {"kind": "train", "steps": 2, "ckpt": str(d / "resumed"), "resume": str(d / "full" / step_dir(1)),
-             "out": str(d / "resumed.json"), "set": layout},
-        ]
+        tasks += _reference_tasks(tmp_path / name, tokens, targets, layout) + _resume_tasks(tmp_path / name, layout)
     ep4 = tmp_path / "ep4-resume"
     tasks += [
         {"kind": "reshard", "src": str(tmp_path / "ep2·tp2" / "full" / step_dir(1)),
@@ -92,13 +112,8 @@ def test_moe_layouts_match_one_process_resume_and_reshard_everywhere(tmp_path: P
 
     logits, grads = _single_process_reference(tokens, targets, 2, MOE)       # 8 / (micro 2 * dp 2)
     for name in _TRAINED:
-        d = tmp_path / name
-        _assert_close(_load_all(d / "logits", "logits"), {"logits": logits}, f"MoE {name} logits")
-        _assert_close(_load_all(d / "grads", "grads"), grads, f"MoE {name} first-step grads")
-        full, resumed = _metrics(d / "full.json"), _metrics(d / "resumed.json")
-        assert [m["step"] for m in resumed] == [2], name
-        assert (resumed[0]["loss"], resumed[0]["grad_norm"]) == (full[1]["loss"], full[1]["grad_norm"]), \
-            f"{name}: same-layout resume is not bitwise"
+        _assert_reference(tmp_path / name, logits, grads, f"MoE {name}")
+        _assert_resume_bitwise(tmp_path / name, f"MoE {name}")
     full = _metrics(tmp_path / "ep2·tp2" / "full.json")
     assert abs(_metrics(tmp_path / "ep4-resume" / "resumed.json")[0]["loss"] - full[1]["loss"]) <= 1e-4
     full = _metrics(tmp_path / "pp2·ep2" / "full.json")
@@ -136,22 +151,11 @@ def test_moe_with_expert_tensor_and_sequence_parallelism(tmp_path: Path, data_pa
     cfg = dataclasses.replace(tiny_train_config(ParallelDims(tp=2), data_path), model=MOE)
     tokens, targets = _batch()
     sp = {"sequence_parallel": True}
-    tasks = [
-        {"kind": "logits", "tokens": tokens, "out": str(tmp_path / "logits-tp")},
-        {"kind": "grads", "tokens": tokens, "targets": targets, "out": str(tmp_path / "grads-tp")},
-        {"kind": "logits", "tokens": tokens, "out": str(tmp_path / "logits-sp"), "set": sp},
-        {"kind": "grads", "tokens": tokens, "targets": targets, "out": str(tmp_path / "grads-sp"), "set": sp},
-        {"kind": "train", "steps": 2, "ckpt": str(tmp_path / "full"), "save_interval": 1,
-         "out": str(tmp_path / "full.json"), "set": sp},
-        {"kind": "train", "steps": 2, "ckpt": str(tmp_path / "resumed"), "resume": str(tmp_path / "full" / step_dir(1)),
-         "out": str(tmp_path / "resumed.json"), "set": sp},
-    ]
+    tasks = (_reference_tasks(tmp_path / "tp", tokens, targets, {})
+             + _reference_tasks(tmp_path / "sp", tokens, targets, sp) + _resume_tasks(tmp_path / "sp", sp))
     run_torchrun({"config": cfg.to_json(), "tasks": tasks}, 2, tmp_path, "moe-sp").check()
 
     logits, grads = _single_process_reference(tokens, targets, cfg.num_microbatches(), MOE)
     for what in ("tp", "sp"):
-        _assert_close(_load_all(tmp_path / f"logits-{what}", "logits"), {"logits": logits}, f"MoE tp2 {what} logits")
-        _assert_close(_load_all(tmp_path / f"grads-{what}", "grads"), grads, f"MoE tp2 {what} first-step grads")
-    full, resumed = _metrics(tmp_path / "full.json"), _metrics(tmp_path / "resumed.json")
-    assert (resumed[0]["step"], resumed[0]["loss"], resumed[0]["grad_norm"]) == \
-        (2, full[1]["loss"], full[1]["grad_norm"])
+        _assert_reference(tmp_path / what, logits, grads, f"MoE tp2 {what}")
+    _assert_resume_bitwise(tmp_path / "sp", "MoE tp2 sp")

@@ -10,7 +10,8 @@ with one node (B's heartbeats stop), the workers re-derive ``dp_shard`` = 1 for 
 of 2 (tp2·dp_shard1) and resume the newest committed checkpoint by resharding.
 
 Reference: the same job uninterrupted on 4 processes (``shardsmith train --nproc-per-node
-4``, the same flags). After the resume every step's loss matches the reference's within
+4``, the same model, data and schedule flags: conftest's ``tp2_reference``, shared with
+other modules). After the resume every step's loss matches the reference's within
 1e-4 (relative): the curve continues, only the reduction order changed.
 
 Rendezvous settings (``--rdzv-conf``): a dead node is dropped after ``keep_alive_interval``
@@ -110,13 +111,11 @@ def _losses(root: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, data_path: str) -> dict[int, float]:
-    root = tmp_path_factory.mktemp("multinode") / "reference"
-    proc = subprocess.run([sys.executable, "-m", "shardsmith", *_train_flags(root, data_path),
-                           "--nproc-per-node", "4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=TIMEOUT, env=_env())
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    return _losses(root)
+def reference(tp2_reference) -> dict[int, float]:
+    """Losses of steps 1..STEPS of the session's uninterrupted 4-process run of the same job
+    (``conftest.tp2_reference``: 8 steps; its LR schedule is fixed by ``--lr-decay-steps``,
+    so its first 6 steps are this job's)."""
+    return {step: loss for step, loss in tp2_reference.losses().items() if step <= STEPS}
 
 
 @pytest.mark.distributed

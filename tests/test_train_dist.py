@@ -4,10 +4,11 @@ Launches (each one covers many cases; start-up dominates their cost):
 
 * ``trajectory`` (dp_shard=2, 2 processes): ``2K`` uninterrupted steps, and a separate
   run of ``K`` steps that saves the *reference checkpoint* (non-trivial optimizer state).
-* one launch per layout of :data:`LAYOUTS`: fresh-init forward logits; load every one of
-  the offline-resharded copies of the reference (one per layout, plus a dp_replicate=2 one)
-  and save it again; in dp_shard=2 resume the reference and train to ``2K`` (same layout),
-  in tp2·pp2 likewise (new layout).
+* one launch per world size of :data:`LAYOUTS` (1, 2, 4, 8 processes), running for each
+  layout of that size: fresh-init forward logits; load every one of the offline-resharded
+  copies of the reference (one per layout, plus a dp_replicate=2 one) and save it again; in
+  dp_shard=2 resume the reference and train to ``2K`` (same layout), in tp2·pp2 likewise
+  (new layout).
 * the CLI smoke test: ``shardsmith train`` on 2 processes with dp_replicate=2, resuming the
   reference, then ``shardsmith reshard`` and ``shardsmith inspect``.
 
@@ -109,24 +110,23 @@ def offline(trajectory: Trajectory, work: Path) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def layout_run(work: Path, data_path: str, offline: dict[str, str],
                trajectory: Trajectory) -> Callable[[str], LayoutRun]:
-    """``layout_run(name)``: that layout's launch, run once on first use."""
+    """``layout_run(name)``: that layout's tasks, run once on first use, in one launch with
+    every other layout of the same world size (start-up dominates a launch's cost)."""
     cache: dict[str, LayoutRun | str] = {}       # a failed launch is not retried: its error is kept
 
     def get(name: str) -> LayoutRun:
         if name not in cache:
+            group = [n for n, dims in LAYOUTS.items() if dims.world_size == LAYOUTS[name].world_size]
             try:
-                cache[name] = _launch(name)
+                cache.update(_launch(group))
             except AssertionError as exc:
-                cache[name] = str(exc)
+                cache.update(dict.fromkeys(group, str(exc)))
         result = cache[name]
         if isinstance(result, str):
             pytest.fail(result, pytrace=False)
         return result
 
-    def _launch(name: str) -> LayoutRun:
-        cfg = tiny_train_config(LAYOUTS[name], data_path)
-        base = work / "runs" / name
-        run = LayoutRun(logits_dir=base / "logits")
+    def _tasks(name: str, base: Path, run: LayoutRun) -> list[dict]:
         tasks: list[dict] = [{"kind": "logits", "tokens": _tokens(), "out": str(run.logits_dir)}]
         for src_name, src_url in offline.items():
             tasks.append({"kind": "reload", "src": src_url, "dst": str(base / f"from-{src_name}")})
@@ -134,11 +134,17 @@ def layout_run(work: Path, data_path: str, offline: dict[str, str],
         if name in (SAME_LAYOUT_RESUME, NEW_LAYOUT_RESUME):
             tasks.append({"kind": "train", "steps": 2 * K, "resume": trajectory.ref_url,
                           "out": str(base / "resumed.json")})
+        return [{**task, "set": {"parallel": LAYOUTS[name].to_json()}} for task in tasks]
+
+    def _launch(names: list[str]) -> dict[str, LayoutRun]:
+        cfg = tiny_train_config(LAYOUTS[names[0]], data_path)
+        runs = {name: LayoutRun(logits_dir=work / "runs" / name / "logits") for name in names}
+        tasks = [task for name in names for task in _tasks(name, work / "runs" / name, runs[name])]
         run_torchrun({"config": cfg.to_json(), "tasks": tasks}, cfg.parallel.world_size,
-                     base, "launch").check()
-        if name in (SAME_LAYOUT_RESUME, NEW_LAYOUT_RESUME):
-            run.resumed = json.loads((base / "resumed.json").read_text())
-        return run
+                     work / "runs", f"launch-{'-'.join(names)}").check()
+        for name in set(names) & {SAME_LAYOUT_RESUME, NEW_LAYOUT_RESUME}:
+            runs[name].resumed = json.loads((work / "runs" / name / "resumed.json").read_text())
+        return runs
 
     return get
 

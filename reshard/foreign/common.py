@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shardsmith.errors import ConfigError
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import param_specs
+
+if TYPE_CHECKING:
+    from shardsmith.reshard.foreign.write import WriteReport
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -54,7 +59,15 @@ class ModelHints:
 
 @dataclass
 class ImportReport:
-    """What an importer wrote, and what of the source it did not carry over."""
+    """What an importer (HF, DCP, Megatron ``torch_dist``) wrote, and what of the source it did
+    not carry over.
+
+    Attributes:
+        source: the directory imported from; target: the committed step directory's URL.
+        with_optimizer: AdamW state was imported too.
+        num_files, nbytes_written: shard files and bytes committed; seconds: wall time of the import.
+        dropped: what of the source was not carried over, one readable line each.
+    """
 
     source: str
     target: str
@@ -65,6 +78,16 @@ class ImportReport:
     nbytes_written: int = 0
     seconds: float = 0.0
     dropped: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, written: WriteReport, *, source: str, model: ModelConfig, with_optimizer: bool,
+           started: float, dropped: list[str] | None = None) -> "ImportReport":
+        """The report of an import that committed ``written`` and began at ``started``
+        (a :func:`time.perf_counter` reading)."""
+        return cls(source=source, target=written.target, step=written.step, model=model,
+                   with_optimizer=with_optimizer, num_files=written.num_files,
+                   nbytes_written=written.nbytes_written, seconds=time.perf_counter() - started,
+                   dropped=dropped or [])
 
 
 def infer_model_config(shapes: dict[str, tuple[int, ...]], hints: ModelHints, source: str) -> ModelConfig:

@@ -194,12 +194,10 @@ def import_dcp(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: ModelHint
         ck.close()
     taken = set(source_of.values()) | used | {MODEL_RECORD_KEY} | ({prefix + "output.weight"} if tied else set())
     rest = sorted(k for k in (*ck.chunks, *ck.values) if k not in taken)
-    return ImportReport(source=ck.dir, target=written.target, step=written.step, model=model,
-                        with_optimizer=with_optim, num_files=written.num_files,
-                        nbytes_written=written.nbytes_written, seconds=time.perf_counter() - t0,
-                        dropped=_dropped(rest) + (["output.weight (equal to tok_embeddings.weight and without "
-                                                   "optimizer state of its own: imported as tied embeddings)"]
-                                                  if tied else []))
+    return ImportReport.of(written, source=ck.dir, model=model, with_optimizer=with_optim, started=t0,
+                           dropped=_dropped(rest) + (["output.weight (equal to tok_embeddings.weight and without "
+                                                      "optimizer state of its own: imported as tied embeddings)"]
+                                                     if tied else []))
 
 
 # ---- export -------------------------------------------------------------------------------------

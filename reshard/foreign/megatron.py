@@ -293,7 +293,5 @@ def import_megatron(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: Mode
     extra = [k for k in ck.values if "_extra_state" in k]
     if extra:
         dropped.append(f"*._extra_state ({len(extra)} entries; Transformer Engine bookkeeping)")
-    return ImportReport(source=ck.dir, target=written.target, step=written.step, model=model,
-                        with_optimizer=optim is not None, num_files=written.num_files,
-                        nbytes_written=written.nbytes_written, seconds=time.perf_counter() - t0,
-                        dropped=dropped + notes + optim_notes)
+    return ImportReport.of(written, source=ck.dir, model=model, with_optimizer=optim is not None,
+                           started=t0, dropped=dropped + notes + optim_notes)
