@@ -2,8 +2,8 @@
 
 No process group and no torch (unless ``--dtype`` converts): each tensor's slabs are
 assembled from verified ranged reads of the source on a thread pool, within a byte budget;
-a local target file gets them written at their offsets by those threads (kernel copies
-where a slab is a run of a source file), any other is written front to back as a stream.
+a local target file gets them written at their offsets by those threads (a slab that is a
+run of a source file read, verified and written block by block), any other is streamed.
 Checksums are computed on the fly; several target files are written at once:
 
     peak buffer <= max(max_buffer, the largest single slab)   (see ``Slab.buffer_nbytes``)
