@@ -8,9 +8,11 @@ client process's CPU seconds (user + system, all threads) of:
 
 * **put**: ``Store.write`` (s3fs, our parallel multipart upload: ``storage/multipart.py``) vs
   ``obstore.put`` (Rust; multipart with the same part size and concurrency);
-* **get**: ``Store.read`` of the whole object vs ``obstore.get(...).bytes()``;
-* **ranged get**: 8 ranged reads of 1/8 of the object each (``Store.read_range`` vs
-  ``obstore.get_range``), as a resharding load reads.
+* **get**: ``Store.read`` of the whole object, reading through s3fs
+  (``SHARDSMITH_S3_READER=s3fs``) vs through obstore (the default since session 5:
+  storage/s3_reads.py), i.e. the product's read path both ways;
+* **ranged get**: 8 ``Store.read_into`` calls of 1/8 of the object each into preallocated
+  buffers, as a resharding load reads, the same two ways.
 
 s3torchconnector is not measured: it ships no wheel for this platform (sdist only, a Rust/CRT
 build). Prints a table and, last, one JSON line with ``<op>_speedup_obstore_vs_s3fs`` (wall,
@@ -66,34 +68,39 @@ def cpu() -> float:
     return u.ru_utime + u.ru_stime
 
 
-def clients(endpoint: str, bucket: str) -> tuple[Any, Any]:
+def clients(endpoint: str, bucket: str) -> tuple[Any, Any, Any]:
+    """(Store reading through s3fs, Store reading through obstore, a raw obstore S3Store)."""
     import fsspec
     from obstore.store import S3Store
 
     from shardsmith.storage.fs import Store
+    from shardsmith.storage.s3_reads import READER_ENV
 
     opts = {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": endpoint, "region_name": REGION}}
     fsspec.filesystem("s3", skip_instance_cache=True, **opts).call_s3("create_bucket", Bucket=bucket)
+    os.environ[READER_ENV] = "s3fs"
     ours = Store(f"s3://{bucket}", opts)
+    del os.environ[READER_ENV]
+    fast = Store(f"s3://{bucket}", opts)
+    assert ours.fast_reads is None and fast.fast_reads is not None
     obs = S3Store(bucket, endpoint=endpoint, access_key_id=KEY, secret_access_key=SECRET, region=REGION,
                   client_options={"allow_http": True})
-    return ours, obs
+    return ours, fast, obs
 
 
-def ops(ours: Any, obs: Any, data: bytes) -> dict[str, dict[str, Callable[[], Any]]]:
+def ops(ours: Any, fast: Any, obs: Any, data: bytes) -> dict[str, dict[str, Callable[[], Any]]]:
     import obstore
 
     n = len(data)
     ranges = [(i * n // 8, (i + 1) * n // 8) for i in range(8)]
+    bufs = [memoryview(bytearray(b - a)) for a, b in ranges]
     part, conc = ours.part_nbytes, ours.max_concurrency
     return {
         "put": {"s3fs": lambda: ours.write("obj-s3fs", data),
                 "obstore": lambda: obstore.put(obs, "obj-obstore", data, chunk_size=part, max_concurrency=conc)},
-        "get": {"s3fs": lambda: ours.read("obj-s3fs"),
-                "obstore": lambda: obstore.get(obs, "obj-obstore").bytes()},
-        "ranged_get": {"s3fs": lambda: [ours.read_range("obj-s3fs", a, b) for a, b in ranges],
-                       "obstore": lambda: obstore.get_ranges(obs, "obj-obstore", starts=[a for a, _ in ranges],
-                                                             ends=[b for _, b in ranges])}}
+        "get": {"s3fs": lambda: ours.read("obj-s3fs"), "obstore": lambda: fast.read("obj-obstore")},
+        "ranged_get": {"s3fs": lambda: [ours.read_into("obj-s3fs", a, [d]) for (a, _), d in zip(ranges, bufs)],
+                       "obstore": lambda: [fast.read_into("obj-obstore", a, [d]) for (a, _), d in zip(ranges, bufs)]}}
 
 
 def main() -> None:
@@ -104,11 +111,11 @@ def main() -> None:
     proc, endpoint = start_server()
     summary: dict[str, Any] = {"load_average_1m": 0.0, "sizes_mib": []}
     try:
-        ours, obs = clients(endpoint, f"bench-{uuid.uuid4().hex[:8]}")
+        ours, fast, obs = clients(endpoint, f"bench-{uuid.uuid4().hex[:8]}")
         print(f"{'op':<12}{'MiB':>6}{'s3fs s':>9}{'obstore s':>11}{'s3fs cpu':>10}{'obs cpu':>9}")
         for mib in (int(x) for x in args.mib.split(",")):
             data = os.urandom(mib << 20)
-            table = ops(ours, obs, data)
+            table = ops(ours, fast, obs, data)
             for op, fns in table.items():
                 wall: dict[str, list[float]] = {k: [] for k in fns}
                 used: dict[str, list[float]] = {k: [] for k in fns}

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from shardsmith.cli.options import FieldOption, dry_run_option, json_option, storage_option
-from shardsmith.storage.fs import parse_storage_options
+from shardsmith.storage.options import parse_storage_options
 
 
 @click.command(short_help="Summarize a checkpoint (metadata only).")

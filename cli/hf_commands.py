@@ -8,7 +8,7 @@ import click
 
 from shardsmith.cli.foreign_commands import echo_import
 from shardsmith.cli.options import dtype_option, layout_options, make_dims, size_option, storage_option
-from shardsmith.storage.fs import parse_storage_options
+from shardsmith.storage.options import parse_storage_options
 
 HF_IO = "shardsmith.reshard.hf_io"
 

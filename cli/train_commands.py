@@ -195,7 +195,7 @@ def plural(n: int, noun: str) -> str:
 
 def train_config(f: dict[str, Any], world: int | None):
     """Map ``train``'s flags onto :class:`~shardsmith.trainer.config.TrainConfig` (one field each)."""
-    from shardsmith.storage.fs import parse_storage_options
+    from shardsmith.storage.options import parse_storage_options
     from shardsmith.trainer.config import (CheckpointConfig, DataConfig, FaultConfig, OptimConfig,
                                            TrainConfig)
     from shardsmith.trainer.data import parse_data_args, resolve_vocab_size

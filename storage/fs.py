@@ -37,8 +37,9 @@ from fsspec.implementations.local import LocalFileSystem
 from shardsmith.errors import StorageAccessDenied, StorageError, StorageNotFound
 from shardsmith.storage import local
 from shardsmith.storage.multipart import MultipartWriter, part_size
-from shardsmith.storage.retry import (RetryPolicy, Verdict, bounded_s3_options, call_with_retries, client_error_info,
-                                      storage_timeout_s)
+from shardsmith.storage.retry import (RetryPolicy, Verdict, bounded_s3_options, brief, call_with_retries,
+                                      client_error_info, storage_timeout_s)
+from shardsmith.storage.s3_reads import obstore_reads
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,36 +54,13 @@ _TMP_RE = re.compile(r"^\..+\.tmp-[0-9a-f]{12}$")
 Bytes = bytes | bytearray | memoryview
 
 
-def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
-    """Turn ``KEY=VALUE`` strings into fsspec storage options.
-
-    Values ``true``/``false`` become bools and integers become ints; a dotted key
-    ``client_kwargs.endpoint_url=...`` nests. Raises ``ValueError`` on a pair without ``=``.
-    """
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ValueError(f"--storage-option {pair!r}: expected KEY=VALUE")
-        key, value = pair.split("=", 1)
-        parsed: Any = value
-        if value.lower() in ("true", "false"):
-            parsed = value.lower() == "true"
-        elif value.lstrip("-").isdigit():
-            parsed = int(value)
-        target = out
-        parts = key.split(".")
-        for part in parts[:-1]:
-            target = target.setdefault(part, {})
-        target[parts[-1]] = parsed
-    return out
-
-
 def _describe(exc: BaseException) -> str:
-    """``Code: message`` for a server error, else ``Type: message``."""
+    """``Code: message`` for a server error, else ``Type: message`` (see :func:`brief`)."""
     info = client_error_info(exc)
+    message = brief(exc)
     if info is not None and info[0]:
-        return f"{info[0]}: {exc}"
-    return f"{type(exc).__name__}: {exc}"
+        return f"{info[0]}: {message}"
+    return f"{type(exc).__name__}: {message}"
 
 
 class Store:
@@ -112,9 +90,11 @@ class Store:
         self.url = url.rstrip("/") or url
         policy = retry or RetryPolicy.from_env()
         self.storage_options = dict(storage_options or {})
+        self.fast_reads = None                  # obstore for s3:// reads (storage/s3_reads.py)
         if self.url.startswith(("s3://", "s3a://")):
-            self.storage_options = bounded_s3_options(self.storage_options, storage_timeout_s()
-                                                      / (policy.max_attempts if max_attempts is None else max_attempts))
+            attempt_s = storage_timeout_s() / (policy.max_attempts if max_attempts is None else max_attempts)
+            self.fast_reads = obstore_reads(self.url, self.storage_options, attempt_s)
+            self.storage_options = bounded_s3_options(self.storage_options, attempt_s)
         try:
             self.fs, root = url_to_fs(self.url, **self.storage_options)
         except (ImportError, ValueError, TypeError) as exc:
@@ -184,20 +164,24 @@ class Store:
             StorageNotFound: absent (a ``FileNotFoundError`` naming the URL).
             StorageError: other failures, after retries for transient ones.
         """
-        path = self._path(key)
-        return bytes(self._call("read", key, lambda: self.fs.cat_file(path)))
+        path, fast = self._path(key), self.fast_reads
+        return bytes(self._call("read", key, lambda: fast.read(path) if fast else self.fs.cat_file(path)))
 
     def read_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of an object (one ranged GET on object stores); shorter when
         the object ends first. Raises like :meth:`read`."""
+        return bytes(self._get_range(key, start, end))
+
+    def _get_range(self, key: str, start: int, end: int) -> bytes | memoryview:
+        """:meth:`read_range` without copying obstore's buffer."""
         if end <= start:
             return b""
-        path = self._path(key)
+        path, fast = self._path(key), self.fast_reads
 
-        def get() -> bytes:
+        def get() -> bytes | memoryview:
             try:
-                return bytes(self.fs.cat_file(path, start=start, end=end))
-            except OSError as exc:
+                return fast.read_range(path, start, end) if fast else self.fs.cat_file(path, start=start, end=end)
+            except Exception as exc:
                 info = client_error_info(exc)
                 if info is not None and (info[0] == "InvalidRange" or info[1] == 416):
                     return b""          # S3: the range starts at or past the end (local gives b"")
@@ -221,7 +205,7 @@ class Store:
         if self.is_local:
             path = self._path(key)
             return self._call("read", key, lambda: local.preadv_into(path, start, dests))
-        data = memoryview(self.read_range(key, start, start + sum(len(d) for d in dests)))
+        data = memoryview(self._get_range(key, start, start + sum(len(d) for d in dests))).cast("B")
         pos = 0
         for d in dests:
             take = min(len(d), len(data) - pos)
@@ -391,5 +375,5 @@ class Store:
         self._call("delete", key, rm)
 
 
-__all__ = ["Store", "parse_storage_options", "fsspec", "RetryPolicy",
+__all__ = ["Store", "fsspec", "RetryPolicy",
            "DEFAULT_PART_NBYTES", "DEFAULT_MAX_CONCURRENCY"]

@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
@@ -80,25 +81,55 @@ def _library_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseEx
         transient += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
     except ImportError:
         pass
+    try:                       # obstore (s3:// reads): errors without an HTTP status are the
+        from obstore import exceptions as ox      # transport's (connect, timeout, dropped body)
+
+        transient += [ox.GenericError, ox.JoinError]
+        denied += [ox.PermissionDeniedError, ox.UnauthenticatedError]
+    except ImportError:
+        pass
     return tuple(transient), tuple(denied)
 
 
 _LIBRARY_TRANSIENT, _LIBRARY_DENIED = _library_types()
 
 
+_STATUS_RE = re.compile(r"Server returned non-2xx status code: (\d{3})")
+_CODE_RE = re.compile(r"<Code>([^<]{1,100})</Code>")
+
+
 def client_error_info(exc: BaseException) -> tuple[str, int] | None:
-    """(error code, HTTP status) of the botocore ``ClientError`` in ``exc``'s cause chain."""
+    """(error code, HTTP status) of the botocore ``ClientError`` in ``exc``'s cause chain, or
+    of an obstore (``object_store``) error, whose message carries the status and the S3
+    error document (``... non-2xx status code: 404 Not Found: <Error><Code>NoSuchKey``)."""
     seen: BaseException | None = exc
     for _ in range(8):
         if seen is None:
-            return None
+            break
         response = getattr(seen, "response", None)
         if isinstance(response, dict) and "Error" in response:
             code = str(response["Error"].get("Code", ""))
             status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
             return code, status
         seen = seen.__cause__ or seen.__context__
-    return None
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - some library errors cannot print themselves half-built
+        return None
+    status_match = _STATUS_RE.search(text)
+    if status_match is None:
+        return None
+    code_match = _CODE_RE.search(text)
+    return (code_match.group(1) if code_match else ""), int(status_match.group(1))
+
+
+def brief(exc: BaseException) -> str:
+    """``str(exc)`` without obstore's debug dump and the XML error document it quotes."""
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001
+        return repr(exc)
+    return text.split("\n\nDebug source:")[0].split(": <?xml")[0]
 
 
 def _classify_code(code: str, status: int) -> Verdict:
@@ -218,7 +249,7 @@ def call_with_retries(fn: Callable[[], T], policy: RetryPolicy,
                 raise on_fail(exc, verdict, attempt) from exc
             delay = policy.delay_s(attempt, _RNG)
             log.warning("%s failed (%s: %s); retry %d/%d in %.2fs", describe, type(exc).__name__,
-                        exc, attempt, policy.max_attempts - 1, delay)
+                        brief(exc), attempt, policy.max_attempts - 1, delay)
             time.sleep(delay)
     raise AssertionError("unreachable")
 

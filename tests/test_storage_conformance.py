@@ -1,6 +1,8 @@
 """One conformance suite for :class:`shardsmith.storage.fs.Store`, run against every backend:
 a local directory (plain path and ``file://``), ``memory://`` and a real S3-compatible
-server on loopback (moto, through s3fs). Each backend must give the same answers.
+server on loopback (moto): reads through obstore (``s3``, the default) and through s3fs
+(``s3-s3fs``, ``SHARDSMITH_S3_READER=s3fs``), writes through s3fs. Each backend must give
+the same answers.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from shardsmith.errors import StorageError, StorageNotFound
 from shardsmith.reshard.engine import reshard
 from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import find_latest_committed, list_steps, resolve_checkpoint, step_dir
-from shardsmith.storage.fs import DEFAULT_PART_NBYTES, Store, parse_storage_options
+from shardsmith.storage.fs import DEFAULT_PART_NBYTES, Store
+from shardsmith.storage.options import parse_storage_options
 from shardsmith.storage.retry import RetryPolicy
 
-BACKENDS = ["local", "file", "memory", "s3"]
+BACKENDS = ["local", "file", "memory", "s3", "s3-s3fs"]
 FAST_RETRY = RetryPolicy(max_attempts=3, backoff_s=0.001)
 MiB = 2**20
 
@@ -45,11 +48,15 @@ def make_root(kind: str, tmp_path: Path, s3: S3Prefix) -> tuple[str, dict[str, A
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
     """A factory of fresh empty stores on one backend (S3 starts its server only when asked)."""
     kind = request.param
-    s3 = request.getfixturevalue("s3_url") if kind == "s3" else None
+    s3 = request.getfixturevalue("s3_url") if kind.startswith("s3") else None
+    if kind == "s3-s3fs":
+        request.getfixturevalue("monkeypatch").setenv("SHARDSMITH_S3_READER", "s3fs")
 
     def new() -> Store:
         url, options = make_root(kind, tmp_path, s3)  # type: ignore[arg-type]
-        return Store(url, options, retry=FAST_RETRY)
+        store = Store(url, options, retry=FAST_RETRY)
+        assert (store.fast_reads is not None) == (kind == "s3"), "the s3 backend reads through obstore"
+        return store
 
     return new
 
@@ -197,13 +204,18 @@ def test_s3_missing_bucket_fails_fast_naming_the_url(s3_server: S3Server) -> Non
     assert store.list_dir() == [] and not store.exists("k")
 
 
-def test_s3_unreachable_endpoint_is_retried_then_named() -> None:
+@pytest.mark.parametrize("reader,error", [("obstore", "GenericError: .*error sending request"),
+                                          ("s3fs", "EndpointConnectionError")])
+def test_s3_unreachable_endpoint_is_retried_then_named(reader: str, error: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARDSMITH_S3_READER", reader)
     options = {"key": "a", "secret": "b", "config_kwargs": {"retries": {"max_attempts": 1}},
                "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-east-1"}}
     store = Store("s3://bucket/run", options, retry=RetryPolicy(max_attempts=2, backoff_s=0.001))
-    with pytest.raises(StorageError, match=r"read s3://bucket/run/k failed after 2 attempts: "
-                                           r"EndpointConnectionError"):
+    assert (store.fast_reads is not None) == (reader == "obstore")
+    with pytest.raises(StorageError, match=r"read s3://bucket/run/k failed after 2 attempts: " + error) as info:
         store.read("k")
+    assert "Debug source" not in str(info.value)
 
 
 def test_s3_configured_from_the_standard_environment(s3_url: S3Prefix,

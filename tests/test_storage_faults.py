@@ -100,6 +100,37 @@ def test_classify_builtin_and_library_errors(exc: BaseException, want: Verdict) 
     assert classify(exc) is want
 
 
+def _obstore_error(kind: str, detail: str) -> BaseException:
+    """An error as obstore raises it for a GET (``object_store``'s message format)."""
+    from obstore import exceptions as ox
+
+    body = (f"Error performing GET http://127.0.0.1:9000/b/k in 4ms - {detail}\n\nDebug source:\nGeneric {{ .. }}")
+    return FileNotFoundError(f"Object at location k not found: {body}") if kind == "nf" else getattr(ox, kind)(body)
+
+
+def _s3_reply(status: str, code: str) -> str:
+    return (f"Server returned non-2xx status code: {status}: <?xml version=\"1.0\"?><Error><Code>{code}</Code>"
+            "<Message>m</Message></Error>")
+
+
+@pytest.mark.parametrize("kind,detail,want", [
+    ("GenericError", _s3_reply("503 Service Unavailable", "SlowDown"), T),
+    ("GenericError", _s3_reply("500 Internal Server Error", "InternalError"), T),
+    ("GenericError", "HTTP error: error sending request", T),         # connect refused / reset
+    ("GenericError", "HTTP error: operation timed out", T),
+    ("GenericError", _s3_reply("416 Range Not Satisfiable", "InvalidRange"), PERM),
+    ("GenericError", _s3_reply("400 Bad Request", "InvalidArgument"), PERM),
+    ("GenericError", _s3_reply("403 Forbidden", "AccessDenied"), DENIED),
+    ("nf", _s3_reply("404 Not Found", "NoSuchKey"), NF),
+    ("PermissionDeniedError", "denied", DENIED), ("UnauthenticatedError", "no credentials", DENIED),
+    ("InvalidPathError", "bad path", PERM), ("UnknownConfigurationKeyError", "bad key", PERM),
+])
+def test_classify_obstore_errors(kind: str, detail: str, want: Verdict) -> None:
+    """obstore (the s3:// read path) raises its own exception types; the HTTP status and S3
+    code in the message decide, like botocore's ``ClientError`` fields do."""
+    assert classify(_obstore_error(kind, detail)) is want
+
+
 def test_retry_policy_bounds_and_validation() -> None:
     policy = RetryPolicy(max_attempts=6, backoff_s=0.5, max_backoff_s=3.0)
     rng = random.Random(0)

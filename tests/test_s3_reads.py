@@ -1,0 +1,92 @@
+"""``s3://`` reads through obstore (storage/s3_reads.py) against the loopback moto server:
+the same bytes as s3fs, errors named and classified like s3fs's, throttling retried by our
+policy (a real proxy answering 503 SlowDown), and the fallback to s3fs where obstore would
+not see the same credentials."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+from s3proxy import ThrottlingProxy
+from s3server import S3Prefix, s3_server, s3_url  # noqa: F401  (pytest fixtures)
+
+from shardsmith.errors import StorageError, StorageNotFound
+from shardsmith.storage.fs import Store
+from shardsmith.storage.retry import RetryPolicy
+
+FAST = RetryPolicy(max_attempts=3, backoff_s=0.001)
+
+
+def _via(server_options: dict, endpoint: str) -> dict:
+    return {**server_options, "client_kwargs": {**server_options["client_kwargs"], "endpoint_url": endpoint}}
+
+
+def test_reads_match_s3fs_byte_for_byte(s3_url: S3Prefix, monkeypatch: pytest.MonkeyPatch) -> None:
+    payload = os.urandom(3 * 2**20 + 17)
+    Store(s3_url.url, s3_url.storage_options).write("obj.bin", payload)
+    answers = {}
+    for reader in ("obstore", "s3fs"):
+        monkeypatch.setenv("SHARDSMITH_S3_READER", reader)
+        store = Store(s3_url.url, s3_url.storage_options, retry=FAST)
+        assert (store.fast_reads is not None) == (reader == "obstore")
+        a, b = bytearray(1000), bytearray(2**20)
+        got = store.read_into("obj.bin", 5, [memoryview(a), memoryview(b)])
+        answers[reader] = (store.read("obj.bin"), store.read_range("obj.bin", 123, 2**20 + 9),
+                           store.read_range("obj.bin", len(payload) - 4, len(payload) + 100),
+                           store.read_range("obj.bin", len(payload), len(payload) + 8), got, bytes(a), bytes(b),
+                           store.read_into("obj.bin", len(payload) - 10, [memoryview(bytearray(64))]))
+    assert answers["obstore"] == answers["s3fs"]
+    whole, mid, tail, past, got, a, b, short = answers["obstore"]
+    assert whole == payload and mid == payload[123:2**20 + 9] and tail == payload[-4:] and past == b""
+    assert got == 1000 + 2**20 and a == payload[5:1005] and b == payload[1005:1005 + 2**20] and short == 10
+
+
+def test_missing_key_and_bucket_are_named(s3_url: S3Prefix) -> None:
+    store = Store(s3_url.url, s3_url.storage_options, retry=FAST)
+    assert store.fast_reads is not None
+    with pytest.raises(StorageNotFound, match=rf"{s3_url.url}/nope does not exist \(read: NoSuchKey: "):
+        store.read_range("nope", 0, 10)
+    other = Store("s3://no-such-bucket-here/run", s3_url.storage_options, retry=FAST)
+    with pytest.raises(StorageNotFound, match="the bucket does not exist") as info:
+        other.read("k")
+    assert "Debug source" not in str(info.value) and "<?xml" not in str(info.value)
+
+
+@pytest.mark.parametrize("fail_gets,ok", [(2, True), (3, False)])
+def test_throttled_reads_are_retried_by_our_policy(s3_url: S3Prefix, fail_gets: int, ok: bool,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A proxy answers the first GETs with 503 SlowDown: with 3 attempts, 2 throttled GETs are
+    retried through (one GET per attempt: obstore's own retries are off), 3 are not."""
+    Store(s3_url.url, s3_url.storage_options).write("obj.bin", b"0123456789" * 100)
+    with ThrottlingProxy(s3_url.server.endpoint_url, fail_gets) as proxy, caplog.at_level(logging.WARNING):
+        store = Store(s3_url.url, _via(s3_url.storage_options, proxy.endpoint_url), retry=FAST)
+        assert store.fast_reads is not None
+        if ok:
+            assert store.read_range("obj.bin", 10, 30) == b"0123456789" * 2
+        else:
+            with pytest.raises(StorageError, match=r"failed after 3 attempts: SlowDown: .*503"):
+                store.read_range("obj.bin", 10, 30)
+        assert proxy.throttled == fail_gets and proxy.gets == 3
+    retries = [r.getMessage() for r in caplog.records if "; retry " in r.getMessage()]
+    assert len(retries) == 2 and all("503" in m and "Debug source" not in m for m in retries), retries
+
+
+@pytest.mark.parametrize("options,env,obstore", [
+    ({"key": "k", "secret": "s"}, {}, True),
+    ({"anon": True}, {}, True),
+    ({}, {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}, True),
+    ({"key": "k", "secret": "s", "profile": "dev"}, {}, False),           # only botocore reads profiles
+    ({"key": "k", "secret": "s", "client_kwargs": {"verify": False}}, {}, False),
+    ({}, {"AWS_PROFILE": "dev"}, False),
+    ({"key": "k", "secret": "s"}, {"SHARDSMITH_S3_READER": "s3fs"}, False),
+])
+def test_obstore_only_where_it_sees_what_s3fs_sees(options: dict, env: dict, obstore: bool,
+                                                   monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "SHARDSMITH_S3_READER"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert (Store("s3://bucket/run", options).fast_reads is not None) == obstore
