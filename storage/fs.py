@@ -39,7 +39,7 @@ from shardsmith.storage import local
 from shardsmith.storage.multipart import MultipartWriter, part_size
 from shardsmith.storage.retry import (RetryPolicy, Verdict, bounded_s3_options, brief, call_with_retries,
                                       client_error_info, storage_timeout_s)
-from shardsmith.storage.s3_reads import obstore_reads
+from shardsmith.storage.s3_reads import ObstoreReads, obstore_reads
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -90,7 +90,7 @@ class Store:
         self.url = url.rstrip("/") or url
         policy = retry or RetryPolicy.from_env()
         self.storage_options = dict(storage_options or {})
-        self.fast_reads = None                  # obstore for s3:// reads (storage/s3_reads.py)
+        self.fast_reads: ObstoreReads | None = None        # s3:// reads: storage/s3_reads.py
         if self.url.startswith(("s3://", "s3a://")):
             attempt_s = storage_timeout_s() / (policy.max_attempts if max_attempts is None else max_attempts)
             self.fast_reads = obstore_reads(self.url, self.storage_options, attempt_s)
@@ -164,7 +164,7 @@ class Store:
             StorageNotFound: absent (a ``FileNotFoundError`` naming the URL).
             StorageError: other failures, after retries for transient ones.
         """
-        path, fast = self._path(key), self.fast_reads
+        path, fast = self._path(key), self._fast()
         return bytes(self._call("read", key, lambda: fast.read(path) if fast else self.fs.cat_file(path)))
 
     def read_range(self, key: str, start: int, end: int) -> bytes:
@@ -176,7 +176,7 @@ class Store:
         """:meth:`read_range` without copying obstore's buffer."""
         if end <= start:
             return b""
-        path, fast = self._path(key), self.fast_reads
+        path, fast = self._path(key), self._fast()
 
         def get() -> bytes | memoryview:
             try:
@@ -188,6 +188,10 @@ class Store:
                 raise
 
         return self._call("read", key, get)
+
+    def _fast(self) -> ObstoreReads | None:
+        """The obstore reader when this store has one and this process may use it."""
+        return self.fast_reads if self.fast_reads is not None and self.fast_reads.usable else None
 
     def read_into(self, key: str, start: int, dests: Sequence[memoryview]) -> int:
         """Fill ``dests`` in order with the bytes of ``key`` from byte ``start`` (a scatter read).

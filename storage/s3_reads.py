@@ -12,6 +12,8 @@ their time on.
 
 - ``SHARDSMITH_S3_READER=s3fs`` (inherited by torchrun workers);
 - obstore is not installed;
+- this process was forked from one that had used obstore (its tokio runtime does not survive
+  ``fork``: a read in the child hangs; s3fs's event loop does);
 - the storage options name something only s3fs/botocore understands (a ``profile``,
   ``requester_pays``, extra client or request arguments ...), or no access key is given
   while an AWS profile or shared credentials file would supply one to botocore
@@ -38,6 +40,7 @@ _OPTION_KEYS = frozenset({"key", "secret", "token", "anon", "endpoint_url", "cli
 _CLIENT_KEYS = frozenset({"endpoint_url", "region_name"})
 _STORES: dict[tuple, Any] = {}
 _LOCK = threading.Lock()
+_RUNTIME_PID: list[int] = []          # the process whose obstore runtime is running
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,11 @@ class ObstoreReads:
 
     store: Any
     bucket: str
+
+    @property
+    def usable(self) -> bool:
+        """False in a process forked after obstore started (see the module docstring)."""
+        return _runtime_usable()
 
     def _key(self, path: str) -> str:
         bucket, _, key = path.partition("/")
@@ -68,6 +76,10 @@ class ObstoreReads:
         return memoryview(obstore.get_range(self.store, self._key(path), start=start, end=end))
 
 
+def _runtime_usable() -> bool:
+    return not _RUNTIME_PID or _RUNTIME_PID[0] == os.getpid()
+
+
 def _supported(options: dict[str, Any]) -> bool:
     """True when obstore gets the same credentials and endpoint s3fs would from ``options``."""
     if set(options) - _OPTION_KEYS or set(options.get("client_kwargs") or {}) - _CLIENT_KEYS:
@@ -82,7 +94,7 @@ def obstore_reads(url: str, options: dict[str, Any], attempt_s: float) -> Obstor
     """The obstore reader for the bucket of ``url`` (``s3://bucket/...``), or ``None`` when s3fs
     should read (see the module docstring). ``options`` are the store's fsspec options;
     ``attempt_s`` bounds one request (connect and whole response), seconds."""
-    if os.environ.get(READER_ENV, "obstore").lower() == "s3fs" or not _supported(options):
+    if os.environ.get(READER_ENV, "obstore").lower() == "s3fs" or not _supported(options) or not _runtime_usable():
         return None
     try:
         from obstore.store import S3Store
@@ -103,6 +115,7 @@ def obstore_reads(url: str, options: dict[str, Any], attempt_s: float) -> Obstor
     timeout = timedelta(seconds=max(attempt_s, 0.5))
     ident = (os.getpid(), bucket, tuple(sorted((k, str(v)) for k, v in config.items())), timeout)
     with _LOCK:
+        _RUNTIME_PID[:] = _RUNTIME_PID or [os.getpid()]
         store = _STORES.get(ident)
         if store is None:
             store = _STORES[ident] = S3Store(

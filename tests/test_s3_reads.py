@@ -6,6 +6,7 @@ not see the same credentials."""
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 
 import pytest
@@ -90,3 +91,26 @@ def test_obstore_only_where_it_sees_what_s3fs_sees(options: dict, env: dict, obs
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert (Store("s3://bucket/run", options).fast_reads is not None) == obstore
+
+
+def _read_in_child(store: Store, queue: "multiprocessing.Queue[tuple]") -> None:
+    fresh = Store(store.url, store.storage_options)
+    queue.put((fresh.read_range("obj.bin", 1, 4), fresh.read("obj.bin"), store._fast() is None, fresh.fast_reads))
+
+
+def test_a_forked_child_reads_through_s3fs(s3_url: S3Prefix) -> None:
+    """obstore's runtime does not survive fork (a read in the child hung before the fallback):
+    a child forked after the parent read through obstore reads through s3fs (with a store of
+    its own: fsspec refuses the parent's filesystem instance in a child, "not fork-safe")."""
+    store = Store(s3_url.url, s3_url.storage_options, retry=FAST)
+    store.write("obj.bin", b"abcdef")
+    assert store.read("obj.bin") == b"abcdef" and store._fast() is not None
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_read_in_child, args=(store, queue))
+    child.start()
+    child.join(60)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0
+    assert queue.get(timeout=5) == (b"bcd", b"abcdef", True, None)
