@@ -12,7 +12,9 @@ client process's CPU seconds (user + system, all threads) of:
   (``SHARDSMITH_S3_READER=s3fs``) vs through obstore (the default since session 5:
   storage/s3_reads.py), i.e. the product's read path both ways;
 * **ranged get**: 8 ``Store.read_into`` calls of 1/8 of the object each into preallocated
-  buffers, as a resharding load reads, the same two ways.
+  buffers, one after another, the same two ways;
+* **parallel ranged get**: the same 8 calls from 8 threads at once, as a load reads
+  (``storage/reading/execute.py``: one thread per read, up to ``READ_WORKERS``).
 
 s3torchconnector is not measured: it ships no wheel for this platform (sdist only, a Rust/CRT
 build). Prints a table and, last, one JSON line with ``<op>_speedup_obstore_vs_s3fs`` (wall,
@@ -100,7 +102,16 @@ def ops(ours: Any, fast: Any, obs: Any, data: bytes) -> dict[str, dict[str, Call
                 "obstore": lambda: obstore.put(obs, "obj-obstore", data, chunk_size=part, max_concurrency=conc)},
         "get": {"s3fs": lambda: ours.read("obj-s3fs"), "obstore": lambda: fast.read("obj-obstore")},
         "ranged_get": {"s3fs": lambda: [ours.read_into("obj-s3fs", a, [d]) for (a, _), d in zip(ranges, bufs)],
-                       "obstore": lambda: [fast.read_into("obj-obstore", a, [d]) for (a, _), d in zip(ranges, bufs)]}}
+                       "obstore": lambda: [fast.read_into("obj-obstore", a, [d]) for (a, _), d in zip(ranges, bufs)]},
+        "par_ranged": {"s3fs": lambda: _parallel(ours, "obj-s3fs", ranges, bufs),
+                       "obstore": lambda: _parallel(fast, "obj-obstore", ranges, bufs)}}
+
+
+def _parallel(store: Any, key: str, ranges: list[tuple[int, int]], bufs: list[memoryview]) -> list[int]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(ranges)) as pool:
+        return list(pool.map(lambda rd: store.read_into(key, rd[0][0], [rd[1]]), zip(ranges, bufs)))
 
 
 def main() -> None:
