@@ -62,10 +62,12 @@ TRANSIENT_ERRNOS = frozenset(getattr(errno, name) for name in (
     if hasattr(errno, name))
 
 
-def _library_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
-    """(transient, denied) exception classes of the HTTP stacks fsspec backends use."""
+def _library_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...],
+                              tuple[type[BaseException], ...]]:
+    """(transient, denied, not found) exception classes of the HTTP stacks our stores use."""
     transient: list[type[BaseException]] = []
     denied: list[type[BaseException]] = []
+    not_found: list[type[BaseException]] = []
     try:
         from botocore import exceptions as bc
         from botocore.parsers import ResponseParserError    # throttling replies can be bad XML
@@ -86,12 +88,13 @@ def _library_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseEx
 
         transient += [ox.GenericError, ox.JoinError]
         denied += [ox.PermissionDeniedError, ox.UnauthenticatedError]
+        not_found += [ox.NotFoundError]
     except ImportError:
         pass
-    return tuple(transient), tuple(denied)
+    return tuple(transient), tuple(denied), tuple(not_found)
 
 
-_LIBRARY_TRANSIENT, _LIBRARY_DENIED = _library_types()
+_LIBRARY_TRANSIENT, _LIBRARY_DENIED, _LIBRARY_NOT_FOUND = _library_types()
 
 
 _STATUS_RE = re.compile(r"Server returned non-2xx status code: (\d{3})")
@@ -156,8 +159,10 @@ def classify(exc: BaseException) -> Verdict:
     status = getattr(exc, "status", None)        # aiohttp.ClientResponseError (http, gcsfs)
     if isinstance(status, int) and status >= 400:
         return _classify_code("", status)
-    if isinstance(exc, FileNotFoundError):
+    if isinstance(exc, (FileNotFoundError,) + _LIBRARY_NOT_FOUND):
         return Verdict.NOT_FOUND
+    if isinstance(exc, _LIBRARY_TRANSIENT) and "redirect" in brief(exc).lower():
+        return Verdict.PERMANENT            # obstore: S3's redirect to the bucket's region
     if isinstance(exc, (PermissionError,) + _LIBRARY_DENIED):
         return Verdict.DENIED
     if isinstance(exc, (TimeoutError, ConnectionError) + _LIBRARY_TRANSIENT):

@@ -74,22 +74,38 @@ def test_throttled_reads_are_retried_by_our_policy(s3_url: S3Prefix, fail_gets: 
     assert len(retries) == 2 and all("503" in m and "Debug source" not in m for m in retries), retries
 
 
+EP = {"endpoint_url": "http://127.0.0.1:9000"}
+
+
 @pytest.mark.parametrize("options,env,obstore", [
-    ({"key": "k", "secret": "s"}, {}, True),
-    ({"anon": True}, {}, True),
-    ({}, {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}, True),
-    ({"key": "k", "secret": "s", "profile": "dev"}, {}, False),           # only botocore reads profiles
-    ({"key": "k", "secret": "s", "client_kwargs": {"verify": False}}, {}, False),
-    ({}, {"AWS_PROFILE": "dev"}, False),
-    ({"key": "k", "secret": "s"}, {"SHARDSMITH_S3_READER": "s3fs"}, False),
+    ({"key": "k", "secret": "s", **EP}, {}, True),
+    ({"anon": True, **EP}, {}, True),
+    ({**EP}, {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}, True),
+    ({"key": "k", "secret": "s"}, {"AWS_DEFAULT_REGION": "eu-west-1"}, True),            # AWS, region given
+    ({"key": "k", "secret": "s"}, {}, False),             # AWS, no region: botocore follows the redirect
+    ({"key": "k", "secret": "s", **EP}, {"AWS_DEFAULT_REGION": "eu-west-1", "AWS_REGION": "us-west-2"}, False),
+    ({"key": "k", "secret": "s", "profile": "dev", **EP}, {}, False),      # only botocore reads profiles
+    ({"key": "k", "secret": "s", "client_kwargs": {"verify": False}, **EP}, {}, False),
+    ({"key": "k", "secret": "s", "config_kwargs": {"region_name": "eu-west-1"}, **EP}, {}, False),
+    ({"key": "k", "secret": "s", **EP}, {"AWS_SESSION_TOKEN": "t"}, False),   # botocore would not send it
+    ({"key": "k", "secret": "s", "token": "t", **EP}, {"AWS_SESSION_TOKEN": "t2"}, True),
+    ({"key": "k", "secret": "s", **EP}, {"AWS_REQUEST_PAYER": "true"}, False),  # object_store-only variable
+    ({**EP}, {"AWS_PROFILE": "dev"}, False),
+    ({**EP}, {"AWS_CONFIG_FILE": "exists"}, False),              # a default profile botocore would read
+    ({"key": "k", "secret": "s", **EP}, {"SHARDSMITH_S3_READER": "s3fs"}, False),
+    ({"key": "k", "secret": "s", **EP}, {"AWS_CA_BUNDLE": "missing"}, False),    # unreadable: botocore fails too
+    ({"key": "k", "secret": "s", **EP}, {"AWS_CA_BUNDLE": "garbage"}, False),    # obstore refuses it: no crash
 ])
 def test_obstore_only_where_it_sees_what_s3fs_sees(options: dict, env: dict, obstore: bool,
                                                    monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "SHARDSMITH_S3_READER"):
+    for name in [n for n in os.environ if n.startswith("AWS_")] + ["SHARDSMITH_S3_READER"]:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    (tmp_path / "exists").write_text("[default]\n")
+    (tmp_path / "garbage").write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
     for name, value in env.items():
-        monkeypatch.setenv(name, value)
+        monkeypatch.setenv(name, str(tmp_path / value) if value in ("exists", "missing", "garbage") else value)
     assert (Store("s3://bucket/run", options).fast_reads is not None) == obstore
 
 

@@ -224,7 +224,9 @@ def test_s3_configured_from_the_standard_environment(s3_url: S3Prefix,
     for key, value in s3_url.env.items():
         monkeypatch.setenv(key, value)
     store = Store(s3_url.url + "/env", {"skip_instance_cache": True}, retry=FAST_RETRY)
+    assert store.fast_reads is not None                   # obstore too reads its settings from there
     store.write("k", b"from env")
+    assert store.read("k") == b"from env"
     assert Store(s3_url.url, s3_url.storage_options).read("env/k") == b"from env"
 
 

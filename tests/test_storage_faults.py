@@ -105,7 +105,9 @@ def _obstore_error(kind: str, detail: str) -> BaseException:
     from obstore import exceptions as ox
 
     body = (f"Error performing GET http://127.0.0.1:9000/b/k in 4ms - {detail}\n\nDebug source:\nGeneric {{ .. }}")
-    return FileNotFoundError(f"Object at location k not found: {body}") if kind == "nf" else getattr(ox, kind)(body)
+    if kind == "nf":                           # what 0.12.1 raised against moto
+        return FileNotFoundError(f"Object at location k not found: {body}")
+    return getattr(ox, kind)(body)
 
 
 def _s3_reply(status: str, code: str) -> str:
@@ -121,7 +123,9 @@ def _s3_reply(status: str, code: str) -> str:
     ("GenericError", _s3_reply("416 Range Not Satisfiable", "InvalidRange"), PERM),
     ("GenericError", _s3_reply("400 Bad Request", "InvalidArgument"), PERM),
     ("GenericError", _s3_reply("403 Forbidden", "AccessDenied"), DENIED),
-    ("nf", _s3_reply("404 Not Found", "NoSuchKey"), NF),
+    ("nf", _s3_reply("404 Not Found", "NoSuchKey"), NF), ("NotFoundError", "Object at location k not found", NF),
+    ("GenericError", "Received redirect without LOCATION, this normally indicates an incorrectly configured "
+                     "region", PERM),
     ("PermissionDeniedError", "denied", DENIED), ("UnauthenticatedError", "no credentials", DENIED),
     ("InvalidPathError", "bad path", PERM), ("UnknownConfigurationKeyError", "bad key", PERM),
 ])
