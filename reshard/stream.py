@@ -230,14 +230,16 @@ def _assembled_crcs(data: np.ndarray, slab: Slab, entry: PlanEntry, chunk_nbytes
 def copy_slab_verified(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry, out: int,
                        chunk_nbytes: int, lock: Any = contextlib.nullcontext()) -> list[tuple[int, int]] | None:
     """Copy a :attr:`~Slab.zero_copy` slab of a local source into the local target file open as
-    descriptor ``out``, at its place, in blocks of about 1 MiB: each block is read
-    (``preadv``) into this thread's reused buffer, its source chunks verified there, and the
-    needed bytes written (``pwrite``) while they are still in cache. Measured on this machine
-    (bench/README.md), per byte: 1.24x ``sendfile``'s CPU, against 1.36x for mapping the
-    source, checksumming through the mapping and copying with ``copy_file_range`` (and the
-    mappings cost more again when several threads map and unmap at once). Any thread, any
-    slab; the writes into one file hold its ``lock`` (threads writing one file at once spin on
-    its inode lock in the kernel: 17% of a reshard's CPU samples), the checksums do not.
+    descriptor ``out``, at its place: the slab's source range is mapped once (``mmap`` with
+    ``MAP_POPULATE``, :func:`~shardsmith.storage.local.map_range`), then block by block (one
+    source checksum chunk) its chunks are verified through the mapping and the needed bytes
+    written from it (``pwrite``, 256 KiB pieces) while they are in cache. Measured on this
+    machine, per byte of 1 GiB (bench/README.md, session 5): 0.95-0.99x ``sendfile``'s CPU on
+    one thread, against 1.13-1.15x for reading each block into a buffer (``preadv``) first, and
+    4-6% less CPU in a whole reshard (same-run A/B); session 4's mapping per block with a
+    kernel copy cost 1.36x. Any thread, any slab; the writes into one file hold its ``lock``
+    (threads writing one file at once spin on its inode lock in the kernel: 17% of a reshard's
+    CPU samples), the checksums do not.
 
     Returns:
         The bytes' ``(CRC-32C, length)`` pieces on the entry's ``chunk_nbytes`` grid (from the
@@ -261,36 +263,23 @@ def copy_slab_verified(src: Store, manifest: Manifest, slab: Slab, entry: PlanEn
     skip, end, pos = piece.first - piece.read_start, piece.last - piece.read_start, entry.byte_offset + start
     use_known = sub == chunk_nbytes and start % chunk_nbytes == 0 and _slab_crcs(piece, [0], sub) is not None
     block = max(1, (1 << 20) // size) * size
-    buf, subs, pieces = _thread_buffer(block), [], []
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        for b in range(0, piece.read_nbytes, block):
-            n = min(block, piece.read_nbytes - b)
-            require_full_read(os.preadv(fd, [buf[:n]], offset + b), n, offset + b, url)
-            subs += verify_chunks_split(shard, (piece.read_start + b) // size, buf[:n], size, sub, url)
-            lo, hi = max(b, skip), min(b + n, end)
-            if lo < hi:
-                with lock:
-                    pwrite_all(out, buf[lo - b:hi - b], pos + lo - skip)
-                if not use_known:
-                    pieces += grid_crcs(buf[lo - b:hi - b], start + lo - skip, chunk_nbytes)
-    finally:
-        os.close(fd)
+    subs, pieces = [], []
+    mapped = view = map_range(path, offset, piece.read_nbytes)
+    require_full_read(len(mapped), piece.read_nbytes, offset, url)
+    for b in range(0, piece.read_nbytes, block):
+        view = mapped[b:b + block]
+        subs += verify_chunks_split(shard, (piece.read_start + b) // size, view, size, sub, url)
+        lo, hi = max(b, skip), min(b + len(view), end)
+        if lo < hi:
+            with lock:
+                pwrite_all(out, view[lo - b:hi - b], pos + lo - skip)
+            if not use_known:
+                pieces += grid_crcs(view[lo - b:hi - b], start + lo - skip, chunk_nbytes)
+    del view, mapped                            # unmapped here (no other reference)
     if use_known:
         known = _slab_crcs(piece, subs, sub) or []
         return [(c, min(chunk_nbytes, end - skip - k * chunk_nbytes)) for k, c in enumerate(known)]
     return pieces
-
-
-_local = threading.local()
-
-
-def _thread_buffer(nbytes: int) -> memoryview:
-    """This thread's reused read buffer of at least ``nbytes`` (grown when needed)."""
-    buf = getattr(_local, "buf", None)
-    if buf is None or len(buf) < nbytes:
-        buf = _local.buf = memoryview(bytearray(nbytes))
-    return buf
 
 
 def write_slab_at(out: int, entry: PlanEntry, slab: Slab, data: np.ndarray | FileSpan, known: list[int] | None,
