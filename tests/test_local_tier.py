@@ -226,8 +226,13 @@ def test_kills_during_a_local_save_and_a_replication_never_load_a_mixed_step(tp2
 @pytest.mark.distributed
 def test_a_lost_node_recovers_from_buddy_copies_bitwise(tp2_reference: Run, killed_then_node_lost: Run) -> None:
     run = killed_then_node_lost
-    assert run.recovered()[1:] == [(6, "buddy")], run.output[-3000:]       # the persistent tier has only 5
-    assert [e["step"] for e in run.events("resume")][1:] == [6]
+    # step 6 (the persistent tier has only 5), or 5 when node 1 died before its own save of 6
+    # was written (a slow background save: seen under load in CI); never a step a rank lacks
+    [(step, source)] = run.recovered()[1:]
+    assert source == "buddy" and step in (5, 6), run.output[-3000:]
+    assert step == 6 or ("local tier: skipping" in run.output and "step-000000006 (rank " in run.output), \
+        run.output[-3000:]
+    assert [e["step"] for e in run.events("resume")][1:] == [step]
     _assert_same_run(run, tp2_reference, "rank killed, then node lost")
 
 
