@@ -48,6 +48,11 @@ class StorageNotFound(StorageError, FileNotFoundError):
     """An object, prefix or bucket does not exist (names the URL and the server's reason)."""
 
 
+class BucketNotFound(StorageNotFound):
+    """The bucket itself does not exist: no key under it can be found (never read as an
+    empty prefix or an uncommitted step)."""
+
+
 class StorageAccessDenied(StorageError, PermissionError):
     """The storage refused the credentials or the operation (names the URL; check credentials)."""
 

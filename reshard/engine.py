@@ -74,6 +74,7 @@ class _Executor:
     stop: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     reads: ThreadPoolExecutor | None = None
+    error: BaseException | None = None
 
     def __post_init__(self) -> None:
         self.budget = BufferBudget(self.plan.options.max_buffer_nbytes)
@@ -158,6 +159,20 @@ class _Executor:
                 self.pool.give(buf)
         return pieces, None, sum(n for _, n in pieces)
 
+    def _guarded(self, task: Callable[[Slab, PlanEntry], tuple[Any, Any, Any]], slab: Slab,
+                 entry: PlanEntry) -> tuple[Any, Any, Any]:
+        """Run a read task unless a slab has failed; a failure stops every queued task at once
+        (each would otherwise run its own retries against a storage that is gone)."""
+        if self.stop.is_set():
+            raise _Stopped()
+        try:
+            return task(slab, entry)
+        except Exception as exc:
+            with self.lock:
+                self.error = self.error or exc      # raised by run() even if a stream saw _Stopped first
+            self.stop.set()
+            raise
+
     def _slab_stream(self, tf: TargetFile, task: Callable[[Slab, PlanEntry], tuple[Any, Any, Any]] | None = None,
                      ) -> Generator[tuple[int, Any, Any], None, None]:
         """Yield (entry index, slab bytes, their chunk CRCs or None) in file order, reading
@@ -172,7 +187,7 @@ class _Executor:
                 while work and self.budget.acquire(work[0][1].buffer_nbytes, block=not pending):
                     i, slab = work.popleft()
                     pending.append((i, slab.buffer_nbytes,
-                                    self.reads.submit(task, slab, tf.entries[i])))
+                                    self.reads.submit(self._guarded, task, slab, tf.entries[i])))
                 i, cost, fut = pending.popleft()
                 buf = None
                 try:
@@ -180,6 +195,9 @@ class _Executor:
                     if self.stop.is_set():
                         raise _Stopped()
                     yield i, data, known               # the writer is done with it on resume
+                except Exception:
+                    self.stop.set()                    # every stream stops reading at once
+                    raise
                 finally:
                     if buf is not None:
                         self.pool.give(buf)
@@ -236,11 +254,15 @@ class _Executor:
             futures = {files.submit(self.run_file, tf, kept.get(tf.name)): tf for tf in self.files}
             try:
                 for fut in as_completed(futures):
+                    if not fut.cancelled() and isinstance(fut.exception(), _Stopped):
+                        continue                    # stopped by another file's error, raised below
                     result = fut.result()
                     results[result.name] = result
                     save_progress(self.dst, self.progress_name, self.plan.plan_id, results)
                     if on_file_done is not None:
                         on_file_done(result.name)
+                if self.error is not None:
+                    raise self.error
             except BaseException:
                 self.stop.set()
                 for fut in futures:

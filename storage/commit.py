@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable
 
-from shardsmith.errors import CheckpointNotFound, LayoutError, ManifestError, SaveError, TargetCommitted
+from shardsmith.errors import BucketNotFound, CheckpointNotFound, LayoutError, ManifestError, SaveError, TargetCommitted
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, Manifest
@@ -116,6 +116,8 @@ def open_manifest(step_store: Store) -> ManifestReader:
     """
     try:
         reader = ManifestReader(step_store)
+    except BucketNotFound:
+        raise
     except FileNotFoundError as exc:
         raise CheckpointNotFound(
             f"{step_store.url} is not a committed checkpoint (no {MANIFEST_NAME}); "
@@ -143,6 +145,8 @@ def read_manifest(step_store: Store, fqns: Iterable[str] | None = None) -> Manif
         return open_manifest(step_store).manifest(fqns)
     try:
         raw = step_store.read(MANIFEST_NAME)
+    except BucketNotFound:
+        raise
     except FileNotFoundError as exc:
         raise CheckpointNotFound(
             f"{step_store.url} is not a committed checkpoint (no {MANIFEST_NAME}); "

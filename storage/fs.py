@@ -34,7 +34,7 @@ import fsspec
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from shardsmith.errors import StorageAccessDenied, StorageError, StorageNotFound
+from shardsmith.errors import BucketNotFound, StorageAccessDenied, StorageError, StorageNotFound
 from shardsmith.storage import local
 from shardsmith.storage.multipart import MultipartWriter, part_size
 from shardsmith.storage.retry import (RetryPolicy, Verdict, bounded_s3_options, brief, call_with_retries,
@@ -61,6 +61,13 @@ def _describe(exc: BaseException) -> str:
     if info is not None and info[0]:
         return f"{info[0]}: {message}"
     return f"{type(exc).__name__}: {message}"
+
+
+def _raise_if_no_bucket(exc: BaseException) -> None:
+    """Re-raise a not-found that is the bucket's (``NoSuchBucket``): never an empty listing."""
+    info = client_error_info(exc)
+    if info is not None and info[0] == "NoSuchBucket":
+        raise exc
 
 
 class Store:
@@ -140,7 +147,7 @@ class Store:
             if verdict is Verdict.NOT_FOUND:
                 info = client_error_info(exc)
                 if info is not None and info[0] == "NoSuchBucket":
-                    return StorageNotFound(f"{what} {url}: the bucket does not exist ({cause}); "
+                    return BucketNotFound(f"{what} {url}: the bucket does not exist ({cause}); "
                                            "create it or fix the URL")
                 return StorageNotFound(f"{url} does not exist ({what}: {cause})")
             if verdict is Verdict.DENIED:
@@ -258,7 +265,8 @@ class Store:
             self.fs.invalidate_cache(path)
             try:
                 return [str(e) for e in self.fs.ls(path, detail=False)]
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                _raise_if_no_bucket(exc)
                 return []
 
         names = {posixpath.basename(e.rstrip("/")) for e in self._call("list", key, ls)}
@@ -273,7 +281,8 @@ class Store:
             self.fs.invalidate_cache(path)
             try:
                 return dict(self.fs.find(path, detail=True, withdirs=False))
-            except FileNotFoundError:
+            except FileNotFoundError as exc:
+                _raise_if_no_bucket(exc)
                 return {}
 
         prefix = path.rstrip("/") + "/"

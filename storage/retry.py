@@ -126,13 +126,25 @@ def client_error_info(exc: BaseException) -> tuple[str, int] | None:
     return (code_match.group(1) if code_match else ""), int(status_match.group(1))
 
 
+_HTTP_KIND_RE = re.compile(r"HttpError \{\s*kind: (\w+)")
+_OS_MESSAGE_RE = re.compile(r'message: "([^"]{1,200})"')
+
+
 def brief(exc: BaseException) -> str:
-    """``str(exc)`` without obstore's debug dump and the XML error document it quotes."""
+    """``str(exc)`` without obstore's debug dump and the XML error document it quotes; for
+    obstore's transport errors (``HTTP error: error sending request``) the dump's cause
+    (``Connection refused``, or the error kind: ``Timeout``, ``Connect`` ...) is appended."""
     try:
         text = str(exc)
     except Exception:  # noqa: BLE001
         return repr(exc)
-    return text.split("\n\nDebug source:")[0].split(": <?xml")[0]
+    head, _, dump = text.partition("\n\nDebug source:")
+    head = head.split(": <?xml")[0]
+    if dump and "HTTP error" in head:
+        messages, kind = _OS_MESSAGE_RE.findall(dump), _HTTP_KIND_RE.search(dump)
+        cause = messages[-1] if messages else (kind.group(1) if kind else "")
+        head += f" ({cause})" if cause else ""
+    return head
 
 
 def _classify_code(code: str, status: int) -> Verdict:

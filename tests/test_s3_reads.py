@@ -13,7 +13,8 @@ import pytest
 from s3proxy import ThrottlingProxy
 from s3server import S3Prefix, s3_server, s3_url  # noqa: F401  (pytest fixtures)
 
-from shardsmith.errors import StorageError, StorageNotFound
+from shardsmith.errors import BucketNotFound, StorageError, StorageNotFound
+from shardsmith.storage.commit import read_manifest
 from shardsmith.storage.fs import Store
 from shardsmith.storage.retry import RetryPolicy
 
@@ -50,9 +51,14 @@ def test_missing_key_and_bucket_are_named(s3_url: S3Prefix) -> None:
     with pytest.raises(StorageNotFound, match=rf"{s3_url.url}/nope does not exist \(read: NoSuchKey: "):
         store.read_range("nope", 0, 10)
     other = Store("s3://no-such-bucket-here/run", s3_url.storage_options, retry=FAST)
-    with pytest.raises(StorageNotFound, match="the bucket does not exist") as info:
+    with pytest.raises(BucketNotFound, match="the bucket does not exist") as info:
         other.read("k")
     assert "Debug source" not in str(info.value) and "<?xml" not in str(info.value)
+    # a missing bucket is never "no committed checkpoint" / an empty listing
+    with pytest.raises(BucketNotFound, match="no-such-bucket-here.*the bucket does not exist"):
+        read_manifest(other.child("step-000000006"))
+    with pytest.raises(BucketNotFound, match="the bucket does not exist"):
+        other.list_dir("")
 
 
 @pytest.mark.parametrize("fail_gets,ok", [(2, True), (3, False)])
