@@ -295,6 +295,8 @@ def _wait(procs: list[Any]) -> bool:
         failed = any(_exitcode(p) not in (None, 0) for p in procs)
         limit = min(deadline, time.monotonic() + GRACE_S) if failed else deadline
         alive = [p.sentinel for p in procs if _exitcode(p) is None]
+        if not alive:               # the last one ended since the loop's test: wait([]) would sleep to the limit
+            break
         multiprocessing.connection.wait(alive, timeout=max(0.0, limit - time.monotonic()))
         if time.monotonic() >= limit:
             for p in procs:
