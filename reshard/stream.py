@@ -230,8 +230,8 @@ def _assembled_crcs(data: np.ndarray, slab: Slab, entry: PlanEntry, chunk_nbytes
 def copy_slab_verified(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry, out: int,
                        chunk_nbytes: int, lock: Any = contextlib.nullcontext()) -> list[tuple[int, int]] | None:
     """Copy a :attr:`~Slab.zero_copy` slab of a local source into the local target file open as
-    descriptor ``out``, at its place: the slab's source range is mapped once (``mmap`` with
-    ``MAP_POPULATE``, :func:`~shardsmith.storage.local.map_range`), then block by block (one
+    descriptor ``out``, at its place: the slab's source range is mapped once (``mmap``, pages
+    faulted in as it is read, :func:`~shardsmith.storage.local.map_range`), then block by block (one
     source checksum chunk) its chunks are verified through the mapping and the needed bytes
     written from it (``pwrite``, 256 KiB pieces) while they are in cache. Measured on this
     machine, per byte of 1 GiB (bench/README.md, session 5): 0.95-0.99x ``sendfile``'s CPU on
