@@ -111,7 +111,7 @@ def _differing_keys(a: Any, b: Any, path: str = "state") -> list[str]:
 @size_option("--max-buffer", "max_buffer_nbytes", default_from=f"{PLANNER}:ReshardOptions.max_buffer_nbytes",
              help="Bytes of tensor data held in memory at once, beyond one slab")
 @click.option("--workers", type=int, cls=FieldOption, default_from=f"{PLANNER}:ReshardOptions.workers",
-              help="I/O threads; also target files written at once.")
+              help="I/O threads; also target files written at once (local to local: at most one per core).")
 @dry_run_option("Validate the target layout and print the plan only.")
 @click.option("--verify", is_flag=True, help="Afterwards, diff the result against the source.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")

@@ -247,7 +247,7 @@ class _Executor:
         """This process's target files, ``workers`` at a time; progress saved after each."""
         kept = load_progress(self.dst, self.plan.plan_id, {tf.name for tf in self.files})
         results: dict[str, FileResult] = {}
-        workers = self.plan.options.workers
+        workers = self.plan.options.threads(self.src.is_local and self.dst.is_local)
         with ThreadPoolExecutor(workers, "reshard-read") as reads, \
                 ThreadPoolExecutor(max(1, min(workers, len(self.files))), "reshard-file") as files:
             self.reads = reads
