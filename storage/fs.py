@@ -63,11 +63,10 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}"
 
 
-def _raise_if_no_bucket(exc: BaseException) -> None:
-    """Re-raise a not-found that is the bucket's (``NoSuchBucket``): never an empty listing."""
+def _no_bucket(exc: BaseException) -> bool:
+    """Is this not-found the bucket's own (``NoSuchBucket``), not a missing key or prefix?"""
     info = client_error_info(exc)
-    if info is not None and info[0] == "NoSuchBucket":
-        raise exc
+    return info is not None and info[0] == "NoSuchBucket"
 
 
 class Store:
@@ -145,8 +144,7 @@ class Store:
         def fail(exc: BaseException, verdict: Verdict, attempts: int) -> BaseException:
             cause = _describe(exc)
             if verdict is Verdict.NOT_FOUND:
-                info = client_error_info(exc)
-                if info is not None and info[0] == "NoSuchBucket":
+                if _no_bucket(exc):
                     return BucketNotFound(f"{what} {url}: the bucket does not exist ({cause}); "
                                            "create it or fix the URL")
                 return StorageNotFound(f"{url} does not exist ({what}: {cause})")
@@ -266,7 +264,8 @@ class Store:
             try:
                 return [str(e) for e in self.fs.ls(path, detail=False)]
             except FileNotFoundError as exc:
-                _raise_if_no_bucket(exc)
+                if _no_bucket(exc):             # never an empty listing
+                    raise
                 return []
 
         names = {posixpath.basename(e.rstrip("/")) for e in self._call("list", key, ls)}
@@ -282,7 +281,8 @@ class Store:
             try:
                 return dict(self.fs.find(path, detail=True, withdirs=False))
             except FileNotFoundError as exc:
-                _raise_if_no_bucket(exc)
+                if _no_bucket(exc):             # never an empty listing
+                    raise
                 return {}
 
         prefix = path.rstrip("/") + "/"

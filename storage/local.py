@@ -120,8 +120,7 @@ def map_range(path: str, offset: int, nbytes: int) -> memoryview:
         if nbytes == 0:
             return memoryview(b"")
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        flags = mmap.MAP_SHARED
-        mapped = mmap.mmap(fd, offset + nbytes - start, flags=flags, prot=mmap.PROT_READ, offset=start)
+        mapped = mmap.mmap(fd, offset + nbytes - start, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
     finally:
         os.close(fd)
     return memoryview(mapped)[offset - start:]
