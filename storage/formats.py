@@ -15,7 +15,7 @@ A :class:`TensorFormat` is used in three phases, like DCP's ``StorageWriter``/``
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 
@@ -28,8 +28,12 @@ from shardsmith.storage.manifest import TENSOR_FORMATS, FileRecord, Manifest, Ma
 from shardsmith.storage.reading.execute import ReadStats, read_safetensors_boxes
 from shardsmith.storage.sidecar import write_sidecar
 from shardsmith.storage.tensor_files import write_shard_file
-from shardsmith.storage.zarr_format import ZarrArray, parse_codec, regular_chunks, write_chunks, write_metadata
-from shardsmith.storage.zarr_read import read_zarr_boxes
+
+if TYPE_CHECKING:
+    from shardsmith.storage.zarr_format import ZarrArray
+
+# The zarr modules (zarr, numcodecs: ~0.1-0.15 s of a process's start-up here) are imported
+# by the zarr code paths below only, so a safetensors job's ranks never load them.
 
 #: Prefix of the tensors the zarr codec compresses (optimizer state; parameters stay raw).
 COMPRESSED_PREFIX = "optim."
@@ -104,17 +108,23 @@ class ZarrFormat:
     name = "zarr"
 
     def __init__(self, codec: str = "") -> None:
+        from shardsmith.storage.zarr_format import parse_codec
+
         parse_codec(codec)
         self.codec = codec
 
     def write_rank(self, step_store: Store, rank: int, entries: list[Entry], specs: dict[str, TensorSpec],
                    dims: ParallelDims, chunk_nbytes: int) -> dict[str, Any]:
+        from shardsmith.storage.zarr_format import write_chunks
+
         files, shards = write_chunks(step_store, layout_arrays(specs, dims, self.codec), entries, chunk_nbytes)
         return {"zarr": {"files": {k: [f.nbytes, f.crc32c] for k, f in files.items()},
                          "shards": {fqn: [r.to_json() for r in recs] for fqn, recs in shards.items()}}}
 
     def add_records(self, builder: ManifestBuilder, gathered: list[dict[str, Any]], step_store: Store,
                     specs: dict[str, TensorSpec], dims: ParallelDims) -> None:
+        from shardsmith.storage.zarr_format import write_metadata
+
         for name, record in write_metadata(step_store, layout_arrays(specs, dims, self.codec).values()).items():
             builder.add_file(name, record)
         for g in gathered:
@@ -151,6 +161,8 @@ def layout_arrays(specs: dict[str, TensorSpec], dims: ParallelDims, codec: str =
     Raises:
         ConfigError: an unknown codec.
     """
+    from shardsmith.storage.zarr_format import ZarrArray, parse_codec, regular_chunks
+
     name, level = parse_codec(codec)
     spec_codec = f"{name}:{level}" if name else ""
     boxes: dict[str, list[Box]] = {fqn: [] for fqn in specs}
@@ -167,8 +179,11 @@ def read_boxes(store: Store, manifest: Manifest, requests: Sequence[Request], st
     """Assemble boxes of logical tensors from a committed step, whatever its format
     (:func:`shardsmith.storage.reading.execute.read_safetensors_boxes` for the contract: shapes,
     destinations, verified ranged reads, errors raised). Any rank, any number of calls."""
-    reader = read_zarr_boxes if manifest.tensor_format == ZarrFormat.name else read_safetensors_boxes
-    return reader(store, manifest, requests, stats, source)
+    if manifest.tensor_format == ZarrFormat.name:
+        from shardsmith.storage.zarr_read import read_zarr_boxes
+
+        return read_zarr_boxes(store, manifest, requests, stats, source)
+    return read_safetensors_boxes(store, manifest, requests, stats, source)
 
 
 def read_box(store: Store, manifest: Manifest, fqn: str, box: Box, out: torch.Tensor | None = None,
