@@ -21,13 +21,15 @@ from shardsmith.storage.crashpoints import crash_point
 _IOV_MAX = 1024
 
 
-#: Largest single write to a local file. Writes of whole multi-MiB buffers cost 1-5x more CPU
-#: per byte than the same bytes in 256 KiB writes, varying from run to run (a reshard's
-#: 0.57 GB of assembled slabs: 0.18-0.94 CPU-s in whole 8 MiB ``pwrite`` calls, 0.163-0.167 in
-#: 256 KiB ones; bench/README.md). Presumably a large write makes the kernel allocate large
-#: page-cache folios, which costs reclaim or compaction when memory is full of page cache
-#: (not verified; the measurement is what decided).
-WRITE_PIECE_NBYTES = 256 * 1024
+#: Largest single write to a local file. Each write lets the kernel allocate page-cache folios
+#: up to its size; on a VM that reports free memory to its host (virtio-balloon free page
+#: reporting, ``page_reporting_order`` 9 here) the free 2 MiB blocks such folios come from were
+#: handed back to the host, and the copy that first touches them runs ~12x slower (first touch
+#: of 1 GiB of 2 MiB pages after 5 s idle: 1.75 s vs 0.14 s; bench/README.md, session 7).
+#: Measured on a whole 2.15 GB reshard, 6 alternating rounds each: 256 KiB writes 0.95 CPU-s,
+#: 512 KiB 0.90, 1 MiB 0.89, 2 MiB 0.87, 4 MiB 0.86 or 2.0 (half the runs). 1 MiB: every
+#: write of a reshard's verified block is one call, well below the 2 MiB cliff.
+WRITE_PIECE_NBYTES = 1 << 20
 
 
 def tmp_name(path: str) -> str:
