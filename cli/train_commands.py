@@ -171,9 +171,11 @@ def train(**flags: Any) -> None:
         click.echo(f"warning: {line}", err=True)
     if external:
         from shardsmith.trainer.train import run_training
+        from shardsmith.trainer.worker import exit_process, setup_process
 
+        setup_process()                 # as the launcher's workers: log levels, stacks on fatal signals
         run_training(cfg)
-        return
+        exit_process(0)                 # finished and flushed: no teardown (see exit_process)
     dims = cfg.parallel
     click.echo(f"training {dims.describe()} on {plural(dims.world_size, 'process')} to step {cfg.steps}",
                err=True)

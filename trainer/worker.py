@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import warnings
+from typing import NoReturn
 
 from shardsmith.trainer.config import TrainConfig
 
@@ -73,5 +74,21 @@ def report_error(line: str) -> None:
         f.write(line + "\n")
 
 
+def exit_process(code: int) -> NoReturn:
+    """End a worker with ``code`` once its work is done and written: stdio and logging
+    flushed, then ``os._exit``, without the interpreter's teardown. Collecting process
+    groups, device meshes and DTensors at shutdown runs C++ destructors in no fixed order;
+    under load one of them aborted a finished worker here (``terminate called without an
+    active exception``, exit -6, 1 run in 4 of tests/test_multinode.py beside 3 busy
+    processes), so torchrun reported a job that had committed its last step as failed."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):                     # closed or broken pipe: nothing to keep
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_process(main(sys.argv[1:]))

@@ -247,9 +247,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    sys.stdout.flush()
-    sys.stderr.flush()
+    from shardsmith.trainer.worker import exit_process
+
     # No interpreter teardown: collecting the groups and DTensors of aborted generations can
     # deadlock in their destructors; everything this process wrote is closed and flushed.
-    os._exit(code)
+    exit_process(main(sys.argv[1:]))
