@@ -233,13 +233,13 @@ def copy_slab_verified(src: Store, manifest: Manifest, slab: Slab, entry: PlanEn
     descriptor ``out``, at its place: the slab's source range is mapped once (``mmap``, pages
     faulted in as it is read, :func:`~shardsmith.storage.local.map_range`), then block by block (one
     source checksum chunk) its chunks are verified through the mapping and the needed bytes
-    written from it (``pwrite``, 256 KiB pieces) while they are in cache. Measured on this
-    machine, per byte of 1 GiB (bench/README.md, session 5): 0.95-0.99x ``sendfile``'s CPU on
-    one thread, against 1.13-1.15x for reading each block into a buffer (``preadv``) first, and
-    4-6% less CPU in a whole reshard (same-run A/B); session 4's mapping per block with a
-    kernel copy cost 1.36x. Any thread, any slab; the writes into one file hold its ``lock``
-    (threads writing one file at once spin on its inode lock in the kernel: 17% of a reshard's
-    CPU samples), the checksums do not.
+    written from it (``pwrite``, :data:`~shardsmith.storage.local.WRITE_PIECE_NBYTES` pieces)
+    while they are in cache. Measured on this machine, per byte of 1 GiB (bench/README.md,
+    session 5): 0.95-0.99x ``sendfile``'s CPU on one thread, against 1.13-1.15x for reading
+    each block into a buffer (``preadv``) first, and 4-6% less CPU in a whole reshard
+    (same-run A/B); session 4's mapping per block with a kernel copy cost 1.36x. Any thread,
+    any slab; the writes into one file hold its ``lock`` (threads writing one file at once spin
+    on its inode lock in the kernel: 17% of a reshard's CPU samples), the checksums do not.
 
     Returns:
         The bytes' ``(CRC-32C, length)`` pieces on the entry's ``chunk_nbytes`` grid (from the
