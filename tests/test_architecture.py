@@ -9,6 +9,8 @@ rules: no product module over 400 lines, no function over 60.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,3 +87,24 @@ def test_every_package_is_listed_in_pyproject() -> None:
     found = {"shardsmith." + ".".join(p.parent.relative_to(ROOT).parts)
              for package in PACKAGES for p in (ROOT / package).rglob("__init__.py")}
     assert found <= listed, f"not in pyproject.toml packages: {sorted(found - listed)}"
+
+
+def test_a_rank_starts_without_the_object_store_and_zarr_stacks() -> None:
+    """A safetensors job on local storage never imports botocore, aiohttp, obstore or zarr
+    (0.25 CPU-s of every rank's start-up here): the retry classifier looks up their exception
+    classes only once they are loaded, and the zarr code is imported by the zarr paths."""
+    code = ("import sys, shardsmith.trainer.train, shardsmith.trainer.worker, shardsmith.cli.train_commands, "
+            "shardsmith.storage.fs, shardsmith.reshard.engine\n"
+            "print(sorted(m for m in ('botocore', 'aiohttp', 'obstore', 'zarr', 's3fs') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_the_classifier_knows_a_library_loaded_after_it() -> None:
+    """The library exception classes are looked up when classifying, not at import."""
+    code = ("from shardsmith.storage.retry import Verdict, classify\n"
+            "import aiohttp\n"
+            "assert classify(aiohttp.ServerDisconnectedError()) is Verdict.TRANSIENT\n"
+            "from botocore.exceptions import NoCredentialsError\n"
+            "assert classify(NoCredentialsError()) is Verdict.DENIED\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
