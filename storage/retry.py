@@ -14,6 +14,7 @@ Architecture Blog, 2015).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import functools
@@ -74,7 +75,7 @@ def _library_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseEx
     from those already imported: a library that is not imported cannot have raised, so a
     process that never opens an object store never imports botocore or aiohttp for this
     (~0.2 s of every rank's start-up here)."""
-    return _types_of(tuple(name in sys.modules for name in _LIBRARY_MODULES))
+    return _types_of(tuple(sys.modules.get(name) is not None for name in _LIBRARY_MODULES))
 
 
 @functools.lru_cache(maxsize=16)
@@ -84,23 +85,26 @@ def _types_of(loaded: tuple[bool, ...]) -> tuple[tuple[type[BaseException], ...]
     transient: list[type[BaseException]] = []
     denied: list[type[BaseException]] = []
     not_found: list[type[BaseException]] = []
-    if has_botocore:
-        from botocore import exceptions as bc
-        from botocore.parsers import ResponseParserError    # throttling replies can be bad XML
+    with contextlib.suppress(ImportError):               # (a half-installed library: classify without it)
+        if has_botocore:
+            from botocore import exceptions as bc
+            from botocore.parsers import ResponseParserError    # throttling replies can be bad XML
 
-        transient += [getattr(bc, name) for name in (
-            "HTTPClientError", "ConnectionError", "IncompleteReadError", "ResponseStreamingError")
-            if hasattr(bc, name)] + [ResponseParserError]
-        denied += [bc.NoCredentialsError, bc.PartialCredentialsError]
-    if has_aiohttp:
-        import aiohttp
-        transient += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
-    if has_obstore:             # obstore (s3:// reads): errors without an HTTP status are the
-        from obstore import exceptions as ox      # transport's (connect, timeout, dropped body)
+            transient += [getattr(bc, name) for name in (
+                "HTTPClientError", "ConnectionError", "IncompleteReadError", "ResponseStreamingError")
+                if hasattr(bc, name)] + [ResponseParserError]
+            denied += [bc.NoCredentialsError, bc.PartialCredentialsError]
+    with contextlib.suppress(ImportError):
+        if has_aiohttp:
+            import aiohttp
+            transient += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
+    with contextlib.suppress(ImportError):
+        if has_obstore:         # obstore (s3:// reads): errors without an HTTP status are the
+            from obstore import exceptions as ox  # transport's (connect, timeout, dropped body)
 
-        transient += [ox.GenericError, ox.JoinError]
-        denied += [ox.PermissionDeniedError, ox.UnauthenticatedError]
-        not_found += [ox.NotFoundError]
+            transient += [ox.GenericError, ox.JoinError]
+            denied += [ox.PermissionDeniedError, ox.UnauthenticatedError]
+            not_found += [ox.NotFoundError]
     return tuple(transient), tuple(denied), tuple(not_found)
 
 

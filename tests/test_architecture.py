@@ -108,3 +108,13 @@ def test_the_classifier_knows_a_library_loaded_after_it() -> None:
             "from botocore.exceptions import NoCredentialsError\n"
             "assert classify(NoCredentialsError()) is Verdict.DENIED\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_library_masked_in_sys_modules_does_not_break_the_classifier(monkeypatch) -> None:
+    """``sys.modules[name] = None`` (how tests hide a library) counts as not loaded."""
+    from shardsmith.storage.retry import Verdict, classify
+
+    for name in ("botocore", "aiohttp", "obstore"):
+        monkeypatch.setitem(sys.modules, name, None)
+    assert classify(ConnectionResetError()) is Verdict.TRANSIENT
+    assert classify(FileNotFoundError("x")) is Verdict.NOT_FOUND

@@ -9,6 +9,7 @@ on demand.
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import json
 import logging
@@ -29,8 +30,9 @@ def setup_process() -> None:
     # Known-noisy upstream warnings (FSDP2 hook registration, torchrun's OMP notice).
     warnings.filterwarnings("ignore", message=".*_register_pre_backward_hook.*")
     warnings.filterwarnings("ignore", category=FutureWarning)
-    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
-                        format="%(message)s")
+    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
+    logging.basicConfig(level=level, format="%(message)s")
+    logging.getLogger().setLevel(level)                   # also when the CLI configured logging first
     if not os.environ.get("SHARDSMITH_DEBUG"):            # third-party log lines only with --debug
         for name in ("torch", "botocore", "s3fs", "fsspec", "urllib3", "aiobotocore"):
             logging.getLogger(name).setLevel(logging.ERROR)
@@ -87,6 +89,10 @@ def exit_process(code: int) -> NoReturn:
         except (OSError, ValueError):                     # closed or broken pipe: nothing to keep
             pass
     logging.shutdown()
+    try:                                                  # what native code printf'ed (libc's buffers)
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
     os._exit(code)
 
 
