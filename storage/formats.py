@@ -25,7 +25,8 @@ from shardsmith.layout.box import Box
 from shardsmith.layout.plan import TensorSpec, shard_file_name, write_assignment
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import TENSOR_FORMATS, FileRecord, Manifest, ManifestBuilder, ShardRecord
-from shardsmith.storage.reading.execute import ReadStats, read_safetensors_boxes
+from shardsmith.storage.reading.execute import ReadStats, destination, read_safetensors_boxes
+from shardsmith.storage.reading.staging import on_host, read_staged
 from shardsmith.storage.sidecar import write_sidecar
 from shardsmith.storage.tensor_files import write_shard_file
 
@@ -178,12 +179,31 @@ def read_boxes(store: Store, manifest: Manifest, requests: Sequence[Request], st
                source: str = "") -> list[torch.Tensor]:
     """Assemble boxes of logical tensors from a committed step, whatever its format
     (:func:`shardsmith.storage.reading.execute.read_safetensors_boxes` for the contract: shapes,
-    destinations, verified ranged reads, errors raised). Any rank, any number of calls."""
+    destinations, verified ranged reads, errors raised). Any rank, any number of calls.
+
+    Destinations off the CPU (e.g. CUDA tensors) are filled through a bounded, reused host
+    buffer, batch by batch (:func:`shardsmith.storage.reading.staging.read_staged`)."""
+    if not all(on_host(out) for _, _, out in requests):
+        return _read_with_staging(store, manifest, requests, stats, source)
     if manifest.tensor_format == ZarrFormat.name:
         from shardsmith.storage.zarr_read import read_zarr_boxes
 
         return read_zarr_boxes(store, manifest, requests, stats, source)
     return read_safetensors_boxes(store, manifest, requests, stats, source)
+
+
+def _read_with_staging(store: Store, manifest: Manifest, requests: Sequence[Request], stats: ReadStats | None,
+                       source: str) -> list[torch.Tensor]:
+    """:func:`read_boxes` when some destinations are off the CPU: those through host staging."""
+    def host_read(batch: Sequence[Request]) -> object:
+        return read_boxes(store, manifest, batch, stats, source)
+
+    host = iter(read_boxes(store, manifest, [r for r in requests if on_host(r[2])], stats, source))
+    staged = [(fqn, box, destination(fqn, box, manifest.tensors[fqn].dtype, out))
+              for fqn, box, out in requests if not on_host(out)]
+    read_staged(host_read, staged)
+    devices = iter(out for _, _, out in staged)
+    return [next(host) if on_host(out) else next(devices) for _, _, out in requests]
 
 
 def read_box(store: Store, manifest: Manifest, fqn: str, box: Box, out: torch.Tensor | None = None,
