@@ -67,7 +67,7 @@ from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.trainer.async_save import AsyncCheckpointer
-from shardsmith.trainer.checkpoint import load_into, plan_local_writes, save_checkpoint
+from shardsmith.trainer.checkpoint import load_into, load_into_replicas, plan_local_writes, save_checkpoint
 from shardsmith.trainer.model import Transformer
 from shardsmith.trainer.parallel import build_mesh, parallelize
 
@@ -91,9 +91,10 @@ def parse_layout(name: str) -> ParallelDims:
     return ParallelDims(pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tp)
 
 
-def build_state(cfg: ModelConfig, dims: ParallelDims, fill: bool) -> tuple[dict, dict, dict]:
+def build_state(cfg: ModelConfig, dims: ParallelDims, fill: bool) -> tuple[dict, dict, dict, Any]:
     """This rank's state under ``dims``: (FQN -> DTensor or tensor for DCP, FQN -> local
-    tensor for shardsmith, FQN -> global box). Collective (builds a mesh).
+    tensor for shardsmith, FQN -> global box, the ``dp_replicate`` group or None).
+    Collective (builds a mesh).
 
     Values depend only on (FQN, box), so replicas agree and both systems save the same bytes.
     """
@@ -120,7 +121,8 @@ def build_state(cfg: ModelConfig, dims: ParallelDims, fill: bool) -> tuple[dict,
             if t.ndim:
                 gen = torch.Generator().manual_seed(zlib.crc32(f"{fqn}{boxes[fqn]}".encode()))
                 t.uniform_(-1, 1, generator=gen)
-    return dcp_state, local, boxes
+    replicas = mesh["dp_replicate"].get_group() if dims.dp_replicate > 1 else None
+    return dcp_state, local, boxes, replicas
 
 
 def state_crcs(local: dict[str, torch.Tensor]) -> list[int]:
@@ -225,7 +227,7 @@ class Bench:
         self.cfg = model_for_size(args.gb)
         self.dims = parse_layout(args.save_layout)
         self.rank = dist.get_rank()
-        self.dcp_state, self.local, _ = build_state(self.cfg, self.dims, fill=True)
+        self.dcp_state, self.local, _, _ = build_state(self.cfg, self.dims, fill=True)
         log("source state built")
         self.targets = {name: build_state(self.cfg, parse_layout(name), fill=False)
                         for name in args.load_layouts.split(",")}
@@ -260,11 +262,15 @@ class Bench:
         return {"blocked": blocked, "snapshot": snapshot}
 
     def ours_load(self, name: str, target: str) -> dict[str, float]:
-        _, local, boxes = self.targets[target]
+        _, local, boxes, replicas = self.targets[target]
         step_store = Store(self.url(name), self.opts).child(step_dir(1))
         manifest = read_manifest(step_store)
         specs = checkpoint_specs(self.cfg, parse_layout(target))
-        stats = load_into(step_store, manifest, local, boxes, {f: s.shape for f, s in specs.items()})
+        shapes = {f: s.shape for f, s in specs.items()}
+        if replicas is not None:                             # as the trainer: each replica reads 1/R
+            stats = load_into_replicas(step_store, manifest, local, boxes, shapes, replicas)
+        else:
+            stats = load_into(step_store, manifest, local, boxes, shapes)
         return {"read": stats.nbytes_read, "needed": stats.nbytes_needed}
 
     # -- DCP

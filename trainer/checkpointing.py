@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from shardsmith.errors import TrainingDiverged
 from shardsmith.layout.plan import checkpoint_specs, rank_boxes
@@ -26,8 +27,8 @@ from shardsmith.storage.lineage import check_new_run_root, remove_runs_except
 from shardsmith.storage.manifest import MANIFEST_NAME
 from shardsmith.storage.manifest_read import ManifestReader
 from shardsmith.trainer.async_save import AsyncCheckpointer
-from shardsmith.trainer.checkpoint import (SaveResult, init_optimizer_state, load_into, model_state_tensors,
-                                           save_checkpoint)
+from shardsmith.trainer.checkpoint import (SaveResult, init_optimizer_state, load_into, load_into_replicas,
+                                           model_state_tensors, save_checkpoint)
 from shardsmith.trainer.comm import any_rank, broadcast_text, gather_json
 from shardsmith.trainer.data import GlobalBatchSampler
 from shardsmith.trainer.fault.bad_steps import BadStepPolicy
@@ -122,6 +123,9 @@ class CheckpointPolicy:
         cfg: the run's config (``checkpoint``, ``model``, ``parallel``, ``seed``, ``fault``).
         state: this rank's :class:`TrainState` (loads write into it).
         rank, coords: this rank and its mesh coordinates.
+        replica_group: the ``dp_replicate`` process group (HSDP replicas) or None: loads from
+            the persistent tier read each tensor once per group and broadcast it
+            (:func:`~shardsmith.trainer.checkpoint.load_into_replicas`).
         restarts: torchrun's restart count (see :func:`choose_resume`).
         event: where records go (rank 0 writes them).
 
@@ -131,8 +135,9 @@ class CheckpointPolicy:
     """
 
     def __init__(self, cfg: TrainConfig, state: TrainState, *, rank: int, coords: dict[str, int],
-                 restarts: int, event: EventFn) -> None:
+                 restarts: int, event: EventFn, replica_group: Any = None) -> None:
         self.cfg, self.state, self.rank, self.coords = cfg, state, rank, coords
+        self.replica_group = replica_group
         self.restarts, self.event = restarts, event
         ckpt = cfg.checkpoint
         self.root = Store(ckpt.url, ckpt.storage_options) if ckpt.url else None
@@ -280,14 +285,21 @@ class CheckpointPolicy:
         any_rank(bool(deleted))
 
     def _read(self, step_store: Store, reader: ManifestReader | StaticManifest, tensors: dict[str, torch.Tensor],
-              with_optimizer: bool) -> list[Any]:
+              with_optimizer: bool, shared: bool = True) -> list[Any]:
         """Fill ``tensors`` from the checkpoint by box intersection, reading only the manifest
-        records of this rank's tensors; every rank's ``[nbytes_read, nbytes_needed]`` (all-gathered)."""
+        records of this rank's tensors (``shared``: once per replica group, see
+        ``replica_group``); every rank's ``[nbytes_read, nbytes_needed]`` (all-gathered)."""
         cfg = self.cfg
         specs = checkpoint_specs(cfg.model, cfg.parallel, with_optimizer=with_optimizer)
         boxes = rank_boxes(specs, cfg.parallel, self.rank)
         manifest = reader.manifest(boxes)                     # the records of this rank's tensors only
-        stats = load_into(step_store, manifest, tensors, boxes, {f: s.shape for f, s in specs.items()})
+        shapes = {f: s.shape for f, s in specs.items()}
+        group = self.replica_group if shared else None
+        if group is not None and all(rank_boxes(specs, cfg.parallel, r) == boxes
+                                     for r in dist.get_process_group_ranks(group)):
+            stats = load_into_replicas(step_store, manifest, tensors, boxes, shapes, group)
+        else:
+            stats = load_into(step_store, manifest, tensors, boxes, shapes)
         return gather_json([stats.nbytes_read, stats.nbytes_needed])
 
     def _init_from(self, url: str) -> None:
@@ -309,13 +321,14 @@ class CheckpointPolicy:
         a manifest already in memory (the local tier's), else the step's is read."""
         t0 = time.perf_counter()
         state, cfg = self.state, self.cfg
+        shared = reader is None                               # not the local tier's: once per replica group
         reader = reader or open_manifest(step_store)          # the head: configs, layout, state, index
         manifest = reader.manifest(())
         reset = reset_due(manifest, cfg.checkpoint.reset_optimizer) and reason != "rollback"
         self._warn(check_before_load(manifest, cfg, step_store.url, resume=True, reset_optimizer=reset))
         init_optimizer_state(state.model, state.optimizer)
         tensors = model_state_tensors(state.model, state.optimizer if not reset else None)
-        read = self._read(step_store, reader, tensors, not reset)
+        read = self._read(step_store, reader, tensors, not reset, shared=shared)
         if reason != "rollback":
             self.run.resumed(manifest.state, step_store.url, step)
         state.load_state_json(manifest.state, rollback=reason == "rollback")
