@@ -67,7 +67,8 @@ from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.trainer.async_save import AsyncCheckpointer
-from shardsmith.trainer.checkpoint import load_into, load_into_replicas, plan_local_writes, save_checkpoint
+from shardsmith.trainer.checkpoint import (load_into, load_into_replicas, plan_local_writes, save_checkpoint,
+                                           shares_reads)
 from shardsmith.trainer.model import Transformer
 from shardsmith.trainer.parallel import build_mesh, parallelize
 
@@ -98,7 +99,7 @@ def build_state(cfg: ModelConfig, dims: ParallelDims, fill: bool) -> tuple[dict,
 
     Values depend only on (FQN, box), so replicas agree and both systems save the same bytes.
     """
-    mesh = build_mesh(dims)
+    mesh = build_mesh(dims, device="cpu")                     # CPU shards, gloo, also on a GPU machine
     rank = dist.get_rank()
     stage = dims.coords(rank)["pp"]
     layers = stage_layers(cfg, dims)[stage]
@@ -267,7 +268,7 @@ class Bench:
         manifest = read_manifest(step_store)
         specs = checkpoint_specs(self.cfg, parse_layout(target))
         shapes = {f: s.shape for f, s in specs.items()}
-        if replicas is not None:                             # as the trainer: each replica reads 1/R
+        if shares_reads(step_store, replicas):               # as the trainer: each replica reads 1/R
             stats = load_into_replicas(step_store, manifest, local, boxes, shapes, replicas)
         else:
             stats = load_into(step_store, manifest, local, boxes, shapes)

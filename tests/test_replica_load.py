@@ -6,6 +6,7 @@ Real gloo processes (3 replicas). The pure assignment is tested without processe
 from __future__ import annotations
 
 import multiprocessing
+import os
 import socket
 
 import pytest
@@ -47,11 +48,15 @@ def _worker(rank: int, port: int, root: str, results) -> None:
     import torch.distributed as dist
 
     from shardsmith.errors import IntegrityError
-    from shardsmith.trainer.checkpoint import load_into_replicas
+    from ckpt_factory import memory_root
+    from shardsmith.trainer.checkpoint import load_into_replicas, shares_reads
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=REPLICAS)
     full = _state()
-    out = {}
+    out: dict = {"shares": []}
+    for per_node, store in (("3", Store(root)), ("1", Store(root)), ("2", Store(root)), ("3", memory_root())):
+        os.environ["LOCAL_WORLD_SIZE"] = per_node
+        out["shares"].append(shares_reads(store, dist.group.WORLD))
     for step in (1, 2):
         step_store = Store(root).child(step_dir(step))
         manifest = read_manifest(step_store)
@@ -94,6 +99,8 @@ def test_replicas_read_once_and_fail_together(tmp_path) -> None:
         p.join(timeout=60)
         assert p.exitcode == 0
 
+    # one node with a local checkpoint: the page cache shares; two nodes or an object store: we do
+    assert all(got[r]["shares"] == [False, True, True, True] for r in range(REPLICAS)), got
     total = sum(t.numel() * 4 for t in full.values())
     small = full["small"].numel() * 4
     assert all(got[r][1]["equal"] and got[r][1]["needed"] == total for r in range(REPLICAS))
@@ -121,7 +128,7 @@ def _trainer_worker(rank: int, port: int, data_path: str, ckpt: str, results) ->
     from shardsmith.trainer.train import Trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")                 # two one-rank "nodes"
     base = tiny_train_config(ParallelDims(dp_replicate=2), data_path)
     cfg = dataclasses.replace(base, steps=1, checkpoint=CheckpointConfig(url=ckpt, async_save=False))
     first = Trainer.create(cfg)

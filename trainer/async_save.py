@@ -94,6 +94,8 @@ class AsyncCheckpointer:
         the copies run on this saver's stream after it."""
         pin = self._stream is not None
         entries = []
+        if self._stream is not None:  # a new thread starts on device 0: stay on this rank's own GPU
+            torch.cuda.set_device(self._stream.device)
         with torch.cuda.stream(self._stream) if pin else contextlib.nullcontext():
             if ready is not None:
                 assert self._stream is not None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -293,6 +294,20 @@ def assign_readers(sizes: dict[str, int], num_replicas: int) -> dict[str, int]:
         readers[fqn] = member
         load[member] += sizes[fqn]
     return readers
+
+
+def shares_reads(step_store: Store, group: dist.ProcessGroup | None) -> bool:
+    """Whether a load should read once per replica group (:func:`load_into_replicas`): yes for
+    a group of more than one rank, unless the checkpoint is on a local filesystem and every
+    member runs on this node (then the page cache already serves repeated reads from memory,
+    and a broadcast would only add copies). Nodes are ``LOCAL_WORLD_SIZE`` consecutive ranks
+    (torchrun's placement). Pure given the environment: every member decides the same."""
+    if group is None or dist.get_world_size(group) < 2:
+        return False
+    if not step_store.is_local:
+        return True
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or dist.get_world_size()
+    return len({r // per_node for r in dist.get_process_group_ranks(group)}) > 1
 
 
 def load_into_replicas(step_store: Store, manifest: Manifest, tensors: dict[str, torch.Tensor],

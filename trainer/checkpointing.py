@@ -28,7 +28,7 @@ from shardsmith.storage.manifest import MANIFEST_NAME
 from shardsmith.storage.manifest_read import ManifestReader
 from shardsmith.trainer.async_save import AsyncCheckpointer
 from shardsmith.trainer.checkpoint import (SaveResult, init_optimizer_state, load_into, load_into_replicas,
-                                           model_state_tensors, save_checkpoint)
+                                           model_state_tensors, save_checkpoint, shares_reads)
 from shardsmith.trainer.comm import any_rank, broadcast_text, gather_json
 from shardsmith.trainer.data import GlobalBatchSampler
 from shardsmith.trainer.fault.bad_steps import BadStepPolicy
@@ -295,8 +295,8 @@ class CheckpointPolicy:
         manifest = reader.manifest(boxes)                     # the records of this rank's tensors only
         shapes = {f: s.shape for f, s in specs.items()}
         group = self.replica_group if shared else None
-        if group is not None and all(rank_boxes(specs, cfg.parallel, r) == boxes
-                                     for r in dist.get_process_group_ranks(group)):
+        if shares_reads(step_store, group) and all(rank_boxes(specs, cfg.parallel, r) == boxes
+                                                   for r in dist.get_process_group_ranks(group)):
             stats = load_into_replicas(step_store, manifest, tensors, boxes, shapes, group)
         else:
             stats = load_into(step_store, manifest, tensors, boxes, shapes)

@@ -9,6 +9,8 @@ against the plan's ``dim_axes`` at every build (and the boxes at every save and 
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -28,12 +30,29 @@ from shardsmith.layout.plan import (COLWISE, ROWWISE, VOCAB_PARALLEL, TensorSpec
 from shardsmith.trainer.model import Transformer
 from shardsmith.trainer.moe import EXPERT_TP_DIMS, MoEFeedForward, expert_params, expert_parallel_params, shard_experts
 from shardsmith.trainer.pipeline import ChunkedStage
+
+log = logging.getLogger(__name__)
 from shardsmith.trainer.weight_init import materialize_local_shards
 
 
 def device_type() -> str:
-    """``cuda`` when GPUs are visible, else ``cpu`` (gloo)."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """``cuda`` when every process of this node can have a GPU of its own
+    (``torch.cuda.device_count() >= LOCAL_WORLD_SIZE``), else ``cpu`` (gloo). With GPUs
+    visible but fewer than the local processes (e.g. ``shardsmith demo``'s 4 processes on a
+    1-GPU machine) it warns once and runs on the CPU: NCCL refuses two ranks on one GPU."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.device_count() >= local:
+        return "cuda"
+    _warn_too_few_gpus(torch.cuda.device_count(), local)
+    return "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_too_few_gpus(gpus: int, local: int) -> None:
+    log.warning("%d processes on this node but %d GPU(s) visible: running on the CPU (gloo); "
+                "launch at most %d processes per node to train on the GPUs", local, gpus, gpus)
 
 
 def init_distributed() -> None:
@@ -51,8 +70,9 @@ def init_distributed() -> None:
         dist.init_process_group("gloo")
 
 
-def build_mesh(dims: ParallelDims) -> DeviceMesh:
-    """One named 4-D mesh ``(pp, dp_replicate, dp_shard, tp)``, tp innermost.
+def build_mesh(dims: ParallelDims, device: str = "") -> DeviceMesh:
+    """One named 4-D mesh ``(pp, dp_replicate, dp_shard, tp)``, tp innermost, on ``device``
+    (default :func:`device_type`; benches pin ``cpu``).
 
     Must be called by every rank. Raises ``ValueError`` when the world size differs
     from ``dims.world_size``.
@@ -61,7 +81,7 @@ def build_mesh(dims: ParallelDims) -> DeviceMesh:
     if world != dims.world_size:
         raise ValueError(f"layout {dims.describe()} needs {dims.world_size} processes, "
                          f"but the job has {world}")
-    return init_device_mesh(device_type(), dims.shape, mesh_dim_names=MESH_AXES)
+    return init_device_mesh(device or device_type(), dims.shape, mesh_dim_names=MESH_AXES)
 
 
 @dataclass

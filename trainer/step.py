@@ -108,15 +108,15 @@ class StepMath:
         set_aux_loss_scale(self.model, coeff if self.schedule is not None else coeff / self.num_microbatches)
         if self.schedule is not None:
             return self._pipelined(inputs, targets)
-        total = torch.zeros(())
+        total: torch.Tensor | float = 0.0
         for x, y in zip(inputs.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)):
             with self._loss_ctx():
                 with self._autocast():
                     logits = self.model(x)
                 loss = loss_fn(logits, y) / self.num_microbatches
                 loss.backward()
-            total += _plain(loss.detach()).float().cpu()
-        return total
+            total = total + _plain(loss.detach()).float()           # on the device: no sync per microbatch
+        return torch.as_tensor(total, dtype=torch.float32).cpu()
 
     def _pipelined(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses: list[torch.Tensor] = []
@@ -140,7 +140,7 @@ class StepMath:
         """
         parallel = self.parallel
         specs = param_specs(self.model_cfg, parallel)
-        total = torch.zeros((), dtype=torch.float64)
+        total: torch.Tensor | float = 0.0
         grads = []
         for fqn, p in self.model.named_parameters():
             if p.grad is None:
@@ -150,7 +150,8 @@ class StepMath:
             used = {a for axes in specs[fqn].dim_axes for a in axes}
             replicas = prod(getattr(parallel, a) for a in ("dp_replicate", "dp_shard", "tp") if a not in used)
             replicas *= specs[fqn].tp_replicas * len(specs[fqn].stages)   # tied copies
-            total += g.double().pow(2).sum().cpu() / replicas
+            total = total + g.double().pow(2).sum() / replicas       # stays on the device
+        total = torch.as_tensor(total, dtype=torch.float64).cpu()   # one host sync, not one per tensor
         dist.all_reduce(total)
         norm = float(total.sqrt())
         clip = self.grad_clip

@@ -37,6 +37,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from shardsmith.storage import crashpoints
@@ -92,6 +93,7 @@ def join_generation(cfg: TrainConfig, store: dist.TCPStore, job: dict[str, Any])
     trainer (collective over the generation: every member calls it)."""
     from shardsmith.trainer.fault.elastic import fit_world_size
     from shardsmith.trainer.fault.watchdog import apply_collective_timeout
+    from shardsmith.trainer.parallel import device_type
     from shardsmith.trainer.train import Trainer
 
     gen, rank, world = job["gen"], job["rank"], job["world"]
@@ -104,7 +106,11 @@ def join_generation(cfg: TrainConfig, store: dist.TCPStore, job: dict[str, Any])
     crashpoints.configure(os.environ.get(crash_env, ""), rank=rank)
     timeout = max(cfg.fault.init_timeout, cfg.fault.collective_timeout)
     apply_collective_timeout(timeout)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{gen}/", store), rank=rank,
+    backend = "gloo"
+    if device_type() == "cuda":                           # as init_distributed: NCCL for GPU tensors
+        torch.cuda.set_device(rank)
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend, store=dist.PrefixStore(f"gen{gen}/", store), rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout))
     return Trainer.create(fit_world_size(cfg, world))
 
