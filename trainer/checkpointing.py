@@ -138,6 +138,7 @@ class CheckpointPolicy:
                  restarts: int, event: EventFn, replica_group: Any = None) -> None:
         self.cfg, self.state, self.rank, self.coords = cfg, state, rank, coords
         self.replica_group = replica_group
+        self.replicas_sharing = 1                 # replicas that split the last load's reads
         self.restarts, self.event = restarts, event
         ckpt = cfg.checkpoint
         self.root = Store(ckpt.url, ckpt.storage_options) if ckpt.url else None
@@ -295,9 +296,11 @@ class CheckpointPolicy:
         manifest = reader.manifest(boxes)                     # the records of this rank's tensors only
         shapes = {f: s.shape for f, s in specs.items()}
         group = self.replica_group if shared else None
+        self.replicas_sharing = 1
         if shares_reads(step_store, group) and all(rank_boxes(specs, cfg.parallel, r) == boxes
                                                    for r in dist.get_process_group_ranks(group)):
             stats = load_into_replicas(step_store, manifest, tensors, boxes, shapes, group)
+            self.replicas_sharing = dist.get_world_size(group)
         else:
             stats = load_into(step_store, manifest, tensors, boxes, shapes)
         return gather_json([stats.nbytes_read, stats.nbytes_needed])
@@ -340,7 +343,8 @@ class CheckpointPolicy:
                     "resharded": any(manifest.layout.get(k) != v for k, v in layout.items()),
                     "restart_count": self.restarts, "rng": rng,
                     "seconds": round(time.perf_counter() - t0, 4),
-                    "nbytes_read": sum(r[0] for r in read), "nbytes_needed": sum(r[1] for r in read)})
+                    "nbytes_read": sum(r[0] for r in read), "nbytes_needed": sum(r[1] for r in read),
+                    "replicas_sharing_reads": self.replicas_sharing})
         if reset:
             record = {"event": "reset_optimizer", "step": step, "from": step_store.url}
             self.run.events.append(record)
