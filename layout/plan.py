@@ -249,6 +249,27 @@ def shard_file_name(rank: int) -> str:
 TINY_BOX_SHARE = 1 / 1024
 
 
+def lpt_assign(sizes: dict[str, int], bins: int) -> dict[str, int]:
+    """Greedy longest-processing-time balancing (Graham 1969): items largest first, each to the
+    bin with the fewest bytes so far; ties by item name, then by the lower bin. Pure and
+    deterministic, so every rank computes the same answer without a collective.
+
+    Args:
+        sizes: item name -> bytes.
+        bins: number of bins (ranks), >= 1.
+
+    Returns:
+        Item name -> bin (``0 .. bins - 1``).
+    """
+    load = [0] * bins
+    out = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        b = min(range(bins), key=lambda r: (load[r], r))
+        out[name] = b
+        load[b] += sizes[name]
+    return out
+
+
 def write_assignment(specs: dict[str, TensorSpec], dims: ParallelDims) -> dict[int, list[tuple[str, Box]]]:
     """Which rank writes which (fqn, box): each distinct non-empty box exactly once.
 

@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 
 from shardsmith.errors import CheckpointError, ConfigError
+from shardsmith.layout.plan import lpt_assign
 from shardsmith.reshard.planner import ReshardPlan, TargetFile
 from shardsmith.reshard.stream import FileResult
 from shardsmith.storage.fs import Store
@@ -63,14 +64,10 @@ class Share:
 def assign_files(files: list[TargetFile], world_size: int) -> list[list[TargetFile]]:
     """Target files of each process: largest first to the least loaded (greedy
     longest-processing-time, Graham 1969), ties to the lowest rank; deterministic."""
-    load = [0] * world_size
+    ranks = lpt_assign({f.name: f.nbytes for f in files}, world_size)
     out: list[list[TargetFile]] = [[] for _ in range(world_size)]
-    for tf in sorted(files, key=lambda f: (-f.nbytes, f.name)):
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        load[rank] += tf.nbytes
-        out[rank].append(tf)
-    for share in out:
-        share.sort(key=lambda f: f.name)
+    for tf in sorted(files, key=lambda f: f.name):
+        out[ranks[tf.name]].append(tf)
     return out
 
 

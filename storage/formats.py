@@ -201,7 +201,7 @@ def _read_with_staging(store: Store, manifest: Manifest, requests: Sequence[Requ
     host = iter(read_boxes(store, manifest, [r for r in requests if on_host(r[2])], stats, source))
     staged = [(fqn, box, destination(fqn, box, manifest.tensors[fqn].dtype, out))
               for fqn, box, out in requests if not on_host(out)]
-    read_staged(host_read, staged)
+    read_staged(host_read, staged, split_rows=manifest.tensor_format != ZarrFormat.name)
     devices = iter(out for _, _, out in staged)
     return [next(host) if on_host(out) else next(devices) for _, _, out in requests]
 

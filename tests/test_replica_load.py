@@ -17,7 +17,8 @@ from shardsmith.layout import ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.trainer.checkpoint import SHARED_READ_MIN_NBYTES, assign_readers
+from shardsmith.layout.plan import lpt_assign
+from shardsmith.trainer.checkpoint import SHARED_READ_MIN_NBYTES
 
 REPLICAS = 3
 ROWS = {"a": 512, "b": 300, "c": 700, "d": 640}               # x 1024 fp32: 1.2-2.8 MiB each
@@ -34,14 +35,14 @@ def _whole(t: torch.Tensor) -> Box:
     return Box((0,) * t.dim(), tuple(t.shape))
 
 
-def test_assign_readers_balances_bytes_deterministically() -> None:
+def test_lpt_assign_balances_bytes_deterministically() -> None:
     sizes = {"a": 10, "b": 7, "c": 6, "d": 5, "e": 4, "f": 1}
-    readers = assign_readers(sizes, 3)
+    readers = lpt_assign(sizes, 3)
     assert readers == {"a": 0, "b": 1, "c": 2, "d": 2, "e": 1, "f": 0}
     load = [sum(sizes[f] for f, r in readers.items() if r == m) for m in range(3)]
     assert load == [11, 11, 11]
-    assert assign_readers(sizes, 1) == dict.fromkeys(sizes, 0)
-    assert assign_readers(dict(reversed(list(sizes.items()))), 3) == readers     # order-independent
+    assert lpt_assign(sizes, 1) == dict.fromkeys(sizes, 0)
+    assert lpt_assign(dict(reversed(list(sizes.items()))), 3) == readers         # order-independent
 
 
 def _worker(rank: int, port: int, root: str, results) -> None:
@@ -54,7 +55,7 @@ def _worker(rank: int, port: int, root: str, results) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=REPLICAS)
     full = _state()
     out: dict = {"shares": []}
-    for per_node, store in (("3", Store(root)), ("1", Store(root)), ("2", Store(root)), ("3", memory_root())):
+    for per_node, store in (("3", Store(root)), ("1", Store(root)), ("3", memory_root())):
         os.environ["LOCAL_WORLD_SIZE"] = per_node
         out["shares"].append(shares_reads(store, dist.group.WORLD))
     for step in (1, 2):
@@ -100,7 +101,7 @@ def test_replicas_read_once_and_fail_together(tmp_path) -> None:
         assert p.exitcode == 0
 
     # one node with a local checkpoint: the page cache shares; two nodes or an object store: we do
-    assert all(got[r]["shares"] == [False, True, True, True] for r in range(REPLICAS)), got
+    assert all(got[r]["shares"] == [False, True, True] for r in range(REPLICAS)), got
     total = sum(t.numel() * 4 for t in full.values())
     small = full["small"].numel() * 4
     assert all(got[r][1]["equal"] and got[r][1]["needed"] == total for r in range(REPLICAS))
@@ -128,9 +129,10 @@ def _trainer_worker(rank: int, port: int, data_path: str, ckpt: str, results) ->
     from shardsmith.trainer.train import Trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")                 # two one-rank "nodes"
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
     base = tiny_train_config(ParallelDims(dp_replicate=2), data_path)
-    cfg = dataclasses.replace(base, steps=1, checkpoint=CheckpointConfig(url=ckpt, async_save=False))
+    cfg = dataclasses.replace(base, steps=1, checkpoint=CheckpointConfig(url=ckpt, async_save=False,
+                                                                         simulate_nodes=2))  # one rank per "node"
     first = Trainer.create(cfg)
     first.train_step()
     first.save()

@@ -67,6 +67,11 @@ def test_read_staged_keeps_a_row_larger_than_the_budget_whole(ckpt) -> None:
     out = torch.zeros(6, 4)
     read_staged(read, [("w", _whole(full["w"]), out)], budget=8)            # a row is 16 bytes
     assert seen == [(1, 4)] * 6 and torch.equal(out, full["w"])
+    seen.clear()
+    out = torch.zeros(6, 4)
+    read_staged(read, [("w", _whole(full["w"]), out), ("b", _whole(full["b"]), torch.zeros(5))], budget=8,
+                split_rows=False)                                           # zarr: boxes whole
+    assert seen == [(6, 4), (5,)] and torch.equal(out, full["w"])
 
 
 def test_read_boxes_routes_off_cpu_destinations_through_staging(ckpt, monkeypatch) -> None:
@@ -74,9 +79,10 @@ def test_read_boxes_routes_off_cpu_destinations_through_staging(ckpt, monkeypatc
     staged = []
     real = staging.read_staged
 
-    def spy(read, requests, budget=staging.STAGING_NBYTES):
+    def spy(read, requests, budget=staging.STAGING_NBYTES, split_rows=True):
+        assert split_rows                                     # safetensors: boxes may be cut
         staged.extend(fqn for fqn, _, _ in requests)
-        return real(read, requests, budget)
+        return real(read, requests, budget, split_rows)
 
     monkeypatch.setattr("shardsmith.storage.formats.read_staged", spy)
     cpu = torch.zeros(6, 4)

@@ -36,6 +36,7 @@ from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
 from shardsmith.trainer.checkpoint import SaveResult, WritePlan, plan_local_writes, write_and_commit
 from shardsmith.trainer.local_tier import LocalTier, replicate
+from shardsmith.trainer.parallel import device_type
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class AsyncCheckpointer:
         self._snapshot_done.set()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._stream = torch.cuda.Stream() if device_type() == "cuda" else None     # not on the CPU fallback
         self._waited = 0.0
         self.last_result: SaveResult | None = None
         self.last_local_seconds = 0.0

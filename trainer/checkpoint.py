@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from shardsmith.errors import CheckpointError, IntegrityError, SaveError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.plan import checkpoint_specs, rank_boxes, shard_file_name, write_assignment
+from shardsmith.layout.plan import checkpoint_specs, lpt_assign, rank_boxes, shard_file_name, write_assignment
 from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, step_dir
@@ -35,7 +34,7 @@ from shardsmith.storage.reading.execute import ReadStats
 from shardsmith.storage.formats import read_boxes
 from shardsmith.storage.formats import tensor_format as get_tensor_format
 from shardsmith.storage.tensor_files import DTYPE_NAMES
-from shardsmith.trainer.comm import broadcast_text, gather_json, gather_json_to_root
+from shardsmith.trainer.comm import any_rank, broadcast_into, broadcast_text, gather_json, gather_json_to_root
 
 log = logging.getLogger(__name__)
 
@@ -275,39 +274,22 @@ def load_into(step_store: Store, manifest: Manifest, tensors: dict[str, torch.Te
 SHARED_READ_MIN_NBYTES = 1 << 20
 
 
-def assign_readers(sizes: dict[str, int], num_replicas: int) -> dict[str, int]:
-    """Which member of a replica group reads each tensor: largest first, each to the member
-    with the fewest bytes so far (LPT scheduling; ties to the lower rank). Pure and
-    deterministic, so every member computes the same answer without a collective.
-
-    Args:
-        sizes: FQN -> bytes of this rank's box of it.
-        num_replicas: members of the group.
-
-    Returns:
-        FQN -> group rank (``0 .. num_replicas - 1``).
-    """
-    load = [0] * num_replicas
-    readers = {}
-    for fqn in sorted(sizes, key=lambda f: (-sizes[f], f)):
-        member = min(range(num_replicas), key=lambda r: (load[r], r))
-        readers[fqn] = member
-        load[member] += sizes[fqn]
-    return readers
-
-
-def shares_reads(step_store: Store, group: dist.ProcessGroup | None) -> bool:
+def shares_reads(step_store: Store, group: dist.ProcessGroup | None, simulate_nodes: int = 0) -> bool:
     """Whether a load should read once per replica group (:func:`load_into_replicas`): yes for
     a group of more than one rank, unless the checkpoint is on a local filesystem and every
     member runs on this node (then the page cache already serves repeated reads from memory,
-    and a broadcast would only add copies). Nodes are ``LOCAL_WORLD_SIZE`` consecutive ranks
-    (torchrun's placement). Pure given the environment: every member decides the same."""
+    and a broadcast would only add copies). Nodes as the local tier counts them
+    (:func:`~shardsmith.trainer.local_tier.ranks_per_node`: ``LOCAL_WORLD_SIZE`` consecutive
+    ranks, or ``simulate_nodes``). Every member of ``group`` calls it: for a local checkpoint
+    one MAX all-reduce makes them agree even if their environments differ."""
     if group is None or dist.get_world_size(group) < 2:
         return False
     if not step_store.is_local:
         return True
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or dist.get_world_size()
-    return len({r // per_node for r in dist.get_process_group_ranks(group)}) > 1
+    from shardsmith.trainer.local_tier import ranks_per_node   # (local_tier imports this module)
+
+    per_node = ranks_per_node(dist.get_world_size(), simulate_nodes)
+    return any_rank(len({r // per_node for r in dist.get_process_group_ranks(group)}) > 1, group)
 
 
 def load_into_replicas(step_store: Store, manifest: Manifest, tensors: dict[str, torch.Tensor],
@@ -315,7 +297,7 @@ def load_into_replicas(step_store: Store, manifest: Manifest, tensors: dict[str,
                        strict: bool = True) -> ReadStats:
     """:func:`load_into` for a group of replicas (ranks holding the same boxes, e.g. the
     ``dp_replicate`` group of HSDP): each member reads and verifies about 1/R of the bytes
-    (:func:`assign_readers`), then each tensor is broadcast from its reader. Storage reads
+    (:func:`~shardsmith.layout.plan.lpt_assign` by bytes), then each tensor is broadcast from its reader. Storage reads
     drop R-fold (HSDP with 8 replicas on a 5 TB checkpoint: 5 TB read instead of 40 TB); the
     rest travels over the process group (NCCL for GPU tensors). Tensors under
     :data:`SHARED_READ_MIN_NBYTES` are read by every member.
@@ -335,7 +317,7 @@ def load_into_replicas(step_store: Store, manifest: Manifest, tensors: dict[str,
     """
     sizes = {f: b.numel * tensors[f].element_size() for f, b in boxes.items()
              if f in manifest.tensors and b.numel * tensors[f].element_size() >= SHARED_READ_MIN_NBYTES}
-    readers = assign_readers(sizes, dist.get_world_size(group))
+    readers = lpt_assign(sizes, dist.get_world_size(group))
     me = dist.get_rank(group)
     mine = {f: b for f, b in boxes.items() if readers.get(f, me) == me}
     error: Exception | None = None
@@ -353,17 +335,7 @@ def load_into_replicas(step_store: Store, manifest: Manifest, tensors: dict[str,
             raise kind(f"replica {member} of this rank's dp_replicate group (global rank "
                        f"{dist.get_global_rank(group, member)}) failed to read its share: {failure[1]}")
     for fqn in sorted(readers):
-        _broadcast_into(unpadded(tensors[fqn], boxes[fqn]), dist.get_global_rank(group, readers[fqn]), group)
+        broadcast_into(unpadded(tensors[fqn], boxes[fqn]), dist.get_global_rank(group, readers[fqn]), group)
     stats.nbytes_needed = sum(b.numel * tensors[f].element_size() for f, b in boxes.items() if f in manifest.tensors)
     return stats
 
-
-def _broadcast_into(dest: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
-    """Broadcast ``dest`` (in place) from global rank ``src``; a non-contiguous one through a copy."""
-    flat = dest.detach()
-    if flat.is_contiguous():
-        dist.broadcast(flat, src=src, group=group)
-        return
-    tmp = flat.contiguous()
-    dist.broadcast(tmp, src=src, group=group)
-    flat.copy_(tmp)

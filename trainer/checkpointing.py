@@ -297,7 +297,7 @@ class CheckpointPolicy:
         shapes = {f: s.shape for f, s in specs.items()}
         group = self.replica_group if shared else None
         self.replicas_sharing = 1
-        if shares_reads(step_store, group) and all(rank_boxes(specs, cfg.parallel, r) == boxes
+        if shares_reads(step_store, group, cfg.checkpoint.simulate_nodes) and all(rank_boxes(specs, cfg.parallel, r) == boxes
                                                    for r in dist.get_process_group_ranks(group)):
             stats = load_into_replicas(step_store, manifest, tensors, boxes, shapes, group)
             self.replicas_sharing = dist.get_world_size(group)

@@ -43,7 +43,8 @@ class CheckpointConfig:
         local_replicas: 0 or 1: also copy each rank's local-tier state to its buddy rank one
             node over (over the process group), so losing a whole node loses no local step.
         simulate_nodes: split the ranks into this many simulated nodes (tests, benches on one
-            machine); 0 = nodes of ``LOCAL_WORLD_SIZE`` ranks (torchrun's, the real ones).
+            machine: the local tier's buddies, and whether replicas share the reads of a local
+            checkpoint); 0 = nodes of ``LOCAL_WORLD_SIZE`` ranks (torchrun's, the real ones).
     """
 
     url: str = ""

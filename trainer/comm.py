@@ -1,4 +1,5 @@
-"""Small collectives on CPU tensors: JSON all-gather, text broadcast, any-rank flag.
+"""Small collectives on CPU tensors: JSON all-gather, text broadcast, any-rank flag; and the
+in-place broadcast of a tensor on any device (:func:`broadcast_into`).
 
 Every helper takes the ``group`` it runs on (``None`` = the default group) and every rank
 of that group must call it, in the same order. Payloads travel as UTF-8 bytes or ints in
@@ -83,3 +84,16 @@ def any_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
+
+
+def broadcast_into(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
+    """Broadcast ``tensor`` in place from global rank ``src`` over ``group`` (any device: with
+    ``cpu:gloo,cuda:nccl`` a GPU tensor travels by NCCL); a non-contiguous one through a
+    contiguous copy. Every rank of ``group`` must call it."""
+    flat = tensor.detach()
+    if flat.is_contiguous():
+        dist.broadcast(flat, src=src, group=group)
+        return
+    tmp = flat.contiguous()
+    dist.broadcast(tmp, src=src, group=group)
+    flat.copy_(tmp)

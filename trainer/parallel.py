@@ -30,9 +30,9 @@ from shardsmith.layout.plan import (COLWISE, ROWWISE, VOCAB_PARALLEL, TensorSpec
 from shardsmith.trainer.model import Transformer
 from shardsmith.trainer.moe import EXPERT_TP_DIMS, MoEFeedForward, expert_params, expert_parallel_params, shard_experts
 from shardsmith.trainer.pipeline import ChunkedStage
+from shardsmith.trainer.weight_init import materialize_local_shards
 
 log = logging.getLogger(__name__)
-from shardsmith.trainer.weight_init import materialize_local_shards
 
 
 def device_type() -> str:

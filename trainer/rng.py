@@ -51,7 +51,7 @@ def capture_rng() -> dict[str, str]:
     for the current device when CUDA is available): ~7 KB of JSON per state instead of the
     ~20 KB of an integer list (the form checkpoints before this one hold; still read)."""
     state = {"cpu": _encode(torch.get_rng_state())}
-    if torch.cuda.is_available():
+    if _on_gpu():
         state["cuda"] = _encode(torch.cuda.get_rng_state())
     return state
 
@@ -66,7 +66,7 @@ def restore_rng(state: Mapping[str, Any]) -> None:
     if "cpu" not in state:
         raise ValueError(f"rng state has keys {sorted(state)}; expected 'cpu' (and 'cuda')")
     torch.set_rng_state(_decode(state["cpu"]))
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and _on_gpu():
         torch.cuda.set_rng_state(_decode(state["cuda"]))
 
 
@@ -133,3 +133,11 @@ def apply_rng(saved: dict[str, Any] | None, parallel: ParallelDims, rank: int, c
         return "rederived"
     restore_rng(state)
     return "restored"
+
+
+def _on_gpu() -> bool:
+    """True when this process trains on a GPU (not merely sees one: the CPU fallback of
+    :func:`~shardsmith.trainer.parallel.device_type` touches no CUDA state)."""
+    from shardsmith.trainer.parallel import device_type
+
+    return device_type() == "cuda"

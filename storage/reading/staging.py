@@ -5,9 +5,12 @@ checksums on the CPU). A destination on a GPU (the trainer's model and optimizer
 ``to_empty(device="cuda")``) is therefore filled in batches: each batch of boxes is read,
 verified, into one reused host buffer (page-locked when the destination is CUDA, so the copy
 is a DMA), then copied to the device; the device copy finishes before the buffer is reused.
-A box larger than the buffer is read in runs of whole dim-0 rows. Host memory held:
-at most :data:`STAGING_NBYTES` (or one row, when a single row is larger), whatever the model
-size, the same bound as the rest of the load path.
+A box larger than the buffer is read in runs of whole dim-0 rows. Host memory held: one
+buffer of at most :data:`STAGING_NBYTES` (or one row, when a single row is larger), whatever
+the model size, the same bound as the rest of the load path; zarr checkpoints are staged box
+by box (a compressed chunk is read and decoded whole by every call that touches it, so boxes
+are not cut there: a box larger than the budget is staged whole). Page-locked memory goes back
+to torch's pinned-memory cache after the load, which keeps it for the process's next one.
 """
 
 from __future__ import annotations
@@ -54,17 +57,13 @@ def _padded(nbytes: int) -> int:
 
 
 class _Staging:
-    """One host buffer, grown to the largest batch (at most the budget or one row)."""
+    """One host buffer of ``nbytes`` (the largest batch), allocated once."""
 
-    def __init__(self, pinned: bool) -> None:
+    def __init__(self, nbytes: int, pinned: bool) -> None:
         self.pinned = pinned
-        self.buf = torch.empty(0, dtype=torch.uint8)
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
     def views(self, batch: list[Request]) -> list[torch.Tensor]:
-        need = sum(_padded(box.numel * d.element_size()) for _, box, d in batch)
-        if self.buf.numel() < need:
-            self.buf = torch.empty(0, dtype=torch.uint8)          # drop the old one first
-            self.buf = torch.empty(need, dtype=torch.uint8, pin_memory=self.pinned)
         out, off = [], 0
         for _, box, d in batch:
             n = box.numel * d.element_size()
@@ -73,7 +72,8 @@ class _Staging:
         return out
 
 
-def read_staged(read: HostRead, requests: Sequence[Request], budget: int = STAGING_NBYTES) -> None:
+def read_staged(read: HostRead, requests: Sequence[Request], budget: int = STAGING_NBYTES,
+                split_rows: bool = True) -> None:
     """Fill destinations that are not in CPU memory (e.g. CUDA tensors) through host staging.
 
     Args:
@@ -83,24 +83,29 @@ def read_staged(read: HostRead, requests: Sequence[Request], budget: int = STAGI
         requests: ``(fqn, global box, destination)`` with each destination of shape
             ``box.lengths`` (checked by ``read`` per run) on any device; overwritten.
         budget: most host bytes staged at once (a single row larger than it is staged alone).
+        split_rows: cut boxes larger than ``budget`` into runs of rows (False: stage each box
+            whole, for formats whose reads cannot be cut cheaply, e.g. compressed zarr chunks).
 
     Raises:
         Whatever ``read`` raises (``IntegrityError``, ``ValueError``, ``KeyError``); the
         destinations of batches before the failing one are already filled.
     """
-    runs = [run for fqn, box, dest in requests for run in _row_runs(fqn, box, dest.detach(), budget)]
-    pinned = torch.cuda.is_available() and any(d.device.type == "cuda" for _, _, d in runs)
-    staging = _Staging(pinned)
-    batch: list[Request] = []
+    runs = [run for fqn, box, dest in requests
+            for run in (_row_runs(fqn, box, dest.detach(), budget) if split_rows else [(fqn, box, dest.detach())])]
+    batches: list[list[Request]] = []
     held = 0
     for run in runs:
         nbytes = _padded(run[1].numel * run[2].element_size())
-        if batch and held + nbytes > budget:
-            _flush(read, staging, batch)
-            batch, held = [], 0
-        batch.append(run)
+        if not batches or held + nbytes > budget:
+            batches.append([])
+            held = 0
+        batches[-1].append(run)
         held += nbytes
-    if batch:
+    if not batches:
+        return
+    pinned = torch.cuda.is_available() and any(d.device.type == "cuda" for _, _, d in runs)
+    staging = _Staging(max(sum(_padded(b.numel * d.element_size()) for _, b, d in batch) for batch in batches), pinned)
+    for batch in batches:
         _flush(read, staging, batch)
 
 def _flush(read: HostRead, staging: _Staging, batch: list[Request]) -> None:
@@ -109,5 +114,5 @@ def _flush(read: HostRead, staging: _Staging, batch: list[Request]) -> None:
     read([(fqn, box, host) for (fqn, box, _), host in zip(batch, hosts)])
     for (_, _, dest), host in zip(batch, hosts):
         dest.copy_(host, non_blocking=staging.pinned)
-    if staging.pinned:
-        torch.cuda.synchronize()                              # the buffer is reused next batch
+    for device in {dest.device for _, _, dest in batch if dest.device.type == "cuda"}:
+        torch.cuda.synchronize(device)                        # the buffer is reused next batch

@@ -7,7 +7,8 @@ imports torch and the trainer once, then serves *assignments* the supervisor wri
 ``assign/{worker id}/{k}`` (k = 0, 1, ...): ``{"gen": G, "rank": R, "world": W}`` or
 ``{"exit": code}``. A process waiting for its first one is a *warm spare*.
 
-For each assignment the worker joins generation G: a gloo process group over a
+For each assignment the worker joins generation G: a gloo process group (``cpu:gloo,cuda:nccl``
+with GPUs) over a
 ``PrefixStore("gen{G}/")`` of the supervisor's store (a new prefix per generation, so no key of
 an old group is ever read), builds the mesh, the model (meta device, local shards only), the
 optimizer, resumes the newest complete checkpoint and trains. When a member dies, the
@@ -48,10 +49,13 @@ log = logging.getLogger(__name__)
 
 SUPERVISOR_ENV = "SHARDSMITH_SUPERVISOR"
 WORKER_ID_ENV = "SHARDSMITH_WORKER_ID"
-#: Substrings of the errors gloo (and the c10d store) raise when a peer is gone or silent.
+#: Substrings of the errors gloo (and the c10d store) raise when a peer is gone or silent, and
+#: those of NCCL after its communicators are aborted or a remote rank died (GPU jobs; not run
+#: on a GPU here: no device was lent to the session that added them).
 PEER_LOST_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
                      "gloo/transport", "Socket Timeout", "Timed out", "DistNetworkError",
-                     "Connection refused", "connection was closed")
+                     "Connection refused", "connection was closed",
+                     "NCCL communicator was aborted", "ncclRemoteError", "remote process exited")
 
 
 def peer_lost(exc: BaseException) -> bool:
@@ -160,11 +164,20 @@ def sever_connections(keep_port: int | None = None) -> int:
     return count
 
 
+def _uses_nccl() -> bool:
+    """True when this process's default group runs NCCL for GPU tensors."""
+    import torch
+
+    return dist.is_initialized() and torch.cuda.is_available() and "nccl" in str(dist.get_backend()).lower()
+
+
 class AbortWatcher:
     """A daemon thread that severs every connection of this process (:func:`sever_connections`:
     the gloo pairs and the store client a rendezvous may wait on) once the supervisor creates
     the file ``flag`` (a member of this generation died or failed), so every member reaches
-    :func:`peer_lost` within milliseconds, wherever it waits."""
+    :func:`peer_lost` within milliseconds, wherever it waits. With NCCL it also aborts the
+    process groups (``ncclCommAbort`` frees a collective stuck on a CUDA stream, which no socket
+    does); untested on GPUs so far."""
 
     def __init__(self, flag: str) -> None:
         self.flag = flag
@@ -177,6 +190,8 @@ class AbortWatcher:
             if os.path.exists(self.flag):
                 say(f"rank {os.environ.get('RANK', '?')}: generation aborted by the supervisor; "
                     f"closed {sever_connections()} connection(s)")
+                if _uses_nccl():              # a wait on a CUDA stream ignores sockets: abort NCCL itself
+                    abort_groups()
                 return
 
     def close(self) -> None:
