@@ -138,7 +138,7 @@ def _resume(r: dict[str, Any]) -> str:
     saved, now = layout_name(r.get("saved_layout")), layout_name(r.get("layout"))
     layout = f"layout {saved} → {now}" if r.get("resharded") else f"layout {now}"
     shared = r.get("replicas_sharing_reads", 1)
-    once = f", each tensor read by 1 of {shared} replicas" if shared > 1 else ""
+    once = f", tensors of 1 MiB or more read by 1 of {shared} replicas" if shared > 1 else ""
     return (f"resumed step {r['step']} from {short_url(r.get('from', '?'))} ({layout}; "
             f"{format_nbytes(r.get('nbytes_read', 0))}{once} in {r.get('seconds', 0):.1f} s)")
 
