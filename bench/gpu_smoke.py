@@ -2,9 +2,10 @@
 
 Trains a preset with tp x dp_shard over all visible GPUs in bf16, saving asynchronously from
 pinned host staging buffers, reshards the last checkpoint offline to another layout, resumes
-there, and prints one JSON line: MFU, tokens/s, the save stall (time training was blocked per
-save) and the device-to-host bandwidth of the snapshot (bytes saved / blocked seconds), next to
-the losses before and after the move.
+there, and prints one JSON line: MFU, tokens/s and the save stall (time training was blocked
+per save), next to the losses before and after the move. With an even number of GPUs it then
+resumes once more as HSDP (``--dp-replicate 2``, two simulated nodes), so the replicas split
+the checkpoint's reads and broadcast over NCCL, and reports that resume's bytes read.
 
     python bench/gpu_smoke.py [--model debug] [--steps 20] [--dir gpu-smoke]
 
@@ -71,12 +72,21 @@ def main() -> int:
     _run(["reshard", os.path.join(a, step), os.path.join(b, step), "--tp", "1", "--dp-shard", str(gpus)])
     _run(["train", "--nproc-per-node", str(gpus), "--tp", "1", "--dp-shard", str(gpus),
           "--steps", str(2 * args.steps), "--ckpt", b, "--resume", "auto", *common])
+    hsdp = None
+    if gpus % 2 == 0:                      # replicas on two simulated nodes: shared reads over NCCL
+        c = os.path.join(args.dir, "c")
+        _run(["train", "--nproc-per-node", str(gpus), "--dp-replicate", "2", "--dp-shard", str(gpus // 2),
+              "--steps", str(2 * args.steps + 1), "--ckpt", c, "--resume", os.path.join(b, f"step-{2 * args.steps:09d}"),
+              "--simulate-nodes", "2", *common])
+        hsdp = next(r for r in _records(c) if r.get("event") == "resume")
     before, after = _summary(_records(a)), _summary(_records(b))
     print(json.dumps({"gpus": gpus, "device": torch.cuda.get_device_name(), "model": args.model,
                       "layout_before": f"tp{tp}·dps{gpus // tp}", "layout_after": f"dps{gpus}",
                       **{k: before[k] for k in ("tokens_per_s", "mfu", "save_stall_s")},
                       "loss_before_move": before["last_loss"], "loss_after_move": after["first_loss"],
-                      "tokens_per_s_after": after["tokens_per_s"]}))
+                      "tokens_per_s_after": after["tokens_per_s"],
+                      "hsdp_resume": None if hsdp is None else {k: hsdp.get(k) for k in (
+                          "nbytes_read", "nbytes_needed", "replicas_sharing_reads", "seconds")}}))
     return 0
 
 
