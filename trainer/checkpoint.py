@@ -297,8 +297,8 @@ def load_into_replicas(step_store: Store, manifest: Manifest, tensors: dict[str,
                        strict: bool = True) -> ReadStats:
     """:func:`load_into` for a group of replicas (ranks holding the same boxes, e.g. the
     ``dp_replicate`` group of HSDP): each member reads and verifies about 1/R of the bytes
-    (:func:`~shardsmith.layout.plan.lpt_assign` by bytes), then each tensor is broadcast from its reader. Storage reads
-    drop R-fold (HSDP with 8 replicas on a 5 TB checkpoint: 5 TB read instead of 40 TB); the
+    (:func:`~shardsmith.layout.plan.lpt_assign` by bytes), then each tensor is broadcast from
+    its reader. Storage reads drop R-fold (HSDP with 8 replicas on a 5 TB checkpoint: 5 TB read instead of 40 TB); the
     rest travels over the process group (NCCL for GPU tensors). Tensors under
     :data:`SHARED_READ_MIN_NBYTES` are read by every member.
 
@@ -315,9 +315,8 @@ def load_into_replicas(step_store: Store, manifest: Manifest, tensors: dict[str,
         member and repeating its message), so no rank waits in a broadcast for a reader
         that gave up.
     """
-    sizes = {f: b.numel * tensors[f].element_size() for f, b in boxes.items()
-             if f in manifest.tensors and b.numel * tensors[f].element_size() >= SHARED_READ_MIN_NBYTES}
-    readers = lpt_assign(sizes, dist.get_world_size(group))
+    nbytes = {f: b.numel * tensors[f].element_size() for f, b in boxes.items() if f in manifest.tensors}
+    readers = lpt_assign({f: n for f, n in nbytes.items() if n >= SHARED_READ_MIN_NBYTES}, dist.get_world_size(group))
     me = dist.get_rank(group)
     mine = {f: b for f, b in boxes.items() if readers.get(f, me) == me}
     error: Exception | None = None
@@ -336,6 +335,5 @@ def load_into_replicas(step_store: Store, manifest: Manifest, tensors: dict[str,
                        f"{dist.get_global_rank(group, member)}) failed to read its share: {failure[1]}")
     for fqn in sorted(readers):
         broadcast_into(unpadded(tensors[fqn], boxes[fqn]), dist.get_global_rank(group, readers[fqn]), group)
-    stats.nbytes_needed = sum(b.numel * tensors[f].element_size() for f, b in boxes.items() if f in manifest.tensors)
+    stats.nbytes_needed = sum(nbytes.values())
     return stats
-

@@ -138,7 +138,6 @@ class CheckpointPolicy:
                  restarts: int, event: EventFn, replica_group: Any = None) -> None:
         self.cfg, self.state, self.rank, self.coords = cfg, state, rank, coords
         self.replica_group = replica_group
-        self.replicas_sharing = 1                 # replicas that split the last load's reads
         self.restarts, self.event = restarts, event
         ckpt = cfg.checkpoint
         self.root = Store(ckpt.url, ckpt.storage_options) if ckpt.url else None
@@ -286,24 +285,25 @@ class CheckpointPolicy:
         any_rank(bool(deleted))
 
     def _read(self, step_store: Store, reader: ManifestReader | StaticManifest, tensors: dict[str, torch.Tensor],
-              with_optimizer: bool, shared: bool = True) -> list[Any]:
+              with_optimizer: bool, shared: bool = True) -> tuple[list[Any], int]:
         """Fill ``tensors`` from the checkpoint by box intersection, reading only the manifest
         records of this rank's tensors (``shared``: once per replica group, see
-        ``replica_group``); every rank's ``[nbytes_read, nbytes_needed]`` (all-gathered)."""
+        ``replica_group``); every rank's ``[nbytes_read, nbytes_needed]`` (all-gathered), and
+        how many replicas split the reads (1: none)."""
         cfg = self.cfg
         specs = checkpoint_specs(cfg.model, cfg.parallel, with_optimizer=with_optimizer)
         boxes = rank_boxes(specs, cfg.parallel, self.rank)
         manifest = reader.manifest(boxes)                     # the records of this rank's tensors only
         shapes = {f: s.shape for f, s in specs.items()}
         group = self.replica_group if shared else None
-        self.replicas_sharing = 1
-        if shares_reads(step_store, group, cfg.checkpoint.simulate_nodes) and all(rank_boxes(specs, cfg.parallel, r) == boxes
-                                                   for r in dist.get_process_group_ranks(group)):
+        sharing = 1
+        if shares_reads(step_store, group, cfg.checkpoint.simulate_nodes) and all(
+                rank_boxes(specs, cfg.parallel, r) == boxes for r in dist.get_process_group_ranks(group)):
             stats = load_into_replicas(step_store, manifest, tensors, boxes, shapes, group)
-            self.replicas_sharing = dist.get_world_size(group)
+            sharing = dist.get_world_size(group)
         else:
             stats = load_into(step_store, manifest, tensors, boxes, shapes)
-        return gather_json([stats.nbytes_read, stats.nbytes_needed])
+        return gather_json([stats.nbytes_read, stats.nbytes_needed]), sharing
 
     def _init_from(self, url: str) -> None:
         """Load only the model weights of checkpoint ``url`` (any layout; optimizer state,
@@ -312,7 +312,7 @@ class CheckpointPolicy:
         reader = open_manifest(step_store)                    # the head: configs, layout, state, index
         manifest = reader.manifest(())
         self._warn(check_before_load(manifest, self.cfg, step_store.url, resume=False))
-        read = self._read(step_store, reader, model_state_tensors(self.state.model, None), False)
+        read, _ = self._read(step_store, reader, model_state_tensors(self.state.model, None), False)
         self.run.initialized_from(manifest.state, step_store.url, step)
         self.event({"event": "init_from", "from": step_store.url, "source_step": step,
                     "saved_layout": reader.manifest(()).layout, "nbytes_read": sum(r[0] for r in read)})
@@ -331,7 +331,7 @@ class CheckpointPolicy:
         self._warn(check_before_load(manifest, cfg, step_store.url, resume=True, reset_optimizer=reset))
         init_optimizer_state(state.model, state.optimizer)
         tensors = model_state_tensors(state.model, state.optimizer if not reset else None)
-        read = self._read(step_store, reader, tensors, not reset, shared=shared)
+        read, sharing = self._read(step_store, reader, tensors, not reset, shared=shared)
         if reason != "rollback":
             self.run.resumed(manifest.state, step_store.url, step)
         state.load_state_json(manifest.state, rollback=reason == "rollback")
@@ -344,7 +344,7 @@ class CheckpointPolicy:
                     "restart_count": self.restarts, "rng": rng,
                     "seconds": round(time.perf_counter() - t0, 4),
                     "nbytes_read": sum(r[0] for r in read), "nbytes_needed": sum(r[1] for r in read),
-                    "replicas_sharing_reads": self.replicas_sharing})
+                    "replicas_sharing_reads": sharing})
         if reset:
             record = {"event": "reset_optimizer", "step": step, "from": step_store.url}
             self.run.events.append(record)

@@ -38,9 +38,9 @@ def on_host(t: torch.Tensor | None) -> bool:
 
 def _row_runs(fqn: str, box: Box, dest: torch.Tensor, budget: int) -> list[Request]:
     """``(fqn, box, dest)`` cut along dim 0 into runs of whole rows of at most ``budget`` bytes
-    (at least one row each); one run when it fits or is 0-d."""
+    (at least one row each); one run when it fits, is 0-d, or ``budget`` is negative (no cuts)."""
     nbytes = box.numel * dest.element_size()
-    if not box.lengths or nbytes <= budget:
+    if not box.lengths or nbytes <= budget or budget < 0:
         return [(fqn, box, dest)]
     row = prod(box.lengths[1:]) * dest.element_size()
     step = max(1, budget // max(row, 1))
@@ -56,20 +56,14 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-class _Staging:
-    """One host buffer of ``nbytes`` (the largest batch), allocated once."""
-
-    def __init__(self, nbytes: int, pinned: bool) -> None:
-        self.pinned = pinned
-        self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-
-    def views(self, batch: list[Request]) -> list[torch.Tensor]:
-        out, off = [], 0
-        for _, box, d in batch:
-            n = box.numel * d.element_size()
-            out.append(self.buf[off:off + n].view(d.dtype).view(box.lengths))
-            off += _padded(n)
-        return out
+def _views(buf: torch.Tensor, batch: list[Request]) -> list[torch.Tensor]:
+    """One host tensor per request of ``batch``, carved from ``buf`` at 64-byte-aligned offsets."""
+    out, off = [], 0
+    for _, box, d in batch:
+        n = box.numel * d.element_size()
+        out.append(buf[off:off + n].view(d.dtype).view(box.lengths))
+        off += _padded(n)
+    return out
 
 
 def read_staged(read: HostRead, requests: Sequence[Request], budget: int = STAGING_NBYTES,
@@ -91,9 +85,9 @@ def read_staged(read: HostRead, requests: Sequence[Request], budget: int = STAGI
         destinations of batches before the failing one are already filled.
     """
     runs = [run for fqn, box, dest in requests
-            for run in (_row_runs(fqn, box, dest.detach(), budget) if split_rows else [(fqn, box, dest.detach())])]
+            for run in (_row_runs(fqn, box, dest.detach(), budget if split_rows else -1))]
     batches: list[list[Request]] = []
-    held = 0
+    held = largest = 0
     for run in runs:
         nbytes = _padded(run[1].numel * run[2].element_size())
         if not batches or held + nbytes > budget:
@@ -101,18 +95,18 @@ def read_staged(read: HostRead, requests: Sequence[Request], budget: int = STAGI
             held = 0
         batches[-1].append(run)
         held += nbytes
-    if not batches:
-        return
+        largest = max(largest, held)
     pinned = torch.cuda.is_available() and any(d.device.type == "cuda" for _, _, d in runs)
-    staging = _Staging(max(sum(_padded(b.numel * d.element_size()) for _, b, d in batch) for batch in batches), pinned)
+    buf = torch.empty(largest, dtype=torch.uint8, pin_memory=pinned)      # allocated once
     for batch in batches:
-        _flush(read, staging, batch)
+        _flush(read, buf, batch, pinned)
 
-def _flush(read: HostRead, staging: _Staging, batch: list[Request]) -> None:
-    """Read one batch into the staging buffer, copy it to the destinations, wait for the copies."""
-    hosts = staging.views(batch)
+
+def _flush(read: HostRead, buf: torch.Tensor, batch: list[Request], pinned: bool) -> None:
+    """Read one batch into ``buf``, copy it to the destinations, wait for the copies."""
+    hosts = _views(buf, batch)
     read([(fqn, box, host) for (fqn, box, _), host in zip(batch, hosts)])
     for (_, _, dest), host in zip(batch, hosts):
-        dest.copy_(host, non_blocking=staging.pinned)
+        dest.copy_(host, non_blocking=pinned)
     for device in {dest.device for _, _, dest in batch if dest.device.type == "cuda"}:
         torch.cuda.synchronize(device)                        # the buffer is reused next batch

@@ -166,8 +166,6 @@ def sever_connections(keep_port: int | None = None) -> int:
 
 def _uses_nccl() -> bool:
     """True when this process's default group runs NCCL for GPU tensors."""
-    import torch
-
     return dist.is_initialized() and torch.cuda.is_available() and "nccl" in str(dist.get_backend()).lower()
 
 
