@@ -42,6 +42,7 @@ one JSON object (ratios: >1 means shardsmith is faster, except ``stall_vs_dcp`` 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -67,8 +68,8 @@ from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.trainer.async_save import AsyncCheckpointer
-from shardsmith.trainer.checkpoint import (load_into, load_into_replicas, plan_local_writes, save_checkpoint,
-                                           shares_reads)
+from shardsmith.trainer.checkpoint import load_into, plan_local_writes, save_checkpoint
+from shardsmith.trainer.shared_reads import load_into_replicas, load_into_siblings, shares_reads
 from shardsmith.trainer.model import Transformer
 from shardsmith.trainer.parallel import build_mesh, parallelize
 
@@ -94,7 +95,8 @@ def parse_layout(name: str) -> ParallelDims:
 
 def build_state(cfg: ModelConfig, dims: ParallelDims, fill: bool) -> tuple[dict, dict, dict, Any]:
     """This rank's state under ``dims``: (FQN -> DTensor or tensor for DCP, FQN -> local
-    tensor for shardsmith, FQN -> global box, the ``dp_replicate`` group or None).
+    tensor for shardsmith, FQN -> global box, (the ``dp_replicate`` group, the ``tp`` group),
+    each None when of one rank).
     Collective (builds a mesh).
 
     Values depend only on (FQN, box), so replicas agree and both systems save the same bytes.
@@ -123,7 +125,8 @@ def build_state(cfg: ModelConfig, dims: ParallelDims, fill: bool) -> tuple[dict,
                 gen = torch.Generator().manual_seed(zlib.crc32(f"{fqn}{boxes[fqn]}".encode()))
                 t.uniform_(-1, 1, generator=gen)
     replicas = mesh["dp_replicate"].get_group() if dims.dp_replicate > 1 else None
-    return dcp_state, local, boxes, replicas
+    siblings = mesh["tp"].get_group() if dims.tp > 1 else None
+    return dcp_state, local, boxes, (replicas, siblings)
 
 
 def state_crcs(local: dict[str, torch.Tensor]) -> list[int]:
@@ -263,15 +266,18 @@ class Bench:
         return {"blocked": blocked, "snapshot": snapshot}
 
     def ours_load(self, name: str, target: str) -> dict[str, float]:
-        _, local, boxes, replicas = self.targets[target]
+        _, local, boxes, (replicas, siblings) = self.targets[target]
         step_store = Store(self.url(name), self.opts).child(step_dir(1))
         manifest = read_manifest(step_store)
         specs = checkpoint_specs(self.cfg, parse_layout(target))
         shapes = {f: s.shape for f, s in specs.items()}
-        if shares_reads(step_store, replicas):               # as the trainer: each replica reads 1/R
-            stats = load_into_replicas(step_store, manifest, local, boxes, shapes, replicas)
+        reader: Any = load_into                              # as the trainer: TP siblings read a union
+        if shares_reads(step_store, siblings):               # once, each replica reads 1/R
+            reader = functools.partial(load_into_siblings, group=siblings)
+        if shares_reads(step_store, replicas):
+            stats = load_into_replicas(step_store, manifest, local, boxes, shapes, replicas, reader=reader)
         else:
-            stats = load_into(step_store, manifest, local, boxes, shapes)
+            stats = reader(step_store, manifest, local, boxes, shapes)
         return {"read": stats.nbytes_read, "needed": stats.nbytes_needed}
 
     # -- DCP

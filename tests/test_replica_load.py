@@ -5,20 +5,19 @@ Real gloo processes (3 replicas). The pure assignment is tested without processe
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import socket
 
 import pytest
 import torch
 
 from ckpt_factory import write_step
+from spawn_ranks import run_ranks
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.layout.plan import lpt_assign
-from shardsmith.trainer.checkpoint import SHARED_READ_MIN_NBYTES
+from shardsmith.trainer.shared_reads import SHARED_READ_MIN_NBYTES
 
 REPLICAS = 3
 ROWS = {"a": 512, "b": 300, "c": 700, "d": 640}               # x 1024 fp32: 1.2-2.8 MiB each
@@ -50,7 +49,7 @@ def _worker(rank: int, port: int, root: str, results) -> None:
 
     from shardsmith.errors import IntegrityError
     from ckpt_factory import memory_root
-    from shardsmith.trainer.checkpoint import load_into_replicas, shares_reads
+    from shardsmith.trainer.shared_reads import load_into_replicas, shares_reads
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=REPLICAS)
     full = _state()
@@ -87,18 +86,7 @@ def test_replicas_read_once_and_fail_together(tmp_path) -> None:
     raw[broken.byte_offset + 100_000] ^= 0x08
     path.write_bytes(bytes(raw))
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path), results)) for r in range(REPLICAS)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=240) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    got = run_ranks(_worker, REPLICAS, str(tmp_path))
 
     # one node with a local checkpoint: the page cache shares; two nodes or an object store: we do
     assert all(got[r]["shares"] == [False, True, True] for r in range(REPLICAS)), got
@@ -124,7 +112,7 @@ def _trainer_worker(rank: int, port: int, data_path: str, ckpt: str, results) ->
     import torch.distributed as dist
 
     from conftest import tiny_train_config
-    from shardsmith.trainer import checkpoint as checkpoint_module
+    from shardsmith.trainer import shared_reads as shared_reads_module
     from shardsmith.trainer.config import CheckpointConfig
     from shardsmith.trainer.train import Trainer
 
@@ -138,7 +126,7 @@ def _trainer_worker(rank: int, port: int, data_path: str, ckpt: str, results) ->
     first.save()
     first.wait_for_save()
     want = {k: v.detach().clone() for k, v in first.model.state_dict().items()}
-    checkpoint_module.SHARED_READ_MIN_NBYTES = 0              # the tiny model's tensors are KiB
+    shared_reads_module.SHARED_READ_MIN_NBYTES = 0              # the tiny model's tensors are KiB
     resumed = Trainer.create(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="auto")))
     assert resumed.resume() and resumed.step == 1
     got = resumed.model.state_dict()
@@ -149,25 +137,13 @@ def _trainer_worker(rank: int, port: int, data_path: str, ckpt: str, results) ->
     if rank == 0:
         records = [json.loads(line) for line in open(os.path.join(ckpt, "metrics.jsonl"))]
         event = next(r for r in records if r.get("event") == "resume")
-    results.put((rank, same, event))
+    results.put((rank, (same, event)))
     dist.destroy_process_group()
 
 
 @pytest.mark.distributed
 def test_trainer_resume_reads_once_per_replica_group(tmp_path, data_path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_trainer_worker, args=(r, port, data_path, str(tmp_path / "ckpt"), results))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    got = {r: (same, event) for r, same, event in (results.get(timeout=300) for _ in procs)}
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    got = run_ranks(_trainer_worker, 2, data_path, str(tmp_path / "ckpt"), timeout=300)
     assert got[0][0] and got[1][0]
     event = got[0][1]
     assert event["layout"]["dp_replicate"] == 2 and not event["resharded"]

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from shardsmith.errors import CheckpointError, IntegrityError, SaveError
+from shardsmith.errors import CheckpointError, SaveError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.plan import checkpoint_specs, lpt_assign, rank_boxes, shard_file_name, write_assignment
+from shardsmith.layout.plan import checkpoint_specs, rank_boxes, shard_file_name, write_assignment
 from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, step_dir
@@ -34,7 +34,7 @@ from shardsmith.storage.reading.execute import ReadStats
 from shardsmith.storage.formats import read_boxes
 from shardsmith.storage.formats import tensor_format as get_tensor_format
 from shardsmith.storage.tensor_files import DTYPE_NAMES
-from shardsmith.trainer.comm import any_rank, broadcast_into, broadcast_text, gather_json, gather_json_to_root
+from shardsmith.trainer.comm import broadcast_text, gather_json_to_root
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,23 @@ def load_into(step_store: Store, manifest: Manifest, tensors: dict[str, torch.Te
         IntegrityError: bytes read do not match their checksums.
     """
     stats = ReadStats()
-    requests: list[tuple[str, Box, torch.Tensor | None]] = []
+    with torch.no_grad():
+        read_boxes(step_store, manifest, load_requests(step_store, manifest, tensors, boxes, shapes, strict=strict),
+                   stats=stats)                               # coalesced, concurrent reads
+    return stats
+
+
+def load_requests(step_store: Store, manifest: Manifest, tensors: dict[str, torch.Tensor],
+                  boxes: dict[str, Box], shapes: dict[str, tuple[int, ...]], *,
+                  strict: bool = True) -> list[tuple[str, Box, torch.Tensor]]:
+    """The ``(fqn, box, destination)`` reads that fill ``tensors`` (arguments as :func:`load_into`;
+    destinations are the unpadded views), after checking each tensor against the checkpoint.
+    Empty boxes and (``strict`` false) tensors the checkpoint lacks are left out.
+
+    Raises:
+        CheckpointError: a tensor is missing (``strict``), or its global shape or dtype differs.
+    """
+    requests: list[tuple[str, Box, torch.Tensor]] = []
     for fqn, box in boxes.items():
         rec = manifest.tensors.get(fqn)
         if rec is None:
@@ -261,79 +277,6 @@ def load_into(step_store: Store, manifest: Manifest, tensors: dict[str, torch.Te
         if DTYPE_NAMES.get(dest.dtype) != rec.dtype:
             raise CheckpointError(f"{step_store.url}: {fqn} is {rec.dtype} in the checkpoint but "
                                   f"{dest.dtype} in the job")
-        if box.numel == 0:
-            continue
-        requests.append((fqn, box, dest))
-    with torch.no_grad():
-        read_boxes(step_store, manifest, requests, stats=stats)   # coalesced, concurrent reads
-    return stats
-
-
-#: Tensors smaller than this (bytes) are read by every replica itself: one broadcast of them
-#: costs about what the read does (step counters, norms, biases).
-SHARED_READ_MIN_NBYTES = 1 << 20
-
-
-def shares_reads(step_store: Store, group: dist.ProcessGroup | None, simulate_nodes: int = 0) -> bool:
-    """Whether a load should read once per replica group (:func:`load_into_replicas`): yes for
-    a group of more than one rank, unless the checkpoint is on a local filesystem and every
-    member runs on this node (then the page cache already serves repeated reads from memory,
-    and a broadcast would only add copies). Nodes as the local tier counts them
-    (:func:`~shardsmith.trainer.local_tier.ranks_per_node`: ``LOCAL_WORLD_SIZE`` consecutive
-    ranks, or ``simulate_nodes``). Every member of ``group`` calls it: for a local checkpoint
-    one MAX all-reduce makes them agree even if their environments differ."""
-    if group is None or dist.get_world_size(group) < 2:
-        return False
-    if not step_store.is_local:
-        return True
-    from shardsmith.trainer.local_tier import ranks_per_node   # (local_tier imports this module)
-
-    per_node = ranks_per_node(dist.get_world_size(), simulate_nodes)
-    return any_rank(len({r // per_node for r in dist.get_process_group_ranks(group)}) > 1, group)
-
-
-def load_into_replicas(step_store: Store, manifest: Manifest, tensors: dict[str, torch.Tensor],
-                       boxes: dict[str, Box], shapes: dict[str, tuple[int, ...]], group: dist.ProcessGroup, *,
-                       strict: bool = True) -> ReadStats:
-    """:func:`load_into` for a group of replicas (ranks holding the same boxes, e.g. the
-    ``dp_replicate`` group of HSDP): each member reads and verifies about 1/R of the bytes
-    (:func:`~shardsmith.layout.plan.lpt_assign` by bytes), then each tensor is broadcast from
-    its reader. Storage reads drop R-fold (HSDP with 8 replicas on a 5 TB checkpoint: 5 TB read instead of 40 TB); the
-    rest travels over the process group (NCCL for GPU tensors). Tensors under
-    :data:`SHARED_READ_MIN_NBYTES` are read by every member.
-
-    Every member of ``group`` calls it with the same ``boxes`` (the caller checks).
-
-    Returns:
-        This rank's :class:`ReadStats`: ``nbytes_read`` of its share, ``nbytes_needed`` of
-        all its boxes.
-
-    Raises:
-        CheckpointError, IntegrityError: as :func:`load_into`, on every member when any
-        member's share failed (the member raises its own error; its peers an
-        ``IntegrityError`` for an integrity failure, else a ``CheckpointError``, naming the
-        member and repeating its message), so no rank waits in a broadcast for a reader
-        that gave up.
-    """
-    nbytes = {f: b.numel * tensors[f].element_size() for f, b in boxes.items() if f in manifest.tensors}
-    readers = lpt_assign({f: n for f, n in nbytes.items() if n >= SHARED_READ_MIN_NBYTES}, dist.get_world_size(group))
-    me = dist.get_rank(group)
-    mine = {f: b for f, b in boxes.items() if readers.get(f, me) == me}
-    error: Exception | None = None
-    stats = ReadStats()
-    try:
-        stats = load_into(step_store, manifest, tensors, mine, shapes, strict=strict)
-    except Exception as exc:                                  # shared below, then raised here
-        error = exc
-    failures = gather_json(None if error is None else [type(error).__name__, str(error)], group)
-    if error is not None:
-        raise error
-    for member, failure in enumerate(failures):
-        if failure is not None:
-            kind = IntegrityError if failure[0] == "IntegrityError" else CheckpointError
-            raise kind(f"replica {member} of this rank's dp_replicate group (global rank "
-                       f"{dist.get_global_rank(group, member)}) failed to read its share: {failure[1]}")
-    for fqn in sorted(readers):
-        broadcast_into(unpadded(tensors[fqn], boxes[fqn]), dist.get_global_rank(group, readers[fqn]), group)
-    stats.nbytes_needed = sum(nbytes.values())
-    return stats
+        if box.numel:
+            requests.append((fqn, box, dest))
+    return requests

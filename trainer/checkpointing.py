@@ -9,6 +9,7 @@ it, in the same order.
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import time
@@ -27,8 +28,9 @@ from shardsmith.storage.lineage import check_new_run_root, remove_runs_except
 from shardsmith.storage.manifest import MANIFEST_NAME
 from shardsmith.storage.manifest_read import ManifestReader
 from shardsmith.trainer.async_save import AsyncCheckpointer
-from shardsmith.trainer.checkpoint import (SaveResult, init_optimizer_state, load_into, load_into_replicas,
-                                           model_state_tensors, save_checkpoint, shares_reads)
+from shardsmith.trainer.checkpoint import (SaveResult, init_optimizer_state, load_into, model_state_tensors,
+                                           save_checkpoint)
+from shardsmith.trainer.shared_reads import Reader, load_into_replicas, load_into_siblings, shares_reads
 from shardsmith.trainer.comm import any_rank, broadcast_text, gather_json
 from shardsmith.trainer.data import GlobalBatchSampler
 from shardsmith.trainer.fault.bad_steps import BadStepPolicy
@@ -125,7 +127,10 @@ class CheckpointPolicy:
         rank, coords: this rank and its mesh coordinates.
         replica_group: the ``dp_replicate`` process group (HSDP replicas) or None: loads from
             the persistent tier read each tensor once per group and broadcast it
-            (:func:`~shardsmith.trainer.checkpoint.load_into_replicas`).
+            (:func:`~shardsmith.trainer.shared_reads.load_into_replicas`).
+        sibling_group: the ``tp`` process group or None: there, tensors whose saved chunks
+            several members would read (a load that raises TP) are read once per group
+            (:func:`~shardsmith.trainer.shared_reads.load_into_siblings`).
         restarts: torchrun's restart count (see :func:`choose_resume`).
         event: where records go (rank 0 writes them).
 
@@ -135,9 +140,9 @@ class CheckpointPolicy:
     """
 
     def __init__(self, cfg: TrainConfig, state: TrainState, *, rank: int, coords: dict[str, int],
-                 restarts: int, event: EventFn, replica_group: Any = None) -> None:
+                 restarts: int, event: EventFn, replica_group: Any = None, sibling_group: Any = None) -> None:
         self.cfg, self.state, self.rank, self.coords = cfg, state, rank, coords
-        self.replica_group = replica_group
+        self.replica_group, self.sibling_group = replica_group, sibling_group
         self.restarts, self.event = restarts, event
         ckpt = cfg.checkpoint
         self.root = Store(ckpt.url, ckpt.storage_options) if ckpt.url else None
@@ -288,21 +293,25 @@ class CheckpointPolicy:
               with_optimizer: bool, shared: bool = True) -> tuple[list[Any], int]:
         """Fill ``tensors`` from the checkpoint by box intersection, reading only the manifest
         records of this rank's tensors (``shared``: once per replica group, see
-        ``replica_group``); every rank's ``[nbytes_read, nbytes_needed]`` (all-gathered), and
-        how many replicas split the reads (1: none)."""
+        ``replica_group``, and per TP group where that saves reads, see ``sibling_group``);
+        every rank's ``[nbytes_read, nbytes_needed]`` (all-gathered), and how many replicas
+        split the reads (1: none)."""
         cfg = self.cfg
         specs = checkpoint_specs(cfg.model, cfg.parallel, with_optimizer=with_optimizer)
         boxes = rank_boxes(specs, cfg.parallel, self.rank)
         manifest = reader.manifest(boxes)                     # the records of this rank's tensors only
         shapes = {f: s.shape for f, s in specs.items()}
-        group = self.replica_group if shared else None
+        group, siblings = (self.replica_group, self.sibling_group) if shared else (None, None)
+        read_share: Reader = load_into
+        if shares_reads(step_store, siblings, cfg.checkpoint.simulate_nodes):
+            read_share = functools.partial(load_into_siblings, group=siblings)
         sharing = 1
         if shares_reads(step_store, group, cfg.checkpoint.simulate_nodes) and all(
                 rank_boxes(specs, cfg.parallel, r) == boxes for r in dist.get_process_group_ranks(group)):
-            stats = load_into_replicas(step_store, manifest, tensors, boxes, shapes, group)
+            stats = load_into_replicas(step_store, manifest, tensors, boxes, shapes, group, reader=read_share)
             sharing = dist.get_world_size(group)
         else:
-            stats = load_into(step_store, manifest, tensors, boxes, shapes)
+            stats = read_share(step_store, manifest, tensors, boxes, shapes)
         return gather_json([stats.nbytes_read, stats.nbytes_needed]), sharing
 
     def _init_from(self, url: str) -> None:

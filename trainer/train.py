@@ -109,8 +109,9 @@ class Trainer:
         grad_sum_groups = build_grad_sum_groups(cfg.model, parallel)
         restarts = elastic_restart_count()
         replicas = mesh["dp_replicate"].get_group() if parallel.dp_replicate > 1 else None
+        siblings = mesh["tp"].get_group() if parallel.tp > 1 else None
         checkpointing = CheckpointPolicy(cfg, state, rank=rank, coords=coords, restarts=restarts, event=events,
-                                         replica_group=replicas)
+                                         replica_group=replicas, sibling_group=siblings)
         return cls(cfg=cfg, rank=rank, coords=coords, state=state, step_math=step_math,
                    checkpointing=checkpointing, events=events, grad_sum_groups=grad_sum_groups,
                    hooks=FaultHooks(rank), flops_token=flops_per_token(cfg.model), restarts=restarts,

@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from shardsmith.layout.box import Box, row_major_span, row_major_strides
-from shardsmith.storage.manifest import ShardRecord
-from shardsmith.storage.reading.spans import chunk_span
+from shardsmith.layout.dtypes import DTYPE_NBYTES
+from shardsmith.storage.manifest import ShardRecord, TensorRecord
+from shardsmith.storage.reading.spans import chunk_span, intersections
 from shardsmith.storage.tensor_files import byte_view
 
 #: Ranges of one file that touch are merged into one request up to this many bytes.
@@ -160,3 +161,22 @@ def coalesce(parts: list[ReadPart]) -> list[list[ReadPart]]:
         else:
             reads.append([p])
     return reads
+
+
+def planned_read_nbytes(rec: TensorRecord, box: Box, chunk: int) -> int:
+    """Bytes a read of ``box`` of the tensor ``rec`` fetches from storage: the saved shards'
+    checksum chunks it touches, as :func:`plan_piece` widens them (no I/O; safetensors
+    checkpoints). Lets ranks compare reading boxes apart with reading their union once
+    (:func:`shardsmith.trainer.shared_reads.load_into_siblings`)."""
+    itemsize = DTYPE_NBYTES[rec.dtype]
+    total = 0
+    for shard, saved, common in intersections(rec, box):
+        first, last = row_major_span(saved, common)
+        a, b = first * itemsize, last * itemsize
+        if last - first == common.numel:
+            lo, hi = chunk_span(a, b, chunk, shard.nbytes)
+            total += hi - lo
+        else:
+            total += sum(min(c1 * chunk, shard.nbytes) - c0 * chunk
+                         for c0, c1 in _chunk_groups(saved, common, itemsize, chunk, a, b))
+    return total
