@@ -17,7 +17,7 @@ from shardsmith.layout.box import Box
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.reading.plan import planned_read_nbytes
-from shardsmith.trainer.shared_reads import _row_blocks, sibling_unions
+from shardsmith.trainer.shared_reads import _row_blocks, _union_batches, sibling_unions
 
 CHUNK = 1 << 16
 SIBLINGS = 2
@@ -75,6 +75,15 @@ def test_row_blocks_cover_the_box_in_whole_rows() -> None:
     assert _row_blocks(Box((0, 0), (3, 1024)), 4, 16) == [Box((r, 0), (1, 1024)) for r in range(3)]
 
 
+def test_union_batches_split_each_batch_evenly_among_members() -> None:
+    unions = {"a": Box((0, 0), (256, 1024)), "b": Box((0, 0), (64, 1024))}      # 1 MiB, 256 KiB of fp32
+    batches = _union_batches(unions, {"a": 4, "b": 4}, 2, 256 << 10)
+    assert [[(f, b.offsets[0], m) for f, b, m in batch] for batch in batches] == [
+        [("a", 0, 0), ("a", 64, 1)], [("a", 128, 0), ("a", 192, 1)], [("b", 0, 0)]]
+    whole = _union_batches(unions, {"a": 4, "b": 4}, 4, 1 << 30)              # one batch, LPT by bytes
+    assert [(f, m) for f, _, m in whole[0]] == [("a", 0), ("b", 1)]
+
+
 def _worker(rank: int, port: int, root: str, results) -> None:
     import torch.distributed as dist
 
@@ -127,7 +136,7 @@ def test_siblings_read_shared_chunks_once_and_fail_together(tmp_path) -> None:
     w, r = 1 << 20, 1 << 20
     assert sum(x["read"] for x in apart) >= 2 * w + r
     assert w + r <= sum(x["read"] for x in shared) <= w + r + 4 * CHUNK
-    assert max(x["read"] for x in shared) >= w                # one member read the union
+    assert max(x["read"] for x in shared) <= (w + r) / 2 + 2 * CHUNK   # the blocks split evenly
 
     errors = [got[r][(2, "siblings")]["error"] for r in range(2)]
     assert all(e.startswith("IntegrityError") and broken.file in e for e in errors), errors

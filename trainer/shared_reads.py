@@ -163,16 +163,39 @@ def _row_blocks(box: Box, itemsize: int, max_nbytes: int) -> list[Box]:
             for r in range(0, box.lengths[0], step)]
 
 
+def _union_batches(unions: dict[str, Box], itemsize: dict[str, int], members: int,
+                   block_nbytes: int) -> list[list[tuple[str, Box, int]]]:
+    """The unions' row blocks (:func:`_row_blocks`) in batches of consecutive blocks of at most
+    ``members * block_nbytes`` (or one block), each block with the member that reads it:
+    balanced by bytes within the batch (:func:`~shardsmith.layout.plan.lpt_assign`), so every
+    member reads about ``block_nbytes`` of each batch at the same time. Pure, deterministic."""
+    blocks = [(f, b, b.numel * itemsize[f]) for f in sorted(unions) for b in _row_blocks(unions[f], itemsize[f], block_nbytes)]
+    batches: list[list[tuple[str, Box, int]]] = [[]]
+    total = 0
+    for f, b, n in blocks:
+        if batches[-1] and total + n > members * block_nbytes:
+            batches.append([])
+            total = 0
+        batches[-1].append((f, b, n))
+        total += n
+    out = []
+    for batch in filter(None, batches):
+        readers = lpt_assign({f"{i:08d}": n for i, (_, _, n) in enumerate(batch)}, members)
+        out.append([(f, b, readers[f"{i:08d}"]) for i, (f, b, _) in enumerate(batch)])
+    return out
+
+
 def load_into_siblings(step_store: Store, manifest: Manifest, tensors: dict[str, torch.Tensor],
                        boxes: dict[str, Box], shapes: dict[str, tuple[int, ...]], *, group: dist.ProcessGroup,
                        strict: bool = True, block_nbytes: int = SIBLING_BLOCK_NBYTES) -> ReadStats:
     """:func:`~shardsmith.trainer.checkpoint.load_into` for a group of siblings (ranks holding
     disjoint boxes of the same tensors: the ``tp`` group). The members exchange their boxes
     (one all-gather of JSON); for the tensors :func:`sibling_unions` selects, one member
-    (:func:`~shardsmith.layout.plan.lpt_assign` by bytes) reads and verifies the union of the
-    boxes in blocks of at most ``block_nbytes`` whole rows and broadcasts each block over
-    ``group`` (NCCL for GPU tensors), and every member copies its part out; every other tensor
-    each member reads itself. Memory beyond the job's tensors: one block per member.
+    reads and verifies each block of at most ``block_nbytes`` whole rows of the union of the
+    boxes, the members reading their blocks of a batch at once (:func:`_union_batches`), then
+    broadcasts it over ``group`` (NCCL for GPU tensors), and every member copies its part out;
+    every other tensor each member reads itself. Memory beyond the job's tensors: about
+    ``block_nbytes`` of blocks read plus the block being received, per member.
 
     Every member of ``group`` calls it (the boxes may differ; a tensor some member lacks is
     read apart).
@@ -192,31 +215,39 @@ def load_into_siblings(step_store: Store, manifest: Manifest, tensors: dict[str,
         error = exc
     _raise_together(error, group, "sibling")
     gathered = gather_json({f: b.to_json() for f, b, _ in requests}, group)
-    unions = sibling_unions(manifest, [{f: Box(tuple(b["offsets"]), tuple(b["lengths"])) for f, b in m.items()} for m in gathered])
-    owners = lpt_assign({f: u.numel * DTYPE_NBYTES[manifest.tensors[f].dtype] for f, u in unions.items()},
-                        dist.get_world_size(group))
-    me, stats = dist.get_rank(group), ReadStats()
+    unions = sibling_unions(manifest, [{f: Box(tuple(b["offsets"]), tuple(b["lengths"])) for f, b in m.items()}
+                                       for m in gathered])
+    stats, dests = ReadStats(), {f: (b, d) for f, b, d in requests}
+    own = [r for r in requests if r[0] not in unions]         # read with the first batch (coalesced with it)
+    itemsize = {f: dests[f][1].element_size() for f in unions}
+    for batch in _union_batches(unions, itemsize, dist.get_world_size(group), block_nbytes) or [[]]:
+        _share_batch(step_store, manifest, batch, dests, group, stats, own)
+        own = []
+    stats.nbytes_needed = sum(b.numel * d.element_size() for _, b, d in requests)   # (a union read counted it whole)
+    return stats
+
+
+def _share_batch(step_store: Store, manifest: Manifest, batch: list[tuple[str, Box, int]],
+                 dests: dict[str, tuple[Box, torch.Tensor]], group: dist.ProcessGroup, stats: ReadStats,
+                 own: list[tuple[str, Box, torch.Tensor]]) -> None:
+    """One batch of :func:`load_into_siblings`: this member reads its blocks and ``own``
+    requests (one concurrent :func:`read_boxes`, so touching ranges merge), the members agree
+    nobody failed, then every block is broadcast from its reader and each member copies its
+    part of it into its destination."""
+    me, error = dist.get_rank(group), None
+    mine = [(f, block, torch.empty(block.lengths, dtype=dests[f][1].dtype, device=dests[f][1].device))
+            for f, block, reader in batch if reader == me]
     try:
         with torch.no_grad():
-            read_boxes(step_store, manifest, [r for r in requests if r[0] not in unions], stats=stats)
+            read_boxes(step_store, manifest, own + mine, stats=stats)
     except Exception as exc:
         error = exc
     _raise_together(error, group, "sibling")
-    dests = {f: (b, d) for f, b, d in requests}
-    for fqn in sorted(unions):
+    held = iter(buf for _, _, buf in mine)
+    for fqn, block, reader in batch:
         box, dest = dests[fqn]
-        for block in _row_blocks(unions[fqn], dest.element_size(), block_nbytes):
-            buf = torch.empty(block.lengths, dtype=dest.dtype, device=dest.device)
-            if owners[fqn] == me:
-                try:
-                    with torch.no_grad():
-                        read_boxes(step_store, manifest, [(fqn, block, buf)], stats=stats)
-                except Exception as exc:
-                    error = exc
-            _raise_together(error, group, "sibling")
-            broadcast_into(buf, dist.get_global_rank(group, owners[fqn]), group)
-            part = block.intersect(box)
-            if part is not None and part.numel:
-                dest.detach()[part.relative_to(box)].copy_(buf[part.relative_to(block)])
-    stats.nbytes_needed = sum(b.numel * d.element_size() for _, b, d in requests)   # (a union read counted it whole)
-    return stats
+        buf = next(held) if reader == me else torch.empty(block.lengths, dtype=dest.dtype, device=dest.device)
+        broadcast_into(buf, dist.get_global_rank(group, reader), group)
+        part = block.intersect(box)
+        if part is not None and part.numel:
+            dest.detach()[part.relative_to(box)].copy_(buf[part.relative_to(block)])
