@@ -193,7 +193,7 @@ def test_trainer_resume_into_more_tp_reads_shared_chunks_once(tmp_path, data_pat
         same, names, _ = got[r]
         assert same == names, set(names) - set(same)          # every weight as saved, resharded dp2 -> tp2
     event = got[0][2]
-    assert event["layout"]["tp"] == 2 and event["resharded"]
+    assert event["layout"]["tp"] == 2 and event["resharded"] and event["tp_siblings_share_reads"]
     # apart the members read 1.23x the bytes they need here (793,656 of 646,200: the halves of a
     # row-parallel weight touch the same chunks); shared, each saved chunk is read once
     assert event["nbytes_needed"] <= event["nbytes_read"] <= event["nbytes_needed"] * 1.05, event

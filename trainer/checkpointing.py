@@ -290,12 +290,13 @@ class CheckpointPolicy:
         any_rank(bool(deleted))
 
     def _read(self, step_store: Store, reader: ManifestReader | StaticManifest, tensors: dict[str, torch.Tensor],
-              with_optimizer: bool, shared: bool = True) -> tuple[list[Any], int]:
+              with_optimizer: bool, shared: bool = True) -> tuple[list[Any], dict[str, Any]]:
         """Fill ``tensors`` from the checkpoint by box intersection, reading only the manifest
         records of this rank's tensors (``shared``: once per replica group, see
         ``replica_group``, and per TP group where that saves reads, see ``sibling_group``);
-        every rank's ``[nbytes_read, nbytes_needed]`` (all-gathered), and how many replicas
-        split the reads (1: none)."""
+        every rank's ``[nbytes_read, nbytes_needed]`` (all-gathered), and the resume event's
+        ``replicas_sharing_reads`` (how many replicas split the reads; 1: none) and
+        ``tp_siblings_share_reads``."""
         cfg = self.cfg
         specs = checkpoint_specs(cfg.model, cfg.parallel, with_optimizer=with_optimizer)
         boxes = rank_boxes(specs, cfg.parallel, self.rank)
@@ -305,11 +306,11 @@ class CheckpointPolicy:
         read_share: Reader = load_into
         if shares_reads(step_store, siblings, cfg.checkpoint.simulate_nodes):
             read_share = functools.partial(load_into_siblings, group=siblings)
-        sharing = 1
+        sharing = {"replicas_sharing_reads": 1, "tp_siblings_share_reads": read_share is not load_into}
         if shares_reads(step_store, group, cfg.checkpoint.simulate_nodes) and all(
                 rank_boxes(specs, cfg.parallel, r) == boxes for r in dist.get_process_group_ranks(group)):
             stats = load_into_replicas(step_store, manifest, tensors, boxes, shapes, group, reader=read_share)
-            sharing = dist.get_world_size(group)
+            sharing["replicas_sharing_reads"] = dist.get_world_size(group)
         else:
             stats = read_share(step_store, manifest, tensors, boxes, shapes)
         return gather_json([stats.nbytes_read, stats.nbytes_needed]), sharing
@@ -353,7 +354,7 @@ class CheckpointPolicy:
                     "restart_count": self.restarts, "rng": rng,
                     "seconds": round(time.perf_counter() - t0, 4),
                     "nbytes_read": sum(r[0] for r in read), "nbytes_needed": sum(r[1] for r in read),
-                    "replicas_sharing_reads": sharing})
+                    **sharing})
         if reset:
             record = {"event": "reset_optimizer", "step": step, "from": step_store.url}
             self.run.events.append(record)

@@ -11,8 +11,8 @@ SIGKILL never leaves half a line):
   tokens per expert, one per MoE layer), "moe_aux_loss"?}``;
 * events, with an ``"event"`` key: ``start`` (``restart_count``, ``world_size``, ``layout``),
   ``resume`` (``step``, ``saved_layout``, ``layout``, ``resharded``, ``reason``, ``seconds``,
-  ``nbytes_read``, ``replicas_sharing_reads``, ``rng``), ``save`` (``step``, ``nbytes``, ``seconds``,
-  ``blocked_seconds``),
+  ``nbytes_read``, ``replicas_sharing_reads``, ``tp_siblings_share_reads``, ``rng``),
+  ``save`` (``step``, ``nbytes``, ``seconds``, ``blocked_seconds``),
   ``bad_step``, ``rollback`` (``from_step``, ``to_step``, ``skip_samples``), ``data_skip``,
   ``preempt``, ``hang_suspected``.
 """
