@@ -296,7 +296,8 @@ class CheckpointPolicy:
         ``replica_group``, and per TP group where that saves reads, see ``sibling_group``);
         every rank's ``[nbytes_read, nbytes_needed]`` (all-gathered), and the resume event's
         ``replicas_sharing_reads`` (how many replicas split the reads; 1: none) and
-        ``tp_siblings_share_reads``."""
+        ``tp_siblings_share_reads`` (the TP group read through ``load_into_siblings``, which
+        shares the tensors where that saves bytes)."""
         cfg = self.cfg
         specs = checkpoint_specs(cfg.model, cfg.parallel, with_optimizer=with_optimizer)
         boxes = rank_boxes(specs, cfg.parallel, self.rank)

@@ -194,8 +194,10 @@ def load_into_siblings(step_store: Store, manifest: Manifest, tensors: dict[str,
     reads and verifies each block of at most ``block_nbytes`` whole rows of the union of the
     boxes, the members reading their blocks of a batch at once (:func:`_union_batches`), then
     broadcasts it over ``group`` (NCCL for GPU tensors), and every member copies its part out;
-    every other tensor each member reads itself. Memory beyond the job's tensors: about
-    ``block_nbytes`` of blocks read plus the block being received, per member.
+    every other tensor each member reads itself. Memory beyond the job's tensors, per member:
+    the blocks it reads in a batch (LPT: at most about ``2 * block_nbytes``) plus one
+    receive buffer of at most ``block_nbytes`` (plus what ``read_boxes`` itself holds: scratch
+    for strided reads, the host staging buffer for GPU destinations).
 
     Every member of ``group`` calls it (the boxes may differ; a tensor some member lacks is
     read apart).
@@ -230,23 +232,36 @@ def load_into_siblings(step_store: Store, manifest: Manifest, tensors: dict[str,
 def _share_batch(step_store: Store, manifest: Manifest, batch: list[tuple[str, Box, int]],
                  dests: dict[str, tuple[Box, torch.Tensor]], group: dist.ProcessGroup, stats: ReadStats,
                  own: list[tuple[str, Box, torch.Tensor]]) -> None:
-    """One batch of :func:`load_into_siblings`: this member reads its blocks and ``own``
-    requests (one concurrent :func:`read_boxes`, so touching ranges merge), the members agree
-    nobody failed, then every block is broadcast from its reader and each member copies its
-    part of it into its destination."""
+    """One batch of :func:`load_into_siblings`: this member allocates its blocks and one
+    receive buffer per device (as large as the largest block another member reads), reads its
+    blocks and ``own`` requests (one concurrent :func:`read_boxes`, so touching ranges merge),
+    the members agree nobody failed (an allocation included), then every block is broadcast
+    from its reader and each member copies its part of it into its destination; a block read
+    here is dropped once sent."""
     me, error = dist.get_rank(group), None
-    mine = [(f, block, torch.empty(block.lengths, dtype=dests[f][1].dtype, device=dests[f][1].device))
-            for f, block, reader in batch if reader == me]
+    reads: list[tuple[str, Box, torch.Tensor]] = []
+    receive: dict[torch.device, torch.Tensor] = {}
     try:
+        for f, block, reader in batch:
+            dest = dests[f][1]
+            if reader == me:
+                reads.append((f, block, torch.empty(block.lengths, dtype=dest.dtype, device=dest.device)))
+            elif receive.get(dest.device, torch.empty(0)).numel() < block.numel * dest.element_size():
+                receive[dest.device] = torch.empty(block.numel * dest.element_size(), dtype=torch.uint8,
+                                                   device=dest.device)
         with torch.no_grad():
-            read_boxes(step_store, manifest, own + mine, stats=stats)
-    except Exception as exc:
+            read_boxes(step_store, manifest, own + reads, stats=stats)
+    except Exception as exc:                                  # torch.OutOfMemoryError included
         error = exc
     _raise_together(error, group, "sibling")
-    held = iter(buf for _, _, buf in mine)
+    mine = [t for _, _, t in reversed(reads)]
+    del reads
     for fqn, block, reader in batch:
         box, dest = dests[fqn]
-        buf = next(held) if reader == me else torch.empty(block.lengths, dtype=dest.dtype, device=dest.device)
+        if reader == me:
+            buf = mine.pop()                                  # dropped after this iteration
+        else:
+            buf = receive[dest.device][:block.numel * dest.element_size()].view(dest.dtype).view(block.lengths)
         broadcast_into(buf, dist.get_global_rank(group, reader), group)
         part = block.intersect(box)
         if part is not None and part.numel:
