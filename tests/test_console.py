@@ -72,6 +72,8 @@ def test_events_are_human_lines_on_the_console_and_json_in_the_file(tmp_path: Pa
             "replicas_sharing_reads": 2}
     assert event_line(hsdp) == ("resumed step 40 from runs/a/step-000000040 (layout dpr2·dps2; 3.0 MiB, "
                                 "tensors of 1 MiB or more read by 1 of 2 replicas in 1.5 s)")
+    tp = {**resume, "layout": {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 4}, "tp_siblings_share_reads": True}
+    assert event_line(tp).endswith("(layout pp2·tp2 → tp4; 3.0 MiB, chunks the TP group shares read once in 1.5 s)")
     assert layout_name({"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1}) == "1 rank"
 
 
