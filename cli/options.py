@@ -275,7 +275,7 @@ local_tier_options = stack(
                   help="1: also copy each rank's local state to the rank one node over (over the process "
                        "group), so losing a whole node loses no local step."),
     _local_option("simulate_nodes", "--simulate-nodes", type=int,
-                  help="Treat the ranks as this many nodes (testing replication, and replicas "
-                       "sharing the reads of a local checkpoint, on one machine); "
+                  help="Treat the ranks as this many nodes (testing replication, and HSDP replicas "
+                       "or TP groups sharing the reads of a local checkpoint, on one machine); "
                        "0 = torchrun's nodes (LOCAL_WORLD_SIZE ranks each)."),
 )

@@ -64,16 +64,17 @@ def test_events_are_human_lines_on_the_console_and_json_in_the_file(tmp_path: Pa
         events(save)
         events({"event": "start", "restart_count": 0})
     assert caplog.messages == [
-        "resumed step 40 from runs/a/step-000000040 (layout pp2·tp2 → dps2; 3.0 MiB in 1.5 s)",
+        "resumed step 40 from runs/a/step-000000040 (layout pp2·tp2 → dps2; 3.0 MiB read by all ranks in 1.5 s)",
         "saved step 40 → runs/b/step-000000040 (600.0 MiB, 0.3 s blocked)"]
     assert [r["event"] for r in iter_json_lines(str(tmp_path / "metrics.jsonl"))] == ["resume", "save", "start"]
     assert event_line({"event": "new_kind", "a": 1}) == "new_kind: a 1"
     hsdp = {**resume, "resharded": False, "layout": {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 1},
             "replicas_sharing_reads": 2}
-    assert event_line(hsdp) == ("resumed step 40 from runs/a/step-000000040 (layout dpr2·dps2; 3.0 MiB, "
-                                "tensors of 1 MiB or more read by 1 of 2 replicas in 1.5 s)")
+    assert event_line(hsdp) == ("resumed step 40 from runs/a/step-000000040 (layout dpr2·dps2; 3.0 MiB read by all "
+                                "ranks, tensors of 1 MiB or more read by 1 of 2 replicas in 1.5 s)")
     tp = {**resume, "layout": {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 4}, "tp_siblings_share_reads": True}
-    assert event_line(tp).endswith("(layout pp2·tp2 → tp4; 3.0 MiB, chunks the TP group shares read once in 1.5 s)")
+    assert event_line(tp).endswith("(layout pp2·tp2 → tp4; 3.0 MiB read by all ranks, "
+                                   "chunks the TP group shares read once in 1.5 s)")
     assert layout_name({"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1}) == "1 rank"
 
 

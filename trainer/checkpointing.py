@@ -296,8 +296,8 @@ class CheckpointPolicy:
         ``replica_group``, and per TP group where that saves reads, see ``sibling_group``);
         every rank's ``[nbytes_read, nbytes_needed]`` (all-gathered), and the resume event's
         ``replicas_sharing_reads`` (how many replicas split the reads; 1: none) and
-        ``tp_siblings_share_reads`` (the TP group read through ``load_into_siblings``, which
-        shares the tensors where that saves bytes)."""
+        ``tp_siblings_share_reads`` (some TP group read a tensor's union once, see
+        ``sibling_group``)."""
         cfg = self.cfg
         specs = checkpoint_specs(cfg.model, cfg.parallel, with_optimizer=with_optimizer)
         boxes = rank_boxes(specs, cfg.parallel, self.rank)
@@ -307,14 +307,15 @@ class CheckpointPolicy:
         read_share: Reader = load_into
         if shares_reads(step_store, siblings, cfg.checkpoint.simulate_nodes):
             read_share = functools.partial(load_into_siblings, group=siblings)
-        sharing = {"replicas_sharing_reads": 1, "tp_siblings_share_reads": read_share is not load_into}
+        sharing = {"replicas_sharing_reads": 1}
         if shares_reads(step_store, group, cfg.checkpoint.simulate_nodes) and all(
                 rank_boxes(specs, cfg.parallel, r) == boxes for r in dist.get_process_group_ranks(group)):
             stats = load_into_replicas(step_store, manifest, tensors, boxes, shapes, group, reader=read_share)
             sharing["replicas_sharing_reads"] = dist.get_world_size(group)
         else:
             stats = read_share(step_store, manifest, tensors, boxes, shapes)
-        return gather_json([stats.nbytes_read, stats.nbytes_needed]), sharing
+        read = gather_json([stats.nbytes_read, stats.nbytes_needed, stats.tensors_shared])
+        return read, {**sharing, "tp_siblings_share_reads": any(r[2] for r in read)}
 
     def _init_from(self, url: str) -> None:
         """Load only the model weights of checkpoint ``url`` (any layout; optimizer state,

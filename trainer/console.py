@@ -141,7 +141,7 @@ def _resume(r: dict[str, Any]) -> str:
     once = f", tensors of 1 MiB or more read by 1 of {shared} replicas" if shared > 1 else ""
     once += ", chunks the TP group shares read once" if r.get("tp_siblings_share_reads") else ""
     return (f"resumed step {r['step']} from {short_url(r.get('from', '?'))} ({layout}; "
-            f"{format_nbytes(r.get('nbytes_read', 0))}{once} in {r.get('seconds', 0):.1f} s)")
+            f"{format_nbytes(r.get('nbytes_read', 0))} read by all ranks{once} in {r.get('seconds', 0):.1f} s)")
 
 
 def _save(r: dict[str, Any]) -> str:

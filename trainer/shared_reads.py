@@ -226,6 +226,7 @@ def load_into_siblings(step_store: Store, manifest: Manifest, tensors: dict[str,
         _share_batch(step_store, manifest, batch, dests, group, stats, own)
         own = []
     stats.nbytes_needed = sum(b.numel * d.element_size() for _, b, d in requests)   # (a union read counted it whole)
+    stats.tensors_shared = len(unions)
     return stats
 
 

@@ -37,10 +37,13 @@ MAX_SCRATCH_NBYTES = 256 * 2**20
 
 @dataclass
 class ReadStats:
-    """Bytes read from storage vs bytes the caller needed, for read amplification."""
+    """Bytes read from storage vs bytes the caller needed, for read amplification;
+    ``tensors_shared``: tensors whose union a group of ranks read once
+    (:func:`shardsmith.trainer.shared_reads.load_into_siblings`)."""
 
     nbytes_read: int = 0
     nbytes_needed: int = 0
+    tensors_shared: int = 0
 
 
 def _fill_from_scratch(piece: ScratchPiece) -> None:
