@@ -44,7 +44,7 @@ from shardsmith.storage import safetensors
 from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
 from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage.local import FileSpan
+from shardsmith.storage.local import FileSpan, preallocate
 from shardsmith.storage.lineage import rewritten_state
 from shardsmith.storage.manifest import FileRecord, Manifest, ManifestBuilder, ShardRecord, sidecar_name
 from shardsmith.storage.model_record import check_model_record
@@ -128,6 +128,7 @@ class _Executor:
             f.write(tf.header)
             f.flush()
             os.ftruncate(f.fileno(), tf.nbytes)
+            preallocate(f.fileno(), tf.nbytes, self.dst.url_of(tf.name))   # ENOSPC now, not gigabytes in
             slabs = self._slab_stream(tf, functools.partial(self._read_and_write, f.fileno(), threading.Lock()))
             try:
                 for i, pieces, nbytes in slabs:

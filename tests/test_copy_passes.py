@@ -200,3 +200,36 @@ def test_kernel_refusing_the_copy_gets_the_verified_bytes_written(tmp_path, monk
     for name in want.files:
         assert got_step.read(name) == want_root.child(step_dir(STEP)).read(name), name
 
+
+
+def test_preallocate_allocates_up_front_and_names_a_full_disk(tmp_path, monkeypatch) -> None:
+    import ctypes
+    import errno
+    import os
+
+    from shardsmith.storage import local
+
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        if not local.preallocate(fd, 3 << 20, str(path)):
+            pytest.skip("this filesystem has no fallocate")
+        st = os.fstat(fd)
+        assert st.st_size == 3 << 20 and st.st_blocks * 512 >= 3 << 20      # blocks allocated, not a hole
+        assert not local.preallocate(fd, 0)
+
+        def failing(code: int):
+            def fallocate(*args) -> int:
+                ctypes.set_errno(code)
+                return -1
+            return fallocate
+
+        monkeypatch.setattr(local, "_FALLOCATE", failing(errno.ENOSPC))
+        with pytest.raises(OSError) as info:
+            local.preallocate(fd, 1 << 40, "/ckpt/step-1/rank-0.safetensors")
+        assert info.value.errno == errno.ENOSPC
+        assert "/ckpt/step-1/rank-0.safetensors" in str(info.value) and "free space" in str(info.value)
+        monkeypatch.setattr(local, "_FALLOCATE", failing(errno.EOPNOTSUPP))
+        assert not local.preallocate(fd, 1 << 20)                              # unsupported: skipped
+    finally:
+        os.close(fd)
