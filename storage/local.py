@@ -111,8 +111,8 @@ def preallocate(fd: int, nbytes: int, name: str = "") -> bool:
     fails here, before anything is written, and the writes that follow fill allocated
     blocks instead of reserving each page as they go (ext4's delayed allocation: ~10% of a
     reshard's CPU samples). A 2.15 GB tp2·pp2 -> tp1 reshard, 11 alternating rounds in fresh
-    processes: 1.24-1.30 vs 1.42-1.56 CPU-s, 0.84-0.94 vs 0.96-1.15 s (bench/README.md,
-    session 9). Unlike ``posix_fallocate`` it never falls back to writing a byte per block.
+    processes: 1.22-1.38 vs 1.37-2.20 CPU-s (medians 1.27 vs 1.46), 0.78-0.96 vs 0.93-2.74 s,
+    lower in every round (bench/README.md, session 9). Unlike ``posix_fallocate`` it never falls back to writing a byte per block.
 
     Returns:
         False (nothing done) where the filesystem or platform has no ``fallocate``.
