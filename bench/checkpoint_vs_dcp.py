@@ -42,7 +42,6 @@ one JSON object (ratios: >1 means shardsmith is faster, except ``stall_vs_dcp`` 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import re
@@ -68,8 +67,8 @@ from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.trainer.async_save import AsyncCheckpointer
-from shardsmith.trainer.checkpoint import load_into, plan_local_writes, save_checkpoint
-from shardsmith.trainer.shared_reads import load_into_replicas, load_into_siblings, shares_reads
+from shardsmith.trainer.checkpoint import plan_local_writes, save_checkpoint
+from shardsmith.trainer.shared_reads import load_into_replicas, share_reader, shares_reads
 from shardsmith.trainer.model import Transformer
 from shardsmith.trainer.parallel import build_mesh, parallelize
 
@@ -271,10 +270,8 @@ class Bench:
         manifest = read_manifest(step_store)
         specs = checkpoint_specs(self.cfg, parse_layout(target))
         shapes = {f: s.shape for f, s in specs.items()}
-        reader: Any = load_into                              # as the trainer: TP siblings read a union
-        if shares_reads(step_store, siblings):               # once, each replica reads 1/R
-            reader = functools.partial(load_into_siblings, group=siblings)
-        if shares_reads(step_store, replicas):
+        reader = share_reader(step_store, siblings)          # as the trainer: TP siblings read a union
+        if shares_reads(step_store, replicas):               # once, each replica reads 1/R
             stats = load_into_replicas(step_store, manifest, local, boxes, shapes, replicas, reader=reader)
         else:
             stats = reader(step_store, manifest, local, boxes, shapes)

@@ -29,3 +29,26 @@ def run_ranks(worker: Callable[..., None], nprocs: int, *args: Any, timeout: flo
         p.join(timeout=60)
         assert p.exitcode == 0
     return got
+
+
+def saved_tiny_run(rank: int, port: int, dims: Any, data_path: str, ckpt: str) -> tuple[Any, Any, Any]:
+    """A two-rank trainer worker's start: its torchrun environment, then one step of the tiny
+    model in layout ``dims`` saved (synchronously) to ``ckpt`` with one rank per simulated
+    node. Returns (the model config before the checkpoint settings, the run's config, the trainer)."""
+    import dataclasses
+    import os
+
+    from conftest import tiny_train_config
+    from shardsmith.trainer.config import CheckpointConfig
+    from shardsmith.trainer.train import Trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    base = tiny_train_config(dims, data_path)
+    cfg = dataclasses.replace(base, steps=1, checkpoint=CheckpointConfig(url=ckpt, async_save=False,
+                                                                         simulate_nodes=2))
+    first = Trainer.create(cfg)
+    first.train_step()
+    first.save()
+    first.wait_for_save()
+    return base, cfg, first

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ckpt_factory import write_step
-from spawn_ranks import run_ranks
+from spawn_ranks import run_ranks, saved_tiny_run
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import read_manifest, step_dir
@@ -153,23 +153,13 @@ def _trainer_worker(rank: int, port: int, data_path: str, ckpt: str, results) ->
 
     import torch.distributed as dist
 
-    from conftest import tiny_train_config
     from shardsmith.trainer import shared_reads as shared_reads_module
-    from shardsmith.trainer.config import CheckpointConfig
     from shardsmith.trainer.train import Trainer
 
     def full(t: torch.Tensor) -> torch.Tensor:
         return t.full_tensor() if hasattr(t, "full_tensor") else t
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    base = tiny_train_config(ParallelDims(dp_shard=2), data_path)
-    cfg = dataclasses.replace(base, steps=1, checkpoint=CheckpointConfig(url=ckpt, async_save=False,
-                                                                         simulate_nodes=2))  # one rank per "node"
-    first = Trainer.create(cfg)
-    first.train_step()
-    first.save()
-    first.wait_for_save()
+    base, cfg, first = saved_tiny_run(rank, port, ParallelDims(dp_shard=2), data_path, ckpt)
     want = {k: full(v).detach().clone() for k, v in first.model.state_dict().items()}
     shared_reads_module.SHARED_READ_MIN_NBYTES = 0              # the tiny model's tensors are KiB
     resumed = Trainer.create(dataclasses.replace(base, steps=1, parallel=ParallelDims(tp=2),

@@ -9,7 +9,6 @@ it, in the same order.
 
 from __future__ import annotations
 
-import functools
 import logging
 import shutil
 import time
@@ -28,9 +27,8 @@ from shardsmith.storage.lineage import check_new_run_root, remove_runs_except
 from shardsmith.storage.manifest import MANIFEST_NAME
 from shardsmith.storage.manifest_read import ManifestReader
 from shardsmith.trainer.async_save import AsyncCheckpointer
-from shardsmith.trainer.checkpoint import (SaveResult, init_optimizer_state, load_into, model_state_tensors,
-                                           save_checkpoint)
-from shardsmith.trainer.shared_reads import Reader, load_into_replicas, load_into_siblings, shares_reads
+from shardsmith.trainer.checkpoint import SaveResult, init_optimizer_state, model_state_tensors, save_checkpoint
+from shardsmith.trainer.shared_reads import load_into_replicas, share_reader, shares_reads
 from shardsmith.trainer.comm import any_rank, broadcast_text, gather_json
 from shardsmith.trainer.data import GlobalBatchSampler
 from shardsmith.trainer.fault.bad_steps import BadStepPolicy
@@ -304,9 +302,7 @@ class CheckpointPolicy:
         manifest = reader.manifest(boxes)                     # the records of this rank's tensors only
         shapes = {f: s.shape for f, s in specs.items()}
         group, siblings = (self.replica_group, self.sibling_group) if shared else (None, None)
-        read_share: Reader = load_into
-        if shares_reads(step_store, siblings, cfg.checkpoint.simulate_nodes):
-            read_share = functools.partial(load_into_siblings, group=siblings)
+        read_share = share_reader(step_store, siblings, cfg.checkpoint.simulate_nodes)
         sharing = {"replicas_sharing_reads": 1}
         if shares_reads(step_store, group, cfg.checkpoint.simulate_nodes) and all(
                 rank_boxes(specs, cfg.parallel, r) == boxes for r in dist.get_process_group_ranks(group)):

@@ -17,6 +17,7 @@ Both only pay off where a repeated read is not already served from memory
 
 from __future__ import annotations
 
+import functools
 from math import prod
 from typing import Callable
 
@@ -65,6 +66,15 @@ def shares_reads(step_store: Store, group: dist.ProcessGroup | None, simulate_no
 
     per_node = ranks_per_node(dist.get_world_size(), simulate_nodes)
     return any_rank(len({r // per_node for r in dist.get_process_group_ranks(group)}) > 1, group)
+
+
+def share_reader(step_store: Store, siblings: dist.ProcessGroup | None, simulate_nodes: int = 0) -> Reader:
+    """The function that reads a rank's boxes (``load_into``'s arguments): :func:`load_into_siblings`
+    over ``siblings`` (the ``tp`` group) where :func:`shares_reads` holds for it, else
+    :func:`~shardsmith.trainer.checkpoint.load_into`. Every member of ``siblings`` calls it."""
+    if siblings is not None and shares_reads(step_store, siblings, simulate_nodes):
+        return functools.partial(load_into_siblings, group=siblings)
+    return load_into
 
 
 def _raise_together(error: Exception | None, group: dist.ProcessGroup, who: str) -> None:
