@@ -64,8 +64,15 @@ def atomic_file(path: str) -> Iterator[BinaryIO]:
 
 def write_parts(path: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
     """Atomically create or replace ``path`` with the concatenation of ``parts`` (one pass of
-    ``iter(parts)``, each part written as it is yielded, in :data:`WRITE_PIECE_NBYTES` writes)."""
+    ``iter(parts)``, each part written as it is yielded, in :data:`WRITE_PIECE_NBYTES` writes).
+    The file's blocks are allocated first (:func:`preallocate`, sizes read by index, which
+    does not start the pass), so a full disk fails before the first byte is written.
+
+    Raises:
+        OSError: the disk is full (naming ``path``), or a write or the rename failed.
+    """
     with atomic_file(path) as f:
+        preallocate(f.fileno(), sum(memoryview(parts[i]).nbytes for i in range(len(parts))), path)
         for i, part in enumerate(parts):
             view = memoryview(part).cast("B")
             for start in range(0, len(view), WRITE_PIECE_NBYTES):

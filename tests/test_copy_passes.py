@@ -233,3 +233,37 @@ def test_preallocate_allocates_up_front_and_names_a_full_disk(tmp_path, monkeypa
         assert not local.preallocate(fd, 1 << 20)                              # unsupported: skipped
     finally:
         os.close(fd)
+
+
+def test_write_parts_allocates_before_the_first_write_and_a_full_disk_loses_nothing(tmp_path, monkeypatch) -> None:
+    import ctypes
+    import errno
+
+    from shardsmith.storage import local
+    from shardsmith.storage.fs import Store
+
+    seen: list[tuple[int, int]] = []
+    real = local.preallocate
+
+    def spy(fd: int, nbytes: int, name: str = "") -> bool:
+        seen.append((nbytes, __import__("os").fstat(fd).st_size))          # the size asked, bytes written so far
+        return real(fd, nbytes, name)
+
+    monkeypatch.setattr(local, "preallocate", spy)
+    store = Store(str(tmp_path))
+    parts = [memoryview(b"a" * 1000), memoryview(bytes(range(256)) * 40)]
+    store.write_parts("rank-7.safetensors", parts)
+    assert seen == [(1000 + 10240, 0)]                                      # whole size, before any byte
+    assert (tmp_path / "rank-7.safetensors").read_bytes() == b"a" * 1000 + bytes(range(256)) * 40
+
+    def full(*args) -> int:
+        ctypes.set_errno(errno.ENOSPC)
+        return -1
+
+    monkeypatch.setattr(local, "preallocate", real)
+    monkeypatch.setattr(local, "_FALLOCATE", full)
+    with pytest.raises(Exception) as info:
+        store.write_parts("rank-7.safetensors", [memoryview(b"new" * 100)])
+    assert "free space" in str(info.value) and "rank-7.safetensors" in str(info.value)
+    assert (tmp_path / "rank-7.safetensors").read_bytes() == b"a" * 1000 + bytes(range(256)) * 40  # the old object stays
+    assert [p.name for p in tmp_path.iterdir()] == ["rank-7.safetensors"]                     # no temporary left behind
