@@ -38,8 +38,9 @@ from shardsmith.reshard.planner import PlanEntry, ReshardOptions, ReshardPlan, T
 from shardsmith.reshard.slabs import Slab
 from shardsmith.reshard.progress import PROGRESS_NAME, ReshardReport, load_progress, save_progress
 from shardsmith.reshard.scaleout import Share, assign_files, cleanup, gather, publish
-from shardsmith.reshard.stream import (BufferBudget, BufferPool, FileResult, assemble_slab, copy_slab_verified,
-                                       gc_frozen, return_freed_buffers_to_os, write_slab_at)
+from shardsmith.reshard.local_copy import copy_slab_verified, write_assembled_at, write_slab_at
+from shardsmith.reshard.stream import (BufferBudget, BufferPool, FileResult, assemble_slab, gc_frozen,
+                                       return_freed_buffers_to_os)
 from shardsmith.storage import safetensors
 from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
 from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
@@ -149,8 +150,10 @@ class _Executor:
         """Task of :meth:`_write_at_offsets`: (the slab's CRC pieces, no buffer, bytes written)."""
         chunk = self.plan.options.chunk_nbytes
         pieces = copy_slab_verified(self.src, self.plan.source, slab, entry, out, chunk, lock)
+        if pieces is None:
+            pieces = write_assembled_at(self.src, self.plan.source, slab, entry, out, chunk, self.pool, lock)
         if pieces is not None:
-            self._count(nbytes_read=slab.pieces[0].read_nbytes, nbytes_needed=slab.src_nbytes)
+            self._count(nbytes_read=sum(p.read_nbytes for p in slab.pieces), nbytes_needed=slab.src_nbytes)
             return pieces, None, slab.nbytes
         data, buf, known = self._read(slab, entry)
         try:

@@ -160,33 +160,23 @@ def _shard_row_cuts(manifest: Manifest, fqn: str, box: Box) -> list[int]:
     return sorted(r for r in rows if lo < r < hi)
 
 
-#: Slab size for tensors whose slabs are assembled from column pieces (a tensor saved split
-#: on dim 1 or later, e.g. row-parallel ``wo``/``w2`` going to a smaller TP): small enough that
-#: the assembled buffer is still in cache when it is checksummed and written, and that pool
-#: buffers of one size are reused instead of fresh pages being zeroed (at least two source
-#: checksum chunks, so slab cuts can fall on chunk boundaries).
+#: Bytes of a gathered slab (a tensor saved split on dim 1 or later, e.g. row-parallel
+#: ``wo``/``w2`` going to a smaller TP) assembled, checksummed and written at once by
+#: ``reshard/local_copy.py: write_assembled_at``: small enough that the assembled rows are
+#: still in cache when they are checksummed and written. The slab itself (one read per
+#: source) is as large as any other, so few source chunks are read twice at slab boundaries.
 ASSEMBLED_SLAB_NBYTES = 4 << 20
 
 
-def _assembled(manifest: Manifest, fqn: str, box: Box) -> bool:
-    """True when some source shard of ``fqn`` holds only part of the rows of ``box``
-    (its dims 1.. differ): slabs then have several column pieces to assemble."""
-    tail = (box.offsets[1:], box.lengths[1:])
-    return any((tuple(s.offsets[1:]), tuple(s.lengths[1:])) != tail
-               for s, _, _ in intersections(manifest.tensors[fqn], box))
-
-
 def cut_slabs(manifest: Manifest, fqn: str, box: Box, dtype: str, slab_nbytes: int) -> tuple[Slab, ...]:
-    """Cut ``box`` into dim-0 slabs of about ``slab_nbytes`` (at least one row each; at most
-    :data:`ASSEMBLED_SLAB_NBYTES` or two source chunks when assembled), also at every source
-    shard's first and last row (:func:`_shard_row_cuts`)."""
+    """Cut ``box`` into dim-0 slabs of about ``slab_nbytes`` (at least one row each), also at
+    every source shard's first and last row (:func:`_shard_row_cuts`), and, between those,
+    where possible on the sources' checksum-chunk boundaries (:func:`_aligned_end`)."""
     src_dtype = manifest.tensors[fqn].dtype
     src_item, dst_item = DTYPE_NBYTES[src_dtype], DTYPE_NBYTES[dtype]
     converts = src_dtype != dtype
     if not box.lengths:                               # 0-d: one slab
         return (Slab(box, _pieces(manifest, fqn, box), src_item, dst_item, converts),)
-    if _assembled(manifest, fqn, box):
-        slab_nbytes = min(slab_nbytes, max(ASSEMBLED_SLAB_NBYTES, 2 * manifest.chunk_nbytes))
     widest = max([_row_bytes(box, src_item)] + [
         prod(s.lengths[1:]) * src_item for s in manifest.tensors[fqn].shards])
     rows = max(1, slab_nbytes // max(1, widest))

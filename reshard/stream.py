@@ -21,16 +21,15 @@ from numpy.lib.stride_tricks import as_strided
 from shardsmith.layout.box import row_major_strides
 from shardsmith.reshard.planner import PlanEntry
 from shardsmith.reshard.slabs import Piece, Slab
-from shardsmith.storage.checksum import (chunk_crc32c, grid_crcs, require_full_read, verify_chunks,
-                                         verify_chunks_split)
+from shardsmith.storage.checksum import chunk_crc32c, require_full_read, verify_chunks, verify_chunks_split
 from shardsmith.storage.fs import Store
-from shardsmith.storage.local import FileSpan, copy_span_at, map_range, pwrite_all
+from shardsmith.storage.local import FileSpan, map_range
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord
 from shardsmith.storage.sidecar import load_chunk_crcs
 from shardsmith.storage.verify import check_file_once
 
-_RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}   # element-size views: dtype-agnostic copies
+RAW_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}   # element-size views: dtype-agnostic copies
 
 
 @dataclass
@@ -155,7 +154,7 @@ def read_piece(src: Store, manifest: Manifest, piece: Piece, pool: BufferPool,
     return buf, None
 
 
-def _slab_crcs(piece: Piece, subs: list[int] | None, sub_nbytes: int) -> list[int] | None:
+def slab_crcs(piece: Piece, subs: list[int] | None, sub_nbytes: int) -> list[int] | None:
     """The ``sub_nbytes`` chunk CRCs of a zero-copy slab's bytes ``[piece.first, piece.last)``
     from those of the verified read (which starts at ``piece.read_start``); ``None`` when the
     slab does not start on a piece or ends inside one."""
@@ -186,9 +185,9 @@ def assemble_slab(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry, 
         path = src.local_path(piece.shard.file)
         if path is not None and not buf.flags.owndata:          # mapped: the writer may copy in the kernel
             data = FileSpan(path, piece.shard.byte_offset + piece.first, data.data)
-        return data, buf, _slab_crcs(piece, subs, chunk_nbytes)
+        return data, buf, slab_crcs(piece, subs, chunk_nbytes)
     itemsize = DTYPE_NBYTES[entry.src_dtype]
-    raw = _RAW[itemsize]
+    raw = RAW_DTYPES[itemsize]
     held = pool.take(slab.src_nbytes)
     try:
         out = held[:slab.src_nbytes].view(raw).reshape(slab.box.lengths)
@@ -227,82 +226,6 @@ def _assembled_crcs(data: np.ndarray, slab: Slab, entry: PlanEntry, chunk_nbytes
     return chunk_crc32c(data, chunk_nbytes)
 
 
-def copy_slab_verified(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry, out: int,
-                       chunk_nbytes: int, lock: Any = contextlib.nullcontext()) -> list[tuple[int, int]] | None:
-    """Copy a :attr:`~Slab.zero_copy` slab of a local source into the local target file open as
-    descriptor ``out``, at its place: the slab's source range is mapped once (``mmap``, pages
-    faulted in as it is read, :func:`~shardsmith.storage.local.map_range`), then block by block (one
-    source checksum chunk) its chunks are verified through the mapping and the needed bytes
-    written from it (``pwrite``, :data:`~shardsmith.storage.local.WRITE_PIECE_NBYTES` pieces)
-    while they are in cache. Measured on this machine, per byte of 1 GiB (bench/README.md,
-    session 5): 0.95-0.99x ``sendfile``'s CPU on one thread, against 1.13-1.15x for reading
-    each block into a buffer (``preadv``) first, and 4-6% less CPU in a whole reshard
-    (same-run A/B); session 4's mapping per block with a kernel copy cost 1.36x. Any thread,
-    any slab; the writes into one file hold its ``lock`` (threads writing one file at once spin
-    on its inode lock in the kernel: 17% of a reshard's CPU samples), the checksums do not.
-
-    Returns:
-        The bytes' ``(CRC-32C, length)`` pieces on the entry's ``chunk_nbytes`` grid (from the
-        verifying pass where the grids line up), or ``None`` when the slab is not a zero-copy
-        slab of a local source (the caller reads and writes it).
-
-    Raises:
-        IntegrityError: a source chunk's checksum, the file's size or header is wrong (what was
-            written before it is in the temporary target file, which is then discarded).
-        OSError: reading or writing failed.
-    """
-    piece = slab.pieces[0] if slab.zero_copy else None
-    path = src.local_path(piece.shard.file) if piece is not None else None
-    if piece is None or path is None:
-        return None
-    shard, size = piece.shard, manifest.chunk_nbytes
-    check_file_once(src, manifest, shard.file)
-    load_chunk_crcs(src, size, [shard])
-    offset, url, start = shard.byte_offset + piece.read_start, src.url_of(shard.file), slab_offset(entry, slab)
-    sub = chunk_nbytes if chunk_nbytes and size % chunk_nbytes == 0 else size
-    skip, end, pos = piece.first - piece.read_start, piece.last - piece.read_start, entry.byte_offset + start
-    use_known = sub == chunk_nbytes and start % chunk_nbytes == 0 and _slab_crcs(piece, [0], sub) is not None
-    block = max(1, (1 << 20) // size) * size
-    subs, pieces = [], []
-    mapped = view = map_range(path, offset, piece.read_nbytes)
-    require_full_read(len(mapped), piece.read_nbytes, offset, url)
-    for b in range(0, piece.read_nbytes, block):
-        view = mapped[b:b + block]
-        subs += verify_chunks_split(shard, (piece.read_start + b) // size, view, size, sub, url)
-        lo, hi = max(b, skip), min(b + len(view), end)
-        if lo < hi:
-            with lock:
-                pwrite_all(out, view[lo - b:hi - b], pos + lo - skip)
-            if not use_known:
-                pieces += grid_crcs(view[lo - b:hi - b], start + lo - skip, chunk_nbytes)
-    del view, mapped                            # unmapped here (no other reference)
-    if use_known:
-        known = _slab_crcs(piece, subs, sub) or []
-        return [(c, min(chunk_nbytes, end - skip - k * chunk_nbytes)) for k, c in enumerate(known)]
-    return pieces
-
-
-def write_slab_at(out: int, entry: PlanEntry, slab: Slab, data: np.ndarray | FileSpan, known: list[int] | None,
-                  chunk_nbytes: int, lock: Any = contextlib.nullcontext()) -> list[tuple[int, int]]:
-    """Write a slab's bytes (from :func:`assemble_slab`) at their place in the local target file
-    open as descriptor ``out`` (whose entry data starts at ``entry.byte_offset``): a
-    :class:`FileSpan` by the kernel, else ``pwrite``, holding ``lock``. Any thread, any slab.
-
-    Returns:
-        The bytes' ``(CRC-32C, length)`` pieces on the entry's ``chunk_nbytes`` grid
-        (:func:`~shardsmith.storage.checksum.grid_crcs`; from ``known`` when given and aligned).
-
-    Raises:
-        OSError: the copy or write failed (``ENOSPC``: the disk is full).
-    """
-    start = slab_offset(entry, slab)
-    view = data.view if isinstance(data, FileSpan) else data
-    with lock:
-        if not (isinstance(data, FileSpan) and copy_span_at(out, entry.byte_offset + start, data)):
-            pwrite_all(out, view, entry.byte_offset + start)
-    return grid_crcs(view, start, chunk_nbytes, known)
-
-
 def convert_dtype(raw: np.ndarray, src: str, dst: str) -> np.ndarray:
     """Convert raw elements between float dtypes with torch's rounding (round to nearest
     even), returning raw elements of ``dst``. Imports torch only when called."""
@@ -311,7 +234,7 @@ def convert_dtype(raw: np.ndarray, src: str, dst: str) -> np.ndarray:
     from shardsmith.storage.tensor_files import TORCH_DTYPES
 
     converted = torch.from_numpy(raw).view(TORCH_DTYPES[src]).to(TORCH_DTYPES[dst])
-    return converted.view(torch.uint8).numpy().view(_RAW[DTYPE_NBYTES[dst]])
+    return converted.view(torch.uint8).numpy().view(RAW_DTYPES[DTYPE_NBYTES[dst]])
 
 
 def return_freed_buffers_to_os(threshold_nbytes: int = 1 << 20) -> bool:
