@@ -15,14 +15,14 @@ from shardsmith.reshard.engine import reshard
 from shardsmith.reshard.planner import ReshardOptions, plan_reshard
 from shardsmith.storage.checksum import (ChunkedCrc, chunk_crc32c, crc32c, crc32c_combine, crc32c_update, verify_chunks,
                                          verify_chunks_split)
-from shardsmith.storage.commit import read_manifest, step_dir
+from shardsmith.storage.commit import step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.local import FileSpan, copy_span, map_range
 from shardsmith.storage.manifest import ShardRecord
 from shardsmith.storage.safetensors import write_stream
 from shardsmith.storage.verify import verify_checkpoint
 
-from test_reshard_engine import SRC_DIMS, STEP, _manifest_json, full_state, save_direct
+from test_reshard_engine import SRC_DIMS, STEP, assert_same_as_direct_save, full_state, save_direct
 
 
 def _bytes(n: int, seed: int = 0) -> bytes:
@@ -154,12 +154,8 @@ def test_reshard_across_chunk_sizes_is_byte_identical(tmp_path, src_chunk: int, 
         out = tmp_path / f"out-{dims.describe()}"
         reshard(step, str(out), dims, options=ReshardOptions(chunk_nbytes=dst_chunk, slab_nbytes=slab,
                                                              max_buffer_nbytes=8192, workers=2))
-        want_root = Store(str(tmp_path / f"want-{dims.describe()}"))
-        want = save_direct(want_root, full, dims, chunk=dst_chunk)
         got_step = Store(str(out)).child(step_dir(STEP))
-        assert _manifest_json(read_manifest(got_step)) == _manifest_json(want)
-        for name in want.files:
-            assert got_step.read(name) == want_root.child(step_dir(STEP)).read(name), name
+        assert_same_as_direct_save(got_step, Store(str(tmp_path / f"want-{dims.describe()}")), full, dims, dst_chunk)
         assert not verify_checkpoint(got_step).problems
 
 
@@ -171,12 +167,7 @@ def test_reshard_from_local_to_another_backend_writes_the_mapped_bytes(tmp_path)
     step = Store(str(tmp_path / "src")).child(step_dir(STEP))
     dst = f"memory://copy-passes-{tmp_path.name}"
     reshard(step, dst, ParallelDims(), options=ReshardOptions(chunk_nbytes=64, workers=2))
-    want_root = Store(str(tmp_path / "want"))
-    want = save_direct(want_root, full, ParallelDims(), chunk=64)
-    got_step = Store(dst).child(step_dir(STEP))
-    assert _manifest_json(read_manifest(got_step)) == _manifest_json(want)
-    for name in want.files:
-        assert got_step.read(name) == want_root.child(step_dir(STEP)).read(name), name
+    assert_same_as_direct_save(Store(dst).child(step_dir(STEP)), Store(str(tmp_path / "want")), full, ParallelDims(), 64)
 
 
 def test_kernel_refusing_the_copy_gets_the_verified_bytes_written(tmp_path, monkeypatch) -> None:
@@ -193,12 +184,8 @@ def test_kernel_refusing_the_copy_gets_the_verified_bytes_written(tmp_path, monk
     step = Store(str(tmp_path / "src")).child(step_dir(STEP))
     monkeypatch.setattr(os, "copy_file_range", refuse)
     reshard(step, str(tmp_path / "out"), ParallelDims(), options=ReshardOptions(chunk_nbytes=64, workers=2))
-    want_root = Store(str(tmp_path / "want"))
-    want = save_direct(want_root, full, ParallelDims(), chunk=64)
-    got_step = Store(str(tmp_path / "out")).child(step_dir(STEP))
-    assert _manifest_json(read_manifest(got_step)) == _manifest_json(want)
-    for name in want.files:
-        assert got_step.read(name) == want_root.child(step_dir(STEP)).read(name), name
+    assert_same_as_direct_save(Store(str(tmp_path / "out")).child(step_dir(STEP)), Store(str(tmp_path / "want")), full,
+                               ParallelDims(), 64)
 
 
 

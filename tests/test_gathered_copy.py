@@ -21,7 +21,7 @@ from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.verify import verify_checkpoint
 
-from test_reshard_engine import SRC_DIMS, STEP, _manifest_json, full_state, save_direct
+from test_reshard_engine import SRC_DIMS, STEP, assert_same_as_direct_save, full_state, save_direct
 
 SRC_CHUNK = 96                  # not a multiple of the 64-byte half-rows: slab cuts split chunks
 OPTIONS = ReshardOptions(chunk_nbytes=64, slab_nbytes=1 << 20, max_buffer_nbytes=1 << 22, workers=2)
@@ -70,12 +70,8 @@ def test_gathered_slabs_are_written_in_units_verifying_each_source_chunk_once(tm
               for c in range(p.read_start // SRC_CHUNK, -(-p.read_end // SRC_CHUNK))}
     assert set(chunks) == wanted                                      # and none left unverified
 
-    want_root = Store(str(tmp_path / "want"))
-    want = save_direct(want_root, full, ParallelDims(), chunk=64)
     got = Store(str(tmp_path / "out")).child(step_dir(STEP))
-    assert _manifest_json(read_manifest(got)) == _manifest_json(want)
-    for name in want.files:
-        assert got.read(name) == want_root.child(step_dir(STEP)).read(name), name
+    assert_same_as_direct_save(got, Store(str(tmp_path / "want")), full, ParallelDims(), 64)
     assert not verify_checkpoint(got).problems
 
 

@@ -76,6 +76,17 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> tuple[Store, dict[str, t
     return root.child(step_dir(STEP)), full
 
 
+def assert_same_as_direct_save(got_step: Store, want_root: Store, full: dict[str, torch.Tensor], dims: ParallelDims,
+                               chunk: int = CHUNK) -> Manifest:
+    """Assert a resharded step has the manifest and the file bytes of ``full`` saved directly in
+    layout ``dims`` (under ``want_root``); returns that direct save's manifest."""
+    want = save_direct(want_root, full, dims, chunk=chunk)
+    assert _manifest_json(read_manifest(got_step)) == _manifest_json(want)
+    for name in want.files:
+        assert got_step.read(name) == want_root.child(step_dir(STEP)).read(name), name
+    return want
+
+
 def _manifest_json(m: Manifest) -> dict:
     """The manifest document (chunk CRCs by sidecar index, whether or not they were fetched),
     without its clock time and the run record a reshard adds (its parent)."""
@@ -154,13 +165,9 @@ def test_slab_cuts_align_to_source_checksum_chunks(tmp_path) -> None:
 def test_streamed_files_are_byte_identical_to_a_direct_save(source, tmp_path, dims: ParallelDims) -> None:
     step, full = source
     report = reshard(step, str(tmp_path / "out"), dims, options=ReshardOptions(**SMALL))
-    want_root = Store(str(tmp_path / "want"))
-    want = save_direct(want_root, full, dims)
     got_step = Store(str(tmp_path / "out")).child(step_dir(STEP))
+    want = assert_same_as_direct_save(got_step, Store(str(tmp_path / "want")), full, dims)
     got = read_manifest(got_step)
-    assert _manifest_json(got) == _manifest_json(want)
-    for name in want.files:
-        assert got_step.read(name) == want_root.child(step_dir(STEP)).read(name), name
     data_files = [n for n in want.files if not n.endswith(SIDECAR_SUFFIX)]     # each with its sidecar
     assert report.num_files == len(data_files) and report.num_skipped == 0
     assert not got_step.exists(PROGRESS_NAME)
