@@ -160,23 +160,24 @@ def verify_chunks(shard: "ShardRecord", first_chunk: int, views: Sequence[Any], 
     Raises:
         IntegrityError: a chunk's CRC differs (names the file, the key and the byte range).
     """
-    pending = iter(views)
-    view = memoryview(b"")
-    remaining = sum(memoryview(v).nbytes for v in views)
-    c = first_chunk
-    while remaining > 0:
-        need = min(chunk_nbytes, shard.nbytes - c * chunk_nbytes, remaining)
-        value, left = 0, max(need, 0)
-        while left:
-            if not len(view):
-                view = memoryview(next(pending)).cast("B")
-            take = view[:left]
-            value = crc32c_update(take, value)
-            left -= len(take)
-            view = view[len(take):]
-        _check_chunk(shard, c, value, need, chunk_nbytes, url)
-        remaining -= need
-        c += 1
+    c, value, filled = first_chunk, 0, 0
+    need = min(chunk_nbytes, shard.nbytes - c * chunk_nbytes)
+    for v in views:             # one CRC call per view while it fits in the chunk (row segments)
+        view = v if isinstance(v, memoryview) and v.format == "B" and v.ndim == 1 else memoryview(v).cast("B")
+        size, pos = len(view), 0
+        while pos < size:
+            if need <= 0:
+                _check_chunk(shard, c, value, need, chunk_nbytes, url)          # bytes past the shard
+            take = min(size - pos, need - filled)
+            value = _crc32c_impl(view if take == size else view[pos:pos + take], value)
+            filled += take
+            pos += take
+            if filled == need:
+                _check_chunk(shard, c, int(value), need, chunk_nbytes, url)
+                c, value, filled = c + 1, 0, 0
+                need = min(chunk_nbytes, shard.nbytes - c * chunk_nbytes)
+    if filled:                  # the bytes end inside a chunk: only its CRC over all of it can match
+        _check_chunk(shard, c, int(value), filled, chunk_nbytes, url)
 
 
 def _check_chunk(shard: "ShardRecord", c: int, value: int, need: int, chunk_nbytes: int, url: str) -> None:

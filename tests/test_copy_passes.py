@@ -106,6 +106,34 @@ def test_verify_split_refuses_what_verify_refuses() -> None:
             check()
 
 
+def test_verify_chunks_over_scattered_views_of_any_cut() -> None:
+    """The bytes in many views cut anywhere (row segments scattered over a destination, a view
+    spanning several chunks, bytes, bytearrays, numpy arrays, non-byte memoryviews): verified
+    from any first chunk; a flipped byte, bytes ending inside a chunk and bytes past the shard's
+    end are refused, naming the byte range."""
+    data = _bytes(1000)                                  # chunks of 256: the last is 232 bytes
+    shard = _shard(data, 256)
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        first = int(rng.integers(0, 4))
+        cuts = sorted({int(x) for x in rng.integers(first * 256, 1000, int(rng.integers(0, 40)))})
+        bounds = [first * 256, *cuts, 1000]
+        kinds = [bytes, bytearray, lambda b: np.frombuffer(b, np.uint8), lambda b: memoryview(b),
+                 lambda b: memoryview(b[:len(b) // 4 * 4]).cast("I") if len(b) % 4 == 0 else memoryview(b)]
+        views = [kinds[i % len(kinds)](data[a:b]) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        verify_chunks(shard, first, views, 256, "u")
+        corrupt = bytearray(data)
+        at = int(rng.integers(first * 256, 1000))
+        corrupt[at] ^= 0x01
+        lo = at // 256 * 256
+        with pytest.raises(IntegrityError, match=rf"bytes \[{lo}, {min(lo + 256, 1000)}\)"):
+            verify_chunks(shard, first, [memoryview(corrupt)[a:b] for a, b in zip(bounds, bounds[1:])], 256, "u")
+    with pytest.raises(IntegrityError, match=r"bytes \[256, 356\)"):
+        verify_chunks(shard, 1, [data[256:300], data[300:356]], 256, "u")        # ends inside chunk 1
+    with pytest.raises(IntegrityError, match="checksum mismatch"):
+        verify_chunks(shard, 3, [data[768:], b"extra"], 256, "u")               # past the shard's end
+
+
 def test_map_range_reads_local_bytes_and_stops_at_the_end(tmp_path) -> None:
     data = _bytes(3 * 65536 + 11)
     (tmp_path / "f").write_bytes(data)

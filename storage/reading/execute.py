@@ -31,8 +31,12 @@ from shardsmith.storage.sidecar import load_chunk_crcs
 #: ``preadv`` and object-store GETs both release the GIL).
 READ_WORKERS = 8
 #: Scratch bytes (for pieces that cannot be read straight into their destination) one
-#: :func:`read_safetensors_boxes` call holds at once; beyond it the reads planned so far are run first.
+#: :func:`read_safetensors_boxes` call holds at once; beyond it the reads planned so far are run
+#: first, and their scratch buffers are reused by the next ones. Local files: small, so the
+#: reads are CPU-bound copies into buffers that stay mapped (no fresh pages to fault in);
+#: object stores: large, so many ranged GETs are in flight at once.
 MAX_SCRATCH_NBYTES = 256 * 2**20
+LOCAL_SCRATCH_NBYTES = 32 * 2**20
 
 
 @dataclass
@@ -104,13 +108,25 @@ class _Batch:
     parts: list[ReadPart] = field(default_factory=list)
     pieces: list[ScratchPiece] = field(default_factory=list)
     scratch_nbytes: int = 0
+    free: list[torch.Tensor] = field(default_factory=list)      # scratch of flushed pieces
+
+    @property
+    def scratch_limit(self) -> int:
+        return LOCAL_SCRATCH_NBYTES if self.store.is_local else MAX_SCRATCH_NBYTES
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """A 1-d ``uint8`` scratch buffer of ``nbytes``: the smallest free one that fits, else new."""
+        fits = [i for i, b in enumerate(self.free) if b.numel() >= nbytes]
+        if not fits:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        return self.free.pop(min(fits, key=lambda i: self.free[i].numel()))[:nbytes]
 
     def add(self, piece: ScratchPiece | None, parts: list[ReadPart]) -> None:
         self.parts += parts
         if piece is not None:
             self.pieces.append(piece)
             self.scratch_nbytes += piece.scratch.numel()
-        if self.scratch_nbytes > MAX_SCRATCH_NBYTES:
+        if self.scratch_nbytes > self.scratch_limit:
             self.flush()
 
     def flush(self) -> None:
@@ -120,6 +136,12 @@ class _Batch:
         nbytes = _run_reads(self.store, self.parts, self.chunk_nbytes, self.source)
         for piece in self.pieces:
             _fill_from_scratch(piece)
+        kept = sum(b.numel() for b in self.free)
+        for piece in self.pieces:                                 # reused by the next pieces
+            whole = piece.scratch if piece.scratch._base is None else piece.scratch._base
+            if kept + whole.numel() <= self.scratch_limit:
+                self.free.append(whole)
+                kept += whole.numel()
         if self.stats is not None:
             self.stats.nbytes_read += nbytes
         self.parts, self.pieces, self.scratch_nbytes = [], [], 0
@@ -166,7 +188,7 @@ def read_safetensors_boxes(store: Store, manifest: Manifest, requests: Sequence[
         filled = 0
         for shard, saved, common in intersections(rec, box):
             check_file_once(store, manifest, shard.file, source)   # size + header, once per file
-            batch.add(*plan_piece(shard, saved, common, box, out, itemsize, manifest.chunk_nbytes))
+            batch.add(*plan_piece(shard, saved, common, box, out, itemsize, manifest.chunk_nbytes, batch.scratch))
             filled += common.numel
             if stats is not None:
                 stats.nbytes_needed += common.numel * itemsize

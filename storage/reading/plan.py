@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from typing import Callable
 
 import numpy as np
 import torch
@@ -29,9 +30,13 @@ MAX_MERGED_READ_NBYTES = 32 * 2**20
 #: An intersection split into more row runs than this is read as one span (bounds planning).
 _MAX_RUNS = 2**16
 #: A piece is read straight into a non-contiguous part of its destination (one iovec per
-#: row segment) when it has at most this many segments of at least this many bytes.
+#: row segment) when it has at most this many segments of at least this many bytes; otherwise
+#: into scratch, verified there in whole chunks and copied into place by one strided copy. Each
+#: segment costs a Python buffer object, an iovec and a CRC call: 1.33 GB of a tp2·dp_shard2
+#: checkpoint (rows of 2-5.6 KiB) read into the four dp_shard4 ranks' boxes took 0.65-0.70
+#: CPU-s with 512 here, 0.45-0.58 with 16 KiB and reused scratch (bench/README.md, session 10).
 _MAX_SCATTER_RUNS = 2**14
-_MIN_SCATTER_NBYTES = 512
+_MIN_SCATTER_NBYTES = 16 << 10
 
 
 @dataclass
@@ -119,13 +124,19 @@ def _scatter_views(box: Box, common: Box, out: torch.Tensor, itemsize: int) -> l
     return [view[s:s + nbytes] for s in (run_starts(rel, strides, common.lengths, j) * itemsize).tolist()]
 
 
+def _new_scratch(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
 def plan_piece(shard: ShardRecord, saved: Box, common: Box, box: Box, out: torch.Tensor, itemsize: int,
-                chunk: int) -> tuple[ScratchPiece | None, list[ReadPart]]:
+               chunk: int, scratch_of: Callable[[int], torch.Tensor] = _new_scratch,
+               ) -> tuple[ScratchPiece | None, list[ReadPart]]:
     """Plan the reads of ``common`` (the part of ``box`` in ``saved``), widened to whole
     checksum chunks. When ``common`` is contiguous in the shard its bytes are read straight
-    into ``out`` (scattered over its rows when it is a column slice there; only the chunk
-    margins go to small buffers); otherwise into a scratch buffer that is copied into ``out``
-    after verification (the returned ``ScratchPiece``)."""
+    into ``out`` (scattered over its rows when it is a column slice there of few, long
+    segments; only the chunk margins go to small buffers); otherwise into a scratch buffer
+    (``scratch_of(nbytes)``: a 1-d ``uint8`` tensor) that is copied into ``out`` after
+    verification (the returned ``ScratchPiece``)."""
     first, last = row_major_span(saved, common)
     a, b = first * itemsize, last * itemsize
     views = _scatter_views(box, common, out, itemsize) \
@@ -140,7 +151,7 @@ def plan_piece(shard: ShardRecord, saved: Box, common: Box, box: Box, out: torch
         return None, [ReadPart(shard, c0, c1, shard.byte_offset + lo, shard.byte_offset + hi, dests)]
     groups = _chunk_groups(saved, common, itemsize, chunk, a, b)
     base, top = groups[0][0] * chunk, min(groups[-1][1] * chunk, shard.nbytes)
-    scratch = torch.empty(top - base, dtype=torch.uint8)
+    scratch = scratch_of(top - base)
     view = memoryview(scratch.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
     parts = []
     for c0, c1 in groups:
