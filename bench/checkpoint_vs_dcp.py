@@ -64,7 +64,7 @@ from pagecache import flush_and_evict
 from shardsmith.layout import ModelConfig, ParallelDims, stage_layers
 from shardsmith.layout.plan import checkpoint_specs, kv_replicas, padded_vocab_size, rank_boxes
 from shardsmith.storage.checksum import crc32c
-from shardsmith.storage.commit import read_manifest, step_dir
+from shardsmith.storage.commit import open_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.trainer.async_save import AsyncCheckpointer
 from shardsmith.trainer.checkpoint import plan_local_writes, save_checkpoint
@@ -267,7 +267,7 @@ class Bench:
     def ours_load(self, name: str, target: str) -> dict[str, float]:
         _, local, boxes, (replicas, siblings) = self.targets[target]
         step_store = Store(self.url(name), self.opts).child(step_dir(1))
-        manifest = read_manifest(step_store)
+        manifest = open_manifest(step_store).manifest(boxes)  # as the trainer: this rank's records only
         specs = checkpoint_specs(self.cfg, parse_layout(target))
         shapes = {f: s.shape for f, s in specs.items()}
         reader = share_reader(step_store, siblings)          # as the trainer: TP siblings read a union
