@@ -63,10 +63,11 @@ def atomic_file(path: str) -> Iterator[BinaryIO]:
 
 
 def write_parts(path: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
-    """Atomically create or replace ``path`` with the concatenation of ``parts`` (one pass of
-    ``iter(parts)``, each part written as it is yielded, in :data:`WRITE_PIECE_NBYTES` writes).
-    The file's blocks are allocated first (:func:`preallocate`, sizes read by index, which
-    does not start the pass), so a full disk fails before the first byte is written.
+    """Atomically create or replace ``path`` with the concatenation of ``parts`` (a sequence:
+    one pass of ``iter(parts)``, each part written as it is yielded, in
+    :data:`WRITE_PIECE_NBYTES` writes). The file's blocks are allocated first
+    (:func:`preallocate`, sizes read by index, which does not start the pass), so a full disk
+    fails before the first byte is written; the file ends where the written bytes end.
 
     Raises:
         OSError: the disk is full (naming ``path``), or a write or the rename failed.
@@ -79,6 +80,9 @@ def write_parts(path: str, parts: Sequence[bytes | bytearray | memoryview]) -> N
                 f.write(view[start:start + WRITE_PIECE_NBYTES])
             if i == 0:
                 crash_point("fs.mid_write", key=path)           # test hook; inert normally
+        f.flush()
+        if f.tell() != os.fstat(f.fileno()).st_size:          # parts indexed longer than iterated
+            os.ftruncate(f.fileno(), f.tell())
 
 
 def preadv_into(path: str, offset: int, views: Sequence[memoryview]) -> int:

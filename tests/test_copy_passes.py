@@ -282,3 +282,16 @@ def test_write_parts_allocates_before_the_first_write_and_a_full_disk_loses_noth
     assert "free space" in str(info.value) and "rank-7.safetensors" in str(info.value)
     assert (tmp_path / "rank-7.safetensors").read_bytes() == b"a" * 1000 + bytes(range(256)) * 40  # the old object stays
     assert [p.name for p in tmp_path.iterdir()] == ["rank-7.safetensors"]                     # no temporary left behind
+
+
+def test_write_parts_file_ends_where_the_written_bytes_end(tmp_path) -> None:
+    """Sizes are read by index for the allocation; a sequence whose iteration yields fewer
+    bytes than its indexing promised still gives a file of exactly the written bytes."""
+    from shardsmith.storage.local import write_parts
+
+    class Shrinking(list):
+        def __iter__(self):
+            yield memoryview(b"x" * 40)
+
+    write_parts(str(tmp_path / "f"), Shrinking([memoryview(b"y" * 100)]))
+    assert (tmp_path / "f").read_bytes() == b"x" * 40
