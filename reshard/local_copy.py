@@ -63,17 +63,14 @@ def copy_slab_verified(src: Store, manifest: Manifest, slab: Slab, entry: PlanEn
     path = src.local_path(piece.shard.file) if piece is not None else None
     if piece is None or path is None:
         return None
-    shard, size = piece.shard, manifest.chunk_nbytes
-    check_file_once(src, manifest, shard.file)
-    load_chunk_crcs(src, size, [shard])
-    offset, url, start = shard.byte_offset + piece.read_start, src.url_of(shard.file), slab_offset(entry, slab)
+    shard, size, start = piece.shard, manifest.chunk_nbytes, slab_offset(entry, slab)
+    mapped, url = _map_read_range(src, manifest, piece, path)
+    view = mapped
     sub = chunk_nbytes if chunk_nbytes and size % chunk_nbytes == 0 else size
     skip, end, pos = piece.first - piece.read_start, piece.last - piece.read_start, entry.byte_offset + start
     use_known = sub == chunk_nbytes and start % chunk_nbytes == 0 and slab_crcs(piece, [0], sub) is not None
     block = max(1, (1 << 20) // size) * size
     subs, pieces = [], []
-    mapped = view = map_range(path, offset, piece.read_nbytes)
-    require_full_read(len(mapped), piece.read_nbytes, offset, url)
     for b in range(0, piece.read_nbytes, block):
         view = mapped[b:b + block]
         subs += verify_chunks_split(shard, (piece.read_start + b) // size, view, size, sub, url)
@@ -173,12 +170,23 @@ def write_assembled_at(src: Store, manifest: Manifest, slab: Slab, entry: PlanEn
     return done
 
 
-def _map_source(src: Store, manifest: Manifest, piece: Piece, path: str, itemsize: int) -> list[Any]:
-    """[the piece's read range mapped as ``uint8``, verified up to (shard byte), url, byte strides]."""
+def _map_read_range(src: Store, manifest: Manifest, piece: Piece, path: str) -> tuple[memoryview, str]:
+    """(the piece's chunk-aligned read range of the local file ``path``, mapped; the file's URL),
+    after the file's size and header are checked (once per file) and its chunk CRCs fetched.
+
+    Raises:
+        IntegrityError: the file is truncated, oversized or its header disagrees.
+    """
     check_file_once(src, manifest, piece.shard.file)
     load_chunk_crcs(src, manifest.chunk_nbytes, [piece.shard])
     offset, url = piece.shard.byte_offset + piece.read_start, src.url_of(piece.shard.file)
     mapped = map_range(path, offset, piece.read_nbytes)
     require_full_read(len(mapped), piece.read_nbytes, offset, url)
+    return mapped, url
+
+
+def _map_source(src: Store, manifest: Manifest, piece: Piece, path: str, itemsize: int) -> list[Any]:
+    """[the piece's read range mapped as ``uint8``, verified up to (shard byte), url, byte strides]."""
+    mapped, url = _map_read_range(src, manifest, piece, path)
     return [np.frombuffer(mapped, np.uint8), piece.read_start, url,
             [s * itemsize for s in row_major_strides(piece.saved.lengths)]]
