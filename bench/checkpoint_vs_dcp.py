@@ -5,8 +5,9 @@
 Builds one Llama-style state (parameters + AdamW ``exp_avg``/``exp_avg_sq``/``step``, about
 ``--gb`` GiB in all) on ``--nproc`` gloo processes with the real trainer model and
 ``parallelize`` (meta-device init, TP + FSDP2 DTensors), in ``--save-layout``
-(``pp.dp_replicate.dp_shard.tp``, default ``1.1.2.2`` = tp2 x dp_shard2). Then, alternating
-which goes first on every repeat, on the same storage it measures:
+(``pp.dp_replicate.dp_shard.tp``, default ``1.1.2.2`` = tp2 x dp_shard2). Then, on the same
+storage, with rivals back to back in an order that rotates every repeat (so each takes each
+position equally often), it measures:
 
 * sync save: ``save_checkpoint`` vs ``dcp.save``;
 * async save: time the caller is blocked (``AsyncCheckpointer.save`` vs ``dcp.async_save``
@@ -14,7 +15,10 @@ which goes first on every repeat, on the same storage it measures:
 * load with reshard into each ``--load-layouts`` layout: ``load_into`` (plus reading the
   manifest) vs ``dcp.load`` into DTensors of that layout; the loaded tensors are
   compared (CRC-32C of every local tensor) so both must agree bit for bit;
-* raw fsspec bandwidth: every rank writes the bytes it saves as one file, then reads it back.
+* raw fsspec references: every rank writes the bytes it saves as one file (next to the sync
+  saves), and reads it back into memory it already holds (next to each layout's loads, as a
+  load fills tensors that exist); also once into new memory (``f.read()``, ``raw.read_fresh``:
+  that adds faulting in and zeroing fresh pages, which a load does not pay).
 
 With ``--megatron`` (local disk), Megatron-Core's ``dist_checkpointing`` then runs on the same
 state under megatron-core's own interpreter (bench/megatron_peer.py; env
@@ -238,6 +242,7 @@ class Bench:
         self.dcp_group = dist.new_group(backend="gloo")
         plan = plan_local_writes(0, self.local, self.cfg, self.dims, self.rank)
         self.raw_parts = [t.contiguous().reshape(-1).view(torch.uint8).numpy() for _, t, _ in plan.entries]
+        self.raw_buf = torch.zeros(sum(p.nbytes for p in self.raw_parts), dtype=torch.uint8)
         self.crc_ok = True
 
     def url(self, name: str) -> str:
@@ -327,11 +332,22 @@ class Bench:
                 f.flush()
                 os.fsync(f.fileno())
 
-    def raw_read(self, name: str) -> dict[str, float]:
+    def raw_read(self, name: str, fresh: bool = False) -> dict[str, float]:
+        """Read back this rank's raw file: into ``raw_buf`` (memory this rank already holds, as
+        a load fills tensors that exist), or with ``fresh`` into a new ``bytes`` (``f.read()``:
+        that also faults in and zeroes fresh pages, which a load does not)."""
         store = Store(self.url(name), self.opts)
         with store.fs.open(f"{store.root}/rank-{self.rank}.bin", "rb") as f:
-            data = f.read()
-        return {"read": len(data), "needed": len(data)}
+            if fresh:
+                got = len(f.read())
+            else:
+                view, got = memoryview(self.raw_buf.numpy()), 0
+                while got < len(view):
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+        return {"read": got, "needed": got}
 
     def zero_target(self, target: str) -> None:
         for t in self.targets[target][1].values():
@@ -354,24 +370,35 @@ class Bench:
         dist.barrier()
 
     def round(self, rep: int, results: dict[str, list[dict]]) -> None:
-        """One repeat: every measurement once, shardsmith and DCP alternating first."""
-        order = ["ours", "dcp"] if rep % 2 == 0 else ["dcp", "ours"]
+        """One repeat: every measurement once. Each group of rivals (sync save: shardsmith, DCP,
+        raw write; each load: shardsmith, DCP, raw read) runs back to back, in an order that
+        rotates every repeat, so each takes each position equally often (the cost of fresh page
+        cache on this VM depends on what ran just before; see bench/README.md, session 11)."""
+        def rotated(names: list[str], shift: int = 0) -> list[str]:
+            k = (rep + shift) % len(names)
+            return names[k:] + names[:k]
 
         def run(key: str, fn: Callable[[], Any]) -> None:
             settle(self.base, self.local_disk)
             results.setdefault(key, []).append(measure(fn, profile=key == self.args.profile))
             log(f"round {rep} {key}: " + ", ".join(f"{k}={v:.4g}" for k, v in results[key][-1].items()))
 
-        for who in order:
-            run(f"{who}.save", lambda: getattr(self, f"{who}_save")(f"{who}-sync"))
+        for who in rotated(["ours", "dcp", "raw"]):
+            if who == "raw":
+                run("raw.write", lambda: self.raw_write("raw"))
+            else:
+                run(f"{who}.save", lambda: getattr(self, f"{who}_save")(f"{who}-sync"))
         for mode in ("bg", "fg"):
-            for who in order:
+            for who in rotated(["ours", "dcp"]):
                 run(f"{who}.async_{mode}", lambda: getattr(self, f"{who}_async")(f"{who}-async", mode == "bg"))
-        run("raw.write", lambda: self.raw_write("raw"))
-        run("raw.read", lambda: self.raw_read("raw"))
-        for target in self.targets:
+        run("raw.read_fresh", lambda: self.raw_read("raw", fresh=True))
+        for i, target in enumerate(self.targets):
             crcs = {}
-            for who in order:
+            for who in rotated(["ours", "dcp", "raw"], shift=i):
+                if who == "raw":
+                    self.raw_buf.zero_()                      # touched just before, as zero_target
+                    run(f"raw.read.{target}", lambda: self.raw_read("raw"))
+                    continue
                 self.zero_target(target)
                 run(f"{who}.load.{target}", lambda: getattr(self, f"{who}_load")(f"{who}-sync", target))
                 crcs[who] = state_crcs(self.targets[target][1])
@@ -438,17 +465,19 @@ def report(args: argparse.Namespace, data: dict) -> dict[str, Any]:
         ("peak RSS, sync save (MiB/rank)", m("ours.save", "rss_mib"), m("dcp.save", "rss_mib"),
          m("raw.write", "rss_mib")),
         ("peak RSS, async save (MiB/rank)", m("ours.async_bg", "rss_mib"), m("dcp.async_fg", "rss_mib"), None)]
-    loads, amps, load_cpu = {}, {}, {}
+    loads, amps, load_cpu, load_cpu_fresh = {}, {}, {}, {}
     for target in args.load_layouts.split(","):
-        ours, theirs = f"ours.load.{target}", f"dcp.load.{target}"
-        rows += [(f"load -> {target} (s)", m(ours), m(theirs), m("raw.read")),
-                 ("  CPU, all ranks (s)", m(ours, "cpu"), m(theirs, "cpu"), m("raw.read", "cpu")),
+        ours, theirs, raw = f"ours.load.{target}", f"dcp.load.{target}", f"raw.read.{target}"
+        rows += [(f"load -> {target} (s)", m(ours), m(theirs), m(raw)),
+                 ("  CPU, all ranks (s)", m(ours, "cpu"), m(theirs, "cpu"), m(raw, "cpu")),
                  ("  syscall bytes read (GiB)", m(ours, "rchar") / 2**30, m(theirs, "rchar") / 2**30,
-                  m("raw.read", "rchar") / 2**30),
-                 ("  peak RSS (MiB/rank)", m(ours, "rss_mib"), m(theirs, "rss_mib"), m("raw.read", "rss_mib"))]
+                  m(raw, "rchar") / 2**30),
+                 ("  peak RSS (MiB/rank)", m(ours, "rss_mib"), m(theirs, "rss_mib"), m(raw, "rss_mib"))]
         loads[target] = m(theirs) / m(ours)
         amps[target] = m(ours, "read") / m(ours, "needed")
-        load_cpu[target] = m(ours, "cpu") / m("raw.read", "cpu")
+        load_cpu[target] = m(ours, "cpu") / m(raw, "cpu")
+        load_cpu_fresh[target] = m(ours, "cpu") / m("raw.read_fresh", "cpu")
+    raw_read_s = statistics.median(r["s"] for k, v in res.items() if k.startswith("raw.read.") for r in v)
     print(f"\nstate: {gib:.2f} GiB on {args.nproc} ranks, saved as {args.save_layout}; storage "
           f"{'s3 (moto)' if args.s3 else 'local disk'}; fsync {'on' if args.fsync else 'off'}; "
           f"medians of {args.repeats} (after {args.warmup} warm-up)")
@@ -458,7 +487,9 @@ def report(args: argparse.Namespace, data: dict) -> dict[str, Any]:
         ratio = theirs_v / ours_v if ours_v else float("nan")
         print(f"{name:48s}{ours_v:11.3f}{theirs_v:9.3f}{raw_s}{ratio:9.2f}")
     print(f"write bandwidth: shardsmith {gib / m('ours.save'):.2f} GiB/s, DCP {gib / m('dcp.save'):.2f} GiB/s, "
-          f"raw {gib / m('raw.write'):.2f} GiB/s; raw read {gib / m('raw.read'):.2f} GiB/s")
+          f"raw {gib / m('raw.write'):.2f} GiB/s; raw read {gib / raw_read_s:.2f} GiB/s")
+    print(f"raw read into new memory (f.read()): {m('raw.read_fresh'):.3f} s, {m('raw.read_fresh', 'cpu'):.3f} "
+          f"CPU-s (the raw column reads into memory each rank already holds, as a load does)")
     for target, amp in amps.items():
         print(f"shardsmith read amplification -> {target}: {amp:.4f} (bytes read / bytes needed)")
     print(f"loaded tensors identical (shardsmith vs DCP): {data['crc_ok']}; load average "
@@ -472,6 +503,7 @@ def report(args: argparse.Namespace, data: dict) -> dict[str, Any]:
             "load_cpu_vs_raw": max(load_cpu.values()),
             "save_cpu_vs_dcp": m("ours.save", "cpu") / m("dcp.save", "cpu"),
             "load_cpu_vs_raw_by_layout": load_cpu,
+            "load_cpu_vs_raw_fresh": max(load_cpu_fresh.values()),
             "cpu_seconds": {k: round(m(k, "cpu"), 4) for k in sorted(res)},
             "load_average_1m": round(os.getloadavg()[0], 1),
             "stall_snapshot_in_save_vs_dcp": m("ours.async_fg", "blocked") / m("dcp.async_fg", "blocked"),
@@ -483,6 +515,8 @@ def report(args: argparse.Namespace, data: dict) -> dict[str, Any]:
                           "save_cpu_vs_raw": per_round(res, "ours.save", "raw.write", "cpu"),
                           "stall_vs_dcp": per_round(res, "ours.async_bg", "dcp.async_fg", "blocked"),
                           **{f"load_speedup_vs_dcp.{t}": per_round(res, f"dcp.load.{t}", f"ours.load.{t}")
+                             for t in loads},
+                          **{f"load_cpu_vs_raw.{t}": per_round(res, f"ours.load.{t}", f"raw.read.{t}", "cpu")
                              for t in loads}},
             "seconds": {k: round(m(k), 4) for k in sorted(res)},
             "gib": round(gib, 3), "nproc": args.nproc, "storage": "s3" if args.s3 else "local",
