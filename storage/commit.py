@@ -20,6 +20,7 @@ from shardsmith.errors import BucketNotFound, CheckpointNotFound, LayoutError, M
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, Manifest
+from shardsmith.storage.manifest_checks import cycle_gc_paused
 from shardsmith.storage.manifest_parse import parse_manifest
 from shardsmith.storage.manifest_read import ManifestReader
 
@@ -187,6 +188,7 @@ def check_files_written(step_store: Store, manifest: Manifest, max_workers: int 
                         "is untouched")
 
 
+@cycle_gc_paused()
 def commit(root: Store, manifest: Manifest, *, check_files: bool = True) -> None:
     """Validate, then write the manifest (the commit point) and then the ``latest`` hint.
 

@@ -16,7 +16,7 @@ from typing import Iterable, Iterator
 
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, TensorRecord
-from shardsmith.storage.manifest_checks import err
+from shardsmith.storage.manifest_checks import cycle_gc_paused, err
 from shardsmith.storage.manifest_parse import parse_manifest
 from shardsmith.storage.manifest_v2 import PREFIX, Head, check_tensors, head_nbytes_of, parse_entry, parse_head
 
@@ -108,6 +108,7 @@ class ManifestReader:
                       "could be read)", self.source)
         return data
 
+    @cycle_gc_paused()
     def manifest(self, fqns: Iterable[str] | None = None) -> Manifest:
         """The manifest holding the tensors ``fqns`` that the step has (all with ``None``),
         validated; FQNs the step lacks are left out (``Manifest.tensor_names`` lists the step's).

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardsmith.storage.manifest_checks import cycle_gc_paused
+
 
 def gather_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """All-gather a JSON-serializable object from every rank (UTF-8 bytes over the
@@ -60,7 +62,8 @@ def gather_json_to_root(obj: Any, group: dist.ProcessGroup | None = None) -> lis
     out = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
     dist.gather(buf, out, dst=root, group=group)
     raw = [bytes(t.numpy()) for t in out]
-    return [json.loads(r[8:8 + int.from_bytes(r[:8], "little")]) for r in raw]
+    with cycle_gc_paused():                     # one object tree per rank (their shard records)
+        return [json.loads(r[8:8 + int.from_bytes(r[:8], "little")]) for r in raw]
 
 
 def broadcast_text(text: str, group: dist.ProcessGroup | None = None) -> str:
