@@ -167,6 +167,8 @@ def overlapping_pairs(boxes: list[tuple[list[int], list[int], int]]) -> list[tup
     ndim = len(boxes[0][0])
     if ndim == 0:
         return [(boxes[0][2], b[2]) for b in boxes[1:]]
+    if _grid_disjoint(boxes, ndim):
+        return []
     d = max(range(ndim), key=lambda k: len({b[0][k] for b in boxes}))
     active: list[tuple[list[int], list[int], int]] = []
     pairs = []
@@ -178,6 +180,20 @@ def overlapping_pairs(boxes: list[tuple[list[int], list[int], int]]) -> list[tup
                 pairs.append((min(ai, idx), max(ai, idx)))
         active.append(box)
     return sorted(pairs)
+
+
+def _grid_disjoint(boxes: list[tuple[list[int], list[int], int]], ndim: int) -> bool:
+    """Whether non-empty boxes are known disjoint without comparing pairs: along every dim any
+    two of their extents are equal or disjoint, and no two boxes are equal. (Two boxes meet
+    iff their extents overlap along every dim; extents that are equal or disjoint overlap only
+    when equal, so two boxes meet only if they are equal.) True for every sharding plan's
+    grid; ``False`` means "unknown", for the sweep in :func:`overlapping_pairs`."""
+    for d in range(ndim):
+        spans = sorted({(b[0][d], b[1][d]) for b in boxes})
+        for (o1, n1), (o2, _) in zip(spans, spans[1:]):
+            if o1 + n1 > o2:
+                return False
+    return len({(*b[0], *b[1]) for b in boxes}) == len(boxes)
 
 
 def check_coverage(fqn: str, rec: TensorRecord, problems: Problems, raw_nbytes: bool = True) -> None:
@@ -296,6 +312,12 @@ def check_bytes(fqn: str, rec: TensorRecord, files: dict[str, FileRecord], chunk
     """Each shard's bytes lie inside a listed data file, with one checksum per chunk: inline,
     or (``crc_index >= 0``) inside the file's listed sidecar."""
     for i, s in enumerate(rec.shards):
+        if s.file in files and not s.file.endswith(SIDECAR_SUFFIX) and s.byte_offset + s.nbytes <= files[s.file].nbytes:
+            if s.crc_index < 0 and len(s.crc32c) == s.num_chunks(chunk):
+                continue
+            side = files.get(sidecar_name(s.file)) if s.crc_index >= 0 else None
+            if side is not None and not side.nbytes % 4 and (s.crc_index + s.num_chunks(chunk)) * 4 <= side.nbytes:
+                continue                                          # the common case: nothing to say
         where = f"tensors[{fqn!r}].shards[{i}]"
         if s.file not in files:
             problems.add(where + ".file", f"{s.file!r} is not listed in files")
@@ -324,21 +346,22 @@ def check_sidecars(tensors: dict[str, TensorRecord], files: dict[str, FileRecord
                    problems: Problems, *, whole: bool) -> None:
     """Within a sidecar, shards' checksum ranges do not overlap; ``whole`` (every tensor of
     the step is in ``tensors``): they also cover every checksum of the sidecar exactly."""
-    by_side: dict[str, list[tuple[int, int, str]]] = {}
+    by_side: dict[str, list[tuple[int, int, str, int]]] = {}
     for fqn, rec in tensors.items():
         for i, s in enumerate(rec.shards):
             if s.crc_index >= 0 and s.nbytes:
                 by_side.setdefault(sidecar_name(s.file), []).append(
-                    (s.crc_index, s.crc_index + s.num_chunks(chunk), f"tensors[{fqn!r}].shards[{i}]"))
+                    (s.crc_index, s.crc_index + s.num_chunks(chunk), fqn, i))
     for name, spans in sorted(by_side.items()):
         spans.sort()
-        for (_, end, wa), (begin, _, wb) in zip(spans, spans[1:]):
+        for (_, end, fa, ia), (begin, _, fb, ib) in zip(spans, spans[1:]):
             if begin < end:
-                problems.add(wb + ".crc32c", f"checksums in {name} overlap those of {wa}")
+                problems.add(f"tensors[{fb!r}].shards[{ib}].crc32c",
+                             f"checksums in {name} overlap those of tensors[{fa!r}].shards[{ia}]")
         side = files.get(name)
-        if whole and side is not None and sum(e - b for b, e, _ in spans) * 4 != side.nbytes:
+        if whole and side is not None and sum(e - b for b, e, _, _ in spans) * 4 != side.nbytes:
             problems.add(f"files[{name!r}]", f"{side.nbytes} bytes but its shards have "
-                         f"{sum(e - b for b, e, _ in spans)} checksums of 4 bytes")
+                         f"{sum(e - b for b, e, _, _ in spans)} checksums of 4 bytes")
 
 
 def parse_tensor(fqn: str, t: Any, source: str, parse_shard: Callable[[Any, str], ShardRecord]) -> TensorRecord:

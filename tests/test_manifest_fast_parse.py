@@ -13,7 +13,8 @@ import pytest
 
 from shardsmith.errors import ManifestError
 from shardsmith.storage import manifest_v2
-from shardsmith.storage.manifest_checks import MAX_INT, cycle_gc_paused, reject_duplicate_keys
+from shardsmith.storage.manifest_checks import (MAX_INT, _grid_disjoint, cycle_gc_paused, overlapping_pairs,
+                                                reject_duplicate_keys)
 
 _BAD_VALUES: list[Any] = [True, False, -1, 1.0, "1", None, [], {}, MAX_INT + 1, [1, True], [1, -2], [1.5],
                           [2**32], "", "../x", "/abs", "a//b", "s3://b/k", "x\\y", "a\x01b", ".", "manifest.json",
@@ -130,3 +131,34 @@ def test_cycle_gc_paused_overlapping_threads_turn_it_back_on_once_both_leave() -
     leave.set()
     t.join(10)
     assert gc.isenabled()
+
+
+def _pairs_by_brute_force(boxes: list[tuple[list[int], list[int], int]]) -> list[tuple[int, int]]:
+    return sorted((a[2], b[2]) for i, a in enumerate(boxes) for b in boxes[i + 1:]
+                  if all(max(x, y) < min(x + xn, y + yn) for x, xn, y, yn in zip(a[0], a[1], b[0], b[1])))
+
+
+def test_grid_shortcut_finds_exactly_the_overlapping_pairs() -> None:
+    """Grids (the shortcut says disjoint), grids with a duplicated or shifted box, and random
+    boxes: overlapping_pairs equals a brute-force comparison of all pairs."""
+    random.seed(11)
+    shortcut = 0
+    for case in range(400):
+        ndim = random.randrange(1, 4)
+        cuts = [sorted(random.sample(range(1, 12), random.randrange(0, 3))) for _ in range(ndim)]
+        extents = [[(a, b - a) for a, b in zip([0] + c, c + [12])] for c in cuts]
+        boxes: list[tuple[list[int], list[int]]] = [([], [])]
+        for dim in extents:
+            boxes = [(o + [a], n + [b]) for o, n in boxes for a, b in dim]
+        if case % 4 == 1:
+            boxes.append(random.choice(boxes))                                   # the same box twice
+        elif case % 4 == 2:
+            o, n = random.choice(boxes)
+            boxes.append(([x + random.randrange(0, 2) for x in o], list(n)))     # shifted: off the grid
+        elif case % 4 == 3:
+            boxes = [([random.randrange(0, 10) for _ in range(ndim)], [random.randrange(1, 5) for _ in range(ndim)])
+                     for _ in range(random.randrange(2, 9))]
+        indexed = [(o, n, i) for i, (o, n) in enumerate(boxes)]
+        shortcut += _grid_disjoint(indexed, ndim)
+        assert overlapping_pairs(indexed) == _pairs_by_brute_force(indexed), boxes
+    assert shortcut >= 100                           # the plain grids took the shortcut
