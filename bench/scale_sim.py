@@ -43,7 +43,7 @@ from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, step_dir
 from shardsmith.storage.formats import SafetensorsFormat
 from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, ManifestBuilder
-from shardsmith.storage.manifest_checks import cycle_gc_paused
+from shardsmith.storage.cycle_gc import cycle_gc_paused
 from shardsmith.storage.manifest_read import ManifestReader
 from shardsmith.storage.reading.spans import intersections
 from shardsmith.storage.safetensors import _HEADER_PROBE_NBYTES, encode_header, file_order, shard_records
@@ -161,14 +161,13 @@ def simulate_save(cfg: Config, step_store: SimStore, chunk: int) -> tuple[dict, 
 def simulate_commit(cfg: Config, root: SimStore, specs: dict, gathered: list[bytes], chunk: int) -> float:
     """Rank 0's CPU for a commit: decode, build, serialize, validate, write (seconds)."""
     t0 = time.process_time()
-    with cycle_gc_paused():         # as the trainer: gather_json_to_root's decode, then _commit_gathered
+    with cycle_gc_paused():         # as the trainer's gather_json_to_root decodes them
         records = [json.loads(g) for g in gathered]
-        builder = ManifestBuilder(step=STEP, dims=cfg.dims, model=cfg.model.to_json(),
-                                  config={"parallel": cfg.dims.to_json()},
-                                  state={"step": STEP, "tokens_seen": STEP * 4096 * 1024}, chunk_nbytes=chunk,
-                                  tensors={f: (s.shape, s.dtype) for f, s in specs.items()})
-        SafetensorsFormat().add_records(builder, records, root.child(step_dir(STEP)), specs, cfg.dims)
-        commit(root, builder.build(), check_files=False)           # type: ignore[arg-type]
+    builder = ManifestBuilder(step=STEP, dims=cfg.dims, model=cfg.model.to_json(), config={"parallel": cfg.dims.to_json()},
+                              state={"step": STEP, "tokens_seen": STEP * 4096 * 1024}, chunk_nbytes=chunk,
+                              tensors={f: (s.shape, s.dtype) for f, s in specs.items()})
+    SafetensorsFormat().add_records(builder, records, root.child(step_dir(STEP)), specs, cfg.dims)
+    commit(root, builder.build(), check_files=False)           # type: ignore[arg-type]
     return time.process_time() - t0
 
 

@@ -20,7 +20,7 @@ from shardsmith.errors import BucketNotFound, CheckpointNotFound, LayoutError, M
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, Manifest
-from shardsmith.storage.manifest_checks import cycle_gc_paused
+from shardsmith.storage.cycle_gc import cycle_gc_paused
 from shardsmith.storage.manifest_parse import parse_manifest
 from shardsmith.storage.manifest_read import ManifestReader
 
@@ -188,7 +188,6 @@ def check_files_written(step_store: Store, manifest: Manifest, max_workers: int 
                         "is untouched")
 
 
-@cycle_gc_paused()
 def commit(root: Store, manifest: Manifest, *, check_files: bool = True) -> None:
     """Validate, then write the manifest (the commit point) and then the ``latest`` hint.
 
@@ -204,8 +203,9 @@ def commit(root: Store, manifest: Manifest, *, check_files: bool = True) -> None
     """
     name = step_dir(manifest.step)
     step_store = root.child(name)
-    raw = manifest.dumps()
-    parse_manifest(raw, step_store.url_of(MANIFEST_NAME))
+    with cycle_gc_paused():                 # CPU only: no storage call while the collector waits
+        raw = manifest.dumps()
+        parse_manifest(raw, step_store.url_of(MANIFEST_NAME))
     crash_point("commit.before_check", step=manifest.step)          # test hooks; inert normally
     if check_files:
         check_files_written(step_store, manifest)

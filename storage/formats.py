@@ -25,6 +25,7 @@ from shardsmith.layout.box import Box
 from shardsmith.layout.plan import TensorSpec, shard_file_name, write_assignment
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import TENSOR_FORMATS, FileRecord, Manifest, ManifestBuilder, ShardRecord
+from shardsmith.storage.cycle_gc import cycle_gc_paused
 from shardsmith.storage.reading.execute import ReadStats, destination, read_safetensors_boxes
 from shardsmith.storage.reading.staging import on_host, read_staged
 from shardsmith.storage.sidecar import write_sidecar
@@ -89,14 +90,15 @@ class SafetensorsFormat:
 
     def add_records(self, builder: ManifestBuilder, gathered: list[dict[str, Any]], step_store: Store,
                     specs: dict[str, TensorSpec], dims: ParallelDims) -> None:
-        for g in gathered:
-            if "file" in g:
-                name, nbytes, crc = g["file"]
-                builder.add_file(name, FileRecord(nbytes=nbytes, crc32c=crc),
-                                 {fqn: ShardRecord(offsets=o, lengths=n, file=name, key=fqn, byte_offset=b,
-                                                   nbytes=size, crc32c=[], crc_index=c)
-                                  for fqn, (b, size, c, o, n) in g["shards"].items()},
-                                 sidecar=FileRecord(*g["sidecar"]))
+        with cycle_gc_paused():                  # one record per shard, no storage call
+            for g in gathered:
+                if "file" in g:
+                    name, nbytes, crc = g["file"]
+                    builder.add_file(name, FileRecord(nbytes=nbytes, crc32c=crc),
+                                     {fqn: ShardRecord(offsets=o, lengths=n, file=name, key=fqn, byte_offset=b,
+                                                       nbytes=size, crc32c=[], crc_index=c)
+                                      for fqn, (b, size, c, o, n) in g["shards"].items()},
+                                     sidecar=FileRecord(*g["sidecar"]))
 
     def gathered_nbytes(self, gathered: list[dict[str, Any]]) -> int:
         return sum(g["file"][1] + g["sidecar"][0] for g in gathered if "file" in g)

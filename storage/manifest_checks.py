@@ -6,14 +6,11 @@ byte ranges, checksum counts) that collect every problem of a manifest into one 
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import json
 import posixpath
-import threading
 from math import prod
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from shardsmith.errors import ManifestError
 from shardsmith.layout.dtypes import DTYPE_NBYTES
@@ -46,31 +43,6 @@ class Problems:
 
 
 _ADVICE = "the checkpoint is damaged or was not written by shardsmith — do not load it"
-
-
-_GC_LOCK = threading.Lock()
-_gc_pauses = [0, False]             # [nesting depth, whether the collector was on at the outermost]
-
-
-@contextlib.contextmanager
-def cycle_gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector (reference counting still frees everything)
-    while a large tree of metadata objects is built: it would otherwise re-scan the growing
-    tree every few hundred allocations, which was more than half of ``parse_manifest``'s CPU
-    (22,767 shard records: 0.65 s with it, 0.30 s without). Nests, from any thread; the
-    collector is back on (if it was on) when the outermost block exits. Also a decorator."""
-    with _GC_LOCK:
-        if _gc_pauses[0] == 0:
-            _gc_pauses[1] = gc.isenabled()
-            gc.disable()
-        _gc_pauses[0] += 1
-    try:
-        yield
-    finally:
-        with _GC_LOCK:
-            _gc_pauses[0] -= 1
-            if _gc_pauses[0] == 0 and _gc_pauses[1]:
-                gc.enable()
 
 
 def err(where: str, what: str, source: str) -> ManifestError:
@@ -114,10 +86,19 @@ def int_list(value: Any, where: str, source: str, *, min_value: int = 0,
     return value
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def relpath_ok(path: str) -> bool:
     """Whether the string ``path`` is a normalized relative path inside the checkpoint (not
-    the manifest). Cached: a manifest names each data file once per shard it holds."""
+    the manifest). Cached for paths of up to 256 characters: a manifest names each data file
+    once per shard it holds (a hostile long name is checked, not kept)."""
+    return _relpath_ok_cached(path) if len(path) <= 256 else _relpath_ok(path)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _relpath_ok_cached(path: str) -> bool:
+    return _relpath_ok(path)
+
+
+def _relpath_ok(path: str) -> bool:
     return not ("://" in path or path.startswith(("/", "\\", "~")) or "\\" in path or ":" in path
                 or any(ord(c) < 32 for c in path) or posixpath.normpath(path) != path
                 or ".." in path.split("/") or path == "." or path == MANIFEST_NAME)
@@ -242,9 +223,11 @@ def check_files_disjoint(tensors: dict[str, TensorRecord], problems: Problems) -
                 problems.add(where(fqn, i) + ".key", f"key {key!r} of {name} is also used by {where(*keys[key])}")
             keys[key] = (fqn, i)
         spans.sort()
-        for (_, end, _, fa, ia), (begin, _, _, fb, ib) in zip(spans, spans[1:]):
-            if begin < end:
-                problems.add(where(fb, ib) + ".byte_offset", f"bytes of {name} overlap those of {where(fa, ia)}")
+        if any(begin < end for (_, end, *_), (begin, *_) in zip(spans, spans[1:])):
+            spans.sort(key=lambda t: (*t[:3], where(t[3], t[4])))      # ties named in location order
+            for (_, end, _, fa, ia), (begin, _, _, fb, ib) in zip(spans, spans[1:]):
+                if begin < end:
+                    problems.add(where(fb, ib) + ".byte_offset", f"bytes of {name} overlap those of {where(fa, ia)}")
 
 
 def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -354,10 +337,12 @@ def check_sidecars(tensors: dict[str, TensorRecord], files: dict[str, FileRecord
                     (s.crc_index, s.crc_index + s.num_chunks(chunk), fqn, i))
     for name, spans in sorted(by_side.items()):
         spans.sort()
-        for (_, end, fa, ia), (begin, _, fb, ib) in zip(spans, spans[1:]):
-            if begin < end:
-                problems.add(f"tensors[{fb!r}].shards[{ib}].crc32c",
-                             f"checksums in {name} overlap those of tensors[{fa!r}].shards[{ia}]")
+        if any(begin < end for (_, end, *_), (begin, *_) in zip(spans, spans[1:])):
+            spans.sort(key=lambda t: (t[0], t[1], f"tensors[{t[2]!r}].shards[{t[3]}]"))   # ties in location order
+            for (_, end, fa, ia), (begin, _, fb, ib) in zip(spans, spans[1:]):
+                if begin < end:
+                    problems.add(f"tensors[{fb!r}].shards[{ib}].crc32c",
+                                 f"checksums in {name} overlap those of tensors[{fa!r}].shards[{ia}]")
         side = files.get(name)
         if whole and side is not None and sum(e - b for b, e, _, _ in spans) * 4 != side.nbytes:
             problems.add(f"files[{name!r}]", f"{side.nbytes} bytes but its shards have "

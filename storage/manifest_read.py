@@ -16,7 +16,8 @@ from typing import Iterable, Iterator
 
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, TensorRecord
-from shardsmith.storage.manifest_checks import cycle_gc_paused, err
+from shardsmith.storage.cycle_gc import cycle_gc_paused
+from shardsmith.storage.manifest_checks import err
 from shardsmith.storage.manifest_parse import parse_manifest
 from shardsmith.storage.manifest_v2 import PREFIX, Head, check_tensors, head_nbytes_of, parse_entry, parse_head
 
@@ -108,7 +109,6 @@ class ManifestReader:
                       "could be read)", self.source)
         return data
 
-    @cycle_gc_paused()
     def manifest(self, fqns: Iterable[str] | None = None) -> Manifest:
         """The manifest holding the tensors ``fqns`` that the step has (all with ``None``),
         validated; FQNs the step lacks are left out (``Manifest.tensor_names`` lists the step's).
@@ -130,10 +130,12 @@ class ManifestReader:
         tensors: dict[str, TensorRecord] = {}
         for start, end, members in self._ranges(names):
             data = self._fetch(start, end)
-            for fqn in members:
-                lo, hi = self.head.index[fqn]
-                tensors[fqn] = parse_entry(data[lo - start:hi - start], fqn, self.head, self.source)
-        check_tensors(self.head, tensors, self.source, whole=False)
+            with cycle_gc_paused():             # CPU only: the fetch above runs with the collector on
+                for fqn in members:
+                    lo, hi = self.head.index[fqn]
+                    tensors[fqn] = parse_entry(data[lo - start:hi - start], fqn, self.head, self.source)
+        with cycle_gc_paused():
+            check_tensors(self.head, tensors, self.source, whole=False)
         return self.head.manifest(tensors, partial=fqns is not None)
 
     def iter_tensors(self, run_nbytes: int = STREAM_NBYTES) -> Iterator[tuple[str, TensorRecord]]:

@@ -4,17 +4,21 @@ cyclic collector correctly (nested, across threads, on errors)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import random
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
 from shardsmith.errors import ManifestError
 from shardsmith.storage import manifest_v2
-from shardsmith.storage.manifest_checks import (MAX_INT, _grid_disjoint, cycle_gc_paused, overlapping_pairs,
-                                                reject_duplicate_keys)
+from shardsmith.storage.cycle_gc import cycle_gc_paused
+from shardsmith.storage.manifest import ShardRecord, TensorRecord
+from shardsmith.storage.manifest_checks import (MAX_INT, Problems, _grid_disjoint, _relpath_ok_cached, check_files_disjoint,
+                                                check_sidecars, overlapping_pairs, reject_duplicate_keys, relpath_ok)
 
 _BAD_VALUES: list[Any] = [True, False, -1, 1.0, "1", None, [], {}, MAX_INT + 1, [1, True], [1, -2], [1.5],
                           [2**32], "", "../x", "/abs", "a//b", "s3://b/k", "x\\y", "a\x01b", ".", "manifest.json",
@@ -115,7 +119,9 @@ def test_cycle_gc_paused_nests_and_restores_the_collector() -> None:
         gc.enable()
 
 
-def test_cycle_gc_paused_overlapping_threads_turn_it_back_on_once_both_leave() -> None:
+@contextlib.contextmanager
+def _paused_by_another_thread() -> Iterator[None]:
+    """While the block runs, another thread is inside ``cycle_gc_paused``; it leaves after."""
     inside, leave = threading.Event(), threading.Event()
 
     def other() -> None:
@@ -124,12 +130,20 @@ def test_cycle_gc_paused_overlapping_threads_turn_it_back_on_once_both_leave() -
             leave.wait(10)
 
     t = threading.Thread(target=other)
-    with cycle_gc_paused():
-        t.start()
+    t.start()
+    try:
         assert inside.wait(10)
-    assert not gc.isenabled()                         # the other thread is still inside
-    leave.set()
-    t.join(10)
+        yield
+    finally:
+        leave.set()
+        t.join(10)
+
+
+def test_cycle_gc_paused_overlapping_threads_turn_it_back_on_once_both_leave() -> None:
+    with _paused_by_another_thread():
+        with cycle_gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()                     # the other thread is still inside
     assert gc.isenabled()
 
 
@@ -162,3 +176,48 @@ def test_grid_shortcut_finds_exactly_the_overlapping_pairs() -> None:
         shortcut += _grid_disjoint(indexed, ndim)
         assert overlapping_pairs(indexed) == _pairs_by_brute_force(indexed), boxes
     assert shortcut >= 100                           # the plain grids took the shortcut
+
+
+def _eleven_shards() -> TensorRecord:
+    f = "shards/rank-00000.safetensors"
+    return TensorRecord(shape=[11], dtype="F32", shards=[
+        ShardRecord(offsets=[i], lengths=[1], file=f, key=f"w.{i}", byte_offset=4 * i, nbytes=4, crc32c=[],
+                    crc_index=i) for i in range(11)])
+
+
+def test_overlap_messages_name_tied_shards_in_location_order() -> None:
+    """Two shards tied on their range are named as before the lazy locations (sorted by the
+    location text, where 'shards[10]' comes before 'shards[2]')."""
+    rec = _eleven_shards()
+    rec.shards[10].crc_index = 2
+    problems = Problems("m.json")
+    check_sidecars({"w": rec}, {}, 4, problems, whole=False)
+    assert problems.items == ["tensors['w'].shards[2].crc32c: checksums in shards/rank-00000.safetensors.crc32c "
+                              "overlap those of tensors['w'].shards[10]"]
+    rec = _eleven_shards()
+    rec.shards[10].byte_offset = 8
+    problems = Problems("m.json")
+    check_files_disjoint({"w": rec}, problems)
+    assert problems.items == ["tensors['w'].shards[2].byte_offset: bytes of shards/rank-00000.safetensors overlap "
+                              "those of tensors['w'].shards[10]"]
+
+
+def test_long_paths_are_checked_but_not_cached() -> None:
+    _relpath_ok_cached.cache_clear()
+    assert relpath_ok("shards/rank-00000.safetensors") and not relpath_ok("../" + "a" * 300)
+    assert relpath_ok("a/" * 200 + "b")
+    assert _relpath_ok_cached.cache_info().currsize == 1             # only the short one is kept
+
+
+def test_a_child_forked_during_a_pause_runs_with_the_collector_on() -> None:
+    with _paused_by_another_thread():
+        assert not gc.isenabled()
+        pid = os.fork()
+        if pid == 0:                                  # child: the pausing thread does not exist here
+            ok = gc.isenabled()
+            with cycle_gc_paused():
+                ok = ok and not gc.isenabled()
+            os._exit(0 if ok and gc.isenabled() else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    assert gc.isenabled()

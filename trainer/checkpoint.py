@@ -28,7 +28,6 @@ from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, step_dir
 from shardsmith.storage.crashpoints import crash_point
-from shardsmith.storage.manifest_checks import cycle_gc_paused
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import Manifest, ManifestBuilder
 from shardsmith.storage.reading.execute import ReadStats
@@ -182,7 +181,6 @@ def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, di
     return int(outcome["nbytes"])
 
 
-@cycle_gc_paused()
 def _commit_gathered(root: Store, plan: WritePlan, gathered: list[dict[str, Any]], fmt: Any, *, model_cfg: ModelConfig,
                      dims: ParallelDims, config: dict[str, Any], state: dict[str, Any],
                      chunk_nbytes: int) -> dict[str, Any]:
