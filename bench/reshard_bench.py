@@ -6,7 +6,8 @@
    float32 tensors shaped like a Llama model (hidden 2048, 16 heads, 4 kv heads, FFN
    5632, vocab 32000; layers scaled to reach the size), model weights only unless
    ``--optimizer``, saved in the tp2·pp2 layout (4 files, written as a job would).
-2. Measures, alternating and taking medians over ``--runs`` runs:
+2. Measures, in an order that rotates every run (no method always follows the same one),
+   taking medians over ``--runs`` runs:
    - **reshard**: ``shardsmith.reshard.engine.reshard`` to ``--target`` (default tp1·pp1:
      every byte read and written once), in a fresh subprocess that starts its clock after
      its imports; its peak RSS is that process's ``VmHWM`` (Linux ``/proc/self/status``);
@@ -211,8 +212,9 @@ def main() -> None:
         times: dict[str, list[float]] = {"cp": [], "stream copy": [], "reshard": [], "dcp": []}
         cpu: dict[str, list[float]] = {name: [] for name in times}
         rss, written, process_cpu = [], 0, []
+        names = list(times)
         for run in range(args.runs):
-            for name in times:
+            for name in names[run % len(names):] + names[:run % len(names)]:   # rotating: no fixed neighbour
                 out = work / "out"
                 shutil.rmtree(out, ignore_errors=True)
                 c0 = cpu_seconds()
