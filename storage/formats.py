@@ -23,9 +23,9 @@ from shardsmith.errors import ConfigError
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.layout.plan import TensorSpec, shard_file_name, write_assignment
+from shardsmith.storage.cycle_gc import cycle_gc_paused
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import TENSOR_FORMATS, FileRecord, Manifest, ManifestBuilder, ShardRecord
-from shardsmith.storage.cycle_gc import cycle_gc_paused
 from shardsmith.storage.reading.execute import ReadStats, destination, read_safetensors_boxes
 from shardsmith.storage.reading.staging import on_host, read_staged
 from shardsmith.storage.sidecar import write_sidecar

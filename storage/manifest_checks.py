@@ -183,17 +183,18 @@ def check_coverage(fqn: str, rec: TensorRecord, problems: Problems, raw_nbytes: 
     ndim = len(rec.shape)
     total = 0
     boxes = []
+    shards = f"tensors[{fqn!r}].shards"             # a shard's location: f"{shards}[{i}]", for a problem
     for i, s in enumerate(rec.shards):
         if len(s.offsets) != ndim or len(s.lengths) != ndim:
-            problems.add(f"tensors[{fqn!r}].shards[{i}]", f"box of rank {len(s.offsets)}/{len(s.lengths)} (offsets/lengths) "
+            problems.add(f"{shards}[{i}]", f"box of rank {len(s.offsets)}/{len(s.lengths)} (offsets/lengths) "
                          f"does not match shape {rec.shape}")
             return
         if any(o + n > d for o, n, d in zip(s.offsets, s.lengths, rec.shape)):
-            problems.add(f"tensors[{fqn!r}].shards[{i}]", f"box offsets={s.offsets} lengths={s.lengths} outside shape {rec.shape}")
+            problems.add(f"{shards}[{i}]", f"box offsets={s.offsets} lengths={s.lengths} outside shape {rec.shape}")
             return
         numel = prod(s.lengths)
         if raw_nbytes and s.nbytes != numel * DTYPE_NBYTES[rec.dtype]:
-            problems.add(f"tensors[{fqn!r}].shards[{i}].nbytes", f"{s.nbytes} but the box holds {numel} {rec.dtype} "
+            problems.add(f"{shards}[{i}].nbytes", f"{s.nbytes} but the box holds {numel} {rec.dtype} "
                          f"elements ({numel * DTYPE_NBYTES[rec.dtype]} bytes)")
         total += numel
         if numel:
@@ -295,12 +296,13 @@ def check_bytes(fqn: str, rec: TensorRecord, files: dict[str, FileRecord], chunk
     """Each shard's bytes lie inside a listed data file, with one checksum per chunk: inline,
     or (``crc_index >= 0``) inside the file's listed sidecar."""
     for i, s in enumerate(rec.shards):
-        if s.file in files and not s.file.endswith(SIDECAR_SUFFIX) and s.byte_offset + s.nbytes <= files[s.file].nbytes:
+        data = files.get(s.file)                                  # the common case first: nothing to say
+        if data is not None and s.byte_offset + s.nbytes <= data.nbytes and not s.file.endswith(SIDECAR_SUFFIX):
             if s.crc_index < 0 and len(s.crc32c) == s.num_chunks(chunk):
                 continue
             side = files.get(sidecar_name(s.file)) if s.crc_index >= 0 else None
             if side is not None and not side.nbytes % 4 and (s.crc_index + s.num_chunks(chunk)) * 4 <= side.nbytes:
-                continue                                          # the common case: nothing to say
+                continue
         where = f"tensors[{fqn!r}].shards[{i}]"
         if s.file not in files:
             problems.add(where + ".file", f"{s.file!r} is not listed in files")

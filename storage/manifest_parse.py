@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord
 from shardsmith.storage.cycle_gc import cycle_gc_paused
+from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord
 from shardsmith.storage.manifest_checks import (MAX_INT, Problems, check_bytes, check_coverage, check_files_disjoint,
                                                 err, fields, int_list, load_json, parse_header, parse_tensor,
                                                 reject_duplicate_keys, safe_relpath, to_int, to_str)

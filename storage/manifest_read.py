@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
+from shardsmith.storage.cycle_gc import cycle_gc_paused
 from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, TensorRecord
-from shardsmith.storage.cycle_gc import cycle_gc_paused
 from shardsmith.storage.manifest_checks import err
 from shardsmith.storage.manifest_parse import parse_manifest
 from shardsmith.storage.manifest_v2 import PREFIX, Head, check_tensors, head_nbytes_of, parse_entry, parse_head
