@@ -214,21 +214,29 @@ def check_files_disjoint(tensors: dict[str, TensorRecord], problems: Problems) -
             if s.nbytes:
                 by_file.setdefault(s.file, []).append((s.byte_offset, s.byte_offset + s.nbytes, s.key, fqn, i))
 
-    def where(fqn: str, i: int) -> str:             # formatted only for a problem
-        return f"tensors[{fqn!r}].shards[{i}]"
-
     for name, spans in sorted(by_file.items()):
         keys: dict[str, tuple[str, int]] = {}
         for _, _, key, fqn, i in spans:
             if key in keys:
-                problems.add(where(fqn, i) + ".key", f"key {key!r} of {name} is also used by {where(*keys[key])}")
+                problems.add(_where(fqn, i) + ".key", f"key {key!r} of {name} is also used by {_where(*keys[key])}")
             keys[key] = (fqn, i)
-        spans.sort()
-        if any(begin < end for (_, end, *_), (begin, *_) in zip(spans, spans[1:])):
-            spans.sort(key=lambda t: (*t[:3], where(t[3], t[4])))      # ties named in location order
-            for (_, end, _, fa, ia), (begin, _, _, fb, ib) in zip(spans, spans[1:]):
-                if begin < end:
-                    problems.add(where(fb, ib) + ".byte_offset", f"bytes of {name} overlap those of {where(fa, ia)}")
+        for wa, wb in _overlapping_neighbours(spans):
+            problems.add(wb + ".byte_offset", f"bytes of {name} overlap those of {wa}")
+
+
+def _where(fqn: str, i: int) -> str:
+    """A shard's location in messages (formatted only for a problem)."""
+    return f"tensors[{fqn!r}].shards[{i}]"
+
+
+def _overlapping_neighbours(spans: list[tuple[int, int, str, str, int]]) -> list[tuple[str, str]]:
+    """(earlier, later) locations of neighbouring spans ``(begin, end, key, fqn, shard index)``
+    that overlap, sorted by (begin, end, key, location text); sorts ``spans`` in place."""
+    spans.sort()
+    if all(b[0] >= a[1] for a, b in zip(spans, spans[1:])):
+        return []
+    spans.sort(key=lambda t: (*t[:3], _where(t[3], t[4])))           # ties named in location order
+    return [(_where(*a[3:]), _where(*b[3:])) for a, b in zip(spans, spans[1:]) if b[0] < a[1]]
 
 
 def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -331,24 +339,19 @@ def check_sidecars(tensors: dict[str, TensorRecord], files: dict[str, FileRecord
                    problems: Problems, *, whole: bool) -> None:
     """Within a sidecar, shards' checksum ranges do not overlap; ``whole`` (every tensor of
     the step is in ``tensors``): they also cover every checksum of the sidecar exactly."""
-    by_side: dict[str, list[tuple[int, int, str, int]]] = {}
+    by_side: dict[str, list[tuple[int, int, str, str, int]]] = {}
     for fqn, rec in tensors.items():
         for i, s in enumerate(rec.shards):
             if s.crc_index >= 0 and s.nbytes:
                 by_side.setdefault(sidecar_name(s.file), []).append(
-                    (s.crc_index, s.crc_index + s.num_chunks(chunk), fqn, i))
+                    (s.crc_index, s.crc_index + s.num_chunks(chunk), "", fqn, i))
     for name, spans in sorted(by_side.items()):
-        spans.sort()
-        if any(begin < end for (_, end, *_), (begin, *_) in zip(spans, spans[1:])):
-            spans.sort(key=lambda t: (t[0], t[1], f"tensors[{t[2]!r}].shards[{t[3]}]"))   # ties in location order
-            for (_, end, fa, ia), (begin, _, fb, ib) in zip(spans, spans[1:]):
-                if begin < end:
-                    problems.add(f"tensors[{fb!r}].shards[{ib}].crc32c",
-                                 f"checksums in {name} overlap those of tensors[{fa!r}].shards[{ia}]")
+        for wa, wb in _overlapping_neighbours(spans):
+            problems.add(wb + ".crc32c", f"checksums in {name} overlap those of {wa}")
         side = files.get(name)
-        if whole and side is not None and sum(e - b for b, e, _, _ in spans) * 4 != side.nbytes:
+        if whole and side is not None and sum(e - b for b, e, *_ in spans) * 4 != side.nbytes:
             problems.add(f"files[{name!r}]", f"{side.nbytes} bytes but its shards have "
-                         f"{sum(e - b for b, e, _, _ in spans)} checksums of 4 bytes")
+                         f"{sum(e - b for b, e, *_ in spans)} checksums of 4 bytes")
 
 
 def parse_tensor(fqn: str, t: Any, source: str, parse_shard: Callable[[Any, str], ShardRecord]) -> TensorRecord:

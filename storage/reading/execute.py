@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Sequence
 
 import torch
@@ -82,10 +83,7 @@ def _run_reads(store: Store, parts: list[ReadPart], chunk: int, source: str) -> 
 
     reads = coalesce(parts)
     if store.is_local:          # one task per file, its reads in file order (see READ_WORKERS)
-        by_file: dict[str, list[list[ReadPart]]] = {}
-        for r in reads:
-            by_file.setdefault(r[0].shard.file, []).append(r)
-        tasks = list(by_file.values())
+        tasks = [list(g) for _, g in groupby(reads, key=lambda r: r[0].shard.file)]   # coalesce sorts by file
     else:
         tasks = [[r] for r in reads]
     if len(tasks) <= 1:
