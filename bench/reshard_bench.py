@@ -71,10 +71,11 @@ r = reshard(Store(a["src"]), a["dst"], ParallelDims.from_json(a["dims"]), option
 seconds = time.perf_counter() - t0
 u1 = resource.getrusage(resource.RUSAGE_SELF)
 cpu = u1.ru_utime - u0.ru_utime + u1.ru_stime - u0.ru_stime
+sys_cpu = u1.ru_stime - u0.ru_stime
 # VmHWM: this process's own peak RSS since exec (ru_maxrss would also count the pages of
 # the big benchmark parent that the fork duplicated before exec).
 hwm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "nbytes_written": r.nbytes_written, "nbytes_read": r.nbytes_read,
+print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "sys_seconds": sys_cpu, "nbytes_written": r.nbytes_written, "nbytes_read": r.nbytes_read,
                   "peak_buffer": r.peak_buffer_nbytes, "peak_rss_bytes": hwm}))
 """
 
@@ -132,6 +133,11 @@ def cpu_seconds() -> float:
     """User + system CPU seconds of this process so far (all threads)."""
     u = resource.getrusage(resource.RUSAGE_SELF)
     return u.ru_utime + u.ru_stime
+
+
+def sys_seconds() -> float:
+    """System (kernel) CPU seconds of this process so far (all threads)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
 
 
 def children_cpu_seconds() -> float:
@@ -211,13 +217,14 @@ def main() -> None:
         plan = plan_reshard(manifest, target, options)
         times: dict[str, list[float]] = {"cp": [], "stream copy": [], "reshard": [], "dcp": []}
         cpu: dict[str, list[float]] = {name: [] for name in times}
+        kernel: dict[str, list[float]] = {name: [] for name in times}      # the system part of cpu
         rss, written, process_cpu = [], 0, []
         names = list(times)
         for run in range(args.runs):
             for name in names[run % len(names):] + names[:run % len(names)]:   # rotating: no fixed neighbour
                 out = work / "out"
                 shutil.rmtree(out, ignore_errors=True)
-                c0 = cpu_seconds()
+                c0, k0 = cpu_seconds(), sys_seconds()
                 if name == "cp":
                     times[name].append(copy_files(src_step, out, streamed=False))
                 elif name == "stream copy":
@@ -231,10 +238,11 @@ def main() -> None:
                 else:
                     times[name].append(dcp_convert(manifest, work / "dcp-src", out, args.workers))
                 cpu[name].append(r["cpu_seconds"] if name == "reshard" else cpu_seconds() - c0)
+                kernel[name].append(r["sys_seconds"] if name == "reshard" else sys_seconds() - k0)
                 print(f"  run {run + 1} {name:<12} {times[name][-1]:6.2f}s  cpu {cpu[name][-1]:6.2f}s",
                       file=sys.stderr)
         shutil.rmtree(work / "out", ignore_errors=True)
-        report(manifest, plan, options, target, times, cpu, rss, written, process_cpu)
+        report(manifest, plan, options, target, times, cpu, rss, written, process_cpu, kernel)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -242,12 +250,16 @@ def main() -> None:
 
 def report(manifest: Manifest, plan: Any, options: ReshardOptions, target: ParallelDims,
            times: dict[str, list[float]], cpu: dict[str, list[float]], rss: list[int], written: int,
-           process_cpu: list[float]) -> None:
+           process_cpu: list[float], kernel: dict[str, list[float]]) -> None:
     """Print the table and, last, the JSON line. Ratios use wall-clock medians; best-of
     and CPU seconds (user + system, all threads) are given too, since wall time on a
     shared machine mostly measures the neighbours. ``reshard_cpu_vs_copy``: the reshard's
     CPU seconds per byte written over ``cp``'s per byte copied (medians; the reshard's
-    from after its imports, like ``cp`` which starts no interpreter)."""
+    from after its imports, like ``cp`` which starts no interpreter). ``sys_cpu_s`` /
+    ``user_cpu_s``: the kernel and user parts of each method's CPU (medians): a verified
+    copy's excess over ``cp`` is in its user part (CRC-32C, the interpreter, the row
+    gather; bench/README.md, session 12); ``reshard_cpu_vs_copy_per_run``: the ratio of
+    each run's reshard and ``cp`` (the same round)."""
     med = {k: statistics.median(v) for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}
     cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
@@ -282,6 +294,9 @@ def report(manifest: Manifest, plan: Any, options: ReshardOptions, target: Paral
         "cp_s": round(med["cp"], 3), "stream_copy_s": round(med["stream copy"], 3), "dcp_s": round(med["dcp"], 3),
         "best_s": {k: round(v, 3) for k, v in best.items()},
         "cpu_s": {k: round(v, 3) for k, v in cpu_med.items()},
+        "sys_cpu_s": {k: round(statistics.median(v), 3) for k, v in kernel.items()},
+        "user_cpu_s": {k: round(statistics.median(c - s for c, s in zip(cpu[k], v)), 3) for k, v in kernel.items()},
+        "reshard_cpu_vs_copy_per_run": [round((r / written) / (c / copied), 3) for r, c in zip(cpu["reshard"], cpu["cp"])],
         "fraction_of_raw_copy_best": round((written / best["reshard"]) / (copied / best["cp"]), 3),
         "speedup_vs_dcp_best": round(best["dcp"] / best["reshard"], 2),
         "load_average_1m": round(os.getloadavg()[0], 1), "cpus": os.cpu_count(),
