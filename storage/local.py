@@ -29,10 +29,7 @@ _IOV_MAX = 1024
 #: of 1 GiB of 2 MiB pages after 5 s idle: 1.75 s vs 0.14 s; bench/README.md, session 7).
 #: Measured on a whole 2.15 GB reshard, 6 alternating rounds each: 256 KiB writes 0.95 CPU-s,
 #: 512 KiB 0.90, 1 MiB 0.89, 2 MiB 0.87, 4 MiB 0.86 or 2.0 (half the runs). 1 MiB: every
-#: write of a reshard's verified block is one call, well below the 2 MiB cliff. Pieces end on
-#: the file's grid of this size (not the buffer's), so the page cache gets whole aligned
-#: folios: behind an odd-sized header, :func:`write_parts` of 280 MB cost 0.057 vs 0.066 CPU-s
-#: (8 alternating rounds, lower in each; bench/README.md, session 12).
+#: write of a reshard's verified block is one call, well below the 2 MiB cliff.
 WRITE_PIECE_NBYTES = 1 << 20
 
 
@@ -67,8 +64,8 @@ def atomic_file(path: str) -> Iterator[BinaryIO]:
 
 def write_parts(path: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
     """Atomically create or replace ``path`` with the concatenation of ``parts`` (a sequence:
-    one pass of ``iter(parts)``, each part written as it is yielded, in writes that end on
-    the file's :data:`WRITE_PIECE_NBYTES` grid). The file's blocks are allocated first
+    one pass of ``iter(parts)``, each part written as it is yielded, in
+    :data:`WRITE_PIECE_NBYTES` writes). The file's blocks are allocated first
     (:func:`preallocate`, sizes read by index, which does not start the pass), so a full disk
     fails before the first byte is written; the file ends where the written bytes end.
 
@@ -77,13 +74,10 @@ def write_parts(path: str, parts: Sequence[bytes | bytearray | memoryview]) -> N
     """
     with atomic_file(path) as f:
         preallocate(f.fileno(), sum(memoryview(parts[i]).nbytes for i in range(len(parts))), path)
-        pos = 0
         for i, part in enumerate(parts):
             view = memoryview(part).cast("B")
-            while len(view):                    # pieces end on the file's WRITE_PIECE_NBYTES grid
-                piece = view[:WRITE_PIECE_NBYTES - pos % WRITE_PIECE_NBYTES]
-                f.write(piece)
-                view, pos = view[len(piece):], pos + len(piece)
+            for start in range(0, len(view), WRITE_PIECE_NBYTES):
+                f.write(view[start:start + WRITE_PIECE_NBYTES])
             if i == 0:
                 crash_point("fs.mid_write", key=path)           # test hook; inert normally
         f.flush()
@@ -267,13 +261,13 @@ def copy_range(src: int, src_pos: int, out: int, pos: int, nbytes: int, name: st
 
 def pwrite_all(out: int, data: Any, pos: int) -> None:
     """Write all of ``data`` (any buffer) at byte ``pos`` of the file open as descriptor
-    ``out`` (``os.pwrite`` in pieces that end on the file's :data:`WRITE_PIECE_NBYTES` grid,
-    repeated after short writes; the file position is untouched).
+    ``out`` (``os.pwrite`` in :data:`WRITE_PIECE_NBYTES` pieces, repeated after short writes;
+    the file position is untouched).
 
     Raises:
         OSError: the write failed (e.g. ``ENOSPC``: the disk is full).
     """
     view = memoryview(data).cast("B")
-    while len(view):                            # pieces end on the file's WRITE_PIECE_NBYTES grid
-        n = os.pwrite(out, view[:WRITE_PIECE_NBYTES - pos % WRITE_PIECE_NBYTES], pos)
+    while len(view):
+        n = os.pwrite(out, view[:WRITE_PIECE_NBYTES], pos)
         view, pos = view[n:], pos + n

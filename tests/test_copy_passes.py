@@ -5,8 +5,6 @@ that take those paths (compared byte for byte with a direct save)."""
 from __future__ import annotations
 
 import io
-import itertools
-import os
 
 import numpy as np
 import pytest
@@ -19,8 +17,7 @@ from shardsmith.storage.checksum import (ChunkedCrc, chunk_crc32c, crc32c, crc32
                                          verify_chunks_split)
 from shardsmith.storage.commit import step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage import local as local_module
-from shardsmith.storage.local import FileSpan, copy_span, map_range, pwrite_all, write_parts
+from shardsmith.storage.local import FileSpan, copy_span, map_range
 from shardsmith.storage.manifest import ShardRecord
 from shardsmith.storage.safetensors import write_stream
 from shardsmith.storage.verify import verify_checkpoint
@@ -160,44 +157,6 @@ def test_copy_span_copies_in_the_kernel_or_declines(tmp_path) -> None:
     (tmp_path / "src").write_bytes(data[:20_000])             # the source shrank under the span
     with open(tmp_path / "short", "wb") as f, pytest.raises(OSError, match="short of the copy"):
         copy_span(f, FileSpan(str(tmp_path / "src"), 1000, memoryview(bytes(50_000))))
-
-
-def test_local_writes_cut_pieces_on_the_file_grid(tmp_path, monkeypatch) -> None:
-    """Writes after an odd-sized header end on the file's WRITE_PIECE_NBYTES grid, so the page
-    cache gets whole aligned folios (bench/README.md, session 12), and the bytes are exact."""
-    piece = 4096
-    monkeypatch.setattr(local_module, "WRITE_PIECE_NBYTES", piece)
-    header, body = _bytes(1001), _bytes(5 * piece + 77)
-    calls: list[tuple[int, int]] = []                       # (file offset, length) per write
-    real_pwrite = os.pwrite
-
-    def spy_pwrite(fd: int, data, pos: int) -> int:
-        calls.append((pos, len(data)))
-        return real_pwrite(fd, data, pos)
-
-    monkeypatch.setattr(os, "pwrite", spy_pwrite)
-    fd = os.open(tmp_path / "p", os.O_WRONLY | os.O_CREAT)
-    try:
-        pwrite_all(fd, body, 1001)
-    finally:
-        os.close(fd)
-    assert (tmp_path / "p").read_bytes()[1001:] == body
-    assert calls[0] == (1001, piece - 1001) and all(pos % piece == 0 for pos, _ in calls[1:])
-    assert sum(n for _, n in calls) == len(body) and len(calls) == 6
-
-    real_open, pieces = open, []
-
-    class SpyFile(io.BufferedWriter):
-        def write(self, data) -> int:                       # type: ignore[override]
-            pieces.append(len(data))
-            return super().write(data)
-
-    monkeypatch.setattr(local_module, "open", lambda path, mode: SpyFile(real_open(path, mode, buffering=0)),
-                        raising=False)
-    write_parts(str(tmp_path / "w"), [header, body])
-    assert (tmp_path / "w").read_bytes() == header + body
-    ends = list(itertools.accumulate(pieces))
-    assert pieces[:2] == [1001, piece - 1001] and all(end % piece == 0 for end in ends[1:-1])
 
 
 def test_write_stream_checksums_and_refuses_out_of_order_entries(tmp_path) -> None:
