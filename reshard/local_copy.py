@@ -4,8 +4,7 @@ thread that read it, several at once, so the copies of one file use every core.
 Three ways, tried in this order by the executor (``reshard/engine.py: _Executor._read_and_write``):
 
 * :func:`copy_slab_verified`: a slab that is one contiguous range of a local source file
-  (a tensor saved split on dim 0): mapped and verified block by block, each block copied by
-  the kernel (``copy_file_range``) right after its check.
+  (a tensor saved split on dim 0): mapped, verified and written block by block.
 * :func:`write_assembled_at`: a slab gathered from several local sources' rows (a tensor
   saved split on dim 1, e.g. row-parallel ``wo``/``w2`` going to a smaller TP): the sources
   are mapped, and the slab is gathered, checksummed and written a few MiB at a time while
@@ -17,7 +16,6 @@ Three ways, tried in this order by the executor (``reshard/engine.py: _Executor.
 from __future__ import annotations
 
 import contextlib
-import os
 from math import prod
 from typing import Any
 
@@ -31,11 +29,10 @@ from shardsmith.reshard.slabs import ASSEMBLED_SLAB_NBYTES, Piece, Slab
 from shardsmith.reshard.stream import RAW_DTYPES, BufferPool, slab_crcs, slab_offset
 from shardsmith.storage.checksum import grid_crcs, require_full_read, verify_chunks, verify_chunks_split
 from shardsmith.storage.fs import Store
-from shardsmith.storage.local import FileSpan, copy_range, copy_span_at, map_range, pwrite_all
+from shardsmith.storage.local import FileSpan, copy_span_at, map_range, pwrite_all
 from shardsmith.storage.manifest import Manifest
 from shardsmith.storage.sidecar import load_chunk_crcs
 from shardsmith.storage.verify import check_file_once
-
 
 
 def copy_slab_verified(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry, out: int,
@@ -44,14 +41,13 @@ def copy_slab_verified(src: Store, manifest: Manifest, slab: Slab, entry: PlanEn
     descriptor ``out``, at its place: the slab's source range is mapped once (``mmap``, pages
     faulted in as it is read, :func:`~shardsmith.storage.local.map_range`), then block by block (one
     source checksum chunk) its chunks are verified through the mapping and the needed bytes
-    copied by the kernel from the source file (``copy_file_range``, :class:`_KernelCopy`; where
-    the kernel declines, ``pwrite`` from the mapping). Measured in a whole 2.15 GB reshard on
-    this VM (bench/README.md, session 12; 8 alternating rounds): 1.13-1.25 CPU-s against
-    0.96-3.46 for ``pwrite`` from the mapping, whose 1 MiB writes take large page-cache folios
-    that the VM's host has to fault back in; the ``pwrite`` way cost 0.86-0.96 only while the
-    host had not taken the memory back. Any thread, any slab; the writes into one file hold
-    its ``lock`` (threads writing one file at once spin on its inode lock in the kernel: 17%
-    of a reshard's CPU samples), the checksums do not.
+    written from it (``pwrite``, :data:`~shardsmith.storage.local.WRITE_PIECE_NBYTES` pieces)
+    while they are in cache. Measured on this machine, per byte of 1 GiB (bench/README.md,
+    session 5): 0.95-0.99x ``sendfile``'s CPU on one thread, against 1.13-1.15x for reading
+    each block into a buffer (``preadv``) first, and 4-6% less CPU in a whole reshard
+    (same-run A/B); session 4's mapping per block with a kernel copy cost 1.36x. Any thread,
+    any slab; the writes into one file hold its ``lock`` (threads writing one file at once spin
+    on its inode lock in the kernel: 17% of a reshard's CPU samples), the checksums do not.
 
     Returns:
         The bytes' ``(CRC-32C, length)`` pieces on the entry's ``chunk_nbytes`` grid (from the
@@ -75,47 +71,20 @@ def copy_slab_verified(src: Store, manifest: Manifest, slab: Slab, entry: PlanEn
     use_known = sub == chunk_nbytes and start % chunk_nbytes == 0 and slab_crcs(piece, [0], sub) is not None
     block = max(1, (1 << 20) // size) * size
     subs, pieces = [], []
-    kernel = _KernelCopy(path, piece.shard.byte_offset + piece.read_start)
-    try:
-        for b in range(0, piece.read_nbytes, block):
-            view = mapped[b:b + block]
-            subs += verify_chunks_split(shard, (piece.read_start + b) // size, view, size, sub, url)
-            lo, hi = max(b, skip), min(b + len(view), end)
-            if lo < hi:
-                with lock:
-                    if not kernel.copy(lo, out, pos + lo - skip, hi - lo, url):
-                        pwrite_all(out, view[lo - b:hi - b], pos + lo - skip)
-                if not use_known:
-                    pieces += grid_crcs(view[lo - b:hi - b], start + lo - skip, chunk_nbytes)
-    finally:
-        kernel.close()
+    for b in range(0, piece.read_nbytes, block):
+        view = mapped[b:b + block]
+        subs += verify_chunks_split(shard, (piece.read_start + b) // size, view, size, sub, url)
+        lo, hi = max(b, skip), min(b + len(view), end)
+        if lo < hi:
+            with lock:
+                pwrite_all(out, view[lo - b:hi - b], pos + lo - skip)
+            if not use_known:
+                pieces += grid_crcs(view[lo - b:hi - b], start + lo - skip, chunk_nbytes)
     del view, mapped                            # unmapped here (no other reference)
     if use_known:
         known = slab_crcs(piece, subs, sub) or []
         return [(c, min(chunk_nbytes, end - skip - k * chunk_nbytes)) for k, c in enumerate(known)]
     return pieces
-
-
-class _KernelCopy:
-    """Copies from the local source file ``path`` (``src_pos``: the file offset of mapped byte
-    0) by ``copy_file_range`` (:func:`~shardsmith.storage.local.copy_range`): the kernel's
-    splice path, which writes the target's page cache in 64 KiB folios, as ``cp`` does. Once
-    the kernel declines (another filesystem, an old kernel), :meth:`copy` returns False and
-    the caller writes from the mapping."""
-
-    def __init__(self, path: str, src_pos: int) -> None:
-        self.fd, self.src_pos = os.open(path, os.O_RDONLY), src_pos
-
-    def copy(self, at: int, out: int, pos: int, nbytes: int, name: str) -> bool:
-        if self.fd >= 0 and copy_range(self.fd, self.src_pos + at, out, pos, nbytes, name):
-            return True
-        self.close()
-        return False
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 def write_slab_at(out: int, entry: PlanEntry, slab: Slab, data: np.ndarray | FileSpan, known: list[int] | None,

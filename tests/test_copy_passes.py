@@ -198,34 +198,6 @@ def test_reshard_from_local_to_another_backend_writes_the_mapped_bytes(tmp_path)
     assert_same_as_direct_save(Store(dst).child(step_dir(STEP)), Store(str(tmp_path / "want")), full, ParallelDims(), 64)
 
 
-def test_zero_copy_slabs_are_copied_by_the_kernel_after_their_check(tmp_path, monkeypatch) -> None:
-    """Every byte of the zero-copy slabs (tensors saved split on dim 0) goes through
-    ``copy_file_range`` from the source file, never through user memory; the rest is
-    assembled; the result equals a direct save."""
-    import os
-
-    full = full_state(6)
-    manifest = save_direct(Store(str(tmp_path / "src")), full, SRC_DIMS, chunk=128)
-    step = Store(str(tmp_path / "src")).child(step_dir(STEP))
-    options = ReshardOptions(chunk_nbytes=64, workers=2)
-    plan = plan_reshard(manifest, ParallelDims(), options)
-    slabs = [s for f in plan.files for e in f.entries for s in e.slabs]
-    zero_copy = sum(s.src_nbytes for s in slabs if s.zero_copy)
-    copied, real = [], os.copy_file_range
-
-    def spy(src: int, dst: int, count: int, offset_src: int | None = None, offset_dst: int | None = None) -> int:
-        n = real(src, dst, count, offset_src, offset_dst)
-        copied.append(n)
-        return n
-
-    monkeypatch.setattr(os, "copy_file_range", spy)
-    reshard(step, str(tmp_path / "out"), ParallelDims(), options=options)
-    assert 0 < zero_copy < sum(s.src_nbytes for s in slabs)              # both kinds of slab
-    assert sum(copied) == zero_copy
-    assert_same_as_direct_save(Store(str(tmp_path / "out")).child(step_dir(STEP)), Store(str(tmp_path / "want")), full,
-                               ParallelDims(), 64)
-
-
 def test_kernel_refusing_the_copy_gets_the_verified_bytes_written(tmp_path, monkeypatch) -> None:
     """Where ``copy_file_range`` is refused (``EXDEV``: another filesystem), a local reshard
     writes the verified mapped bytes instead, with the same files and manifest."""
