@@ -93,15 +93,13 @@ def relpath_ok(path: str) -> bool:
     return _relpath_ok_cached(path) if len(path) <= 256 else _relpath_ok(path)
 
 
-@functools.lru_cache(maxsize=1 << 14)
-def _relpath_ok_cached(path: str) -> bool:
-    return _relpath_ok(path)
-
-
 def _relpath_ok(path: str) -> bool:
     return not ("://" in path or path.startswith(("/", "\\", "~")) or "\\" in path or ":" in path
                 or any(ord(c) < 32 for c in path) or posixpath.normpath(path) != path
                 or ".." in path.split("/") or path == "." or path == MANIFEST_NAME)
+
+
+_relpath_ok_cached = functools.lru_cache(maxsize=1 << 14)(_relpath_ok)
 
 
 def safe_relpath(path: Any, where: str, source: str) -> str:
@@ -311,7 +309,7 @@ def check_bytes(fqn: str, rec: TensorRecord, files: dict[str, FileRecord], chunk
             side = files.get(sidecar_name(s.file)) if s.crc_index >= 0 else None
             if side is not None and not side.nbytes % 4 and (s.crc_index + s.num_chunks(chunk)) * 4 <= side.nbytes:
                 continue
-        where = f"tensors[{fqn!r}].shards[{i}]"
+        where = _where(fqn, i)
         if s.file not in files:
             problems.add(where + ".file", f"{s.file!r} is not listed in files")
             continue
