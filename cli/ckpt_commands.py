@@ -145,7 +145,8 @@ def verify(ctx: click.Context, ckpt: str, as_json: bool, workers: int, storage_o
 def ls(root: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
     """List the steps under ROOT with status, size and layout.
 
-    Status is committed, incomplete or invalid; sizes are in bytes; `*` marks the step
+    Status is committed, incomplete, invalid or corrupt (a load found its data corrupt and
+    marked it; --resume auto skips it); sizes are in bytes; `*` marks the step
     readers resume from; run is the run id that committed it. Unfinished multipart uploads
     (S3) are counted."""
     from shardsmith.storage.commit import read_latest_hint

@@ -10,14 +10,12 @@ from shardsmith.cli.foreign_commands import echo_import
 from shardsmith.cli.options import dtype_option, layout_options, make_dims, size_option, storage_option
 from shardsmith.storage.options import parse_storage_options
 
-HF_IO = "shardsmith.reshard.hf_io"
-
 
 @click.command("export-hf")
 @click.argument("ckpt")
 @click.argument("out_dir")
-@dtype_option("dtype of the exported weights.", default_from=f"{HF_IO}:export_hf.dtype")
-@size_option("--max-shard-size", "max_shard_nbytes", default_from=f"{HF_IO}:export_hf.max_shard_nbytes",
+@dtype_option("dtype of the exported weights.", default_from="shardsmith.reshard.hf:EXPORT_DTYPE")
+@size_option("--max-shard-size", "max_shard_nbytes", default_from="shardsmith.reshard.hf:EXPORT_MAX_SHARD_NBYTES",
              help="Split the weights into files of at most this size, with model.safetensors.index.json")
 @click.option("--overwrite", is_flag=True, help="Replace a model already in OUT_DIR.")
 @storage_option

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import textwrap
 from typing import Any
 
@@ -105,6 +106,11 @@ checkpoint_options = stack(
     field_option(C, "reset_optimizer", "--reset-optimizer", is_flag=True,
                  help="Resume the step count and data position with a fresh AdamW (e.g. from a --model-only "
                       "checkpoint); recorded as an event. Without it a checkpoint lacking optimizer state is refused."),
+    field_option(C, "data_change", "--data-change", metavar="continue|restart",
+                 help="Resuming with other --data (sources, weights, --text-key, --token-dtype): continue = "
+                      "the new data from the saved global sample index; restart = the new data from sample 0 "
+                      "(step, LR schedule and optimizer continue). Recorded as an event. Without it such a "
+                      "resume is refused."),
     field_option(C, "overwrite", "--overwrite", is_flag=True,
                  help="Start a new run in a --ckpt root that holds another run's steps, deleting them first. "
                       "Without it such a start is refused."),
@@ -155,20 +161,24 @@ def train(**flags: Any) -> None:
     starts nothing: it checks the configuration and prints per-rank parameters, memory,
     activations, the pipeline bubble and FLOPs per step."""
     from shardsmith.layout import validate_layout
-    from shardsmith.trainer import launch as launcher
 
-    external = launcher.under_torchrun()
+    external = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if external else flags["nproc_per_node"]
     cfg = train_config(flags, world)
-    validate_layout(cfg.model, cfg.parallel)          # refuse before any process starts
+    validate_layout(cfg.model, cfg.parallel)          # refuse before any process starts (no torch yet)
     cfg.num_microbatches()
     if flags["dry_run"]:
         print_estimate(cfg, flags["model_preset"], flags["as_json"])
         return
-    from shardsmith.trainer.run_checks import preflight
+    from shardsmith.trainer.preflight import COMMAND_ENV, prepare
 
-    for line in preflight(cfg):        # refuse a mismatched load or a mixed root before any worker starts
-        click.echo(f"warning: {line}", err=True)
+    # The step to load is resolved here, once, and every check that a manifest allows is made
+    # before torch is imported and before any worker starts.
+    os.environ[COMMAND_ENV] = json.dumps(["shardsmith", *sys.argv[1:]])   # for "go on with: ..." hints
+    resolved = prepare(cfg)
+    if resolved is None:
+        return
+    cfg = resolved
     if external:
         from shardsmith.trainer.train import run_training
         from shardsmith.trainer.worker import exit_process, setup_process
@@ -184,9 +194,17 @@ def train(**flags: Any) -> None:
 
         code = launch_in_process(cfg, dims.world_size, max_restarts=flags["max_restarts"], spares=flags["spares"])
     else:
-        code = launcher.launch(cfg, dims.world_size, max_restarts=flags["max_restarts"])
+        from shardsmith.trainer.launch import launch
+
+        code = launch(cfg, dims.world_size, max_restarts=flags["max_restarts"])
     if code:
         raise SystemExit(code)
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun (or another torchelastic agent); the
+    same test as :func:`shardsmith.trainer.launch.under_torchrun`, without importing torch."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 def plural(n: int, noun: str) -> str:
@@ -224,7 +242,7 @@ def train_config(f: dict[str, Any], world: int | None):
         checkpoint=CheckpointConfig(
             url=f["ckpt"], storage_options=parse_storage_options(f["storage_options"]),
             **pick("save_interval", "resume", "init_from", "keep_last", "keep_every", "async_save",
-                   "tensor_format", "zarr_codec", "reset_optimizer", "overwrite", "local_ckpt",
+                   "tensor_format", "zarr_codec", "reset_optimizer", "overwrite", "local_ckpt", "data_change",
                    "local_save_interval", "local_replicas", "simulate_nodes")),
         fault=FaultConfig(derive_dp_shard=f["dp_shard"] == -1,
                           **pick("preempt_deadline", "collective_timeout", "init_timeout", "hang_factor",

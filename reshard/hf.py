@@ -38,12 +38,19 @@ the same function: HF row ``h*Dh + j`` is our row ``h*Dh + 2j`` for ``j < Dh/2``
 from __future__ import annotations
 
 import re
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from shardsmith.errors import ConfigError
 from shardsmith.layout import ModelConfig
+
+if TYPE_CHECKING:                      # `export-hf --help` reads the defaults below without torch
+    import torch
+
+
+#: ``export-hf`` defaults (:func:`shardsmith.reshard.hf_io.export_hf`): the weights' dtype, and
+#: the largest file before the export splits (``transformers``' own 5 GB default).
+EXPORT_DTYPE = "fp32"
+EXPORT_MAX_SHARD_NBYTES = 5 * 10**9
 
 #: The ``architectures`` entry and ``model_type`` of exported configs.
 HF_ARCHITECTURE = "LlamaForCausalLM"

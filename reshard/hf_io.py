@@ -31,8 +31,9 @@ import torch
 from safetensors import safe_open
 
 from shardsmith.errors import CheckpointError, ConfigError
-from shardsmith.reshard.hf import (HF_IGNORED, expert_hf_names, from_hf_name, hf_config, model_config_from_hf,
-                                   permute_from_hf, permute_to_hf, rope_heads, to_hf_name)
+from shardsmith.reshard.hf import (EXPORT_DTYPE, EXPORT_MAX_SHARD_NBYTES, HF_IGNORED, expert_hf_names, from_hf_name,
+                                   hf_config, model_config_from_hf, permute_from_hf, permute_to_hf, rope_heads,
+                                   to_hf_name)
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import TensorSpec, param_specs
 from shardsmith.layout.box import Box
@@ -160,7 +161,7 @@ def _write_weight_file(out: Store, name: str, entries: list[WeightEntry], step_s
     return record.nbytes
 
 
-def export_hf(ckpt_url: str, out_dir: str, *, dtype: str = "fp32", max_shard_nbytes: int = 5 * 10**9,
+def export_hf(ckpt_url: str, out_dir: str, *, dtype: str = EXPORT_DTYPE, max_shard_nbytes: int = EXPORT_MAX_SHARD_NBYTES,
               overwrite: bool = False, storage_options: dict | None = None) -> HFExportReport:
     """Write the model weights of a checkpoint as a ``transformers`` Llama directory.
 

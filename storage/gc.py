@@ -30,7 +30,7 @@ from shardsmith.layout.dims import ParallelDims
 from shardsmith.errors import ManifestError
 from shardsmith.storage.commit import parse_step_dir, read_manifest
 from shardsmith.storage.fs import Store
-from shardsmith.storage.lineage import run_id_of
+from shardsmith.storage.lineage import CORRUPT_NAME, corrupt_mark, run_id_of
 from shardsmith.storage.manifest import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 #: Incomplete steps modified more recently than this (seconds) are never deleted.
 DEFAULT_GRACE_SECONDS = 600.0
 
-COMMITTED, INCOMPLETE, INVALID = "committed", "incomplete", "invalid"
+COMMITTED, INCOMPLETE, INVALID, CORRUPT = "committed", "incomplete", "invalid", "corrupt"
 
 
 @dataclass
@@ -47,8 +47,10 @@ class StepSummary:
 
     Attributes:
         step, name: step number and directory name.
-        status: ``committed``; ``incomplete`` (no manifest: ignored by readers); or
-            ``invalid`` (a manifest that does not validate; see ``error``).
+        status: ``committed``; ``incomplete`` (no manifest: ignored by readers);
+            ``invalid`` (a manifest that does not validate; see ``error``); or ``corrupt``
+            (committed, but a load found its data corrupt and marked it, see
+            :data:`~shardsmith.storage.lineage.CORRUPT_NAME`; ``--resume auto`` skips it).
         nbytes: bytes of all its files on storage.
         num_files: number of its files.
         layout: saving layout, e.g. ``pp2·dpr1·dps1·tp2`` (empty when unknown).
@@ -123,8 +125,11 @@ def describe_steps(root: Store, *, read_manifests: bool = True) -> list[StepSumm
                 summary.run_id = run_id_of(manifest.state)
             except (ManifestError, FileNotFoundError) as exc:
                 summary.status, summary.error = INVALID, str(exc)
+        if summary.status == COMMITTED and CORRUPT_NAME in entries:
+            mark = corrupt_mark(root.child(name)) or {}
+            summary.status, summary.error = CORRUPT, f"found by a {mark.get('found_by', 'load')}: {mark.get('error', '')}"
         out.append(summary)
-    with_manifest = [s for s in out if s.status != INCOMPLETE]
+    with_manifest = [s for s in out if s.status not in (INCOMPLETE, CORRUPT)]
     if with_manifest:
         with_manifest[-1].latest = True
     return out

@@ -152,3 +152,60 @@ def rewritten_state(state: Mapping[str, Any], source_url: str, step: int, how: s
     rec = run_record(state)
     rec["parent"] = {"run": rec.get("id", UNNAMED), "step": step, "url": source_url, "via": how}
     return {**state, RUN_KEY: rec}
+
+
+# ---- steps a load found corrupt ---------------------------------------------------------------
+#
+# Decision: a step whose data fails verification while loading is *left in place* and marked,
+# not quarantined. Object stores cannot rename (a quarantine is a copy and a delete of the whole
+# step), the bytes are what `shardsmith verify` and a restore from another copy work on, and a
+# damage seen through a bad read path (a flaky NIC, a bad page-cache page) may not be on
+# storage at all. The marker is a small JSON object beside the manifest: `ls` shows the step as
+# `corrupt`, `--resume auto` and rollbacks skip it, retention treats it as any committed step.
+# Deleting the marker (after restoring the files) makes the step loadable by `auto` again.
+
+#: Written into a step directory by the load that found its data corrupt.
+CORRUPT_NAME = "corrupt.json"
+
+
+def mark_corrupt(step_store: Store, *, step: int, error: str, found_by: str) -> None:
+    """Record that loading ``step`` found its data corrupt (rank 0 calls it once).
+
+    Args:
+        step_store: the step directory.
+        step: its step number.
+        error: the integrity error (names the file and the byte range).
+        found_by: what found it (``resume``, ``rollback``).
+    """
+    import json
+    import time
+
+    record = {"step": step, "error": error, "found_by": found_by, "time": round(time.time(), 3),
+              "note": f"delete {CORRUPT_NAME} after restoring the files to load this step with --resume auto"}
+    step_store.write(CORRUPT_NAME, json.dumps(record, indent=1).encode())
+
+
+def corrupt_mark(step_store: Store) -> dict[str, Any] | None:
+    """The marker :func:`mark_corrupt` wrote in a step directory, or None."""
+    import json
+
+    try:
+        raw = json.loads(step_store.read(CORRUPT_NAME))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return {"error": f"unreadable {CORRUPT_NAME}"}
+    return raw if isinstance(raw, dict) else {"error": f"unreadable {CORRUPT_NAME}"}
+
+
+def loadable_steps(root: Store, runs: set[str] | None, *, below: int | None = None) -> list[int]:
+    """Committed steps under ``root`` of the runs ``runs`` (None: any run), newest first,
+    without the steps marked corrupt; ``below``: only steps older than it. One listing, one
+    manifest read per step (only when ``runs`` is given) and one marker probe per step."""
+    from shardsmith.storage.commit import list_steps, step_dir
+
+    steps = [s.step for s in list_steps(root) if s.committed and (below is None or s.step < below)]
+    if runs is not None:
+        by_step = committed_runs(root, steps)
+        steps = [s for s in steps if by_step.get(s) in runs]
+    return [s for s in reversed(steps) if not root.exists(f"{step_dir(s)}/{CORRUPT_NAME}")]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ckpt_factory import build_manifest
+from storage_ckpt import full_tensors, save_offline
 from conftest import TINY_MODEL, tiny_train_config
 from shardsmith.errors import CheckpointMismatch, CheckpointNotFound
 from shardsmith.layout import ParallelDims
@@ -79,8 +79,10 @@ def test_events_are_human_lines_on_the_console_and_json_in_the_file(tmp_path: Pa
 
 
 def _checkpoint(tmp_path: Path, model: dict, config: dict) -> str:
+    """A committed step 4 of TINY_MODEL's tensors (optimizer state included) with the model
+    record ``model`` and the training config ``config``."""
     root = Store(str(tmp_path / "src"))
-    manifest, _ = build_manifest(root, 4)
+    manifest = save_offline(root, 4, ParallelDims(), full_tensors(TINY_MODEL, with_optimizer=True), TINY_MODEL)
     commit(root, dataclasses.replace(manifest, model=model, config=config))
     return str(tmp_path / "src")
 

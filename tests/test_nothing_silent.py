@@ -18,7 +18,8 @@ from shardsmith.storage.gc import describe_steps, plan_gc
 from shardsmith.storage.lineage import check_new_run_root, current_run, remove_runs_except
 from shardsmith.storage.verify import verify_checkpoint
 from shardsmith.trainer.config import CheckpointConfig, TrainConfig
-from shardsmith.trainer.run_checks import check_before_load, preflight
+from shardsmith.trainer.preflight import preflight
+from shardsmith.trainer.run_checks import check_before_load
 
 DIMS = ParallelDims()
 
@@ -107,7 +108,7 @@ def test_resume_without_optimizer_state_is_refused(tmp_path):
     with pytest.raises(CheckpointMismatch, match="no optimizer state"):
         preflight(_cfg(root.url))
     assert check_before_load(manifest, _cfg(root.url), "X", resume=True, reset_optimizer=True) == []
-    assert preflight(_cfg(root.url, reset_optimizer=True)) == []
+    assert preflight(_cfg(root.url, reset_optimizer=True)).notes == []
     assert check_before_load(manifest, _cfg(root.url), "X", resume=False) == []    # --init-from
 
 

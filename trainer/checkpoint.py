@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from shardsmith.errors import CheckpointError, SaveError
+from shardsmith.errors import CheckpointError, IntegrityError, SaveError
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import checkpoint_specs, rank_boxes, shard_file_name, write_assignment
 from shardsmith.layout.box import Box
@@ -33,7 +33,7 @@ from shardsmith.storage.manifest import Manifest, ManifestBuilder
 from shardsmith.storage.reading.execute import ReadStats
 from shardsmith.storage.formats import read_boxes
 from shardsmith.storage.formats import tensor_format as get_tensor_format
-from shardsmith.storage.tensor_files import DTYPE_NAMES
+from shardsmith.storage.tensor_files import DTYPE_NAMES, TORCH_DTYPES
 from shardsmith.trainer.comm import broadcast_text, gather_json_to_root
 
 log = logging.getLogger(__name__)
@@ -280,3 +280,43 @@ def load_requests(step_store: Store, manifest: Manifest, tensors: dict[str, torc
         if box.numel:
             requests.append((fqn, box, dest))
     return requests
+
+
+def raise_agreed(failures: list[str]) -> None:
+    """Raise on every rank when any rank's read failed (``failures``: every rank's, all-gathered:
+    ``""`` or the error prefixed ``I`` for an integrity failure, ``C`` for another). An integrity
+    failure wins, so every rank raises the same ``IntegrityError`` and can fall back alike.
+
+    Raises:
+        IntegrityError: some rank's data failed verification (the first such rank's message).
+        CheckpointError: some rank's read failed otherwise (naming the rank).
+    """
+    bad = [(r, f) for r, f in enumerate(failures) if f]
+    if not bad:
+        return
+    integrity = [(r, f) for r, f in bad if f[0] == "I"]
+    rank, text = (integrity or bad)[0]
+    if integrity:
+        raise IntegrityError(text[1:])
+    raise CheckpointError(f"rank {rank}: {text[1:]}")
+
+
+def upcast_staging(manifest: Manifest, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors saved in bf16/fp16 that fill fp32 ones (``--init-from`` a ``reshard --dtype bf16``
+    copy): FQN -> a zeroed local tensor of the saved dtype, read in place of the fp32 one;
+    :func:`finish_upcast` copies it over (exact: every bf16/fp16 value is an fp32 value)."""
+    from shardsmith.trainer.run_checks import EXACT_UPCASTS
+
+    out = {}
+    for fqn, local in tensors.items():
+        rec = manifest.tensors.get(fqn)
+        if rec is not None and rec.dtype in EXACT_UPCASTS and local.dtype == torch.float32:
+            out[fqn] = torch.zeros(local.shape, dtype=TORCH_DTYPES[rec.dtype], device=local.device)
+    return out
+
+
+def finish_upcast(staged: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], boxes: dict[str, Box]) -> None:
+    """Copy each staged tensor into its fp32 one (the unpadded part; see :func:`upcast_staging`)."""
+    with torch.no_grad():
+        for fqn, low in staged.items():
+            unpadded(tensors[fqn], boxes[fqn]).copy_(unpadded(low, boxes[fqn]))

@@ -18,23 +18,25 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
-from shardsmith.errors import TrainingDiverged
+from shardsmith.errors import IntegrityError, TrainingDiverged
 from shardsmith.layout.plan import checkpoint_specs, rank_boxes
-from shardsmith.storage.commit import find_latest_committed, open_manifest, resolve_checkpoint, step_dir
+from shardsmith.storage.commit import open_manifest, resolve_checkpoint, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.gc import gc_after_commit
 from shardsmith.storage.lineage import check_new_run_root, remove_runs_except
-from shardsmith.storage.manifest import MANIFEST_NAME
+from shardsmith.storage.manifest import MANIFEST_NAME, Manifest
+from shardsmith.storage.tensor_files import DTYPE_NAMES
 from shardsmith.storage.manifest_read import ManifestReader
 from shardsmith.trainer.async_save import AsyncCheckpointer
-from shardsmith.trainer.checkpoint import SaveResult, init_optimizer_state, model_state_tensors, save_checkpoint
+from shardsmith.trainer.checkpoint import (ReadStats, SaveResult, finish_upcast, init_optimizer_state,
+                                          model_state_tensors, raise_agreed, save_checkpoint, upcast_staging)
 from shardsmith.trainer.shared_reads import load_into_replicas, share_reader, shares_reads
 from shardsmith.trainer.comm import any_rank, broadcast_text, gather_json
 from shardsmith.trainer.data import GlobalBatchSampler
 from shardsmith.trainer.fault.bad_steps import BadStepPolicy
 from shardsmith.trainer.local_tier import LocalTier
 from shardsmith.trainer.rng import apply_rng, gather_rng
-from shardsmith.trainer.run_checks import RunIdentity, check_before_load, reset_due
+from shardsmith.trainer.run_checks import RunIdentity, check_before_load, reset_due, resume_changes
 
 if TYPE_CHECKING:
     from shardsmith.trainer.config import TrainConfig
@@ -44,34 +46,6 @@ log = logging.getLogger(__name__)
 
 #: Receives one metrics.jsonl record (see :class:`shardsmith.trainer.metrics.EventLog`).
 EventFn = Callable[[dict[str, Any]], None]
-
-
-def choose_resume(how: str, root: Store | None, restarts: int,
-                  storage_options: dict[str, Any] | None = None) -> tuple[Store, int] | None:
-    """Which step directory a job resumes from (every rank decides alike).
-
-    * ``how="auto"``: the newest committed step under ``root``, if any.
-    * ``how="none"``: nothing, unless this is an elastic restart (``restarts`` > 0): then
-      as ``auto``, so a restarted group never starts over.
-    * ``how=URL``: that checkpoint, unless ``root`` already holds a committed step and this
-      is an elastic restart or the URL lies outside ``root`` (a requeued job continues
-      from its own newest checkpoint, not from the one it was first started from).
-
-    Raises:
-        CheckpointNotFound: ``how`` is a URL without a committed step.
-    """
-    explicit: tuple[Store, int] | None = None
-    inside = False
-    if how not in ("auto", "none"):
-        src_root, step_store, step = resolve_checkpoint(how, storage_options)
-        explicit = (step_store, step)
-        inside = root is not None and src_root.url.rstrip("/") == root.url.rstrip("/")
-    prefer_root = how == "auto" or restarts > 0 or (explicit is not None and not inside)
-    if root is not None and prefer_root:
-        latest = find_latest_committed(root)
-        if latest is not None:
-            return root.child(step_dir(latest)), latest
-    return explicit
 
 
 @dataclass
@@ -135,6 +109,7 @@ class CheckpointPolicy:
     Attributes:
         root: the checkpoint root, None without ``checkpoint.url``.
         last_saved_step: step of the newest checkpoint saved or loaded by this job (-1: none).
+        resumed_from: the persistent-tier step :meth:`resume` loaded (None: none).
     """
 
     def __init__(self, cfg: TrainConfig, state: TrainState, *, rank: int, coords: dict[str, int],
@@ -145,6 +120,8 @@ class CheckpointPolicy:
         ckpt = cfg.checkpoint
         self.root = Store(ckpt.url, ckpt.storage_options) if ckpt.url else None
         self.last_saved_step = -1
+        self._source: tuple[tuple[Store, int] | None] | None = None
+        self.resumed_from: tuple[Store, int] | None = None
         self.run = RunIdentity(id=broadcast_text(RunIdentity.new_id() if rank == 0 else ""), seed=cfg.seed)
         self.checkpointer: AsyncCheckpointer | None = None
         self.local = LocalTier(cfg, rank) if ckpt.local_ckpt else None      # the node-local tier
@@ -243,33 +220,34 @@ class CheckpointPolicy:
     # ---- loading --------------------------------------------------------------------------
 
     def resume_source(self) -> tuple[Store, int] | None:
-        """Which step directory to resume from: see :func:`choose_resume` (``auto``, ``none``
-        or a URL; after an elastic restart the root's newest step wins)."""
-        ckpt = self.cfg.checkpoint
-        root = None if ckpt.overwrite and self.restarts == 0 else self.root
-        return choose_resume(ckpt.resume, root, self.restarts, ckpt.storage_options)
+        """The persistent-tier step a start loads: the launcher's ``checkpoint.resume_step``,
+        or after a restart rank 0's choice (collective once, then remembered; see
+        :func:`~shardsmith.trainer.recovery.persistent_source`)."""
+        if self._source is None:
+            from shardsmith.trainer.recovery import persistent_source
+
+            self._source = (persistent_source(self),)
+        return self._source[0]
 
     def resume(self) -> bool:
-        """Load the checkpoint chosen by :meth:`resume_source` into the current layout, or
-        with nothing to resume the weights of ``checkpoint.init_from`` (collective).
+        """Load the step :meth:`resume_source` names into the current layout (a corrupt one:
+        see :func:`~shardsmith.trainer.recovery.load_resume`), or with nothing to resume the
+        weights of ``checkpoint.init_from`` (collective). Sets :attr:`resumed_from`; returns
+        False when there is nothing to resume."""
+        from shardsmith.trainer.recovery import announce, load_resume, recover_local
 
-        Returns False when there is nothing to resume. Raises CheckpointNotFound for an
-        explicit URL without a committed step.
-        """
         self._check_root()
-        if self.local is not None:
-            from shardsmith.trainer.recovery import announce, recover_local
-
-            if recover_local(self):
-                return True
+        if self.local is not None and recover_local(self):
+            self.resumed_from = self.resume_source()
+            return True
         src = self.resume_source()
         if src is None:
             if self.cfg.checkpoint.init_from:
                 self._init_from(self.cfg.checkpoint.init_from)
             return False
-        self._load(*src, reason="resume")
+        self.resumed_from = load_resume(self, src)
         if self.local is not None:
-            announce(self, src[1], "persistent")
+            announce(self, self.resumed_from[1], "persistent")
         return True
 
     def _check_root(self) -> None:
@@ -288,14 +266,16 @@ class CheckpointPolicy:
         any_rank(bool(deleted))
 
     def _read(self, step_store: Store, reader: ManifestReader | StaticManifest, tensors: dict[str, torch.Tensor],
-              with_optimizer: bool, shared: bool = True) -> tuple[list[Any], dict[str, Any]]:
+              with_optimizer: bool, shared: bool = True, upcast: bool = False) -> tuple[list[Any], dict[str, Any]]:
         """Fill ``tensors`` from the checkpoint by box intersection, reading only the manifest
         records of this rank's tensors (``shared``: once per replica group, see
         ``replica_group``, and per TP group where that saves reads, see ``sibling_group``);
         every rank's ``[nbytes_read, nbytes_needed]`` (all-gathered), and the resume event's
         ``replicas_sharing_reads`` (how many replicas split the reads; 1: none) and
         ``tp_siblings_share_reads`` (some TP group read a tensor's union once, see
-        ``sibling_group``)."""
+        ``sibling_group``). ``upcast``: bf16/fp16 tensors fill fp32 ones exactly (``--init-from``).
+        A failed read on any rank raises on every rank (an ``IntegrityError`` when any rank's
+        data failed verification), after one all-gather, so nobody waits in a collective."""
         cfg = self.cfg
         specs = checkpoint_specs(cfg.model, cfg.parallel, with_optimizer=with_optimizer)
         boxes = rank_boxes(specs, cfg.parallel, self.rank)
@@ -303,14 +283,23 @@ class CheckpointPolicy:
         shapes = {f: s.shape for f, s in specs.items()}
         group, siblings = (self.replica_group, self.sibling_group) if shared else (None, None)
         read_share = share_reader(step_store, siblings, cfg.checkpoint.simulate_nodes)
-        sharing = {"replicas_sharing_reads": 1}
-        if shares_reads(step_store, group, cfg.checkpoint.simulate_nodes) and all(
-                rank_boxes(specs, cfg.parallel, r) == boxes for r in dist.get_process_group_ranks(group)):
-            stats = load_into_replicas(step_store, manifest, tensors, boxes, shapes, group, reader=read_share)
-            sharing["replicas_sharing_reads"] = dist.get_world_size(group)
-        else:
-            stats = read_share(step_store, manifest, tensors, boxes, shapes)
-        read = gather_json([stats.nbytes_read, stats.nbytes_needed, stats.tensors_shared])
+        sharing, error = {"replicas_sharing_reads": 1}, ""
+        staged = upcast_staging(manifest, tensors) if upcast else {}
+        try:
+            if shares_reads(step_store, group, cfg.checkpoint.simulate_nodes) and all(
+                    rank_boxes(specs, cfg.parallel, r) == boxes for r in dist.get_process_group_ranks(group)):
+                stats = load_into_replicas(step_store, manifest, {**tensors, **staged}, boxes, shapes, group,
+                                           reader=read_share)
+                sharing["replicas_sharing_reads"] = dist.get_world_size(group)
+            else:
+                stats = read_share(step_store, manifest, {**tensors, **staged}, boxes, shapes)
+        except Exception as exc:                   # agreed below: every rank raises, nobody waits
+                stats, error = ReadStats(), f"{'I' if isinstance(exc, IntegrityError) else 'C'}{exc}"
+        read = gather_json([stats.nbytes_read, stats.nbytes_needed, stats.tensors_shared, error])
+        raise_agreed([r[3] for r in read])
+        if staged:
+            finish_upcast(staged, tensors, boxes)
+            sharing["upcast_from"] = sorted({DTYPE_NAMES[t.dtype] for t in staged.values()})
         return read, {**sharing, "tp_siblings_share_reads": any(r[2] for r in read)}
 
     def _init_from(self, url: str) -> None:
@@ -320,10 +309,11 @@ class CheckpointPolicy:
         reader = open_manifest(step_store)                    # the head: configs, layout, state, index
         manifest = reader.manifest(())
         self._warn(check_before_load(manifest, self.cfg, step_store.url, resume=False))
-        read, _ = self._read(step_store, reader, model_state_tensors(self.state.model, None), False)
+        read, info = self._read(step_store, reader, model_state_tensors(self.state.model, None), False, upcast=True)
         self.run.initialized_from(manifest.state, step_store.url, step)
         self.event({"event": "init_from", "from": step_store.url, "source_step": step,
-                    "saved_layout": reader.manifest(()).layout, "nbytes_read": sum(r[0] for r in read)})
+                    "saved_layout": reader.manifest(()).layout, "nbytes_read": sum(r[0] for r in read),
+                    **({"upcast_from": info["upcast_from"]} if info.get("upcast_from") else {})})
 
     def _load(self, step_store: Store, step: int, *, reason: str,
               reader: ManifestReader | StaticManifest | None = None) -> None:
@@ -343,6 +333,8 @@ class CheckpointPolicy:
         if reason != "rollback":
             self.run.resumed(manifest.state, step_store.url, step)
         state.load_state_json(manifest.state, rollback=reason == "rollback")
+        if reason != "rollback":
+            self._changes(manifest, step_store.url, step)
         rng = apply_rng(manifest.state.get("rng"), cfg.parallel, self.rank, self.coords, cfg.seed, state.step)
         self.last_saved_step = step
         layout = cfg.parallel.to_json()
@@ -358,6 +350,16 @@ class CheckpointPolicy:
             self.run.events.append(record)
             self.event(record)
             log.warning("--reset-optimizer: continuing from step %d of %s with a fresh AdamW", step, step_store.url)
+
+    def _changes(self, manifest: Manifest, url: str, step: int) -> None:
+        """Report (and apply) another data config or batch size: see :func:`resume_changes`;
+        a data change joins the run's events, so every later manifest holds it."""
+        sampler = self.state.sampler
+        for record in resume_changes(manifest, self.cfg, url, step, sampler.sample_index):
+            if record["event"] == "data_change":
+                sampler.load_state_dict({"sample_index": record["sample_index"]})
+                self.run.events.append(record)
+            self.event(record)
 
     def _warn(self, warnings: list[str]) -> None:
         for line in warnings:
@@ -380,7 +382,9 @@ class CheckpointPolicy:
                                    f"{max_rollbacks} rollbacks already; the run diverges. "
                                    "Lower --lr, check the data, or raise --max-rollbacks")
         self.wait()
-        latest = find_latest_committed(self.root, self.run.lineage()) if self.root is not None else None
+        from shardsmith.trainer.recovery import rollback_step
+
+        latest = rollback_step(self)                  # rank 0 decides, every rank loads it
         if self.root is None or latest is None:
             raise TrainingDiverged(f"steps {bad_step - streak + 1}..{bad_step} had a non-finite loss or "
                                    "gradient norm and there is no committed checkpoint to roll back to; "

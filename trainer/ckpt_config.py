@@ -9,6 +9,10 @@ from typing import Any
 from shardsmith.errors import ConfigError
 
 
+#: ``--data-change`` values ("": not given).
+DATA_CHANGES = ("", "continue", "restart")
+
+
 @dataclass(kw_only=True)
 class CheckpointConfig:
     """Where and when to checkpoint.
@@ -42,6 +46,14 @@ class CheckpointConfig:
         local_save_interval: write the local tier every this many steps (>= 1).
         local_replicas: 0 or 1: also copy each rank's local-tier state to its buddy rank one
             node over (over the process group), so losing a whole node loses no local step.
+        data_change: how the data position maps when a resume changes the data (``--data``,
+            blend weights, ``--text-key``, ``--token-dtype``): ``continue`` keeps the global
+            sample index, ``restart`` starts the new sources at sample 0 (step, LR schedule and
+            optimizer continue); ``""`` refuses such a resume. Recorded as a run event.
+        resume_step: filled in by the launcher (:func:`shardsmith.trainer.preflight.resolve`),
+            never by a user: the exact, absolute URL of the step to resume (``""``: nothing to
+            resume). Workers load exactly that step on their first start and never choose
+            again; None (a library caller that did not resolve): the workers choose.
         simulate_nodes: split the ranks into this many simulated nodes (tests, benches on one
             machine: the local tier's buddies, and whether replicas share the reads of a local
             checkpoint); 0 = nodes of ``LOCAL_WORLD_SIZE`` ranks (torchrun's, the real ones).
@@ -64,6 +76,8 @@ class CheckpointConfig:
     local_save_interval: int = 1
     local_replicas: int = 0
     simulate_nodes: int = 0
+    data_change: str = ""
+    resume_step: str | None = None
 
     def __post_init__(self) -> None:
         if self.save_interval < 0:
@@ -80,6 +94,9 @@ class CheckpointConfig:
             from shardsmith.storage.zarr_format import parse_codec
 
             parse_codec(self.zarr_codec)
+        if self.data_change not in DATA_CHANGES:
+            raise ConfigError(f"checkpoint.data_change={self.data_change!r}: choose 'continue' (keep the global "
+                              "sample index) or 'restart' (the new data from sample 0)")
         self._check_local_tier()
 
     def _check_local_tier(self) -> None:

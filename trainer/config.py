@@ -106,14 +106,16 @@ class TrainConfig:
         return int(per_rank)
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-safe dict (credentials in storage_options are dropped; the parallelism fields
-        added later are left out at their defaults)."""
+        """JSON-safe dict (credentials in storage_options and the launcher's resolved
+        ``checkpoint.resume_step`` are dropped; the parallelism fields added later are left
+        out at their defaults)."""
         out = dataclasses.asdict(self)
         out["parallel"] = self.parallel.to_json()
         out["data"]["sources"] = list(self.data.sources)
         out["checkpoint"]["storage_options"] = {}
+        del out["checkpoint"]["resume_step"]        # the launcher's, for its workers only (launch.config_payload)
         local_defaults: dict[str, Any] = {"local_ckpt": "", "local_save_interval": 1, "local_replicas": 0,
-                                          "simulate_nodes": 0}
+                                          "simulate_nodes": 0, "data_change": ""}
         for name, value in local_defaults.items():
             if out["checkpoint"][name] == value:      # manifests of runs without a local tier unchanged
                 del out["checkpoint"][name]

@@ -164,7 +164,17 @@ _EVENT_LINES = {
     "schedule_change": lambda r: f"warning: {r.get('message', 'the LR schedule changed')}",
     "gc": lambda r: "deleted old checkpoints: steps " + ", ".join(map(str, r.get("deleted_steps", []))),
     "init_from": lambda r: (f"initialized the weights from {short_url(r.get('from', '?'))} "
-                            f"(step {r.get('source_step')}, layout {layout_name(r.get('saved_layout'))})"),
+                            f"(step {r.get('source_step')}, layout {layout_name(r.get('saved_layout'))}"
+                            + (f"; {'/'.join(r['upcast_from'])} upcast to F32, exact" if r.get("upcast_from") else "")
+                            + ")"),
+    "corrupt_step": lambda r: ("" if r.get("fallback_step") is None      # no fallback: the job's error says it
+                               else f"warning: step {r['step']} ({short_url(r.get('url', '?'))}) is corrupt: "
+                                    f"{r.get('error')}; loading step {r['fallback_step']}, the newest older committed "
+                                    "step of its run (the corrupt one is marked: `shardsmith ls` shows it)"),
+    "data_change": lambda r: (f"data change at step {r['step']} (--data-change {r['how']}): {r['from']} -> {r['to']}; "
+                              f"the new data starts at global sample {r['sample_index']}"),
+    "batch_change": lambda r: (f"global batch size changes at step {r['step']}: {r['from']} -> {r['to']} samples; "
+                               f"the data continues at global sample {r['sample_index']}"),
     "bad_step": lambda r: (f"step {r['step']}: non-finite loss {r.get('loss')} or grad norm "
                            f"{r.get('grad_norm')}; update skipped ({r.get('consecutive')} in a row)"),
     "recovery": lambda r: (f"recovered step {r['step']} from {r.get('source')}"       # benches parse this

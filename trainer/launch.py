@@ -33,7 +33,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from shardsmith.errors import ShardsmithError
 from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.fault.preemption import PREEMPT_SIGNALS
-from shardsmith.trainer.preflight import preflight
+from shardsmith.trainer.preflight import prepare
 #: Where a worker writes its error line; the first one to fail creates the file (O_EXCL) and
 #: the launcher prints it once, instead of every rank's echo of the same failure.
 from shardsmith.trainer.worker import ERROR_FILE_ENV
@@ -61,6 +61,7 @@ def config_payload(cfg: TrainConfig) -> dict:
     """
     data = cfg.to_json()
     data["checkpoint"]["storage_options"] = cfg.checkpoint.storage_options
+    data["checkpoint"]["resume_step"] = cfg.checkpoint.resume_step      # resolved once, here (preflight.resolve)
     for section, key in (("checkpoint", "url"), ("checkpoint", "local_ckpt"), (None, "run_dir")):
         holder = data[section] if section else data
         if holder.get(key) and "://" not in holder[key]:
@@ -69,8 +70,9 @@ def config_payload(cfg: TrainConfig) -> dict:
 
 
 def launch(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0) -> int:
-    """Check what can be checked here (:func:`~shardsmith.trainer.preflight.preflight`), then
-    run training on ``nproc_per_node`` local worker processes and wait for them.
+    """Check what can be checked here and resolve the step to load once
+    (:func:`~shardsmith.trainer.preflight.prepare`; a config the CLI resolved is taken as
+    is), then run training on ``nproc_per_node`` local worker processes and wait for them.
 
     A SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) to this process is forwarded to the workers, which
     checkpoint at their next step boundary and exit; the agent waits ``fault.preempt_deadline``
@@ -89,8 +91,10 @@ def launch(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0) -> i
             stopped the job.
         CheckpointNotFound, CheckpointMismatch, StorageError: from the preflight checks.
     """
-    if not ready_to_train(cfg):
+    resolved = prepare(cfg)
+    if resolved is None:
         return 0
+    cfg = resolved
     _quiet_elastic_logs()
     set_worker_env()
     with job_files(cfg) as (path, error_file):
@@ -107,24 +111,6 @@ def launch(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0) -> i
         except SignalException as exc:
             return _stopped_by(exc)
     return 0
-
-
-def ready_to_train(cfg: TrainConfig) -> bool:
-    """Run the launcher's :func:`~shardsmith.trainer.preflight.preflight` (its notes go to
-    stderr); False, with a line saying why, when the checkpoint to resume is already at or
-    past ``cfg.steps`` (nothing to train).
-
-    Raises:
-        CheckpointNotFound, CheckpointMismatch, StorageError: from the preflight checks.
-    """
-    found = preflight(cfg)
-    for note in found.notes:
-        print(f"warning: {note}", file=sys.stderr, flush=True)
-    if found.resume_step is not None and found.resume_step >= cfg.steps:
-        print(f"{found.resume_url} is at step {found.resume_step}, at or past --steps {cfg.steps}: nothing "
-              "to train (raise --steps to continue)", file=sys.stderr, flush=True)
-        return False
-    return True
 
 
 @contextlib.contextmanager

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from shardsmith.errors import ConfigError
+
+if TYPE_CHECKING:                      # the config is read before torch is imported (the launcher)
+    import torch
 
 
 @dataclass(kw_only=True)
@@ -69,6 +70,8 @@ def lr_lambda(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (not norms). ``foreach=False`` because
     parameters live on different meshes (TP-sharded and replicated)."""
+    import torch
+
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},

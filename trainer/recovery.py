@@ -10,6 +10,10 @@ copies it can reach on its filesystem (all of them on one machine) and, when som
 complete, loads it by box intersection (resharding) from the local tier; else from the
 persistent tier.
 
+The persistent tier's step is the one the launcher resolved (:func:`persistent_source`); a
+step whose data fails verification while loading is marked corrupt and, with ``--resume
+auto``, the next older committed step of its run loads instead (:func:`load_resume`).
+
 Rank 0 logs one line the benches parse: ``recovered step S from local|buddy|persistent``
 (regex ``recovered step (\\d+) from (local|buddy|persistent)``), from the ``recovery`` event
 it writes to metrics.jsonl (``step``, ``source``, ``detail``, ``seconds``).
@@ -22,17 +26,18 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from shardsmith.errors import CheckpointError, ManifestError
+from shardsmith.errors import CheckpointError, CheckpointNotFound, IntegrityError, ManifestError
 from shardsmith.layout.plan import checkpoint_specs
-from shardsmith.storage.commit import open_manifest, parse_step_dir
+from shardsmith.storage.commit import open_manifest, parse_step_dir, resolve_checkpoint, split_step_url, step_dir
 from shardsmith.storage.formats import SafetensorsFormat
 from shardsmith.storage.fs import Store
-from shardsmith.storage.lineage import run_id_of
+from shardsmith.storage.lineage import committed_runs, loadable_steps, mark_corrupt, run_id_of
 from shardsmith.storage.manifest import Manifest, ManifestBuilder
-from shardsmith.trainer.comm import gather_json
+from shardsmith.trainer.comm import broadcast_text, gather_json
 from shardsmith.trainer.local_tier import (Lineage, LocalTier, RankCopy, buddy_of, check_copy_files,
                                            parse_rank_doc, rank_manifest_name, saved_dims)
 from shardsmith.trainer.peer_copy import exchange_files
+from shardsmith.trainer.preflight import choose_resume, way_forward
 from shardsmith.trainer.rng import pack_rng_states
 
 if TYPE_CHECKING:
@@ -261,3 +266,99 @@ def _reshard_from_local(policy: CheckpointPolicy, lineage: Lineage, newest_persi
 
 
 __all__ = ["recover_local", "agree", "build_manifest", "StaticManifest", "announce"]
+
+
+# ---- the persistent tier: the step the launcher resolved, and a corrupt one ------------------
+
+def persistent_source(policy: CheckpointPolicy) -> tuple[Store, int] | None:
+    """The persistent-tier step a start loads (collective: every rank calls it once).
+
+    On the first start it is exactly ``checkpoint.resume_step``, the URL the launcher resolved
+    (:func:`shardsmith.trainer.preflight.resolve`); nobody chooses again. After an elastic
+    restart (or for a config nobody resolved) rank 0 chooses with
+    :func:`~shardsmith.trainer.preflight.choose_resume` and broadcasts its choice, so
+    every rank loads the same step even while a save commits another.
+
+    Raises:
+        CheckpointNotFound: on every rank, when rank 0 found no committed step at an explicit URL.
+    """
+    ckpt = policy.cfg.checkpoint
+    if ckpt.resume_step is not None and policy.restarts == 0:
+        return _step_of(ckpt.resume_step, ckpt.storage_options) if ckpt.resume_step else None
+    chosen = ""
+    if policy.rank == 0:
+        try:
+            root = None if ckpt.overwrite and policy.restarts == 0 else policy.root
+            src = choose_resume(ckpt.resume, root, policy.restarts, ckpt.storage_options)
+            chosen = src[0].url if src is not None else ""
+        except CheckpointNotFound as exc:
+            chosen = f"!{exc}"
+    chosen = broadcast_text(chosen)
+    if chosen.startswith("!"):
+        raise CheckpointNotFound(chosen[1:])
+    return _step_of(chosen, ckpt.storage_options) if chosen else None
+
+
+def _step_of(url: str, storage_options: dict[str, Any]) -> tuple[Store, int]:
+    _, step_store, step = resolve_checkpoint(url, storage_options)
+    return step_store, step
+
+
+def load_resume(policy: CheckpointPolicy, src: tuple[Store, int]) -> tuple[Store, int]:
+    """Load ``src``; when its data fails verification (an ``IntegrityError`` every rank
+    raises alike, see ``CheckpointPolicy._read``) mark the step corrupt
+    (:func:`~shardsmith.storage.lineage.mark_corrupt`, so ``ls`` shows it and ``auto`` skips
+    it), report a ``corrupt_step`` event, and with ``--resume auto`` (or after a restart) load
+    the newest older committed step of the same run instead. Collective.
+
+    Returns:
+        The step loaded.
+
+    Raises:
+        IntegrityError: an explicit ``--resume`` step is corrupt, or no older step is left;
+            the message names the command that goes on from the older step.
+    """
+    step_store, step = src
+    fallback = policy.cfg.checkpoint.resume == "auto" or policy.restarts > 0
+    while True:
+        try:
+            policy._load(step_store, step, reason="resume")
+            return step_store, step
+        except IntegrityError as exc:
+            older = older_step(policy, step_store, step)
+            if policy.rank == 0:
+                try:
+                    mark_corrupt(step_store, step=step, error=str(exc), found_by="resume")
+                except OSError as mark_exc:               # read-only storage: the event still says it
+                    log.warning("cannot mark %s corrupt: %s", step_store.url, mark_exc)
+            go_on = older is not None and fallback
+            policy.event({"event": "corrupt_step", "step": step, "url": step_store.url, "error": str(exc),
+                          "fallback_step": older[1] if go_on and older is not None else None})
+            if not go_on:
+                raise IntegrityError(way_forward(str(exc), step_store.url, older)) from None
+            assert older is not None
+            step_store, step = older
+
+
+def older_step(policy: CheckpointPolicy, step_store: Store, step: int) -> tuple[Store, int] | None:
+    """The newest committed step older than ``step`` of the same run, not marked corrupt (rank 0
+    looks, every rank gets its answer). Collective."""
+    found = ""
+    if policy.rank == 0:
+        root = Store(split_step_url(step_store.url)[0], policy.cfg.checkpoint.storage_options)
+        run = committed_runs(root, [step]).get(step)
+        steps = loadable_steps(root, {run} if run is not None else None, below=step)
+        found = root.url_of(step_dir(steps[0])) if steps else ""
+    found = broadcast_text(found)
+    return _step_of(found, policy.cfg.checkpoint.storage_options) if found else None
+
+
+def rollback_step(policy: CheckpointPolicy) -> int | None:
+    """The step a rollback loads: the newest committed step of this run's lineage not marked
+    corrupt (rank 0 looks, every rank gets its answer). Collective."""
+    found = ""
+    if policy.rank == 0 and policy.root is not None:
+        steps = loadable_steps(policy.root, policy.run.lineage())
+        found = str(steps[0]) if steps else ""
+    found = broadcast_text(found)
+    return int(found) if found else None

@@ -6,7 +6,8 @@ and the identity of its run.
   checkpoint without it is refused unless ``--reset-optimizer``).
 * :class:`RunIdentity`: the run id (uuid4 hex from rank 0), seed, parent and run events that
   every manifest the job commits records in ``state["run"]`` (:mod:`shardsmith.storage.lineage`).
-* :func:`preflight`: both checks from storage alone, before any worker starts (the CLI).
+* the launcher makes both checks from storage alone, before any worker starts
+  (:func:`shardsmith.trainer.preflight.preflight`).
 
 No torch.distributed here: the policy (:mod:`shardsmith.trainer.checkpointing`) agrees the run
 id over the process group.
@@ -21,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from shardsmith.layout.compat import check_has_optimizer_state, check_model_compatible, check_tensor_names
 from shardsmith.layout.plan import checkpoint_specs
-from shardsmith.storage.lineage import UNNAMED, check_new_run_root, run_record
+from shardsmith.errors import CheckpointMismatch
+from shardsmith.storage.lineage import UNNAMED, run_record
 from shardsmith.storage.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -48,10 +50,13 @@ def check_before_load(manifest: Manifest, cfg: TrainConfig, source: str, *, resu
         Warnings naming model fields that differ without changing a tensor shape.
 
     Raises:
-        CheckpointMismatch: another model shape, missing or unexpected tensors, or no
-            optimizer state for a resume (names the difference and the way forward).
+        CheckpointMismatch: another model shape, missing or unexpected tensors, no
+            optimizer state for a resume, or weights in another dtype than the job's for
+            a resume (names the difference and the way forward).
     """
     warnings = check_model_compatible(manifest.model, cfg.model, source=source)
+    if resume:
+        check_resume_dtypes(manifest, source)
     names = manifest.tensor_names                 # every tensor of the step (a partial read too)
     load_optim = resume and not reset_optimizer
     if load_optim:
@@ -59,6 +64,36 @@ def check_before_load(manifest: Manifest, cfg: TrainConfig, source: str, *, resu
     expected = checkpoint_specs(cfg.model, cfg.parallel, with_optimizer=load_optim)
     check_tensor_names(names, expected, source=source, optimizer_prefixes=() if load_optim else (OPTIM_PREFIX,))
     return warnings
+
+
+#: The dtype of the job's parameters and optimizer state (fp32 master weights; ``--bf16`` only
+#: autocasts the compute).
+JOB_DTYPE = "F32"
+#: Saved dtypes an ``--init-from`` upcasts to :data:`JOB_DTYPE` exactly (every value representable).
+EXACT_UPCASTS = frozenset({"BF16", "F16"})
+
+
+def saved_dtypes(manifest: Manifest) -> set[str]:
+    """The dtypes of the model (not optimizer) tensors a manifest lists."""
+    return {rec.dtype for fqn, rec in manifest.tensors.items() if not fqn.startswith(OPTIM_PREFIX)}
+
+
+def check_resume_dtypes(manifest: Manifest, source: str) -> None:
+    """Refuse to resume weights saved in another dtype than the job's (a resume continues
+    the optimizer in place; an ``--init-from`` upcasts instead).
+
+    Raises:
+        CheckpointMismatch: naming the dtypes and the conversion command.
+    """
+    other = sorted(saved_dtypes(manifest) - {JOB_DTYPE})
+    if other:
+        from shardsmith.trainer.console import short_url
+
+        source = short_url(source)
+        raise CheckpointMismatch(
+            f"{source} holds {'/'.join(other)} weights; a resume continues training in {JOB_DTYPE} with its "
+            f"optimizer state: convert it first with `shardsmith reshard {source} NEW_DIR --dtype f32` "
+            f"(then --resume NEW_DIR), or start a new run from its weights with --init-from {source}")
 
 
 @dataclass
@@ -111,34 +146,39 @@ class RunIdentity:
         self.parent = {"run": run_record(state).get("id") or UNNAMED, "step": step, "url": url}
 
 
-def preflight(cfg: TrainConfig) -> list[str]:
-    """The checks workers make, from storage alone, before any worker starts (the CLI calls
-    it; the workers repeat them). Single process.
+def resume_changes(manifest: Manifest, cfg: TrainConfig, url: str, step: int,
+                   sample_index: int) -> list[dict[str, Any]]:
+    """What resuming ``step`` under ``cfg`` changes, as events (pure; every rank alike):
 
-    Returns:
-        Warnings for harmless model differences.
+    * ``data_change``: other data than the checkpoint was trained on, mapped as
+      ``checkpoint.data_change`` says (``sample_index``: where the new data starts: the saved
+      index for ``continue``, 0 for ``restart``);
+    * ``batch_change``: another global batch size (Megatron's batch ramp-up); the data
+      continues at the saved global sample index.
 
     Raises:
-        CheckpointMismatch: a new run into another run's root, another model shape, missing
-            tensors, or a resume without optimizer state.
-        CheckpointNotFound: ``--resume URL`` or ``--init-from URL`` without a committed step.
+        ConfigError: the data changed and ``checkpoint.data_change`` does not say how (the
+            launcher refuses this before any worker starts; see
+            :func:`shardsmith.trainer.preflight.check_data_change`).
     """
-    from shardsmith.storage.commit import read_manifest, resolve_checkpoint
-    from shardsmith.storage.fs import Store
-    from shardsmith.trainer.checkpointing import choose_resume
+    from dataclasses import asdict
 
-    ckpt = cfg.checkpoint
-    root = Store(ckpt.url, ckpt.storage_options) if ckpt.url else None
-    if root is not None:
-        check_new_run_root(root, ckpt.resume, ckpt.overwrite)
-    src = choose_resume(ckpt.resume, None if ckpt.overwrite else root, 0, ckpt.storage_options)
-    if src is not None:
-        return check_before_load(read_manifest(src[0]), cfg, src[0].url, resume=True,
-                                 reset_optimizer=ckpt.reset_optimizer)
-    if ckpt.init_from:
-        _, step_store, _ = resolve_checkpoint(ckpt.init_from, ckpt.storage_options)
-        return check_before_load(read_manifest(step_store), cfg, step_store.url, resume=False)
-    return []
+    from shardsmith.trainer.data.config import data_changed, describe_data
+    from shardsmith.trainer.preflight import check_data_change
+
+    saved = manifest.config or {}
+    out: list[dict[str, Any]] = []
+    if data_changed(saved.get("data") or {}, cfg.data):
+        check_data_change(manifest, cfg, url)
+        how = cfg.checkpoint.data_change
+        out.append({"event": "data_change", "step": step, "how": how, "from": describe_data(saved.get("data") or {}),
+                    "to": describe_data(asdict(cfg.data)), "saved_sample_index": sample_index,
+                    "sample_index": 0 if how == "restart" else sample_index})
+    old = saved.get("global_batch_size")
+    if old is not None and old != cfg.global_batch_size:
+        out.append({"event": "batch_change", "step": step, "from": old, "to": cfg.global_batch_size,
+                    "sample_index": out[0]["sample_index"] if out else sample_index})
+    return out
 
 
 def reset_due(manifest: Manifest, reset_optimizer: bool) -> bool:

@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.fault.inprocess import SUPERVISOR_ENV, WORKER_ID_ENV
-from shardsmith.trainer.launch import (EXIT_INTERRUPTED, LaunchError, first_error, job_files, ready_to_train,
+from shardsmith.trainer.preflight import prepare
+from shardsmith.trainer.launch import (EXIT_INTERRUPTED, LaunchError, first_error, job_files,
                                        set_worker_env)
 
 log = logging.getLogger(__name__)
@@ -217,8 +218,10 @@ def launch_in_process(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: in
         LaunchError: a worker failed after ``max_restarts`` restarts (its error line).
         CheckpointNotFound, CheckpointMismatch, StorageError: from the preflight checks.
     """
-    if not ready_to_train(cfg):
+    resolved = prepare(cfg)
+    if resolved is None:
         return 0
+    cfg = resolved
     set_worker_env()
     with job_files(cfg) as (path, error_file):
         supervisor = Supervisor(path, nproc_per_node, max_restarts=max_restarts, spares=spares,

@@ -240,9 +240,9 @@ class Trainer:
     def _resume_and_report(self) -> None:
         """Resume; say when the resumed step is at or past ``--steps`` and when the LR
         schedule differs from the one the checkpoint was trained on (a ``schedule_change`` event)."""
-        src = self.checkpointing.resume_source()
-        if not self.resume() or src is None:
+        if not self.resume() or self.checkpointing.resumed_from is None:
             return
+        src = self.checkpointing.resumed_from
         if self.step >= self.cfg.steps and self.rank == 0:
             print(f"step {self.step} is at or past --steps {self.cfg.steps}: nothing to train",
                   file=sys.stderr, flush=True)

@@ -18,13 +18,26 @@ The sample order is a pure function of ``(seed, global sample index)``, independ
 degree; the only loader state in a checkpoint is ``{"sample_index": int}``.
 """
 
-from shardsmith.trainer.data.blend import BlendedDataset, blending_table
+import importlib
+from typing import Any
+
 from shardsmith.trainer.data.config import BYTE_VOCAB_SIZE, TOKEN_DTYPES, DataConfig, parse_data_args
-from shardsmith.trainer.data.dataset import GlobalBatchSampler, TokenDataset, vocab_size_needed
 from shardsmith.trainer.data.identity import (check_same_tokenizer, resolve_vocab_size,
                                               tokenizer_identity)
-from shardsmith.trainer.data.loading import build_dataset, load_tokens, tokenize_documents
-from shardsmith.trainer.data.sources import stdlib_corpus, stdlib_documents
+
+#: Names whose modules import torch, imported on first use (PEP 562), so that the config
+#: (and ``shardsmith train``'s checks before any worker starts) never imports torch.
+_LAZY = {"BlendedDataset": "blend", "blending_table": "blend", "GlobalBatchSampler": "dataset",
+         "TokenDataset": "dataset", "vocab_size_needed": "dataset", "build_dataset": "loading",
+         "load_tokens": "loading", "tokenize_documents": "loading", "stdlib_corpus": "sources",
+         "stdlib_documents": "sources"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BYTE_VOCAB_SIZE", "TOKEN_DTYPES", "BlendedDataset", "DataConfig", "GlobalBatchSampler",

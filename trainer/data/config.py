@@ -9,8 +9,9 @@ only its path, so a resumed job can refuse a different tokenizer
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from shardsmith.errors import ConfigError
 
@@ -188,3 +189,34 @@ def _as_number(text: str) -> float | None:
     except ValueError:
         return None
     return value if math.isfinite(value) else None
+
+
+#: The fields of a data config that decide which sample a global sample index names.
+DATA_IDENTITY_FIELDS = ("sources", "weights", "text_key", "token_dtype")
+
+
+def describe_data(data: Mapping[str, Any]) -> str:
+    """``--data 0.7 a.jsonl 0.3 b.jsonl`` (plus a non-default text key or token dtype), or the
+    default corpus, for messages. ``data``: a data config's JSON (a manifest's ``config["data"]``)."""
+    sources, weights = list(data.get("sources") or []), list(data.get("weights") or [])
+    if not sources:
+        text = "the default corpus (the standard library's .py files)"
+    elif weights:
+        text = "--data " + " ".join(f"{w:g} {s}" for w, s in zip(weights, sources))
+    else:
+        text = "--data " + " ".join(sources)
+    for key, flag, default in (("text_key", "--text-key", "text"), ("token_dtype", "--token-dtype", "auto")):
+        if data.get(key, default) != default:
+            text += f" {flag} {data[key]}"
+    return text
+
+
+def data_changed(saved: Mapping[str, Any], job: DataConfig) -> bool:
+    """True when ``job`` reads other samples than the run that saved ``saved`` (a manifest's
+    ``config["data"]``) at the same global sample index: other sources, weights, text key or
+    token dtype. Pure; every rank decides alike."""
+    now = {"sources": list(job.sources), "weights": [float(w) for w in job.weights],
+           "text_key": job.text_key, "token_dtype": job.token_dtype}
+    before = {"sources": list(saved.get("sources") or []), "weights": [float(w) for w in saved.get("weights") or []],
+              "text_key": saved.get("text_key", "text"), "token_dtype": saved.get("token_dtype", "auto")}
+    return now != before

@@ -17,8 +17,9 @@ One module per concern, each owned by the training loop
 * :mod:`.guard`: :class:`~.guard.FaultGuard`, the watchdog and the signal handlers
   around the training loop.
 
-Where a (re)started job resumes from is checkpoint policy
-(:func:`shardsmith.trainer.checkpointing.choose_resume`); fault injection for tests lives
+Where a (re)started job resumes from is checkpoint policy (the launcher's
+:func:`shardsmith.trainer.preflight.resolve`, after a restart
+:func:`shardsmith.trainer.recovery.persistent_source`); fault injection for tests lives
 in :mod:`shardsmith.trainer.fault_hooks`. This module holds the package's config.
 """
 
