@@ -78,4 +78,5 @@ def run_demo(workdir: str, steps: int = 30, more_steps: int = 20, moe: bool = Fa
                f"{after[steps + 1]:.4f}")
     click.echo(f"loss at step {steps + more_steps}: {after[steps + more_steps]:.4f}")
     click.echo(f"inspect with: shardsmith inspect {b}/{step_dir(steps + more_steps)}")
-    click.echo(f"plot both runs as one curve: shardsmith plot {a} {b}  (needs pip install 'shardsmith[plot]')")
+    click.echo(f"plot both runs as one curve: shardsmith plot {a} {b}  (needs matplotlib: "
+               'pip install -e ".[plot]" in a clone)')

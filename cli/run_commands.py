@@ -19,7 +19,8 @@ def plot(run_dirs: tuple[str, ...], out_path: str) -> None:
     job's two runs draw as one curve), with reshards (a resume in another layout),
     restarts and rollbacks (after bad steps) marked.
 
-    Needs matplotlib: pip install 'shardsmith[plot]'.
+    Needs matplotlib, which `pip install -e .` does not install: pip install -e ".[plot]"
+    in a clone (else: pip install "shardsmith[plot]").
     """
     from shardsmith.trainer.plot import plot_runs
 

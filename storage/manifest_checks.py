@@ -277,8 +277,10 @@ def parse_header(data: dict[str, Any], source: str, versions: tuple[int, ...],
         raise err("format", f"expected {FORMAT_NAME!r}, got {data.get('format')!r:.80}", source)
     version = data.get("version")
     if type(version) is not int or version not in versions:
+        from shardsmith.storage.manifest import READ_VERSIONS      # every version any parser reads
+
         raise err("version", f"unknown format version {version!r:.40}; this shardsmith reads versions "
-                  f"{list(versions)} — upgrade shardsmith", source)
+                  f"{list(READ_VERSIONS)} — upgrade shardsmith", source)
     for key, kind in COMMON_FIELDS + more:
         if key not in data:
             raise err(key, "missing", source)

@@ -23,7 +23,8 @@ def main_job_commands() -> list[list[str]]:
     text = README.read_text()
     block = re.search(r"## The main job, step by step\s+```bash\n(.*?)```", text, re.S)
     assert block, "README.md has no 'The main job, step by step' bash block"
-    return [shlex.split(line) for line in block.group(1).splitlines() if line.strip()]
+    return [shlex.split(line) for line in block.group(1).splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
 
 
 def test_the_block_is_parsed() -> None:

@@ -235,3 +235,19 @@ def test_launched_jobs_load_exactly_the_step_asked_and_fall_back_only_from_auto(
     init = _train(tmp_path, "--nproc-per-node", "1", "--data", data_path, "--steps", "1", "--ckpt", "n",
                   "--init-from", "b/step-000000004")
     assert init.returncode == 0 and "BF16 upcast to F32, exact" in init.stderr + init.stdout, init.stderr[-3000:]
+
+
+def test_messages_name_the_nearest_valid_batch_sizes_and_every_manifest_version_read():
+    from shardsmith.errors import ManifestError
+    from shardsmith.storage.manifest import FORMAT_NAME
+    from shardsmith.storage.manifest_parse import parse_manifest
+    from shardsmith.trainer.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"x dp=128 = 128; the nearest valid sizes are \[128, 256\]"):
+        TrainConfig(parallel=ParallelDims(dp_shard=128), global_batch_size=8, micro_batch_size=1).num_microbatches()
+    with pytest.raises(ConfigError, match=r"the nearest valid sizes are \[88, 96, 104\]"):
+        TrainConfig(parallel=ParallelDims(dp_shard=8), global_batch_size=100, micro_batch_size=1).num_microbatches()
+    for version in (1, 3):          # a v1-shaped document of an unknown version, and a newer one
+        raw = json.dumps({"format": FORMAT_NAME, "version": version + 10, "tensors": {}, "files": {}}).encode()
+        with pytest.raises(ManifestError, match=r"reads versions \[1, 2\]"):
+            parse_manifest(raw, "m.json")

@@ -98,11 +98,12 @@ class TrainConfig:
         dp = self.parallel.dp
         per_rank = self.global_batch_size * 1.0 / (self.micro_batch_size * dp)
         if per_rank != int(per_rank) or per_rank < 1:
-            good = [g for g in range(self.micro_batch_size * dp, 4 * self.global_batch_size + 1,
-                                     self.micro_batch_size * dp)][:4]
+            unit = self.micro_batch_size * dp               # the valid sizes: multiples of this
+            below = self.global_batch_size // unit * unit
+            good = [g for g in (below - unit, below, below + unit, below + 2 * unit) if g >= unit][:3]
             raise ConfigError(
                 f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size"
-                f"={self.micro_batch_size} x dp={dp}; use e.g. global_batch_size in {good}")
+                f"={self.micro_batch_size} x dp={dp} = {unit}; the nearest valid sizes are {good}")
         return int(per_rank)
 
     def to_json(self) -> dict[str, Any]:

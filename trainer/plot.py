@@ -85,7 +85,7 @@ def plot_runs(run_dirs: list[str], out_path: str = "") -> str:
 
     Raises:
         FileNotFoundError, ValueError: see :func:`read_runs`.
-        ImportError: matplotlib is missing (``pip install 'shardsmith[plot]'``).
+        ImportError: matplotlib is missing (``pip install -e ".[plot]"`` in a clone).
     """
     records = read_runs(run_dirs)
     try:
@@ -94,7 +94,8 @@ def plot_runs(run_dirs: list[str], out_path: str = "") -> str:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError as exc:
-        raise ImportError("shardsmith plot needs matplotlib: pip install 'shardsmith[plot]'") from exc
+        raise ImportError("shardsmith plot needs matplotlib, which `pip install -e .` does not install: "
+                          "pip install -e \".[plot]\" in a clone (else: pip install \"shardsmith[plot]\")") from exc
     markers = run_markers(records)
     markers["restarts"] = [s for s in markers["restarts"] if s not in markers["reshards"]]
     fig, axes = plt.subplots(2, 2, figsize=(11, 6.5), sharex=True)

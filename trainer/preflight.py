@@ -33,6 +33,7 @@ from shardsmith.storage.commit import find_latest_committed, list_steps, read_ma
 from shardsmith.storage.fs import Store
 from shardsmith.storage.lineage import CORRUPT_NAME, check_new_run_root, corrupt_mark, loadable_steps, run_id_of
 from shardsmith.storage.manifest import Manifest
+from shardsmith.storage.model_record import check_model_record
 from shardsmith.trainer.console import short_url
 from shardsmith.trainer.data.config import data_changed, describe_data
 
@@ -107,7 +108,8 @@ def preflight(cfg: TrainConfig) -> Preflight:
         CheckpointNotFound: ``--resume``/``--init-from`` names a missing path or one without
             a committed step.
         CheckpointMismatch: a new run into another run's root; another model shape, missing
-            tensors, no optimizer state for a resume, or a dtype a resume cannot take.
+            tensors, no optimizer state for a resume, a dtype a resume cannot take, or a
+            model record that contradicts its tensors.
         ConfigError: the data changed and ``--data-change`` does not say how.
         StorageError: the checkpoint root is unreachable or not writable.
     """
@@ -125,12 +127,15 @@ def preflight(cfg: TrainConfig) -> Preflight:
         out.resume_step, out.resume_url = step, step_store.url
         reset = reset_due(manifest, ckpt.reset_optimizer)
         out.notes += check_before_load(manifest, cfg, step_store.url, resume=True, reset_optimizer=reset)
+        check_model_record(manifest, short_url(step_store.url))      # a record that lies about its tensors
         check_data_change(manifest, cfg, step_store.url)
     elif ckpt.init_from:
         _check_exists(ckpt.init_from, "--init-from")
         _, step_store, _ = resolve_checkpoint(absolute_url(ckpt.init_from), ckpt.storage_options)
         out.init_from = step_store.url
-        out.notes += check_before_load(read_manifest(step_store), cfg, step_store.url, resume=False)
+        manifest = read_manifest(step_store)
+        out.notes += check_before_load(manifest, cfg, step_store.url, resume=False)
+        check_model_record(manifest, short_url(step_store.url))
     return out
 
 
