@@ -9,7 +9,8 @@ from typing import Any
 def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
     """Turn ``KEY=VALUE`` strings into fsspec storage options.
 
-    Values ``true``/``false`` become bools and integers become ints; a dotted key
+    Values ``true``/``false`` become bools, integers ints and decimals floats
+    (``connect_timeout=2.5``: botocore compares it with numbers); a dotted key
     ``client_kwargs.endpoint_url=...`` nests. Raises ``ValueError`` on a pair without ``=``.
     """
     out: dict[str, Any] = {}
@@ -22,9 +23,20 @@ def parse_storage_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:
             parsed = value.lower() == "true"
         elif value.lstrip("-").isdigit():
             parsed = int(value)
+        elif _is_decimal(value):
+            parsed = float(value)
         target = out
         parts = key.split(".")
         for part in parts[:-1]:
             target = target.setdefault(part, {})
         target[parts[-1]] = parsed
     return out
+
+
+def _is_decimal(value: str) -> bool:
+    """``2.5``, ``-0.5``, ``1e3`` (not ``nan``/``inf``, which stay text, nor names like ``e3``)."""
+    try:
+        number = float(value)
+    except ValueError:
+        return False
+    return value.strip()[:1] in "-+.0123456789" and number == number and abs(number) != float("inf")

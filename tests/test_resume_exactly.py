@@ -251,3 +251,22 @@ def test_messages_name_the_nearest_valid_batch_sizes_and_every_manifest_version_
         raw = json.dumps({"format": FORMAT_NAME, "version": version + 10, "tensors": {}, "files": {}}).encode()
         with pytest.raises(ManifestError, match=r"reads versions \[1, 2\]"):
             parse_manifest(raw, "m.json")
+
+
+def test_leftovers_a_decimal_storage_option_is_a_number_and_plot_writes_0644(tmp_path):
+    from shardsmith.storage.options import parse_storage_options
+
+    assert parse_storage_options(["connect_timeout=2.5", "retries=3", "region=eu-1", "x=inf"]) == {
+        "connect_timeout": 2.5, "retries": 3, "region": "eu-1", "x": "inf"}
+    pytest.importorskip("matplotlib")
+    from shardsmith.trainer.metrics import MetricsWriter
+
+    writer = MetricsWriter(str(tmp_path), tensorboard=False)
+    for r in ({"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}):
+        writer.write(r)
+    old = os.umask(0o022)
+    try:
+        assert CliRunner().invoke(cli, ["plot", str(tmp_path)]).exit_code == 0
+    finally:
+        os.umask(old)
+    assert (tmp_path / "loss.png").stat().st_mode & 0o777 == 0o644

@@ -112,6 +112,7 @@ def plot_runs(run_dirs: list[str], out_path: str = "") -> str:
     try:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format="png", dpi=100)
+        os.chmod(tmp, 0o666 & ~_umask())             # mkstemp's 0600 -> what any other output gets
         os.replace(tmp, out_path)
     finally:
         plt.close(fig)
@@ -130,3 +131,10 @@ def _draw_panel(ax: Any, segments: list[list[tuple[int, float]]], label: str,
         for j, step in enumerate(steps):
             ax.axvline(step, color=color, ls=ls, lw=1.2, label=name if j == 0 else None)
     ax.set_ylabel(label)
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
