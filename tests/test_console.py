@@ -102,7 +102,7 @@ def test_preflight_refuses_a_missing_file_or_mismatched_resume_source(tmp_path: 
     src = _checkpoint(tmp_path, wider, cfg.to_json())
     with pytest.raises(CheckpointMismatch, match="hidden_size: checkpoint 64, this job 32"):
         preflight(dataclasses.replace(cfg, checkpoint=dataclasses.replace(ckpt, resume=src)))
-    assert (tmp_path / "out").is_dir()                 # the target was created (writable)
+    assert not (tmp_path / "out").exists()             # created to probe it, removed: a refused job leaves no trace
 
 
 def test_preflight_finds_the_resume_step(tmp_path: Path) -> None:

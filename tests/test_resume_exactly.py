@@ -146,6 +146,7 @@ def test_a_resume_refuses_other_weight_dtypes_before_workers_and_init_from_accep
     with pytest.raises(CheckpointMismatch) as exc:
         resolve(_cfg("n", resume="b/step-000000004"))
     assert "BF16 weights" in str(exc.value) and "shardsmith reshard b/step-000000004 NEW_DIR --dtype f32" in str(exc.value)
+    assert not (tmp_path / "n").exists()               # the refused job's new root is not left behind
     cfg, found = resolve(_cfg("n", init_from="b"))
     assert cfg.checkpoint.init_from == str(tmp_path / "b" / "step-000000004") and found.resume_step is None
     assert "BF16 upcast to F32, exact" in event_line({"event": "init_from", "from": "b", "source_step": 4,

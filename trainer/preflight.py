@@ -116,6 +116,20 @@ def preflight(cfg: TrainConfig) -> Preflight:
     from shardsmith.trainer.run_checks import check_before_load, reset_due
 
     ckpt = cfg.checkpoint
+    local = absolute_url(ckpt.url) if ckpt.url and ("://" not in ckpt.url or ckpt.url.startswith("file://")) else ""
+    fresh = bool(local) and not os.path.exists(local.removeprefix("file://"))
+    try:
+        return _preflight(cfg)
+    except Exception:
+        if fresh and os.path.isdir(local) and not os.listdir(local):
+            os.rmdir(local)                          # a refused job leaves no trace of the root it created
+        raise
+
+
+def _preflight(cfg: TrainConfig) -> Preflight:
+    from shardsmith.trainer.run_checks import check_before_load, reset_due
+
+    ckpt = cfg.checkpoint
     root = writable_root(absolute_url(ckpt.url), ckpt.storage_options) if ckpt.url else None
     if root is not None:
         check_new_run_root(root, ckpt.resume, ckpt.overwrite)
