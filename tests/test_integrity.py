@@ -19,6 +19,7 @@ from shardsmith.layout.box import Box
 from shardsmith.storage.commit import (LATEST_NAME, commit, find_latest_committed, list_steps,
                                        read_manifest, resolve_checkpoint, step_dir)
 from shardsmith.storage.fs import Store
+from shardsmith.storage.lineage import CORRUPT_NAME
 from shardsmith.storage.manifest import MANIFEST_NAME, ShardRecord
 from shardsmith.storage.formats import read_box
 from shardsmith.storage.verify import check_file_once, verify_checkpoint
@@ -357,10 +358,11 @@ def test_trainer_resume_detects_corruption_and_falls_back(tmp_path, data_path, g
     manifest = read_manifest(step2)
     shard: ShardRecord = manifest.tensors["norm.weight"].shards[0]
     flip_byte(step2, shard.file, shard.byte_offset + 1)
+    explicit = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=step2.url))
     with pytest.raises(IntegrityError, match=shard.file):
-        Trainer.create(cfg).resume()
-    root.delete(f"{step_dir(2)}/{MANIFEST_NAME}")
-    resumed = Trainer.create(cfg)
+        Trainer.create(explicit).resume()                 # an explicit step never falls back
+    assert step2.exists(CORRUPT_NAME)                     # ... but the load marked it
+    resumed = Trainer.create(cfg)                         # --resume auto: the run's previous step
     monkeypatch.setattr(pickle, "loads", _pickle_trap)
     monkeypatch.setattr(pickle, "load", _pickle_trap)
     monkeypatch.setattr(torch, "load", _pickle_trap)

@@ -225,8 +225,10 @@ def choose_resume(how: str, root: Store | None, restarts: int,
     prefer_root = how == "auto" or restarts > 0 or (explicit is not None and not inside)
     if root is not None and prefer_root:
         latest = find_latest_committed(root)
-        if latest is not None:
-            return root.child(step_dir(latest)), latest
+        if latest is not None:                        # of its run, the newest not marked corrupt
+            run = run_id_of(read_manifest(root.child(step_dir(latest))).state)
+            steps = loadable_steps(root, {run}, below=latest + 1) or [latest]
+            return root.child(step_dir(steps[0])), steps[0]
     return explicit
 
 
