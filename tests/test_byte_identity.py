@@ -7,7 +7,7 @@ The test runs the same pipeline and compares. Manifests are compared after dropp
 ``created`` timestamp (the only field that depends on the clock) and a reshard's source URL
 (``state.run.parent.url``, a temporary path).
 
-Regenerate (only when a format change is intended): ``python tests/test_byte_identity.py``.
+Regenerate (only when a format change is intended): run this file with ``python``.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ from shardsmith.storage.fs import Store
 from shardsmith.storage.manifest import SIDECAR_SUFFIX
 from shardsmith.storage.sidecar import load_chunk_crcs
 
-sys.path.insert(0, str(Path(__file__).parent))
-from storage_ckpt import full_tensors, save_offline  # noqa: E402
+TESTS_DIR = next(p for p in Path(__file__).resolve().parents if p.name == "tests")
+sys.path[:0] = [str(TESTS_DIR / "helpers"), str(TESTS_DIR)]     # also when run as a script
+from ckpt_factory import full_tensors, save_offline  # noqa: E402
 
-FIXTURE = Path(__file__).parent / "fixtures" / "byte_identity.json"
+FIXTURE = TESTS_DIR / "fixtures" / "byte_identity.json"
 STEP = 3
 
 

@@ -131,7 +131,7 @@ def test_model_flags_default_to_tiny_and_show_it() -> None:
 
 
 def test_inspect_shows_the_model_config(tmp_path) -> None:
-    from storage_ckpt import MODEL, full_tensors, save_offline
+    from ckpt_factory import MODEL, full_tensors, save_offline
 
     from shardsmith.storage.fs import Store
 

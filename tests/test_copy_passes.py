@@ -22,7 +22,9 @@ from shardsmith.storage.manifest import ShardRecord
 from shardsmith.storage.safetensors import write_stream
 from shardsmith.storage.verify import verify_checkpoint
 
-from test_reshard_engine import SRC_DIMS, STEP, assert_same_as_direct_save, full_state, save_direct
+from ckpt_factory import RESHARD_SRC_DIMS as SRC_DIMS
+from ckpt_factory import RESHARD_STEP as STEP
+from ckpt_factory import assert_same_as_direct_save, full_state, save_direct
 
 
 def _bytes(n: int, seed: int = 0) -> bytes:

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FIXTURES
 from tokenizer_factory import sample_text, train_hf_bpe
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-MEGATRON = Path(__file__).resolve().parent / "fixtures" / "megatron" / "tiny_uint16_text_document"
+MEGATRON = FIXTURES / "megatron" / "tiny_uint16_text_document"
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-kv-heads", "2",
          "--ffn-hidden-size", "64", "--seq-length", "16", "--global-batch-size", "8", "--micro-batch-size", "2",
          "--lr", "3e-3", "--warmup-steps", "1", "--lr-decay-steps", "4", "--seed", "1234", "--log-interval", "1"]

@@ -14,13 +14,13 @@ from shardsmith.layout import ParallelDims
 from shardsmith.trainer.config import CheckpointConfig, DataConfig, TrainConfig
 from shardsmith.trainer.data import TokenDataset, resolve_vocab_size, stdlib_corpus
 
-from conftest import TINY_MODEL, tiny_train_config
+from conftest import FIXTURES, TINY_MODEL, tiny_train_config
 from tokenizer_factory import sample_text, train_hf_bpe
 
 #: These build a Trainer on an in-process gloo group and train: with the process-group tests.
 pytestmark = pytest.mark.distributed
 
-MEGATRON = Path(__file__).resolve().parent / "fixtures" / "megatron" / "tiny_uint16_text_document"
+MEGATRON = FIXTURES / "megatron" / "tiny_uint16_text_document"
 
 
 def _config(data: DataConfig) -> TrainConfig:

@@ -18,7 +18,8 @@ from shardsmith.errors import ConfigError
 from shardsmith.trainer.data import (BlendedDataset, DataConfig, GlobalBatchSampler, TokenDataset,
                                      blending_table, build_dataset, load_tokens, parse_data_args)
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+from conftest import FIXTURES
+
 sys.path.insert(0, str(FIXTURES))
 from make_megatron_indexed import FIXTURES as MEGATRON, documents  # noqa: E402
 

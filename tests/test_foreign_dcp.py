@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 import foreign_scenarios
-from conftest import TESTS_DIR, TINY_MODEL, TINY_TRAIN_FLAGS, read_full_tensors
+from conftest import TINY_MODEL, TINY_TRAIN_FLAGS, helper_script, read_full_tensors
 from shardsmith.cli.main import cli
 from shardsmith.errors import IntegrityError
 from shardsmith.layout import ParallelDims
@@ -314,7 +314,7 @@ def test_fsdp2_tp_dcp_roundtrip(tmp_path, data_path):
     itself in the torchtitan run's layout (dp_shard 2 · tp 2): losses within 1e-5."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                           str(TESTS_DIR / "foreign_scenarios.py"), str(tmp_path)],
+                           str(helper_script("foreign_scenarios")), str(tmp_path)],
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
     ref = load_file(str(tmp_path / "reference.safetensors"))

@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from conftest import TESTS_DIR, assert_tensors_bitwise_equal, read_full_tensors
+from conftest import REPO_ROOT, assert_tensors_bitwise_equal, helper_script, read_full_tensors
 from shardsmith.cli.main import cli
 from shardsmith.errors import ConfigError
 from shardsmith.layout import ModelConfig
@@ -25,7 +25,7 @@ from shardsmith.reshard.foreign.megatron_optim import optimizer_layout
 from shardsmith.reshard.hf import permute_from_hf
 from shardsmith.trainer.model import Transformer
 
-MCORE_PYTHON = os.environ.get("SHARDSMITH_MCORE_PYTHON", str(TESTS_DIR.parent / ".venv-mcore" / "bin" / "python"))
+MCORE_PYTHON = os.environ.get("SHARDSMITH_MCORE_PYTHON", str(REPO_ROOT / ".venv-mcore" / "bin" / "python"))
 TOKENS = torch.arange(32).reshape(2, 16) * 7 % 256                 # as megatron_scenarios.TOKENS
 HINT_FLAGS = ["--num-attention-heads", "4", "--seq-length", "16"]
 
@@ -49,7 +49,7 @@ def _megatron(mode: str, ckpt: Path, out: Path, nproc: int = 2, tied: bool = Fal
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MEGATRON_TIED": str(int(tied)),
            "MEGATRON_OPTIM": optim}
     proc = subprocess.run([MCORE_PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                           str(TESTS_DIR / "megatron_scenarios.py"), mode, str(ckpt), str(out)],
+                           str(helper_script("megatron_scenarios")), mode, str(ckpt), str(out)],
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
 

@@ -21,7 +21,9 @@ from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store
 from shardsmith.storage.verify import verify_checkpoint
 
-from test_reshard_engine import SRC_DIMS, STEP, assert_same_as_direct_save, full_state, save_direct
+from ckpt_factory import RESHARD_SRC_DIMS as SRC_DIMS
+from ckpt_factory import RESHARD_STEP as STEP
+from ckpt_factory import assert_same_as_direct_save, full_state, save_direct
 
 SRC_CHUNK = 96                  # not a multiple of the 64-byte half-rows: slab cuts split chunks
 OPTIONS = ReshardOptions(chunk_nbytes=64, slab_nbytes=1 << 20, max_buffer_nbytes=1 << 22, workers=2)

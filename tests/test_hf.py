@@ -19,6 +19,8 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
+from hf_models import save_hf_llama
+
 from shardsmith.cli.main import cli
 from shardsmith.errors import ConfigError
 from shardsmith.reshard.hf import (from_hf_name, hf_config, model_config_from_hf, permute_from_hf,
@@ -197,26 +199,9 @@ def test_trained_tp2_pp2_export_loads_in_transformers(trained_tp2_pp2: str, tmp_
     assert torch.equal(emb, params["tok_embeddings.weight"].to(torch.bfloat16))
 
 
-def _save_hf_model(path: Path, *, tied: bool, **overrides: object) -> torch.nn.Module:
-    """A random tiny Llama saved by transformers itself (norms randomized too, so a
-    swapped norm would show)."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=16, rms_norm_eps=1e-5, rope_theta=500000.0,
-                                   tie_word_embeddings=tied, **overrides)
-    hf = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    hf.save_pretrained(str(path))
-    return hf
-
-
 def test_transformers_model_imported_tp2_pp2_gives_same_logits(tmp_path: Path) -> None:
     src = tmp_path / "hf"
-    _save_hf_model(src, tied=False)
+    save_hf_llama(src, tied=False)
     ckpt = tmp_path / "ckpt"
     result = CliRunner().invoke(cli, ["import-hf", str(src), str(ckpt), "--tp", "2", "--pp", "2",
                                       "--dp-shard", "1"])
@@ -262,7 +247,7 @@ def test_transformers_model_imported_tp2_pp2_gives_same_logits(tmp_path: Path) -
 
 def test_tied_embeddings_round_trip(tmp_path: Path) -> None:
     src = tmp_path / "hf"
-    _save_hf_model(src, tied=True)
+    save_hf_llama(src, tied=True)
     ckpt = tmp_path / "ckpt" / "step-000000007"
     result = CliRunner().invoke(cli, ["import-hf", str(src), str(ckpt), "--tp", "2"])
     assert result.exit_code == 0, result.output
@@ -282,12 +267,12 @@ def test_tied_embeddings_round_trip(tmp_path: Path) -> None:
 
 def test_import_refuses_what_shardsmith_cannot_represent(tmp_path: Path) -> None:
     biased = tmp_path / "biased"
-    _save_hf_model(biased, tied=False, attention_bias=True)
+    save_hf_llama(biased, tied=False, attention_bias=True)
     result = CliRunner().invoke(cli, ["import-hf", str(biased), str(tmp_path / "c1")])
     assert result.exit_code == 1 and "attention_bias" in result.output
 
     scaled = tmp_path / "scaled"
-    _save_hf_model(scaled, tied=False)
+    save_hf_llama(scaled, tied=False)
     config = json.loads((scaled / "config.json").read_text())
     config.pop("rope_parameters", None)
     config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from shardsmith.cli.main import cli
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
-from test_hf import _save_hf_model
+from hf_models import save_hf_llama
 from tokenizer_factory import sample_text
 
 TEXT = "def tokenize(text):\n    return [ord(c) for c in text]  # ids\n"
@@ -41,7 +41,7 @@ def test_tokenizer_is_recorded_on_import_and_copied_on_export(tmp_path: Path) ->
     from tokenizers import Tokenizer
 
     src = tmp_path / "hf"
-    _save_hf_model(src, tied=False)
+    save_hf_llama(src, tied=False)
     raw = _bpe(src / "tokenizer.json").read_bytes()
     (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
                                                            "eos_token": "<|endoftext|>"}))
@@ -67,7 +67,7 @@ def test_tokenizer_is_recorded_on_import_and_copied_on_export(tmp_path: Path) ->
 
 def test_tokenizer_not_copied_is_said(tmp_path: Path) -> None:
     src = tmp_path / "hf"
-    _save_hf_model(src, tied=True)
+    save_hf_llama(src, tied=True)
     _bpe(src / "tokenizer.json")
     _invoke("import-hf", str(src), str(tmp_path / "ck"))
     (src / "tokenizer.json").write_text((src / "tokenizer.json").read_text().replace("<|endoftext|>", "<|eot|>"))

@@ -9,13 +9,13 @@ import copy
 import json
 import pickle
 import re
-from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
 
 from ckpt_factory import FILE0, FILE1, build_manifest, make_checkpoint, memory_root
+from conftest import REPO_ROOT
 from shardsmith.errors import IntegrityError, ManifestError
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import commit, read_manifest, step_dir
@@ -27,7 +27,7 @@ from shardsmith.storage.tensor_files import encode_and_record
 from shardsmith.storage.verify import verify_checkpoint
 
 STEP = 4
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
+PACKAGE_DIR = REPO_ROOT
 
 
 @pytest.fixture(scope="module")

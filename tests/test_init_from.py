@@ -20,7 +20,7 @@ from shardsmith.cli.main import cli
 from shardsmith.storage.commit import list_steps
 from shardsmith.storage.fs import Store
 from shardsmith.trainer.data import TokenDataset
-from test_hf import _save_hf_model
+from hf_models import save_hf_llama
 
 pytestmark = pytest.mark.distributed
 
@@ -30,7 +30,7 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 
 
 def test_init_from_imported_hf_model_and_keep_last(tmp_path: Path, data_path: str) -> None:
-    hf = _save_hf_model(tmp_path / "hf", tied=False)
+    hf = save_hf_llama(tmp_path / "hf", tied=False)
     imported = tmp_path / "imported"
     result = CliRunner().invoke(cli, ["import-hf", str(tmp_path / "hf"), str(imported), "--tp", "2"])
     assert result.exit_code == 0, result.output

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from conftest import TINY_TRAIN_FLAGS, assert_tensors_bitwise_equal, read_full_tensors
-from test_fault_tolerance import Run     # a finished launch: exit code, output, root, records
+from train_runs import Run     # a finished launch: exit code, output, root, records
 from shardsmith.errors import SaveError
 from shardsmith.storage.commit import step_dir
 from shardsmith.trainer.fault.inprocess import peer_lost, sever_connections

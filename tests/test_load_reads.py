@@ -20,7 +20,10 @@ from shardsmith.storage.manifest import ShardRecord
 from shardsmith.storage.reading.execute import ReadStats, read_safetensors_boxes
 from shardsmith.storage.reading.plan import plan_piece
 
-from test_reshard_engine import MODEL, SRC_DIMS, STEP, full_state, save_direct
+from ckpt_factory import RESHARD_MODEL as MODEL
+from ckpt_factory import RESHARD_SRC_DIMS as SRC_DIMS
+from ckpt_factory import RESHARD_STEP as STEP
+from ckpt_factory import full_state, save_direct
 
 
 @pytest.mark.parametrize("cols,scratch", [(4096, False), (1024, True)])

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from ckpt_factory import FILE0, FILE1, flip_byte, make_checkpoint, memory_root
-from storage_ckpt import MODEL, assert_bitwise_equal, full_tensors, load_full, save_offline
+from conftest import FIXTURES
+from ckpt_factory import MODEL, assert_bitwise_equal, full_tensors, load_full, save_offline
 from shardsmith.errors import IntegrityError, ManifestError
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.box import Box
@@ -33,7 +34,7 @@ from shardsmith.storage.manifest_read import ManifestReader
 from shardsmith.storage.manifest_v2 import PREFIX, PREFIX_NBYTES
 from shardsmith.storage.verify import verify_checkpoint
 
-FIXTURE = Path(__file__).parent / "fixtures" / "v1-ckpt"
+FIXTURE = FIXTURES / "v1-ckpt"
 STEP = 4
 
 

@@ -29,7 +29,7 @@ import pytest
 from conftest import TINY_MODEL, assert_tensors_bitwise_equal, read_full_tensors, run_torchrun, tiny_train_config
 from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import step_dir
-from test_parallelism_dist import _assert_close, _batch, _load_all, _single_process_reference
+from dist_reference import assert_close, fixed_batch, load_rank_files, single_process_reference
 
 pytestmark = pytest.mark.distributed
 
@@ -68,8 +68,8 @@ def _resume_tasks(d: Path, overrides: dict) -> list[dict]:
 
 
 def _assert_reference(d: Path, logits, grads, what: str) -> None:
-    _assert_close(_load_all(d / "logits", "logits"), {"logits": logits}, f"{what} logits")
-    _assert_close(_load_all(d / "grads", "grads"), grads, f"{what} first-step grads")
+    assert_close(load_rank_files(d / "logits", "logits"), {"logits": logits}, f"{what} logits")
+    assert_close(load_rank_files(d / "grads", "grads"), grads, f"{what} first-step grads")
 
 
 def _assert_resume_bitwise(d: Path, what: str) -> None:
@@ -106,11 +106,11 @@ def _metrics(path: Path) -> list[dict]:
 
 def test_moe_layouts_match_one_process_resume_and_reshard_everywhere(tmp_path: Path, data_path: str) -> None:
     cfg = tiny_train_config(ParallelDims(dp_shard=2, tp=2), data_path)
-    tokens, targets = _batch()
+    tokens, targets = fixed_batch()
     run_torchrun({"config": cfg.to_json(), "tasks": _moe_tasks(tmp_path, tokens, targets)}, 4, tmp_path,
                  "moe4", timeout=1500).check()
 
-    logits, grads = _single_process_reference(tokens, targets, 2, MOE)       # 8 / (micro 2 * dp 2)
+    logits, grads = single_process_reference(tokens, targets, 2, MOE)       # 8 / (micro 2 * dp 2)
     for name in _TRAINED:
         _assert_reference(tmp_path / name, logits, grads, f"MoE {name}")
         _assert_resume_bitwise(tmp_path / name, f"MoE {name}")
@@ -149,13 +149,13 @@ def test_moe_with_expert_tensor_and_sequence_parallelism(tmp_path: Path, data_pa
     sequence parallelism: logits and first-step gradients equal one process (1e-5); the SP
     run resumes bitwise."""
     cfg = dataclasses.replace(tiny_train_config(ParallelDims(tp=2), data_path), model=MOE)
-    tokens, targets = _batch()
+    tokens, targets = fixed_batch()
     sp = {"sequence_parallel": True}
     tasks = (_reference_tasks(tmp_path / "tp", tokens, targets, {})
              + _reference_tasks(tmp_path / "sp", tokens, targets, sp) + _resume_tasks(tmp_path / "sp", sp))
     run_torchrun({"config": cfg.to_json(), "tasks": tasks}, 2, tmp_path, "moe-sp").check()
 
-    logits, grads = _single_process_reference(tokens, targets, cfg.num_microbatches(), MOE)
+    logits, grads = single_process_reference(tokens, targets, cfg.num_microbatches(), MOE)
     for what in ("tp", "sp"):
         _assert_reference(tmp_path / what, logits, grads, f"MoE tp2 {what}")
     _assert_resume_bitwise(tmp_path / "sp", "MoE tp2 sp")

@@ -106,6 +106,21 @@ def _wait_for(path: Path, procs: list[subprocess.Popen], timeout: float) -> None
         time.sleep(0.2)
 
 
+def _wait_for_store(port: int, host: subprocess.Popen, timeout: float) -> None:
+    """Block until the rendezvous store of the agent ``host`` accepts a client (a TCPStore
+    client retries its connection until ``timeout``)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout),
+                      wait_for_workers=False)
+    except (RuntimeError, TimeoutError) as e:
+        raise AssertionError(f"node A's rendezvous store never came up on port {port} "
+                             f"(its exit code: {host.poll()}): {e}") from e
+
+
 def _losses(root: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in iter_json_lines(str(root / "metrics.jsonl")) if "event" not in r}
 
@@ -127,7 +142,7 @@ def test_losing_a_node_reshards_onto_the_survivor(tmp_path: Path, data_path: str
     # that long for a checkpoint when A's agent stops its group, then exit
     port, flags = _free_port(), [*_train_flags(root, data_path), "--preempt-deadline", "10"]
     node_a = _agent(port, True, flags, env, tmp_path / "node-a.log")
-    time.sleep(1.0)                                  # A hosts the store and joins first
+    _wait_for_store(port, node_a, TIMEOUT)           # A hosts the rendezvous store: B joins it
     node_b = _agent(port, False, flags, env, tmp_path / "node-b.log")
     try:
         _wait_for(markers / f"hang-rank{HUNG_RANK}-step{KILL_STEP}", [node_a, node_b], TIMEOUT)

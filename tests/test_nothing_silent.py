@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from click.testing import CliRunner
 
-from storage_ckpt import MODEL, full_tensors, save_offline
+from ckpt_factory import MODEL, full_tensors, save_offline
 from shardsmith.cli.main import cli
 from shardsmith.errors import CheckpointMismatch
 from shardsmith.layout import ParallelDims

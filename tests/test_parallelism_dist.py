@@ -18,35 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import (TINY_MODEL, assert_tensors_bitwise_equal, read_full_tensors, run_torchrun,
                       tiny_train_config)
+from dist_reference import assert_close, fixed_batch, load_rank_files, single_process_reference
 from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import step_dir
 
 pytestmark = pytest.mark.distributed
-
-
-def _batch() -> tuple[list[list[int]], list[list[int]]]:
-    """A fixed (B=8, T=16) batch of inputs and targets."""
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, TINY_MODEL.vocab_size, (8, TINY_MODEL.seq_length + 1), generator=gen)
-    return ids[:, :-1].tolist(), ids[:, 1:].tolist()
-
-
-def _load_all(directory: Path, prefix: str) -> dict[str, torch.Tensor]:
-    """Merge the per-rank safetensors files ``<prefix>-rank-*.safetensors`` of ``directory``."""
-    out: dict[str, torch.Tensor] = {}
-    for path in sorted(directory.glob(f"{prefix}-rank-*.safetensors")):
-        out.update(load_file(str(path)))
-    return out
-
-
-def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], where: str) -> None:
-    assert sorted(got) == sorted(want), f"{where}: keys differ: {sorted(set(got) ^ set(want))[:6]}"
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=f"{where}: {key}")
 
 
 def _assert_bitwise_resume(tmp_path: Path) -> None:
@@ -59,7 +38,7 @@ def _assert_bitwise_resume(tmp_path: Path) -> None:
 
 def test_sequence_parallel_matches_tp_and_shares_checkpoints(tmp_path: Path, data_path: str) -> None:
     cfg = tiny_train_config(ParallelDims(tp=2), data_path)
-    tokens, targets = _batch()
+    tokens, targets = fixed_batch()
     sp = {"sequence_parallel": True}
     one = step_dir(1)
     two = step_dir(2)
@@ -78,11 +57,11 @@ def test_sequence_parallel_matches_tp_and_shares_checkpoints(tmp_path: Path, dat
     ]
     run_torchrun({"config": cfg.to_json(), "tasks": tasks}, 2, tmp_path, "sp").check()
 
-    _assert_close(_load_all(tmp_path / "logits-sp", "logits"), _load_all(tmp_path / "logits-tp", "logits"),
+    assert_close(load_rank_files(tmp_path / "logits-sp", "logits"), load_rank_files(tmp_path / "logits-tp", "logits"),
                   "SP logits vs TP")
-    grads_tp = _load_all(tmp_path / "grads-tp", "grads")
+    grads_tp = load_rank_files(tmp_path / "grads-tp", "grads")
     assert len(grads_tp) == 4 * 9 + 3 and all(g.abs().sum() > 0 for g in grads_tp.values())
-    _assert_close(_load_all(tmp_path / "grads-sp", "grads"), grads_tp, "SP first-step grads vs TP")
+    assert_close(load_rank_files(tmp_path / "grads-sp", "grads"), grads_tp, "SP first-step grads vs TP")
 
     _assert_bitwise_resume(tmp_path)
 
@@ -98,27 +77,6 @@ def test_sequence_parallel_matches_tp_and_shares_checkpoints(tmp_path: Path, dat
     assert_tensors_bitwise_equal(read_full_tensors(str(tmp_path / "as-sp" / two)), saved_sp, "TP -> SP load")
 
 
-def _single_process_reference(tokens: list[list[int]], targets: list[list[int]], num_microbatches: int,
-                              model_cfg=TINY_MODEL) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Logits and first-step gradients of the whole model in this process (no parallelism)."""
-    from shardsmith.trainer.model import Transformer
-    from shardsmith.trainer.moe import aux_loss
-    from shardsmith.trainer.step import loss_fn
-    from shardsmith.trainer.weight_init import init_weights
-
-    model = Transformer(model_cfg)
-    init_weights(model, 1234)
-    x, y = torch.tensor(tokens), torch.tensor(targets)
-    with torch.no_grad():
-        logits = model(x)
-    for xm, ym in zip(x.chunk(num_microbatches), y.chunk(num_microbatches)):
-        loss = loss_fn(model(xm), ym)
-        if model_cfg.moe_aux_loss_coeff:
-            loss = loss + model_cfg.moe_aux_loss_coeff * aux_loss(model)
-        (loss / num_microbatches).backward()
-    return logits, {fqn: p.grad for fqn, p in model.named_parameters()}
-
-
 def test_interleaved_pipeline_matches_one_process_and_reshards(tmp_path: Path, data_path: str) -> None:
     """pp2 with 2 virtual stages (rank 0: layers 0 and 2, rank 1: layers 1 and 3) under
     ScheduleInterleaved1F1B: logits and first-step grads equal one process (1e-5); a
@@ -129,7 +87,7 @@ def test_interleaved_pipeline_matches_one_process_and_reshards(tmp_path: Path, d
 
     virtual = ParallelDims(pp=2, virtual_stages=2)
     cfg = tiny_train_config(virtual, data_path)
-    tokens, targets = _batch()
+    tokens, targets = fixed_batch()
     two = step_dir(2)
     pp1 = {"parallel": ParallelDims(dp_shard=2).to_json()}
     pp2 = {"parallel": ParallelDims(pp=2).to_json()}
@@ -146,9 +104,9 @@ def test_interleaved_pipeline_matches_one_process_and_reshards(tmp_path: Path, d
     ]
     run_torchrun({"config": cfg.to_json(), "tasks": tasks}, 2, tmp_path, "vp").check()
 
-    logits, grads = _single_process_reference(tokens, targets, cfg.num_microbatches())
-    _assert_close(_load_all(tmp_path / "logits", "logits"), {"logits": logits}, "pp2·v2 logits")
-    _assert_close(_load_all(tmp_path / "grads", "grads"), grads, "pp2·v2 first-step grads")
+    logits, grads = single_process_reference(tokens, targets, cfg.num_microbatches())
+    assert_close(load_rank_files(tmp_path / "logits", "logits"), {"logits": logits}, "pp2·v2 logits")
+    assert_close(load_rank_files(tmp_path / "grads", "grads"), grads, "pp2·v2 first-step grads")
 
     _assert_bitwise_resume(tmp_path)
 
@@ -174,7 +132,7 @@ def test_moe_with_expert_parallelism_matches_one_process(tmp_path: Path, data_pa
     moe = dataclasses.replace(TINY_MODEL, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01)
     cfg = dataclasses.replace(tiny_train_config(ParallelDims(dp_shard=2), data_path), model=moe)
     ep2 = {"parallel": ParallelDims(dp_shard=2, expert_parallel=2).to_json()}
-    tokens, targets = _batch()
+    tokens, targets = fixed_batch()
     two = step_dir(2)
     tasks = [
         {"kind": "logits", "tokens": tokens, "out": str(tmp_path / "logits")},
@@ -186,11 +144,11 @@ def test_moe_with_expert_parallelism_matches_one_process(tmp_path: Path, data_pa
     ]
     run_torchrun({"config": cfg.to_json(), "tasks": tasks}, 2, tmp_path, "moe").check()
 
-    logits, grads = _single_process_reference(tokens, targets, cfg.num_microbatches(), moe)
+    logits, grads = single_process_reference(tokens, targets, cfg.num_microbatches(), moe)
     assert grads["layers.0.feed_forward.experts.w1"].shape == (4, moe.ffn_hidden_size, moe.hidden_size)
     for suffix, what in (("", "dps2"), ("-ep", "EP2")):
-        _assert_close(_load_all(tmp_path / f"logits{suffix}", "logits"), {"logits": logits}, f"MoE {what} logits")
-        _assert_close(_load_all(tmp_path / f"grads{suffix}", "grads"), grads, f"MoE {what} first-step grads")
+        assert_close(load_rank_files(tmp_path / f"logits{suffix}", "logits"), {"logits": logits}, f"MoE {what} logits")
+        assert_close(load_rank_files(tmp_path / f"grads{suffix}", "grads"), grads, f"MoE {what} first-step grads")
 
     saved = read_full_tensors(str(tmp_path / "ep" / two))
     assert saved["layers.3.feed_forward.experts.w2"].shape == (4, moe.hidden_size, moe.ffn_hidden_size)

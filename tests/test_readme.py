@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO_ROOT
+
 from shardsmith.trainer.metrics import iter_json_lines
 from shardsmith.trainer.optim import OptimConfig, lr_lambda
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = REPO_ROOT / "README.md"
 
 
 def main_job_commands() -> list[list[str]]:

@@ -7,7 +7,6 @@ to layout L can be compared byte for byte with a direct save in L.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import struct
@@ -24,8 +23,8 @@ from shardsmith.errors import CheckpointError, IntegrityError, LayoutError
 from shardsmith.reshard.diff import diff_checkpoints
 from shardsmith.reshard.engine import reshard
 from shardsmith.reshard.progress import PROGRESS_NAME
-from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.plan import checkpoint_specs, shard_file_name, write_assignment
+from shardsmith.layout import ParallelDims
+from shardsmith.layout.plan import shard_file_name
 from shardsmith.reshard.planner import ReshardOptions, plan_reshard
 from shardsmith.storage.safetensors import encode_header, file_order
 from shardsmith.reshard.scaleout import Share, assign_files
@@ -34,37 +33,18 @@ from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import ChunkedCrc, chunk_crc32c, grid_crcs
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import SIDECAR_SUFFIX, Manifest
+from shardsmith.storage.manifest import SIDECAR_SUFFIX
 from shardsmith.storage.formats import read_box
 from shardsmith.storage.tensor_files import DTYPE_NAMES
 
-from ckpt_factory import write_step
+from ckpt_factory import RESHARD_CHUNK as CHUNK
+from ckpt_factory import RESHARD_MODEL as MODEL
+from ckpt_factory import RESHARD_SRC_DIMS as SRC_DIMS
+from ckpt_factory import RESHARD_STEP as STEP
+from ckpt_factory import assert_same_as_direct_save, box_slices as _slices, full_state, save_direct
+from ckpt_factory import manifest_json as _manifest_json
 
-MODEL = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
-                    ffn_hidden_size=64, vocab_size=61, seq_length=16)
-SRC_DIMS = ParallelDims(tp=2, pp=2)
-STEP = 7
-CHUNK = 64                      # small checksum chunks: every shard has several
 SMALL = dict(chunk_nbytes=CHUNK, slab_nbytes=512, max_buffer_nbytes=2048, workers=2)
-
-
-def full_state(seed: int = 0, optim: bool = True) -> dict[str, torch.Tensor]:
-    """Random logical tensors of MODEL (params, AdamW state, 0-d step counters)."""
-    g = torch.Generator().manual_seed(seed)
-    specs = checkpoint_specs(MODEL, ParallelDims(), with_optimizer=optim)
-    return {fqn: (torch.randn(s.shape, generator=g) if s.shape else torch.tensor(float(seed + 3)))
-            for fqn, s in specs.items()}
-
-
-def save_direct(root: Store, full: dict[str, torch.Tensor], dims: ParallelDims, chunk: int = CHUNK) -> Manifest:
-    """Commit ``full`` as a job in layout ``dims`` saves it (write assignment, one file per rank)."""
-    with_optim = any(k.startswith("optim.") for k in full)
-    specs = {fqn: dataclasses.replace(s, dtype=DTYPE_NAMES[full[fqn].dtype])
-             for fqn, s in checkpoint_specs(MODEL, dims, with_optimizer=with_optim).items()}
-    files = {shard_file_name(rank): {fqn: (full[fqn][_slices(b)].contiguous(), b) for fqn, b in items}
-             for rank, items in write_assignment(specs, dims).items() if items}
-    return write_step(root, STEP, files, dims=dims, chunk_nbytes=chunk, model=MODEL.to_json(),
-                      config={"parallel": dims.to_json()}, tensors={f: (s.shape, s.dtype) for f, s in specs.items()})
 
 
 @pytest.fixture(scope="module")
@@ -74,27 +54,6 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> tuple[Store, dict[str, t
     full = full_state()
     save_direct(root, full, SRC_DIMS)
     return root.child(step_dir(STEP)), full
-
-
-def assert_same_as_direct_save(got_step: Store, want_root: Store, full: dict[str, torch.Tensor], dims: ParallelDims,
-                               chunk: int = CHUNK) -> Manifest:
-    """Assert a resharded step has the manifest and the file bytes of ``full`` saved directly in
-    layout ``dims`` (under ``want_root``); returns that direct save's manifest."""
-    want = save_direct(want_root, full, dims, chunk=chunk)
-    assert _manifest_json(read_manifest(got_step)) == _manifest_json(want)
-    for name in want.files:
-        assert got_step.read(name) == want_root.child(step_dir(STEP)).read(name), name
-    return want
-
-
-def _manifest_json(m: Manifest) -> dict:
-    """The manifest document (chunk CRCs by sidecar index, whether or not they were fetched),
-    without its clock time and the run record a reshard adds (its parent)."""
-    data = json.loads(m.dumps())
-    for key in ("created", "head_nbytes"):
-        data.pop(key)
-    data["state"].pop("run", None)
-    return data
 
 
 TARGETS = [ParallelDims(dp_shard=3), ParallelDims(tp=4), ParallelDims(pp=3, dp_replicate=2, tp=2)]
@@ -139,10 +98,6 @@ def test_plan_covers_every_target_element_once(source, dims: ParallelDims) -> No
     for fqn, c in counts.items():
         assert (c == 1).all(), fqn
     assert len(plan.slabs()) > sum(len(f.entries) for f in plan.files)   # big entries were cut
-
-
-def _slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))
 
 
 def test_slab_cuts_align_to_source_checksum_chunks(tmp_path) -> None:

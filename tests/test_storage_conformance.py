@@ -16,7 +16,7 @@ from typing import Any, Callable
 import pytest
 from click.testing import CliRunner
 from s3server import S3Prefix, S3Server, s3_server, s3_url  # noqa: F401  (pytest fixtures)
-from storage_ckpt import assert_bitwise_equal, full_tensors, load_full, save_offline
+from ckpt_factory import assert_bitwise_equal, full_tensors, load_full, save_offline
 
 from shardsmith.cli.main import cli
 from shardsmith.errors import StorageError, StorageNotFound

@@ -25,7 +25,7 @@ from botocore.exceptions import (ClientError, ConnectionClosedError, EndpointCon
 from fsspec.exceptions import FSTimeoutError
 from s3fs.errors import translate_boto_error
 from s3server import S3Prefix, s3_server, s3_url  # noqa: F401  (pytest fixtures)
-from storage_ckpt import MODEL, assert_bitwise_equal, full_tensors, load_full, save_offline
+from ckpt_factory import MODEL, assert_bitwise_equal, full_tensors, load_full, save_offline
 
 from shardsmith.errors import SaveError, StorageAccessDenied, StorageError
 from shardsmith.reshard.engine import reshard

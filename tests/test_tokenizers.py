@@ -7,6 +7,7 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -194,21 +195,34 @@ def test_cache_is_keyed_by_corpus_and_tokenizer(tmp_path: Path, hf_path: Path,
     assert cache_key({"a": 1}) != cache_key({"a": 2})
 
 
-def test_concurrent_starts_tokenize_once(tmp_path: Path) -> None:
+def test_concurrent_starts_tokenize_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two local ranks ask for the same entry at once: one builds, the other waits, then both
     read it. (Threads: each opens the lock file itself, and flock locks of separate opens
-    exclude each other as between processes.)"""
+    exclude each other as between processes.) The builder holds the lock until the other
+    rank has found it taken, so the wait path is exercised on every run."""
+    import fcntl
     import threading
-    import time
 
     from shardsmith.trainer.data.cache import cached_tokens
 
+    real_flock = fcntl.flock
+    contended = threading.Event()
+
+    def flock(fd: Any, op: int) -> None:
+        if op == fcntl.LOCK_EX:
+            try:
+                return real_flock(fd, op | fcntl.LOCK_NB)
+            except BlockingIOError:
+                contended.set()                      # the other rank builds: wait for it below
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
     builds: list[int] = []
     results: list[np.ndarray] = []
 
     def build() -> np.ndarray:
         builds.append(1)
-        time.sleep(0.5)
+        contended.wait(timeout=60)                   # hold the lock until the other rank waits
         return np.arange(1000, dtype=np.uint16)
 
     def rank() -> None:
@@ -219,5 +233,6 @@ def test_concurrent_starts_tokenize_once(tmp_path: Path) -> None:
         t.start()
     for t in threads:
         t.join(timeout=60)
+    assert contended.is_set(), "the second rank never found the lock taken"
     assert builds == [1] and len(results) == 2
     assert all(r.tolist() == list(range(1000)) for r in results)

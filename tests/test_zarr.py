@@ -15,7 +15,7 @@
   before the manifest, nothing extra on storage; and one torchrun launch (tp2 x pp2):
   a real training run saves zarr with zstd, a fresh job loads it and saves it again.
 
-Checkpoints are built without processes (``tests/storage_ckpt.py`` + ``convert_format``)
+Checkpoints are built without processes (``ckpt_factory.save_offline`` + ``convert_format``)
 except where noted.
 """
 
@@ -52,7 +52,7 @@ from shardsmith.storage.zarr_format import parse_codec, regular_chunks
 from shardsmith.trainer.async_save import AsyncCheckpointer
 from shardsmith.trainer.checkpoint import load_into, save_checkpoint
 from shardsmith.trainer.config import CheckpointConfig
-from storage_ckpt import CHUNK_NBYTES, MODEL, assert_bitwise_equal, full_tensors, load_full, save_offline
+from ckpt_factory import CHUNK_NBYTES, MODEL, assert_bitwise_equal, full_tensors, load_full, save_offline
 
 STEP = 7
 SAVE_DIMS = ParallelDims(dp_shard=2, tp=2)
