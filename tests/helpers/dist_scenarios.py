@@ -1,6 +1,6 @@
 """Distributed scenarios run by the tests under torchrun (not collected by pytest).
 
-``python -m torch.distributed.run --standalone --nproc-per-node N tests/dist_scenarios.py SPEC.json``
+``python -m torch.distributed.run --standalone --nproc-per-node N tests/helpers/dist_scenarios.py SPEC.json``
 
 SPEC.json holds ``{"config": <TrainConfig JSON whose parallel dims match N>, "tasks": [...]}``;
 every rank runs the tasks in order (each task is collective). One launch thus covers

@@ -1,6 +1,6 @@
 """Writes a torchtitan-style DCP checkpoint from FSDP2 + TP DTensors (run under torchrun).
 
-``python -m torch.distributed.run --standalone --nproc-per-node 4 tests/foreign_scenarios.py OUT``
+``python -m torch.distributed.run --standalone --nproc-per-node 4 tests/helpers/foreign_scenarios.py OUT``
 
 4 gloo ranks, dp_shard=2 x tp=2: shardsmith's tiny Llama (torchtitan FQNs) parallelized
 with ``parallelize_module`` + ``fully_shard`` as torchtitan does, one AdamW step, then

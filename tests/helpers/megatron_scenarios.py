@@ -1,6 +1,6 @@
 """Megatron-Core side of the torch_dist interop tests (run with megatron-core's Python).
 
-``python -m torch.distributed.run --standalone --nproc-per-node N tests/megatron_scenarios.py MODE DIR OUT``
+``python -m torch.distributed.run --standalone --nproc-per-node N tests/helpers/megatron_scenarios.py MODE DIR OUT``
 
 A tiny GPT (4 layers, D=32, 4 heads, 2 query groups, SwiGLU F=64, RMSNorm, RoPE, no
 biases, vocab 256, untied unless ``MEGATRON_TIED=1``), local layer spec, tensor-parallel over the N ranks, on CPU

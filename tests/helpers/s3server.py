@@ -10,7 +10,7 @@ Use the fixtures from a test module (``tests/conftest.py`` belongs to someone el
     def test_x(s3_url):  # s3_url: S3Prefix with .url, .storage_options, .env
         Store(s3_url.url, s3_url.storage_options).write("k", b"v")
 
-Or run it by hand: ``python tests/s3server.py`` prints the endpoint and the env to export.
+Or run it by hand: ``python tests/helpers/s3server.py`` prints the endpoint and the env to export.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 import foreign_scenarios
 from conftest import TINY_MODEL, TINY_TRAIN_FLAGS, helper_script, read_full_tensors
+from torchtitan_state import torchtitan_state
 from shardsmith.cli.main import cli
 from shardsmith.errors import IntegrityError
 from shardsmith.layout import ParallelDims
@@ -59,20 +60,6 @@ def _ours(key: str) -> str:
     return key
 
 
-def _torchtitan_state(seed: int = 1) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(state dict as torchtitan hands it to dcp.save, full tensors by DCP key): one AdamW step."""
-    model = Transformer(TINY_MODEL)
-    init_weights(model, seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))).square().mean().backward()
-    opt.step()
-    optim = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
-    state = {**model.state_dict(), "optimizer": optim, "train_state": {"step": 5, "ntokens_seen": 640},
-             "lr_scheduler": {"last_epoch": 5}, "dataloader": {"dp_rank_0": b"opaque"}}
-    full = {**model.state_dict(), **{f"optimizer.{k}": v for k, v in optim.items() if isinstance(v, torch.Tensor)}}
-    return state, {k: v.detach().clone() for k, v in full.items()}
-
-
 def _load_exported(out: str, like: dict) -> dict:
     """``dcp.load`` of ``out`` into zeroed tensors/values shaped like ``like`` (one process)."""
     def zero(v):
@@ -85,7 +72,7 @@ def _load_exported(out: str, like: dict) -> dict:
 
 
 def test_import_then_export_roundtrip_is_bitwise(tmp_path):
-    state, full = _torchtitan_state()
+    state, full = torchtitan_state()
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     dims = ParallelDims(tp=2, pp=2)
     report = import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck"), dims, HINTS,
@@ -145,7 +132,7 @@ def test_tied_embeddings_carry_output_weight_both_ways(tmp_path):
 def test_export_records_the_model_so_import_needs_no_flags(tmp_path):
     """export-dcp writes the model config as one JSON item; import-dcp takes it (flags still win);
     a torchtitan directory without it needs --num-attention-heads, and says so."""
-    state, _ = _torchtitan_state()
+    state, _ = torchtitan_state()
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     runner = CliRunner()
     result = runner.invoke(cli, ["import-dcp", str(tmp_path / "dcp"), str(tmp_path / "ck")])
@@ -185,7 +172,7 @@ def test_cli_errors_are_one_line(tmp_path):
     runner = CliRunner()
     result = runner.invoke(cli, ["import-dcp", str(tmp_path), str(tmp_path / "ck"), *HINT_FLAGS])
     assert result.exit_code == 1 and "no .metadata" in result.output
-    state, _ = _torchtitan_state()
+    state, _ = torchtitan_state()
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     result = runner.invoke(cli, ["import-dcp", str(tmp_path / "dcp"), str(tmp_path / "ck"),
                                  "--num-attention-heads", "3"])
@@ -208,7 +195,7 @@ def test_hostile_metadata_is_refused_without_running(tmp_path):
 
 def test_hostile_value_and_tensor_pickles_are_refused(tmp_path):
     marker = tmp_path / "pwned"
-    state, _ = _torchtitan_state()
+    state, _ = torchtitan_state()
     state["train_state"]["step"] = _Exploit(marker)         # dcp.save pickles it as a bytes item
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     assert not marker.exists()
@@ -243,7 +230,7 @@ def test_inert_values_run_nothing_and_keep_the_plain_parts(tmp_path):
 
 
 def test_metadata_allow_list_covers_real_dcp_metadata(tmp_path):
-    state, _ = _torchtitan_state()
+    state, _ = torchtitan_state()
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     ck = DCPCheckpoint(str(tmp_path / "dcp"))
     assert ck.metadata == pickle.loads((tmp_path / "dcp" / ".metadata").read_bytes())  # trusted: test only
@@ -252,7 +239,7 @@ def test_metadata_allow_list_covers_real_dcp_metadata(tmp_path):
 @pytest.mark.distributed
 def test_training_resumes_from_imported_dcp(tmp_path, data_path):
     """The imported step, AdamW state and LR position are what `train --resume` continues from."""
-    state, _ = _torchtitan_state()
+    state, _ = torchtitan_state()
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     result = CliRunner().invoke(cli, ["import-dcp", str(tmp_path / "dcp"), str(tmp_path / "run"), "--tp", "2",
                                       *HINT_FLAGS])

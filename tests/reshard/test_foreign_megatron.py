@@ -167,9 +167,9 @@ def test_export_then_import_carries_adam_state_bitwise(tmp_path):
     """shardsmith (with AdamW) -> export-megatron -> import-megatron: every tensor bitwise,
     moments through the QKV fusion, RoPE row order and vocab padding and back."""
     import torch.distributed.checkpoint as dcp
-    from test_foreign_dcp import _torchtitan_state
+    from torchtitan_state import torchtitan_state
 
-    state, _ = _torchtitan_state()
+    state, _ = torchtitan_state()
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     runner = CliRunner()
     result = runner.invoke(cli, ["import-dcp", str(tmp_path / "dcp"), str(tmp_path / "a"), *HINT_FLAGS])

@@ -6,7 +6,7 @@ covering several cases (process start-up dominates their cost), all on the tiny 
 ``STEPS`` steps, a checkpoint every 2 steps:
 
 * ``reference``: uninterrupted, 4 processes (conftest's ``tp2_reference``, one launch shared
-  with test_local_tier and test_multinode).
+  with trainer/test_local_tier and e2e/test_multinode).
 * ``chaos``: 4 processes, ``--max-restarts 3``; three random (rank, step) pairs SIGKILL
   themselves (test hook, once each: markers survive the restarts). Final model == reference.
 * chain: ``preempted`` (4 processes; as step PREEMPT_STEP starts one rank SIGTERMs itself
