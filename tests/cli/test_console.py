@@ -1,4 +1,4 @@
-"""Issue "A console people trust": preflight before workers, Ctrl-C, human console lines, plot.
+"""The console people read: preflight before workers, Ctrl-C, human console lines, plot.
 
 Pure tests first; one tiny distributed test sends Ctrl-C to a real two-process job.
 """

@@ -1,4 +1,4 @@
-"""The layout cases real models hit (issue 5, part 5), each compared against a checkpoint
+"""The layout cases real models hit, each compared against a checkpoint
 saved directly by a job in the target layout, and against the single-process run's loss.
 
 Models:
@@ -16,7 +16,7 @@ file (names, keys, boxes) and tensor for tensor, and the target layout's next lo
 match the single-process one.
 
 The same launches also make step-0 saves of the ``AWKWARD`` model in :data:`STEP0_LAYOUTS`
-(issue 17: every layout starts from the same weights, equal to the single-process init).
+(every layout starts from the same weights, equal to the single-process init).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ CASES = [
     ("uneven-empty-shards", UNEVEN, ParallelDims(dp_shard=4), 4),
 ]
 SAVE_STEP = 2
-#: Step-0 saves (issue 17): 1 process, then pp2·tp2 (padded vocab, tied embedding on both
+#: Step-0 saves: 1 process, then pp2·tp2 (padded vocab, tied embedding on both
 #: stages, one kv head on two TP ranks), dp_shard2, and dp_shard2·tp2 (FSDP2 ``_StridedShard``
 #: rows inside TP rows); each runs in the launch of its process count.
 STEP0_LAYOUTS = {"1.1.1.1": ParallelDims(), "2.1.1.2": ParallelDims(pp=2, tp=2),

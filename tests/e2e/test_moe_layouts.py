@@ -1,5 +1,5 @@
-"""Every parallelism of issue 12 on 4 gloo processes, in one launch, and the reshard matrix;
-MoE with expert TP and sequence parallelism on 2 (the last test).
+"""MoE layouts beside the other parallelisms on 4 gloo processes, in one launch, and the
+reshard matrix; MoE with expert TP and sequence parallelism on 2 (the last test).
 
 One launch (start-up dominates on CPU) trains and checks:
 
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.distributed
 
 MOE = dataclasses.replace(TINY_MODEL, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01)
 
-#: MoE layouts of the matrix (issue 12), each valid for 4 experts.
+#: MoE layouts of the matrix, each valid for 4 experts.
 MOE_LAYOUTS: dict[str, ParallelDims] = {
     "ep2": ParallelDims(dp_shard=2, expert_parallel=2),
     "ep4": ParallelDims(dp_shard=4, expert_parallel=4),

@@ -1,4 +1,4 @@
-"""Refuse, never guess, end to end through ``shardsmith train`` (issue 11): one base run, then
+"""Refuse, never guess, end to end through ``shardsmith train``: one base run, then
 every refusal (before any worker starts) and the two ways forward, ``--reset-optimizer`` and
 ``--overwrite``."""
 

@@ -1,4 +1,4 @@
-"""Tests of the single-pass checksum pieces (issue 16): CRC combine tables, chunk CRCs handed
+"""The single-pass checksum pieces: CRC combine tables, chunk CRCs handed
 over from a verified source, verify-and-split, mapped reads, and reshards across chunk sizes
 that take those paths (compared byte for byte with a direct save)."""
 

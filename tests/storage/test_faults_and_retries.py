@@ -12,6 +12,8 @@ import os
 import random
 import re
 import socket
+import subprocess
+import sys
 import threading
 from collections import Counter
 from pathlib import Path
@@ -318,3 +320,23 @@ def test_a_failed_source_read_stops_every_read_of_the_reshard(ckpt: dict[str, to
         reshard(src, str(tmp_path / "dst"), ParallelDims(tp=1), options=options)
     reads = faults.STATS["stop"]["calls:read"]
     assert plan_reads > 200 and reads <= 30, (reads, plan_reads)      # before the fix: 421 reads
+
+
+def test_the_classifier_knows_a_library_loaded_after_it() -> None:
+    """The library exception classes are looked up when classifying, not at import."""
+    code = ("from shardsmith.storage.retry import Verdict, classify\n"
+            "import aiohttp\n"
+            "assert classify(aiohttp.ServerDisconnectedError()) is Verdict.TRANSIENT\n"
+            "from botocore.exceptions import NoCredentialsError\n"
+            "assert classify(NoCredentialsError()) is Verdict.DENIED\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_library_masked_in_sys_modules_does_not_break_the_classifier(monkeypatch) -> None:
+    """``sys.modules[name] = None`` (how tests hide a library) counts as not loaded."""
+    from shardsmith.storage.retry import Verdict, classify
+
+    for name in ("botocore", "aiohttp", "obstore"):
+        monkeypatch.setitem(sys.modules, name, None)
+    assert classify(ConnectionResetError()) is Verdict.TRANSIENT
+    assert classify(FileNotFoundError("x")) is Verdict.NOT_FOUND

@@ -86,7 +86,7 @@ def test_scratch_is_reused_across_flushes_and_the_values_are_exact(tmp_path, mon
 
 def test_local_reads_of_one_file_run_in_file_order_on_one_thread(tmp_path, monkeypatch) -> None:
     """On a local store every file's reads are one task, in offset order (concurrent reads of
-    one file cost the kernel twice the CPU, bench/README.md session 11); different files still
+    one file cost a page-cache disk more CPU); different files still
     read in parallel; every value is exact."""
     full, step, manifest, requests = _dp_shard2_reads(tmp_path)
     seen: list[tuple[str, int, int]] = []

@@ -1,4 +1,4 @@
-"""Refuse, never guess (issue 11), without processes: run lineages, mixed roots, the model
+"""Run checks: refuse, never guess, without processes: run lineages, mixed roots, the model
 record against its tensors, load checks, interrupted exports, ``ls``/``gc`` edge cases."""
 
 from __future__ import annotations

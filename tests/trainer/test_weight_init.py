@@ -1,4 +1,4 @@
-"""Layout-independent initialization (issue 17): any box of a tensor, generated alone, equals
+"""Layout-independent initialization: any box of a tensor, generated alone, equals
 the same slice of the whole tensor, bitwise; the distribution is the documented one. (Jobs'
 step-0 saves in several layouts, equal to this init: e2e/test_layout_cases, which launches them
 together with its own jobs.)"""
