@@ -373,7 +373,7 @@ class Bench:
         """One repeat: every measurement once. Each group of rivals (sync save: shardsmith, DCP,
         raw write; each load: shardsmith, DCP, raw read) runs back to back, in an order that
         rotates every repeat, so each takes each position equally often (the cost of fresh page
-        cache on this VM depends on what ran just before; see bench/README.md, session 11)."""
+        cache on a shared VM depends on what ran just before)."""
         def rotated(names: list[str], shift: int = 0) -> list[str]:
             k = (rep + shift) % len(names)
             return names[k:] + names[:k]

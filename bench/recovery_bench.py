@@ -24,7 +24,7 @@ tier. The last stdout line is one JSON object; the targets are ``lost_steps <= 1
 ``mttr_s <= 0.3 * baseline_mttr_s`` and ``overhead >= 0.95``.
 
 ``--persistent s3``: every ``--ckpt`` (baseline, new, overhead) is an ``s3://`` prefix on the
-tests' loopback moto server (``tests/s3server.py``, in this process), reached by the workers
+tests' loopback moto server (``tests/helpers/s3server.py``, in this process), reached by the workers
 through the standard ``AWS_*`` environment; the local tier stays on ``/dev/shm``. This is where
 loading from the local tier instead of the persistent store is what saves time.
 """
@@ -65,7 +65,8 @@ class Persistent:
         self.server: Any = None
         self.bucket = ""
         if kind == "s3":
-            sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+            tests = Path(__file__).resolve().parent.parent / "tests"
+            sys.path[:0] = [str(tests / "helpers"), str(tests)]
             from s3server import start_server        # the tests' moto server: one way to start it
 
             self.server, info = start_server("recovery-bench")

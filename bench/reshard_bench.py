@@ -258,7 +258,7 @@ def report(manifest: Manifest, plan: Any, options: ReshardOptions, target: Paral
     from after its imports, like ``cp`` which starts no interpreter). ``sys_cpu_s`` /
     ``user_cpu_s``: the kernel and user parts of each method's CPU (medians): a verified
     copy's excess over ``cp`` is in its user part (CRC-32C, the interpreter, the row
-    gather; bench/README.md, session 12); ``reshard_cpu_vs_copy_per_run``: the ratio of
+    gather); ``reshard_cpu_vs_copy_per_run``: the ratio of
     each run's reshard and ``cp`` (the same round)."""
     med = {k: statistics.median(v) for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}

@@ -9,7 +9,7 @@ client process's CPU seconds (user + system, all threads) of:
 * **put**: ``Store.write`` (s3fs, our parallel multipart upload: ``storage/multipart.py``) vs
   ``obstore.put`` (Rust; multipart with the same part size and concurrency);
 * **get**: ``Store.read`` of the whole object, reading through s3fs
-  (``SHARDSMITH_S3_READER=s3fs``) vs through obstore (the default since session 5:
+  (``SHARDSMITH_S3_READER=s3fs``) vs through obstore (the default:
   storage/s3_reads.py), i.e. the product's read path both ways;
 * **ranged get**: 8 ``Store.read_into`` calls of 1/8 of the object each into preallocated
   buffers, one after another, the same two ways;

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("helpers", ".")]
 
 from tokenizer_factory import sample_text, train_hf_bpe, train_tiktoken  # noqa: E402
 

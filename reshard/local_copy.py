@@ -42,12 +42,11 @@ def copy_slab_verified(src: Store, manifest: Manifest, slab: Slab, entry: PlanEn
     faulted in as it is read, :func:`~shardsmith.storage.local.map_range`), then block by block (one
     source checksum chunk) its chunks are verified through the mapping and the needed bytes
     written from it (``pwrite``, :data:`~shardsmith.storage.local.WRITE_PIECE_NBYTES` pieces)
-    while they are in cache. Measured on this machine, per byte of 1 GiB (bench/README.md,
-    session 5): 0.95-0.99x ``sendfile``'s CPU on one thread, against 1.13-1.15x for reading
-    each block into a buffer (``preadv``) first, and 4-6% less CPU in a whole reshard
-    (same-run A/B); session 4's mapping per block with a kernel copy cost 1.36x. Any thread,
+    while they are in cache, so each byte crosses memory once (reading each block into a
+    buffer first costs a second pass; re-measure with ``python bench/copy_primitives.py``
+    and ``python bench/reshard_bench.py --gb 2``). Any thread,
     any slab; the writes into one file hold its ``lock`` (threads writing one file at once spin
-    on its inode lock in the kernel: 17% of a reshard's CPU samples), the checksums do not.
+    on its inode lock in the kernel), the checksums do not.
 
     Returns:
         The bytes' ``(CRC-32C, length)`` pieces on the entry's ``chunk_nbytes`` grid (from the
@@ -119,10 +118,9 @@ def write_assembled_at(src: Store, manifest: Manifest, slab: Slab, entry: PlanEn
     ``lock``) while the buffer is in cache. Every source chunk of the read ranges is verified
     once, before any of its bytes is written.
 
-    So a slab can be large (few source chunks read twice at slab boundaries: 2.22 GB read
-    instead of 2.53 for a 2.15 GB tp2·pp2 -> tp1 reshard saved with 4 MiB chunks) while the
-    gather stays in cache: 8% less CPU than 4 MiB slabs with their own reads (bench/README.md,
-    session 10). Memory: one ``unit_nbytes`` buffer; the mappings are page cache.
+    So a slab can be large (few source chunks read twice at slab boundaries) while the
+    gather stays in cache (``python bench/copy_primitives.py``, its row-parallel merge).
+    Memory: one ``unit_nbytes`` buffer; the mappings are page cache.
 
     Returns:
         The bytes' ``(CRC-32C, length)`` pieces on the entry's ``chunk_nbytes`` grid, or

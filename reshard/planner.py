@@ -65,9 +65,8 @@ class ReshardOptions:
 
     def threads(self, local: bool) -> int:
         """Read threads to run: :attr:`workers`; for a copy between local files (CPU-bound, no
-        latency to hide) at most one per usable core, since more only contend for them. Measured
-        on 2 cores (bench/README.md, session 6; 2.15 GB tp2·pp2 -> tp1, medians of 5): 2 threads
-        1.67 CPU-s and 1.18 s, 4 threads 1.78 CPU-s and 1.27 s, 1 thread 1.42 CPU-s and 1.41 s."""
+        latency to hide) at most one per usable core, since more only contend for them
+        (re-measure: ``python bench/reshard_bench.py --gb 2 --workers N``)."""
         if not local:
             return self.workers
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

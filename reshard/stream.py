@@ -258,8 +258,8 @@ def return_freed_buffers_to_os(threshold_nbytes: int = 1 << 20) -> bool:
 def gc_frozen() -> Iterator[None]:
     """Keep the cyclic garbage collector off the objects that exist before a reshard (the
     interpreter's modules, the caller's state: ~49,000 after the imports) while it runs
-    (``gc.freeze``, https://docs.python.org/3/library/gc.html#gc.freeze): its collections
-    took 0.063 of ~1.3 CPU-s of a 2.15 GB reshard scanning them, 0.005 frozen. Unfrozen
+    (``gc.freeze``, https://docs.python.org/3/library/gc.html#gc.freeze), since scanning
+    them is pure overhead (``python bench/reshard_bench.py --gb 2``). Unfrozen
     after, so nothing stays uncollectable. Nested or concurrent calls leave the outermost
     to unfreeze."""
     first = gc.get_freeze_count() == 0

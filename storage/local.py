@@ -22,14 +22,10 @@ from shardsmith.storage.crashpoints import crash_point
 _IOV_MAX = 1024
 
 
-#: Largest single write to a local file. Each write lets the kernel allocate page-cache folios
-#: up to its size; on a VM that reports free memory to its host (virtio-balloon free page
-#: reporting, ``page_reporting_order`` 9 here) the free 2 MiB blocks such folios come from were
-#: handed back to the host, and the copy that first touches them runs ~12x slower (first touch
-#: of 1 GiB of 2 MiB pages after 5 s idle: 1.75 s vs 0.14 s; bench/README.md, session 7).
-#: Measured on a whole 2.15 GB reshard, 6 alternating rounds each: 256 KiB writes 0.95 CPU-s,
-#: 512 KiB 0.90, 1 MiB 0.89, 2 MiB 0.87, 4 MiB 0.86 or 2.0 (half the runs). 1 MiB: every
-#: write of a reshard's verified block is one call, well below the 2 MiB cliff.
+#: Largest single write to a local file: every write of a reshard's verified block is one
+#: call, and 1 MiB ``pwrite`` s run at disk rate while keeping the kernel's page-cache folios
+#: below 2 MiB (which some hosts must fault back in first). Re-measure:
+#: ``python bench/reshard_bench.py --gb 2``.
 WRITE_PIECE_NBYTES = 1 << 20
 
 
@@ -120,10 +116,9 @@ def preallocate(fd: int, nbytes: int, name: str = "") -> bool:
     """Allocate the blocks of bytes ``[0, nbytes)`` of the open file ``fd`` now (Linux
     ``fallocate(2)``, mode 0: the file's size becomes at least ``nbytes``), so a full disk
     fails here, before anything is written, and the writes that follow fill allocated
-    blocks instead of reserving each page as they go (ext4's delayed allocation: ~10% of a
-    reshard's CPU samples). A 2.15 GB tp2·pp2 -> tp1 reshard, 11 alternating rounds in fresh
-    processes: 1.22-1.38 vs 1.37-2.20 CPU-s (medians 1.27 vs 1.46), 0.78-0.96 vs 0.93-2.74 s,
-    lower in every round (bench/README.md, session 9). Unlike ``posix_fallocate`` it never falls back to writing a byte per block.
+    blocks instead of reserving each page as they go (ext4's delayed allocation; re-measure
+    with ``python bench/reshard_bench.py --gb 2``). Unlike ``posix_fallocate`` it never
+    falls back to writing a byte per block.
 
     Returns:
         False (nothing done) where the filesystem or platform has no ``fallocate``.
@@ -156,10 +151,9 @@ def map_range(path: str, offset: int, nbytes: int) -> memoryview:
     mapping lives as long as the view (or anything made from it).
 
     Not pre-faulted (no ``MAP_POPULATE``): the first touch of each page faults it in with
-    its neighbours (the kernel's fault-around, 64 KiB), on the thread that reads it.
-    Measured (bench/README.md, session 6): a whole 2.15 GB reshard, 8 alternating rounds,
-    1.64 vs 1.71 CPU-s and 1.18 vs 1.37 s wall against pre-faulting every mapping; the
-    primitive (map, CRC-32C, ``pwrite``, 582 MB) 0.220 vs 0.251 CPU-s.
+    its neighbours (the kernel's fault-around, 64 KiB), on the thread that reads it: less
+    CPU and wall time than pre-faulting every mapping, which also faults pages never read
+    (``python bench/copy_primitives.py``, ``python bench/reshard_bench.py --gb 2``).
 
     Raises:
         OSError: the file cannot be opened or mapped.

@@ -1,9 +1,9 @@
 """``s3://`` reads through obstore (Rust ``object_store``), writes and listings through s3fs.
 
-Measured on the tests' loopback moto server (bench/s3_backends.py, bench/README.md), per
-object of 32-256 MiB: obstore's whole GETs 2.4-5x faster than s3fs's, eight ranged GETs
-4.2-4.6x, at a quarter to nine tenths of s3fs's client CPU; its PUTs were not >= 1.3x (0.68-1.24),
-so uploads stay on s3fs (our parallel multipart writer, :mod:`shardsmith.storage.multipart`).
+obstore's GETs (whole and ranged) are faster than s3fs's at less client CPU, and its PUTs
+are not, so uploads stay on s3fs (our parallel multipart writer,
+:mod:`shardsmith.storage.multipart`). Only measured on the tests' loopback moto server so
+far: ``OMP_NUM_THREADS=1 python bench/s3_backends.py`` re-measures it.
 Reads are what a resume, a resharding load and an offline reshard from object storage spend
 their time on.
 

@@ -1,7 +1,14 @@
-"""Shared test helpers: a tiny model, a small text corpus, torchrun launches, checkpoint reads."""
+"""Shared test helpers: a tiny model, a small text corpus, torchrun launches, checkpoint reads.
+
+The tests are laid out by package (``tests/<package>/``) plus ``tests/e2e/`` for whole jobs.
+Helpers shared between test modules live in ``tests/helpers/`` (the checkpoint factory, the
+loopback S3 server, the scripts launches run, ...) and in this file; both directories are put
+on ``sys.path`` here, so a test module anywhere below ``tests/`` imports them by name
+(``from ckpt_factory import save_offline``). A test module never imports another one."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -23,7 +30,23 @@ from shardsmith.storage.formats import read_box
 from shardsmith.trainer.config import DataConfig, OptimConfig, TrainConfig
 
 TESTS_DIR = Path(__file__).resolve().parent
-SCENARIOS = TESTS_DIR / "dist_scenarios.py"
+REPO_ROOT = TESTS_DIR.parent
+HELPERS_DIR = TESTS_DIR / "helpers"
+#: Data files the tests read (a version-1 checkpoint, a Megatron indexed dataset, hashes).
+FIXTURES = TESTS_DIR / "fixtures"
+for _path in (TESTS_DIR, HELPERS_DIR):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+
+def helper_script(name: str) -> Path:
+    """The file of helper module ``name`` (a script a launch runs, e.g. ``dist_scenarios``)."""
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.origin, f"no helper module {name!r} on {sys.path[:3]}"
+    return Path(spec.origin)
+
+
+SCENARIOS = helper_script("dist_scenarios")
 
 #: Small enough that start-up, not compute, dominates a launch; big enough that every
 #: layout below shards something (4 heads, 2 kv heads, 4 layers).

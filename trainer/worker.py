@@ -80,9 +80,9 @@ def exit_process(code: int) -> NoReturn:
     """End a worker with ``code`` once its work is done and written: stdio and logging
     flushed, then ``os._exit``, without the interpreter's teardown. Collecting process
     groups, device meshes and DTensors at shutdown runs C++ destructors in no fixed order;
-    under load one of them aborted a finished worker here (``terminate called without an
-    active exception``, exit -6, 1 run in 4 of tests/test_multinode.py beside 3 busy
-    processes), so torchrun reported a job that had committed its last step as failed."""
+    under load one of them can abort a finished worker (``terminate called without an
+    active exception``, exit -6; seen in tests/e2e/test_multinode.py), so torchrun would
+    report a job that had committed its last step as failed."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

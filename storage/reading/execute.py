@@ -30,11 +30,9 @@ from shardsmith.storage.sidecar import load_chunk_crcs
 
 #: Ranged reads in flight at once in one :func:`read_safetensors_boxes` call (threads: local
 #: ``preadv`` and object-store GETs both release the GIL). On a local store each file's reads
-#: are one task, in file order, and files are read in parallel: concurrent reads of one file
-#: cost the kernel about twice the CPU and are slower (a cold 280 MB file in 2 MiB reads: 8
-#: threads 0.165 CPU-s / 0.31 s, one thread 0.117 / 0.20). The 1.33 GB dp_shard4 load of a
-#: tp2·dp_shard2 checkpoint, cold, one process: 0.62-0.71 vs 0.82-0.96 CPU-s and 1.14-1.39 vs
-#: 1.42-1.66 s; four ranks: 0.75-0.86 vs 0.96-1.23 CPU-s (bench/README.md, session 11).
+#: are one task, in file order, and files are read in parallel: on a page-cache disk,
+#: concurrent reads of one file cost the kernel more CPU and are slower (re-measure the loads
+#: with ``python bench/checkpoint_vs_dcp.py --gb 1``).
 READ_WORKERS = 8
 #: Scratch bytes (for pieces that cannot be read straight into their destination) one
 #: :func:`read_safetensors_boxes` call holds at once; beyond it the reads planned so far are run

@@ -32,9 +32,8 @@ _MAX_RUNS = 2**16
 #: A piece is read straight into a non-contiguous part of its destination (one iovec per
 #: row segment) when it has at most this many segments of at least this many bytes; otherwise
 #: into scratch, verified there in whole chunks and copied into place by one strided copy. Each
-#: segment costs a Python buffer object, an iovec and a CRC call: 1.33 GB of a tp2·dp_shard2
-#: checkpoint (rows of 2-5.6 KiB) read into the four dp_shard4 ranks' boxes took 0.65-0.70
-#: CPU-s with 512 here, 0.45-0.58 with 16 KiB and reused scratch (bench/README.md, session 10).
+#: segment costs a Python buffer object, an iovec and a CRC call, so short rows go through
+#: scratch (re-measure the dp_shard4 load of ``python bench/checkpoint_vs_dcp.py --gb 1``).
 _MAX_SCATTER_RUNS = 2**14
 _MIN_SCATTER_NBYTES = 16 << 10
 

@@ -1,0 +1,183 @@
+"""Distributed scenarios run by the tests under torchrun (not collected by pytest).
+
+``python -m torch.distributed.run --standalone --nproc-per-node N tests/helpers/dist_scenarios.py SPEC.json``
+
+SPEC.json holds ``{"config": <TrainConfig JSON whose parallel dims match N>, "tasks": [...]}``;
+every rank runs the tasks in order (each task is collective). One launch thus covers
+many cases: process start-up dominates the cost of a distributed test on CPU. A task's
+``set`` replaces top-level TrainConfig fields for that task (e.g. ``{"sequence_parallel": true}``).
+
+Tasks (``kind``):
+
+* ``logits``: build a fresh :class:`Trainer` (seeded init, no checkpoint), run one
+  forward pass of ``tokens`` (B, T) through the whole (pipelined, TP/FSDP-sharded)
+  model, and write the full logits (B, T, V) of every last-stage rank to
+  ``<out>/logits-rank-NNNNN.safetensors`` (key ``logits``). Stages pass hidden states
+  (B, T, D) with point-to-point send/recv between ranks that differ only in ``pp``.
+* ``reload``: a fresh Trainer resumes from ``src`` (any layout) and saves the loaded
+  state, unchanged, under the root ``dst``.
+* ``grads``: a fresh Trainer runs one forward/backward of ``tokens`` (inputs) and
+  ``targets`` (B, T) with its step math (schedule included) and writes every parameter's
+  full gradient (FQN keys) to ``<out>/grads-rank-NNNNN.safetensors``.
+* ``reshard``: rank 0 reshards the step directory ``src`` offline to ``dst`` under the
+  layout ``parallel`` (ParallelDims JSON); the others wait.
+* ``train``: a fresh Trainer runs to ``steps`` with checkpoint root ``ckpt`` (may be
+  empty), ``resume`` (``none`` or a URL) and ``save_interval``; rank 0 writes the
+  per-step metrics to ``out`` as JSON ``[{"step", "loss", "grad_norm", "lr"}, ...]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+
+from shardsmith.trainer.config import TrainConfig
+from shardsmith.trainer.train import Trainer
+
+
+def _with_checkpoint(cfg: TrainConfig, **kwargs: Any) -> TrainConfig:
+    """``cfg`` with these checkpoint fields; the others (e.g. ``tensor_format``) from ``cfg``."""
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, **kwargs))
+
+
+def task_logits(cfg: TrainConfig, task: dict[str, Any]) -> None:
+    """Forward ``task["tokens"]`` through the freshly initialized model; write last-stage logits.
+    Model chunks run in pipeline order; chunk ``c`` lives on pipeline rank ``c % pp``."""
+    from shardsmith.trainer.pipeline import chunks_of
+
+    trainer = Trainer.create(_with_checkpoint(cfg, resume="none"))
+    dims, coords = cfg.parallel, trainer.coords
+    mine = {coords["pp"] if c < 0 else c: m for c, m in chunks_of(trainer.model)}
+    tokens = torch.tensor(task["tokens"], dtype=torch.int64)                    # (B, T)
+    batch, seq = tokens.shape
+    out = None
+    with torch.no_grad():
+        for c in range(dims.num_chunks):
+            if c not in mine:
+                continue
+            if c == 0:
+                h = tokens
+            else:
+                h = torch.empty(batch, seq, cfg.model.hidden_size)              # (B, T, D)
+                dist.recv(h, src=dims.rank_of({**coords, "pp": (c - 1) % dims.pp}))
+            out = mine[c](h)
+            if isinstance(out, DTensor):                                        # vocab-sharded logits
+                out = out.full_tensor()
+            if c < dims.num_chunks - 1:
+                dist.send(out.contiguous(), dst=dims.rank_of({**coords, "pp": (c + 1) % dims.pp}))
+        if dims.num_chunks - 1 in mine:
+            os.makedirs(task["out"], exist_ok=True)
+            save_file({"logits": out.contiguous()},
+                      os.path.join(task["out"], f"logits-rank-{trainer.rank:05d}.safetensors"))
+    dist.barrier()
+
+
+def task_grads(cfg: TrainConfig, task: dict[str, Any]) -> None:
+    """One forward/backward of ``task["tokens"]`` -> ``task["targets"]``; write full gradients."""
+    from shardsmith.trainer.parallel import finalize_grads
+
+    trainer = Trainer.create(_with_checkpoint(cfg, resume="none"))
+    inputs = torch.tensor(task["tokens"], dtype=torch.int64)
+    targets = torch.tensor(task["targets"], dtype=torch.int64)
+    trainer.step_math.forward_backward(inputs, targets)
+    finalize_grads(trainer.model, trainer.grad_sum_groups)
+    from shardsmith.trainer.moe import EXPERT_TP_DIMS, all_gather_rows, expert_params
+
+    experts = expert_params(trainer.model)
+    grads = {}
+    for fqn, p in trainer.model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            if fqn in experts and experts[fqn][1].ep_size > 1:                  # E / ep experts per rank
+                g = all_gather_rows(g, trainer.mesh["dp_shard"].get_group())
+            if fqn in experts and experts[fqn][1].tp_size > 1:                  # F / tp per expert
+                g = all_gather_rows(g, trainer.mesh["tp"].get_group(), EXPERT_TP_DIMS[experts[fqn][2]])
+            grads[fqn] = g.detach().contiguous()
+    os.makedirs(task["out"], exist_ok=True)
+    save_file(grads, os.path.join(task["out"], f"grads-rank-{trainer.rank:05d}.safetensors"))
+    dist.barrier()
+
+
+def task_reload(cfg: TrainConfig, task: dict[str, Any]) -> None:
+    """Resume from ``task["src"]`` into this layout, then save what was loaded under ``task["dst"]``."""
+    trainer = Trainer.create(_with_checkpoint(cfg, url=task["dst"], resume=task["src"]))
+    if not trainer.resume():
+        raise RuntimeError(f"nothing resumed from {task['src']}")
+    trainer.save()
+    trainer.wait_for_save()
+
+
+def task_train(cfg: TrainConfig, task: dict[str, Any]) -> None:
+    """Train to ``task["steps"]``; rank 0 writes the metrics of the steps this run took."""
+    run_cfg = dataclasses.replace(
+        _with_checkpoint(cfg, url=task.get("ckpt", ""), resume=task.get("resume", "none"),
+                         save_interval=task.get("save_interval", 0)),
+        steps=task["steps"])
+    trainer = Trainer.create(run_cfg)
+    history = trainer.run()
+    if trainer.rank == 0:
+        with open(task["out"], "w") as f:
+            json.dump([{"step": m.step, "loss": m.loss, "grad_norm": m.grad_norm, "lr": m.lr}
+                       for m in history], f)
+
+
+def task_reshard(cfg: TrainConfig, task: dict[str, Any]) -> None:
+    """Rank 0 reshards ``src`` to ``dst`` offline (the engine of ``shardsmith reshard``)."""
+    from shardsmith.layout import ParallelDims
+    from shardsmith.reshard.engine import reshard
+    from shardsmith.storage.fs import Store
+
+    if dist.get_rank() == 0:
+        reshard(Store(task["src"]), task["dst"], ParallelDims.from_json(task["parallel"]))
+    dist.barrier()
+
+
+TASKS = {"logits": task_logits, "grads": task_grads, "reload": task_reload, "train": task_train,
+         "reshard": task_reshard}
+
+
+def _task_config(cfg: TrainConfig, task: dict[str, Any]) -> TrainConfig:
+    """``cfg`` with the task's ``set`` fields (``parallel`` given as ParallelDims JSON,
+    ``model`` as ModelConfig JSON)."""
+    from shardsmith.layout import ModelConfig, ParallelDims
+
+    fields = dict(task.get("set", {}))
+    if "parallel" in fields:
+        fields["parallel"] = ParallelDims.from_json(fields["parallel"])
+    if "model" in fields:
+        fields["model"] = ModelConfig.from_json(fields["model"])
+    return dataclasses.replace(cfg, **fields)
+
+
+def main(argv: list[str]) -> int:
+    warnings.filterwarnings("ignore")
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    cfg = TrainConfig.from_json(spec["config"])
+    try:
+        for task in spec["tasks"]:
+            t0 = time.perf_counter()
+            TASKS[task["kind"]](_task_config(cfg, task), task)
+            gc.collect()
+            if dist.get_rank() == 0:
+                print(f"[scenario] {task['kind']} {task.get('src', '')} took "
+                      f"{time.perf_counter() - t0:.2f}s", flush=True)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
