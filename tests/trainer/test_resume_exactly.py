@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import TINY_MODEL, tiny_train_config
-from storage_ckpt import full_tensors, save_offline
+from ckpt_factory import full_tensors, save_offline
 from shardsmith.cli.main import cli
 from shardsmith.errors import CheckpointError, CheckpointMismatch, CheckpointNotFound, ConfigError, IntegrityError
 from shardsmith.layout import ParallelDims
