@@ -22,6 +22,8 @@ configuration (default: the 1,024-GPU example of issue 17, ~410B parameters with
 
     OMP_NUM_THREADS=1 python bench/scale_sim.py              # table + JSON of the 1,024-rank job
     python bench/scale_sim.py --only main                      # just the 1,024-rank job
+    python bench/scale_sim.py --tp 8 --pp 32 --dp-shard 64     # any layout of the 405B-class model
+                                                               # (= --only xl), its JSON last
 """
 
 from __future__ import annotations

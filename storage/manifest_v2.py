@@ -1,4 +1,4 @@
-"""Manifest version 2: one JSON document laid out so a reader can fetch only what it loads.
+"""Manifest versions 2 and 3: one JSON document laid out so a reader can fetch only what it loads.
 
 ``manifest.json`` = HEAD + BODY, one valid JSON object::
 
@@ -11,6 +11,10 @@
     "fqn":{"shape":[..],"dtype":"..","shards":[{"file":..,"key":..,"offsets":[..],"lengths":[..],
                                                 "byte_offset":..,"crc":..}, ..]},
     ...}}                                               # BODY: entries joined by ",", then "}}"
+
+Version 3 (written now) ends the tensors with ``},"grids":{`` and the grid entries of the
+tensors that have one, joined by ``,``, then ``}}``; such a tensor's index entry is
+``[start, end, grid start, grid end]`` (:mod:`shardsmith.storage.manifest_grid`).
 
 ``head_nbytes`` is right-aligned in a fixed 16-character field at a fixed offset, so the
 first :data:`PREFIX_NBYTES` bytes say how long the head is. ``index`` ranges are relative to
