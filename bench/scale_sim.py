@@ -22,6 +22,8 @@ configuration (default: the 1,024-GPU example of issue 17, ~410B parameters with
 
     OMP_NUM_THREADS=1 python bench/scale_sim.py              # table + JSON of the 1,024-rank job
     python bench/scale_sim.py --only main                      # just the 1,024-rank job
+    python bench/scale_sim.py --tp 8 --pp 32 --dp-shard 64     # any layout of the 405B-class model
+                                                               # (= --only xl), its JSON last
 """
 
 from __future__ import annotations
@@ -130,7 +132,18 @@ CONFIGS = {
     "large": Config("16,384 ranks, 405B-class (HSDP)", _model(126, 16384, 128, 8, 53248),
                     ParallelDims(tp=8, pp=16, dp_replicate=8, dp_shard=16),
                     ParallelDims(tp=8, pp=8, dp_replicate=8, dp_shard=32)),
+    "xl": Config("16,384 ranks, 405B-class (FSDP)", _model(126, 16384, 128, 8, 53248),
+                 ParallelDims(tp=8, pp=32, dp_shard=64), ParallelDims(tp=8, pp=16, dp_shard=128)),
 }
+
+
+def custom_config(tp: int, pp: int, dp_shard: int, dp_replicate: int) -> Config:
+    """The 405B-class model saved in ``--tp --pp --dp-shard [--dp-replicate]`` and resharded to
+    half the pipeline stages and twice the sharding (the same layout when ``pp`` is 1)."""
+    dims = ParallelDims(tp=tp, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard)
+    half = pp // 2 if pp > 1 and pp % 2 == 0 else pp
+    reshard = ParallelDims(tp=tp, pp=half, dp_replicate=dp_replicate, dp_shard=dp_shard * pp // half)
+    return Config(f"{dims.world_size:,} ranks, 405B-class, {dims.describe()}", CONFIGS["xl"].model, dims, reshard)
 
 
 def simulate_save(cfg: Config, step_store: SimStore, chunk: int) -> tuple[dict, list[bytes], float]:
@@ -182,7 +195,7 @@ def sample_ranks(dims: ParallelDims) -> list[int]:
 
 def simulate_load(cfg: Config, step_store: SimStore, dims: ParallelDims, rank: int) -> tuple[int, float, list[int]]:
     """Metadata bytes one rank reads to resume in ``dims``, its CPU seconds, and the bytes by
-    kind: [manifest, sidecars, headers, data files touched]."""
+    kind: [manifest, sidecars, headers, data files touched, read requests]."""
     counter = step_store.counter
     counter.nbytes = counter.num_reads = 0
     t0 = time.process_time()
@@ -199,7 +212,7 @@ def simulate_load(cfg: Config, step_store: SimStore, dims: ParallelDims, rank: i
     files = {s.file for s in shards}
     for file in files:                                          # read_header's probe of each data file touched
         step_store.read_range(file + ".header", 0, max(_HEADER_PROBE_NBYTES, step_store.size(file + ".header")))
-    parts += [counter.nbytes - sum(parts), len(files)]
+    parts += [counter.nbytes - sum(parts), len(files), counter.num_reads]
     return counter.nbytes, time.process_time() - t0, parts
 
 
@@ -279,8 +292,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=sorted(CONFIGS), help="run one configuration (default: all three)")
+    ap.add_argument("--only", choices=sorted(CONFIGS), help="run one configuration (default: small, main, large)")
     ap.add_argument("--chunk-nbytes", type=int, default=DEFAULT_CHUNK_NBYTES)
+    for flag in ("--tp", "--pp", "--dp-shard", "--dp-replicate"):
+        ap.add_argument(flag, type=int, help="a layout of the 405B-class model (with the others; default 1) "
+                        "instead of the named configurations; e.g. --tp 8 --pp 32 --dp-shard 64")
     ap.add_argument("--row", action="store_true", help=argparse.SUPPRESS)     # child: print one row
     ap.add_argument("--dump", help=argparse.SUPPRESS)                         # child: keep the manifest here
     ap.add_argument("--verify-rss", nargs=2, metavar=("PATH", "MODE"), help=argparse.SUPPRESS)
@@ -288,18 +304,23 @@ def main() -> None:
     if args.verify_rss:
         print(json.dumps(verify_rss(*args.verify_rss)))
         return
+    layout = [args.tp, args.pp, args.dp_shard, args.dp_replicate]
+    custom = ["--tp", str(args.tp or 1), "--pp", str(args.pp or 1), "--dp-shard", str(args.dp_shard or 1),
+              "--dp-replicate", str(args.dp_replicate or 1)] if any(layout) else []
     if args.row:
         t0 = time.perf_counter()
-        row = run(CONFIGS[args.only], args.chunk_nbytes, args.dump)
+        cfg = custom_config(*(v or 1 for v in layout)) if custom else CONFIGS[args.only]
+        row = run(cfg, args.chunk_nbytes, args.dump)
         print(json.dumps({**row, "sim_seconds": round(time.perf_counter() - t0, 1)}))
         return
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in [args.only] if args.only else ["small", "main", "large"]:   # own processes: own peak RSS
-            rows[name] = _child(["--only", name, "--row", "--chunk-nbytes", str(args.chunk_nbytes),
-                                 "--dump", f"{tmp}/{name}.json"])
+        names = ["custom"] if custom else [args.only] if args.only else ["small", "main", "large"]
+        for name in names:                                      # own processes: own peak RSS
+            rows[name] = _child((custom or ["--only", name]) + ["--row", "--chunk-nbytes", str(args.chunk_nbytes),
+                                                                "--dump", f"{tmp}/{name}.json"])
         print_table(list(rows.values()))
-        for name in (n for n in rows if n != "large"):          # large: 128 passes, too slow for a shared box
+        for name in (n for n in rows if rows[n]["ranks"] <= 1024):   # 16,384 ranks: too slow for a shared box
             stream, whole = (_child(["--verify-rss", f"{tmp}/{name}.json", m]) for m in ("stream", "whole"))
             print(f"verify metadata, {rows[name]['ranks']} ranks: streamed peak RSS {_mb(stream['peak_rss_bytes'])} "
                   f"({stream['seconds']} s CPU); whole-manifest parse peak RSS {_mb(whole['peak_rss_bytes'])} "
@@ -307,9 +328,10 @@ def main() -> None:
             rows[name]["verify_stream_peak_rss_bytes"] = stream["peak_rss_bytes"]
     main_row = rows.get("main", next(iter(rows.values())))
     print(json.dumps({k: main_row.get(k) for k in (
-        "config", "ranks", "shards", "checkpoint_bytes", "manifest_bytes", "metadata_bytes_total",
+        "config", "ranks", "layout", "reshard_layout", "shards", "checkpoint_bytes", "manifest_bytes", "metadata_bytes_total",
         "max_rank_metadata_read_bytes", "reshard_rank_metadata_read_bytes", "plan_seconds", "commit_seconds",
-        "parse_seconds_per_rank", "peak_rss_bytes", "verify_stream_peak_rss_bytes", "sim_seconds")}))
+        "parse_seconds_per_rank", "read_parts_same", "read_parts_reshard", "peak_rss_bytes",
+        "verify_stream_peak_rss_bytes", "sim_seconds")}))
 
 
 def _child(argv: list[str]) -> dict[str, Any]:

@@ -56,6 +56,15 @@ class Box:
         return {"offsets": list(self.offsets), "lengths": list(self.lengths)}
 
 
+def bounding_box(boxes: list[Box]) -> Box:
+    """The smallest box holding every non-empty box of ``boxes`` (all of one rank); the first
+    box when all are empty."""
+    full = [b for b in boxes if not b.is_empty] or boxes[:1]
+    lo = tuple(min(o) for o in zip(*(b.offsets for b in full)))
+    hi = tuple(max(h) for h in zip(*((o + n for o, n in zip(b.offsets, b.lengths)) for b in full)))
+    return Box(lo, tuple(h - o for h, o in zip(hi, lo)))
+
+
 def chunk_range(length: int, num_chunks: int, index: int) -> tuple[int, int]:
     """Start and length of chunk ``index`` when ``length`` is split like ``torch.chunk``.
 

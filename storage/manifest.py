@@ -20,11 +20,12 @@ from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 
 FORMAT_NAME = "shardsmith.checkpoint"
-#: The version this shardsmith writes (2: chunk CRCs in sidecars, head + index; see
-#: :mod:`shardsmith.storage.manifest_v2`). Version 1 manifests still load.
-FORMAT_VERSION = 2
+#: The version this shardsmith writes (2: chunk CRCs in sidecars, head + index, see
+#: :mod:`shardsmith.storage.manifest_v2`; 3: plus shard grids, so a rank reads the records of
+#: its cells, see :mod:`shardsmith.storage.manifest_grid`). Versions 1 and 2 still load.
+FORMAT_VERSION = 3
 #: Versions this shardsmith reads.
-READ_VERSIONS = (1, 2)
+READ_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 #: Tensor formats a manifest may name (zarr: see the zarr issue).
 TENSOR_FORMATS = ("safetensors", "zarr")
@@ -172,7 +173,7 @@ class Manifest:
         }
 
     def dumps(self) -> bytes:
-        """The ``manifest.json`` bytes: version 2 (:func:`shardsmith.storage.manifest_v2.encode`),
+        """The ``manifest.json`` bytes: version 3 (:func:`shardsmith.storage.manifest_v2.encode`),
         or version 1 compact JSON for a manifest read from a version-1 checkpoint."""
         if self.version == 1:
             return json.dumps(self.to_json(), separators=(",", ":")).encode()

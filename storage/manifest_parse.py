@@ -65,13 +65,13 @@ def parse_manifest(raw: bytes, source: str = "manifest.json") -> Manifest:
             count that does not match its box, a shard outside its file or in a file not
             listed, two shards sharing a key or bytes of one file, a wrong checksum count.
     """
-    from shardsmith.storage.manifest_v2 import PREFIX, parse_whole      # manifest_v2 imports this module
+    from shardsmith.storage.manifest_v2 import indexed_version, parse_whole   # manifest_v2 imports this module
 
-    if raw[:len(PREFIX)] == PREFIX:
+    if indexed_version(raw):
         return parse_whole(raw, source)
     data = load_json(raw, source)
-    if data.get("version") == 2:
-        raise err("version", "a version-2 manifest must begin with its head (format, version, "
+    if data.get("version") in (2, 3):
+        raise err("version", f"a version-{data['version']} manifest must begin with its head (format, version, "
                   "head_nbytes); this one does not", source)
     version, chunk = parse_header(data, source, (1,), (("tensors", dict), ("files", dict)))
     files = _parse_files(data["files"], source)

@@ -1,4 +1,4 @@
-"""Manifest version 2: one JSON document laid out so a reader can fetch only what it loads.
+"""Manifest versions 2 and 3: one JSON document laid out so a reader can fetch only what it loads.
 
 ``manifest.json`` = HEAD + BODY, one valid JSON object::
 
@@ -11,6 +11,10 @@
     "fqn":{"shape":[..],"dtype":"..","shards":[{"file":..,"key":..,"offsets":[..],"lengths":[..],
                                                 "byte_offset":..,"crc":..}, ..]},
     ...}}                                               # BODY: entries joined by ",", then "}}"
+
+Version 3 (written now) ends the tensors with ``},"grids":{`` and the grid entries of the
+tensors that have one, joined by ``,``, then ``}}``; such a tensor's index entry is
+``[start, end, grid start, grid end]`` (:mod:`shardsmith.storage.manifest_grid`).
 
 ``head_nbytes`` is right-aligned in a fixed 16-character field at a fixed offset, so the
 first :data:`PREFIX_NBYTES` bytes say how long the head is. ``index`` ranges are relative to
@@ -40,7 +44,7 @@ import json
 import re
 from dataclasses import dataclass
 from math import prod
-from typing import Any
+from typing import Any, Callable, Collection
 
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.manifest import FORMAT_NAME, FileRecord, Manifest, ShardRecord, TensorRecord
@@ -48,14 +52,27 @@ from shardsmith.storage.manifest_checks import (Problems, check_bytes, check_cov
                                                 check_sidecars, check_type, err, fields, int_list, int_ok, ints_ok,
                                                 load_json, parse_header, parse_tensor, relpath_ok, safe_relpath,
                                                 to_int, to_str)
+from shardsmith.storage.manifest_grid import (check_cell_nbytes, encode_entry, grid_bounds, parse_grid,
+                                              parse_gridded_entry)
 
-VERSION = 2
-PREFIX = f'{{"format":"{FORMAT_NAME}","version":{VERSION},"head_nbytes":'.encode()
+#: The version written: 3 (version 2 plus the shard grids of :mod:`shardsmith.storage.manifest_grid`).
+VERSION = 3
+#: Versions laid out as head + body (both read).
+INDEXED_VERSIONS = (2, 3)
+PREFIXES = {v: f'{{"format":"{FORMAT_NAME}","version":{v},"head_nbytes":'.encode() for v in INDEXED_VERSIONS}
+PREFIX = PREFIXES[VERSION]
 _WIDTH = 16
 #: Bytes that say how long the head is (the prefix, the fixed-width number and a comma).
 PREFIX_NBYTES = len(PREFIX) + _WIDTH + 1
 _HEAD_END = b',"tensors":{'
 _BODY_END = b"}}"
+#: Version 3: the bytes between the last tensor entry and the first grid entry.
+GRIDS_START = b'},"grids":{'
+
+
+def indexed_version(raw: bytes) -> int:
+    """2 or 3 when ``raw`` begins like a head + body manifest of that version, else 0."""
+    return next((v for v, p in PREFIXES.items() if raw[:len(p)] == p), 0)
 
 
 def natural_key(fqn: str) -> list[Any]:
@@ -66,15 +83,24 @@ def natural_key(fqn: str) -> list[Any]:
 def encode(manifest: Manifest) -> bytes:
     """The version-2 ``manifest.json`` bytes of ``manifest`` (compact; json's C encoder)."""
     names = sorted(manifest.files)
-    entries, index, pos = [], {}, 0
+    entries, grids, index, pos = [], [], {}, 0
     for fqn in sorted(manifest.tensors, key=natural_key):
         t = manifest.tensors[fqn]
-        value = {"shape": t.shape, "dtype": t.dtype,
-                 "shards": [s.to_v2_json(DTYPE_NBYTES[t.dtype]) for s in t.shards]}
-        entry = (json.dumps(fqn) + ":" + json.dumps(value, separators=(",", ":"))).encode()
+        bounds = grid_bounds(t.shape, t.shards)
+        if bounds is None:
+            value = {"shape": t.shape, "dtype": t.dtype,
+                     "shards": [s.to_v2_json(DTYPE_NBYTES[t.dtype]) for s in t.shards]}
+            entry = (json.dumps(fqn) + ":" + json.dumps(value, separators=(",", ":"))).encode()
+        else:
+            entry, grid = encode_entry(fqn, t, bounds)
+            grids.append((fqn, grid))
         index[fqn] = [pos, pos + len(entry)]
         entries.append(entry)
         pos += len(entry) + 1
+    pos += len(GRIDS_START) - 1 if entries else len(GRIDS_START)
+    for fqn, grid in grids:
+        index[fqn] += [pos, pos + len(grid)]
+        pos += len(grid) + 1
     readable = {"step": manifest.step, "created": manifest.created, "tensor_format": manifest.tensor_format,
                 "checksum": {"algorithm": "crc32c", "chunk_nbytes": manifest.chunk_nbytes},
                 "layout": manifest.layout, "model": manifest.model, "config": manifest.config, "state": manifest.state}
@@ -82,13 +108,13 @@ def encode(manifest: Manifest) -> bytes:
     tail = (json.dumps(readable)[1:-1] + "," + json.dumps(compact, separators=(",", ":"))[1:-1]).encode() + _HEAD_END
     head_nbytes = PREFIX_NBYTES + len(tail)
     head = PREFIX + f"{head_nbytes:>{_WIDTH}},".encode() + tail
-    return head + b",".join(entries) + _BODY_END
+    return head + b",".join(entries) + GRIDS_START + b",".join(g for _, g in grids) + _BODY_END
 
 
 def head_nbytes_of(prefix: bytes, source: str) -> int:
-    """The head's length from the first :data:`PREFIX_NBYTES` bytes of a version-2 manifest."""
+    """The head's length from the first :data:`PREFIX_NBYTES` bytes of a version-2 or -3 manifest."""
     field = prefix[len(PREFIX):PREFIX_NBYTES - 1]
-    if prefix[:len(PREFIX)] != PREFIX or len(prefix) < PREFIX_NBYTES or prefix[PREFIX_NBYTES - 1:PREFIX_NBYTES] != b"," \
+    if not indexed_version(prefix) or len(prefix) < PREFIX_NBYTES or prefix[PREFIX_NBYTES - 1:PREFIX_NBYTES] != b"," \
             or not field.strip().isdigit():
         raise err("head_nbytes", "the document does not begin with a version-2 head", source)
     return to_int(int(field), "head_nbytes", source, min_value=PREFIX_NBYTES + len(_HEAD_END))
@@ -103,14 +129,16 @@ class Head:
     chunk_nbytes: int
     files: dict[str, FileRecord]
     file_names: list[str]
-    index: dict[str, tuple[int, int]]
+    #: fqn -> (start, end) of its entry in BODY, plus (start, end) of its grid entry (version 3).
+    index: dict[str, tuple[int, ...]]
+    version: int = VERSION
 
     def manifest(self, tensors: dict[str, TensorRecord], *, partial: bool) -> Manifest:
         """A :class:`Manifest` of this head and ``tensors`` (a partial one knows every FQN)."""
         d = self.data
         return Manifest(step=d["step"], layout=d["layout"], model=d["model"], config=d["config"], state=d["state"],
                         tensors=tensors, files=self.files, tensor_format=d["tensor_format"],
-                        chunk_nbytes=self.chunk_nbytes, created=str(d.get("created", "")), version=VERSION,
+                        chunk_nbytes=self.chunk_nbytes, created=str(d.get("created", "")), version=self.version,
                         all_tensors=tuple(self.index) if partial else None)
 
 
@@ -129,24 +157,27 @@ def _parse_files(data: Any, source: str) -> tuple[list[str], dict[str, FileRecor
     return names, files
 
 
-def _parse_index(data: Any, source: str) -> dict[str, tuple[int, int]]:
-    """fqn -> [start, end) in BODY, non-empty, in increasing order with a one-byte separator."""
-    index: dict[str, tuple[int, int]] = {}
-    last_end = -1
+def _parse_index(data: Any, version: int, source: str) -> dict[str, tuple[int, ...]]:
+    """fqn -> [start, end) in BODY, non-empty, in increasing order; version 3 may add the
+    [start, end) of the tensor's grid entry, also in increasing order."""
+    index: dict[str, tuple[int, ...]] = {}
+    last = [-1, -1]
     for fqn, span in check_type(data, dict, "index", source).items():
         where = f"index[{fqn!r:.120}]"
         if not fqn:
             raise err(where, "empty tensor name", source)
-        if not isinstance(span, list) or len(span) != 2:
-            raise err(where, f"expected a byte range [start, end), got {span!r:.60}", source)
-        start, end = to_int(span[0], where, source), to_int(span[1], where, source)
-        if end <= start:
-            raise err(where, f"expected a byte range [start, end) with start < end, got {span!r:.60}", source)
-        if start <= last_end:
-            raise err(where, f"bytes [{start}, {end}) overlap or precede the previous tensor's (ending "
-                      f"at {last_end})", source)
-        index[fqn] = (start, end)
-        last_end = end
+        if not isinstance(span, list) or len(span) not in ((2, 4) if version >= 3 else (2,)):
+            raise err(where, f"expected a byte range [start, end){' (and its grid entry)' if version >= 3 else ''}, "
+                      f"got {span!r:.60}", source)
+        pairs = [(to_int(span[k], where, source), to_int(span[k + 1], where, source)) for k in range(0, len(span), 2)]
+        for k, (start, end) in enumerate(pairs):
+            if end <= start:
+                raise err(where, f"expected a byte range [start, end) with start < end, got {span!r:.60}", source)
+            if start <= last[k]:
+                raise err(where, f"bytes [{start}, {end}) overlap or precede the previous tensor's (ending "
+                          f"at {last[k]})", source)
+            last[k] = end
+        index[fqn] = tuple(span)
     return index
 
 
@@ -163,9 +194,9 @@ def parse_head(raw: bytes, source: str) -> Head:
         raise err("head_nbytes", f"{nbytes} bytes of head, but the head read has {len(raw)} bytes or does not "
                   "end where the tensors begin", source)
     data = load_json(raw[:-len(_HEAD_END)] + b"}", source)
-    _, chunk = parse_header(data, source, (VERSION,), (("files", list), ("index", dict)))
+    version, chunk = parse_header(data, source, INDEXED_VERSIONS, (("files", list), ("index", dict)))
     names, files = _parse_files(data["files"], source)
-    return Head(nbytes, data, chunk, files, names, _parse_index(data["index"], source))
+    return Head(nbytes, data, chunk, files, names, _parse_index(data["index"], version, source), version)
 
 
 _SHARD_FIELDS = ("file", "key", "offsets", "lengths", "byte_offset")
@@ -246,9 +277,12 @@ def parse_entry(raw: bytes, fqn: str, head: Head, source: str) -> TensorRecord:
     return parse_tensor(fqn, t, source, lambda d, w: _parse_shard(d, fqn, itemsize, head, w, source))
 
 
-def check_tensors(head: Head, tensors: dict[str, TensorRecord], source: str, *, whole: bool) -> None:
+def check_tensors(head: Head, tensors: dict[str, TensorRecord], source: str, *, whole: bool,
+                  partial: Collection[str] = ()) -> None:
     """Consistency of the tensors read (all of them with ``whole``): coverage, byte ranges
     inside listed files, checksum counts and sidecar ranges, no two shards sharing bytes.
+    Tensors in ``partial`` hold only the grid cells a reader asked for (their boxes were
+    checked against the grid, which tiles the shape): their byte counts are checked, not coverage.
 
     Raises:
         ManifestError: listing every problem.
@@ -256,7 +290,10 @@ def check_tensors(head: Head, tensors: dict[str, TensorRecord], source: str, *, 
     problems = Problems(source)
     raw_nbytes = head.data["tensor_format"] == "safetensors"
     for fqn, rec in tensors.items():
-        check_coverage(fqn, rec, problems, raw_nbytes=raw_nbytes)
+        if fqn in partial:
+            check_cell_nbytes(fqn, rec, problems, raw_nbytes=raw_nbytes)
+        else:
+            check_coverage(fqn, rec, problems, raw_nbytes=raw_nbytes)
         check_bytes(fqn, rec, head.files, head.chunk_nbytes, problems)
     check_files_disjoint(tensors, problems)
     check_sidecars(tensors, head.files, head.chunk_nbytes, problems, whole=whole)
@@ -276,23 +313,66 @@ def check_files(head: Head, tensors: dict[str, TensorRecord], source: str) -> No
     problems.raise_if_any()
 
 
+def parse_tensor_at(body: Any, fqn: str, span: tuple[int, ...], head: Head, source: str) -> TensorRecord:
+    """The tensor whose index entry is ``span``, from ``body`` (the document's BODY, or any
+    object whose slices at ``span``'s ranges are those bytes): a gridded entry (version 3)
+    block by block against its grid, any other whole."""
+    entry = bytes(body[span[0]:span[1]])
+    if len(span) == 2:
+        return parse_entry(entry, fqn, head, source)
+    grid = parse_grid(bytes(body[span[2]:span[3]]), fqn, span[1] - span[0], source)
+    return parse_gridded_entry(entry, fqn, grid, shard_parser(fqn, grid.dtype, head, source), source)
+
+
+def shard_parser(fqn: str, dtype: str, head: Head, source: str) -> Callable[[Any, str], ShardRecord]:
+    """``parse_shard(data, where)`` for the records of tensor ``fqn`` of ``dtype``."""
+    itemsize = DTYPE_NBYTES.get(dtype, 0)
+    return lambda d, w: _parse_shard(d, fqn, itemsize, head, w, source)
+
+
+def grids_tiling_problem(head: Head, tensors_end: int) -> str:
+    """Why the grid entries (version 3) do not tile the body from ``tensors_end`` (where the
+    last tensor entry ends) to the document's end, or ``""``; checks positions only."""
+    if head.version < 3:
+        return ""
+    pos = tensors_end + len(GRIDS_START)
+    for fqn, span in head.index.items():
+        if len(span) == 4:
+            if span[2] != pos:
+                return f"the grid of {fqn!r:.120} starts at {span[2]}, expected {pos} (grids must follow each other)"
+            pos = span[3] + 1
+    return ""
+
+
 def parse_whole(raw: bytes, source: str) -> Manifest:
-    """Parse and validate a whole version-2 document: the head, every entry, and that the
-    index ranges tile the body exactly (so the document is the one JSON object a partial
-    reader sees). Linear in the document's size."""
+    """Parse and validate a whole version-2 or -3 document: the head, every entry (a gridded
+    one block by block, as a partial reader reads it), and that the index ranges tile the
+    body exactly (so the document is the one JSON object a partial reader sees). Linear in
+    the document's size."""
     head = parse_head(raw[:head_nbytes_of(raw[:PREFIX_NBYTES], source)], source)
     body = memoryview(raw)[head.nbytes:]
     pos, tensors = 0, {}
-    for n, (fqn, (start, end)) in enumerate(head.index.items()):
+    for n, (fqn, span) in enumerate(head.index.items()):
+        start, end = span[0], span[1]
         if start != pos or end > len(body) - len(_BODY_END):
             raise err(f"index[{fqn!r:.120}]", f"bytes [{start}, {end}) of the tensors: expected an entry starting "
                       f"at {pos} inside the document; the index does not tile the tensors", source)
-        tensors[fqn] = parse_entry(bytes(body[start:end]), fqn, head, source)
+        tensors[fqn] = parse_tensor_at(body, fqn, span, head, source)
         if n + 1 < len(head.index) and body[end:end + 1] != b",":
             raise err(f"index[{fqn!r:.120}]", "the tensor's entry is not followed by ','", source)
         pos = end + 1
-    if bytes(body[max(pos - 1, 0):]) != _BODY_END:
-        raise err("tensors", "the document does not end right after the last indexed tensor: every "
-                  "tensor must be in the index", source)
+    tensors_end = max(pos - 1, 0)
+    problem = grids_tiling_problem(head, tensors_end)
+    if head.version >= 3 and not problem:
+        gridded = [span for span in head.index.values() if len(span) == 4]
+        seps = [bytes(body[s[3]:s[3] + 1]) for s in gridded[:-1]]
+        tail = gridded[-1][3] if gridded else tensors_end + len(GRIDS_START)
+        if bytes(body[tensors_end:tensors_end + len(GRIDS_START)]) != GRIDS_START or any(c != b"," for c in seps):
+            problem = ("expected '},\"grids\":{' right after the last indexed tensor (every tensor must be in "
+                       "the index) and ',' between grid entries")
+        tensors_end = tail
+    if problem or bytes(body[tensors_end:]) != _BODY_END:
+        raise err("tensors", problem or "the document does not end right after the last indexed tensor (or grid): "
+                  "every tensor must be in the index", source)
     check_tensors(head, tensors, source, whole=True)
     return head.manifest(tensors, partial=False)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from shardsmith.errors import IntegrityError, TrainingDiverged
+from shardsmith.layout.box import bounding_box
 from shardsmith.layout.plan import checkpoint_specs, rank_boxes
 from shardsmith.storage.commit import open_manifest, resolve_checkpoint, step_dir
 from shardsmith.storage.fs import Store
@@ -279,9 +280,13 @@ class CheckpointPolicy:
         cfg = self.cfg
         specs = checkpoint_specs(cfg.model, cfg.parallel, with_optimizer=with_optimizer)
         boxes = rank_boxes(specs, cfg.parallel, self.rank)
-        manifest = reader.manifest(boxes)                     # the records of this rank's tensors only
-        shapes = {f: s.shape for f, s in specs.items()}
         group, siblings = (self.replica_group, self.sibling_group) if shared else (None, None)
+        wanted = boxes
+        if siblings is not None:        # a sibling may read the TP group's union for all: their records too
+            member = [rank_boxes(specs, cfg.parallel, r) for r in dist.get_process_group_ranks(siblings)]
+            wanted = {f: bounding_box([m[f] for m in member]) for f in boxes}
+        manifest = reader.manifest(wanted)                    # the records of this rank's (group's) boxes only
+        shapes = {f: s.shape for f, s in specs.items()}
         read_share = share_reader(step_store, siblings, cfg.checkpoint.simulate_nodes)
         sharing, error = {"replicas_sharing_reads": 1}, ""
         staged = upcast_staging(manifest, tensors) if upcast else {}

@@ -172,8 +172,9 @@ CASES: list[tuple[str, Callable, str, str]] = [
     ("empty_fqn", lambda d: d["tensors"].__setitem__("", d["tensors"].pop("b")), "tensors['']",
      "empty tensor name"),
     # versions and formats
-    ("version_3", _set("version", 3), "version", "unknown format version 3"),
+    ("version_4", _set("version", 4), "version", "unknown format version 4"),
     ("version_2_without_head", _set("version", 2), "version", "must begin with its head"),
+    ("version_3_without_head", _set("version", 3), "version", "must begin with its head"),
     ("version_str", _set("version", "1"), "version", "unknown format version '1'"),
     ("version_bool", _set("version", True), "version", "unknown format version True"),
     ("format", _set("format", "torch.save"), "format", "expected 'shardsmith.checkpoint'"),

@@ -31,8 +31,10 @@ from shardsmith.storage.manifest import MANIFEST_NAME, sidecar_name
 from shardsmith.storage.manifest_parse import parse_manifest
 from shardsmith.storage import manifest_read
 from shardsmith.storage.manifest_read import ManifestReader
-from shardsmith.storage.manifest_v2 import PREFIX, PREFIX_NBYTES
+from shardsmith.storage.manifest_v2 import PREFIX_NBYTES, PREFIXES
 from shardsmith.storage.verify import verify_checkpoint
+
+PREFIX = PREFIXES[3]
 
 FIXTURE = FIXTURES / "v1-ckpt"
 STEP = 4
@@ -67,11 +69,11 @@ def test_document_is_one_json_whose_index_tiles_the_tensors() -> None:
     make_checkpoint(root, STEP)
     raw = root.child(step_dir(STEP)).read(MANIFEST_NAME)
     doc = json.loads(raw)                                       # one valid JSON document
-    assert raw.startswith(PREFIX) and doc["version"] == 2
+    assert raw.startswith(PREFIXES[3]) and doc["version"] == 3 and raw.endswith(b'},"grids":{}}')
     head_nbytes = doc["head_nbytes"]
     assert raw[head_nbytes - len(b'"tensors":{'):head_nbytes] == b'"tensors":{'
     body = raw[head_nbytes:]
-    for fqn, (start, end) in doc["index"].items():
+    for fqn, (start, end) in doc["index"].items():              # two shards per tensor: no grids
         assert json.loads(b"{" + body[start:end] + b"}") == {fqn: doc["tensors"][fqn]}
     assert [f[0] for f in doc["files"]] == sorted([FILE0, sidecar_name(FILE0), FILE1, sidecar_name(FILE1)])
     shard = doc["tensors"]["w"]["shards"][0]
@@ -164,7 +166,7 @@ def test_version1_fixture_loads_verifies_reshards(tmp_path: Path) -> None:
     assert report.ok and report.num_files == 4, report.problems
     reshard(step_store, str(tmp_path / "v2"), ParallelDims(tp=1, pp=1, dp_shard=1))
     out = Store(str(tmp_path / "v2" / step_dir(3)))
-    assert read_manifest(out).version == 2
+    assert read_manifest(out).version == 3
     assert _digests(load_full(out)) == expected["sha256"]
     assert verify_checkpoint(out).ok
     from click.testing import CliRunner
@@ -211,7 +213,8 @@ def test_verify_workers_give_the_same_report(tmp_path: Path) -> None:
 
 
 def encode_doc(doc: dict[str, Any], index_fn: Callable[[dict], None] | None = None, *, extra: bytes = b"") -> bytes:
-    """A version-2 document of ``doc`` (parsed JSON) laid out as the writer does, index recomputed."""
+    """A version-2 or -3 document of ``doc`` (parsed JSON, without grids) laid out as the
+    writer does, index recomputed."""
     entries, index, pos = [], {}, 0
     for fqn, value in doc["tensors"].items():
         entry = (json.dumps(fqn) + ":" + json.dumps(value, separators=(",", ":"))).encode()
@@ -220,10 +223,13 @@ def encode_doc(doc: dict[str, Any], index_fn: Callable[[dict], None] | None = No
         pos += len(entry) + 1
     if index_fn:
         index_fn(index)
-    readable = {k: v for k, v in doc.items() if k not in ("format", "version", "head_nbytes", "files", "index", "tensors")}
+    readable = {k: v for k, v in doc.items() if k not in ("format", "version", "head_nbytes", "files", "index", "tensors",
+                                                      "grids")}
     compact = {"files": doc["files"], "index": index}
     tail = (json.dumps(readable)[1:-1] + "," + json.dumps(compact, separators=(",", ":"))[1:-1]).encode() + b',"tensors":{'
-    return PREFIX + f"{PREFIX_NBYTES + len(tail):>16},".encode() + tail + b",".join(entries) + extra + b"}}"
+    end = b'},"grids":{}}' if doc["version"] == 3 else b"}}"
+    return (PREFIXES[doc["version"]] + f"{PREFIX_NBYTES + len(tail):>16},".encode() + tail + b",".join(entries) + extra
+            + end)
 
 
 @pytest.fixture(scope="module")
