@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from storage_ckpt import MODEL, assert_bitwise_equal, full_tensors, load_full, save_offline
+from ckpt_factory import MODEL, assert_bitwise_equal, full_tensors, load_full, save_offline
 from shardsmith.errors import ManifestError
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.box import Box, bounding_box
