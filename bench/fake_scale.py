@@ -19,12 +19,12 @@ What is not the trainer's own code path, and why:
   forward and backward directly on inputs of the stage's input shape (hidden states
   ``(b, s, h)``, ``(b, s/tp, h)`` under sequence parallelism; tokens on stage 0) and, off the
   last stage, a gradient of the output's shape;
-* the microbatches a 1F1B stage holds in flight (``k = min(P - p, M)``): the stage runs
-  ``min(k, 2)`` forwards before its backwards, for real; the bytes one microbatch keeps
-  (measured: total after the second forward minus after the first) are added for the other
-  ``k - 2``, which keeps the bench under 10 minutes on 2 CPU cores;
+* the microbatches a 1F1B stage holds in flight (``k = min(P - p, M)``): the stage runs one
+  microbatch; the activation bytes it keeps (measured: the tracker's activation total after
+  the forward minus before it) are added for the other ``k - 1``, which keeps the bench's CPU
+  time to a few minutes on 2 cores;
 * stages whose run would be the same (:func:`signature`: first, last, their layers, the
-  microbatches run in flight; e.g. the 14 middle stages of the 1,024-rank job) run once, and
+  e.g. the 14 middle stages of the 1,024-rank job) run once, and
   each is reported with its own microbatches in flight;
 * the optimizer step runs under the tracker, but its peak is reported apart and not compared:
   under fake tensors the tracker keeps every temporary of the single-tensor AdamW counted
@@ -97,13 +97,12 @@ def in_flight_of(c: Config, stage: int) -> int:
 
 
 def signature(c: Config, stage: int) -> tuple[bool, bool, int, int]:
-    """What a stage's run depends on: first, last, its layers, microbatches run in flight.
+    """What a stage's run depends on: first, last, its layers (and the one microbatch run).
     Stages with equal signatures build the same modules on the same shapes (only the rank's
     mesh coordinates differ), so one run stands for all of them."""
     from shardsmith.layout import stage_layers
 
-    return (stage == 0, stage == c.dims.pp - 1, len(stage_layers(c.model, c.dims)[stage]),
-            min(in_flight_of(c, stage), 2))
+    return (stage == 0, stage == c.dims.pp - 1, len(stage_layers(c.model, c.dims)[stage]), 1)
 
 
 def run_stage(c: Config, stage: int) -> dict[str, Any]:
@@ -114,7 +113,7 @@ def run_stage(c: Config, stage: int) -> dict[str, Any]:
     import torch.distributed as dist
     from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from shardsmith.layout import chunk_layers
@@ -136,7 +135,7 @@ def run_stage(c: Config, stage: int) -> dict[str, Any]:
     parallelize(model, mesh, dims, bf16=c.bf16, activation_checkpointing=c.ac, sequence_parallel=c.sp)
     check_placements(model, param_specs(m, dims), dims)
     in_flight = in_flight_of(c, stage)
-    run_k = min(in_flight, 2)
+    run_k = 1
     math = StepMath(model, None, m, dims, dims.coords(rank), 1, bf16=c.bf16)
     b, s = c.micro_batch_size, m.seq_length
     seq = s // dims.tp if c.sp and dims.tp > 1 else s
@@ -151,8 +150,9 @@ def run_stage(c: Config, stage: int) -> dict[str, Any]:
         def forward(self, xs: list) -> list:
             outs = []
             for x in xs:
+                after.append(tracker.get_tracker_snapshot()[torch.device("cpu")][_MemRefType.ACT])
                 outs.append(self.stage(x))
-                after.append(tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"])
+                after.append(tracker.get_tracker_snapshot()[torch.device("cpu")][_MemRefType.ACT])
             return outs
 
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -182,7 +182,7 @@ def run_stage(c: Config, stage: int) -> dict[str, Any]:
             peak = dict(tracker.get_tracker_snapshot("peak")[torch.device("cpu")])
             optimizer.step()
         opt_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-    per_mb = after[1] - after[0] if len(after) > 1 else 0
+    per_mb = after[1] - after[0]
     return {"stage": stage, "rank": rank, "in_flight": in_flight, "run_in_flight": run_k,
             "per_microbatch_bytes": per_mb, "tracker_peak_bytes": peak["Total"],
             "measured_peak_bytes": peak["Total"] + (in_flight - run_k) * per_mb,
