@@ -38,8 +38,10 @@ def _model_flags(flags: dict[str, Any]) -> list[str]:
 @click.option("--top", type=int, default=5, show_default=True, help="How many layouts to print.")
 @json_option("the layouts")
 def plan_command(**flags: Any) -> None:
-    """Search the layouts of a model on --gpus GPUs, keep those that fit the GPU's memory
-    (the dry run's estimate) and print the fastest by an estimated step time, with the exact
+    """The fastest layouts that fit, for a model on N GPUs.
+
+    Searches the layouts of the model on --gpus GPUs, keeps those that fit the GPU's memory
+    (the dry run's estimate) and prints the fastest by an estimated step time, with the exact
     `shardsmith train` flags. The cost model and its constants: shardsmith/layout/cost.py."""
     from shardsmith.layout.gpus import gpu
     from shardsmith.layout.planner import plan, plan_warnings
