@@ -283,6 +283,22 @@ def unsharded_numels(model: ModelConfig, dims: ParallelDims) -> tuple[list[int],
     return [max(b.values(), default=0) for b in blocks], roots
 
 
+def root_grad_numels(model: ModelConfig, dims: ParallelDims) -> list[int]:
+    """Per stage: the gradient elements one rank holds for the parameters outside the blocks
+    (embedding, final norm, output) while backward produces them: their TP share, except the
+    vocab-parallel embedding's gradient, which comes back ``Replicate`` over tp (torch's
+    ``RowwiseParallel`` on ``nn.Embedding``; ``parallel.finalize_grads`` redistributes it after
+    backward): each TP rank holds the whole ``V x h``."""
+    _, roots = unsharded_numels(model, dims)
+    out = list(roots)
+    if dims.tp > 1:
+        vh = padded_vocab_size(model.vocab_size, dims.tp) * model.hidden_size
+        for stage in range(dims.pp):
+            if stage == 0 or (model.tie_embeddings and stage == dims.pp - 1):
+                out[stage] += vh - vh // dims.tp
+    return out
+
+
 def fsdp_buffer_nbytes(block_numel: int, root_numel: int, dims: ParallelDims, bf16: bool) -> int:
     """FSDP2's unsharded buffers at the backward peak (``parallel.apply_fsdp``): the root's
     parameters stay gathered from forward to backward (FSDP2 does not reshard the root after
@@ -347,6 +363,7 @@ def estimate(model: ModelConfig, dims: ParallelDims, *, micro_batch_size: int, g
     specs = _specs(model, dims)
     c = 2 if mixed_precision == "bf16" else 4
     blocks, roots = unsharded_numels(model, dims)
+    root_grads = root_grad_numels(model, dims)
     groups = process_groups(dims)
     roles = []
     for stage, cells in enumerate(_stage_numels(specs, dims, first_rank_only)):
@@ -354,7 +371,8 @@ def estimate(model: ModelConfig, dims: ParallelDims, *, micro_batch_size: int, g
                                                    micro_batch_size, num_microbatches, c,
                                                    activation_checkpointing, sequence_parallel)
         extra = {"activation_nbytes": act_nbytes, "microbatches_in_flight": in_flight,
-                 "fsdp_buffer_nbytes": fsdp_buffer_nbytes(blocks[stage], roots[stage], dims, c == 2),
+                 "fsdp_buffer_nbytes": fsdp_buffer_nbytes(blocks[stage], roots[stage], dims, c == 2)
+                 + c * root_grads[stage],
                  "loss_nbytes": loss_nbytes(model, dims, micro_batch_size, c) if stage == dims.pp - 1 else 0,
                  "process_nbytes": process_overhead_nbytes(groups)}
         roles.extend(_stage_roles(model, dims, specs, stage, cells, extra))

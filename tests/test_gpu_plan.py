@@ -15,7 +15,8 @@ from shardsmith.cli.main import cli
 from shardsmith.layout import ModelConfig, ParallelDims, validate_layout
 from shardsmith.layout import activations as act
 from shardsmith.layout.cost import MAX_MATMUL_EFFICIENCY, matmul_efficiency
-from shardsmith.layout.estimate import fsdp_buffer_nbytes, loss_nbytes, process_groups, unsharded_numels
+from shardsmith.layout.estimate import (fsdp_buffer_nbytes, loss_nbytes, process_groups, root_grad_numels,
+                                        unsharded_numels)
 from shardsmith.layout.gpus import ALLOCATOR_MARGIN, CUDA_CONTEXT_NBYTES, NCCL_COMM_NBYTES, gpu, process_overhead_nbytes
 from shardsmith.layout.planner import plan
 from shardsmith.layout.presets import resolve_model
@@ -49,6 +50,8 @@ def test_fsdp_buffer_and_process_terms_by_hand() -> None:
     # 256*64/2 each + the final norm 64
     blocks, roots = unsharded_numels(TINY, dims)
     assert blocks == [18560] and roots == [16448]
+    # the embedding's gradient is Replicate over tp: the whole 256*64 instead of its half
+    assert root_grad_numels(TINY, dims) == [16448 + 256 * 64 // 2]
     # bf16: root 2 bytes, block (current + prefetched + gradient) 2 each + fp32 reduce-scatter input 4
     assert fsdp_buffer_nbytes(1000, 500, dims, True) == 500 * 2 + 1000 * 10
     assert fsdp_buffer_nbytes(1000, 500, dims, False) == 500 * 4 + 1000 * 12
