@@ -35,7 +35,7 @@ from typing import Any
 
 from shardsmith.layout import activations as act
 from shardsmith.layout.dims import ParallelDims
-from shardsmith.layout.gpus import process_overhead_nbytes
+from shardsmith.layout.gpus import process_groups, process_overhead_nbytes
 from shardsmith.layout.model_config import ModelConfig, stage_layers
 from shardsmith.layout.plan import TensorSpec, padded_vocab_size, param_specs
 
@@ -284,11 +284,10 @@ def unsharded_numels(model: ModelConfig, dims: ParallelDims) -> tuple[list[int],
 
 
 def root_grad_numels(model: ModelConfig, dims: ParallelDims) -> list[int]:
-    """Per stage: the gradient elements one rank holds for the parameters outside the blocks
-    (embedding, final norm, output) while backward produces them: their TP share, except the
-    vocab-parallel embedding's gradient, which comes back ``Replicate`` over tp (torch's
-    ``RowwiseParallel`` on ``nn.Embedding``; ``parallel.finalize_grads`` redistributes it after
-    backward): each TP rank holds the whole ``V x h``."""
+    """Per stage: gradient elements one rank holds for the parameters outside the blocks while
+    backward produces them: their TP share, but the vocab-parallel embedding's gradient comes
+    back ``Replicate`` over tp (``RowwiseParallel`` on ``nn.Embedding``; redistributed by
+    ``parallel.finalize_grads`` after backward): each TP rank holds the whole ``V x h``."""
     _, roots = unsharded_numels(model, dims)
     out = list(roots)
     if dims.tp > 1:
@@ -309,13 +308,6 @@ def fsdp_buffer_nbytes(block_numel: int, root_numel: int, dims: ParallelDims, bf
         return 0
     c = 2 if bf16 else 4
     return root_numel * c + block_numel * (3 * c + (4 if bf16 else 0))
-
-
-def process_groups(dims: ParallelDims) -> int:
-    """NCCL communicators a rank belongs to: one per mesh axis of degree > 1 (tp, pp,
-    dp_shard, dp_replicate), plus the HSDP pair's flattened data-parallel group."""
-    axes = [dims.tp, dims.pp, dims.dp_shard, dims.dp_replicate]
-    return sum(1 for d in axes if d > 1) + (1 if dims.dp_shard > 1 and dims.dp_replicate > 1 else 0)
 
 
 def _stage_roles(model: ModelConfig, dims: ParallelDims, specs: dict[str, TensorSpec], stage: int,

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardsmith.errors import ConfigError
+from shardsmith.layout.dims import ParallelDims
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -76,3 +77,10 @@ def process_overhead_nbytes(num_groups: int) -> int:
     """Bytes a GPU process holds outside PyTorch's allocator: the CUDA context plus NCCL
     buffers of ``num_groups`` communicators (module constants)."""
     return CUDA_CONTEXT_NBYTES + num_groups * NCCL_COMM_NBYTES
+
+
+def process_groups(dims: ParallelDims) -> int:
+    """NCCL communicators a rank belongs to: one per mesh axis of degree > 1 (tp, pp,
+    dp_shard, dp_replicate), plus the HSDP pair's flattened data-parallel group."""
+    axes = [dims.tp, dims.pp, dims.dp_shard, dims.dp_replicate]
+    return sum(1 for d in axes if d > 1) + (1 if dims.dp_shard > 1 and dims.dp_replicate > 1 else 0)

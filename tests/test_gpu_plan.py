@@ -15,9 +15,9 @@ from shardsmith.cli.main import cli
 from shardsmith.layout import ModelConfig, ParallelDims, validate_layout
 from shardsmith.layout import activations as act
 from shardsmith.layout.cost import MAX_MATMUL_EFFICIENCY, matmul_efficiency
-from shardsmith.layout.estimate import (fsdp_buffer_nbytes, loss_nbytes, process_groups, root_grad_numels,
-                                        unsharded_numels)
-from shardsmith.layout.gpus import ALLOCATOR_MARGIN, CUDA_CONTEXT_NBYTES, NCCL_COMM_NBYTES, gpu, process_overhead_nbytes
+from shardsmith.layout.estimate import fsdp_buffer_nbytes, loss_nbytes, root_grad_numels, unsharded_numels
+from shardsmith.layout.gpus import (ALLOCATOR_MARGIN, CUDA_CONTEXT_NBYTES, NCCL_COMM_NBYTES, gpu, process_groups,
+                                   process_overhead_nbytes)
 from shardsmith.layout.planner import plan
 from shardsmith.layout.presets import resolve_model
 from shardsmith.layout.verdict import Job, fixes, judge, max_peak, warnings
