@@ -12,7 +12,8 @@ from typing import Any
 
 import click
 
-from shardsmith.cli import ckpt_commands, foreign_commands, hf_commands, reshard_commands, run_commands
+from shardsmith.cli import (ckpt_commands, foreign_commands, hf_commands, plan_commands, reshard_commands,
+                            run_commands)
 from shardsmith.cli.train_commands import train, train_config  # noqa: F401 (tests build configs)
 from shardsmith.errors import ShardsmithError
 
@@ -59,7 +60,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 
 cli.add_command(train)
-for _module in (ckpt_commands, foreign_commands, hf_commands, reshard_commands, run_commands):
+for _module in (ckpt_commands, foreign_commands, hf_commands, plan_commands, reshard_commands, run_commands):
     _module.register(cli)
 
 

@@ -153,6 +153,10 @@ fault_options = stack(
 @dry_run_option("Check the configuration and print per-rank memory, FLOPs and pipeline bubble; "
                 "start nothing.")
 @json_option("the --dry-run report")
+@click.option("--gpu", "gpu_name", default=None, metavar="NAME",
+              help="With --dry-run: judge the memory against this accelerator (a100-80gb, h100, h200, b200).")
+@click.option("--gpu-memory", default=None, metavar="SIZE",
+              help="With --dry-run: judge the memory against this much per GPU (e.g. 80GB, 141GB).")
 @storage_option
 def train(**flags: Any) -> None:
     """Train a Llama model with TP x PP x DP, or --dry-run it.
@@ -168,7 +172,7 @@ def train(**flags: Any) -> None:
     validate_layout(cfg.model, cfg.parallel)          # refuse before any process starts (no torch yet)
     cfg.num_microbatches()
     if flags["dry_run"]:
-        print_estimate(cfg, flags["model_preset"], flags["as_json"])
+        print_estimate(cfg, flags["model_preset"], flags["as_json"], device_nbytes(flags))
         return
     from shardsmith.trainer.preflight import COMMAND_ENV, prepare
 
@@ -286,18 +290,71 @@ def virtual_stages(f: dict[str, Any], model: Any) -> int:
     return derived
 
 
-def print_estimate(cfg: Any, preset: str | None, as_json: bool) -> None:
-    """The ``--dry-run`` report of ``cfg`` (a TrainConfig), as text or JSON."""
-    from shardsmith.layout.estimate import FORMULAS, estimate
+def device_nbytes(flags: dict[str, Any]) -> int | None:
+    """Bytes per GPU from ``--gpu-memory SIZE`` or ``--gpu NAME`` (the former wins); None without."""
+    from shardsmith.layout.gpus import gpu
+    from shardsmith.layout.sizes import parse_nbytes
+
+    if flags.get("gpu_memory"):
+        return parse_nbytes(flags["gpu_memory"])
+    return gpu(flags["gpu_name"]).memory_nbytes if flags.get("gpu_name") else None
+
+
+def job_of(cfg: Any) -> Any:
+    """The :class:`~shardsmith.layout.verdict.Job` of a TrainConfig."""
+    from shardsmith.layout.verdict import Job
+
+    return Job(cfg.model, cfg.parallel, micro_batch_size=cfg.micro_batch_size,
+               global_batch_size=cfg.global_batch_size, activation_checkpointing=cfg.activation_checkpointing,
+               mixed_precision=cfg.mixed_precision, sequence_parallel=cfg.sequence_parallel)
+
+
+def verdict_json(job: Any, est: Any, device: int | None) -> dict[str, Any]:
+    """``fits``, ``headroom_bytes``, ``peak_bytes`` per rank group, the warnings and the fixes."""
+    from shardsmith.layout.verdict import fixes, judge, warnings
+
+    out: dict[str, Any] = {"warnings": warnings(est)}
+    if device is None:
+        return out
+    groups = judge(est, device)
+    out.update({"device_bytes": device, "fits": all(g["fits"] for g in groups),
+                "headroom_bytes": min(g["headroom_bytes"] for g in groups),
+                "peak_bytes": max(g["peak_bytes"] for g in groups), "rank_groups": groups,
+                "fixes": [] if all(g["fits"] for g in groups) else fixes(job, device)})
+    return out
+
+
+def print_verdict(verdict: dict[str, Any]) -> None:
+    """The verdict lines of the text report (see :func:`verdict_json`)."""
+    for line in verdict["warnings"]:
+        click.echo(f"  warning: {line}")
+    if "fits" not in verdict:
+        return
+    gib = 2 ** 30
+    for g in verdict["rank_groups"]:
+        how = (f"fits with {g['headroom_bytes'] / gib:.1f} GiB headroom" if g["fits"]
+               else f"does not fit by {-g['headroom_bytes'] / gib:.1f} GiB")
+        click.echo(f"  stage {g['stage']} ({g['num_ranks']:,} ranks, e.g. rank {g['example_rank']}): needs "
+                   f"{g['peak_bytes'] / gib:.1f} GiB of {verdict['device_bytes'] / gib:.1f} GiB: {how}")
+    for fix in verdict["fixes"]:
+        click.echo(f"  to fit: {' '.join(fix['changes'])} -> {fix['peak_bytes'] / gib:.1f} GiB "
+                   f"({fix['headroom_bytes'] / gib:.1f} GiB headroom)")
+    if not verdict["fits"] and not verdict["fixes"]:
+        click.echo("  to fit: no single change does; try `shardsmith plan` for this model and GPU count")
+
+
+def print_estimate(cfg: Any, preset: str | None, as_json: bool, device: int | None = None) -> None:
+    """The ``--dry-run`` report of ``cfg`` (a TrainConfig), as text or JSON; with ``device``
+    (bytes per GPU) a verdict per rank group and the changes that would make it fit."""
+    from shardsmith.layout.estimate import FORMULAS
     from shardsmith.layout.presets import preset_of
 
-    est = estimate(cfg.model, cfg.parallel, micro_batch_size=cfg.micro_batch_size,
-                   global_batch_size=cfg.global_batch_size,
-                   activation_checkpointing=cfg.activation_checkpointing, mixed_precision=cfg.mixed_precision,
-                   sequence_parallel=cfg.sequence_parallel)
+    job = job_of(cfg)
+    est = job.estimate()
+    verdict = verdict_json(job, est, device)
     name = preset or preset_of(cfg.model)
     if as_json:
-        click.echo(json.dumps({"preset": name, **est.to_json()}, indent=1))
+        click.echo(json.dumps({"preset": name, **est.to_json(), **verdict}, indent=1))
         return
     m, dims = cfg.model, cfg.parallel
     click.echo(f"dry run: {name or 'custom model'}: {describe_model(m)}")
@@ -324,6 +381,7 @@ def print_estimate(cfg: Any, preset: str | None, as_json: bool) -> None:
     for what in ("memory", "activation", "bubble", "flops") + (("moe",) if est.moe else ()):
         click.echo(textwrap.fill(f"{what}: {FORMULAS[what]}", 100, initial_indent="  ",
                                  subsequent_indent="    "))
+    print_verdict(verdict)
 
 
 def _short(nbytes: int) -> str:

@@ -33,7 +33,9 @@ from dataclasses import asdict, dataclass, field
 from math import prod
 from typing import Any
 
+from shardsmith.layout import activations as act
 from shardsmith.layout.dims import ParallelDims
+from shardsmith.layout.gpus import process_groups, process_overhead_nbytes
 from shardsmith.layout.model_config import ModelConfig, stage_layers
 from shardsmith.layout.plan import TensorSpec, padded_vocab_size, param_specs
 
@@ -57,6 +59,20 @@ FORMULAS = {
 }
 
 
+_SPECS: dict[tuple[str, str], dict[str, TensorSpec]] = {}
+
+
+def _specs(model: ModelConfig, dims: ParallelDims) -> dict[str, TensorSpec]:
+    """:func:`param_specs`, remembered by the configs' reprs (the planner asks for the same
+    layouts again); at most 64 kept."""
+    key = (repr(model), repr(dims))
+    if key not in _SPECS:
+        if len(_SPECS) >= 64:
+            _SPECS.pop(next(iter(_SPECS)))
+        _SPECS[key] = param_specs(model, dims)
+    return _SPECS[key]
+
+
 def flops_per_token(model: ModelConfig) -> float:
     """Model FLOPs of one training token (forward + backward), without recomputation.
 
@@ -72,7 +88,7 @@ def flops_per_token(model: ModelConfig) -> float:
     Returns:
         FLOPs per token (float, unitless count).
     """
-    specs = param_specs(model, ParallelDims())
+    specs = _specs(model, ParallelDims())
     num_params = sum(prod(s.shape) for fqn, s in specs.items() if fqn != "tok_embeddings.weight"
                      and ".experts." not in fqn)
     num_params += sum(prod(s.shape) * model.moe_router_topk // model.num_experts     # active experts only
@@ -86,17 +102,14 @@ def flops_per_token(model: ModelConfig) -> float:
 def activation_nbytes_per_layer(model: ModelConfig, micro_batch_size: int, tp: int, *,
                                 bytes_per_value: int = 2, recompute: bool = False,
                                 sequence_parallel: bool = False) -> int:
-    """Activation bytes one transformer layer keeps for one microbatch (module doc, Korthikanti
-    et al. 2022 eq. 2 and table 2; ``recompute``: only the layer input, 2*s*b*h at 16 bit,
-    over t with sequence parallelism)."""
-    s, b, h, a = model.seq_length, micro_batch_size, model.hidden_size, model.num_attention_heads
-    scale = bytes_per_value / 2
-    sp = sequence_parallel and tp > 1
+    """Activation bytes one transformer layer keeps for one microbatch: ``s * b`` times the
+    per-token counts of :mod:`shardsmith.layout.activations` (``recompute``: only the layer
+    input, ``c*h``, over t with sequence parallelism)."""
+    tokens = model.seq_length * micro_batch_size
     if recompute:
-        return int(2 * s * b * h * scale / (tp if sp else 1))
-    if sp:
-        return int(s * b * h * (34 / tp + 5 * a * s / (h * tp)) * scale)
-    return int(s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * scale)
+        return int(tokens * act.checkpointed_layer_nbytes_per_token(model, tp, bytes_per_value,
+                                                                    sequence_parallel=sequence_parallel))
+    return int(tokens * act.layer_nbytes_per_token(model, tp, bytes_per_value, sequence_parallel=sequence_parallel))
 
 
 @dataclass(frozen=True)
@@ -118,15 +131,34 @@ class RankRole:
     checkpoint_nbytes: int
     activation_nbytes: int
     microbatches_in_flight: int
+    fsdp_buffer_nbytes: int = 0
+    loss_nbytes: int = 0
+    process_nbytes: int = 0
 
     @property
     def total_nbytes(self) -> int:
-        """Weights + gradients + optimizer state + activations."""
-        return self.param_nbytes + self.grad_nbytes + self.optim_nbytes + self.activation_nbytes
+        """What PyTorch's allocator holds at the step's peak: weights + gradients + optimizer
+        state + activations + FSDP all-gather/reduce-scatter buffers + the last stage's loss."""
+        return (self.param_nbytes + self.grad_nbytes + self.optim_nbytes + self.activation_nbytes
+                + self.fsdp_buffer_nbytes + self.loss_nbytes)
+
+    @property
+    def tracked_peak_nbytes(self) -> int:
+        """= :attr:`total_nbytes` (what a memory tracker of tensors sees)."""
+        return self.total_nbytes
+
+    @property
+    def peak_nbytes(self) -> int:
+        """Device memory the rank needs: the tracked peak plus the allocator margin, the CUDA
+        context and NCCL buffers (:mod:`shardsmith.layout.gpus`)."""
+        from shardsmith.layout.gpus import ALLOCATOR_MARGIN
+
+        return int(self.total_nbytes * (1 + ALLOCATOR_MARGIN)) + self.process_nbytes
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-safe dict, with ``total_nbytes``."""
-        return {**asdict(self), "layers": list(self.layers), "total_nbytes": self.total_nbytes}
+        """JSON-safe dict, with ``total_nbytes`` and ``peak_nbytes``."""
+        return {**asdict(self), "layers": list(self.layers), "total_nbytes": self.total_nbytes,
+                "peak_bytes": self.peak_nbytes}
 
 
 @dataclass(frozen=True)
@@ -163,35 +195,38 @@ def _class_key(spec: TensorSpec) -> tuple[Any, ...]:
     return (spec.shape, spec.dim_axes, spec.pad_dim0_to, spec.tp_replicas)
 
 
-def _local_numels(spec: TensorSpec, dims: ParallelDims) -> list[list[int]]:
-    """``[tp index][dp_shard index]`` -> elements the rank holds (the plan's boxes)."""
+def _local_numels(spec: TensorSpec, dims: ParallelDims, first_only: bool = False) -> list[list[int]]:
+    """``[tp index][dp_shard index]`` -> elements the rank holds (the plan's boxes); only
+    ``[0][0]`` with ``first_only``."""
     coords = {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 0}
     out = []
-    for t in range(dims.tp):
+    for t in range(1 if first_only else dims.tp):
         row = []
-        for i in range(dims.dp_shard):
+        for i in range(1 if first_only else dims.dp_shard):
             coords["tp"], coords["dp_shard"] = t, i
             row.append(spec.box(dims, coords).numel)
         out.append(row)
     return out
 
 
-def _stage_numels(specs: dict[str, TensorSpec], dims: ParallelDims) -> list[dict[tuple[int, int], int]]:
-    """Per stage: (tp index, dp_shard index) -> parameter elements held. Tensors of equal
-    shape and placement are counted once and multiplied (the layers repeat)."""
+def _stage_numels(specs: dict[str, TensorSpec], dims: ParallelDims,
+                  first_only: bool = False) -> list[dict[tuple[int, int], int]]:
+    """Per stage: (tp index, dp_shard index) -> parameter elements held (only (0, 0) with
+    ``first_only``). Tensors of equal shape and placement are counted once and multiplied
+    (the layers repeat)."""
     per_class: dict[tuple[Any, ...], list[list[int]]] = {}
     counts: list[Counter] = [Counter() for _ in range(dims.pp)]
     for spec in specs.values():
         key = _class_key(spec)
         if key not in per_class:
-            per_class[key] = _local_numels(spec, dims)
+            per_class[key] = _local_numels(spec, dims, first_only)
         for stage in spec.stages:
             counts[stage][key] += 1
     out = []
     for stage_counts in counts:
         cell: dict[tuple[int, int], int] = {}
-        for t in range(dims.tp):
-            for i in range(dims.dp_shard):
+        for t in range(1 if first_only else dims.tp):
+            for i in range(1 if first_only else dims.dp_shard):
                 cell[(t, i)] = sum(n * per_class[k][t][i] for k, n in stage_counts.items())
         out.append(cell)
     return out
@@ -200,25 +235,109 @@ def _stage_numels(specs: dict[str, TensorSpec], dims: ParallelDims) -> list[dict
 def _activation_nbytes(model: ModelConfig, dims: ParallelDims, stage: int, num_layers: int,
                        micro_batch_size: int, num_microbatches: int, bytes_per_value: int,
                        recompute: bool, sequence_parallel: bool = False) -> tuple[int, int]:
-    """(activation bytes, microbatches in flight) of one rank of ``stage`` (module doc)."""
+    """(activation bytes, microbatches in flight) of one rank of ``stage``: its layers'
+    saved activations times the 1F1B stage's ``min(P - stage, M)`` microbatches in flight
+    (x ``1 + (P-1)/(P*V)`` interleaved; Korthikanti et al. sec. 4.2.3), the stage's input of
+    each in-flight microbatch off stage 0, and with recomputation the one layer whose full set
+    backward rebuilds (:mod:`shardsmith.layout.activations`)."""
     in_flight = min(dims.pp - stage, num_microbatches)
-    per_layer = activation_nbytes_per_layer(model, micro_batch_size, dims.tp, bytes_per_value=bytes_per_value,
-                                            recompute=recompute, sequence_parallel=sequence_parallel)
+    kw = {"bytes_per_value": bytes_per_value, "sequence_parallel": sequence_parallel}
+    per_layer = activation_nbytes_per_layer(model, micro_batch_size, dims.tp, recompute=recompute, **kw)
     total = num_layers * per_layer * in_flight
+    if stage > 0 and not recompute:                 # the received input (the first layer keeps only a copy)
+        total += in_flight * activation_nbytes_per_layer(model, micro_batch_size, dims.tp, recompute=True, **kw)
     if dims.virtual_stages > 1:                     # interleaved 1F1B (Korthikanti et al. sec. 4.2.3)
         total = int(total * (1 + (dims.pp - 1) / (dims.pp * dims.virtual_stages)))
     if recompute and num_layers:
-        total += activation_nbytes_per_layer(model, micro_batch_size, dims.tp, bytes_per_value=bytes_per_value,
-                                             sequence_parallel=sequence_parallel)
-    if stage == dims.pp - 1:
-        total += 4 * model.seq_length * micro_batch_size * padded_vocab_size(model.vocab_size, dims.tp) // dims.tp
+        total += activation_nbytes_per_layer(model, micro_batch_size, dims.tp, **kw)
     return total, in_flight
+
+
+def loss_nbytes(model: ModelConfig, dims: ParallelDims, micro_batch_size: int, bytes_per_value: int) -> int:
+    """The last stage's logits and loss of one microbatch (:func:`activations.loss_nbytes_per_token`)."""
+    vocab = padded_vocab_size(model.vocab_size, dims.tp) // dims.tp
+    return int(model.seq_length * micro_batch_size * act.loss_nbytes_per_token(vocab, bytes_per_value))
+
+
+def unsharded_numels(model: ModelConfig, dims: ParallelDims) -> tuple[list[int], list[int]]:
+    """Per stage: (largest transformer block's, root's) parameter elements one rank holds
+    while FSDP has them all-gathered (its TP share; expert-parallel experts, never gathered,
+    left out). The root is what is not in a block: embedding, final norm, output."""
+    one = ParallelDims(tp=dims.tp, pp=dims.pp, pipeline_split=dims.pipeline_split,
+                       virtual_stages=dims.virtual_stages)
+    coords = {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 0}
+    blocks: list[Counter] = [Counter() for _ in range(dims.pp)]
+    roots = [0] * dims.pp
+    numels: dict[tuple[Any, ...], int] = {}
+    for fqn, spec in _specs(model, one).items():
+        if dims.expert_parallel > 1 and ".experts." in fqn:
+            continue
+        key = _class_key(spec)
+        if key not in numels:
+            numels[key] = spec.box(one, coords).numel
+        for stage in spec.stages:
+            if fqn.startswith("layers."):
+                blocks[stage][fqn.split(".")[1]] += numels[key]
+            else:
+                roots[stage] += numels[key]
+    return [max(b.values(), default=0) for b in blocks], roots
+
+
+def root_grad_numels(model: ModelConfig, dims: ParallelDims) -> list[int]:
+    """Per stage: gradient elements one rank holds for the parameters outside the blocks while
+    backward produces them: their TP share, but the vocab-parallel embedding's gradient comes
+    back ``Replicate`` over tp (``RowwiseParallel`` on ``nn.Embedding``; redistributed by
+    ``parallel.finalize_grads`` after backward): each TP rank holds the whole ``V x h``."""
+    _, roots = unsharded_numels(model, dims)
+    out = list(roots)
+    if dims.tp > 1:
+        vh = padded_vocab_size(model.vocab_size, dims.tp) * model.hidden_size
+        for stage in range(dims.pp):
+            if stage == 0 or (model.tie_embeddings and stage == dims.pp - 1):
+                out[stage] += vh - vh // dims.tp
+    return out
+
+
+def fsdp_buffer_nbytes(block_numel: int, root_numel: int, dims: ParallelDims, bf16: bool) -> int:
+    """FSDP2's unsharded buffers at the backward peak (``parallel.apply_fsdp``): the root's
+    parameters stay gathered from forward to backward (FSDP2 does not reshard the root after
+    forward), the current and the prefetched block's parameters in the compute dtype, and the
+    current block's unsharded gradient in the compute dtype plus its fp32 reduce-scatter
+    input under bf16 (``reduce_dtype=float32``). 0 without data parallelism (no FSDP)."""
+    if dims.dp == 1:
+        return 0
+    c = 2 if bf16 else 4
+    return root_numel * c + block_numel * (3 * c + (4 if bf16 else 0))
+
+
+def _stage_roles(model: ModelConfig, dims: ParallelDims, specs: dict[str, TensorSpec], stage: int,
+                 cells: dict[tuple[int, int], int], extra: dict[str, int]) -> list[RankRole]:
+    """The roles of one stage: its ranks grouped by the parameter elements they hold."""
+    layers = stage_layers(model, dims)[stage]
+    num_tensors = sum(1 for s in specs.values() if stage in s.stages)
+    groups: dict[int, list[tuple[int, int]]] = {}
+    for cell, numel in cells.items():
+        groups.setdefault(numel, []).append(cell)
+    roles = []
+    for numel, members in sorted(groups.items(), reverse=True):
+        t, i = members[0]
+        rank = dims.rank_of({"pp": stage, "dp_replicate": 0, "dp_shard": i, "tp": t})
+        roles.append(RankRole(
+            stage=stage, layers=(layers[0], layers[-1]), num_ranks=len(members) * dims.dp_replicate,
+            example_rank=rank, num_params=numel, param_nbytes=PARAM_NBYTES * numel,
+            grad_nbytes=GRAD_NBYTES * numel, optim_nbytes=OPTIM_NBYTES * numel,
+            checkpoint_nbytes=(PARAM_NBYTES + OPTIM_NBYTES) * numel + 4 * num_tensors, **extra))
+    return roles
 
 
 def estimate(model: ModelConfig, dims: ParallelDims, *, micro_batch_size: int, global_batch_size: int,
              activation_checkpointing: bool = False, mixed_precision: str = "fp32",
-             sequence_parallel: bool = False) -> Estimate:
+             sequence_parallel: bool = False, first_rank_only: bool = False) -> Estimate:
     """Per-role memory, FLOPs and bubble of training ``model`` under ``dims`` (module doc).
+
+    ``first_rank_only``: one role per stage, the rank with tp = dp_shard = 0, which holds the
+    largest shares (``torch.chunk`` gives the remainder to the first chunks); its
+    ``num_ranks`` is 1. The planner's fast filter; the full report groups every rank.
 
     Runs in well under a second for 405B parameters on 16,384 ranks: work grows with
     ``tp * dp_shard`` and the number of distinct tensor shapes, not with layers or ranks.
@@ -233,26 +352,22 @@ def estimate(model: ModelConfig, dims: ParallelDims, *, micro_batch_size: int, g
         raise ConfigError(f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size="
                           f"{micro_batch_size} x dp={dims.dp}")
     num_microbatches = global_batch_size // (micro_batch_size * dims.dp)
-    specs = param_specs(model, dims)
-    stages = stage_layers(model, dims)
+    specs = _specs(model, dims)
+    c = 2 if mixed_precision == "bf16" else 4
+    blocks, roots = unsharded_numels(model, dims)
+    root_grads = root_grad_numels(model, dims)
+    groups = process_groups(dims)
     roles = []
-    for stage, cells in enumerate(_stage_numels(specs, dims)):
-        num_tensors = sum(1 for s in specs.values() if stage in s.stages)
-        act, in_flight = _activation_nbytes(model, dims, stage, len(stages[stage]), micro_batch_size,
-                                            num_microbatches, 2 if mixed_precision == "bf16" else 4,
-                                            activation_checkpointing, sequence_parallel)
-        groups: dict[int, list[tuple[int, int]]] = {}
-        for cell, numel in cells.items():
-            groups.setdefault(numel, []).append(cell)
-        for numel, members in sorted(groups.items(), reverse=True):
-            t, i = members[0]
-            rank = dims.rank_of({"pp": stage, "dp_replicate": 0, "dp_shard": i, "tp": t})
-            roles.append(RankRole(
-                stage=stage, layers=(stages[stage][0], stages[stage][-1]), num_ranks=len(members) * dims.dp_replicate,
-                example_rank=rank, num_params=numel, param_nbytes=PARAM_NBYTES * numel,
-                grad_nbytes=GRAD_NBYTES * numel, optim_nbytes=OPTIM_NBYTES * numel,
-                checkpoint_nbytes=(PARAM_NBYTES + OPTIM_NBYTES) * numel + 4 * num_tensors,
-                activation_nbytes=act, microbatches_in_flight=in_flight))
+    for stage, cells in enumerate(_stage_numels(specs, dims, first_rank_only)):
+        act_nbytes, in_flight = _activation_nbytes(model, dims, stage, len(stage_layers(model, dims)[stage]),
+                                                   micro_batch_size, num_microbatches, c,
+                                                   activation_checkpointing, sequence_parallel)
+        extra = {"activation_nbytes": act_nbytes, "microbatches_in_flight": in_flight,
+                 "fsdp_buffer_nbytes": fsdp_buffer_nbytes(blocks[stage], roots[stage], dims, c == 2)
+                 + c * root_grads[stage],
+                 "loss_nbytes": loss_nbytes(model, dims, micro_batch_size, c) if stage == dims.pp - 1 else 0,
+                 "process_nbytes": process_overhead_nbytes(groups)}
+        roles.extend(_stage_roles(model, dims, specs, stage, cells, extra))
     total = sum(prod(s.shape) for s in specs.values())
     tokens = global_batch_size * model.seq_length
     per_token = flops_per_token(model)

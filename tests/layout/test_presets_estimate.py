@@ -62,9 +62,10 @@ def test_estimate_rank_roles_add_up_to_the_model() -> None:
     assert est.flops_per_step == flops_per_token(model) * 64 * model.seq_length
     first = est.roles[0]
     assert first.param_nbytes == 4 * first.num_params and first.optim_nbytes == 8 * first.num_params
-    # Korthikanti et al. eq. 1 at t=1: sbh(34 + 5as/h) bytes
-    s, h, a = model.seq_length, model.hidden_size, model.num_attention_heads
-    assert activation_nbytes_per_layer(model, 1, 1) == int(s * h * (34 + 5 * a * s / h))
+    # shardsmith's block at bf16, t=1 (layout/activations.py): 2 norms x (4h + 2*2h) + attention
+    # 5*2*q + SwiGLU 4*2*f bytes per token = 16*4096 + 10*4096 + 8*14336 = 221,184; x 8,192 tokens
+    s, h = model.seq_length, model.hidden_size
+    assert activation_nbytes_per_layer(model, 1, 1) == 221_184 * 8192 == 1_811_939_328
     assert activation_nbytes_per_layer(model, 1, 1, recompute=True) == 2 * s * h
 
 

@@ -57,12 +57,14 @@ def test_bubble_fraction_shrinks_by_the_virtual_stages() -> None:
 
 
 def test_sequence_parallel_activation_formula() -> None:
-    """Korthikanti et al. 2022 table 2: sbh(10 + 24/t + 5as/(ht)) without SP,
-    sbh(34/t + 5as/(ht)) with SP; 2sbh vs 2sbh/t under full recomputation (16-bit)."""
-    s, b, h, a, t = 64, 2, 64, 4, 2
-    assert activation_nbytes_per_layer(MODEL, b, t) == int(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    """layout/activations.py at 16 bit: per token 2(4h + 4h) + 10q/t + 8f/t without SP, the norms
+    over t and the gathered linear input whole with SP: 2((4h + 2h)/t + 2h) + 10q/t + 8f/t;
+    2sbh vs 2sbh/t under full recomputation."""
+    s, b, h, t = 64, 2, 64, 2
+    f = MODEL.ffn_hidden_size
+    assert activation_nbytes_per_layer(MODEL, b, t) == int(s * b * (16 * h + 10 * h / t + 8 * f / t))
     assert activation_nbytes_per_layer(MODEL, b, t, sequence_parallel=True) == \
-        int(s * b * h * (34 / t + 5 * a * s / (h * t)))
+        int(s * b * (2 * (6 * h / t + 2 * h) + 10 * h / t + 8 * f / t))
     assert activation_nbytes_per_layer(MODEL, b, t, recompute=True, sequence_parallel=True) == s * b * h
     assert activation_nbytes_per_layer(MODEL, b, 1, sequence_parallel=True) == \
         activation_nbytes_per_layer(MODEL, b, 1)

@@ -1,0 +1,255 @@
+"""The dry run's memory estimate against what the real trainer code allocates, at full world size.
+
+For each configuration, one rank of every pipeline stage (each in its own process) builds the
+real stage (:class:`shardsmith.trainer.model.Transformer` on ``meta``, then
+:func:`shardsmith.trainer.parallel.parallelize`: TP, sequence parallelism, activation
+checkpointing, FSDP2) on a fake process group of the job's full world size
+(``torch.testing._internal.distributed.fake_pg``), materializes it under ``FakeTensorMode``
+(nothing is allocated), and runs one training step under PyTorch's memory tracker
+(``torch.distributed._tools.mem_tracker.MemTracker``): forward, backward (the trainer's
+autocast, loss parallelism and :func:`shardsmith.trainer.step.loss_fn`) and the AdamW step of
+:func:`shardsmith.trainer.optim.build_optimizer`. The tracker's peak is printed next to the dry
+run's ``tracked_peak_bytes`` for the same stage (:func:`shardsmith.layout.estimate.estimate`:
+the estimate before the CUDA/NCCL context and the allocator margin, which a fake tensor cannot
+see).
+
+What is not the trainer's own code path, and why:
+
+* the pipeline schedule's sends and receives cannot run on a fake group, so each stage runs its
+  forward and backward directly on inputs of the stage's input shape (hidden states
+  ``(b, s, h)``, ``(b, s/tp, h)`` under sequence parallelism; tokens on stage 0) and, off the
+  last stage, a gradient of the output's shape;
+* the microbatches a 1F1B stage holds in flight (``k = min(P - p, M)``): the stage runs one
+  microbatch; the activation bytes it keeps (measured: the tracker's activation total after
+  the forward minus before it) are added for the other ``k - 1``, which keeps the bench's CPU
+  time to a few minutes on 2 cores;
+* stages whose run would be the same (:func:`signature`: first, last, their layers, the
+  e.g. the 14 middle stages of the 1,024-rank job) run once, and
+  each is reported with its own microbatches in flight;
+* the optimizer step runs under the tracker, but its peak is reported apart and not compared:
+  under fake tensors the tracker keeps every temporary of the single-tensor AdamW counted
+  (``exp_avg_sq.sqrt()`` and the like: optimizer memory 4.9x the parameter bytes on a small
+  model, 2.4x with real tensors), and with real tensors the step needs the weights, gradients
+  and AdamW state plus about three of the largest shard's size, below the backward peak;
+* the step is a steady-state one: the rank's AdamW state
+  (:func:`shardsmith.trainer.checkpoint.init_optimizer_state`) and sharded gradients exist
+  before it, as in every step after the first and every microbatch after the first.
+
+    OMP_NUM_THREADS=1 python bench/fake_scale.py               # all configs, table + JSON last line
+    python bench/fake_scale.py --only llama3-8b                # one config
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout.estimate import estimate
+from shardsmith.layout.presets import resolve_model
+
+TOLERANCE = 0.15
+
+
+@dataclass(frozen=True)
+class Config:
+    """One job: model, layout and the step's settings."""
+
+    name: str
+    model: ModelConfig
+    dims: ParallelDims
+    global_batch_size: int
+    micro_batch_size: int = 1
+    bf16: bool = False
+    ac: bool = False
+    sp: bool = False
+
+
+def _configs() -> dict[str, Config]:
+    # the 1,024-rank job of bench/scale_sim.py ("main": ~410B parameters, seq 4096)
+    big = ModelConfig(num_layers=128, hidden_size=16384, num_attention_heads=128, num_kv_heads=8,
+                      ffn_hidden_size=53248, vocab_size=128256, seq_length=4096)
+    return {c.name: c for c in (
+        Config("llama3-8b", resolve_model("llama3-8b", {}), ParallelDims(tp=2, dp_shard=4), 8),
+        Config("llama3-70b", resolve_model("llama3-70b", {}), ParallelDims(tp=8, pp=4, dp_shard=8), 512,
+               bf16=True, ac=True, sp=True),
+        Config("410b-1024", big, ParallelDims(tp=8, pp=16, dp_shard=8), 1024, bf16=True, ac=True, sp=True),
+    )}
+
+
+def estimate_of(c: Config) -> Any:
+    """The dry run's estimate of ``c`` (:func:`shardsmith.layout.estimate.estimate`)."""
+    return estimate(c.model, c.dims, micro_batch_size=c.micro_batch_size, global_batch_size=c.global_batch_size,
+                    activation_checkpointing=c.ac, mixed_precision="bf16" if c.bf16 else "fp32",
+                    sequence_parallel=c.sp)
+
+
+def in_flight_of(c: Config, stage: int) -> int:
+    """Microbatches a 1F1B stage holds in flight: ``min(P - stage, M)``."""
+    return min(c.dims.pp - stage, c.global_batch_size // (c.micro_batch_size * c.dims.dp))
+
+
+def signature(c: Config, stage: int) -> tuple[bool, bool, int, int]:
+    """What a stage's run depends on: first, last, its layers (and the one microbatch run).
+    Stages with equal signatures build the same modules on the same shapes (only the rank's
+    mesh coordinates differ), so one run stands for all of them."""
+    from shardsmith.layout import stage_layers
+
+    return (stage == 0, stage == c.dims.pp - 1, len(stage_layers(c.model, c.dims)[stage]), 1)
+
+
+def run_stage(c: Config, stage: int) -> dict[str, Any]:
+    """Build and step one rank of ``stage`` under fake tensors (module doc); in this process."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardsmith.layout import chunk_layers
+    from shardsmith.layout.plan import kv_replicas, padded_vocab_size, param_specs
+    from shardsmith.trainer.checkpoint import init_optimizer_state
+    from shardsmith.trainer.model import Transformer
+    from shardsmith.trainer.optim import OptimConfig, build_optimizer
+    from shardsmith.trainer.parallel import build_mesh, check_placements, parallelize
+    from shardsmith.trainer.step import StepMath, loss_fn
+
+    dims, m = c.dims, c.model
+    rank = dims.rank_of({"pp": stage, "dp_replicate": 0, "dp_shard": 0, "tp": 0})
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
+    mesh = build_mesh(dims, "cpu")
+    first, last = stage == 0, stage == dims.pp - 1
+    with torch.device("meta"):
+        model = Transformer(m, chunk_layers(m, dims)[stage], first=first, last=last,
+                            padded_vocab=padded_vocab_size(m.vocab_size, dims.tp), kv_copies=kv_replicas(m, dims))
+    parallelize(model, mesh, dims, bf16=c.bf16, activation_checkpointing=c.ac, sequence_parallel=c.sp)
+    check_placements(model, param_specs(m, dims), dims)
+    in_flight = in_flight_of(c, stage)
+    run_k = 1
+    math = StepMath(model, None, m, dims, dims.coords(rank), 1, bf16=c.bf16)
+    b, s = c.micro_batch_size, m.seq_length
+    seq = s // dims.tp if c.sp and dims.tp > 1 else s
+
+    class Microbatches(nn.Module):
+        """Root module: the stage runs ``run_k`` forwards (the tracker refuses a root called twice)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.stage = model
+
+        def forward(self, xs: list) -> list:
+            outs = []
+            for x in xs:
+                after.append(tracker.get_tracker_snapshot()[torch.device("cpu")][_MemRefType.ACT])
+                outs.append(self.stage(x))
+                after.append(tracker.get_tracker_snapshot()[torch.device("cpu")][_MemRefType.ACT])
+            return outs
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        optimizer = build_optimizer(model, OptimConfig())
+        init_optimizer_state(model, optimizer)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        after: list[int] = []
+        act_dtype = torch.bfloat16 if c.bf16 else torch.float32
+        with tracker:
+            if first:
+                xs = [torch.randint(0, m.vocab_size, (b, s)) for _ in range(run_k)]
+            else:
+                xs = [torch.randn(b, seq, m.hidden_size, dtype=act_dtype, requires_grad=True) for _ in range(run_k)]
+            with math._loss_ctx() if last else contextlib.nullcontext():
+                with math._autocast():
+                    outs = Microbatches()(xs)
+                for out in outs:
+                    if last:
+                        loss_fn(out, torch.randint(0, m.vocab_size, (b, s))).backward()
+                    else:
+                        out.backward(torch.ones_like(out))
+                del outs
+            peak = dict(tracker.get_tracker_snapshot("peak")[torch.device("cpu")])
+            optimizer.step()
+        opt_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    per_mb = after[1] - after[0]
+    return {"stage": stage, "rank": rank, "in_flight": in_flight, "run_in_flight": run_k,
+            "per_microbatch_bytes": per_mb, "tracker_peak_bytes": peak["Total"],
+            "measured_peak_bytes": peak["Total"] + (in_flight - run_k) * per_mb,
+            "optimizer_step_tracker_peak_bytes": opt_peak,
+            "by_kind": {str(k).split(".")[-1].strip("'>"): v for k, v in peak.items() if k != "Total"}}
+
+
+def _stage_subprocess(name: str, stage: int) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, __file__, "--stage-of", name, str(stage)], capture_output=True,
+                         text=True, env=env, check=False)
+    if out.returncode:
+        raise RuntimeError(f"{name} stage {stage} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_config(c: Config, workers: int) -> dict[str, Any]:
+    """Every stage of ``c`` (in ``workers`` processes at a time) against the estimate."""
+    t0 = time.perf_counter()
+    est = estimate_of(c)
+    by_stage = {r.stage: r for r in est.roles}
+    sigs = {p: signature(c, p) for p in range(c.dims.pp)}
+    firsts = sorted({sig: p for p, sig in reversed(list(sigs.items()))}.values())
+    with ThreadPoolExecutor(workers) as pool:
+        ran = dict(zip(firsts, pool.map(lambda p: _stage_subprocess(c.name, p), firsts)))
+    rows = []
+    for p, sig in sigs.items():
+        src = next(q for q in firsts if sigs[q] == sig)
+        got = {**ran[src], "stage": p, "rank": c.dims.rank_of({"pp": p, "dp_replicate": 0, "dp_shard": 0, "tp": 0}),
+               "in_flight": in_flight_of(c, p), "same_run_as_stage": src}
+        got["measured_peak_bytes"] = got["tracker_peak_bytes"] + (got["in_flight"] - got["run_in_flight"]) * \
+            got["per_microbatch_bytes"]
+        want = by_stage[p].tracked_peak_nbytes
+        rows.append({**got, "estimate_bytes": want,
+                     "rel_error": (want - got["measured_peak_bytes"]) / got["measured_peak_bytes"]})
+    return {"name": c.name, "ranks": c.dims.world_size, "layout": c.dims.describe(),
+            "params": est.total_params, "bf16": c.bf16, "activation_checkpointing": c.ac,
+            "sequence_parallel": c.sp, "micro_batch_size": c.micro_batch_size,
+            "global_batch_size": c.global_batch_size, "stages": rows,
+            "max_rel_error": max(abs(r["rel_error"]) for r in rows), "seconds": time.perf_counter() - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", action="append", help="config name(s); default all")
+    ap.add_argument("--workers", type=int, default=2, help="stage processes at a time")
+    ap.add_argument("--stage-of", nargs=2, metavar=("CONFIG", "STAGE"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    configs = _configs()
+    if args.stage_of:
+        print(json.dumps(run_stage(configs[args.stage_of[0]], int(args.stage_of[1]))))
+        return
+    t0 = time.perf_counter()
+    results = []
+    for name in args.only or list(configs):
+        r = run_config(configs[name], args.workers)
+        results.append(r)
+        print(f"{r['name']}: {r['layout']} = {r['ranks']:,} ranks, {r['params'] / 1e9:.1f}B params "
+              f"({r['seconds']:.0f} s)", flush=True)
+        for s in r["stages"]:
+            print(f"  stage {s['stage']:>2} (rank {s['rank']:>4}, {s['in_flight']} in flight): measured "
+                  f"{s['measured_peak_bytes'] / 2**30:7.2f} GiB, estimate {s['estimate_bytes'] / 2**30:7.2f} GiB, "
+                  f"{s['rel_error']:+.1%}", flush=True)
+    worst = max(r["max_rel_error"] for r in results)
+    print(json.dumps({"configs": results, "max_rel_error": worst, "tolerance": TOLERANCE,
+                      "ok": worst <= TOLERANCE, "seconds": time.perf_counter() - t0}))
+
+
+if __name__ == "__main__":
+    main()

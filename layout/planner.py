@@ -1,0 +1,126 @@
+"""``shardsmith plan``: search the layouts of a model on N GPUs, keep those that fit, rank by
+the estimated step time of :mod:`shardsmith.layout.cost`.
+
+Pure (no torch). The search space: tp in 1, 2, 4, 8 within a node (a divisor of
+``gpus_per_node``), pp a divisor of the GPUs up to the layer count, virtual stages 1, 2, 4
+(when the layers divide), dp_shard the whole data-parallel degree or HSDP with dp_shard = 8,
+16, 32, 64 replicated over the rest, micro-batch size 1, 2, 4, activation checkpointing off
+and on, sequence parallelism whenever tp > 1 (same communication, less memory), bf16, and
+expert parallelism over dp_shard for a MoE model. Every candidate is first ranked by the cost
+model (no memory needed); the memory check (:func:`shardsmith.layout.estimate.estimate`, fast
+path: the rank with tp = dp_shard = 0 of each stage, which holds the largest shares under
+``torch.chunk``'s split, so its peak is the stage's) runs in that order until ``top`` fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from shardsmith.errors import ConfigError
+from shardsmith.layout.cost import StepCost, model_counts, step_cost
+from shardsmith.layout.dims import ParallelDims
+from shardsmith.layout.gpus import Gpu
+from shardsmith.layout.model_config import ModelConfig, validate_layout
+from shardsmith.layout.verdict import Job, max_peak, warnings
+
+MAX_MEMORY_CHECKS = 400
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A job that fits, its peak memory per GPU and its estimated step."""
+
+    job: Job
+    peak_nbytes: int
+    cost: StepCost
+
+    def to_json(self, device_nbytes: int, model_flags: list[str]) -> dict[str, Any]:
+        """``fits``, ``layout``, ``flags``, ``command``, memory, step time, MFU, tokens/s."""
+        flags = model_flags + self.job.flags()
+        return {"fits": self.peak_nbytes <= device_nbytes, "layout": self.job.dims.describe(),
+                "flags": flags, "command": "shardsmith train " + " ".join(flags),
+                "peak_bytes": self.peak_nbytes, "headroom_bytes": device_nbytes - self.peak_nbytes,
+                "step_s": self.cost.step_s, "mfu": self.cost.mfu, "tokens_per_s": self.cost.tokens_per_s,
+                "bubble_fraction": self.cost.bubble_s / self.cost.step_s if self.cost.step_s else 0.0,
+                "cost_s": {k: getattr(self.cost, k) for k in ("compute_s", "tp_comm_s", "pp_comm_s",
+                                                              "fsdp_exposed_s", "dp_allreduce_s", "bubble_s")}}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(model: ModelConfig, gpus: int, gpus_per_node: int) -> Iterator[ParallelDims]:
+    """Every valid layout of the search space (module doc) on ``gpus`` GPUs."""
+    for tp in (1, 2, 4, 8):
+        if tp > gpus_per_node or gpus_per_node % tp or gpus % tp:
+            continue
+        for pp in _divisors(gpus // tp):
+            if pp > min(model.num_layers, 64):
+                continue
+            dp = gpus // (tp * pp)
+            shards = {dp} | {s for s in (8, 16, 32, 64) if s < dp and dp % s == 0}
+            for dp_shard in sorted(shards):
+                for v in (1, 2, 4) if pp > 1 else (1,):
+                    if model.num_layers % (pp * v):
+                        continue
+                    eps = (1, dp_shard) if model.num_experts and dp_shard > 1 and \
+                        model.num_experts % dp_shard == 0 else (1,)
+                    for ep in eps:
+                        dims = ParallelDims(tp=tp, pp=pp, dp_shard=dp_shard, dp_replicate=dp // dp_shard,
+                                            virtual_stages=v, expert_parallel=ep)
+                        try:
+                            validate_layout(model, dims)
+                        except (ValueError, ArithmeticError):
+                            continue
+                        yield dims
+
+
+def jobs(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_size: int) -> Iterator[Job]:
+    """Every job of the search space whose batch divides (module doc)."""
+    for dims in layouts(model, gpus, gpus_per_node):
+        for mb in (1, 2, 4):
+            if global_batch_size % (mb * dims.dp):
+                continue
+            for ac in (False, True):
+                yield Job(model, dims, micro_batch_size=mb, global_batch_size=global_batch_size,
+                          activation_checkpointing=ac, mixed_precision="bf16", sequence_parallel=dims.tp > 1)
+
+
+def plan(model: ModelConfig, gpus: int, gpus_per_node: int, gpu: Gpu, global_batch_size: int,
+         device_nbytes: int | None = None, top: int = 5) -> list[Candidate]:
+    """The ``top`` fastest jobs that fit ``device_nbytes`` (default: the GPU's memory) per GPU,
+    fastest first (module doc).
+
+    Raises:
+        ConfigError: no layout of the search space divides the GPUs and the batch, or none fits.
+    """
+    device = device_nbytes or gpu.memory_nbytes
+    counts = model_counts(model)
+    ranked = [(step_cost(job, gpu, gpus_per_node, counts), job)
+              for job in jobs(model, gpus, gpus_per_node, global_batch_size)]
+    if not ranked:
+        raise ConfigError(f"no layout of {gpus} GPUs ({gpus_per_node} per node) divides the global batch "
+                          f"{global_batch_size} and the model; try a multiple of {gpus} for --global-batch-size")
+    ranked.sort(key=lambda x: (round(x[0].step_s, 3), x[1].micro_batch_size))
+    found: list[Candidate] = []
+    seen: set[str] = set()
+    for cost, job in ranked[:MAX_MEMORY_CHECKS]:
+        if repr(job.dims) in seen:                  # one (the fastest, then smallest) job per layout
+            continue
+        peak = max_peak(job.estimate(first_rank_only=True))
+        if peak <= device:
+            found.append(Candidate(job, peak, cost))
+            seen.add(repr(job.dims))
+        if len(found) == top:
+            break
+    if not found:
+        raise ConfigError(f"no layout of {model.num_layers} layers on {gpus} GPUs fits {device / 2**30:.1f} GiB "
+                          "per GPU among the fastest candidates; use more GPUs or a GPU with more memory")
+    return found
+
+
+def plan_warnings(candidate: Candidate) -> list[str]:
+    """The dry run's warning lines (bubble, imbalance) of a candidate."""
+    return warnings(candidate.job.estimate())
