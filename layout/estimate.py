@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from math import prod
 from typing import Any
 
-from shardsmith.layout.dims import ParallelDims
+from shardsmith.layout.dims import MESH_AXES, ParallelDims
 from shardsmith.layout.model_config import ModelConfig, stage_layers
 from shardsmith.layout.plan import TensorSpec, padded_vocab_size, param_specs
 
@@ -165,7 +165,7 @@ def _class_key(spec: TensorSpec) -> tuple[Any, ...]:
 
 def _local_numels(spec: TensorSpec, dims: ParallelDims) -> list[list[int]]:
     """``[tp index][dp_shard index]`` -> elements the rank holds (the plan's boxes)."""
-    coords = {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 0}
+    coords = dict.fromkeys(MESH_AXES, 0)
     out = []
     for t in range(dims.tp):
         row = []

@@ -370,8 +370,7 @@ def grad_sum_groups(spec: TensorSpec, dims: ParallelDims) -> list[list[int]]:
         if c["pp"] not in spec.stages:
             continue
         pp_key = c["pp"] if len(spec.stages) == 1 else -1
-        key = (pp_key, c["dp_replicate"], c["dp_shard"], c["tp"] // spec.tp_replicas)
-        if spec.tp_replicas == 1:
-            key = key[:3] + (c["tp"],)
+        tp_key = c["tp"] // spec.tp_replicas if spec.tp_replicas > 1 else c["tp"]
+        key = (pp_key, *(c[a] for a in MESH_AXES if a not in ("pp", "tp")), tp_key)
         groups.setdefault(key, []).append(rank)
     return [g for g in groups.values() if len(g) > 1]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims
 from shardsmith.layout.plan import param_specs
 from shardsmith.trainer import pipeline
 from shardsmith.trainer.moe import set_aux_loss_scale
@@ -148,7 +148,7 @@ class StepMath:
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             grads.append(g)
             used = {a for axes in specs[fqn].dim_axes for a in axes}
-            replicas = prod(getattr(parallel, a) for a in ("dp_replicate", "dp_shard", "tp") if a not in used)
+            replicas = prod(getattr(parallel, a) for a in MESH_AXES if a != "pp" and a not in used)
             replicas *= specs[fqn].tp_replicas * len(specs[fqn].stages)   # tied copies
             total = total + g.double().pow(2).sum() / replicas       # stays on the device
         total = torch.as_tensor(total, dtype=torch.float64).cpu()   # one host sync, not one per tensor

@@ -316,9 +316,8 @@ def _build_sampler(cfg: TrainConfig, coords: dict[str, int]) -> GlobalBatchSampl
     """This rank's view of the global batches (its DP rank's slice of each)."""
     dataset = build_dataset(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
     parallel = cfg.parallel
-    dp_rank = coords["dp_replicate"] * parallel.dp_shard + coords["dp_shard"]
     return GlobalBatchSampler(dataset, global_batch_size=cfg.global_batch_size,
-                              dp_degree=parallel.dp, dp_rank=dp_rank)
+                              dp_degree=parallel.dp, dp_rank=parallel.dp_rank(coords))
 
 
 def run_training(cfg: TrainConfig) -> list[StepMetrics]:
