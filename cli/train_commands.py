@@ -216,7 +216,7 @@ def train_config(f: dict[str, Any], world: int | None):
         model=model,
         parallel=dataclasses.replace(
             make_dims(f["tp"], f["pp"], f["dp_shard"], f["dp_replicate"], f["pipeline_split"], world,
-                      f["expert_parallel"]),
+                      f["expert_parallel"], f["cp"]),
             virtual_stages=virtual_stages(f, model)),
         optim=OptimConfig(**pick("lr", "decay_steps", "min_lr_ratio", "warmup_steps", "weight_decay",
                                  "grad_clip")),

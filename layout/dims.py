@@ -46,8 +46,15 @@ MESH_AXIS_TABLE: tuple[MeshAxis, ...] = (
     MeshAxis("pp", "pp"),
     MeshAxis("dp_replicate", "dpr"),
     MeshAxis("dp_shard", "dps"),
+    MeshAxis("cp", "cp", optional=True),
     MeshAxis("tp", "tp"),
 )
+#: The axes FSDP2 shards parameters over, flattened in this order into one mesh dim named
+#: :data:`FSDP_MESH_DIM` (torchtitan's ``dp_shard_cp``): parameters are replicated over
+#: ``cp`` for compute, so sharding them over it too costs nothing and keeps every
+#: checkpoint box a function of ``dp_shard * cp`` alone.
+FSDP_AXES: tuple[str, ...] = ("dp_shard", "cp")
+FSDP_MESH_DIM = "dp_shard_cp"
 #: Mesh axis names in :data:`MESH_AXIS_TABLE` order.
 MESH_AXES: tuple[str, ...] = tuple(a.name for a in MESH_AXIS_TABLE)
 #: Axes every layout name, manifest and short form spells (the non-optional ones).
@@ -62,6 +69,9 @@ class ParallelDims:
         pp: pipeline stages.
         dp_replicate: data-parallel replicas (DDP/HSDP replication).
         dp_shard: data-parallel shards (FSDP2 ZeRO-3 sharding).
+        cp: context-parallel degree: each rank of a cp group holds a slice of every
+            sequence (load-balanced causal chunks, :mod:`shardsmith.trainer.context_parallel`);
+            parameters are replicated over it and FSDP shards over ``dp_shard * cp``.
         tp: tensor-parallel degree (innermost: neighbouring ranks).
         pipeline_split: layers per model chunk, one int per chunk (``pp * virtual_stages``
             of them) summing to num_layers; empty = as even as possible, earlier chunks
@@ -79,6 +89,7 @@ class ParallelDims:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
     pipeline_split: tuple[int, ...] = field(default=())
     virtual_stages: int = 1
@@ -95,6 +106,9 @@ class ParallelDims:
         if self.expert_parallel not in (1, self.dp_shard) or (self.expert_parallel > 1 and self.dp_replicate > 1):
             raise ConfigError(f"expert_parallel={self.expert_parallel}: expert parallelism is carved out of the "
                               f"FSDP ranks; use 1 or dp_shard={self.dp_shard}, with dp_replicate=1")
+        if self.expert_parallel > 1 and self.cp > 1:
+            raise ConfigError(f"expert_parallel={self.expert_parallel} with cp={self.cp}: expert parallelism "
+                              "does not compose with context parallelism yet; use one of them")
         self.pipeline_split = tuple(int(n) for n in self.pipeline_split)
         if self.pipeline_split and len(self.pipeline_split) != self.num_chunks:
             raise ConfigError(
@@ -120,6 +134,15 @@ class ParallelDims:
     def dp(self) -> int:
         """Total data-parallel degree ``dp_replicate * dp_shard``."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> int:
+        """Degree FSDP2 shards parameters over: ``dp_shard * cp`` (:data:`FSDP_AXES`)."""
+        return self.dp_shard * self.cp
+
+    def fsdp_index(self, coords: dict[str, int]) -> int:
+        """Index of ``coords`` along the flattened :data:`FSDP_AXES` (``dp_shard`` major)."""
+        return coords["dp_shard"] * self.cp + coords.get("cp", 0)
 
     @property
     def shape(self) -> tuple[int, ...]:

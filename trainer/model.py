@@ -13,6 +13,8 @@ view below infers them from the (local) projection width.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,7 +57,11 @@ class Attention(nn.Module):
 
     ``kv_copies`` > 1 stores each kv head that many times (consecutive copies), so that
     tensor parallelism with tp > num_kv_heads gives every TP rank its own copy.
+    ``cp`` (set by :func:`shardsmith.trainer.context_parallel.attach`): x holds this rank's
+    T / cp tokens; K/V of the whole sequence are all-gathered over the group.
     """
+
+    cp: Any = None
 
     def __init__(self, cfg: ModelConfig, kv_copies: int = 1) -> None:
         super().__init__()
@@ -72,11 +78,16 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)         # (B, T, K, Dh)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.cp is not None:                                     # (B, T, K, Dh): the whole sequence
+            k, v = self.cp.gather(k), self.cp.gather(v)
         repeats = q.shape[2] // k.shape[2]                          # query heads per kv head
         k = k.repeat_interleave(repeats, dim=2)
         v = v.repeat_interleave(repeats, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True)        # (B, H, T, Dh)
+        if self.cp is not None:
+            out = self.cp.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        else:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True)    # (B, H, T, Dh)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -134,6 +145,7 @@ class Transformer(nn.Module):
 
     rope_cos: torch.Tensor      # (T, Dh/2), buffers registered in __init__
     rope_sin: torch.Tensor
+    cp: Any = None              # context parallelism: inputs hold this rank's T / cp tokens
 
     def __init__(self, cfg: ModelConfig, layer_ids: range | None = None, *, first: bool = True,
                  last: bool = True, padded_vocab: int = 0, kv_copies: int = 1) -> None:
@@ -166,8 +178,13 @@ class Transformer(nn.Module):
             h = self.tok_embeddings(x)                              # (B, T, D)
         else:
             h = x
+        cos, sin = self.rope_cos, self.rope_sin
+        if self.cp is not None:                                     # angles at this rank's positions
+            seq = x.shape[1] * self.cp.size if self.first else self.cfg.seq_length
+            pos = self.cp.positions(seq, cos.device)
+            cos, sin = cos[pos], sin[pos]
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin)
         if not self.last:
             return h
         assert self.norm is not None
