@@ -24,11 +24,29 @@ from shardsmith.layout import ModelConfig
 from shardsmith.trainer.moe import MoEFeedForward
 
 
-def rope_tables(head_dim: int, seq_length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (T, Dh/2) for rotary embeddings (RoFormer eq. 34)."""
+def rope_tables(head_dim: int, seq_length: int, theta: float,
+                cfg: ModelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (T, Dh/2) for rotary embeddings (RoFormer eq. 34), the
+    frequencies scaled as Llama 3.1 does when ``cfg.rope_scaling_factor`` is set."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if cfg is not None and cfg.rope_scaling_factor:
+        inv_freq = llama3_scaled_frequencies(inv_freq, cfg)
     angles = torch.outer(torch.arange(seq_length, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
+
+
+def llama3_scaled_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Llama 3.1's RoPE frequencies (``rope_type "llama3"``; Meta's ``apply_scaling``,
+    transformers' ``_compute_llama3_parameters``): wavelengths above ``original / low`` are
+    divided by ``factor``, those below ``original / high`` kept, the band between smoothly
+    interpolated. ``inv_freq`` (Dh/2,) in radians per token."""
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    original = cfg.rope_original_seq_length
+    wavelen = 2 * torch.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    out = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, out)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -161,14 +179,14 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.hidden_size, self.padded_vocab, bias=False) if (
             last and not cfg.tie_embeddings) else None
         self.first, self.last = first, last
-        cos, sin = rope_tables(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, cfg.seq_length, cfg.rope_theta, cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
         """Recompute the rope tables (T, Dh/2) in place, e.g. after ``to_empty`` off ``meta``."""
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.seq_length, self.cfg.rope_theta)
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.seq_length, self.cfg.rope_theta, self.cfg)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
