@@ -296,6 +296,15 @@ def print_estimate(cfg: Any, preset: str | None, as_json: bool) -> None:
                    f"{est.moe['experts_per_rank']} experts x {est.moe['expert_ffn_per_rank']} hidden per rank; "
                    f"all-to-all {format_nbytes(est.moe['dispatch_nbytes_per_layer_microbatch'])} sent per rank, "
                    "layer and microbatch")
+    if est.context_parallel:
+        c = est.context_parallel
+        click.echo(f"  context parallel: cp {c['cp']}, {c['tokens_per_rank']:,} tokens per rank; K/V all-gather "
+                   f"{format_nbytes(c['kv_gather_nbytes_per_layer_microbatch'])} received per rank, layer and "
+                   "microbatch (as much sent by the backward's reduce-scatter)")
+    if m.rope_scaling:
+        click.echo(f"  RoPE scaling llama3: factor {m.rope_scaling_factor:g}, low/high frequency factors "
+                   f"{m.rope_low_freq_factor:g}/{m.rope_high_freq_factor:g}, original context "
+                   f"{m.rope_original_seq_length:,}")
     click.echo(f"  {'stage':>5} {'layers':>7} {'ranks':>6} {'e.g.':>6} {'params':>15} {'weights':>10} "
                f"{'grads':>10} {'optim':>10} {'activ.':>10} {'total':>10} {'ckpt':>10}")
     for r in est.roles:

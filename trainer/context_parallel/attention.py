@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from shardsmith.trainer.context_parallel.sequence import (chunk_ids, local_positions, shard_sequence,
                                                           unshard_sequence)
@@ -112,13 +113,14 @@ class ContextParallel:
             k, v: (B, H, T, Dh), the whole sequence in natural order (:meth:`gather`).
         Returns:
             (B, H, T / cp, Dh). Each chunk attends to keys up to its own last position only
-            (no work on keys it may not see).
+            (no work on keys it may not see). The causal mask is aligned to the lower right
+            (``causal_lower_right``), which the flash and memory-efficient kernels take without
+            materializing a (T / 2cp) x T mask.
         """
         c = q.shape[2] // 2
         outs = []
         for i, chunk in enumerate(chunk_ids(self.size, self.rank)):
-            start = chunk * c
-            mask = torch.ones(c, start + c, dtype=torch.bool, device=q.device).tril(diagonal=start)
-            outs.append(F.scaled_dot_product_attention(q[:, :, i * c:(i + 1) * c], k[:, :, :start + c],
-                                                       v[:, :, :start + c], attn_mask=mask))
+            end = (chunk + 1) * c
+            outs.append(F.scaled_dot_product_attention(q[:, :, i * c:(i + 1) * c], k[:, :, :end], v[:, :, :end],
+                                                       attn_mask=causal_lower_right(c, end)))
         return torch.cat(outs, dim=2)
