@@ -322,7 +322,9 @@ def _short(nbytes: int) -> str:
 
 
 def describe_model(m: Any) -> str:
-    """One line: layers, width, heads, FFN, vocab, sequence, RoPE base, tying."""
+    """One line: layers, width, heads, FFN, vocab, sequence, RoPE base (and Llama 3.1 scaling), tying."""
+    scaled = (f" (llama3 scaling x{m.rope_scaling_factor:g} from {m.rope_original_seq_length:,})"
+              if getattr(m, "rope_scaling_factor", 0) else "")
     return (f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
             f"({m.num_kv_heads} kv), ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_length}, "
-            f"rope_theta {m.rope_theta:g}, {'tied' if m.tie_embeddings else 'untied'} embeddings")
+            f"rope_theta {m.rope_theta:g}{scaled}, {'tied' if m.tie_embeddings else 'untied'} embeddings")

@@ -15,8 +15,10 @@ import json
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from conftest import assert_tensors_bitwise_equal, read_full_tensors, run_torchrun, tiny_train_config
+from shardsmith.cli.main import cli
 from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import step_dir
 from test_parallelism_dist import _assert_close, _batch, _load_all, _single_process_reference
@@ -70,6 +72,10 @@ def test_context_parallel_equals_one_process_and_moves_between_cp_sizes(tmp_path
         assert sorted(got) == list(steps)
         for s in steps:
             assert abs(got[s] - ref[s]) <= 1e-4 * abs(ref[s]), f"{run} step {s}: {got[s]} vs cp1 {ref[s]}"
+
+    for command in (["ls", str(tmp_path / "a")], ["inspect", str(tmp_path / "a" / two)]):
+        result = CliRunner().invoke(cli, command)                     # the CP size is named
+        assert result.exit_code == 0 and "dps1·cp2·tp2" in result.output, result.output
 
     saved = read_full_tensors(str(tmp_path / "b" / four))
     for name in ("as-cp1", "as-cp2", "off-cp2", "off-cp1"):
