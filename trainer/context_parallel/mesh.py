@@ -3,12 +3,19 @@ attaching the group to a model's attention."""
 
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.dims import FSDP_AXES, FSDP_MESH_DIM
 from shardsmith.trainer.context_parallel.attention import ContextParallel
+
+
+#: The flattened dp_shard × cp mesh of each global mesh (slicing a flattened dim out of the
+#: root mesh again is deprecated in torch; HSDP with cp still does, for its 2-D mesh).
+_FLATTENED: "weakref.WeakKeyDictionary[DeviceMesh, DeviceMesh]" = weakref.WeakKeyDictionary()
 
 
 def context_parallel(mesh: DeviceMesh, dims: ParallelDims) -> ContextParallel | None:
@@ -25,14 +32,10 @@ def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     assume), with ``dp_replicate`` in front for HSDP. Every rank calls it (the flatten
     creates a process group); calling it again reuses the flattened dim."""
     if dims.cp == 1:
-        shard = FSDP_AXES[0]
-    else:
-        shard = FSDP_MESH_DIM
-        try:
-            mesh[FSDP_MESH_DIM]
-        except (KeyError, RuntimeError, ValueError):
-            mesh[FSDP_AXES]._flatten(FSDP_MESH_DIM)
-    return mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
+        return mesh["dp_replicate", FSDP_AXES[0]] if dims.dp_replicate > 1 else mesh[FSDP_AXES[0]]
+    if mesh not in _FLATTENED:                         # torch keeps the flattened mesh; we hand it back
+        _FLATTENED[mesh] = mesh[FSDP_AXES]._flatten(FSDP_MESH_DIM)
+    return mesh["dp_replicate", FSDP_MESH_DIM] if dims.dp_replicate > 1 else _FLATTENED[mesh]
 
 
 def attach(model: nn.Module, cp: ContextParallel | None) -> None:
