@@ -17,7 +17,7 @@ resharder computes target layouts from them without a process group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 from typing import Any
 
@@ -242,7 +242,7 @@ class ParallelDims:
             raise ConfigError(f"layout name {name!r}: expected e.g. 'pp2·dpr1·dps1·tp2' or its short "
                               f"form '2.1.1.2' ({'.'.join(REQUIRED_AXES)}, or all of "
                               f"{'.'.join(MESH_AXES)})")
-        return cls(**sizes)
+        return replace(cls(), **sizes)                 # validated by __post_init__
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe dict of every field (optional axes, ``virtual_stages`` and
