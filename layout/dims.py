@@ -17,7 +17,7 @@ resharder computes target layouts from them without a process group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
@@ -225,7 +225,7 @@ class ParallelDims:
             ConfigError: ``name`` is neither form (the message shows both).
         """
         parts = [p.strip() for p in name.replace("·", ".").replace(",", ".").split(".")]
-        sizes: dict[str, int] = {}
+        sizes: dict[str, Any] = {}                     # axis -> degree
         if all(p.isdigit() for p in parts) and len(parts) in (len(REQUIRED_AXES), len(MESH_AXES)):
             axes = REQUIRED_AXES if len(parts) == len(REQUIRED_AXES) else MESH_AXES
             sizes = {axis: int(p) for axis, p in zip(axes, parts)}
@@ -242,7 +242,7 @@ class ParallelDims:
             raise ConfigError(f"layout name {name!r}: expected e.g. 'pp2·dpr1·dps1·tp2' or its short "
                               f"form '2.1.1.2' ({'.'.join(REQUIRED_AXES)}, or all of "
                               f"{'.'.join(MESH_AXES)})")
-        return replace(cls(), **sizes)                 # validated by __post_init__
+        return cls(**sizes)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe dict of every field (optional axes, ``virtual_stages`` and
