@@ -45,7 +45,7 @@ def echo_import(report, dims) -> None:
 @layout_options
 @hint_options
 @storage_option
-def import_dcp(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, expert_parallel, num_attention_heads, seq_length,
+def import_dcp(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, cp, expert_parallel, num_attention_heads, seq_length,
                rope_theta, norm_eps, step, storage_options) -> None:
     """Turn the torchtitan-style PyTorch DCP directory SRC (.metadata + *.distcp) into a
     shardsmith checkpoint at CKPT (a root or step directory) in the given layout: model
@@ -54,7 +54,7 @@ def import_dcp(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, expert
     from shardsmith.reshard.foreign.common import ModelHints
     from shardsmith.reshard.foreign.dcp import import_dcp as do_import
 
-    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel)
+    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel, cp)
     hints = ModelHints(num_attention_heads=num_attention_heads, seq_length=seq_length,
                        rope_theta=rope_theta, norm_eps=norm_eps)
     report = do_import(src, ckpt, dims, hints, step=step, make_config=_config_maker(dims),
@@ -88,7 +88,7 @@ def export_dcp(ckpt, out_dir, overwrite, storage_options) -> None:
 @click.option("--vocab-size", type=int, default=None,
               help="Unpadded vocabulary; Megatron's padding rows beyond it are dropped [default: every row].")
 @storage_option
-def import_megatron(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, expert_parallel, num_attention_heads, seq_length,
+def import_megatron(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, cp, expert_parallel, num_attention_heads, seq_length,
                     rope_theta, norm_eps, step, vocab_size, storage_options) -> None:
     """Turn the Megatron-Core GPT checkpoint SRC in the torch_dist format (.metadata, *.distcp,
     metadata.json; saved with any tp/pp/dp) into a shardsmith checkpoint at CKPT in the given
@@ -100,7 +100,7 @@ def import_megatron(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, e
     from shardsmith.reshard.foreign.common import ModelHints
     from shardsmith.reshard.foreign.megatron import import_megatron as do_import
 
-    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel)
+    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel, cp)
     hints = ModelHints(num_attention_heads=num_attention_heads, seq_length=seq_length,
                        rope_theta=rope_theta, norm_eps=norm_eps)
     report = do_import(src, ckpt, dims, hints, vocab_size=vocab_size, step=step,

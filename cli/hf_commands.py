@@ -44,7 +44,7 @@ def export_hf(ckpt, out_dir, dtype, max_shard_nbytes, overwrite, storage_options
 @layout_options
 @click.option("--step", type=int, default=None, help="Step number of the new checkpoint [default: 0].")
 @storage_option
-def import_hf(hf_dir, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, expert_parallel, step,
+def import_hf(hf_dir, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, cp, expert_parallel, step,
               storage_options) -> None:
     """Make a shardsmith checkpoint of a Hugging Face Llama directory.
 
@@ -57,7 +57,7 @@ def import_hf(hf_dir, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, expe
     from shardsmith.trainer.config import TrainConfig
     from shardsmith.trainer.data.config import DataConfig
 
-    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel)
+    dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel, cp)
     tokenizer = find_hf_tokenizer(hf_dir)
     config = TrainConfig(model=read_model_config(hf_dir), parallel=dims,
                          data=DataConfig(tokenizer=os.path.abspath(tokenizer) if tokenizer else "")).to_json()

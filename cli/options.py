@@ -177,6 +177,10 @@ layout_options = stack(
     _dims_option("dp_replicate", "--dp-replicate", help="Data-parallel replicas (HSDP replication)."),
     click.option("--pipeline-split", type=IntListType(), default="", metavar="N,N,...",
                  help="Layers per pipeline stage, e.g. 5,3 (default: as even as possible)."),
+    _dims_option("cp", "--cp", "--context-parallel-size",
+                 help="Context-parallel degree: each rank of a cp group holds 2 load-balanced chunks of every "
+                      "sequence (Megatron: --context-parallel-size). FSDP shards over dp_shard x cp, so "
+                      "checkpoints are the same for every cp."),
     _dims_option("expert_parallel", "--ep", "--expert-model-parallel-size", "expert_parallel",
                  help="Expert-parallel degree, carved out of the dp_shard ranks: 1 or dp_shard (Megatron: "
                       "--expert-model-parallel-size). Checkpoints are the same either way."),
@@ -184,17 +188,17 @@ layout_options = stack(
 
 
 def make_dims(tp: int, pp: int, dp_shard: int, dp_replicate: int, pipeline_split: tuple[int, ...],
-              world: int | None, expert_parallel: int = 1) -> ParallelDims:
+              world: int | None, expert_parallel: int = 1, cp: int = 1) -> ParallelDims:
     """ParallelDims from the layout flags; ``dp_shard=-1`` takes the rest of ``world``
     (:meth:`ParallelDims.for_world_size`; 1 when the world size is not known).
 
     Raises:
         LayoutError: the layout does not have ``world`` ranks.
     """
-    kw: dict[str, Any] = {"pp": pp, "dp_replicate": dp_replicate, "tp": tp, "pipeline_split": pipeline_split,
-                          "expert_parallel": expert_parallel}
+    kw: dict[str, Any] = {"pp": pp, "dp_replicate": dp_replicate, "tp": tp, "cp": cp,
+                          "pipeline_split": pipeline_split, "expert_parallel": expert_parallel}
     if dp_shard == -1:
-        return ParallelDims.for_world_size(world if world is not None else tp * pp * dp_replicate, **kw)
+        return ParallelDims.for_world_size(world if world is not None else tp * pp * dp_replicate * cp, **kw)
     dims = ParallelDims(dp_shard=dp_shard, **kw)
     if world is not None and dims.world_size != world:
         raise LayoutError(f"layout {dims.describe()} needs {dims.world_size} processes but "
@@ -223,6 +227,12 @@ MODEL_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
                        "Share the input embedding with the output projection."),
     "rope_theta": (("--rope-theta", "--rotary-base"), "RoPE base (Megatron: --rotary-base)."),
     "norm_eps": (("--norm-eps",), "RMSNorm epsilon."),
+    "rope_scaling_factor": (("--rope-scaling-factor", "--rope-scaling"),
+                            "Llama 3.1 RoPE scaling (rope_type llama3) factor; 0 = plain RoPE (llama3.1-*: 8)."),
+    "rope_low_freq_factor": (("--rope-low-freq-factor",), "Llama 3.1 RoPE scaling: low frequency factor."),
+    "rope_high_freq_factor": (("--rope-high-freq-factor",), "Llama 3.1 RoPE scaling: high frequency factor."),
+    "rope_original_seq_length": (("--rope-original-seq-length",),
+                                 "Llama 3.1 RoPE scaling: the original context it extends."),
     "num_experts": (("--num-experts",), "Mixtral-style MoE FFN with this many experts (0 = dense)."),
     "moe_router_topk": (("--moe-router-topk",), "Experts per token (softmax over the top-K router logits)."),
     "moe_ffn_hidden_size": (("--moe-ffn-hidden-size",), "Each expert's SwiGLU width (0 = --ffn-hidden-size)."),

@@ -119,7 +119,7 @@ def _differing_keys(a: Any, b: Any, path: str = "state") -> list[str]:
               help="Local processes, each converting a share of the target files (rank 0 commits). "
                    "Under torchrun, its RANK and WORLD_SIZE are used instead.")
 @storage_option
-def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, expert_parallel, dtype, model_only, tensor_format,
+def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, cp, expert_parallel, dtype, model_only, tensor_format,
             zarr_codec, max_buffer_nbytes, workers, dry_run, verify, quiet, nproc_per_node, storage_options) -> None:
     """Convert a checkpoint to a new layout (and format, dtype).
 
@@ -133,14 +133,14 @@ def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, expert_par
     from shardsmith.storage.commit import read_manifest, resolve_checkpoint
     from shardsmith.storage.options import parse_storage_options
 
-    target = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel)
+    target = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel, cp)
     if _convert_zarr(src, dst, target, tensor_format, zarr_codec, dtype, model_only, dry_run, verify,
                      parse_storage_options(storage_options)):
         return                                        # zarr source or target: single process
     if nproc_per_node > 1 and "WORLD_SIZE" not in os.environ and not dry_run:
         args = [src, dst, "--tp", str(tp), "--pp", str(pp), "--dp-shard", str(dp_shard), "--dp-replicate",
                 str(dp_replicate), "--pipeline-split", ",".join(map(str, pipeline_split)),
-                "--ep", str(expert_parallel),
+                "--ep", str(expert_parallel), "--cp", str(cp),
                 "--max-buffer", str(max_buffer_nbytes),
                 "--workers", str(workers)] + (["--dtype", dtype] if dtype else []) \
             + (["--model-only"] if model_only else []) + (["--verify"] if verify else []) \

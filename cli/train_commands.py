@@ -238,7 +238,7 @@ def train_config(f: dict[str, Any], world: int | None):
         model=model,
         parallel=dataclasses.replace(
             make_dims(f["tp"], f["pp"], f["dp_shard"], f["dp_replicate"], f["pipeline_split"], world,
-                      f["expert_parallel"]),
+                      f["expert_parallel"], f["cp"]),
             virtual_stages=virtual_stages(f, model)),
         optim=OptimConfig(**pick("lr", "decay_steps", "min_lr_ratio", "warmup_steps", "weight_decay",
                                  "grad_clip")),
@@ -371,6 +371,15 @@ def print_estimate(cfg: Any, preset: str | None, as_json: bool, device: int | No
                    f"{est.moe['experts_per_rank']} experts x {est.moe['expert_ffn_per_rank']} hidden per rank; "
                    f"all-to-all {format_nbytes(est.moe['dispatch_nbytes_per_layer_microbatch'])} sent per rank, "
                    "layer and microbatch")
+    if est.context_parallel:
+        c = est.context_parallel
+        click.echo(f"  context parallel: cp {c['cp']}, {c['tokens_per_rank']:,} tokens per rank; K/V all-gather "
+                   f"{format_nbytes(c['kv_gather_nbytes_per_layer_microbatch'])} received per rank, layer and "
+                   "microbatch (as much sent by the backward's reduce-scatter)")
+    if m.rope_scaling:
+        click.echo(f"  RoPE scaling llama3: factor {m.rope_scaling_factor:g}, low/high frequency factors "
+                   f"{m.rope_low_freq_factor:g}/{m.rope_high_freq_factor:g}, original context "
+                   f"{m.rope_original_seq_length:,}")
     click.echo(f"  {'stage':>5} {'layers':>7} {'ranks':>6} {'e.g.':>6} {'params':>15} {'weights':>10} "
                f"{'grads':>10} {'optim':>10} {'activ.':>10} {'total':>10} {'ckpt':>10}")
     for r in est.roles:
@@ -389,7 +398,9 @@ def _short(nbytes: int) -> str:
 
 
 def describe_model(m: Any) -> str:
-    """One line: layers, width, heads, FFN, vocab, sequence, RoPE base, tying."""
+    """One line: layers, width, heads, FFN, vocab, sequence, RoPE base (and Llama 3.1 scaling), tying."""
+    scaled = (f" (llama3 scaling x{m.rope_scaling_factor:g} from {m.rope_original_seq_length:,})"
+              if getattr(m, "rope_scaling_factor", 0) else "")
     return (f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
             f"({m.num_kv_heads} kv), ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_length}, "
-            f"rope_theta {m.rope_theta:g}, {'tied' if m.tie_embeddings else 'untied'} embeddings")
+            f"rope_theta {m.rope_theta:g}{scaled}, {'tied' if m.tie_embeddings else 'untied'} embeddings")

@@ -5,7 +5,7 @@ check), ``box`` (Box, chunk math), ``plan`` (the sharding plan), ``dtypes`` (the
 dtype table).
 """
 
-from shardsmith.layout.dims import MESH_AXES, ParallelDims
+from shardsmith.layout.dims import MESH_AXES, MESH_AXIS_TABLE, ParallelDims
 from shardsmith.layout.model_config import ModelConfig, chunk_layers, stage_layers, validate_layout
 
-__all__ = ["MESH_AXES", "ModelConfig", "ParallelDims", "chunk_layers", "stage_layers", "validate_layout"]
+__all__ = ["MESH_AXES", "MESH_AXIS_TABLE", "ModelConfig", "ParallelDims", "chunk_layers", "stage_layers", "validate_layout"]

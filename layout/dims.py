@@ -10,29 +10,68 @@ resharder computes target layouts from them without a process group.
 * :meth:`ParallelDims.describe` / :meth:`ParallelDims.parse` are the only layout name:
   ``pp2·dpr1·dps1·tp2``; ``parse`` also takes the short form ``2.1.1.2``
   (pp.dp_replicate.dp_shard.tp, as the benchmarks' ``--layout`` flags spell it).
+* :data:`MESH_AXIS_TABLE` is the one list of mesh axes: adding an axis is one row there and
+  one field of :class:`ParallelDims` (``tests`` check the two agree); every other module
+  iterates :data:`MESH_AXES` instead of spelling axes out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import prod
 from typing import Any
 
 from shardsmith.errors import ConfigError, LayoutError
 
-#: Mesh axis names, major to minor (tp innermost so TP groups are neighbouring ranks).
-MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "tp")
-#: Prefix of each axis in :meth:`ParallelDims.describe`, in :data:`MESH_AXES` order.
-_NAME_PREFIXES: tuple[str, ...] = ("pp", "dpr", "dps", "tp")
+@dataclass(frozen=True)
+class MeshAxis:
+    """One axis of the device mesh.
+
+    Attributes:
+        name: the :class:`ParallelDims` field and the ``DeviceMesh`` dim name.
+        short: its prefix in layout names (:meth:`ParallelDims.describe`).
+        optional: named in layout names, manifests and the short form only when its degree
+            is not 1, so layouts without it keep the names and bytes they always had.
+    """
+
+    name: str
+    short: str
+    optional: bool = False
+
+
+#: The mesh axes, major to minor (tp innermost so TP groups are neighbouring ranks).
+#: Expert parallelism is not an axis: it is carved out of ``dp_shard`` (see
+#: :attr:`ParallelDims.expert_parallel`); virtual pipeline stages neither.
+MESH_AXIS_TABLE: tuple[MeshAxis, ...] = (
+    MeshAxis("pp", "pp"),
+    MeshAxis("dp_replicate", "dpr"),
+    MeshAxis("dp_shard", "dps"),
+    MeshAxis("cp", "cp", optional=True),
+    MeshAxis("tp", "tp"),
+)
+#: The axes FSDP2 shards parameters over, flattened in this order into one mesh dim named
+#: :data:`FSDP_MESH_DIM` (torchtitan's ``dp_shard_cp``): parameters are replicated over
+#: ``cp`` for compute, so sharding them over it too costs nothing and keeps every
+#: checkpoint box a function of ``dp_shard * cp`` alone.
+FSDP_AXES: tuple[str, ...] = ("dp_shard", "cp")
+FSDP_MESH_DIM = "dp_shard_cp"
+#: Mesh axis names in :data:`MESH_AXIS_TABLE` order.
+MESH_AXES: tuple[str, ...] = tuple(a.name for a in MESH_AXIS_TABLE)
+#: Axes every layout name, manifest and short form spells (the non-optional ones).
+REQUIRED_AXES: tuple[str, ...] = tuple(a.name for a in MESH_AXIS_TABLE if not a.optional)
 
 
 @dataclass(kw_only=True)
 class ParallelDims:
-    """Degrees of the four mesh axes; the world size is their product.
+    """Degrees of the mesh axes (:data:`MESH_AXIS_TABLE`); the world size is their product.
 
     Attributes:
         pp: pipeline stages.
         dp_replicate: data-parallel replicas (DDP/HSDP replication).
         dp_shard: data-parallel shards (FSDP2 ZeRO-3 sharding).
+        cp: context-parallel degree: each rank of a cp group holds a slice of every
+            sequence (load-balanced causal chunks, :mod:`shardsmith.trainer.context_parallel`);
+            parameters are replicated over it and FSDP shards over ``dp_shard * cp``.
         tp: tensor-parallel degree (innermost: neighbouring ranks).
         pipeline_split: layers per model chunk, one int per chunk (``pp * virtual_stages``
             of them) summing to num_layers; empty = as even as possible, earlier chunks
@@ -50,6 +89,7 @@ class ParallelDims:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
     pipeline_split: tuple[int, ...] = field(default=())
     virtual_stages: int = 1
@@ -66,6 +106,9 @@ class ParallelDims:
         if self.expert_parallel not in (1, self.dp_shard) or (self.expert_parallel > 1 and self.dp_replicate > 1):
             raise ConfigError(f"expert_parallel={self.expert_parallel}: expert parallelism is carved out of the "
                               f"FSDP ranks; use 1 or dp_shard={self.dp_shard}, with dp_replicate=1")
+        if self.expert_parallel > 1 and self.cp > 1:
+            raise ConfigError(f"expert_parallel={self.expert_parallel} with cp={self.cp}: expert parallelism "
+                              "does not compose with context parallelism yet; use one of them")
         self.pipeline_split = tuple(int(n) for n in self.pipeline_split)
         if self.pipeline_split and len(self.pipeline_split) != self.num_chunks:
             raise ConfigError(
@@ -84,8 +127,8 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        """Number of ranks ``pp * dp_replicate * dp_shard * tp``."""
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        """Number of ranks: the product of every mesh axis's degree."""
+        return prod(self.shape)
 
     @property
     def dp(self) -> int:
@@ -93,9 +136,23 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
+    def fsdp(self) -> int:
+        """Degree FSDP2 shards parameters over: ``dp_shard * cp`` (:data:`FSDP_AXES`)."""
+        return self.dp_shard * self.cp
+
+    def fsdp_index(self, coords: dict[str, int]) -> int:
+        """Index of ``coords`` along the flattened :data:`FSDP_AXES` (``dp_shard`` major)."""
+        return coords["dp_shard"] * self.cp + coords.get("cp", 0)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
         """Mesh shape in :data:`MESH_AXES` order."""
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        return tuple(getattr(self, axis) for axis in MESH_AXES)
+
+    def dp_rank(self, coords: dict[str, int]) -> int:
+        """Data-parallel rank of mesh coordinates: which slice of each global batch they feed
+        (``dp_replicate`` major, ``dp_shard`` minor), in ``range(dp)``."""
+        return coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
 
     def coords(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of a global rank (row-major over :data:`MESH_AXES`)."""
@@ -108,36 +165,41 @@ class ParallelDims:
         return {axis: out[axis] for axis in MESH_AXES}
 
     def rank_of(self, coords: dict[str, int]) -> int:
-        """Global rank of mesh coordinates (inverse of :meth:`coords`)."""
+        """Global rank of mesh coordinates (inverse of :meth:`coords`); an optional axis
+        missing from ``coords`` is at 0."""
         rank = 0
         for axis, size in zip(MESH_AXES, self.shape):
-            rank = rank * size + coords[axis]
+            rank = rank * size + (coords.get(axis, 0) if axis not in REQUIRED_AXES else coords[axis])
         return rank
 
     @classmethod
-    def for_world_size(cls, world_size: int, *, tp: int = 1, pp: int = 1, dp_replicate: int = 1,
-                       dp_shard: int = -1, pipeline_split: tuple[int, ...] = (),
-                       virtual_stages: int = 1, expert_parallel: int = 1) -> "ParallelDims":
+    def for_world_size(cls, world_size: int, *, dp_shard: int = -1, pipeline_split: tuple[int, ...] = (),
+                       virtual_stages: int = 1, expert_parallel: int = 1, **axes: int) -> "ParallelDims":
         """The layout of a job with ``world_size`` ranks; ``dp_shard=-1`` takes the rest.
 
-        ``dp_shard = world_size / (pp * dp_replicate * tp)`` when it is -1 (tp, pp and
-        dp_replicate stay as given); otherwise the product must equal ``world_size``.
+        ``axes`` are the degrees of the other mesh axes (``tp=2, pp=4``; absent ones are 1).
+        ``dp_shard = world_size / (product of the others)`` when it is -1 (the others stay as
+        given); otherwise the product of all must equal ``world_size``.
 
         Raises:
-            LayoutError: the world size is not a multiple of ``pp * dp_replicate * tp``, or
+            LayoutError: the world size is not a multiple of the other axes' product, or
                 the fixed degrees need another world size (the message says what fits).
-            ConfigError: a degree is not an integer >= 1 (or -1 for ``dp_shard``).
+            ConfigError: a degree is not an integer >= 1 (or -1 for ``dp_shard``), or an
+                unknown axis is named.
         """
+        unknown = sorted(set(axes) - set(MESH_AXES))
+        if unknown:
+            raise ConfigError(f"unknown mesh axes {unknown}; known: {list(MESH_AXES)}")
         if dp_shard == -1:
-            fixed = pp * dp_replicate * tp
+            fixed = prod(axes.values())
+            shown = [a for a in MESH_AXES if a != "dp_shard" and (a in REQUIRED_AXES or axes.get(a, 1) != 1)]
             if fixed < 1 or world_size % fixed:
-                raise LayoutError(f"world size {world_size} is not a multiple of pp*dp_replicate*tp={fixed} "
-                                  f"(pp={pp}, dp_replicate={dp_replicate}, tp={tp}); run on a multiple "
+                raise LayoutError(f"world size {world_size} is not a multiple of {'*'.join(shown)}={fixed} "
+                                  f"({', '.join(f'{a}={axes.get(a, 1)}' for a in shown)}); run on a multiple "
                                   f"of {fixed} processes")
             dp_shard = world_size // fixed
-        parallel = cls(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
-                       pipeline_split=pipeline_split, virtual_stages=virtual_stages,
-                       expert_parallel=expert_parallel)
+        parallel = cls(**axes, dp_shard=dp_shard, pipeline_split=pipeline_split,
+                       virtual_stages=virtual_stages, expert_parallel=expert_parallel)
         parallel.check_world_size(world_size)
         return parallel
 
@@ -151,7 +213,8 @@ class ParallelDims:
     def describe(self) -> str:
         """The layout name, e.g. ``pp2·dpr1·dps1·tp2`` (:meth:`parse` reads it back; the
         pipeline split is not part of the name)."""
-        return "·".join(f"{prefix}{size}" for prefix, size in zip(_NAME_PREFIXES, self.shape))
+        return "·".join(f"{a.short}{getattr(self, a.name)}" for a in MESH_AXIS_TABLE
+                        if not a.optional or getattr(self, a.name) != 1)
 
     @classmethod
     def parse(cls, name: str) -> "ParallelDims":
@@ -162,23 +225,32 @@ class ParallelDims:
             ConfigError: ``name`` is neither form (the message shows both).
         """
         parts = [p.strip() for p in name.replace("·", ".").replace(",", ".").split(".")]
-        sizes: list[str] = []
-        if len(parts) == len(MESH_AXES):
-            if all(p.isdigit() for p in parts):
-                sizes = parts
-            elif all(p.startswith(x) and p[len(x):].isdigit() for p, x in zip(parts, _NAME_PREFIXES)):
-                sizes = [p[len(x):] for p, x in zip(parts, _NAME_PREFIXES)]
+        sizes: dict[str, Any] = {}                     # axis -> degree
+        if all(p.isdigit() for p in parts) and len(parts) in (len(REQUIRED_AXES), len(MESH_AXES)):
+            axes = REQUIRED_AXES if len(parts) == len(REQUIRED_AXES) else MESH_AXES
+            sizes = {axis: int(p) for axis, p in zip(axes, parts)}
+        else:
+            rest = list(parts)
+            for a in MESH_AXIS_TABLE:                  # in table order; optional axes may be absent
+                if rest and rest[0].startswith(a.short) and rest[0][len(a.short):].isdigit():
+                    sizes[a.name] = int(rest.pop(0)[len(a.short):])
+                elif not a.optional:
+                    sizes = {}
+                    break
+            sizes = sizes if not rest else {}
         if not sizes:
             raise ConfigError(f"layout name {name!r}: expected e.g. 'pp2·dpr1·dps1·tp2' or its short "
-                              "form '2.1.1.2' (pp.dp_replicate.dp_shard.tp)")
-        pp, dp_replicate, dp_shard, tp = (int(size) for size in sizes)
-        return cls(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
+                              f"form '2.1.1.2' ({'.'.join(REQUIRED_AXES)}, or all of "
+                              f"{'.'.join(MESH_AXES)})")
+        return cls(**sizes)
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-safe dict of every field (``virtual_stages`` only when > 1, so layouts without
-        it write the bytes they always wrote)."""
-        out = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
-               "tp": self.tp, "pipeline_split": list(self.pipeline_split)}
+        """JSON-safe dict of every field (optional axes, ``virtual_stages`` and
+        ``expert_parallel`` only when not 1, so layouts without them write the bytes they
+        always wrote)."""
+        out: dict[str, Any] = {a.name: getattr(self, a.name) for a in MESH_AXIS_TABLE
+                               if not a.optional or getattr(self, a.name) != 1}
+        out["pipeline_split"] = list(self.pipeline_split)
         if self.virtual_stages > 1:
             out["virtual_stages"] = self.virtual_stages
         if self.expert_parallel > 1:
@@ -187,9 +259,8 @@ class ParallelDims:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ParallelDims":
-        """Inverse of :meth:`to_json`."""
-        return cls(pp=int(data["pp"]), dp_replicate=int(data["dp_replicate"]),
-                   dp_shard=int(data["dp_shard"]), tp=int(data["tp"]),
-                   pipeline_split=tuple(data.get("pipeline_split", ())),
+        """Inverse of :meth:`to_json` (a missing optional axis is 1)."""
+        axes = {a.name: int(data[a.name] if not a.optional else data.get(a.name, 1)) for a in MESH_AXIS_TABLE}
+        return cls(**axes, pipeline_split=tuple(data.get("pipeline_split", ())),
                    virtual_stages=int(data.get("virtual_stages", 1)),
                    expert_parallel=int(data.get("expert_parallel", 1)))

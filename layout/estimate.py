@@ -22,6 +22,12 @@ rank really holds. The rest are standard estimates, each with its source:
   split (E/ep whole experts, F/tp of each), and the all-to-all traffic of the token
   dispatcher, ``4 * s*b*K*h * (ep-1)/ep`` values sent per rank, MoE layer and microbatch
   (dispatch and combine, forward and backward; Megatron's ``alltoall`` dispatcher);
+* context parallelism (:func:`context_parallel_estimate`): each rank keeps the activations of
+  its ``s/cp`` tokens; its attention runs the flash / memory-efficient kernel (a lower-right
+  causal bias), so no ``s x s`` scores are kept (the ``5as/h`` term drops) but the all-gathered
+  K and V of the whole sequence are, ``2*s*b*k*d/t`` values per layer (k kv heads of d); the
+  all-gather receives ``(cp-1)/cp`` of them per layer and microbatch, and the backward's
+  reduce-scatter sends as much (trainer/context_parallel/attention.py);
 * FLOPs per token ``6*N + 12*L*H*Q*T`` (Chowdhery et al. 2022, "PaLM", appendix B; see
   :func:`flops_per_token`).
 """
@@ -34,7 +40,7 @@ from math import prod
 from typing import Any
 
 from shardsmith.layout import activations as act
-from shardsmith.layout.dims import ParallelDims
+from shardsmith.layout.dims import MESH_AXES, ParallelDims
 from shardsmith.layout.gpus import process_groups, process_overhead_nbytes
 from shardsmith.layout.model_config import ModelConfig, stage_layers
 from shardsmith.layout.plan import TensorSpec, padded_vocab_size, param_specs
@@ -54,6 +60,10 @@ FORMULAS = {
     "flops": "(6*N + 12*L*H*Q*T) * tokens, N = matmul parameters (all but the input embedding) "
              "(Chowdhery et al. 2022, PaLM, appendix B)",
     "memory": "per parameter element: fp32 weight 4 + fp32 gradient 4 + AdamW moments 8 bytes",
+    "context_parallel": "tokens per rank s/cp; activations of s/cp tokens without the 5as/h scores "
+                        "(flash / memory-efficient attention) plus the gathered K,V 2*s*b*k*d/t values per "
+                        "layer; K/V all-gather per layer and microbatch 2*s*b*k*d/t*(cp-1)/cp values "
+                        "received (forward), as many sent by the backward's reduce-scatter",
     "moe": "experts per rank E/ep, expert hidden units per rank F/tp; all-to-all bytes sent per rank, "
            "MoE layer and microbatch 4*s*b*K*h*(ep-1)/ep values (dispatch + combine, forward + backward)",
 }
@@ -101,15 +111,35 @@ def flops_per_token(model: ModelConfig) -> float:
 
 def activation_nbytes_per_layer(model: ModelConfig, micro_batch_size: int, tp: int, *,
                                 bytes_per_value: int = 2, recompute: bool = False,
-                                sequence_parallel: bool = False) -> int:
-    """Activation bytes one transformer layer keeps for one microbatch: ``s * b`` times the
+                                sequence_parallel: bool = False, cp: int = 1) -> int:
+    """Activation bytes one transformer layer keeps for one microbatch: ``s/cp * b`` times the
     per-token counts of :mod:`shardsmith.layout.activations` (``recompute``: only the layer
-    input, ``c*h``, over t with sequence parallelism)."""
-    tokens = model.seq_length * micro_batch_size
+    input, ``c*h``, over t with sequence parallelism); ``cp`` > 1 adds the K/V of the whole
+    sequence that the layer's all-gather brought in and backward keeps."""
+    tokens = model.seq_length // cp * micro_batch_size
     if recompute:
         return int(tokens * act.checkpointed_layer_nbytes_per_token(model, tp, bytes_per_value,
                                                                     sequence_parallel=sequence_parallel))
-    return int(tokens * act.layer_nbytes_per_token(model, tp, bytes_per_value, sequence_parallel=sequence_parallel))
+    kv = 0 if cp == 1 else (2 * model.seq_length * micro_batch_size * max(1, model.num_kv_heads // tp)
+                            * model.head_dim * bytes_per_value)
+    return int(tokens * act.layer_nbytes_per_token(model, tp, bytes_per_value, sequence_parallel=sequence_parallel)) + kv
+
+
+def context_parallel_estimate(model: ModelConfig, dims: ParallelDims, micro_batch_size: int,
+                              bytes_per_value: int) -> dict[str, Any]:
+    """The dry run's context-parallel figures (module doc); {} without cp.
+
+    Returns ``cp``, ``tokens_per_rank`` (s/cp), ``kv_gather_nbytes_per_layer_microbatch``
+    (bytes each rank receives by the K/V all-gather of one layer and microbatch in the forward;
+    the backward's reduce-scatter sends as many) and ``rope_scaling`` (the model's, or None).
+    """
+    if dims.cp == 1:
+        return {}
+    kv_local = max(1, model.num_kv_heads // dims.tp)
+    whole = 2 * model.seq_length * micro_batch_size * kv_local * model.head_dim * bytes_per_value
+    return {"cp": dims.cp, "tokens_per_rank": model.seq_length // dims.cp,
+            "kv_gather_nbytes_per_layer_microbatch": whole * (dims.cp - 1) // dims.cp,
+            "rope_scaling": model.rope_scaling}
 
 
 @dataclass(frozen=True)
@@ -178,12 +208,16 @@ class Estimate:
     flops_per_step: float
     roles: list[RankRole] = field(default_factory=list)
     moe: dict[str, Any] = field(default_factory=dict)
+    context_parallel: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe dict: model config, layout, totals, formulas and one record per role."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("model", "dims", "roles", "moe")}
+        out = {k: v for k, v in asdict(self).items() if k not in ("model", "dims", "roles", "moe",
+                                                                   "context_parallel")}
         if self.moe:
             out["moe"] = self.moe
+        if self.context_parallel:
+            out["context_parallel"] = self.context_parallel
         return {"model": self.model.to_json(),
                 "parallel": {**self.dims.to_json(), "world_size": self.dims.world_size,
                              "layout": self.dims.describe()},
@@ -196,14 +230,14 @@ def _class_key(spec: TensorSpec) -> tuple[Any, ...]:
 
 
 def _local_numels(spec: TensorSpec, dims: ParallelDims, first_only: bool = False) -> list[list[int]]:
-    """``[tp index][dp_shard index]`` -> elements the rank holds (the plan's boxes); only
-    ``[0][0]`` with ``first_only``."""
-    coords = {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 0}
+    """``[tp index][FSDP index over dp_shard x cp]`` -> elements the rank holds (the plan's
+    boxes); only ``[0][0]`` with ``first_only``."""
+    coords = dict.fromkeys(MESH_AXES, 0)
     out = []
     for t in range(1 if first_only else dims.tp):
         row = []
-        for i in range(1 if first_only else dims.dp_shard):
-            coords["tp"], coords["dp_shard"] = t, i
+        for i in range(1 if first_only else dims.fsdp):
+            coords["tp"], (coords["dp_shard"], coords["cp"]) = t, divmod(i, dims.cp)
             row.append(spec.box(dims, coords).numel)
         out.append(row)
     return out
@@ -226,7 +260,7 @@ def _stage_numels(specs: dict[str, TensorSpec], dims: ParallelDims,
     for stage_counts in counts:
         cell: dict[tuple[int, int], int] = {}
         for t in range(1 if first_only else dims.tp):
-            for i in range(1 if first_only else dims.dp_shard):
+            for i in range(1 if first_only else dims.fsdp):
                 cell[(t, i)] = sum(n * per_class[k][t][i] for k, n in stage_counts.items())
         out.append(cell)
     return out
@@ -241,7 +275,7 @@ def _activation_nbytes(model: ModelConfig, dims: ParallelDims, stage: int, num_l
     each in-flight microbatch off stage 0, and with recomputation the one layer whose full set
     backward rebuilds (:mod:`shardsmith.layout.activations`)."""
     in_flight = min(dims.pp - stage, num_microbatches)
-    kw = {"bytes_per_value": bytes_per_value, "sequence_parallel": sequence_parallel}
+    kw = {"bytes_per_value": bytes_per_value, "sequence_parallel": sequence_parallel, "cp": dims.cp}
     per_layer = activation_nbytes_per_layer(model, micro_batch_size, dims.tp, recompute=recompute, **kw)
     total = num_layers * per_layer * in_flight
     if stage > 0 and not recompute:                 # the received input (the first layer keeps only a copy)
@@ -256,7 +290,7 @@ def _activation_nbytes(model: ModelConfig, dims: ParallelDims, stage: int, num_l
 def loss_nbytes(model: ModelConfig, dims: ParallelDims, micro_batch_size: int, bytes_per_value: int) -> int:
     """The last stage's logits and loss of one microbatch (:func:`activations.loss_nbytes_per_token`)."""
     vocab = padded_vocab_size(model.vocab_size, dims.tp) // dims.tp
-    return int(model.seq_length * micro_batch_size * act.loss_nbytes_per_token(vocab, bytes_per_value))
+    return int(model.seq_length // dims.cp * micro_batch_size * act.loss_nbytes_per_token(vocab, bytes_per_value))
 
 
 def unsharded_numels(model: ModelConfig, dims: ParallelDims) -> tuple[list[int], list[int]]:
@@ -265,7 +299,7 @@ def unsharded_numels(model: ModelConfig, dims: ParallelDims) -> tuple[list[int],
     left out). The root is what is not in a block: embedding, final norm, output."""
     one = ParallelDims(tp=dims.tp, pp=dims.pp, pipeline_split=dims.pipeline_split,
                        virtual_stages=dims.virtual_stages)
-    coords = {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 0}
+    coords = dict.fromkeys(MESH_AXES, 0)
     blocks: list[Counter] = [Counter() for _ in range(dims.pp)]
     roots = [0] * dims.pp
     numels: dict[tuple[Any, ...], int] = {}
@@ -321,7 +355,7 @@ def _stage_roles(model: ModelConfig, dims: ParallelDims, specs: dict[str, Tensor
     roles = []
     for numel, members in sorted(groups.items(), reverse=True):
         t, i = members[0]
-        rank = dims.rank_of({"pp": stage, "dp_replicate": 0, "dp_shard": i, "tp": t})
+        rank = dims.rank_of({"pp": stage, "dp_replicate": 0, "dp_shard": i // dims.cp, "cp": i % dims.cp, "tp": t})
         roles.append(RankRole(
             stage=stage, layers=(layers[0], layers[-1]), num_ranks=len(members) * dims.dp_replicate,
             example_rank=rank, num_params=numel, param_nbytes=PARAM_NBYTES * numel,
@@ -377,7 +411,9 @@ def estimate(model: ModelConfig, dims: ParallelDims, *, micro_batch_size: int, g
                     num_microbatches=num_microbatches, tokens_per_step=tokens,
                     pipeline_bubble_fraction=(dims.pp - 1) / (dims.virtual_stages * num_microbatches),
                     flops_per_token=per_token, flops_per_step=per_token * tokens, roles=roles,
-                    moe=moe_estimate(model, dims, micro_batch_size, 2 if mixed_precision == "bf16" else 4))
+                    moe=moe_estimate(model, dims, micro_batch_size, 2 if mixed_precision == "bf16" else 4),
+                    context_parallel=context_parallel_estimate(model, dims, micro_batch_size,
+                                                               2 if mixed_precision == "bf16" else 4))
 
 
 def moe_estimate(model: ModelConfig, dims: ParallelDims, micro_batch_size: int,

@@ -37,6 +37,13 @@ class ModelConfig:
         moe_aux_loss_coeff: weight of the Switch load-balancing loss ``E * sum_e f_e * P_e``
             (Fedus et al. 2021), added to the loss of a step.
         moe_layer_freq: every this-many-th layer is MoE (layer ``i`` with ``i % freq == 0``).
+        rope_scaling_factor: Llama 3.1 RoPE scaling (``rope_type "llama3"``, Meta's
+            ``apply_scaling`` in llama-models; transformers' ``_compute_llama3_parameters``):
+            wavelengths longer than ``rope_original_seq_length / rope_low_freq_factor`` are
+            stretched by this factor, those shorter than ``rope_original_seq_length /
+            rope_high_freq_factor`` kept, the band between interpolated. 0 = plain RoPE.
+        rope_low_freq_factor, rope_high_freq_factor: the band's edges (Llama 3.1: 1 and 4).
+        rope_original_seq_length: the pre-training context the scaling extends (Llama 3.1: 8192).
     """
 
     num_layers: int = 4
@@ -54,6 +61,10 @@ class ModelConfig:
     moe_ffn_hidden_size: int = 0
     moe_aux_loss_coeff: float = 0.0
     moe_layer_freq: int = 1
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_seq_length: int = 8192
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
@@ -76,6 +87,12 @@ class ModelConfig:
         if self.num_experts and not 1 <= self.moe_router_topk <= self.num_experts:
             raise ConfigError(f"model.moe_router_topk={self.moe_router_topk}: must be in 1..num_experts="
                               f"{self.num_experts}")
+        if self.rope_scaling_factor and not (self.rope_scaling_factor >= 1 and self.rope_original_seq_length >= 1
+                                             and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+            raise ConfigError(f"model RoPE scaling factor={self.rope_scaling_factor}, low_freq_factor="
+                              f"{self.rope_low_freq_factor}, high_freq_factor={self.rope_high_freq_factor}, "
+                              f"original_seq_length={self.rope_original_seq_length}: need factor >= 1 (or 0 "
+                              "for none), 0 < low < high and original_seq_length >= 1 (Llama 3.1: 8, 1, 4, 8192)")
         if self.num_experts < 0 or self.moe_layer_freq < 1 or self.moe_ffn_hidden_size < 0:
             raise ConfigError("model.num_experts, moe_ffn_hidden_size must be >= 0 and moe_layer_freq >= 1")
 
@@ -94,13 +111,25 @@ class ModelConfig:
         return self.hidden_size // self.num_attention_heads
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-safe dict of every field (the MoE fields only for a MoE model, so dense
-        models write the bytes they always wrote)."""
+        """JSON-safe dict of every field (the MoE fields only for a MoE model, the RoPE
+        scaling ones only when scaled, so other models write the bytes they always wrote)."""
         out = dataclasses.asdict(self)
         if not self.num_experts:
             for name in _MOE_FIELDS:
                 del out[name]
+        if not self.rope_scaling_factor:
+            for name in ROPE_SCALING_FIELDS:
+                del out[name]
         return out
+
+    @property
+    def rope_scaling(self) -> dict[str, Any] | None:
+        """The RoPE scaling as Hugging Face's ``rope_scaling`` names it, or None when plain."""
+        if not self.rope_scaling_factor:
+            return None
+        return {"rope_type": "llama3", "factor": self.rope_scaling_factor,
+                "low_freq_factor": self.rope_low_freq_factor, "high_freq_factor": self.rope_high_freq_factor,
+                "original_max_position_embeddings": self.rope_original_seq_length}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ModelConfig":
@@ -113,6 +142,9 @@ class ModelConfig:
 
 
 _MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_layer_freq")
+#: The Llama 3.1 RoPE scaling fields (written only when ``rope_scaling_factor`` is set).
+ROPE_SCALING_FIELDS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                       "rope_original_seq_length")
 
 
 def chunk_layers(model: ModelConfig, dims: ParallelDims) -> list[range]:

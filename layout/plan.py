@@ -10,7 +10,11 @@ minor. ``wq.weight: dim0 by (tp, dp_shard)`` means dim 0 is first cut into ``tp`
 chunks (TP ``ColwiseParallel``) and each TP chunk is cut into ``dp_shard`` chunks
 (FSDP2 ``fully_shard`` over the TP-local tensor, DTensor ``_StridedShard``). Cuts
 follow ``torch.chunk`` (see :func:`shardsmith.layout.box.chunk_range`).
-Axes not named split nothing: the tensor is replicated over them.
+Axes not named split nothing: the tensor is replicated over them. The FSDP axes
+(``dp_shard``, ``cp``: :data:`~shardsmith.layout.dims.FSDP_AXES`) always appear together and
+cut as one flattened axis of ``dp_shard * cp`` chunks (FSDP2 over torchtitan's
+``dp_shard_cp`` mesh dim), so a box depends on their product alone: cp2·dps1 and dps2 hold
+the same boxes.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from math import prod
 from shardsmith.layout.box import Box, chunk_range
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.layout import ModelConfig, ParallelDims, stage_layers, validate_layout
-from shardsmith.layout.dims import MESH_AXES
+from shardsmith.layout.dims import FSDP_AXES, MESH_AXES
 
 
 #: Prefixes of optimizer-state FQNs; the rest of the name is the parameter's FQN.
@@ -105,7 +109,11 @@ class TensorSpec:
                 size = self.pad_dim0_to
             start, length = 0, size
             for axis in axes:
+                if axis in FSDP_AXES[1:]:
+                    continue                                   # folded into FSDP_AXES[0]
                 parts, index = getattr(dims, axis), coords[axis]
+                if axis == FSDP_AXES[0]:
+                    parts, index = dims.fsdp, dims.fsdp_index(coords)
                 if axis == "tp":
                     parts, index = parts // self.tp_replicas, index // self.tp_replicas
                 sub_start, length = chunk_range(length, parts, index)
@@ -182,7 +190,7 @@ def _dim_axes(fqn: str, ndim: int) -> tuple[tuple[str, ...], ...]:
     axes: list[tuple[str, ...]] = [() for _ in range(ndim)]
     if tp_dim is not None:
         axes[tp_dim] = ("tp",)
-    axes[0] = axes[0] + ("dp_shard",)
+    axes[0] = axes[0] + FSDP_AXES
     return tuple(axes)
 
 
@@ -370,8 +378,7 @@ def grad_sum_groups(spec: TensorSpec, dims: ParallelDims) -> list[list[int]]:
         if c["pp"] not in spec.stages:
             continue
         pp_key = c["pp"] if len(spec.stages) == 1 else -1
-        key = (pp_key, c["dp_replicate"], c["dp_shard"], c["tp"] // spec.tp_replicas)
-        if spec.tp_replicas == 1:
-            key = key[:3] + (c["tp"],)
+        tp_key = c["tp"] // spec.tp_replicas if spec.tp_replicas > 1 else c["tp"]
+        key = (pp_key, *(c[a] for a in MESH_AXES if a not in ("pp", "tp")), tp_key)
         groups.setdefault(key, []).append(rank)
     return [g for g in groups.values() if len(g) > 1]

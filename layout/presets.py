@@ -37,13 +37,16 @@ def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = FFN_MULTIPLE_OF,
 
 
 def _llama(layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, theta: float,
-           seq: int) -> ModelConfig:
+           seq: int, rope_scaling_factor: float = 0.0) -> ModelConfig:
     return ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                        num_kv_heads=kv, ffn_hidden_size=ffn, vocab_size=vocab, seq_length=seq,
-                       tie_embeddings=False, rope_theta=theta, norm_eps=1e-5)
+                       tie_embeddings=False, rope_theta=theta, norm_eps=1e-5,
+                       rope_scaling_factor=rope_scaling_factor)
 
 
-#: ``--model`` name -> shape. seq_length is the pre-training context (8192 / 4096).
+#: ``--model`` name -> shape. seq_length is the pre-training context (8192 / 4096); Llama 3.1's
+#: is its 128K long-context length, with RoPE scaled as its ``config.json`` says
+#: (``rope_type "llama3"``, factor 8, low/high frequency factors 1 and 4, original 8192).
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),
     "debug": ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
@@ -53,6 +56,9 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3-8b": _llama(32, 4096, 32, 8, 14336, 128256, 500000.0, 8192),
     "llama3-70b": _llama(80, 8192, 64, 8, 28672, 128256, 500000.0, 8192),
     "llama3-405b": _llama(126, 16384, 128, 8, 53248, 128256, 500000.0, 8192),
+    "llama3.1-8b": _llama(32, 4096, 32, 8, 14336, 128256, 500000.0, 131072, 8.0),
+    "llama3.1-70b": _llama(80, 8192, 64, 8, 28672, 128256, 500000.0, 131072, 8.0),
+    "llama3.1-405b": _llama(126, 16384, 128, 8, 53248, 128256, 500000.0, 131072, 8.0),
 }
 
 #: The model when no ``--model`` and no shape flag is given.

@@ -182,8 +182,8 @@ def hf_config(model: ModelConfig, torch_dtype: str) -> dict[str, Any]:
         "max_position_embeddings": model.seq_length,
         "rms_norm_eps": model.norm_eps,
         "rope_theta": model.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
-        "rope_scaling": None,
+        "rope_parameters": {**(model.rope_scaling or {"rope_type": "default"}), "rope_theta": model.rope_theta},
+        "rope_scaling": model.rope_scaling,
         "tie_word_embeddings": model.tie_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
@@ -213,9 +213,16 @@ def _field_error(source: str, name: str, value: Any, why: str) -> ConfigError:
                        "this model, so it was not imported")
 
 
-def _rope_theta(cfg: dict[str, Any], source: str) -> float:
-    """RoPE base from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x)."""
-    theta = cfg.get("rope_theta", 10000.0)
+#: Hugging Face ``rope_scaling`` key of "llama3" RoPE -> our ModelConfig field.
+_LLAMA3_ROPE = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
+                "high_freq_factor": "rope_high_freq_factor",
+                "original_max_position_embeddings": "rope_original_seq_length"}
+
+
+def _rope_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """RoPE base and Llama 3.1 scaling (ModelConfig fields) from ``rope_parameters``
+    (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x)."""
+    out: dict[str, Any] = {"rope_theta": float(cfg.get("rope_theta", 10000.0))}
     for key in ("rope_parameters", "rope_scaling"):
         params = cfg.get(key)
         if params is None:
@@ -223,14 +230,21 @@ def _rope_theta(cfg: dict[str, Any], source: str) -> float:
         if not isinstance(params, dict):
             raise _field_error(source, key, params, "expected an object or null")
         kind = params.get("rope_type", params.get("type", "default"))
-        if kind != "default":
+        if kind not in ("default", "llama3"):
             raise _field_error(source, f"{key}.rope_type", kind,
-                               "only plain RoPE ('default', no scaling) is supported")
-        extra = sorted(set(params) - {"rope_type", "type", "rope_theta"})
-        if extra and key == "rope_parameters":
+                               "only plain RoPE ('default') and Llama 3.1's 'llama3' scaling are supported")
+        known = {"rope_type", "type", "rope_theta", *(_LLAMA3_ROPE if kind == "llama3" else ())}
+        extra = sorted(set(params) - known)
+        if extra and (key == "rope_parameters" or kind == "llama3"):
             raise _field_error(source, key, params, f"unsupported RoPE options {extra}")
-        theta = params.get("rope_theta", theta)
-    return float(theta)
+        if kind == "llama3":
+            missing = sorted(set(_LLAMA3_ROPE) - set(params))
+            if missing:
+                raise _field_error(source, key, params, f"llama3 RoPE scaling without {missing}")
+            out.update({ours: type_(params[theirs]) for theirs, ours in _LLAMA3_ROPE.items()
+                        for type_ in [int if ours == "rope_original_seq_length" else float]})
+        out["rope_theta"] = float(params.get("rope_theta", out["rope_theta"]))
+    return out
 
 
 def model_config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -243,7 +257,7 @@ def model_config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> Mo
         ConfigError: naming the field, when the model is not a Llama shardsmith can
             represent: another ``model_type``, attention or MLP biases, an activation other
             than SiLU, a ``head_dim`` other than ``hidden_size / num_attention_heads``,
-            scaled RoPE (``rope_scaling``), or a missing size field.
+            scaled RoPE other than Llama 3.1's ``llama3``, or a missing size field.
     """
     model_type = cfg.get("model_type")
     if model_type not in (HF_MODEL_TYPE, HF_MOE_MODEL_TYPE):
@@ -274,4 +288,4 @@ def model_config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> Mo
         ffn_hidden_size=sizes["intermediate_size"], vocab_size=sizes["vocab_size"],
         seq_length=sizes["max_position_embeddings"],
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope_theta=_rope_theta(cfg, source), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)))
+        **_rope_fields(cfg, source), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)))

@@ -13,6 +13,7 @@ from math import prod
 from typing import Any, Callable
 
 from shardsmith.errors import ManifestError
+from shardsmith.layout.dims import MESH_AXES, REQUIRED_AXES
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.manifest import (FORMAT_NAME, MANIFEST_NAME, SIDECAR_SUFFIX, TENSOR_FORMATS, FileRecord,
                                          ShardRecord, TensorRecord, sidecar_name)
@@ -289,8 +290,10 @@ def parse_header(data: dict[str, Any], source: str, versions: tuple[int, ...],
     if data["tensor_format"] not in TENSOR_FORMATS:
         raise err("tensor_format", f"unknown tensor format {data['tensor_format']!r:.40}; "
                   f"known {list(TENSOR_FORMATS)}", source)
-    for key in ("pp", "dp_replicate", "dp_shard", "tp"):
+    for key in MESH_AXES:
         if key not in data["layout"]:
+            if key not in REQUIRED_AXES:
+                continue                                  # an optional axis absent: degree 1
             raise err(f"layout.{key}", "missing", source)
         to_int(data["layout"][key], f"layout.{key}", source, min_value=1)
     if data["checksum"].get("algorithm") != "crc32c":

@@ -3,7 +3,7 @@
 ``cli -> {trainer, reshard} -> storage -> layout`` (and ``trainer -> layout``): nothing
 imports upward, the trainer never imports the offline resharder, ``layout/`` is pure (no
 torch, no I/O libraries), ``storage/`` never imports ``torch.distributed``. Also the size
-rules: no product module over 400 lines, no function over 60.
+rules: no product module over 450 lines (issue 30: one concept per module may outgrow 400 a little; the before-stop hook warns at 450), no function over 60.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def test_modules_and_functions_stay_small() -> None:
     for package in PACKAGES:
         for path in _modules(package):
             text = path.read_text()
-            if text.count("\n") > 400:
-                bad.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines (> 400)")
+            if text.count("\n") > 450:
+                bad.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines (> 450)")
             for node in ast.walk(ast.parse(text)):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     length = node.end_lineno - node.lineno + 1

@@ -19,6 +19,7 @@ import sys
 from collections import deque
 from typing import Any
 
+from shardsmith.layout.dims import MESH_AXIS_TABLE
 from shardsmith.layout.sizes import format_nbytes
 
 #: Dense bf16 peak FLOP/s of one device by name fragment (vendor data sheets), for MFU
@@ -26,7 +27,6 @@ from shardsmith.layout.sizes import format_nbytes
 KNOWN_PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
                     ("A10G", 125e12), ("L4", 121e12), ("V100", 125e12))
 
-_AXES = (("pp", "pp"), ("dp_replicate", "dpr"), ("dp_shard", "dps"), ("tp", "tp"))
 
 
 def peak_memory_nbytes() -> int:
@@ -107,7 +107,7 @@ def layout_name(layout: dict[str, Any] | None) -> str:
     then virtual stages and expert parallelism when above 1 (``pp2·dps2·ep2``)."""
     if not layout:
         return "?"
-    parts = [f"{short}{layout[axis]}" for axis, short in _AXES if int(layout.get(axis, 1)) > 1]
+    parts = [f"{a.short}{layout[a.name]}" for a in MESH_AXIS_TABLE if int(layout.get(a.name, 1)) > 1]
     parts += [f"{short}{layout[key]}" for key, short in (("virtual_stages", "v"), ("expert_parallel", "ep"))
               if int(layout.get(key, 1)) > 1]
     return "·".join(parts) or "1 rank"

@@ -13,6 +13,8 @@ view below infers them from the (local) projection width.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,11 +24,29 @@ from shardsmith.layout import ModelConfig
 from shardsmith.trainer.moe import MoEFeedForward
 
 
-def rope_tables(head_dim: int, seq_length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (T, Dh/2) for rotary embeddings (RoFormer eq. 34)."""
+def rope_tables(head_dim: int, seq_length: int, theta: float,
+                cfg: ModelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (T, Dh/2) for rotary embeddings (RoFormer eq. 34), the
+    frequencies scaled as Llama 3.1 does when ``cfg.rope_scaling_factor`` is set."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if cfg is not None and cfg.rope_scaling_factor:
+        inv_freq = llama3_scaled_frequencies(inv_freq, cfg)
     angles = torch.outer(torch.arange(seq_length, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
+
+
+def llama3_scaled_frequencies(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Llama 3.1's RoPE frequencies (``rope_type "llama3"``; Meta's ``apply_scaling``,
+    transformers' ``_compute_llama3_parameters``): wavelengths above ``original / low`` are
+    divided by ``factor``, those below ``original / high`` kept, the band between smoothly
+    interpolated. ``inv_freq`` (Dh/2,) in radians per token."""
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    original = cfg.rope_original_seq_length
+    wavelen = 2 * torch.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    out = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, out)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -55,7 +75,11 @@ class Attention(nn.Module):
 
     ``kv_copies`` > 1 stores each kv head that many times (consecutive copies), so that
     tensor parallelism with tp > num_kv_heads gives every TP rank its own copy.
+    ``cp`` (set by :func:`shardsmith.trainer.context_parallel.attach`): x holds this rank's
+    T / cp tokens; K/V of the whole sequence are all-gathered over the group.
     """
+
+    cp: Any = None
 
     def __init__(self, cfg: ModelConfig, kv_copies: int = 1) -> None:
         super().__init__()
@@ -72,11 +96,16 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)         # (B, T, K, Dh)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.cp is not None:                                     # (B, T, K, Dh): the whole sequence
+            k, v = self.cp.gather(k), self.cp.gather(v)
         repeats = q.shape[2] // k.shape[2]                          # query heads per kv head
         k = k.repeat_interleave(repeats, dim=2)
         v = v.repeat_interleave(repeats, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True)        # (B, H, T, Dh)
+        if self.cp is not None:
+            out = self.cp.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        else:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True)    # (B, H, T, Dh)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -134,6 +163,7 @@ class Transformer(nn.Module):
 
     rope_cos: torch.Tensor      # (T, Dh/2), buffers registered in __init__
     rope_sin: torch.Tensor
+    cp: Any = None              # context parallelism: inputs hold this rank's T / cp tokens
 
     def __init__(self, cfg: ModelConfig, layer_ids: range | None = None, *, first: bool = True,
                  last: bool = True, padded_vocab: int = 0, kv_copies: int = 1) -> None:
@@ -149,14 +179,14 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.hidden_size, self.padded_vocab, bias=False) if (
             last and not cfg.tie_embeddings) else None
         self.first, self.last = first, last
-        cos, sin = rope_tables(cfg.head_dim, cfg.seq_length, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, cfg.seq_length, cfg.rope_theta, cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
         """Recompute the rope tables (T, Dh/2) in place, e.g. after ``to_empty`` off ``meta``."""
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.seq_length, self.cfg.rope_theta)
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.seq_length, self.cfg.rope_theta, self.cfg)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
@@ -166,8 +196,13 @@ class Transformer(nn.Module):
             h = self.tok_embeddings(x)                              # (B, T, D)
         else:
             h = x
+        cos, sin = self.rope_cos, self.rope_sin
+        if self.cp is not None:                                     # angles at this rank's positions
+            seq = x.shape[1] * self.cp.size if self.first else self.cfg.seq_length
+            pos = self.cp.positions(seq, cos.device)
+            cos, sin = cos[pos], sin[pos]
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin)
         if not self.last:
             return h
         assert self.norm is not None

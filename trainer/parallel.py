@@ -25,8 +25,10 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                parallelize_module)
 
 from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims, chunk_layers, stage_layers
+from shardsmith.layout.dims import FSDP_AXES, FSDP_MESH_DIM
 from shardsmith.layout.plan import (COLWISE, ROWWISE, VOCAB_PARALLEL, TensorSpec, grad_sum_groups,
                                     kv_replicas, padded_vocab_size, param_specs, tp_module_key)
+from shardsmith.trainer.context_parallel import attach, context_parallel, fsdp_mesh
 from shardsmith.trainer.model import Transformer
 from shardsmith.trainer.moe import EXPERT_TP_DIMS, MoEFeedForward, expert_params, expert_parallel_params, shard_experts
 from shardsmith.trainer.pipeline import ChunkedStage
@@ -209,10 +211,11 @@ def placement_axes(p: torch.Tensor, ndim: int, expert: tuple[int, int] | None = 
         major[0].append("dp_shard")
     if isinstance(p, DTensor):
         for axis, placement in zip(p.device_mesh.mesh_dim_names or (), p.placements):
+            axes = FSDP_AXES if axis == FSDP_MESH_DIM else (axis,)
             if isinstance(placement, _StridedShard):
-                minor[placement.dim].append(axis)
+                minor[placement.dim].extend(axes)
             elif isinstance(placement, Shard):
-                major[placement.dim].append(axis)
+                major[placement.dim].extend(axes)
     return tuple(tuple(a + b) for a, b in zip(major, minor))
 
 
@@ -271,9 +274,9 @@ def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, *, bf1
         for module in model.modules():
             if isinstance(module, MoEFeedForward):
                 experts.update(shard_experts(module, ep_group, tp_group))
-    if dims.dp > 1:
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-        apply_fsdp(model, dp_mesh, bf16=bf16, ignored=experts)
+    if dims.dp_replicate * dims.fsdp > 1:
+        apply_fsdp(model, fsdp_mesh(mesh, dims), bf16=bf16, ignored=experts)
+    attach(model, context_parallel(mesh, dims))
     return model
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims
 from shardsmith.layout.plan import param_specs
 from shardsmith.trainer import pipeline
 from shardsmith.trainer.moe import set_aux_loss_scale
@@ -75,6 +75,8 @@ class StepMath:
         num_microbatches: microbatches per rank per step.
         bf16: autocast the forward to bfloat16.
         grad_clip: clip the global gradient norm to this (0 = no clipping).
+        cp: this rank's context-parallel group (None without): it feeds its tokens of the
+            same samples (:meth:`ContextParallel.shard`).
     """
 
     model: torch.nn.Module
@@ -85,6 +87,7 @@ class StepMath:
     num_microbatches: int
     bf16: bool = False
     grad_clip: float = 0.0
+    cp: Any = None
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.bf16:
@@ -103,6 +106,8 @@ class StepMath:
         microbatch losses (1 / microbatches here; the pipeline schedule divides its
         gradients by the microbatches itself); the returned loss is the LM loss alone."""
         dev = device_type()
+        if self.cp is not None:                                     # (B, T) -> this rank's (B, T / cp)
+            inputs, targets = self.cp.shard(inputs), self.cp.shard(targets)
         inputs, targets = inputs.to(dev), targets.to(dev)
         coeff = self.model_cfg.moe_aux_loss_coeff
         set_aux_loss_scale(self.model, coeff if self.schedule is not None else coeff / self.num_microbatches)
@@ -148,7 +153,7 @@ class StepMath:
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             grads.append(g)
             used = {a for axes in specs[fqn].dim_axes for a in axes}
-            replicas = prod(getattr(parallel, a) for a in ("dp_replicate", "dp_shard", "tp") if a not in used)
+            replicas = prod(getattr(parallel, a) for a in MESH_AXES if a != "pp" and a not in used)
             replicas *= specs[fqn].tp_replicas * len(specs[fqn].stages)   # tied copies
             total = total + g.double().pow(2).sum() / replicas       # stays on the device
         total = torch.as_tensor(total, dtype=torch.float64).cpu()   # one host sync, not one per tensor
@@ -164,11 +169,11 @@ class StepMath:
 
     def global_loss(self, local: torch.Tensor) -> float:
         """Mean loss over the global batch: last-stage, tp-rank-0 ranks contribute, divided by
-        dp (collective)."""
+        dp * cp (collective; every cp rank's mean is over the same number of tokens)."""
         contributes = self.coords["pp"] == self.parallel.pp - 1 and self.coords["tp"] == 0
         t = (local.double().cpu() if contributes else torch.zeros((), dtype=torch.float64)).reshape(1)
         dist.all_reduce(t)
-        return float(t.item() / self.parallel.dp)
+        return float(t.item() / (self.parallel.dp * self.parallel.cp))
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ from shardsmith.trainer.metrics import (EventLog, MetricsWriter, flops_per_token
 from shardsmith.trainer.preflight import schedule_change
 from shardsmith.trainer.optim import build_optimizer, lr_lambda
 from shardsmith.trainer.profiling import profile_step
+from shardsmith.trainer.context_parallel import context_parallel
 from shardsmith.trainer.parallel import (build_grad_sum_groups, build_mesh, build_stage_model,
                                         finalize_grads, init_distributed)
 from shardsmith.trainer.rng import seed_rng
@@ -104,7 +105,8 @@ class Trainer:
         state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                            bad_steps=BadStepPolicy(max_bad_steps=cfg.fault.max_bad_steps))
         step_math = StepMath(model, schedule, cfg.model, parallel, coords, num_mb,
-                             bf16=cfg.mixed_precision == "bf16", grad_clip=cfg.optim.grad_clip)
+                             bf16=cfg.mixed_precision == "bf16", grad_clip=cfg.optim.grad_clip,
+                             cp=context_parallel(mesh, parallel))
         events = EventLog(MetricsWriter(run_dir(cfg) if rank == 0 else ""), rank=rank)
         grad_sum_groups = build_grad_sum_groups(cfg.model, parallel)
         restarts = elastic_restart_count()
@@ -316,9 +318,8 @@ def _build_sampler(cfg: TrainConfig, coords: dict[str, int]) -> GlobalBatchSampl
     """This rank's view of the global batches (its DP rank's slice of each)."""
     dataset = build_dataset(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
     parallel = cfg.parallel
-    dp_rank = coords["dp_replicate"] * parallel.dp_shard + coords["dp_shard"]
     return GlobalBatchSampler(dataset, global_batch_size=cfg.global_batch_size,
-                              dp_degree=parallel.dp, dp_rank=dp_rank)
+                              dp_degree=parallel.dp, dp_rank=parallel.dp_rank(coords))
 
 
 def run_training(cfg: TrainConfig) -> list[StepMetrics]:

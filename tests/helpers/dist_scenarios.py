@@ -11,7 +11,8 @@ Tasks (``kind``):
 
 * ``logits``: build a fresh :class:`Trainer` (seeded init, no checkpoint), run one
   forward pass of ``tokens`` (B, T) through the whole (pipelined, TP/FSDP-sharded)
-  model, and write the full logits (B, T, V) of every last-stage rank to
+  model (with context parallelism: each rank its tokens, the logits gathered back), and
+  write the full logits (B, T, V) of every last-stage rank to
   ``<out>/logits-rank-NNNNN.safetensors`` (key ``logits``). Stages pass hidden states
   (B, T, D) with point-to-point send/recv between ranks that differ only in ``pp``.
 * ``reload``: a fresh Trainer resumes from ``src`` (any layout) and saves the loaded
@@ -60,6 +61,9 @@ def task_logits(cfg: TrainConfig, task: dict[str, Any]) -> None:
     dims, coords = cfg.parallel, trainer.coords
     mine = {coords["pp"] if c < 0 else c: m for c, m in chunks_of(trainer.model)}
     tokens = torch.tensor(task["tokens"], dtype=torch.int64)                    # (B, T)
+    cp = trainer.step_math.cp
+    if cp is not None:                                                          # this rank's (B, T / cp)
+        tokens = cp.shard(tokens)
     batch, seq = tokens.shape
     out = None
     with torch.no_grad():
@@ -76,6 +80,11 @@ def task_logits(cfg: TrainConfig, task: dict[str, Any]) -> None:
                 out = out.full_tensor()
             if c < dims.num_chunks - 1:
                 dist.send(out.contiguous(), dst=dims.rank_of({**coords, "pp": (c + 1) % dims.pp}))
+        if dims.num_chunks - 1 in mine and cp is not None:                      # the whole sequence again
+            from shardsmith.trainer.context_parallel import unshard_sequence
+            parts = [torch.empty_like(out) for _ in range(cp.size)]
+            dist.all_gather(parts, out.contiguous(), group=cp.group)
+            out = unshard_sequence(parts)
         if dims.num_chunks - 1 in mine:
             os.makedirs(task["out"], exist_ok=True)
             save_file({"logits": out.contiguous()},

@@ -155,9 +155,9 @@ def test_for_world_size_is_the_one_dp_shard_rule() -> None:
 def test_tp_is_innermost() -> None:
     dims = ParallelDims(pp=2, dp_replicate=2, dp_shard=2, tp=2)
     assert [dims.coords(r)["tp"] for r in range(4)] == [0, 1, 0, 1]   # TP groups: neighbours
-    assert dims.coords(2) == {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "tp": 0}
-    assert dims.coords(4) == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "tp": 0}
-    assert dims.coords(8) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "tp": 0}  # pp outermost
+    assert dims.coords(2) == {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 0}
+    assert dims.coords(4) == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "cp": 0, "tp": 0}
+    assert dims.coords(8) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0}  # pp outermost
 
 
 # ---- the sharding plan -----------------------------------------------------------------------

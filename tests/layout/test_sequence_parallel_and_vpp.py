@@ -145,8 +145,8 @@ def test_moe_plan_stores_experts_with_a_leading_expert_dim() -> None:
     box = specs["layers.2.feed_forward.experts.w3"].box(ParallelDims(dp_shard=2, tp=2),
                                                         {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "tp": 0})
     assert box.offsets == (2, 0, 0) and box.lengths == (2, 48, 64)              # experts 2, 3; F split by tp
-    assert specs["layers.2.feed_forward.experts.w2"].dim_axes == (("dp_shard",), (), ("tp",))   # row-parallel
-    assert specs["layers.2.feed_forward.experts.w1"].dim_axes == (("dp_shard",), ("tp",), ())   # column-parallel
+    assert specs["layers.2.feed_forward.experts.w2"].dim_axes == (("dp_shard", "cp"), (), ("tp",))   # row-parallel
+    assert specs["layers.2.feed_forward.experts.w1"].dim_axes == (("dp_shard", "cp"), ("tp",), ())   # column-parallel
     assert "num_experts" not in MODEL.to_json() and moe.to_json()["num_experts"] == 4
     assert ModelConfig.from_json(moe.to_json()) == moe
     with pytest.raises(ConfigError, match="moe_router_topk"):

@@ -99,6 +99,6 @@ def test_demo_moe_layouts_move_stages_experts_and_tp() -> None:
     for dims in (first, then):
         validate_layout(model, dims)
     w1 = "layers.0.feed_forward.experts.w1"
-    assert param_specs(model, first)[w1].dim_axes[0] == ("dp_shard",)              # experts split over EP
+    assert param_specs(model, first)[w1].dim_axes[0] == ("dp_shard", "cp")            # experts split over EP
     assert param_specs(model, then)[w1].dim_axes[1] == ("tp",)                     # each expert over tp
     assert demo_layouts(moe=False)[0].num_experts == 0

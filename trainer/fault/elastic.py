@@ -9,7 +9,7 @@ import os
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from shardsmith.layout import ParallelDims
+from shardsmith.layout import MESH_AXES, ParallelDims
 
 if TYPE_CHECKING:
     from shardsmith.trainer.config import TrainConfig
@@ -51,8 +51,8 @@ def fit_world_size(cfg: TrainConfig, world_size: int) -> TrainConfig:
         return cfg
     if not cfg.fault.derive_dp_shard:
         parallel.check_world_size(world_size)
-    fitted = ParallelDims.for_world_size(world_size, tp=parallel.tp, pp=parallel.pp,
-                                         dp_replicate=parallel.dp_replicate,
+    fixed = {axis: getattr(parallel, axis) for axis in MESH_AXES if axis != "dp_shard"}
+    fitted = ParallelDims.for_world_size(world_size, **fixed,
                                          pipeline_split=parallel.pipeline_split,
                                          virtual_stages=parallel.virtual_stages)
     if parallel.expert_parallel > 1:                 # EP spans the (re-derived) dp_shard ranks
