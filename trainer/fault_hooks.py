@@ -36,6 +36,14 @@ class FaultHooks:
     ``SHARDSMITH_TEST_LOSE_NODE_AT="RANK:STEP,..."``: as step STEP starts, that rank waits for
     its save in flight, deletes its node's local checkpoint tier (the node's disk is gone) and
     SIGKILLs itself; name every rank of a node to lose the whole node.
+    ``SHARDSMITH_TEST_KILL_EVERY="RANK:SECONDS"``: that rank SIGKILLs itself as the first step
+    starts that is SECONDS after its last such kill (its newest marker), or after the launch
+    (``$SHARDSMITH_LAUNCH_TIME``, else this process's start): a failure every SECONDS.
+    ``SHARDSMITH_TEST_SLOW="RANK:SECONDS,..."``: that rank sleeps SECONDS after every step's
+    forward and backward (a straggler: its compute time grows, its peers wait).
+    ``SHARDSMITH_TEST_FLIP_BIT_AT="RANK:STEP[:FQN[:BIT]],..."``: in the replay of step STEP
+    (``--check-replay-every``), flip bit BIT (default 0) of the first element of the local
+    gradient FQN (default: the first parameter with one): a silent data corruption.
     ``SHARDSMITH_TEST_MARKER_DIR``: kills, signals and hangs fire once per (rank, step)
     across restarts (a marker file each); without it, once per process.
     """
@@ -49,6 +57,12 @@ class FaultHooks:
         self.nan = self._parse(env.get("SHARDSMITH_TEST_NAN_AT", ""))
         self.lose_node = self._parse(env.get("SHARDSMITH_TEST_LOSE_NODE_AT", ""))
         self.marker_dir = env.get("SHARDSMITH_TEST_MARKER_DIR", "")
+        slow = [item.split(":") for item in env.get("SHARDSMITH_TEST_SLOW", "").split(",") if item.strip()]
+        self.slow_s = sum(float(seconds) for r, seconds in slow if int(r) == rank)
+        self.flip = self._parse(env.get("SHARDSMITH_TEST_FLIP_BIT_AT", ""))
+        every = [item.split(":") for item in env.get("SHARDSMITH_TEST_KILL_EVERY", "").split(",") if item.strip()]
+        self.kill_every_s = sum(float(seconds) for r, seconds in every if int(r) == rank)
+        self._since = float(env.get("SHARDSMITH_LAUNCH_TIME", "") or time.time())
         self._fired: set[str] = set()
 
     def _parse(self, spec: str) -> dict[int, str]:
@@ -81,6 +95,9 @@ class FaultHooks:
             if on_node_loss is not None:
                 on_node_loss()
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kill_every_s and time.time() - self._last_kill() >= self.kill_every_s and self._once("kill-every", step):
+            say(f"rank {self.rank}: test hook: SIGKILL at step {step} ({self.kill_every_s:g} s since the last)")
+            os.kill(os.getpid(), signal.SIGKILL)
         if step in self.kill and self._once("kill", step):
             say(f"rank {self.rank}: test hook: SIGKILL at step {step}")
             os.kill(os.getpid(), signal.SIGKILL)
@@ -90,6 +107,14 @@ class FaultHooks:
             os.kill(os.getpid(), sig)
             if to_agent == "agent":                    # torchrun's agent: it forwards to all
                 os.kill(os.getppid(), sig)
+
+    def _last_kill(self) -> float:
+        """When this rank's last periodic kill fired (its newest marker), else the launch."""
+        if not self.marker_dir or not os.path.isdir(self.marker_dir):
+            return self._since
+        prefix = f"kill-every-rank{self.rank}-"
+        times = [e.stat().st_mtime for e in os.scandir(self.marker_dir) if e.name.startswith(prefix)]
+        return max(times, default=self._since)
 
     def in_step(self, step: int) -> None:
         """Hang inside step ``step``, if asked."""
@@ -115,6 +140,25 @@ class FaultHooks:
                     (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).fill_(float("nan"))
                     break
         return local_loss
+
+
+    def slow_down(self) -> None:
+        """Sleep ``SHARDSMITH_TEST_SLOW``'s seconds for this rank (after forward and backward)."""
+        if self.slow_s > 0:
+            time.sleep(self.slow_s)
+
+    def flip_bit(self, step: int, model: torch.nn.Module) -> None:
+        """Flip the asked bit of one local gradient element, in step ``step``'s replay."""
+        if step not in self.flip:
+            return
+        fqn, _, bit = self.flip[step].partition(":")
+        for name, p in model.named_parameters():
+            if p.grad is not None and (not fqn or name == fqn):
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                flat = g.view(-1)[:1].view({2: torch.int16, 4: torch.int32, 8: torch.int64}[g.element_size()])
+                flat ^= 1 << int(bit or 0)
+                say(f"rank {self.rank}: test hook: flipped bit {bit or 0} of {name}[0] in step {step}'s replay")
+                return
 
 
 def _test_hang_sleep() -> None:
