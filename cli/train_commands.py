@@ -7,6 +7,7 @@ Every default is the config dataclass's own (:class:`~shardsmith.cli.options.Fie
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import textwrap
@@ -181,6 +182,8 @@ def train(**flags: Any) -> None:
     world = int(os.environ["WORLD_SIZE"]) if external else flags["nproc_per_node"]
     cfg = train_config(flags, world)
     validate_layout(cfg.model, cfg.parallel)          # refuse before any process starts
+    if cfg.wandb and importlib.util.find_spec("wandb") is None:
+        raise click.UsageError("--wandb needs the wandb package: pip install wandb")
     cfg.num_microbatches()
     if flags["dry_run"]:
         print_estimate(cfg, flags["model_preset"], flags["as_json"])

@@ -173,3 +173,20 @@ def test_goodput_caption_of_the_plot() -> None:
                                         "other 0.0%) of 20.0 s")
     final = {"event": "goodput", "time": 21.0, **breakdown(records, end_time=40.0)}
     assert goodput_caption([*records, final]).startswith("goodput 12.5% ") and goodput_caption([]) == ""
+
+
+def test_replay_and_straggler_flags_reach_the_config_and_round_trip(data_path: str) -> None:
+    from click.testing import CliRunner
+
+    from shardsmith.cli.train_commands import train, train_config
+    from shardsmith.trainer.config import TrainConfig
+
+    ctx = train.make_context("train", ["--data", data_path, "--check-replay-every", "5", "--on-sdc", "skip-step",
+                                       "--straggler-every", "10", "--wandb"])
+    cfg = train_config(ctx.params, 1)
+    assert cfg.detect == DetectConfig(check_replay_every=5, on_sdc="skip-step", straggler_every=10) and cfg.wandb
+    assert TrainConfig.from_json(cfg.to_json()) == cfg
+    plain = TrainConfig()
+    assert "detect" not in plain.to_json() and "wandb" not in plain.to_json()   # manifests of plain runs unchanged
+    result = CliRunner().invoke(train, ["--data", data_path, "--on-sdc", "skip-rank"])
+    assert result.exit_code == 2 and "skip-rank" in result.output

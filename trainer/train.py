@@ -110,7 +110,8 @@ class Trainer:
                            bad_steps=BadStepPolicy(max_bad_steps=cfg.fault.max_bad_steps))
         step_math = StepMath(model, schedule, cfg.model, parallel, coords, num_mb,
                              bf16=cfg.mixed_precision == "bf16", grad_clip=cfg.optim.grad_clip)
-        events = EventLog(MetricsWriter(run_dir(cfg) if rank == 0 else ""), rank=rank)
+        events = EventLog(MetricsWriter(run_dir(cfg) if rank == 0 else "", wandb=cfg.wandb,
+                                        config=cfg.to_json() if cfg.wandb else None), rank=rank)
         grad_sum_groups = build_grad_sum_groups(cfg.model, parallel)
         restarts = elastic_restart_count()
         replicas = mesh["dp_replicate"].get_group() if parallel.dp_replicate > 1 else None
