@@ -12,7 +12,8 @@ tp2 x dp_shard2, 2 simulated nodes of 2 ranks (``--simulate-nodes 2``), in one b
   SIGKILLed as step ``--kill-step`` starts, then the whole node 1 (ranks 2 and 3, whose
   local tier is deleted: ``SHARDSMITH_TEST_LOSE_NODE_AT``) as step ``--node-step`` starts.
 * ``goodput``: the ``new`` path's flags, the same number of steps twice: without failures,
-  then with rank 1 SIGKILLed every ``--fail-every-s`` seconds (``SHARDSMITH_TEST_KILL_EVERY``);
+  then with rank 1 SIGKILLed after every ``--fail-every-s`` seconds of training
+  (``SHARDSMITH_TEST_KILL_EVERY``: counted from each restart's first step);
   the steps are as many as ``--goodput-s`` seconds take at the ``new`` run's rate. Goodput
   and its parts come from each run's ``metrics.jsonl`` (:mod:`shardsmith.trainer.detect.goodput`:
   productive, lost, checkpoint, recovery, start-up, other, as fractions of the wall time);
@@ -228,7 +229,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="overhead: pairs of runs")
     parser.add_argument("--warmup", type=int, default=5, help="overhead: steps left out of the rate")
     parser.add_argument("--measure", type=int, default=20, help="overhead: steps measured")
-    parser.add_argument("--budget-s", type=float, default=780,
+    parser.add_argument("--budget-s", type=float, default=600,
                         help="overhead: start no new pair after this many seconds of the bench")
     parser.add_argument("--persistent", choices=("local", "s3"), default="local",
                         help="the persistent store (--ckpt): /dev/shm, or the tests' loopback moto S3 server")

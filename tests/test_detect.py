@@ -190,3 +190,21 @@ def test_replay_and_straggler_flags_reach_the_config_and_round_trip(data_path: s
     assert "detect" not in plain.to_json() and "wandb" not in plain.to_json()   # manifests of plain runs unchanged
     result = CliRunner().invoke(train, ["--data", data_path, "--on-sdc", "skip-rank"])
     assert result.exit_code == 2 and "skip-rank" in result.output
+
+
+def test_goodput_bench_hook_kills_after_every_n_seconds_of_training(monkeypatch, tmp_path: Path) -> None:
+    import shardsmith.trainer.fault_hooks as fault_hooks
+
+    clock, kills = [1000.0], []
+    monkeypatch.setattr(fault_hooks.time, "time", lambda: clock[0])
+    monkeypatch.setattr(fault_hooks.os, "kill", lambda pid, sig: kills.append(sig))
+    env = {"SHARDSMITH_TEST_KILL_EVERY": "1:30", "SHARDSMITH_TEST_MARKER_DIR": str(tmp_path)}
+    other, hooks = fault_hooks.FaultHooks(0, env=env), fault_hooks.FaultHooks(1, env=env)
+    for step, t in ((1, 1000.0), (2, 1029.0)):       # the first step starts the clock: no kill before 30 s
+        clock[0] = t
+        hooks.at_step_start(step)
+    assert kills == []
+    clock[0] = 1030.0
+    other.at_step_start(3)
+    hooks.at_step_start(3)
+    assert len(kills) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["kill-every-rank1-step3"]

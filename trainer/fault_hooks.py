@@ -37,8 +37,8 @@ class FaultHooks:
     its save in flight, deletes its node's local checkpoint tier (the node's disk is gone) and
     SIGKILLs itself; name every rank of a node to lose the whole node.
     ``SHARDSMITH_TEST_KILL_EVERY="RANK:SECONDS"``: that rank SIGKILLs itself as the first step
-    starts that is SECONDS after its last such kill (its newest marker), or after the launch
-    (``$SHARDSMITH_LAUNCH_TIME``, else this process's start): a failure every SECONDS.
+    starts that is SECONDS after the first step of its trainer (each restart makes a new one):
+    a failure after every SECONDS of training, however long start-up and recovery take.
     ``SHARDSMITH_TEST_SLOW="RANK:SECONDS,..."``: that rank sleeps SECONDS after every step's
     forward and backward (a straggler: its compute time grows, its peers wait).
     ``SHARDSMITH_TEST_FLIP_BIT_AT="RANK:STEP[:FQN[:BIT]],..."``: in the replay of step STEP
@@ -62,7 +62,7 @@ class FaultHooks:
         self.flip = self._parse(env.get("SHARDSMITH_TEST_FLIP_BIT_AT", ""))
         every = [item.split(":") for item in env.get("SHARDSMITH_TEST_KILL_EVERY", "").split(",") if item.strip()]
         self.kill_every_s = sum(float(seconds) for r, seconds in every if int(r) == rank)
-        self._since = float(env.get("SHARDSMITH_LAUNCH_TIME", "") or time.time())
+        self._first_step_t: float | None = None
         self._fired: set[str] = set()
 
     def _parse(self, spec: str) -> dict[int, str]:
@@ -95,7 +95,10 @@ class FaultHooks:
             if on_node_loss is not None:
                 on_node_loss()
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.kill_every_s and time.time() - self._last_kill() >= self.kill_every_s and self._once("kill-every", step):
+        if self.kill_every_s and self._first_step_t is None:
+            self._first_step_t = time.time()
+        if self.kill_every_s and time.time() - (self._first_step_t or 0) >= self.kill_every_s \
+                and self._once("kill-every", step):
             say(f"rank {self.rank}: test hook: SIGKILL at step {step} ({self.kill_every_s:g} s since the last)")
             os.kill(os.getpid(), signal.SIGKILL)
         if step in self.kill and self._once("kill", step):
@@ -107,14 +110,6 @@ class FaultHooks:
             os.kill(os.getpid(), sig)
             if to_agent == "agent":                    # torchrun's agent: it forwards to all
                 os.kill(os.getppid(), sig)
-
-    def _last_kill(self) -> float:
-        """When this rank's last periodic kill fired (its newest marker), else the launch."""
-        if not self.marker_dir or not os.path.isdir(self.marker_dir):
-            return self._since
-        prefix = f"kill-every-rank{self.rank}-"
-        times = [e.stat().st_mtime for e in os.scandir(self.marker_dir) if e.name.startswith(prefix)]
-        return max(times, default=self._since)
 
     def in_step(self, step: int) -> None:
         """Hang inside step ``step``, if asked."""

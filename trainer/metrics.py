@@ -8,13 +8,15 @@ SIGKILL never leaves half a line):
 * step records: ``{"step", "loss", "lr", "grad_norm", "tokens_per_s", "seconds",
   "flops_per_s", "mfu"?, "skipped", "skipped_steps", "rollbacks", "restarts", "steps"?,
   "tokens_seen"?, "peak_mem_nbytes"?, "eta_s"?, "moe_load_imbalance"? (max/mean routed
-  tokens per expert, one per MoE layer), "moe_aux_loss"?}``;
+  tokens per expert, one per MoE layer), "moe_aux_loss"?, and at a straggler window's end
+  "compute_s_median", "compute_s_max", "wait_s_max", "slowest_rank"?, "slowest_compute_ratio"?}``;
 * events, with an ``"event"`` key: ``start`` (``restart_count``, ``world_size``, ``layout``),
   ``resume`` (``step``, ``saved_layout``, ``layout``, ``resharded``, ``reason``, ``seconds``,
   ``nbytes_read``, ``replicas_sharing_reads``, ``tp_siblings_share_reads``, ``rng``),
   ``save`` (``step``, ``nbytes``, ``seconds``, ``blocked_seconds``),
   ``bad_step``, ``rollback`` (``from_step``, ``to_step``, ``skip_samples``), ``data_skip``,
-  ``preempt``, ``hang_suspected``.
+  ``preempt``, ``hang_suspected``; ``straggler``, ``sdc``, ``nonfinite`` and, at the end,
+  ``goodput`` (:mod:`shardsmith.trainer.detect`).
 """
 
 from __future__ import annotations
