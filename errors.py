@@ -66,6 +66,11 @@ class TrainingDiverged(ShardsmithError, RuntimeError):
     """Bad steps could not be recovered from (no checkpoint, or too many rollbacks)."""
 
 
+class SilentDataCorruption(ShardsmithError, RuntimeError):
+    """A replayed step's gradients differ from the original's on some rank (``--on-sdc stop``;
+    names the ranks and tensors)."""
+
+
 class CheckpointMismatch(CheckpointError, ValueError):
     """A checkpoint does not fit the job that loads it: another model shape, missing or
     unexpected tensors, no optimizer state for a resume, or another run's root (names every

@@ -11,6 +11,15 @@ tp2 x dp_shard2, 2 simulated nodes of 2 ranks (``--simulate-nodes 2``), in one b
   (``--local-ckpt --local-replicas 1``), the same persistent store and interval; rank 1 is
   SIGKILLed as step ``--kill-step`` starts, then the whole node 1 (ranks 2 and 3, whose
   local tier is deleted: ``SHARDSMITH_TEST_LOSE_NODE_AT``) as step ``--node-step`` starts.
+* goodput (:mod:`shardsmith.trainer.detect.goodput`: productive, lost, checkpoint, recovery,
+  start-up, other, as fractions of the wall time, from each run's ``metrics.jsonl``): of the
+  ``baseline`` and ``new`` runs above (their injected failures), always; and with
+  ``--fail-every-s S`` (off by default: two more launches, which do not fit the acceptance's
+  1200 s on the shared 2-core VM), the ``new`` path's flags run the same number of steps twice:
+  without failures, then with rank 1 SIGKILLed after every S seconds of training
+  (``SHARDSMITH_TEST_KILL_EVERY``: counted from each restart's first step);
+  the steps are as many as ``--goodput-s`` seconds take at the ``new`` run's rate;
+  MTTR and steps lost per failure as below.
 * ``overhead``: ``--repeats`` pairs of uninterrupted runs, alternating which goes first: the
   local tier every step (the persistent store only at the end) vs no checkpoints; steps/s
   between the step records of ``metrics.jsonl`` after ``--warmup`` steps; the median of the
@@ -21,7 +30,9 @@ hooks' marker files (created just before the SIGKILL: their mtime is the kill ti
 ``mttr_s`` = the first step record after the restart's ``start`` - the kill; ``lost_steps`` = the
 last step finished before the kill (the killed step - 1) - the step the restart loaded; ``source`` = the ``recovery`` event's
 tier. The last stdout line is one JSON object; the targets are ``lost_steps <= 1``,
-``mttr_s <= 0.3 * baseline_mttr_s`` and ``overhead >= 0.95``.
+``mttr_s <= 0.3 * baseline_mttr_s`` and ``overhead >= 0.95``; ``goodput`` is the ``new`` run's
+productive fraction (``baseline_goodput`` the baseline's), ``periodic_goodput`` the run with a
+failure every ``--fail-every-s`` seconds (``periodic_goodput_no_failures`` the same run without).
 
 ``--persistent s3``: every ``--ckpt`` (baseline, new, overhead) is an ``s3://`` prefix on the
 tests' loopback moto server (``tests/helpers/s3server.py``, in this process), reached by the workers
@@ -124,7 +135,7 @@ def run_baseline(work: Path, data: str, args: argparse.Namespace) -> dict[str, A
     env = {"SHARDSMITH_TEST_KILL_AT": f"1:{args.kill_step}", "SHARDSMITH_TEST_MARKER_DIR": str(markers)}
     recs = train(root, data, args.kill_step + 3, "--ckpt", STORE.url(root), "--save-interval", str(args.save_interval),
                  "--max-restarts", "1", env=env)
-    return recovery(recs, kill_time(markers, "kill", args.kill_step), args.kill_step)
+    return {**recovery(recs, kill_time(markers, "kill", args.kill_step), args.kill_step), **goodput_of(recs)}
 
 
 def run_new(work: Path, data: str, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -135,9 +146,54 @@ def run_new(work: Path, data: str, args: argparse.Namespace) -> tuple[dict[str, 
     recs = train(root, data, args.node_step + 3, "--ckpt", STORE.url(root), "--save-interval", str(args.save_interval),
                  "--local-ckpt", str(local), "--local-save-interval", "1", "--local-replicas", "1",
                  "--restart", "in-process", "--spares", "3", "--max-restarts", "2", env=env)
+    args.rate = new_rate(recs)
     rank = recovery(recs, kill_time(markers, "kill", args.kill_step), args.kill_step)
     node = recovery(recs, kill_time(markers, "lose-node", args.node_step), args.node_step)
-    return rank, node
+    return {**rank, **goodput_of(recs)}, node
+
+
+def goodput_runs(work: Path, data: str, args: argparse.Namespace, rate: float) -> dict[str, Any]:
+    """Goodput without failures and with one every ``--fail-every-s`` seconds (same steps)."""
+    from shardsmith.trainer.detect.goodput import CATEGORIES, breakdown
+
+    steps = min(max(int(args.goodput_s * rate), 20), 5000)
+    flags = ["--save-interval", str(args.save_interval), "--local-save-interval", "1", "--local-replicas", "1",
+             "--restart", "in-process", "--spares", "2", "--max-restarts", "20"]
+    out: dict[str, Any] = {"periodic_steps": steps, "periodic_fail_every_s": args.fail_every_s}
+    for kind in ("clean", "failing"):
+        root, markers = work / f"goodput-{kind}", work / f"goodput-{kind}-markers"
+        env = {"SHARDSMITH_TEST_KILL_EVERY": f"1:{args.fail_every_s}", "SHARDSMITH_TEST_MARKER_DIR": str(markers)} \
+            if kind == "failing" else {}
+        recs = train(root, data, steps, "--ckpt", STORE.url(root), "--local-ckpt", str(work / f"goodput-{kind}-local"),
+                     *flags, env=env)
+        g = breakdown(recs)
+        print(f"  goodput {kind}: {g}", file=sys.stderr, flush=True)
+        if kind == "clean":
+            out["periodic_goodput_no_failures"] = g["goodput"]
+            continue
+        kills = sorted(markers.glob("kill-every-rank*-step*")) if markers.exists() else []
+        each = [recovery(recs, p.stat().st_mtime, int(p.name.rsplit("step", 1)[1])) for p in kills]
+        out.update(periodic_goodput=g["goodput"], periodic_parts={k: g[k] for k in CATEGORIES},
+                   periodic_wall_s=g["wall_s"], periodic_failures=len(kills),
+                   periodic_mttr_s=round(statistics.mean(r["mttr_s"] for r in each), 3) if each else None,
+                   periodic_steps_lost=sum(r["lost_steps"] for r in each))
+    return out
+
+
+def goodput_of(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run's goodput and its parts (fractions of its wall time; they sum to 1)."""
+    from shardsmith.trainer.detect.goodput import CATEGORIES, breakdown
+
+    g = breakdown(recs)
+    return {"goodput": g["goodput"], "goodput_parts": {k: g[k] for k in CATEGORIES}, "goodput_wall_s": g["wall_s"],
+            "goodput_sum": round(sum(g[k] for k in CATEGORIES), 4)}
+
+
+def new_rate(recs: list[dict[str, Any]]) -> float:
+    """Steps/s of a run between its step records (median interval, restarts left out)."""
+    times = [r["time"] for r in recs if "event" not in r and "loss" in r]
+    gaps = sorted(b - a for a, b in zip(times, times[1:]) if b > a)
+    return 1.0 / gaps[len(gaps) // 2] if gaps else 1.0
 
 
 def steps_per_s(recs: list[dict[str, Any]], warmup: int) -> float:
@@ -190,6 +246,10 @@ def main() -> None:
                         help="overhead: start no new pair after this many seconds of the bench")
     parser.add_argument("--persistent", choices=("local", "s3"), default="local",
                         help="the persistent store (--ckpt): /dev/shm, or the tests' loopback moto S3 server")
+    parser.add_argument("--fail-every-s", type=float, default=0,
+                        help="goodput: also two runs, without failures and with one every this many seconds (e.g. 30)")
+    parser.add_argument("--goodput-s", type=float, default=65,
+                        help="goodput: steps for about this many seconds at the new run's rate (2 failures at 30 s)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (its path is printed)")
     args = parser.parse_args()
     global STORE
@@ -202,6 +262,7 @@ def main() -> None:
         print(f"baseline (torchrun, persistent every {args.save_interval}): {base}", file=sys.stderr, flush=True)
         rank, node = run_new(work, data, args)
         print(f"in-process + local tier: rank {rank}, node {node}", file=sys.stderr, flush=True)
+        good = goodput_runs(work, data, args, args.rate) if args.fail_every_s > 0 else {}
         over = run_overhead(work, data, args, t0)
     finally:
         STORE.stop()
@@ -213,12 +274,18 @@ def main() -> None:
               "source": rank["source"], "node_mttr_s": node["mttr_s"], "node_lost_steps": node["lost_steps"],
               "node_source": node["source"], "baseline_mttr_s": base["mttr_s"],
               "baseline_lost_steps": base["lost_steps"], "baseline_source": base["source"],
-              "mttr_ratio": round(rank["mttr_s"] / base["mttr_s"], 3), **over, "persistent": args.persistent,
+              "mttr_ratio": round(rank["mttr_s"] / base["mttr_s"], 3), **over,
+              "goodput": rank["goodput"], "goodput_parts": rank["goodput_parts"], "goodput_sum": rank["goodput_sum"],
+              "baseline_goodput": base["goodput"], "baseline_goodput_parts": base["goodput_parts"], **good, "persistent": args.persistent,
               "load_avg_1m": round(os.getloadavg()[0], 2), "wall_s": round(time.time() - t0, 1)}
     print(f"{'':24}{'mttr_s':>8}{'lost':>6}  source\n{'torchrun + persistent':24}{base['mttr_s']:>8}"
           f"{base['lost_steps']:>6}  {base['source']}\n{'in-process, one rank':24}{rank['mttr_s']:>8}"
           f"{rank['lost_steps']:>6}  {rank['source']}\n{'in-process, one node':24}{node['mttr_s']:>8}"
-          f"{node['lost_steps']:>6}  {node['source']}\noverhead (local every step / none): {over['overhead']}")
+          f"{node['lost_steps']:>6}  {node['source']}\noverhead (local every step / none): {over['overhead']}\n"
+          f"goodput: new {rank['goodput']} vs baseline {base['goodput']}"
+          + (f"; {good['periodic_goodput']} with a failure every {args.fail_every_s:g} s ({good['periodic_failures']} "
+             f"failures, MTTR {good['periodic_mttr_s']} s, {good['periodic_steps_lost']} steps lost), "
+             f"{good['periodic_goodput_no_failures']} without" if good else ""))
     print(json.dumps(result))
 
 

@@ -7,10 +7,12 @@ Every default is the config dataclass's own (:class:`~shardsmith.cli.options.Fie
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
 import textwrap
+import time
 from typing import Any
 
 import click
@@ -142,6 +144,24 @@ fault_options = stack(
                  help="Peak FLOP/s of one device, for MFU (e.g. 989e12: H100 SXM bf16); 0 = no MFU."),
 )
 
+D = "shardsmith.trainer.detect"
+detect_options = stack(
+    field_option("DetectConfig", "straggler_every", "--straggler-every", module=D, type=int,
+                 help="Gather every rank's compute and wait times every N steps (0 = off)."),
+    field_option("DetectConfig", "straggler_factor", "--straggler-factor", module=D, type=float,
+                 help="A rank is slow when its compute time exceeds the median by this factor."),
+    field_option("DetectConfig", "straggler_windows", "--straggler-windows", module=D, type=int,
+                 help="Slow windows in a row before a straggler event names the rank."),
+    field_option("DetectConfig", "check_replay_every", "--check-replay-every", module=D, type=int,
+                 help="Re-run every N-th step's forward and backward and compare the gradients (0 = off)."),
+    field_option("DetectConfig", "on_sdc", "--on-sdc", module=D, type=click.Choice(["stop", "skip-step", "continue"]),
+                 help="After a replay mismatch: stop the job, drop the step's update, or only report."),
+    field_option("DetectConfig", "replay_tolerance", "--replay-tolerance", module=D, type=float,
+                 help="Allowed |diff| / max|grad| of a replay; negative = 0 on CPU (bitwise), 1e-5 on CUDA."),
+    field_option(T, "wandb", "--wandb", is_flag=True,
+                 help="Also log to Weights & Biases (offline unless WANDB_MODE is set; `wandb sync` uploads)."),
+)
+
 
 @click.command()
 @layout_options
@@ -150,6 +170,7 @@ fault_options = stack(
 @checkpoint_options
 @local_tier_options
 @fault_options
+@detect_options
 @dry_run_option("Check the configuration and print per-rank memory, FLOPs and pipeline bubble; "
                 "start nothing.")
 @json_option("the --dry-run report")
@@ -170,6 +191,8 @@ def train(**flags: Any) -> None:
     world = int(os.environ["WORLD_SIZE"]) if external else flags["nproc_per_node"]
     cfg = train_config(flags, world)
     validate_layout(cfg.model, cfg.parallel)          # refuse before any process starts (no torch yet)
+    if cfg.wandb and importlib.util.find_spec("wandb") is None:
+        raise click.UsageError("--wandb needs the wandb package: pip install wandb")
     cfg.num_microbatches()
     if flags["dry_run"]:
         print_estimate(cfg, flags["model_preset"], flags["as_json"], device_nbytes(flags))
@@ -190,6 +213,7 @@ def train(**flags: Any) -> None:
         setup_process()                 # as the launcher's workers: log levels, stacks on fatal signals
         run_training(cfg)
         exit_process(0)                 # finished and flushed: no teardown (see exit_process)
+    os.environ.setdefault("SHARDSMITH_LAUNCH_TIME", repr(time.time()))   # goodput's start (detect/goodput.py)
     dims = cfg.parallel
     click.echo(f"training {dims.describe()} on {plural(dims.world_size, 'process')} to step {cfg.steps}",
                err=True)
@@ -220,7 +244,7 @@ def plural(n: int, noun: str) -> str:
 def train_config(f: dict[str, Any], world: int | None):
     """Map ``train``'s flags onto :class:`~shardsmith.trainer.config.TrainConfig` (one field each)."""
     from shardsmith.storage.options import parse_storage_options
-    from shardsmith.trainer.config import (CheckpointConfig, DataConfig, FaultConfig, OptimConfig,
+    from shardsmith.trainer.config import (CheckpointConfig, DataConfig, DetectConfig, FaultConfig, OptimConfig,
                                            TrainConfig)
     from shardsmith.trainer.data import parse_data_args, resolve_vocab_size
 
@@ -251,10 +275,12 @@ def train_config(f: dict[str, Any], world: int | None):
         fault=FaultConfig(derive_dp_shard=f["dp_shard"] == -1,
                           **pick("preempt_deadline", "collective_timeout", "init_timeout", "hang_factor",
                                  "hang_min_seconds", "max_bad_steps", "max_rollbacks", "peak_flops")),
+        detect=DetectConfig(**pick("straggler_every", "straggler_factor", "straggler_windows",
+                                   "check_replay_every", "on_sdc", "replay_tolerance")),
         mixed_precision="bf16" if f["bf16"] else f["mixed_precision"],
         **pick("steps", "global_batch_size", "micro_batch_size", "seed", "activation_checkpointing",
                "sequence_parallel", "pipeline_schedule", "compile", "profile_steps", "log_interval",
-               "run_dir"))
+               "run_dir", "wandb"))
 
 
 def check_expert_tensor_parallel(f: dict[str, Any]) -> None:

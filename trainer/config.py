@@ -14,11 +14,12 @@ from shardsmith.errors import ConfigError
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.trainer.ckpt_config import CheckpointConfig
 from shardsmith.trainer.data import DataConfig
+from shardsmith.trainer.detect import DetectConfig
 from shardsmith.trainer.fault import FaultConfig
 from shardsmith.trainer.optim import OptimConfig
 
 __all__ = ["ModelConfig", "ParallelDims", "DataConfig", "OptimConfig", "CheckpointConfig",
-           "FaultConfig", "TrainConfig"]
+           "FaultConfig", "DetectConfig", "TrainConfig"]
 
 
 #: Pipeline schedules (``--pipeline-schedule``; torch classes in
@@ -50,6 +51,9 @@ class TrainConfig:
         log_interval: print every this many steps.
         run_dir: where metrics.jsonl goes (default: the checkpoint root, else none).
         fault: preemption, hang, bad-step and elastic settings.
+        detect: stragglers, replay checks for silent data corruption
+            (:mod:`shardsmith.trainer.detect`).
+        wandb: also log to Weights & Biases (offline unless ``WANDB_MODE`` says otherwise).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -58,6 +62,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    detect: DetectConfig = field(default_factory=DetectConfig)
     steps: int = 40
     global_batch_size: int = 16
     micro_batch_size: int = 2
@@ -70,6 +75,7 @@ class TrainConfig:
     profile_steps: tuple[int, ...] = ()
     log_interval: int = 1
     run_dir: str = ""
+    wandb: bool = False
 
     def __post_init__(self) -> None:
         self.profile_steps = tuple(int(s) for s in self.profile_steps)
@@ -121,9 +127,11 @@ class TrainConfig:
             if out["checkpoint"][name] == value:      # manifests of runs without a local tier unchanged
                 del out["checkpoint"][name]
         for name, default in (("sequence_parallel", False), ("pipeline_schedule", ""), ("compile", False),
-                              ("profile_steps", ())):
+                              ("profile_steps", ()), ("wandb", False)):
             if out[name] == default:        # runs without them write the bytes they always wrote
                 del out[name]
+        if out["detect"] == dataclasses.asdict(DetectConfig()):
+            del out["detect"]
         return out
 
     @classmethod
@@ -135,4 +143,5 @@ class TrainConfig:
                    optim=OptimConfig(**data.pop("optim")),
                    data=DataConfig(**{**data.pop("data")}),
                    checkpoint=CheckpointConfig(**data.pop("checkpoint")),
-                   fault=FaultConfig(**data.pop("fault", {})), **data)
+                   fault=FaultConfig(**data.pop("fault", {})),
+                   detect=DetectConfig(**data.pop("detect", {})), **data)

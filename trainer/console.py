@@ -62,7 +62,8 @@ class EtaClock:
 def step_line(record: dict[str, Any]) -> str:
     """The console line of a step record: step/total, loss, LR, gradient norm, tokens/s,
     ms/step, tokens seen, peak memory, MFU, the MoE router's load imbalance (max/mean routed
-    tokens per expert, the worst layer) and aux loss, and ETA (each when the record has it)."""
+    tokens per expert, the worst layer) and aux loss, the slowest rank when one stands out
+    (:mod:`shardsmith.trainer.detect.straggler`), and ETA (each when the record has it)."""
     def num(x: Any, fmt: str) -> str:
         return "nan" if x is None else format(x, fmt)
 
@@ -79,6 +80,8 @@ def step_line(record: dict[str, Any]) -> str:
         parts.append(f"MFU {record['mfu']:.1%}")
     if record.get("moe_load_imbalance"):
         parts.append(f"experts max/mean {max(record['moe_load_imbalance']):.2f}  aux {record['moe_aux_loss']:.3f}")
+    if "slowest_rank" in record:
+        parts.append(f"slowest rank {record['slowest_rank']} ({record['slowest_compute_ratio']:.1f}x median compute)")
     if "eta_s" in record:
         parts.append(f"ETA {duration(record['eta_s'])}")
     return "  ".join(parts) + ("  SKIPPED (non-finite)" if record["skipped"] else "")
@@ -182,6 +185,14 @@ _EVENT_LINES = {
     "rollback": lambda r: (f"rolled back from step {r['from_step']} to {r['to_step']}, skipping "
                            f"{r.get('skip_samples')} samples"),
     "data_skip": lambda r: f"skipping samples {r['from_sample']}..{r['to_sample']} (marked bad by a rollback)",
+    "straggler": lambda r: (f"straggler: rank(s) {r['ranks']} computed {r['factor']}x the median "
+                            f"({r['median_compute_s'] * 1000:,.0f} ms) or more for {r['windows']} windows in a row "
+                            f"(step {r['step']})"),
+    "sdc": lambda r: (f"silent data corruption? step {r['step']} replayed gave other gradients on rank(s) "
+                      f"{r['ranks']} (first: rank {r['rank']}, {r['tensor']}); --on-sdc {r['policy']}"),
+    "nonfinite": lambda r: (f"step {r['step']}: first non-finite value on rank {r['rank']} in {r['tensor']} "
+                            f"(ranks {r['ranks']})"),
+    "goodput": lambda r: "",                                  # the final line says it
     "hang_suspected": lambda r: (f"step {r['step']} has run {r['seconds']:.0f} s (> {r['threshold']:.0f} s): "
                                  "stacks dumped under hang-stacks/"),
 }

@@ -36,6 +36,14 @@ class FaultHooks:
     ``SHARDSMITH_TEST_LOSE_NODE_AT="RANK:STEP,..."``: as step STEP starts, that rank waits for
     its save in flight, deletes its node's local checkpoint tier (the node's disk is gone) and
     SIGKILLs itself; name every rank of a node to lose the whole node.
+    ``SHARDSMITH_TEST_KILL_EVERY="RANK:SECONDS"``: that rank SIGKILLs itself as the first step
+    starts that is SECONDS after the first step of its trainer (each restart makes a new one):
+    a failure after every SECONDS of training, however long start-up and recovery take.
+    ``SHARDSMITH_TEST_SLOW="RANK:SECONDS,..."``: that rank sleeps SECONDS after every step's
+    forward and backward (a straggler: its compute time grows, its peers wait).
+    ``SHARDSMITH_TEST_FLIP_BIT_AT="RANK:STEP[:FQN[:BIT]],..."``: in the replay of step STEP
+    (``--check-replay-every``), flip bit BIT (default 0) of the first element of the local
+    gradient FQN (default: the first parameter with one): a silent data corruption.
     ``SHARDSMITH_TEST_MARKER_DIR``: kills, signals and hangs fire once per (rank, step)
     across restarts (a marker file each); without it, once per process.
     """
@@ -49,6 +57,12 @@ class FaultHooks:
         self.nan = self._parse(env.get("SHARDSMITH_TEST_NAN_AT", ""))
         self.lose_node = self._parse(env.get("SHARDSMITH_TEST_LOSE_NODE_AT", ""))
         self.marker_dir = env.get("SHARDSMITH_TEST_MARKER_DIR", "")
+        slow = [item.split(":") for item in env.get("SHARDSMITH_TEST_SLOW", "").split(",") if item.strip()]
+        self.slow_s = sum(float(seconds) for r, seconds in slow if int(r) == rank)
+        self.flip = self._parse(env.get("SHARDSMITH_TEST_FLIP_BIT_AT", ""))
+        every = [item.split(":") for item in env.get("SHARDSMITH_TEST_KILL_EVERY", "").split(",") if item.strip()]
+        self.kill_every_s = sum(float(seconds) for r, seconds in every if int(r) == rank)
+        self._first_step_t: float | None = None
         self._fired: set[str] = set()
 
     def _parse(self, spec: str) -> dict[int, str]:
@@ -80,6 +94,12 @@ class FaultHooks:
             say(f"rank {self.rank}: test hook: node lost at step {step}")
             if on_node_loss is not None:
                 on_node_loss()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kill_every_s and self._first_step_t is None:
+            self._first_step_t = time.time()
+        if self.kill_every_s and time.time() - (self._first_step_t or 0) >= self.kill_every_s \
+                and self._once("kill-every", step):
+            say(f"rank {self.rank}: test hook: SIGKILL at step {step} ({self.kill_every_s:g} s since the last)")
             os.kill(os.getpid(), signal.SIGKILL)
         if step in self.kill and self._once("kill", step):
             say(f"rank {self.rank}: test hook: SIGKILL at step {step}")
@@ -115,6 +135,25 @@ class FaultHooks:
                     (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).fill_(float("nan"))
                     break
         return local_loss
+
+
+    def slow_down(self) -> None:
+        """Sleep ``SHARDSMITH_TEST_SLOW``'s seconds for this rank (after forward and backward)."""
+        if self.slow_s > 0:
+            time.sleep(self.slow_s)
+
+    def flip_bit(self, step: int, model: torch.nn.Module) -> None:
+        """Flip the asked bit of one local gradient element, in step ``step``'s replay."""
+        if step not in self.flip:
+            return
+        fqn, _, bit = self.flip[step].partition(":")
+        for name, p in model.named_parameters():
+            if p.grad is not None and (not fqn or name == fqn):
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                flat = g.view(-1)[:1].view({2: torch.int16, 4: torch.int32, 8: torch.int64}[g.element_size()])
+                flat ^= 1 << int(bit or 0)
+                say(f"rank {self.rank}: test hook: flipped bit {bit or 0} of {name}[0] in step {step}'s replay")
+                return
 
 
 def _test_hang_sleep() -> None:

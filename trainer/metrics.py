@@ -1,5 +1,5 @@
 """What a run reports: per-step metrics and events as JSON lines (and TensorBoard when
-installed), model-FLOPs utilization, and the console's human lines (the step line and one
+installed, Weights & Biases with ``--wandb``), model-FLOPs utilization, and the console's human lines (the step line and one
 line per event; JSON stays in metrics.jsonl). The plot is :mod:`shardsmith.trainer.plot`.
 
 Records of ``<run_dir>/metrics.jsonl`` (written by rank 0, one ``write()`` per line so a
@@ -8,13 +8,15 @@ SIGKILL never leaves half a line):
 * step records: ``{"step", "loss", "lr", "grad_norm", "tokens_per_s", "seconds",
   "flops_per_s", "mfu"?, "skipped", "skipped_steps", "rollbacks", "restarts", "steps"?,
   "tokens_seen"?, "peak_mem_nbytes"?, "eta_s"?, "moe_load_imbalance"? (max/mean routed
-  tokens per expert, one per MoE layer), "moe_aux_loss"?}``;
+  tokens per expert, one per MoE layer), "moe_aux_loss"?, and at a straggler window's end
+  "compute_s_median", "compute_s_max", "wait_s_max", "slowest_rank"?, "slowest_compute_ratio"?}``;
 * events, with an ``"event"`` key: ``start`` (``restart_count``, ``world_size``, ``layout``),
   ``resume`` (``step``, ``saved_layout``, ``layout``, ``resharded``, ``reason``, ``seconds``,
   ``nbytes_read``, ``replicas_sharing_reads``, ``tp_siblings_share_reads``, ``rng``),
   ``save`` (``step``, ``nbytes``, ``seconds``, ``blocked_seconds``),
   ``bad_step``, ``rollback`` (``from_step``, ``to_step``, ``skip_samples``), ``data_skip``,
-  ``preempt``, ``hang_suspected``.
+  ``preempt``, ``hang_suspected``; ``straggler``, ``sdc``, ``nonfinite`` and, at the end,
+  ``goodput`` (:mod:`shardsmith.trainer.detect`).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def model_flops_utilization(tokens_per_s: float, flops_token: float, peak_flops:
 
 class MetricsWriter:
     """Appends records to ``<run_dir>/metrics.jsonl`` and, when ``tensorboard`` is
-    installed, to a TensorBoard event file under ``<run_dir>/tensorboard``.
+    installed, to a TensorBoard event file under ``<run_dir>/tensorboard``; with ``wandb``,
+    to a Weights & Biases run under ``<run_dir>/wandb`` (the same scalars; ``goodput/*``).
 
     Only rank 0 makes one (the others pass ``run_dir=""``, which writes nothing).
     Thread-safe: the watchdog and the background save report through it too.
@@ -71,17 +74,26 @@ class MetricsWriter:
     Args:
         run_dir: directory of the run; empty = write nothing.
         tensorboard: also write TensorBoard scalars when the package is importable.
+        wandb: also log to Weights & Biases (``pip install wandb``), offline unless
+            ``WANDB_MODE`` says otherwise; ``config`` is the run's config there.
+
+    Raises:
+        ImportError: ``wandb`` asked for and not installed.
     """
 
-    def __init__(self, run_dir: str, *, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: str, *, tensorboard: bool = True, wandb: bool = False,
+                 config: dict[str, Any] | None = None) -> None:
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, METRICS_FILE) if run_dir else ""
         self._lock = threading.Lock()
         self._tb: Any = None
+        self._wandb: Any = None
         if run_dir:
             os.makedirs(run_dir, exist_ok=True)
             if tensorboard:
                 self._tb = _tensorboard_writer(os.path.join(run_dir, "tensorboard"))
+            if wandb:
+                self._wandb = _wandb_run(run_dir, config or {})
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record (a JSON-safe dict) as one line; scalars of step records go to
@@ -97,6 +109,8 @@ class MetricsWriter:
                 os.close(fd)
             if self._tb is not None:
                 self._write_tensorboard(record)
+            if self._wandb is not None:
+                self._wandb.log(_wandb_scalars(record))
 
     def _write_tensorboard(self, record: dict[str, Any]) -> None:
         step = record.get("step", 0)
@@ -116,6 +130,12 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.finish()
+            wandb.teardown()          # finish() returns before the wandb-core service wrote the run out
+            self._wandb = None
 
 
 class EventLog:
@@ -189,6 +209,31 @@ def _tensorboard_writer(log_dir: str) -> Any:
     except ImportError:                  # optional: `pip install tensorboard`
         return None
     return SummaryWriter(log_dir=log_dir)
+
+
+def _wandb_run(run_dir: str, config: dict[str, Any]) -> Any:
+    try:
+        import wandb
+    except ImportError as exc:
+        raise ImportError("--wandb needs the wandb package: pip install wandb") from exc
+    return wandb.init(dir=run_dir, project=os.environ.get("WANDB_PROJECT", "shardsmith"), config=config,
+                      mode=os.environ.get("WANDB_MODE", "offline"))       # compute nodes often have no network
+
+
+def _wandb_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A record's scalars under TensorBoard's tags (``train/*``, ``checkpoint/*``), and every
+    number of a ``goodput`` event as ``goodput/*``."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    kind = record.get("event")
+    if kind is None:
+        out = {f"train/{n}": record[n] for n in TB_SCALARS if number(record.get(n))}
+        return {**out, "train/step": record.get("step", 0)}
+    if kind == "goodput":
+        return {f"goodput/{k}": v for k, v in record.items() if number(v) and k != "time"}
+    return {f"checkpoint/{tag}": record[name] for event, name, tag in TB_EVENT_SCALARS
+            if kind == event and number(record.get(name))}
 
 
 def iter_json_lines(path: str) -> Iterator[dict[str, Any]]:

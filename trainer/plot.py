@@ -71,10 +71,20 @@ def read_runs(run_dirs: list[str]) -> list[dict[str, Any]]:
     return records
 
 
+def goodput_caption(records: list[dict[str, Any]]) -> str:
+    """The last job's goodput line (:func:`shardsmith.trainer.detect.goodput.goodput_line`):
+    the ``goodput`` event it wrote at its end, else computed from its records."""
+    from shardsmith.trainer.detect.goodput import breakdown, current_job, goodput_line
+
+    job = [r for r in current_job(records) if isinstance(r.get("time"), (int, float))]
+    final = [r for r in job if r.get("event") == "goodput"]
+    return goodput_line(final[-1] if final else breakdown(job)) if job else ""
+
+
 def plot_runs(run_dirs: list[str], out_path: str = "") -> str:
     """Draw the runs' loss, LR, gradient norm and tokens/s as one PNG (one curve across the
     runs), resumes marked by vertical lines: a reshard (the layout changed), a restart (same
-    layout) or a rollback. The file is written atomically (temporary file, then rename).
+    layout) or a rollback; the last job's goodput and where the rest of its time went below. The file is written atomically (temporary file, then rename).
 
     Args:
         run_dirs: run directories holding ``metrics.jsonl``, oldest first.
@@ -106,7 +116,8 @@ def plot_runs(run_dirs: list[str], out_path: str = "") -> str:
         ax.set_xlabel("step")
     axes[0][0].legend(loc="upper right")
     fig.suptitle(" + ".join(os.path.basename(os.path.abspath(d)) for d in run_dirs))
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.text(0.5, 0.01, goodput_caption(records), ha="center", fontsize=9)
     out_path = out_path or os.path.join(run_dirs[-1], "loss.png")
     fd, tmp = tempfile.mkstemp(prefix=".plot-", suffix=".png", dir=os.path.dirname(os.path.abspath(out_path)))
     try:

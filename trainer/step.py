@@ -51,6 +51,7 @@ class StepMetrics:
         tokens: tokens in the global batch.
         skipped: the update was not applied (non-finite loss or gradient norm).
         moe: MoE router statistics (:func:`shardsmith.trainer.moe.router_stats`); {} when dense.
+        detect: the straggler window's step-record fields (:mod:`shardsmith.trainer.detect.straggler`).
     """
 
     step: int
@@ -61,6 +62,7 @@ class StepMetrics:
     tokens: int
     skipped: bool = False
     moe: dict[str, Any] = field(default_factory=dict)
+    detect: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -25,7 +25,10 @@ import torch.distributed as dist
 from shardsmith.layout import validate_layout
 from shardsmith.trainer.checkpointing import CheckpointPolicy, TrainState
 from shardsmith.trainer.config import TrainConfig
+from shardsmith.trainer.detect import DetectConfig
 from shardsmith.trainer.data import GlobalBatchSampler, build_dataset
+from shardsmith.trainer.detect.goodput import breakdown, goodput_line, launch_time
+from shardsmith.trainer.detect.watch import Detectors
 from shardsmith.trainer.fault.bad_steps import BadStepPolicy
 from shardsmith.trainer.fault.elastic import elastic_restart_count, fit_world_size, warn_if_restarts_unsafe
 from shardsmith.trainer.fault.guard import FaultGuard
@@ -39,7 +42,7 @@ from shardsmith.trainer.preflight import schedule_change
 from shardsmith.trainer.optim import build_optimizer, lr_lambda
 from shardsmith.trainer.profiling import profile_step
 from shardsmith.trainer.context_parallel import context_parallel
-from shardsmith.trainer.parallel import (build_grad_sum_groups, build_mesh, build_stage_model,
+from shardsmith.trainer.parallel import (build_grad_sum_groups, build_mesh, build_stage_model, device_type,
                                         finalize_grads, init_distributed)
 from shardsmith.trainer.rng import seed_rng
 from shardsmith.trainer.step import StepMath, StepMetrics, build_schedule
@@ -78,6 +81,8 @@ class Trainer:
     mesh: Any = field(default=None, repr=False)
     guard: FaultGuard | None = field(default=None, repr=False)
     eta: EtaClock = field(default_factory=EtaClock, repr=False)
+    detect: Detectors = field(default_factory=lambda: Detectors(DetectConfig(straggler_every=0), lambda r: None),
+                              repr=False)
 
     @classmethod
     def create(cls, cfg: TrainConfig) -> "Trainer":
@@ -107,7 +112,8 @@ class Trainer:
         step_math = StepMath(model, schedule, cfg.model, parallel, coords, num_mb,
                              bf16=cfg.mixed_precision == "bf16", grad_clip=cfg.optim.grad_clip,
                              cp=context_parallel(mesh, parallel))
-        events = EventLog(MetricsWriter(run_dir(cfg) if rank == 0 else ""), rank=rank)
+        events = EventLog(MetricsWriter(run_dir(cfg) if rank == 0 else "", wandb=cfg.wandb,
+                                        config=cfg.to_json() if cfg.wandb else None), rank=rank)
         grad_sum_groups = build_grad_sum_groups(cfg.model, parallel)
         restarts = elastic_restart_count()
         replicas = mesh["dp_replicate"].get_group() if parallel.dp_replicate > 1 else None
@@ -117,7 +123,7 @@ class Trainer:
         return cls(cfg=cfg, rank=rank, coords=coords, state=state, step_math=step_math,
                    checkpointing=checkpointing, events=events, grad_sum_groups=grad_sum_groups,
                    hooks=FaultHooks(rank), flops_token=flops_per_token(cfg.model), restarts=restarts,
-                   mesh=mesh)
+                   mesh=mesh, detect=Detectors(cfg.detect, events, torch.device(device_type())))
 
     # ---- what tests and callers read ---------------------------------------------------------
 
@@ -160,25 +166,36 @@ class Trainer:
         start = state.sampler.sample_index
         inputs, targets = state.sampler.next_local_batch()
         state.optimizer.zero_grad(set_to_none=True)
+        rng = self.detect.rng_before(step)
+        t_compute = time.perf_counter()
         local_loss = step_math.forward_backward(inputs, targets)
+        self.hooks.slow_down()
+        compute_s = time.perf_counter() - t_compute
         moe = router_stats(state.model, self.cfg.model)
+        sdc = self.detect.check_replay(step, state.model, lambda: step_math.forward_backward(inputs, targets), rng,
+                                       lambda model: self.hooks.flip_bit(step, model))
+        t_wait = time.perf_counter()
         finalize_grads(state.model, self.grad_sum_groups)
         local_loss = self.hooks.corrupt(start // self.cfg.global_batch_size, state.model, local_loss)
         self.hooks.in_step(step)
         loss = step_math.global_loss(local_loss)
         grad_norm = step_math.grad_norm_and_clip()
+        wait_s = time.perf_counter() - t_wait
         lr = state.optimizer.param_groups[0]["lr"]
         verdict = state.bad_steps.observe(loss, grad_norm, start, state.sampler.sample_index)
+        if verdict != "ok":
+            self.detect.bad_step(step, state.model, float(local_loss))
         tokens = self.cfg.global_batch_size * self.cfg.model.seq_length
-        if verdict == "ok":
+        if verdict == "ok" and sdc == "ok":
             state.optimizer.step()
             state.scheduler.step()
             state.tokens_seen += tokens
         else:
             state.optimizer.zero_grad(set_to_none=True)
         state.step = step
+        detect = self.detect.timed(step, compute_s, wait_s)
         metrics = StepMetrics(step, loss, grad_norm, lr, time.perf_counter() - t0, tokens,
-                              skipped=verdict != "ok", moe=moe)
+                              skipped=verdict != "ok" or sdc != "ok", moe=moe, detect=detect)
         self.history.append(metrics)
         return metrics
 
@@ -200,6 +217,7 @@ class Trainer:
                              counters={"skipped_steps": bad_steps.skipped_steps,
                                        "rollbacks": bad_steps.rollbacks, "restarts": self.restarts})
         record.update(m.moe)
+        record.update(m.detect)
         record.update(steps=self.cfg.steps, tokens_seen=self.state.tokens_seen,
                       peak_mem_nbytes=peak_memory_nbytes(),
                       eta_s=round(self.eta.eta_s(m.duration_s, self.cfg.steps - m.step), 1))
@@ -232,12 +250,23 @@ class Trainer:
             if not self.preempted and self.checkpointing.final_due():
                 self.save()
             self.wait_for_save()
+            accounted = self._goodput() if self.rank == 0 else ""
         finally:
             self._disarm()
         if self.rank == 0 and not self.preempted:
             print(f"done: step {self.step}/{self.cfg.steps}, {len(self.history)} steps in "
-                  f"{duration(time.perf_counter() - t0)}", file=sys.stderr, flush=True)
+                  f"{duration(time.perf_counter() - t0)}{accounted}", file=sys.stderr, flush=True)
         return self.history
+
+    def _goodput(self) -> str:
+        """Rank 0: the run's ``goodput`` event (:mod:`shardsmith.trainer.detect.goodput`), from
+        its metrics.jsonl; ``"; goodput ..."`` for the final line, ``""`` without a run directory."""
+        path = self.events.writer.path
+        if not path or not os.path.exists(path):
+            return ""
+        g = breakdown(iter_json_lines(path), end_time=time.time())
+        self.events({"event": "goodput", "step": self.step, **g})
+        return "; " + goodput_line(g)
 
     def _resume_and_report(self) -> None:
         """Resume; say when the resumed step is at or past ``--steps`` and when the LR
@@ -301,7 +330,7 @@ class Trainer:
         directory = run_dir(self.cfg)
         dump = os.path.join(directory, "hang-stacks", f"rank-{self.rank:05d}.txt") if directory else ""
         self.guard = FaultGuard(self.cfg.fault, dump_path=dump, on_hang=self._on_hang)
-        self.events({"event": "start", "restart_count": self.restarts, "world_size": self.cfg.parallel.world_size,
+        self.events({"event": "start", "launch_time": round(launch_time(), 3), "restart_count": self.restarts, "world_size": self.cfg.parallel.world_size,
                      "layout": self.cfg.parallel.to_json(), "steps": self.cfg.steps})
 
     def _disarm(self) -> None:

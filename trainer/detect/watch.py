@@ -1,0 +1,68 @@
+"""The detectors the training loop holds: one object, four calls per step at most
+(:class:`Detectors`); what each costs is in its own module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from shardsmith.trainer.detect import DetectConfig
+from shardsmith.trainer.detect.nonfinite import attribute_nonfinite
+from shardsmith.trainer.detect.replay import judge_replay, replay_mismatches, rng_state, tolerance
+from shardsmith.trainer.detect.straggler import StragglerWatch
+
+
+@dataclass
+class Detectors:
+    """Stragglers, replay checks and non-finite attribution of one rank (every rank holds one
+    and calls each method at the same steps: some are collective).
+
+    Attributes:
+        cfg: what to watch and how often.
+        event: the run's event channel (rank 0 writes).
+        device: where the model computes (picks the replay tolerance).
+    """
+
+    cfg: DetectConfig
+    event: Callable[[dict[str, Any]], None]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    straggler: StragglerWatch = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.straggler = StragglerWatch(self.cfg)
+
+    def replay_due(self, step: int) -> bool:
+        """Step ``step`` is re-run and compared (the same answer on every rank)."""
+        every = self.cfg.check_replay_every
+        return every > 0 and step % every == 0
+
+    def rng_before(self, step: int) -> dict[str, Any] | None:
+        """The RNG state to replay from, on replay steps (call before the forward)."""
+        return rng_state() if self.replay_due(step) else None
+
+    def check_replay(self, step: int, model: torch.nn.Module, rerun: Callable[[], Any], rng: dict[str, Any] | None,
+                     after_replay: Callable[[torch.nn.Module], None] | None = None) -> str:
+        """On replay steps (``rng`` not None): re-run, compare, report, apply ``on_sdc``
+        (collective); ``"ok"`` or ``"skip"``. See :mod:`.replay`."""
+        if rng is None:
+            return "ok"
+        mine = replay_mismatches(model, rerun, rng, tolerance(self.cfg, self.device), after_replay)
+        return judge_replay(step, mine, self.cfg, self.event)
+
+    def timed(self, step: int, compute_s: float, wait_s: float) -> dict[str, Any]:
+        """Record a step's compute and wait times; at a window's end all-gather and judge
+        (collective). Returns the fields for the step record (see :mod:`.straggler`)."""
+        watch = self.straggler
+        watch.record(compute_s, wait_s)
+        if not watch.due(step):
+            return {}
+        fields, straggler = watch.close_window(step)
+        if straggler is not None:
+            self.event(straggler)
+        return fields
+
+    def bad_step(self, step: int, model: torch.nn.Module, local_loss: float) -> None:
+        """Name where a non-finite loss or gradient norm came from (collective, on bad steps)."""
+        self.event(attribute_nonfinite(step, model, local_loss))
