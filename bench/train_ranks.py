@@ -174,7 +174,10 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> None:
             groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
     norms = [torch.nn.utils.get_total_norm(g) for g in groups.values()]
     total = torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]).norm()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    coef = min(1.0, max_norm / (float(total) + 1e-6))
+    if coef < 1.0:
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
 
 
 # ---- spawning ------------------------------------------------------------------------------------

@@ -29,10 +29,12 @@ bcp() {  # declares torch<=2.5 (pip would fetch a CUDA torch 2.5): --no-deps, th
     .venv-bcp/bin/pip install -q --no-deps bytecheckpoint==0.0.2
     .venv-bcp/bin/pip install -q "mmh3>=4.1,<=4.2" universal-pathlib cachetools safetensors numpy \
         typing-extensions grpcio==1.69.0 protobuf==3.20.3
+    .venv-bcp/bin/pip install -q --no-deps -e .   # its ranks build the bench's model with shardsmith's code
 }
 titan() {  # trains on CPU with the shim in bench/peers/titan_run.py; triton is imported unconditionally
     mkvenv .venv-titan
     .venv-titan/bin/pip install -q --no-deps torchtitan==0.3.0
-    .venv-titan/bin/pip install -q triton tyro tomli tokenizers datasets psutil
+    .venv-titan/bin/pip install -q triton tyro tomli tokenizers datasets psutil einops tensorboard
+    .venv-titan/bin/pip install -q --no-deps spmd_types==0.2.3 torchdata torch_checkpointing
 }
 for peer in "${@:-mcore bcp titan}"; do for p in $peer; do "$p"; echo "$p ready"; done; done

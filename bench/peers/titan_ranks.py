@@ -9,7 +9,8 @@ bench/train_ranks.py ``titan``. torchtitan targets GPUs; on this CPU machine it 
 * flex attention replaced by causal SDPA (flex attention has no CPU backward; the bench's
   trainers all use causal SDPA over the packed sequence, so no per-document mask is built);
 * ``ReduceOp.PREMUL_SUM`` (gloo lacks it) replaced by SUM with the scaling applied after;
-  ``barrier(device_ids=...)`` without device ids; ``--parallelism.spmd_backend partial_dtensor``.
+  ``barrier(device_ids=...)`` without device ids; ``dist.set_timeout`` (absent in torch 2.13) a
+  no-op; ``parallelism.spmd_backend = partial_dtensor``.
 
 The model is the bench's shape registered as the flavor ``bench`` (same layers, hidden size,
 heads, kv heads, FFN width, vocab, sequence; fp32); data: the bench's JSONL corpus, through a
@@ -51,6 +52,8 @@ def shim() -> None:
         k.pop("device_ids", None)
         return barrier(*a, **k)
     dist.barrier = barrier_no_ids
+    if not hasattr(dist, "set_timeout"):                  # torchtitan calls it after step 1; torch 2.13 lacks it
+        dist.set_timeout = lambda *a, **k: None
     _premul_sum_as_sum()
 
 
@@ -63,20 +66,16 @@ def _props(*a: Any, **k: Any) -> _Props:
 
 
 def _premul_sum_as_sum() -> None:
-    """gloo has no PREMUL_SUM: FSDP2's gradient reduce-scatter then uses SUM; the 1/world
-    factor is applied by its own divide-factor fallback (``_div_if_needed``)."""
+    """gloo has no PREMUL_SUM (FSDP2 asks for it when torchtitan sets a gradient divide factor):
+    force FSDP2's sum-then-divide path, which divides by the same factor after a SUM."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fc
 
-    if hasattr(fc, "_get_gradient_divide_factors"):
-        orig = fc._get_gradient_divide_factors
+    orig = fc._get_gradient_divide_factors
 
-        def factors(*a: Any, **k: Any) -> Any:
-            out = list(orig(*a, **k))
-            for i, v in enumerate(out):
-                if v is dist.ReduceOp.PREMUL_SUM or getattr(v, "__class__", None).__name__ == "_PremulSum":
-                    out[i] = dist.ReduceOp.SUM
-            return tuple(out)
-        fc._get_gradient_divide_factors = factors
+    def factors(*a: Any, **k: Any) -> Any:
+        k["force_sum_reduction_for_comms"] = True
+        return orig(*a[:5], **k)
+    fc._get_gradient_divide_factors = factors
 
 
 def sdpa_attention() -> None:
@@ -85,10 +84,10 @@ def sdpa_attention() -> None:
     from torchtitan.models.common import attention
     from torchtitan.models.common import decoder
 
-    def forward(self: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attention_masks: Any = None,
-                score_mod: Any = None, scale: float | None = None, enable_gqa: bool = False,
-                out_transform: Any = None, **kw: Any) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+    def forward(self: Any, q_BLNH: torch.Tensor, k_BLNH: torch.Tensor, v_BLNH: torch.Tensor, *,
+                attention_masks: Any = None, score_mod: Any = None, scale: float | None = None,
+                enable_gqa: bool = False, out_transform: Any = None, **kw: Any) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2),
                                              is_causal=True, scale=scale, enable_gqa=enable_gqa)
         return out.transpose(1, 2)
     attention.FlexAttention.forward = forward
@@ -195,6 +194,9 @@ def build_config(spec: dict[str, Any]) -> Any:
 
 def run_titan(spec: dict[str, Any]) -> dict[str, Any]:
     """One rank: train ``spec["steps"]`` steps, then an async and a sync checkpoint."""
+    if os.environ.get("TITAN_DUMP_AFTER"):                # debugging a hang: every thread's stack
+        import faulthandler
+        faulthandler.dump_traceback_later(float(os.environ["TITAN_DUMP_AFTER"]), exit=True)
     shim()
     sdpa_attention()
     from torchtitan.tools.logging import init_logger
