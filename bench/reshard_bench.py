@@ -307,8 +307,7 @@ def report(manifest: Manifest, plan: Any, options: ReshardOptions, target: Paral
         "target": target.describe(), "runs": len(times["reshard"]),
         "targets_met": {"rss": peak <= rss_limit, "raw_copy": fraction >= 0.6, "dcp": speedup >= 2,
                         "cpu_vs_copy": cpu_vs_copy <= 1.3}}
-    out.update({k: round(v["median"], 3) for k, v in paired.items()}, spread=paired, within_noise=noise)
-    print(json.dumps(out))
+    print(json.dumps({**out, **{k: round(v["median"], 3) for k, v in paired.items()}, "spread": paired, "within_noise": noise}))
 
 
 def paired_stats(times: dict[str, list[float]], cpu: dict[str, list[float]], written: int,
