@@ -96,6 +96,21 @@ def parse_layout(name: str) -> ParallelDims:
     return ParallelDims(pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tp)
 
 
+def build_model(cfg: ModelConfig, dims: ParallelDims) -> tuple[Any, torch.nn.Module]:
+    """(mesh, this rank's pipeline stage of the trainer's model, parallelized under ``dims``,
+    uninitialized CPU memory). Collective (builds a mesh)."""
+    mesh = build_mesh(dims, device="cpu")                     # CPU shards, gloo, also on a GPU machine
+    stage = dims.coords(dist.get_rank())["pp"]
+    layers = stage_layers(cfg, dims)[stage]
+    with torch.device("meta"):
+        model = Transformer(cfg, layers, first=stage == 0, last=stage == dims.pp - 1,
+                            padded_vocab=padded_vocab_size(cfg.vocab_size, dims.tp),
+                            kv_copies=kv_replicas(cfg, dims))
+    parallelize(model, mesh, dims, bf16=False, activation_checkpointing=False)
+    model.to_empty(device="cpu")
+    return mesh, model
+
+
 def build_state(cfg: ModelConfig, dims: ParallelDims, fill: bool) -> tuple[dict, dict, dict, Any]:
     """This rank's state under ``dims``: (FQN -> DTensor or tensor for DCP, FQN -> local
     tensor for shardsmith, FQN -> global box, (the ``dp_replicate`` group, the ``tp`` group),
@@ -104,16 +119,8 @@ def build_state(cfg: ModelConfig, dims: ParallelDims, fill: bool) -> tuple[dict,
 
     Values depend only on (FQN, box), so replicas agree and both systems save the same bytes.
     """
-    mesh = build_mesh(dims, device="cpu")                     # CPU shards, gloo, also on a GPU machine
+    mesh, model = build_model(cfg, dims)
     rank = dist.get_rank()
-    stage = dims.coords(rank)["pp"]
-    layers = stage_layers(cfg, dims)[stage]
-    with torch.device("meta"):
-        model = Transformer(cfg, layers, first=stage == 0, last=stage == dims.pp - 1,
-                            padded_vocab=padded_vocab_size(cfg.vocab_size, dims.tp),
-                            kv_copies=kv_replicas(cfg, dims))
-    parallelize(model, mesh, dims, bf16=False, activation_checkpointing=False)
-    model.to_empty(device="cpu")
     boxes = rank_boxes(checkpoint_specs(cfg, dims), dims, rank)
     dcp_state: dict[str, torch.Tensor] = {}
     for fqn, p in model.named_parameters():
@@ -406,6 +413,40 @@ class Bench:
         self.cleanup()
 
 
+def start_peers(args: argparse.Namespace, cfg: ModelConfig, tmp: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """Rank 0: start each requested peer in its own interpreter (bench/lockstep.py); returns
+    (name -> PeerProcess, name -> why it is not run)."""
+    import bcp_peer
+    import megatron_peer
+
+    peers, why = {}, {}
+    for name, on, start in (("megatron", args.megatron, megatron_peer.start_peer),
+                            ("bytecheckpoint", args.bytecheckpoint, bcp_peer.start_peer)):
+        if not on:
+            why[name] = f"not requested (--{name})"
+        elif args.s3:
+            why[name] = "not run on --s3 (the peer writes to a local path)"
+        else:
+            peers[name], reason = start(cfg, args, tmp)
+            if peers[name] is None:
+                del peers[name]
+                why[name] = reason
+    return peers, why
+
+
+def peer_round(r: int, procs: dict[str, Any], peers: dict[str, Any]) -> None:
+    """Rank 0, right after our round ``r``: the same round of each running peer (the other ranks
+    wait in a barrier), so ours and each peer alternate. Appends its figures, or None, to ``peers``."""
+    for name, proc in list(procs.items()):
+        figures = proc.round(r) if proc.ready() else None
+        peers[name].append(figures)
+        if figures is None:
+            peers["why"][name] = f"{name} peer failed: {proc.why()}"
+            proc.close()
+            del procs[name]
+        log(f"{name} round {r}: {'ok' if figures else peers['why'][name]}")
+
+
 def worker(rank: int, args: argparse.Namespace, port: int, base: str, opts: dict, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -415,17 +456,28 @@ def worker(rank: int, args: argparse.Namespace, port: int, base: str, opts: dict
         bench = Bench(args, base, opts)
         log("state built")
         results: dict[str, list[dict]] = {}
-        for rep in range(args.warmup + args.repeats):
-            round_results: dict[str, list[dict]] = {}
-            bench.round(rep, round_results)
-            if rep >= args.warmup:
-                for k, v in round_results.items():
-                    results.setdefault(k, []).extend(v)
+        peers: dict[str, Any] = {"megatron": [], "bytecheckpoint": [], "why": {}}
+        procs: dict[str, Any] = {}
+        if rank == 0:                                # they start (untimed) during our warm-up
+            procs, peers["why"] = start_peers(args, bench.cfg, os.path.dirname(out))
+        try:
+            for rep in range(args.warmup + args.repeats):
+                round_results: dict[str, list[dict]] = {}
+                bench.round(rep, round_results)
+                if rep >= args.warmup:
+                    for k, v in round_results.items():
+                        results.setdefault(k, []).extend(v)
+                    if rank == 0:                    # the peers' round right after ours (A B A B ...)
+                        peer_round(rep - args.warmup, procs, peers)
+                    dist.barrier()
+        finally:
+            for proc in procs.values():
+                proc.close()
         nbytes = torch.tensor([sum(p.nbytes for p in bench.raw_parts)], dtype=torch.float64)
         dist.all_reduce(nbytes)
         if rank == 0:
             with open(out, "w") as f:
-                json.dump({"results": results, "nbytes": float(nbytes), "crc_ok": bench.crc_ok,
+                json.dump({"results": results, "peers": peers, "nbytes": float(nbytes), "crc_ok": bench.crc_ok,
                            "model": bench.cfg.to_json()}, f)
         bench.ckpt.wait()
     finally:
@@ -533,7 +585,8 @@ def megatron_side(args: argparse.Namespace, data: dict, summary: dict[str, Any])
     if args.megatron and args.s3:
         why = "not run on --s3 (Megatron's torch_dist writes to a local path)"
     elif args.megatron:
-        meg, why = megatron_peer.run_peer(ModelConfig.from_json(data["model"]), args)
+        meg, why = merge_rounds(data["peers"]["megatron"]), data["peers"]["why"].get("megatron", "")
+        meg = meg and {k: [x for x in v if x] if isinstance(v, list) else v for k, v in meg.items()}
     keys = megatron_peer.summarize(median(res, "ours.save"),
                                    {t: median(res, f"ours.load.{t}") for t in args.load_layouts.split(",")},
                                    median(res, "ours.save", "cpu"), meg)
@@ -550,6 +603,103 @@ def megatron_side(args: argparse.Namespace, data: dict, summary: dict[str, Any])
           f" ({keys['save_speedup_vs_megatron']:.2f}x ours), loads {keys['megatron_best_load_variant']}"
           f" ({keys['load_speedup_vs_megatron']:.2f}x ours, worst layout)")
     return keys
+
+
+def merge_rounds(rounds: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """A peer's per-round figures (key -> [measurement]) as one dict of per-round lists (None for
+    a failed round); ``loads_identical`` is the AND of the rounds; other fields the first round's."""
+    done = [r for r in rounds if r]
+    if not done:
+        return None
+    merged: dict[str, Any] = dict(done[0])
+    for key in done[0]:
+        if isinstance(done[0][key], list):
+            merged[key] = [r[key][0] if r and key in r else None for r in rounds]
+    merged["loads_identical"] = all(r.get("loads_identical", True) for r in done)
+    return merged
+
+
+def paired_ratios(args: argparse.Namespace, data: dict) -> dict[str, Any]:
+    """The headline ratios as medians of per-round ratios (ours and each rival alternate inside a
+    round), with their spread and verdicts (bench/robust.py); prints the table. Keys: the
+    ``*_vs_dcp``/``*_vs_megatron``/``*_vs_bytecheckpoint`` ratios (ByteCheckpoint: the worse of
+    as shipped and patched; ``*_bytecheckpoint_shipped``/``_patched`` each), ``spread`` and
+    ``within_noise``."""
+    import robust
+
+    res, targets = data["results"], args.load_layouts.split(",")
+
+    def col(key: str, field: str = "s") -> list[float]:
+        return [r[field] for r in res[key]]
+
+    stats: dict[str, Any] = {
+        "save_speedup_vs_dcp": robust.paired(col("dcp.save"), col("ours.save")),
+        "load_speedup_vs_dcp": worst([robust.paired(col(f"dcp.load.{t}"), col(f"ours.load.{t}")) for t in targets]),
+        "stall_vs_dcp": robust.paired(col("ours.async_bg", "blocked"), col("dcp.async_fg", "blocked"))}
+    meg = merge_rounds(data["peers"]["megatron"])
+    if meg:
+        best = [min(a["s"], b["s"]) if a and b else None for a, b in zip(meg["save"], meg["save_fp"])]
+        stats["save_speedup_vs_megatron"] = robust.paired(best, col("ours.save"))
+        stats["load_speedup_vs_megatron"] = worst([robust.paired(
+            [min(x["s"] for x in v if x) if any(v) else None
+             for v in zip(meg[f"load.{t}"], meg.get(f"load_fp.{t}", [None] * len(meg[f"load.{t}"])))],
+            col(f"ours.load.{t}")) for t in targets])
+        stats["stall_vs_megatron"] = robust.paired(col("ours.async_bg", "blocked"),
+                                                   [x["blocked"] if x else None for x in meg["async"]])
+    stats.update(bcp_stats(data, col, targets))
+    goals = {k: (v, "<=" if k.startswith("stall") else ">=", 0.1 if k.startswith("stall") else 1.3)
+             for k, v in stats.items()}
+    lines, noise = robust.judge(goals)
+    print("\npaired rounds (median of per-round ratios; >1 faster for speedups, <1 better for stalls):")
+    print("\n".join(lines))
+    if data["peers"]["why"]:
+        print("peers not measured: " + "; ".join(f"{k}: {v}" for k, v in data["peers"]["why"].items()))
+    out = {k: (v["median"] if v else None) for k, v in stats.items()}
+    out.update(spread={k: v for k, v in stats.items() if v}, within_noise=noise,
+               load_average=robust.load_average())
+    return out
+
+
+def worst(stats: list[dict[str, Any] | None], low: bool = True) -> dict[str, Any] | None:
+    """The stat with the lowest (``low``) or highest median; None if any is None (not measured)."""
+    if not stats or any(s is None for s in stats):
+        return None
+    return (min if low else max)(stats, key=lambda s: s["median"])
+
+
+def bcp_stats(data: dict, col: Callable[..., list[float]], targets: list[str]) -> dict[str, Any]:
+    """ByteCheckpoint's paired stats per mode (``shipped``, ``patched``) and the headline keys
+    (the worse mode). A load that failed in every round (as shipped: into pipeline stages) is
+    left out of that mode's worst layout and listed in ``bytecheckpoint_failures``."""
+    import robust
+
+    bcp = merge_rounds(data["peers"]["bytecheckpoint"])
+    if not bcp:
+        return {}
+    out: dict[str, Any] = {}
+    for mode in ("shipped", "patched"):
+        def peer(key: str, field: str = "s") -> list[float | None]:
+            return [x[field] if x else None for x in bcp.get(f"{mode}.{key}", [])]
+
+        def safe(num: list, den: list) -> dict[str, Any] | None:
+            try:
+                return robust.paired(num, den)
+            except ValueError:
+                return None
+        out[f"save_speedup_vs_bytecheckpoint_{mode}"] = safe(peer("save"), col("ours.save"))
+        loads = [safe(peer(f"load.{t}"), col(f"ours.load.{t}")) for t in targets]
+        out[f"load_speedup_vs_bytecheckpoint_{mode}"] = worst([x for x in loads if x]) if any(loads) else None
+        out[f"stall_vs_bytecheckpoint_{mode}"] = safe(col("ours.async_bg", "blocked"), peer("async", "blocked"))
+    for kind, low in (("save_speedup", True), ("load_speedup", True), ("stall", False)):
+        both = [out[f"{kind}_vs_bytecheckpoint_{m}"] for m in ("shipped", "patched")]
+        out[f"{kind}_vs_bytecheckpoint"] = worst([x for x in both if x], low) if any(both) else None
+    errors = {k: v for r in data["peers"]["bytecheckpoint"] if r for k, v in r.get("errors", {}).items()}
+    if errors:
+        print("ByteCheckpoint failures (first of each): " + "; ".join(f"{k}: {v[:120]}" for k, v in errors.items()))
+    identical = {k: v for r in data["peers"]["bytecheckpoint"] if r for k, v in r.get("loads_identical", {}).items()}
+    print(f"ByteCheckpoint 0.0.2 (outside its declared torch <= 2.5; fsyncs its files): loads identical to the "
+          f"saved values: {identical}")
+    return out
 
 
 def start_s3() -> tuple[Any, dict[str, Any], str]:
@@ -584,6 +734,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--megatron", action="store_true",
                    help="also run Megatron-Core dist_checkpointing on the same state (bench/megatron_peer.py; "
                         "interpreter from SHARDSMITH_MCORE_PYTHON, default .venv-mcore/bin/python)")
+    p.add_argument("--bytecheckpoint", action="store_true",
+                   help="also run ByteCheckpoint on the same state, as shipped and patched (bench/bcp_peer.py; "
+                        "interpreter from SHARDSMITH_BCP_PYTHON, default .venv-bcp/bin/python)")
     p.add_argument("--dir", default="", help="local directory for the checkpoints (default: a temp dir)")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -611,6 +764,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     summary = report(args, data)
     summary.update(megatron_side(args, data, summary))
+    summary.update(paired_ratios(args, data))
     print(json.dumps(summary))
     return 0
 

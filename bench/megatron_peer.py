@@ -2,19 +2,22 @@
 
 Two halves, in two interpreters:
 
-* :func:`run_peer` (shardsmith's Python, called by checkpoint_vs_dcp.py ``--megatron``) writes
+* :func:`start_peer` (shardsmith's Python, called by checkpoint_vs_dcp.py ``--megatron``) writes
   the state's description (every rank's FQN, global shape, box, replica id and fill seed, for
-  the save layout and each load layout) to JSON and runs this file under megatron-core's
-  Python (env ``SHARDSMITH_MCORE_PYTHON``, default ``<repo>/.venv-mcore/bin/python``). It
-  returns the figures, or ``None`` and a reason when that interpreter is absent or fails.
-* ``python bench/megatron_peer.py SPEC DIR OUT`` (megatron-core's Python; no shardsmith import)
+  the save layout and each load layout) to JSON and starts this file under megatron-core's
+  Python (env ``SHARDSMITH_MCORE_PYTHON``, default ``<repo>/.venv-mcore/bin/python``, built by
+  bench/peers/setup.sh). It returns the running peer, or ``None`` and a reason when that
+  interpreter is absent or fails.
+* ``python bench/megatron_peer.py SPEC DIR CTRL`` (megatron-core's Python; no shardsmith import)
   spawns ``nproc`` gloo ranks that build the same tensors (same values: the same generator
-  seeds) as ``ShardedTensor`` s, warm up once, then per repeat measure, from a barrier after a
+  seeds) as ``ShardedTensor`` s, warm up once, then run one round each time the bench asks
+  (bench/lockstep.py: its rounds alternate with ours), measuring, from a barrier after a
   page-cache flush + evict, like the bench: ``save`` (default torch_dist strategy), ``save_fp``
   (``FullyParallelSaveStrategyWrapper``), ``async`` (``async_sharded_save`` + a
   non-persistent ``AsyncCallsQueue``: ``blocked`` = seconds in ``save``, ``s`` = until
   finalized), and per load layout ``load.<L>`` / ``load_fp.<L>``
-  (``FullyParallelLoadStrategyWrapper``, ``exchange_algo="gather_object"``).
+  (``FullyParallelLoadStrategyWrapper``, ``exchange_algo="gather_object"``); loaded values are
+  checked against the seeds once per layout.
 
 On CPU, ``torch.cuda.current_device`` / ``torch.cuda.synchronize`` are replaced by no-ops in
 the Megatron ranks (shared/notes/megatron-core-on-cpu.md). Megatron always fsyncs its shard
@@ -31,9 +34,7 @@ import resource
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import zlib
 from typing import Any, Callable
@@ -88,33 +89,27 @@ def mcore_python() -> str:
     return os.environ.get("SHARDSMITH_MCORE_PYTHON", os.path.join(REPO, ".venv-mcore", "bin", "python"))
 
 
-def run_peer(cfg: Any, args: Any, timeout_s: float = 900.0) -> tuple[dict[str, Any] | None, str]:
-    """Run the Megatron ranks on ``args``' state (``nproc``, ``save_layout``, ``load_layouts``,
-    ``repeats``, ``fsync``, ``dir``). Returns (figures: key -> list of per-repeat measurements,
-    ``""``) or (None, why not)."""
+def start_peer(cfg: Any, args: Any, tmp: str) -> tuple[Any, str]:
+    """Start the Megatron ranks on ``args``' state (``nproc``, ``save_layout``, ``load_layouts``,
+    ``fsync``) under megatron-core's Python, in lockstep with the bench (bench/lockstep.py), in
+    the scratch directory ``tmp``. Returns (the started PeerProcess: wait with ``ready()``, "") or (None, why not)."""
+    from lockstep import PeerProcess
+
     py = mcore_python()
     if not os.path.exists(py):
-        return None, f"no megatron-core interpreter at {py} (set SHARDSMITH_MCORE_PYTHON)"
-    tmp = tempfile.mkdtemp(prefix="mcore-bench-", dir=args.dir or None)
+        return None, f"no megatron-core interpreter at {py} (bash bench/peers/setup.sh mcore, or set SHARDSMITH_MCORE_PYTHON)"
     try:
         spec = describe_state(cfg, args.save_layout, args.load_layouts.split(","), args.nproc)
-        spec.update(nproc=args.nproc, repeats=args.repeats, fsync=args.fsync)
-        with open(os.path.join(tmp, "spec.json"), "w") as f:
-            json.dump(spec, f)
-        out = os.path.join(tmp, "out.json")
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run([py, os.path.abspath(__file__), os.path.join(tmp, "spec.json"),
-                               os.path.join(tmp, "run"), out], env=env, timeout=timeout_s,
-                              capture_output=True, text=True)
-        if proc.returncode or not os.path.exists(out):
-            errors = [line for line in proc.stderr.splitlines() if "Error" in line or "Killed" in line]
-            return None, f"megatron peer failed (rc {proc.returncode}): {' | '.join(errors[-3:]) or proc.stderr[-500:]}"
-        with open(out) as f:
-            return json.load(f), ""
-    except (subprocess.TimeoutExpired, ValueError, OSError) as e:
+    except ValueError as e:
         return None, f"megatron peer not run: {e}"
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    spec.update(nproc=args.nproc, fsync=args.fsync)
+    with open(os.path.join(tmp, "mcore-spec.json"), "w") as f:
+        json.dump(spec, f)
+    peer = PeerProcess([py, os.path.abspath(__file__), os.path.join(tmp, "mcore-spec.json"),
+                        os.path.join(tmp, "mcore-run"), os.path.join(tmp, "mcore-ctrl")],
+                       os.path.join(tmp, "mcore-ctrl"), {**os.environ, "OMP_NUM_THREADS": "1"},
+                       os.path.join(tmp, "mcore.log"))
+    return peer, ""
 
 
 def summarize(ours_save: float, ours_loads: dict[str, float], ours_save_cpu: float,
@@ -302,7 +297,9 @@ def _fp_load_too_big(spec: dict[str, Any]) -> str:
     return "" if need < avail / 2 else f"needs ~{need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB available"
 
 
-def _worker(rank: int, spec: dict[str, Any], base: str, out: str, port: int) -> None:
+def _worker(rank: int, spec: dict[str, Any], base: str, ctrl: str, port: int) -> None:
+    import lockstep
+
     torch.set_num_threads(1)
     torch.cuda.current_device = lambda: "cpu"                       # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None                   # type: ignore[assignment]
@@ -313,24 +310,33 @@ def _worker(rank: int, spec: dict[str, Any], base: str, out: str, port: int) -> 
             _no_fsync()
         ops = _Ops(spec, base)
         ops.save("warmup", False)                  # the first save in a process takes seconds
-        results: dict[str, Any] = {"loads_identical": True, "load_fp_skipped": _fp_load_too_big(spec)}
+        skipped, checked = _fp_load_too_big(spec), set()
+        if rank == 0:
+            lockstep.peer_ready(ctrl)
+        r = 0
+        while True:
+            go = torch.tensor([int(rank != 0 or lockstep.peer_next(ctrl, r))])
+            dist.broadcast(go, 0)
+            if not int(go):
+                break
+            results: dict[str, Any] = {"loads_identical": True, "load_fp_skipped": skipped}
 
-        def run(key: str, fn: Callable[[], Any]) -> None:
-            results.setdefault(key, []).append(_measure(base, fn))
-            if key.startswith("load") and len(results[key]) == 1:
-                target = key.split(".", 1)[1]
-                results["loads_identical"] &= _loaded_ok(spec, target, ops.loaded[target])
-        for _ in range(spec["repeats"]):
+            def run(key: str, fn: Callable[[], Any]) -> None:
+                results[key] = [_measure(base, fn)]
+                if key.startswith("load") and key not in checked:
+                    checked.add(key)
+                    target = key.split(".", 1)[1]
+                    results["loads_identical"] &= _loaded_ok(spec, target, ops.loaded[target])
             run("save", lambda: ops.save("plain", False))
             run("save_fp", lambda: ops.save("fp", True))
             run("async", lambda: ops.async_save("async"))
             for target in spec["loads"]:
                 run(f"load.{target}", lambda: ops.load("plain", target, False))
-                if not results["load_fp_skipped"]:
+                if not skipped:
                     run(f"load_fp.{target}", lambda: ops.load("plain", target, True))
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(results, f)
+            if rank == 0:
+                lockstep.peer_done(ctrl, r, results)
+            r += 1
     finally:
         dist.destroy_process_group()
 
@@ -338,14 +344,15 @@ def _worker(rank: int, spec: dict[str, Any], base: str, out: str, port: int) -> 
 def main(argv: list[str]) -> int:
     import torch.multiprocessing as mp
 
-    spec_path, base, out = argv
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    spec_path, base, ctrl = argv
     with open(spec_path) as f:
         spec = json.load(f)
     os.makedirs(base, exist_ok=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(spec, base, out, port), nprocs=spec["nproc"], start_method="spawn")
+    mp.start_processes(_worker, args=(spec, base, ctrl, port), nprocs=spec["nproc"], start_method="spawn")
     return 0
 
 

@@ -1,0 +1,104 @@
+"""Rounds in lockstep between the bench and a peer running in its own interpreter.
+
+The peer (bench/megatron_peer.py, bench/bcp_peer.py) starts once, builds its state and warms up,
+then runs one round each time the bench tells it to, so its rounds alternate with ours
+(ours, peer, ours, peer ...) without paying its start-up (seconds: imports, a gRPC coordinator,
+a first save) in every round, and without its start-up overlapping our measurements.
+
+Files in a control directory carry the protocol: ``ready`` (peer built and warmed up),
+``go.<r>`` (bench: run round r), ``round.<r>.json`` (peer: round r's figures, written atomically),
+``stop`` (bench: no more rounds). Rank 0 of the peer polls; its other ranks wait in a barrier.
+Standard library only (both interpreters import it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from typing import Any, Callable
+
+POLL_S = 0.05
+
+
+def _write(path: str, data: Any) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
+
+
+def _wait_for(path: str, alive: Callable[[], bool], timeout_s: float) -> bool:
+    """True once ``path`` exists; False if ``alive()`` turns false or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if not alive() or time.monotonic() > deadline:
+            return os.path.exists(path)
+        time.sleep(POLL_S)
+    return True
+
+
+# ---- peer side (rank 0 only; the caller barriers) ------------------------------------------------
+
+
+def peer_ready(ctrl: str) -> None:
+    _write(os.path.join(ctrl, "ready"), {})
+
+
+def peer_next(ctrl: str, r: int) -> bool:
+    """Wait until the bench asks for round ``r`` (True) or stops (False)."""
+    go, stop = os.path.join(ctrl, f"go.{r}"), os.path.join(ctrl, "stop")
+    while not os.path.exists(go):
+        if os.path.exists(stop):
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
+def peer_done(ctrl: str, r: int, results: dict[str, Any]) -> None:
+    _write(os.path.join(ctrl, f"round.{r}.json"), results)
+
+
+# ---- bench side ------------------------------------------------------------------------------------
+
+
+class PeerProcess:
+    """A peer's interpreter running ``cmd`` (which gets ``ctrl`` as its control directory)."""
+
+    def __init__(self, cmd: list[str], ctrl: str, env: dict[str, str], log_path: str) -> None:
+        os.makedirs(ctrl, exist_ok=True)
+        self.ctrl, self.log_path = ctrl, log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def why(self) -> str:
+        """The peer's last error lines (for a 'skipped: ...' message)."""
+        self.log.flush()
+        with open(self.log_path, errors="replace") as f:
+            lines = f.read().splitlines()
+        errors = [line for line in lines if "Error" in line or "Killed" in line]
+        return f"rc {self.proc.poll()}: " + (" | ".join(errors[-3:]) or " | ".join(lines[-3:]))[:600]
+
+    def ready(self, timeout_s: float = 900.0) -> bool:
+        return _wait_for(os.path.join(self.ctrl, "ready"), self.alive, timeout_s)
+
+    def round(self, r: int, timeout_s: float = 900.0) -> dict[str, Any] | None:
+        """Run the peer's round ``r``; its figures, or None if it died or timed out."""
+        _write(os.path.join(self.ctrl, f"go.{r}"), {})
+        path = os.path.join(self.ctrl, f"round.{r}.json")
+        if not _wait_for(path, self.alive, timeout_s):
+            return None
+        with open(path) as f:
+            return json.load(f)
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        _write(os.path.join(self.ctrl, "stop"), {})
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()

@@ -1,0 +1,67 @@
+"""The benches' paired-round statistics (bench/robust.py) and peer lockstep (bench/lockstep.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
+
+import lockstep  # noqa: E402
+import robust  # noqa: E402
+
+
+def test_paired_is_the_median_of_per_round_ratios_with_its_spread() -> None:
+    # theirs / ours per round: 2.0, 4.0, 3.0, 10.0 -> median 3.5 (not 19 / 5.5 = 3.45, the ratio of sums)
+    stat = robust.paired([2.0, 8.0, 3.0, 10.0], [1.0, 2.0, 1.0, 1.0])
+    assert stat["median"] == pytest.approx(3.5)
+    assert (stat["min"], stat["max"]) == (2.0, 10.0)
+    assert stat["q1"] == pytest.approx(2.75) and stat["q3"] == pytest.approx(5.5)
+    assert robust.paired([1.0, None, 3.0], [1.0, 1.0, 0.0])["rounds"] == [1.0]    # missing rounds dropped
+    with pytest.raises(ValueError, match="no round"):
+        robust.paired([None], [1.0])
+
+
+def test_a_spread_that_straddles_the_goal_is_within_noise_not_met_or_missed() -> None:
+    stat = robust.spread([0.9, 1.05, 1.2])
+    assert robust.verdict(stat, ">=", 1.0) == "within noise"
+    assert robust.verdict(stat, ">=", 0.8) == "met"
+    assert robust.verdict(stat, ">=", 1.3) == "missed"
+    assert robust.verdict(stat, "<=", 1.3) == "met"
+    assert robust.verdict(stat, "<=", 0.85) == "missed"
+    lines, noise = robust.judge({"a": (stat, ">=", 1.0), "b": (stat, ">=", 0.5), "c": (None, ">=", 1.0)})
+    assert list(noise) == ["a"]
+    assert noise["a"]["goal"] == ">= 1" and noise["a"]["q1"] <= 1.0 <= noise["a"]["q3"]
+    assert len(noise["a"]["load"]) == 3
+    assert "within noise" in lines[0] and "met" in lines[1] and "not measured" in lines[2]
+
+
+def test_lockstep_runs_the_peer_round_by_round_then_stops(tmp_path) -> None:
+    ctrl = str(tmp_path)
+    seen: list[int] = []
+
+    def peer() -> None:                       # what a peer's rank 0 does
+        lockstep.peer_ready(ctrl)
+        r = 0
+        while lockstep.peer_next(ctrl, r):
+            seen.append(r)
+            lockstep.peer_done(ctrl, r, {"round": r})
+            r += 1
+    thread = threading.Thread(target=peer)
+    thread.start()
+
+    class Bench(lockstep.PeerProcess):        # the bench side, with a thread for the process
+        def __init__(self) -> None:
+            self.ctrl = ctrl
+
+        def alive(self) -> bool:
+            return thread.is_alive()
+    bench = Bench()
+    assert bench.ready(timeout_s=30)
+    assert [bench.round(r, timeout_s=30)["round"] for r in range(3)] == [0, 1, 2]
+    lockstep._write(os.path.join(ctrl, "stop"), {})
+    thread.join(30)
+    assert seen == [0, 1, 2] and not thread.is_alive()
