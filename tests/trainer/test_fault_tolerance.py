@@ -254,8 +254,10 @@ def test_flops_per_token_follows_palm_appendix_b() -> None:
 
 
 def _commit_stub(root: Path, step: int) -> None:
-    (root / step_dir(step)).mkdir(parents=True)
-    (root / step_dir(step) / "manifest.json").write_text("{}")      # presence = committed
+    """A real committed step of the tiny model (choose_resume reads the newest one's run id)."""
+    from ckpt_factory import MODEL, full_tensors, save_offline
+    from shardsmith.layout import ParallelDims
+    save_offline(Store(str(root)), step, ParallelDims(), full_tensors(MODEL), MODEL)
 
 
 def test_choose_resume_prefers_the_job_root_after_a_restart(tmp_path: Path) -> None:
