@@ -232,6 +232,15 @@ def choose_resume(how: str, root: Store | None, restarts: int,
     return explicit
 
 
+def data_differs(manifest: Manifest, cfg: TrainConfig) -> bool:
+    """True when ``cfg`` reads other samples than the run that saved ``manifest``. A
+    checkpoint imported from another format (its state names a ``source``: import-hf,
+    import-dcp, import-megatron) records no data of ours, so there is no position to map."""
+    if "source" in manifest.state:
+        return False
+    return data_changed((manifest.config or {}).get("data") or {}, cfg.data)
+
+
 def check_data_change(manifest: Manifest, cfg: TrainConfig, source: str) -> None:
     """Refuse a resume whose data differs from the checkpoint's unless ``--data-change`` says
     how the position maps.
@@ -240,7 +249,7 @@ def check_data_change(manifest: Manifest, cfg: TrainConfig, source: str) -> None
         ConfigError: naming both data configs, the sample index and the two choices.
     """
     saved = (manifest.config or {}).get("data") or {}
-    if cfg.checkpoint.data_change or not data_changed(saved, cfg.data):
+    if cfg.checkpoint.data_change or not data_differs(manifest, cfg):
         return
     index = (manifest.state.get("data") or {}).get("sample_index", "?")
     raise ConfigError(

@@ -163,12 +163,12 @@ def resume_changes(manifest: Manifest, cfg: TrainConfig, url: str, step: int,
     """
     from dataclasses import asdict
 
-    from shardsmith.trainer.data.config import data_changed, describe_data
-    from shardsmith.trainer.preflight import check_data_change
+    from shardsmith.trainer.data.config import describe_data
+    from shardsmith.trainer.preflight import check_data_change, data_differs
 
     saved = manifest.config or {}
     out: list[dict[str, Any]] = []
-    if data_changed(saved.get("data") or {}, cfg.data):
+    if data_differs(manifest, cfg):
         check_data_change(manifest, cfg, url)
         how = cfg.checkpoint.data_change
         out.append({"event": "data_change", "step": step, "how": how, "from": describe_data(saved.get("data") or {}),
