@@ -285,7 +285,8 @@ def _resume_losses(root: Path, layout: list[str], nproc: int, data_path: str) ->
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "shardsmith", "train", "--nproc-per-node", str(nproc), *layout,
                            *TINY_TRAIN_FLAGS, "--data", data_path, "--steps", "3", "--ckpt", str(root),
-                           "--resume", "auto", "--save-interval", "100"],
+                           "--resume", "auto", "--save-interval", "100",
+                           "--data-change", "continue"],       # the native step was saved with the default data
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:]
     records = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
