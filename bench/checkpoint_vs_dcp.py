@@ -69,10 +69,10 @@ from shardsmith.layout import ModelConfig, ParallelDims, stage_layers
 from shardsmith.layout.plan import checkpoint_specs, kv_replicas, padded_vocab_size, rank_boxes
 from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import open_manifest, step_dir
-from shardsmith.storage.fs import Store
-from shardsmith.trainer.async_save import AsyncCheckpointer
-from shardsmith.trainer.checkpoint import plan_local_writes, save_checkpoint
-from shardsmith.trainer.shared_reads import load_into_replicas, share_reader, shares_reads
+from shardsmith.storage.store.fs import Store
+from shardsmith.trainer.checkpoint.async_save import AsyncCheckpointer
+from shardsmith.trainer.checkpoint.save_load import plan_local_writes, save_checkpoint
+from shardsmith.trainer.checkpoint.shared_reads import load_into_replicas, share_reader, shares_reads
 from shardsmith.trainer.model import Transformer
 from shardsmith.trainer.parallel import build_mesh, parallelize
 

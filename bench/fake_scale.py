@@ -32,7 +32,7 @@ What is not the trainer's own code path, and why:
   model, 2.4x with real tensors), and with real tensors the step needs the weights, gradients
   and AdamW state plus about three of the largest shard's size, below the backward peak;
 * the step is a steady-state one: the rank's AdamW state
-  (:func:`shardsmith.trainer.checkpoint.init_optimizer_state`) and sharded gradients exist
+  (:func:`shardsmith.trainer.checkpoint.save_load.init_optimizer_state`) and sharded gradients exist
   before it, as in every step after the first and every microbatch after the first.
 
     OMP_NUM_THREADS=1 python bench/fake_scale.py               # all configs, table + JSON last line
@@ -118,7 +118,7 @@ def run_stage(c: Config, stage: int) -> dict[str, Any]:
 
     from shardsmith.layout import chunk_layers
     from shardsmith.layout.plan import kv_replicas, padded_vocab_size, param_specs
-    from shardsmith.trainer.checkpoint import init_optimizer_state
+    from shardsmith.trainer.checkpoint.save_load import init_optimizer_state
     from shardsmith.trainer.model import Transformer
     from shardsmith.trainer.optim import OptimConfig, build_optimizer
     from shardsmith.trainer.parallel import build_mesh, check_placements, parallelize

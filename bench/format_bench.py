@@ -9,7 +9,7 @@
 2. For each format, alternating, ``--runs`` times (medians reported):
    - **save**: what the ranks of a ``--save-layout`` (default tp2·pp2) job write, each
      rank's boxes in turn in this one process (safetensors: one file per rank via
-     ``SafetensorsFormat``; zarr: chunks and metadata via ``ZarrFormat``, storage/formats.py), then the
+     ``SafetensorsFormat``; zarr: chunks and metadata via ``ZarrFormat``, storage/formats/registry.py), then the
      commit. The same process and writer order for every format, so the ratio is fair;
      a real job writes the ranks' shares in parallel.
    - **reshard-load**: every rank of ``--load-layout`` (default dp_shard=4, a different
@@ -44,11 +44,11 @@ from shardsmith.layout.plan import checkpoint_specs, rank_boxes, write_assignmen
 from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, read_manifest, step_dir
-from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import ManifestBuilder
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.manifest.records import ManifestBuilder
 from shardsmith.storage.reading.execute import ReadStats
-from shardsmith.storage.formats import read_boxes
-from shardsmith.storage.formats import tensor_format as get_tensor_format
+from shardsmith.storage.formats.registry import read_boxes
+from shardsmith.storage.formats.registry import tensor_format as get_tensor_format
 
 STEP = 100
 MB = 1_000_000

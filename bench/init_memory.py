@@ -15,7 +15,7 @@ building (``Trainer.create``) below the full model's bytes (a rank that built th
 model once would exceed it). Workers run with
 ``MALLOC_ARENA_MAX=2`` (glibc otherwise keeps one arena per thread, and freed memory of
 the gloo threads' arenas stays resident), ``MALLOC_MMAP_THRESHOLD_=65536`` (see
-:data:`shardsmith.trainer.launch.MALLOC_ENV`, as `shardsmith train` sets them) and ``OMP_NUM_THREADS=1``.
+:data:`shardsmith.trainer.runtime.launch.MALLOC_ENV`, as `shardsmith train` sets them) and ``OMP_NUM_THREADS=1``.
 
 Prints a per-rank table, the "before" figure measured on the code that built the full
 model on every rank (see bench/README.md), and, as the last line, one JSON object.
@@ -36,7 +36,7 @@ from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import checkpoint_specs, param_specs, rank_boxes
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.trainer.config import DataConfig, OptimConfig, TrainConfig
-from shardsmith.trainer.launch import MALLOC_ENV    # the launcher's glibc malloc settings
+from shardsmith.trainer.runtime.launch import MALLOC_ENV    # the launcher's glibc malloc settings
 
 MIB = 2 ** 20
 #: "Before": this bench on commit 1f5db9a (the full fp32 model built and initialized on

@@ -51,10 +51,10 @@ from shardsmith.layout.plan import checkpoint_specs, shard_file_name, write_assi
 from shardsmith.reshard.planner import ReshardOptions, plan_reshard
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import commit, read_manifest, step_dir
-from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import Manifest, ManifestBuilder
-from shardsmith.storage.formats import read_box
-from shardsmith.storage.tensor_files import encode_and_record
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.manifest.records import Manifest, ManifestBuilder
+from shardsmith.storage.formats.registry import read_box
+from shardsmith.storage.formats.tensor_files import encode_and_record
 
 STEP = 100
 MB = 1_000_000
@@ -64,7 +64,7 @@ import json, resource, sys, time
 from shardsmith.reshard.engine import reshard
 from shardsmith.layout import ParallelDims
 from shardsmith.reshard.planner import ReshardOptions
-from shardsmith.storage.fs import Store
+from shardsmith.storage.store.fs import Store
 a = json.loads(sys.argv[1])
 u0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
 r = reshard(Store(a["src"]), a["dst"], ParallelDims.from_json(a["dims"]), options=ReshardOptions(**a["options"]))

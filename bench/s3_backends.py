@@ -6,11 +6,11 @@ The moto server runs in its own process (so the client's CPU is measured alone).
 object size, alternating which goes first on every repeat, it measures wall seconds and the
 client process's CPU seconds (user + system, all threads) of:
 
-* **put**: ``Store.write`` (s3fs, our parallel multipart upload: ``storage/multipart.py``) vs
+* **put**: ``Store.write`` (s3fs, our parallel multipart upload: ``storage/store/multipart.py``) vs
   ``obstore.put`` (Rust; multipart with the same part size and concurrency);
 * **get**: ``Store.read`` of the whole object, reading through s3fs
   (``SHARDSMITH_S3_READER=s3fs``) vs through obstore (the default:
-  storage/s3_reads.py), i.e. the product's read path both ways;
+  storage/store/s3_reads.py), i.e. the product's read path both ways;
 * **ranged get**: 8 ``Store.read_into`` calls of 1/8 of the object each into preallocated
   buffers, one after another, the same two ways;
 * **parallel ranged get**: the same 8 calls from 8 threads at once, as a load reads
@@ -75,8 +75,8 @@ def clients(endpoint: str, bucket: str) -> tuple[Any, Any, Any]:
     import fsspec
     from obstore.store import S3Store
 
-    from shardsmith.storage.fs import Store
-    from shardsmith.storage.s3_reads import READER_ENV
+    from shardsmith.storage.store.fs import Store
+    from shardsmith.storage.store.s3_reads import READER_ENV
 
     opts = {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": endpoint, "region_name": REGION}}
     fsspec.filesystem("s3", skip_instance_cache=True, **opts).call_s3("create_bucket", Bucket=bucket)

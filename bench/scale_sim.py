@@ -43,13 +43,13 @@ from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import checkpoint_specs, rank_boxes, shard_file_name, write_assignment
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, step_dir
-from shardsmith.storage.formats import SafetensorsFormat
-from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, ManifestBuilder
+from shardsmith.storage.formats.registry import SafetensorsFormat
+from shardsmith.storage.manifest.records import MANIFEST_NAME, FileRecord, ManifestBuilder
 from shardsmith.storage.cycle_gc import cycle_gc_paused
-from shardsmith.storage.manifest_read import ManifestReader
+from shardsmith.storage.manifest.read import ManifestReader
 from shardsmith.storage.reading.spans import intersections
-from shardsmith.storage.safetensors import _HEADER_PROBE_NBYTES, encode_header, file_order, shard_records
-from shardsmith.storage.sidecar import load_chunk_crcs, write_sidecar
+from shardsmith.storage.formats.safetensors import _HEADER_PROBE_NBYTES, encode_header, file_order, shard_records
+from shardsmith.storage.manifest.sidecar import load_chunk_crcs, write_sidecar
 
 STEP = 1000
 
@@ -64,7 +64,7 @@ class Counter:
 
 @dataclass
 class SimStore:
-    """An in-memory stand-in for :class:`shardsmith.storage.fs.Store`: the manifest and
+    """An in-memory stand-in for :class:`shardsmith.storage.store.fs.Store`: the manifest and
     ``latest`` are kept, every other object only as its size (reads return zeros)."""
 
     files: dict[str, Any] = field(default_factory=dict)
@@ -255,7 +255,7 @@ def verify_rss(path: str, mode: str) -> dict[str, Any]:
     with the per-file data checks stubbed out (no data here); ``whole`` parses the manifest
     whole (what verify held in memory before)."""
     from shardsmith.storage import verify
-    from shardsmith.storage.manifest_parse import parse_manifest
+    from shardsmith.storage.manifest.parse import parse_manifest
 
     raw = open(path, "rb").read()
     store = SimStore({f"{step_dir(STEP)}/{MANIFEST_NAME}": raw}).child(step_dir(STEP))

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python bench/train_overhead.py --nproc 2 --layout 1.1.2.1 --steps 65
 
-Launches the real trainer (``shardsmith.trainer.launch.launch``, torchrun's API, each time
+Launches the real trainer (``shardsmith.trainer.runtime.launch.launch``, torchrun's API, each time
 in a fresh process) twice per repeat, alternating which goes first: once with async
 checkpoints every ``--interval`` steps to a local directory and once without a checkpoint
 root, same model, data, layout and length.
@@ -99,7 +99,7 @@ def run_launch(cfg: TrainConfig, nproc: int, tmp: Path) -> None:
     path = tmp / "config.json"
     path.write_text(json.dumps(cfg.to_json()))
     code = ("import json, sys; from shardsmith.trainer.config import TrainConfig; "
-            "from shardsmith.trainer.launch import launch; "
+            "from shardsmith.trainer.runtime.launch import launch; "
             "launch(TrainConfig.from_json(json.load(open(sys.argv[1]))), int(sys.argv[2]))")
     subprocess.run([sys.executable, "-c", code, str(path), str(nproc)], check=True)
 

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from shardsmith.cli.options import FieldOption, dry_run_option, json_option, storage_option
-from shardsmith.storage.options import parse_storage_options
+from shardsmith.storage.store.options import parse_storage_options
 
 
 @click.command(short_help="Summarize a checkpoint (metadata only).")
@@ -152,7 +152,7 @@ def ls(root: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
     from shardsmith.storage.commit import read_latest_hint
     from shardsmith.storage.gc import describe_steps
 
-    from shardsmith.storage.uploads import list_uploads
+    from shardsmith.storage.store.uploads import list_uploads
 
     store = existing_root(root, storage_options)
     steps = describe_steps(store)
@@ -228,7 +228,7 @@ def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_s
     modified within --grace-seconds). Aborts unfinished multipart uploads under ROOT older
     than --uploads-grace (with --uploads, only that)."""
     from shardsmith.storage.gc import gc
-    from shardsmith.storage.uploads import abort_stale_uploads
+    from shardsmith.storage.store.uploads import abort_stale_uploads
 
     store = existing_root(root, storage_options)
     aborted = abort_stale_uploads(store, grace_s=uploads_grace, dry_run=dry_run)
@@ -258,9 +258,9 @@ def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_s
 def existing_root(root: str, storage_options: tuple[str, ...]) -> Any:
     """The Store of ROOT; CheckpointNotFound (one line, non-zero exit) when nothing is there."""
     from shardsmith.errors import CheckpointNotFound
-    from shardsmith.storage.fs import Store
+    from shardsmith.storage.store.fs import Store
 
-    from shardsmith.storage.uploads import list_uploads
+    from shardsmith.storage.store.uploads import list_uploads
 
     store = Store(root, parse_storage_options(storage_options))
     if not store.exists("") and not list_uploads(store):      # both retried and error-mapped

@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from shardsmith.cli.options import layout_options, make_dims, stack, storage_option
-from shardsmith.storage.options import parse_storage_options
+from shardsmith.storage.store.options import parse_storage_options
 
 hint_options = stack(
     click.option("--num-attention-heads", type=int, default=None,

@@ -8,7 +8,7 @@ import click
 
 from shardsmith.cli.foreign_commands import echo_import
 from shardsmith.cli.options import dtype_option, layout_options, make_dims, size_option, storage_option
-from shardsmith.storage.options import parse_storage_options
+from shardsmith.storage.store.options import parse_storage_options
 
 
 @click.command("export-hf")

@@ -141,7 +141,7 @@ def dry_run_option(what: str) -> F:
 
 def tensor_format_option(default_from: str | None, help: str) -> F:
     """``--format safetensors|zarr``; ``default_from=None``: no default (the source's)."""
-    from shardsmith.storage.manifest import TENSOR_FORMATS
+    from shardsmith.storage.manifest.records import TENSOR_FORMATS
 
     kwargs: dict[str, Any] = ({"cls": FieldOption, "default_from": default_from} if default_from
                               else {"default": None})
@@ -271,7 +271,7 @@ def model_from_flags(flags: dict[str, Any]) -> ModelConfig:
 # ---- the local checkpoint tier (train) -------------------------------------------------------------
 
 def _local_option(field: str, *decls: str, **kwargs: Any) -> F:
-    return field_option("CheckpointConfig", field, *decls, module="shardsmith.trainer.ckpt_config", **kwargs)
+    return field_option("CheckpointConfig", field, *decls, module="shardsmith.trainer.checkpoint.config", **kwargs)
 
 
 local_tier_options = stack(

@@ -131,7 +131,7 @@ def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, cp, expert
     from shardsmith.reshard.planner import ReshardOptions, plan_reshard
     from shardsmith.reshard.scaleout import Share, assign_files, launch_local
     from shardsmith.storage.commit import read_manifest, resolve_checkpoint
-    from shardsmith.storage.options import parse_storage_options
+    from shardsmith.storage.store.options import parse_storage_options
 
     target = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel, cp)
     if _convert_zarr(src, dst, target, tensor_format, zarr_codec, dtype, model_only, dry_run, verify,
@@ -251,7 +251,7 @@ def diff(ckpt_a, ckpt_b, atol, storage_options) -> None:
 
     Exits 0 iff all tensors are equal. Prints the max abs difference of each differing tensor and the tensors only one side has.
     """
-    from shardsmith.storage.options import parse_storage_options
+    from shardsmith.storage.store.options import parse_storage_options
 
     if not run_diff(ckpt_a, ckpt_b, atol=atol, storage_options=parse_storage_options(storage_options)):
         raise click.exceptions.Exit(1)

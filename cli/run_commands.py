@@ -1,5 +1,5 @@
 """``shardsmith plot`` and ``demo``: commands about training runs (flags onto
-:mod:`shardsmith.trainer.metrics` and :mod:`shardsmith.cli.demo`)."""
+:mod:`shardsmith.trainer.observe.metrics` and :mod:`shardsmith.cli.demo`)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def plot(run_dirs: tuple[str, ...], out_path: str) -> None:
     Needs matplotlib, which `pip install -e .` does not install: pip install -e ".[plot]"
     in a clone (else: pip install "shardsmith[plot]").
     """
-    from shardsmith.trainer.plot import plot_runs
+    from shardsmith.trainer.observe.plot import plot_runs
 
     try:
         written = plot_runs(list(run_dirs), out_path)

@@ -197,7 +197,7 @@ def train(**flags: Any) -> None:
     if flags["dry_run"]:
         print_estimate(cfg, flags["model_preset"], flags["as_json"], device_nbytes(flags))
         return
-    from shardsmith.trainer.preflight import COMMAND_ENV, prepare
+    from shardsmith.trainer.runtime.preflight import COMMAND_ENV, prepare
 
     # The step to load is resolved here, once, and every check that a manifest allows is made
     # before torch is imported and before any worker starts.
@@ -208,7 +208,7 @@ def train(**flags: Any) -> None:
     cfg = resolved
     if external:
         from shardsmith.trainer.train import run_training
-        from shardsmith.trainer.worker import exit_process, setup_process
+        from shardsmith.trainer.runtime.worker import exit_process, setup_process
 
         setup_process()                 # as the launcher's workers: log levels, stacks on fatal signals
         run_training(cfg)
@@ -218,11 +218,11 @@ def train(**flags: Any) -> None:
     click.echo(f"training {dims.describe()} on {plural(dims.world_size, 'process')} to step {cfg.steps}",
                err=True)
     if flags["restart_mode"] == "in-process":
-        from shardsmith.trainer.supervisor import launch_in_process
+        from shardsmith.trainer.runtime.supervisor import launch_in_process
 
         code = launch_in_process(cfg, dims.world_size, max_restarts=flags["max_restarts"], spares=flags["spares"])
     else:
-        from shardsmith.trainer.launch import launch
+        from shardsmith.trainer.runtime.launch import launch
 
         code = launch(cfg, dims.world_size, max_restarts=flags["max_restarts"])
     if code:
@@ -231,7 +231,7 @@ def train(**flags: Any) -> None:
 
 def under_torchrun() -> bool:
     """True when this process was started by torchrun (or another torchelastic agent); the
-    same test as :func:`shardsmith.trainer.launch.under_torchrun`, without importing torch."""
+    same test as :func:`shardsmith.trainer.runtime.launch.under_torchrun`, without importing torch."""
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
@@ -243,7 +243,7 @@ def plural(n: int, noun: str) -> str:
 
 def train_config(f: dict[str, Any], world: int | None):
     """Map ``train``'s flags onto :class:`~shardsmith.trainer.config.TrainConfig` (one field each)."""
-    from shardsmith.storage.options import parse_storage_options
+    from shardsmith.storage.store.options import parse_storage_options
     from shardsmith.trainer.config import (CheckpointConfig, DataConfig, DetectConfig, FaultConfig, OptimConfig,
                                            TrainConfig)
     from shardsmith.trainer.data import parse_data_args, resolve_vocab_size

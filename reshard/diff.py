@@ -1,6 +1,6 @@
 """Tensor-by-tensor comparison of two checkpoints, whatever their layouts.
 
-Every logical tensor is read back through :func:`shardsmith.storage.formats.read_box`
+Every logical tensor is read back through :func:`shardsmith.storage.formats.registry.read_box`
 (ranged, checksum-verified reads of whichever saved boxes intersect), in slabs of
 dim 0 so memory stays bounded by a few slabs, never the checkpoint or a whole tensor.
 The default is bitwise equality (``atol=0``: same dtype, same bytes, NaN payloads
@@ -18,10 +18,10 @@ import torch
 
 from shardsmith.layout.dtypes import DTYPE_NBYTES, FLOAT_DTYPES
 from shardsmith.layout.box import Box
-from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import Manifest
-from shardsmith.storage.formats import read_box
-from shardsmith.storage.tensor_files import TORCH_DTYPES
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.manifest.records import Manifest
+from shardsmith.storage.formats.registry import read_box
+from shardsmith.storage.formats.tensor_files import TORCH_DTYPES
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

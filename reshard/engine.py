@@ -41,15 +41,15 @@ from shardsmith.reshard.scaleout import Share, assign_files, cleanup, gather, pu
 from shardsmith.reshard.local_copy import copy_slab_verified, write_assembled_at, write_slab_at
 from shardsmith.reshard.stream import (BufferBudget, BufferPool, FileResult, assemble_slab, gc_frozen,
                                        return_freed_buffers_to_os)
-from shardsmith.storage import safetensors
+from shardsmith.storage.formats import safetensors
 from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
 from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
-from shardsmith.storage.fs import Store
-from shardsmith.storage.local import FileSpan, preallocate
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.store.local import FileSpan, preallocate
 from shardsmith.storage.lineage import rewritten_state
-from shardsmith.storage.manifest import FileRecord, Manifest, ManifestBuilder, ShardRecord, sidecar_name
-from shardsmith.storage.model_record import check_model_record
-from shardsmith.storage.sidecar import write_sidecar
+from shardsmith.storage.manifest.records import FileRecord, Manifest, ManifestBuilder, ShardRecord, sidecar_name
+from shardsmith.storage.manifest.model_record import check_model_record
+from shardsmith.storage.manifest.sidecar import write_sidecar
 
 log = logging.getLogger(__name__)
 

@@ -43,12 +43,12 @@ from shardsmith.reshard.foreign.write import write_checkpoint
 from shardsmith.reshard.hf_tokenizer import TokenizerCopy, copy_tokenizer
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
-from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import Manifest
-from shardsmith.storage.model_record import check_model_record
-from shardsmith.storage.safetensors import encode_header, write_stream
-from shardsmith.storage.formats import read_box
-from shardsmith.storage.tensor_files import DTYPE_NAMES, byte_view
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.manifest.records import Manifest
+from shardsmith.storage.manifest.model_record import check_model_record
+from shardsmith.storage.formats.safetensors import encode_header, write_stream
+from shardsmith.storage.formats.registry import read_box
+from shardsmith.storage.formats.tensor_files import DTYPE_NAMES, byte_view
 
 log = logging.getLogger(__name__)
 

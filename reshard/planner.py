@@ -31,8 +31,8 @@ from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.layout.dtypes import DTYPE_NBYTES, FLOAT_DTYPES
 from shardsmith.reshard.slabs import Slab, cut_slabs
-from shardsmith.storage.manifest import Manifest
-from shardsmith.storage.safetensors import encode_header, file_order
+from shardsmith.storage.manifest.records import Manifest
+from shardsmith.storage.formats.safetensors import encode_header, file_order
 
 
 MiB = 1024 * 1024

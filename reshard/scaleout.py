@@ -25,8 +25,8 @@ from shardsmith.errors import CheckpointError, ConfigError
 from shardsmith.layout.plan import lpt_assign
 from shardsmith.reshard.planner import ReshardPlan, TargetFile
 from shardsmith.reshard.stream import FileResult
-from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import FileRecord, ShardRecord
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.manifest.records import FileRecord, ShardRecord
 
 DONE_PREFIX = ".reshard-done-"
 

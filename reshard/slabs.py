@@ -15,7 +15,7 @@ from math import gcd, prod
 
 from shardsmith.layout.box import Box, row_major_span
 from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.storage.manifest import Manifest, ShardRecord
+from shardsmith.storage.manifest.records import Manifest, ShardRecord
 from shardsmith.storage.reading.spans import chunk_span, intersections
 
 

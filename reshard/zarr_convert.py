@@ -4,10 +4,10 @@
 layout's box boundaries, codec) from the sharding plan; a save and a conversion to the
 same layout agree on it. :func:`convert_format` rewrites a committed checkpoint of
 either format in a layout and format of choice, streaming one target box at a time: each
-box is read with :func:`~shardsmith.storage.formats.read_box` (ranged, verified reads of
+box is read with :func:`~shardsmith.storage.formats.registry.read_box` (ranged, verified reads of
 either source format) and written as zarr chunks or into the target rank's safetensors
 file, so peak memory is about the largest tensor box (plus encoded chunks awaiting upload,
-at most :data:`~shardsmith.storage.zarr_format.MAX_PENDING_NBYTES`).
+at most :data:`~shardsmith.storage.formats.zarr_format.MAX_PENDING_NBYTES`).
 
 The safetensors-to-safetensors case is the streaming engine's
 (:mod:`shardsmith.reshard.engine`, resumable, scale-out); this module covers every
@@ -28,17 +28,17 @@ from shardsmith.layout.plan import TensorSpec, checkpoint_specs, shard_file_name
 from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
-from shardsmith.storage.fs import Store
+from shardsmith.storage.store.fs import Store
 from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.storage.sidecar import write_sidecar
-from shardsmith.storage.manifest import (SIDECAR_SUFFIX, FileRecord, Manifest, ManifestBuilder, sidecar_name,
+from shardsmith.storage.manifest.sidecar import write_sidecar
+from shardsmith.storage.manifest.records import (SIDECAR_SUFFIX, FileRecord, Manifest, ManifestBuilder, sidecar_name,
                                          ShardRecord)
-from shardsmith.storage.safetensors import encode_header, file_order, shard_records, write_stream
+from shardsmith.storage.formats.safetensors import encode_header, file_order, shard_records, write_stream
 from shardsmith.storage.reading.execute import ReadStats
-from shardsmith.storage.formats import SafetensorsFormat, ZarrFormat, layout_arrays, read_box
-from shardsmith.storage.formats import tensor_format as tensor_format_of
-from shardsmith.storage.tensor_files import byte_view
-from shardsmith.storage.zarr_format import write_chunks, write_metadata
+from shardsmith.storage.formats.registry import SafetensorsFormat, ZarrFormat, layout_arrays, read_box
+from shardsmith.storage.formats.registry import tensor_format as tensor_format_of
+from shardsmith.storage.formats.tensor_files import byte_view
+from shardsmith.storage.formats.zarr_format import write_chunks, write_metadata
 
 def _target_specs(manifest: Manifest, dims: ParallelDims, model_only: bool, url: str) -> dict[str, TensorSpec]:
     """Specs of the target layout, with the source's dtypes; checks the source fits."""

@@ -27,7 +27,7 @@ except ImportError:                   # pragma: no cover - platforms without its
 from shardsmith.errors import IntegrityError
 
 if TYPE_CHECKING:
-    from shardsmith.storage.manifest import ShardRecord
+    from shardsmith.storage.manifest.records import ShardRecord
 
 #: Default chunk size for shard checksums, in bytes. A ranged read is widened to whole
 #: chunks so every byte it reads is verified: smaller chunks read less beyond what a

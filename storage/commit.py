@@ -19,10 +19,10 @@ from typing import Iterable
 from shardsmith.errors import BucketNotFound, CheckpointNotFound, LayoutError, ManifestError, SaveError, TargetCommitted
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.cycle_gc import cycle_gc_paused
-from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, Manifest
-from shardsmith.storage.manifest_parse import parse_manifest
-from shardsmith.storage.manifest_read import ManifestReader
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.manifest.records import MANIFEST_NAME, Manifest
+from shardsmith.storage.manifest.parse import parse_manifest
+from shardsmith.storage.manifest.read import ManifestReader
 
 log = logging.getLogger(__name__)
 

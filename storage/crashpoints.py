@@ -10,7 +10,7 @@ during the save of step STEP (any step when left out). POINT is a name below, or
 (``fs.mid_write@rank-00001.safetensors``, ``fs.before_publish@manifest.json``). Before dying
 the process writes ``test hook: SIGKILL at crash point POINT (rank R, step S)`` to stderr.
 With ``SHARDSMITH_TEST_MARKER_DIR`` set, each (rank, point, step) fires once across elastic
-restarts (a marker file there, as the step hooks of ``trainer/fault_hooks.py``), so a restarted
+restarts (a marker file there, as the step hooks of ``trainer/fault/hooks.py``), so a restarted
 group that saves the same step again gets through.
 
 Points, in the order a save reaches them (``c`` = the coordinator, rank 0, only):

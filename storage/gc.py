@@ -29,9 +29,9 @@ from typing import Any, Callable
 from shardsmith.layout.dims import ParallelDims
 from shardsmith.errors import ManifestError
 from shardsmith.storage.commit import parse_step_dir, read_manifest
-from shardsmith.storage.fs import Store
+from shardsmith.storage.store.fs import Store
 from shardsmith.storage.lineage import CORRUPT_NAME, corrupt_mark, run_id_of
-from shardsmith.storage.manifest import MANIFEST_NAME
+from shardsmith.storage.manifest.records import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
 

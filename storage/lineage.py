@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shardsmith.errors import CheckpointMismatch, ManifestError
-from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.manifest.records import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Two levels:
 
-* :func:`~shardsmith.storage.file_checks.check_file_once` — cheap, run by every load the
+* :func:`~shardsmith.storage.manifest.file_checks.check_file_once` — cheap, run by every load the
   first time it touches a data file (size and safetensors header); ranged reads then verify
   every byte they read against the per-chunk checksums.
 * :func:`verify_checkpoint` — everything, for ``shardsmith verify``: the manifest
@@ -24,13 +24,13 @@ from typing import Any
 
 from shardsmith.errors import CheckpointNotFound, ManifestError
 from shardsmith.storage.commit import open_manifest
-from shardsmith.storage.file_checks import (DEFAULT_BLOCK_NBYTES, FileShard, check_file_once, file_problems,
+from shardsmith.storage.manifest.file_checks import (DEFAULT_BLOCK_NBYTES, FileShard, check_file_once, file_problems,
                                             shards_in_file)
-from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, TensorRecord
-from shardsmith.storage.manifest_read import ManifestReader
-from shardsmith.storage.manifest_v2 import check_files
-from shardsmith.storage.model_record import model_record_problems
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.manifest.records import MANIFEST_NAME, Manifest, TensorRecord
+from shardsmith.storage.manifest.read import ManifestReader
+from shardsmith.storage.manifest.v2 import check_files
+from shardsmith.storage.manifest.model_record import model_record_problems
 
 __all__ = ["Problem", "VerifyReport", "verify_checkpoint", "check_file_once", "shards_in_file",
            "DEFAULT_BLOCK_NBYTES"]
@@ -168,7 +168,7 @@ def verify_checkpoint(step_store: Store, *, block_nbytes: int = DEFAULT_BLOCK_NB
 
     Checks the manifest (schema; every logical tensor's boxes inside its shape and
     covering it exactly once; byte ranges; checksum sidecar ranges; every tensor's shape as the
-    model record implies, see :mod:`shardsmith.storage.model_record`), then for every file:
+    model record implies, see :mod:`shardsmith.storage.manifest.model_record`), then for every file:
     present, size, safetensors header agreeing with the manifest (key -> dtype/shape/byte
     range), whole-file CRC-32C, and each shard's chunk CRC-32Cs. Files are streamed in
     blocks of ``block_nbytes``; a version-2 manifest is streamed tensor by tensor and its

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
-from shardsmith.storage.manifest import Manifest
-from shardsmith.storage.formats import read_box
+from shardsmith.storage.manifest.records import Manifest
+from shardsmith.storage.formats.registry import read_box
 from shardsmith.trainer.config import DataConfig, OptimConfig, TrainConfig
 
 TESTS_DIR = Path(__file__).resolve().parent

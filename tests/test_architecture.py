@@ -93,8 +93,8 @@ def test_a_rank_starts_without_the_object_store_and_zarr_stacks() -> None:
     """A safetensors job on local storage never imports botocore, aiohttp, obstore or zarr
     (0.25 CPU-s of every rank's start-up here): the retry classifier looks up their exception
     classes only once they are loaded, and the zarr code is imported by the zarr paths."""
-    code = ("import sys, shardsmith.trainer.train, shardsmith.trainer.worker, shardsmith.cli.train_commands, "
-            "shardsmith.storage.fs, shardsmith.reshard.engine\n"
+    code = ("import sys, shardsmith.trainer.train, shardsmith.trainer.runtime.worker, shardsmith.cli.train_commands, "
+            "shardsmith.storage.store.fs, shardsmith.reshard.engine\n"
             "print(sorted(m for m in ('botocore', 'aiohttp', 'obstore', 'zarr', 's3fs') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out

@@ -12,7 +12,7 @@ from typing import Any
 
 from shardsmith.errors import ConfigError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.trainer.ckpt_config import CheckpointConfig
+from shardsmith.trainer.checkpoint.config import CheckpointConfig
 from shardsmith.trainer.data import DataConfig
 from shardsmith.trainer.detect import DetectConfig
 from shardsmith.trainer.fault import FaultConfig
@@ -47,7 +47,7 @@ class TrainConfig:
             ``interleaved-1f1b`` with virtual stages, else ``1f1b``.
         compile: ``torch.compile`` each block in place (checkpoint FQNs unchanged).
         profile_steps: steps to trace with the PyTorch profiler (one Chrome trace per rank
-            under the run directory, :mod:`shardsmith.trainer.profiling`).
+            under the run directory, :mod:`shardsmith.trainer.observe.profiling`).
         log_interval: print every this many steps.
         run_dir: where metrics.jsonl goes (default: the checkpoint root, else none).
         fault: preemption, hang, bad-step and elastic settings.

@@ -1,13 +1,13 @@
 """The training loop: build the stage, parallelize, resume, step, checkpoint.
 
 Every rank runs :func:`run_training` with the same config (launched by torchrun). The
-checkpoint policy lives in :mod:`shardsmith.trainer.checkpointing`, the step's math in
+checkpoint policy lives in :mod:`shardsmith.trainer.checkpoint.policy`, the step's math in
 :mod:`shardsmith.trainer.step`. The loop survives failures (:mod:`shardsmith.trainer.fault`):
 after an elastic restart it resumes from the newest committed checkpoint, in whatever
 layout the new world size gives; SIGTERM/SIGUSR1 checkpoint at the next step boundary and
 return; a non-finite loss or gradient norm skips the update, and too many in a row roll
 back; a watchdog dumps the stacks of a hung step. What happened goes to ``metrics.jsonl``
-(:mod:`shardsmith.trainer.metrics`).
+(:mod:`shardsmith.trainer.observe.metrics`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shardsmith.layout import validate_layout
-from shardsmith.trainer.checkpointing import CheckpointPolicy, TrainState
+from shardsmith.trainer.checkpoint.policy import CheckpointPolicy, TrainState
 from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.detect import DetectConfig
 from shardsmith.trainer.data import GlobalBatchSampler, build_dataset
@@ -33,14 +33,14 @@ from shardsmith.trainer.fault.bad_steps import BadStepPolicy
 from shardsmith.trainer.fault.elastic import elastic_restart_count, fit_world_size, warn_if_restarts_unsafe
 from shardsmith.trainer.fault.guard import FaultGuard
 from shardsmith.trainer.fault.watchdog import apply_collective_timeout, set_group_timeouts
-from shardsmith.trainer.fault_hooks import FaultHooks
-from shardsmith.trainer.console import EtaClock, duration, known_peak_flops, peak_memory_nbytes
+from shardsmith.trainer.fault.hooks import FaultHooks
+from shardsmith.trainer.observe.console import EtaClock, duration, known_peak_flops, peak_memory_nbytes
 from shardsmith.trainer.moe import router_stats
-from shardsmith.trainer.metrics import (EventLog, MetricsWriter, flops_per_token,
+from shardsmith.trainer.observe.metrics import (EventLog, MetricsWriter, flops_per_token,
                                         iter_json_lines, run_dir, step_line, step_record)
-from shardsmith.trainer.preflight import schedule_change
+from shardsmith.trainer.runtime.preflight import schedule_change
 from shardsmith.trainer.optim import build_optimizer, lr_lambda
-from shardsmith.trainer.profiling import profile_step
+from shardsmith.trainer.observe.profiling import profile_step
 from shardsmith.trainer.context_parallel import context_parallel
 from shardsmith.trainer.parallel import (build_grad_sum_groups, build_mesh, build_stage_model, device_type,
                                         finalize_grads, init_distributed)

@@ -46,7 +46,7 @@ from shardsmith.reshard.foreign.common import MODEL_RECORD_KEY, ImportReport, Mo
 from shardsmith.reshard.foreign.dcp_reader import METADATA_NAME, DCPCheckpoint
 from shardsmith.reshard.foreign.write import write_checkpoint
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
-from shardsmith.storage.formats import read_box
+from shardsmith.storage.formats.registry import read_box
 
 #: AdamW state kinds: DCP name (after ``optimizer.state.<fqn>.``) -> our prefix.
 OPTIM_KINDS = {"exp_avg": "optim.exp_avg.", "exp_avg_sq": "optim.exp_avg_sq.", "step": "optim.step."}

@@ -33,7 +33,7 @@ from shardsmith.reshard.foreign.megatron import (BACKEND_JSON, EXTRA_STATE_MODUL
                                                  LAYER_MAP, LAYERS, QKV, fuse_qkv)
 from shardsmith.reshard.foreign.megatron_optim import STATE, common_steps, optimizer_common
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
-from shardsmith.storage.formats import read_box
+from shardsmith.storage.formats.registry import read_box
 
 
 @dataclass

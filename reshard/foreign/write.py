@@ -19,10 +19,10 @@ from shardsmith.layout.box import Box
 from shardsmith.layout.plan import checkpoint_specs, shard_file_name, write_assignment
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, ensure_not_committed, resolve_target, step_dir
-from shardsmith.storage.manifest import MANIFEST_NAME, ManifestBuilder
-from shardsmith.storage.manifest_parse import parse_manifest
-from shardsmith.storage.safetensors import file_order
-from shardsmith.storage.tensor_files import write_shard_file
+from shardsmith.storage.manifest.records import MANIFEST_NAME, ManifestBuilder
+from shardsmith.storage.manifest.parse import parse_manifest
+from shardsmith.storage.formats.safetensors import file_order
+from shardsmith.storage.formats.tensor_files import write_shard_file
 
 #: ``read(fqn, box)``: the box (global elements) of logical tensor ``fqn``, float32, contiguous.
 BoxReader = Callable[[str, Box], torch.Tensor]

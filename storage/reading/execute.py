@@ -1,8 +1,8 @@
 """Load-time read execution: run planned reads concurrently through the Store, verify, scatter.
 
-:func:`read_safetensors_boxes` (reached through :func:`shardsmith.storage.formats.read_boxes`)
+:func:`read_safetensors_boxes` (reached through :func:`shardsmith.storage.formats.registry.read_boxes`)
 plans with :mod:`shardsmith.storage.reading.plan`, reads each coalesced range with one
-:meth:`~shardsmith.storage.fs.Store.read_into` (local ``preadv`` / ranged GET, under the
+:meth:`~shardsmith.storage.store.fs.Store.read_into` (local ``preadv`` / ranged GET, under the
 store's retries), verifies every chunk with :func:`~shardsmith.storage.checksum.verify_chunks`
 before use, and copies scratch pieces into place.
 """
@@ -20,13 +20,13 @@ from shardsmith.errors import IntegrityError
 from shardsmith.layout.box import Box, row_major_strides
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.checksum import require_full_read, verify_chunks
-from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import Manifest
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.manifest.records import Manifest
 from shardsmith.storage.reading.plan import ReadPart, ScratchPiece, coalesce, plan_piece
 from shardsmith.storage.reading.spans import intersections
-from shardsmith.storage.tensor_files import TORCH_DTYPES
-from shardsmith.storage.file_checks import check_file_once
-from shardsmith.storage.sidecar import load_chunk_crcs
+from shardsmith.storage.formats.tensor_files import TORCH_DTYPES
+from shardsmith.storage.manifest.file_checks import check_file_once
+from shardsmith.storage.manifest.sidecar import load_chunk_crcs
 
 #: Ranged reads in flight at once in one :func:`read_safetensors_boxes` call (threads: local
 #: ``preadv`` and object-store GETs both release the GIL). On a local store each file's reads
@@ -47,7 +47,7 @@ LOCAL_SCRATCH_NBYTES = 32 * 2**20
 class ReadStats:
     """Bytes read from storage vs bytes the caller needed, for read amplification;
     ``tensors_shared``: tensors whose union a group of ranks read once
-    (:func:`shardsmith.trainer.shared_reads.load_into_siblings`)."""
+    (:func:`shardsmith.trainer.checkpoint.shared_reads.load_into_siblings`)."""
 
     nbytes_read: int = 0
     nbytes_needed: int = 0

@@ -21,9 +21,9 @@ import torch
 
 from shardsmith.layout.box import Box, row_major_span, row_major_strides
 from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.storage.manifest import ShardRecord, TensorRecord
+from shardsmith.storage.manifest.records import ShardRecord, TensorRecord
 from shardsmith.storage.reading.spans import chunk_span, intersections
-from shardsmith.storage.tensor_files import byte_view
+from shardsmith.storage.formats.tensor_files import byte_view
 
 #: Ranges of one file that touch are merged into one request up to this many bytes.
 MAX_MERGED_READ_NBYTES = 32 * 2**20
@@ -177,7 +177,7 @@ def planned_read_nbytes(rec: TensorRecord, box: Box, chunk: int) -> int:
     """Bytes a read of ``box`` of the tensor ``rec`` fetches from storage: the saved shards'
     checksum chunks it touches, as :func:`plan_piece` widens them (no I/O; safetensors
     checkpoints). Lets ranks compare reading boxes apart with reading their union once
-    (:func:`shardsmith.trainer.shared_reads.load_into_siblings`)."""
+    (:func:`shardsmith.trainer.checkpoint.shared_reads.load_into_siblings`)."""
     itemsize = DTYPE_NBYTES[rec.dtype]
     total = 0
     for shard, saved, common in intersections(rec, box):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from shardsmith.layout.box import Box
-from shardsmith.storage.manifest import ShardRecord, TensorRecord
+from shardsmith.storage.manifest.records import ShardRecord, TensorRecord
 
 
 def intersections(rec: TensorRecord, box: Box) -> Iterator[tuple[ShardRecord, Box, Box]]:

@@ -72,7 +72,7 @@ def read_staged(read: HostRead, requests: Sequence[Request], budget: int = STAGI
 
     Args:
         read: reads and verifies a list of ``(fqn, box, host destination)`` requests (the
-            storage read path, e.g. :func:`shardsmith.storage.formats.read_boxes` bound to a
+            storage read path, e.g. :func:`shardsmith.storage.formats.registry.read_boxes` bound to a
             store and manifest); called once per batch.
         requests: ``(fqn, global box, destination)`` with each destination of shape
             ``box.lengths`` (checked by ``read`` per run) on any device; overwritten.

@@ -24,13 +24,13 @@ from conftest import TINY_MODEL, tiny_train_config
 from shardsmith.errors import CheckpointMismatch, CheckpointNotFound
 from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import commit, step_dir
-from shardsmith.storage.fs import Store
-from shardsmith.trainer import launch as launcher
-from shardsmith.trainer.console import EtaClock, event_line, layout_name, step_line
+from shardsmith.storage.store.fs import Store
+from shardsmith.trainer.runtime import launch as launcher
+from shardsmith.trainer.observe.console import EtaClock, event_line, layout_name, step_line
 from shardsmith.trainer.fault.preemption import PreemptionHandler
-from shardsmith.trainer.metrics import EventLog, MetricsWriter, iter_json_lines
-from shardsmith.trainer.preflight import preflight, schedule_change
-from shardsmith.trainer.worker import report_error
+from shardsmith.trainer.observe.metrics import EventLog, MetricsWriter, iter_json_lines
+from shardsmith.trainer.runtime.preflight import preflight, schedule_change
+from shardsmith.trainer.runtime.worker import report_error
 
 RECORD = {"step": 41, "loss": 5.1234, "lr": 2.95e-4, "grad_norm": 1.234, "tokens_per_s": 12345.0,
           "seconds": 0.31, "skipped": False, "steps": 60, "tokens_seen": 1_300_000,
@@ -60,7 +60,7 @@ def test_events_are_human_lines_on_the_console_and_json_in_the_file(tmp_path: Pa
               "rng": {"x": list(range(600))}, "seconds": 1.5, "nbytes_read": 3 << 20}
     save = {"event": "save", "step": 40, "url": "runs/b/step-000000040", "nbytes": 600 << 20,
             "seconds": 1.0, "blocked_seconds": 0.31}
-    with caplog.at_level(logging.INFO, logger="shardsmith.trainer.metrics"):
+    with caplog.at_level(logging.INFO, logger="shardsmith.trainer.observe.metrics"):
         events(resume)
         events(save)
         events({"event": "start", "restart_count": 0})
@@ -172,7 +172,7 @@ def test_ls_and_gc_of_a_missing_root_fail(tmp_path: Path) -> None:
 def test_plot_draws_several_runs_as_one_curve(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     from shardsmith.cli.main import cli
-    from shardsmith.trainer.plot import loss_segments, read_runs
+    from shardsmith.trainer.observe.plot import loss_segments, read_runs
 
     first, second = tmp_path / "a", tmp_path / "b"
     for run, records in ((first, [{"step": 1, "loss": 3.0, "lr": 1e-3}, {"step": 2, "loss": 2.0, "lr": 2e-3}]),
@@ -275,7 +275,7 @@ def test_reshard_refuses_its_source_root_and_names_the_target_run(tmp_path: Path
     import json
 
     from shardsmith.cli.main import cli
-    from shardsmith.storage.manifest import MANIFEST_NAME
+    from shardsmith.storage.manifest.records import MANIFEST_NAME
 
     root = Store(str(tmp_path / "src"))
     manifest = save_direct(root, full_state(), SRC_DIMS)

@@ -133,7 +133,7 @@ def test_model_flags_default_to_tiny_and_show_it() -> None:
 def test_inspect_shows_the_model_config(tmp_path) -> None:
     from ckpt_factory import MODEL, full_tensors, save_offline
 
-    from shardsmith.storage.fs import Store
+    from shardsmith.storage.store.fs import Store
 
     save_offline(Store(str(tmp_path)), 3, ParallelDims(tp=2), full_tensors())
     result = CliRunner().invoke(cli, ["inspect", str(tmp_path)])

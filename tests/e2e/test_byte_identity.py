@@ -24,9 +24,9 @@ from shardsmith.reshard.hf_io import export_hf
 from shardsmith.reshard.planner import ReshardOptions
 from shardsmith.reshard.zarr_convert import convert_format
 from shardsmith.storage.commit import read_manifest, step_dir
-from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import SIDECAR_SUFFIX
-from shardsmith.storage.sidecar import load_chunk_crcs
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.manifest.records import SIDECAR_SUFFIX
+from shardsmith.storage.manifest.sidecar import load_chunk_crcs
 
 TESTS_DIR = next(p for p in Path(__file__).resolve().parents if p.name == "tests")
 sys.path[:0] = [str(TESTS_DIR / "helpers"), str(TESTS_DIR)]     # also when run as a script

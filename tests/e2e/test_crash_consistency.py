@@ -54,10 +54,10 @@ from shardsmith.storage import crashpoints
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import (find_latest_committed, list_steps, read_latest_hint, read_manifest,
                                        step_dir)
-from shardsmith.storage.fs import Store
-from shardsmith.storage.formats import read_boxes
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.formats.registry import read_boxes
 from shardsmith.storage.verify import verify_checkpoint
-from shardsmith.trainer.metrics import iter_json_lines
+from shardsmith.trainer.observe.metrics import iter_json_lines
 
 NPROC = 2
 CRASH_STEP = 2
@@ -198,7 +198,7 @@ def _rank_main(cfg_path: str, rank: int, port: int, crash: str, log_path: str) -
                        crashpoints.ENV_VAR: crash})
     crashpoints.configure()
     torch.set_num_threads(1)
-    from shardsmith.trainer import worker
+    from shardsmith.trainer.runtime import worker
 
     sys.exit(worker.main([cfg_path]))
 
@@ -243,13 +243,13 @@ class Launcher:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.ctx = multiprocessing.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["shardsmith.trainer.train", "shardsmith.trainer.worker", "s3fs",
+        self.ctx.set_forkserver_preload(["shardsmith.trainer.train", "shardsmith.trainer.runtime.worker", "s3fs",
                                          "test_crash_consistency"])
 
     def _config_file(self, name: str, flags: list[str]) -> str:
         """The config ``shardsmith train FLAGS`` runs, as the launcher hands it to workers."""
         from shardsmith.cli.main import train, train_config
-        from shardsmith.trainer.launch import config_payload
+        from shardsmith.trainer.runtime.launch import config_payload
 
         ctx = train.make_context("train", list(flags))
         path = self.workdir / f"{name}.config.json"

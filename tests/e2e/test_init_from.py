@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from shardsmith.cli.main import cli
 from shardsmith.storage.commit import list_steps
-from shardsmith.storage.fs import Store
+from shardsmith.storage.store.fs import Store
 from shardsmith.trainer.data import TokenDataset
 from hf_models import save_hf_llama
 

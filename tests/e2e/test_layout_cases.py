@@ -31,7 +31,7 @@ from conftest import assert_tensors_bitwise_equal, open_checkpoint, read_full_te
 from shardsmith.reshard.engine import reshard
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.storage.commit import step_dir
-from shardsmith.storage.fs import Store
+from shardsmith.storage.store.fs import Store
 from shardsmith.trainer.config import DataConfig, OptimConfig, TrainConfig
 
 pytestmark = pytest.mark.distributed

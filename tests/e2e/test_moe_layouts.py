@@ -127,7 +127,7 @@ def _reshard_matrix(tmp_path: Path) -> None:
     from shardsmith.reshard.diff import diff_checkpoints
     from shardsmith.reshard.engine import reshard
     from shardsmith.storage.commit import read_manifest
-    from shardsmith.storage.fs import Store
+    from shardsmith.storage.store.fs import Store
 
     two = step_dir(2)
     sources = {name: (str(tmp_path / name / "full" / two), MOE_LAYOUTS) for name in _TRAINED}

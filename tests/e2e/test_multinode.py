@@ -35,8 +35,8 @@ import pytest
 
 from conftest import TINY_TRAIN_FLAGS
 from shardsmith.storage.commit import list_steps
-from shardsmith.storage.fs import Store
-from shardsmith.trainer.metrics import iter_json_lines
+from shardsmith.storage.store.fs import Store
+from shardsmith.trainer.observe.metrics import iter_json_lines
 
 STEPS = 6
 SAVE_EVERY = 2

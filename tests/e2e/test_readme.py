@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO_ROOT
 
-from shardsmith.trainer.metrics import iter_json_lines
+from shardsmith.trainer.observe.metrics import iter_json_lines
 from shardsmith.trainer.optim import OptimConfig, lr_lambda
 
 README = REPO_ROOT / "README.md"

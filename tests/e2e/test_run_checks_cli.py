@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from shardsmith.storage.commit import list_steps, read_manifest, step_dir
-from shardsmith.storage.fs import Store
+from shardsmith.storage.store.fs import Store
 
 pytestmark = pytest.mark.distributed
 

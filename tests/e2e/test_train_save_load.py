@@ -39,7 +39,7 @@ from shardsmith.reshard.engine import reshard
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.plan import OPTIM_PREFIXES
 from shardsmith.storage.commit import step_dir
-from shardsmith.storage.fs import Store
+from shardsmith.storage.store.fs import Store
 from shardsmith.trainer.model import Transformer
 from shardsmith.trainer.weight_init import init_weights
 
@@ -260,7 +260,7 @@ def test_new_layout_resume_matches(trajectory: Trajectory, layout_run) -> None:
 ])
 def test_cli_refuses_layout_before_any_process(flags, needles, tmp_path, monkeypatch, data_path) -> None:
     from shardsmith.cli.main import cli
-    from shardsmith.trainer import launch
+    from shardsmith.trainer.runtime import launch
 
     def no_launch(*args, **kwargs):
         raise AssertionError("a worker was launched for an invalid layout")

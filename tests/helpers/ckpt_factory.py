@@ -2,7 +2,7 @@
 
 :func:`write_step` writes any step through the real storage API: each file streamed by
 ``write_shard_file`` (the trainer's writer) in safetensors order, the manifest assembled
-by :class:`~shardsmith.storage.manifest.ManifestBuilder`, then ``commit``. Every test that
+by :class:`~shardsmith.storage.manifest.records.ManifestBuilder`, then ``commit``. Every test that
 needs a checkpoint on disk builds it here:
 
 * :func:`make_checkpoint` writes the tiny step the storage tests share: two shard files,
@@ -27,12 +27,12 @@ from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import checkpoint_specs, shard_file_name, write_assignment
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import commit, read_manifest, step_dir
-from shardsmith.storage.formats import read_box
-from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import Manifest, ManifestBuilder, now_iso
-from shardsmith.storage.safetensors import file_order
-from shardsmith.storage.sidecar import write_sidecar
-from shardsmith.storage.tensor_files import DTYPE_NAMES, TORCH_DTYPES, write_shard_file
+from shardsmith.storage.formats.registry import read_box
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.manifest.records import Manifest, ManifestBuilder, now_iso
+from shardsmith.storage.formats.safetensors import file_order
+from shardsmith.storage.manifest.sidecar import write_sidecar
+from shardsmith.storage.formats.tensor_files import DTYPE_NAMES, TORCH_DTYPES, write_shard_file
 
 TINY_CHUNK_NBYTES = 16
 FILE0, FILE1 = "shards/rank-00000.safetensors", "shards/rank-00001.safetensors"

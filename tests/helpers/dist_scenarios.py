@@ -145,7 +145,7 @@ def task_reshard(cfg: TrainConfig, task: dict[str, Any]) -> None:
     """Rank 0 reshards ``src`` to ``dst`` offline (the engine of ``shardsmith reshard``)."""
     from shardsmith.layout import ParallelDims
     from shardsmith.reshard.engine import reshard
-    from shardsmith.storage.fs import Store
+    from shardsmith.storage.store.fs import Store
 
     if dist.get_rank() == 0:
         reshard(Store(task["src"]), task["dst"], ParallelDims.from_json(task["parallel"]))

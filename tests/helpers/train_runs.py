@@ -19,8 +19,8 @@ from typing import Any
 
 from conftest import TINY_TRAIN_FLAGS
 from shardsmith.storage.commit import list_steps
-from shardsmith.storage.fs import Store
-from shardsmith.trainer.metrics import iter_json_lines
+from shardsmith.storage.store.fs import Store
+from shardsmith.trainer.observe.metrics import iter_json_lines
 
 #: Steps and save interval of the shared reference run.
 REFERENCE_STEPS = 8

@@ -26,16 +26,16 @@ from shardsmith.reshard.progress import PROGRESS_NAME
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.plan import shard_file_name
 from shardsmith.reshard.planner import ReshardOptions, plan_reshard
-from shardsmith.storage.safetensors import encode_header, file_order
+from shardsmith.storage.formats.safetensors import encode_header, file_order
 from shardsmith.reshard.scaleout import Share, assign_files
 from shardsmith.reshard.stream import BufferBudget, BufferPool
 from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import ChunkedCrc, chunk_crc32c, grid_crcs
 from shardsmith.storage.commit import read_manifest, step_dir
-from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import SIDECAR_SUFFIX
-from shardsmith.storage.formats import read_box
-from shardsmith.storage.tensor_files import DTYPE_NAMES
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.manifest.records import SIDECAR_SUFFIX
+from shardsmith.storage.formats.registry import read_box
+from shardsmith.storage.formats.tensor_files import DTYPE_NAMES
 
 from ckpt_factory import RESHARD_CHUNK as CHUNK
 from ckpt_factory import RESHARD_MODEL as MODEL

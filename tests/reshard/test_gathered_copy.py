@@ -18,7 +18,7 @@ from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.reshard.engine import reshard
 from shardsmith.reshard.planner import ReshardOptions, plan_reshard
 from shardsmith.storage.commit import read_manifest, step_dir
-from shardsmith.storage.fs import Store
+from shardsmith.storage.store.fs import Store
 from shardsmith.storage.verify import verify_checkpoint
 
 from ckpt_factory import RESHARD_SRC_DIMS as SRC_DIMS

@@ -31,8 +31,8 @@ from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import param_specs, rank_boxes
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
-from shardsmith.storage.formats import read_box
-from shardsmith.trainer.checkpoint import load_into
+from shardsmith.storage.formats.registry import read_box
+from shardsmith.trainer.checkpoint.save_load import load_into
 from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.model import Transformer, apply_rope, rope_tables
 

@@ -16,10 +16,10 @@ from shardsmith.reshard.planner import ReshardOptions, plan_reshard
 from shardsmith.storage.checksum import (ChunkedCrc, chunk_crc32c, crc32c, crc32c_combine, crc32c_update, verify_chunks,
                                          verify_chunks_split)
 from shardsmith.storage.commit import step_dir
-from shardsmith.storage.fs import Store
-from shardsmith.storage.local import FileSpan, copy_span, map_range
-from shardsmith.storage.manifest import ShardRecord
-from shardsmith.storage.safetensors import write_stream
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.store.local import FileSpan, copy_span, map_range
+from shardsmith.storage.manifest.records import ShardRecord
+from shardsmith.storage.formats.safetensors import write_stream
 from shardsmith.storage.verify import verify_checkpoint
 
 from ckpt_factory import RESHARD_SRC_DIMS as SRC_DIMS
@@ -224,7 +224,7 @@ def test_preallocate_allocates_up_front_and_names_a_full_disk(tmp_path, monkeypa
     import errno
     import os
 
-    from shardsmith.storage import local
+    from shardsmith.storage.store import local
 
     path = tmp_path / "f"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
@@ -256,8 +256,8 @@ def test_write_parts_allocates_before_the_first_write_and_a_full_disk_loses_noth
     import ctypes
     import errno
 
-    from shardsmith.storage import local
-    from shardsmith.storage.fs import Store
+    from shardsmith.storage.store import local
+    from shardsmith.storage.store.fs import Store
 
     seen: list[tuple[int, int]] = []
     real = local.preallocate
@@ -289,7 +289,7 @@ def test_write_parts_allocates_before_the_first_write_and_a_full_disk_loses_noth
 def test_write_parts_file_ends_where_the_written_bytes_end(tmp_path) -> None:
     """Sizes are read by index for the allocation; a sequence whose iteration yields fewer
     bytes than its indexing promised still gives a file of exactly the written bytes."""
-    from shardsmith.storage.local import write_parts
+    from shardsmith.storage.store.local import write_parts
 
     class Shrinking(list):
         def __iter__(self):

@@ -33,10 +33,10 @@ from shardsmith.errors import SaveError, StorageAccessDenied, StorageError
 from shardsmith.reshard.engine import reshard
 from shardsmith.reshard.planner import ReshardOptions, plan_reshard
 from shardsmith.layout import ParallelDims
-from shardsmith.storage import faults
+from shardsmith.storage.store import faults
 from shardsmith.storage.commit import find_latest_committed, list_steps, read_latest_hint, read_manifest, step_dir
-from shardsmith.storage.fs import Store
-from shardsmith.storage.retry import RetryPolicy, Verdict, classify
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.store.retry import RetryPolicy, Verdict, classify
 
 MiB = 2**20
 FAST = RetryPolicy(max_attempts=5, backoff_s=0.001, max_backoff_s=0.01)
@@ -264,7 +264,7 @@ def test_permanent_fault_during_reshard_commits_nothing(ckpt: dict[str, torch.Te
 # -- the trainer's save path (a 1-process gloo group in this process) ---------------------
 
 def _trainer_save(root: Store, step: int, tensors: dict[str, torch.Tensor]) -> Any:
-    from shardsmith.trainer.checkpoint import save_checkpoint
+    from shardsmith.trainer.checkpoint.save_load import save_checkpoint
 
     return save_checkpoint(root, step, tensors, model_cfg=MODEL, dims=ParallelDims(),
                            config={}, state={"step": step})
@@ -324,7 +324,7 @@ def test_a_failed_source_read_stops_every_read_of_the_reshard(ckpt: dict[str, to
 
 def test_the_classifier_knows_a_library_loaded_after_it() -> None:
     """The library exception classes are looked up when classifying, not at import."""
-    code = ("from shardsmith.storage.retry import Verdict, classify\n"
+    code = ("from shardsmith.storage.store.retry import Verdict, classify\n"
             "import aiohttp\n"
             "assert classify(aiohttp.ServerDisconnectedError()) is Verdict.TRANSIENT\n"
             "from botocore.exceptions import NoCredentialsError\n"
@@ -334,7 +334,7 @@ def test_the_classifier_knows_a_library_loaded_after_it() -> None:
 
 def test_a_library_masked_in_sys_modules_does_not_break_the_classifier(monkeypatch) -> None:
     """``sys.modules[name] = None`` (how tests hide a library) counts as not loaded."""
-    from shardsmith.storage.retry import Verdict, classify
+    from shardsmith.storage.store.retry import Verdict, classify
 
     for name in ("botocore", "aiohttp", "obstore"):
         monkeypatch.setitem(sys.modules, name, None)

@@ -11,9 +11,9 @@ from click.testing import CliRunner
 
 from ckpt_factory import FILE0, build_manifest, make_checkpoint, memory_root
 from shardsmith.storage.commit import find_latest_committed, list_steps, step_dir
-from shardsmith.storage.fs import Store
+from shardsmith.storage.store.fs import Store
 from shardsmith.storage.gc import delete_step, describe_steps, gc, gc_after_commit, plan_gc
-from shardsmith.storage.manifest import MANIFEST_NAME
+from shardsmith.storage.manifest.records import MANIFEST_NAME
 
 FAR_FUTURE = time.time() + 10**6      # every file is "old"
 

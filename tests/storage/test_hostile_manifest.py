@@ -19,11 +19,11 @@ from conftest import REPO_ROOT
 from shardsmith.errors import IntegrityError, ManifestError
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import commit, read_manifest, step_dir
-from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
-from shardsmith.storage.manifest_parse import parse_manifest
-from shardsmith.storage.formats import read_box
-from shardsmith.storage.tensor_files import encode_and_record
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.manifest.records import MANIFEST_NAME, FileRecord, Manifest, TensorRecord
+from shardsmith.storage.manifest.parse import parse_manifest
+from shardsmith.storage.formats.registry import read_box
+from shardsmith.storage.formats.tensor_files import encode_and_record
 from shardsmith.storage.verify import verify_checkpoint
 
 STEP = 4
@@ -353,7 +353,7 @@ def test_loading_never_unpickles(monkeypatch) -> None:
 
     from shardsmith.cli.main import cli
     from shardsmith.storage.gc import describe_steps, gc
-    from shardsmith.trainer.checkpoint import load_into
+    from shardsmith.trainer.checkpoint.save_load import load_into
 
     root = memory_root()
     full = make_checkpoint(root, 1)

@@ -18,12 +18,12 @@ from shardsmith.errors import CheckpointNotFound, IntegrityError, ManifestError,
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import (LATEST_NAME, commit, find_latest_committed, list_steps,
                                        read_manifest, resolve_checkpoint, step_dir)
-from shardsmith.storage.fs import Store
+from shardsmith.storage.store.fs import Store
 from shardsmith.storage.lineage import CORRUPT_NAME
-from shardsmith.storage.manifest import MANIFEST_NAME, ShardRecord
-from shardsmith.storage.formats import read_box
+from shardsmith.storage.manifest.records import MANIFEST_NAME, ShardRecord
+from shardsmith.storage.formats.registry import read_box
 from shardsmith.storage.verify import check_file_once, verify_checkpoint
-from shardsmith.trainer.checkpoint import load_into
+from shardsmith.trainer.checkpoint.save_load import load_into
 
 STEP = 3
 
@@ -70,12 +70,12 @@ def test_verify_streams_in_bounded_blocks(tmp_path) -> None:
     root = Store(str(tmp_path))
     manifest, _ = build_manifest(root, 1, chunk_nbytes=4096)
     big = torch.arange(256 * 1024, dtype=torch.float32)
-    from shardsmith.storage.tensor_files import encode_and_record
+    from shardsmith.storage.formats.tensor_files import encode_and_record
 
     encoded, records = encode_and_record({"big": (big, Box((0,), (big.numel(),)))}, "shards/big.safetensors", 4096)
     root.child(step_dir(1)).write("shards/big.safetensors", encoded.data)
     manifest.files["shards/big.safetensors"] = encoded.record
-    from shardsmith.storage.manifest import TensorRecord
+    from shardsmith.storage.manifest.records import TensorRecord
 
     manifest.tensors["big"] = TensorRecord(shape=[big.numel()], dtype="F32", shards=[records["big"]])
     commit(root, manifest)

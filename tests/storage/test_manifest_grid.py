@@ -13,13 +13,13 @@ from shardsmith.errors import ManifestError
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.box import Box, bounding_box
 from shardsmith.layout.plan import checkpoint_specs, rank_boxes
-from shardsmith.storage import manifest_grid
+from shardsmith.storage.manifest import grid as manifest_grid
 from shardsmith.storage.commit import step_dir
-from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME
-from shardsmith.storage.manifest_parse import parse_manifest
-from shardsmith.storage.manifest_read import ManifestReader
-from shardsmith.storage.manifest_v2 import PREFIXES
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.manifest.records import MANIFEST_NAME
+from shardsmith.storage.manifest.parse import parse_manifest
+from shardsmith.storage.manifest.read import ManifestReader
+from shardsmith.storage.manifest.v2 import PREFIXES
 
 DIMS = ParallelDims(tp=4, dp_shard=4)            # 2-d weights: 16 shards, a 4 x 4 or 16 x 1 grid
 STEP = 2

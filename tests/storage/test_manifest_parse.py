@@ -14,10 +14,10 @@ from typing import Any, Iterator
 import pytest
 
 from shardsmith.errors import ManifestError
-from shardsmith.storage import manifest_v2
+from shardsmith.storage.manifest import v2 as manifest_v2
 from shardsmith.storage.cycle_gc import cycle_gc_paused
-from shardsmith.storage.manifest import ShardRecord, TensorRecord
-from shardsmith.storage.manifest_checks import (MAX_INT, Problems, _grid_disjoint, _relpath_ok_cached, check_files_disjoint,
+from shardsmith.storage.manifest.records import ShardRecord, TensorRecord
+from shardsmith.storage.manifest.checks import (MAX_INT, Problems, _grid_disjoint, _relpath_ok_cached, check_files_disjoint,
                                                 check_sidecars, overlapping_pairs, reject_duplicate_keys, relpath_ok)
 
 _BAD_VALUES: list[Any] = [True, False, -1, 1.0, "1", None, [], {}, MAX_INT + 1, [1, True], [1, -2], [1.5],

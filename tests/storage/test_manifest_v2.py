@@ -25,13 +25,13 @@ from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.layout.plan import TINY_BOX_SHARE, checkpoint_specs, rank_boxes, write_assignment
 from shardsmith.reshard.engine import reshard
 from shardsmith.storage.commit import open_manifest, read_manifest, step_dir
-from shardsmith.storage.formats import read_box, read_boxes
-from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, sidecar_name
-from shardsmith.storage.manifest_parse import parse_manifest
-from shardsmith.storage import manifest_read
-from shardsmith.storage.manifest_read import ManifestReader
-from shardsmith.storage.manifest_v2 import PREFIX_NBYTES, PREFIXES
+from shardsmith.storage.formats.registry import read_box, read_boxes
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.manifest.records import MANIFEST_NAME, sidecar_name
+from shardsmith.storage.manifest.parse import parse_manifest
+from shardsmith.storage.manifest import read as manifest_read
+from shardsmith.storage.manifest.read import ManifestReader
+from shardsmith.storage.manifest.v2 import PREFIX_NBYTES, PREFIXES
 from shardsmith.storage.verify import verify_checkpoint
 
 PREFIX = PREFIXES[3]

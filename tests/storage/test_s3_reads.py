@@ -1,4 +1,4 @@
-"""``s3://`` reads through obstore (storage/s3_reads.py) against the loopback moto server:
+"""``s3://`` reads through obstore (storage/store/s3_reads.py) against the loopback moto server:
 the same bytes as s3fs, errors named and classified like s3fs's, throttling retried by our
 policy (a real proxy answering 503 SlowDown), and the fallback to s3fs where obstore would
 not see the same credentials."""
@@ -15,8 +15,8 @@ from s3server import S3Prefix, s3_server, s3_url  # noqa: F401  (pytest fixtures
 
 from shardsmith.errors import BucketNotFound, StorageError, StorageNotFound
 from shardsmith.storage.commit import read_manifest
-from shardsmith.storage.fs import Store
-from shardsmith.storage.retry import RetryPolicy
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.store.retry import RetryPolicy
 
 FAST = RetryPolicy(max_attempts=3, backoff_s=0.001)
 

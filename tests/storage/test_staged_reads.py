@@ -14,11 +14,11 @@ from ckpt_factory import make_checkpoint, memory_root
 from shardsmith.errors import IntegrityError
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import read_manifest, step_dir
-from shardsmith.storage.formats import read_boxes
+from shardsmith.storage.formats.registry import read_boxes
 from shardsmith.storage.reading import staging
 from shardsmith.storage.reading.execute import ReadStats
 from shardsmith.storage.reading.staging import read_staged
-from shardsmith.trainer.checkpoint import load_into
+from shardsmith.trainer.checkpoint.save_load import load_into
 
 STEP = 4
 
@@ -84,7 +84,7 @@ def test_read_boxes_routes_off_cpu_destinations_through_staging(ckpt, monkeypatc
         staged.extend(fqn for fqn, _, _ in requests)
         return real(read, requests, budget, split_rows)
 
-    monkeypatch.setattr("shardsmith.storage.formats.read_staged", spy)
+    monkeypatch.setattr("shardsmith.storage.formats.registry.read_staged", spy)
     cpu = torch.zeros(6, 4)
     meta = torch.empty(4, 4, dtype=torch.bfloat16, device="meta")
     stats = ReadStats()

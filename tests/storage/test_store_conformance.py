@@ -1,4 +1,4 @@
-"""One conformance suite for :class:`shardsmith.storage.fs.Store`, run against every backend:
+"""One conformance suite for :class:`shardsmith.storage.store.fs.Store`, run against every backend:
 a local directory (plain path and ``file://``), ``memory://`` and a real S3-compatible
 server on loopback (moto): reads through obstore (``s3``, the default) and through s3fs
 (``s3-s3fs``, ``SHARDSMITH_S3_READER=s3fs``), writes through s3fs. Each backend must give
@@ -23,9 +23,9 @@ from shardsmith.errors import StorageError, StorageNotFound
 from shardsmith.reshard.engine import reshard
 from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import find_latest_committed, list_steps, resolve_checkpoint, step_dir
-from shardsmith.storage.fs import DEFAULT_PART_NBYTES, Store
-from shardsmith.storage.options import parse_storage_options
-from shardsmith.storage.retry import RetryPolicy
+from shardsmith.storage.store.fs import DEFAULT_PART_NBYTES, Store
+from shardsmith.storage.store.options import parse_storage_options
+from shardsmith.storage.store.retry import RetryPolicy
 
 BACKENDS = ["local", "file", "memory", "s3", "s3-s3fs"]
 FAST_RETRY = RetryPolicy(max_attempts=3, backoff_s=0.001)

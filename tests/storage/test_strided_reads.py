@@ -15,8 +15,8 @@ from shardsmith.layout import ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.layout.plan import checkpoint_specs, rank_boxes
 from shardsmith.storage.commit import read_manifest, step_dir
-from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import ShardRecord
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.manifest.records import ShardRecord
 from shardsmith.storage.reading.execute import ReadStats, read_safetensors_boxes
 from shardsmith.storage.reading.plan import plan_piece
 

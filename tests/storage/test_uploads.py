@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from s3server import s3_server, s3_url  # noqa: F401  (pytest fixtures)
-from shardsmith.storage.fs import Store
-from shardsmith.storage.multipart import MultipartWriter
-from shardsmith.storage.uploads import abort_stale_uploads, list_uploads
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.store.multipart import MultipartWriter
+from shardsmith.storage.store.uploads import abort_stale_uploads, list_uploads
 
 
 def _orphan(store: Store, key: str) -> str:

@@ -38,19 +38,19 @@ from shardsmith.layout import ParallelDims
 from shardsmith.layout.plan import checkpoint_specs, rank_boxes
 from shardsmith.reshard.planner import ReshardOptions
 from shardsmith.reshard.zarr_convert import convert_format
-from shardsmith.storage.formats import layout_arrays
+from shardsmith.storage.formats.registry import layout_arrays
 from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import read_manifest, step_dir
-from shardsmith.storage.fs import Store
+from shardsmith.storage.store.fs import Store
 from shardsmith.storage.gc import describe_steps, gc
-from shardsmith.storage.manifest import MANIFEST_NAME, FileRecord
+from shardsmith.storage.manifest.records import MANIFEST_NAME, FileRecord
 from shardsmith.storage.reading.execute import ReadStats
-from shardsmith.storage.formats import read_box, read_boxes
+from shardsmith.storage.formats.registry import read_box, read_boxes
 from shardsmith.storage.verify import verify_checkpoint
-from shardsmith.storage.zarr_format import parse_codec, regular_chunks
-from shardsmith.trainer.async_save import AsyncCheckpointer
-from shardsmith.trainer.checkpoint import load_into, save_checkpoint
+from shardsmith.storage.formats.zarr_format import parse_codec, regular_chunks
+from shardsmith.trainer.checkpoint.async_save import AsyncCheckpointer
+from shardsmith.trainer.checkpoint.save_load import load_into, save_checkpoint
 from shardsmith.trainer.config import CheckpointConfig
 from ckpt_factory import CHUNK_NBYTES, MODEL, assert_bitwise_equal, full_tensors, load_full, save_offline
 

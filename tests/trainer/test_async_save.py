@@ -30,15 +30,15 @@ from shardsmith.layout.plan import checkpoint_specs
 from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import commit, find_latest_committed, read_manifest, step_dir
-from shardsmith.storage.fs import Store
-from shardsmith.storage.manifest import MANIFEST_NAME, SIDECAR_SUFFIX, Manifest
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.manifest.records import MANIFEST_NAME, SIDECAR_SUFFIX, Manifest
 from shardsmith.storage.reading.execute import ReadStats
-from shardsmith.storage.formats import read_box, read_boxes
-from shardsmith.storage.tensor_files import DTYPE_NAMES
-from shardsmith.storage import formats as formats_module
-from shardsmith.trainer import checkpoint as checkpoint_module
-from shardsmith.trainer.async_save import AsyncCheckpointer
-from shardsmith.trainer.checkpoint import save_checkpoint
+from shardsmith.storage.formats.registry import read_box, read_boxes
+from shardsmith.storage.formats.tensor_files import DTYPE_NAMES
+from shardsmith.storage.formats import registry as formats_module
+from shardsmith.trainer.checkpoint import save_load as checkpoint_module
+from shardsmith.trainer.checkpoint.async_save import AsyncCheckpointer
+from shardsmith.trainer.checkpoint.save_load import save_checkpoint
 
 from ckpt_factory import write_step
 
@@ -169,7 +169,7 @@ def test_save_while_one_is_in_flight_waits_for_it(gloo_group, tmp_path: Path, mo
         return real_plan(step, *args, **kwargs)
 
     monkeypatch.setattr(formats_module, "write_shard_file", blocking_write)
-    monkeypatch.setattr("shardsmith.trainer.async_save.plan_local_writes", logged_plan)
+    monkeypatch.setattr("shardsmith.trainer.checkpoint.async_save.plan_local_writes", logged_plan)
     save_async(ckpt, 1, tensors)
     second = threading.Thread(target=save_async, args=(ckpt, 2, tensors))
     second.start()

@@ -166,7 +166,7 @@ def test_goodput_after_a_restart_and_no_straggler_unperturbed(restarted: Run) ->
 
 
 def test_goodput_caption_of_the_plot() -> None:
-    from shardsmith.trainer.plot import goodput_caption
+    from shardsmith.trainer.observe.plot import goodput_caption
 
     records = [{"event": "start", "time": 10.0, "launch_time": 0.0, "restart_count": 0}, _step(1, 20.0, 5.0)]
     assert goodput_caption(records) == ("goodput 25.0% (lost 0.0%, checkpoint 0.0%, recovery 0.0%, startup 75.0%, "
@@ -193,7 +193,7 @@ def test_replay_and_straggler_flags_reach_the_config_and_round_trip(data_path: s
 
 
 def test_goodput_bench_hook_kills_after_every_n_seconds_of_training(monkeypatch, tmp_path: Path) -> None:
-    import shardsmith.trainer.fault_hooks as fault_hooks
+    import shardsmith.trainer.fault.hooks as fault_hooks
 
     clock, kills = [1000.0], []
     monkeypatch.setattr(fault_hooks.time, "time", lambda: clock[0])

@@ -41,17 +41,17 @@ from train_runs import REFERENCE_SAVE_EVERY, REFERENCE_STEPS, Run, train_tp2
 from shardsmith.errors import ConfigError, LayoutError
 from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import read_latest_hint, step_dir
-from shardsmith.storage.fs import Store
+from shardsmith.storage.store.fs import Store
 from shardsmith.trainer.config import FaultConfig, TrainConfig
 from shardsmith.trainer.optim import OptimConfig
-from shardsmith.trainer.preflight import choose_resume
+from shardsmith.trainer.runtime.preflight import choose_resume
 from shardsmith.trainer.fault.bad_steps import BadStepPolicy
 from shardsmith.trainer.fault.elastic import fit_world_size
 from shardsmith.trainer.fault.preemption import PreemptionHandler
 from shardsmith.trainer.fault.watchdog import StepWatchdog, hang_threshold
-from shardsmith.trainer.fault_hooks import FaultHooks
-from shardsmith.trainer.metrics import MetricsWriter, flops_per_token, iter_json_lines, model_flops_utilization
-from shardsmith.trainer.plot import loss_segments, run_markers
+from shardsmith.trainer.fault.hooks import FaultHooks
+from shardsmith.trainer.observe.metrics import MetricsWriter, flops_per_token, iter_json_lines, model_flops_utilization
+from shardsmith.trainer.observe.plot import loss_segments, run_markers
 from shardsmith.trainer.rng import (capture_rng, pack_rng_states, restore_rng, role_seed,
                                     select_rng_state)
 
@@ -201,7 +201,7 @@ def test_preemption_handler_exits_when_hung_or_past_the_deadline() -> None:
 
 
 def test_launcher_sets_worker_malloc_env_unless_set(monkeypatch) -> None:
-    from shardsmith.trainer import launch
+    from shardsmith.trainer.runtime import launch
 
     for name in ("MALLOC_MMAP_THRESHOLD_", "OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
                  "TORCHELASTIC_SIGNALS_TO_HANDLE"):
@@ -319,7 +319,7 @@ def test_metrics_jsonl_segments_and_markers(tmp_path: Path) -> None:
 
 
 def test_metrics_go_to_tensorboard_when_installed(tmp_path: Path, monkeypatch) -> None:
-    from shardsmith.trainer import metrics
+    from shardsmith.trainer.observe import metrics
 
     class Recorder:
         def __init__(self) -> None:
@@ -365,7 +365,7 @@ def test_plot_draws_a_png(tmp_path: Path) -> None:
 
 def test_cli_maps_fault_flags_and_hands_workers_absolute_paths(tmp_path, monkeypatch, data_path) -> None:
     from shardsmith.cli.main import cli
-    from shardsmith.trainer import launch
+    from shardsmith.trainer.runtime import launch
 
     seen: list[tuple[TrainConfig, int, int]] = []
     monkeypatch.setattr(launch, "launch", lambda cfg, n, max_restarts=0: seen.append((cfg, n, max_restarts)))

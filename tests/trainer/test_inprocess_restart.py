@@ -32,7 +32,7 @@ from conftest import TINY_TRAIN_FLAGS, assert_tensors_bitwise_equal, read_full_t
 from train_runs import Run     # a finished launch: exit code, output, root, records
 from shardsmith.errors import SaveError
 from shardsmith.storage.commit import step_dir
-from shardsmith.trainer.fault.inprocess import peer_lost, sever_connections
+from shardsmith.trainer.runtime.inprocess import peer_lost, sever_connections
 
 STEPS = 12
 KINDS = ("rank", "node", "local-save", "replicate")

@@ -38,11 +38,11 @@ from shardsmith.errors import ConfigError
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.plan import checkpoint_specs
 from shardsmith.storage.commit import step_dir
-from shardsmith.storage.tensor_files import TORCH_DTYPES
-from shardsmith.trainer.ckpt_config import CheckpointConfig
+from shardsmith.storage.formats.tensor_files import TORCH_DTYPES
+from shardsmith.trainer.checkpoint.config import CheckpointConfig
 from shardsmith.trainer.config import TrainConfig
-from shardsmith.trainer.local_tier import Lineage, LocalTier, rank_manifest_name
-from shardsmith.trainer.recovery import agree
+from shardsmith.trainer.checkpoint.local_tier import Lineage, LocalTier, rank_manifest_name
+from shardsmith.trainer.checkpoint.recovery import agree
 
 RUN = "a" * 32
 
@@ -118,8 +118,8 @@ def test_retention_keeps_two_committed_steps_below_the_one_written(tmp_path: Pat
 def test_two_ranks_copies_merge_into_one_manifest_that_reshards_bitwise(tmp_path: Path) -> None:
     """tp=2 copies (norms replicated in both files) read back whole by a 1-rank layout."""
     from shardsmith.layout.plan import rank_boxes
-    from shardsmith.trainer.checkpoint import load_into
-    from shardsmith.trainer.recovery import build_manifest, reachable_steps
+    from shardsmith.trainer.checkpoint.save_load import load_into
+    from shardsmith.trainer.checkpoint.recovery import build_manifest, reachable_steps
 
     dims = ParallelDims(tp=2)
     ckpt = CheckpointConfig(url=str(tmp_path / "ckpt"), local_ckpt=str(tmp_path / "local"))
@@ -143,7 +143,7 @@ def test_two_ranks_copies_merge_into_one_manifest_that_reshards_bitwise(tmp_path
 
 
 def test_the_recovery_event_is_the_line_benches_parse() -> None:
-    from shardsmith.trainer.console import event_line
+    from shardsmith.trainer.observe.console import event_line
 
     line = event_line({"event": "recovery", "step": 6, "source": "local", "detail": "resharded", "seconds": 0.1})
     assert line == "recovered step 6 from local (resharded)" and RECOVERED.findall(line) == [("6", "local")]

@@ -15,9 +15,9 @@ from spawn_ranks import run_ranks, saved_tiny_run
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import read_manifest, step_dir
-from shardsmith.storage.fs import Store
+from shardsmith.storage.store.fs import Store
 from shardsmith.layout.plan import lpt_assign
-from shardsmith.trainer.shared_reads import SHARED_READ_MIN_NBYTES
+from shardsmith.trainer.checkpoint.shared_reads import SHARED_READ_MIN_NBYTES
 
 REPLICAS = 3
 ROWS = {"a": 512, "b": 300, "c": 700, "d": 640}               # x 1024 fp32: 1.2-2.8 MiB each
@@ -49,7 +49,7 @@ def _worker(rank: int, port: int, root: str, results) -> None:
 
     from shardsmith.errors import IntegrityError
     from ckpt_factory import memory_root
-    from shardsmith.trainer.shared_reads import load_into_replicas, shares_reads
+    from shardsmith.trainer.checkpoint.shared_reads import load_into_replicas, shares_reads
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=REPLICAS)
     full = _state()
@@ -111,7 +111,7 @@ def _trainer_worker(rank: int, port: int, data_path: str, ckpt: str, results) ->
 
     import torch.distributed as dist
 
-    from shardsmith.trainer import shared_reads as shared_reads_module
+    from shardsmith.trainer.checkpoint import shared_reads as shared_reads_module
     from shardsmith.trainer.train import Trainer
 
     _, cfg, first = saved_tiny_run(rank, port, ParallelDims(dp_replicate=2), data_path, ckpt)

@@ -21,13 +21,13 @@ from shardsmith.cli.main import cli
 from shardsmith.errors import CheckpointError, CheckpointMismatch, CheckpointNotFound, ConfigError, IntegrityError
 from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import commit, read_manifest, step_dir
-from shardsmith.storage.fs import Store
+from shardsmith.storage.store.fs import Store
 from shardsmith.storage.gc import describe_steps
 from shardsmith.storage.lineage import CORRUPT_NAME, corrupt_mark, loadable_steps, mark_corrupt
-from shardsmith.trainer.checkpoint import raise_agreed
-from shardsmith.trainer.console import event_line
-from shardsmith.trainer.preflight import COMMAND_ENV, command_with, resolve, way_forward
-from shardsmith.trainer.run_checks import resume_changes
+from shardsmith.trainer.checkpoint.save_load import raise_agreed
+from shardsmith.trainer.observe.console import event_line
+from shardsmith.trainer.runtime.preflight import COMMAND_ENV, command_with, resolve, way_forward
+from shardsmith.trainer.checkpoint.run_checks import resume_changes
 
 RUN = "a" * 32
 
@@ -240,8 +240,8 @@ def test_launched_jobs_load_exactly_the_step_asked_and_fall_back_only_from_auto(
 
 def test_messages_name_the_nearest_valid_batch_sizes_and_every_manifest_version_read():
     from shardsmith.errors import ManifestError
-    from shardsmith.storage.manifest import FORMAT_NAME
-    from shardsmith.storage.manifest_parse import parse_manifest
+    from shardsmith.storage.manifest.records import FORMAT_NAME
+    from shardsmith.storage.manifest.parse import parse_manifest
     from shardsmith.trainer.config import TrainConfig
 
     with pytest.raises(ConfigError, match=r"x dp=128 = 128; the nearest valid sizes are \[128, 256\]"):
@@ -255,12 +255,12 @@ def test_messages_name_the_nearest_valid_batch_sizes_and_every_manifest_version_
 
 
 def test_leftovers_a_decimal_storage_option_is_a_number_and_plot_writes_0644(tmp_path):
-    from shardsmith.storage.options import parse_storage_options
+    from shardsmith.storage.store.options import parse_storage_options
 
     assert parse_storage_options(["connect_timeout=2.5", "retries=3", "region=eu-1", "x=inf"]) == {
         "connect_timeout": 2.5, "retries": 3, "region": "eu-1", "x": "inf"}
     pytest.importorskip("matplotlib")
-    from shardsmith.trainer.metrics import MetricsWriter
+    from shardsmith.trainer.observe.metrics import MetricsWriter
 
     writer = MetricsWriter(str(tmp_path), tensorboard=False)
     for r in ({"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}):

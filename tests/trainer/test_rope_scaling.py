@@ -17,7 +17,7 @@ from shardsmith.layout import ModelConfig
 from shardsmith.layout.presets import PRESETS
 from shardsmith.reshard.hf import hf_config, model_config_from_hf
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
-from shardsmith.storage.formats import read_box
+from shardsmith.storage.formats.registry import read_box
 from shardsmith.layout.box import Box
 from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.model import Transformer, rope_tables

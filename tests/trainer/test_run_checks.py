@@ -13,13 +13,13 @@ from shardsmith.cli.main import cli
 from shardsmith.errors import CheckpointMismatch
 from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import LATEST_NAME, commit, find_latest_committed, read_manifest, step_dir
-from shardsmith.storage.fs import Store
+from shardsmith.storage.store.fs import Store
 from shardsmith.storage.gc import describe_steps, plan_gc
 from shardsmith.storage.lineage import check_new_run_root, current_run, remove_runs_except
 from shardsmith.storage.verify import verify_checkpoint
 from shardsmith.trainer.config import CheckpointConfig, TrainConfig
-from shardsmith.trainer.preflight import preflight
-from shardsmith.trainer.run_checks import check_before_load
+from shardsmith.trainer.runtime.preflight import preflight
+from shardsmith.trainer.checkpoint.run_checks import check_before_load
 
 DIMS = ParallelDims()
 

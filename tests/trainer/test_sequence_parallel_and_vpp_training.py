@@ -83,7 +83,7 @@ def test_interleaved_pipeline_matches_one_process_and_reshards(tmp_path: Path, d
     same-layout resume is bitwise; its checkpoint loads into pp1 (dp_shard 2) and pp2 and back,
     and reshards offline to one process, with bitwise the same tensors."""
     from shardsmith.reshard.engine import reshard
-    from shardsmith.storage.fs import Store
+    from shardsmith.storage.store.fs import Store
 
     virtual = ParallelDims(pp=2, virtual_stages=2)
     cfg = tiny_train_config(virtual, data_path)
@@ -127,7 +127,7 @@ def test_moe_with_expert_parallelism_matches_one_process(tmp_path: Path, data_pa
     import dataclasses
 
     from shardsmith.reshard.engine import reshard
-    from shardsmith.storage.fs import Store
+    from shardsmith.storage.store.fs import Store
 
     moe = dataclasses.replace(TINY_MODEL, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01)
     cfg = dataclasses.replace(tiny_train_config(ParallelDims(dp_shard=2), data_path), model=moe)

@@ -1,5 +1,5 @@
 """TP siblings read a saved chunk once: a load that raises TP has one member read the union of
-the siblings' boxes and broadcast it in blocks (trainer/shared_reads.py: load_into_siblings).
+the siblings' boxes and broadcast it in blocks (trainer/checkpoint/shared_reads.py: load_into_siblings).
 
 The selection is pure and tested without processes; the load runs on real gloo processes.
 """
@@ -15,9 +15,9 @@ from spawn_ranks import run_ranks, saved_tiny_run
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import read_manifest, step_dir
-from shardsmith.storage.fs import Store
+from shardsmith.storage.store.fs import Store
 from shardsmith.storage.reading.plan import planned_read_nbytes
-from shardsmith.trainer.shared_reads import _row_blocks, _union_batches, sibling_unions
+from shardsmith.trainer.checkpoint.shared_reads import _row_blocks, _union_batches, sibling_unions
 
 CHUNK = 1 << 16
 SIBLINGS = 2
@@ -88,8 +88,8 @@ def _worker(rank: int, port: int, root: str, results) -> None:
     import torch.distributed as dist
 
     from shardsmith.errors import CheckpointError, IntegrityError
-    from shardsmith.trainer.checkpoint import load_into
-    from shardsmith.trainer.shared_reads import load_into_siblings
+    from shardsmith.trainer.checkpoint.save_load import load_into
+    from shardsmith.trainer.checkpoint.shared_reads import load_into_siblings
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=SIBLINGS)
     full, boxes = _state(), _boxes(rank)
@@ -153,7 +153,7 @@ def _trainer_worker(rank: int, port: int, data_path: str, ckpt: str, results) ->
 
     import torch.distributed as dist
 
-    from shardsmith.trainer import shared_reads as shared_reads_module
+    from shardsmith.trainer.checkpoint import shared_reads as shared_reads_module
     from shardsmith.trainer.train import Trainer
 
     def full(t: torch.Tensor) -> torch.Tensor:

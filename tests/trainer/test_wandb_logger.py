@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from shardsmith.trainer.metrics import MetricsWriter
+from shardsmith.trainer.observe.metrics import MetricsWriter
 
 
 def read_history(path: Path) -> list[dict[str, Any]]:

@@ -18,9 +18,9 @@ One module per concern, each owned by the training loop
   around the training loop.
 
 Where a (re)started job resumes from is checkpoint policy (the launcher's
-:func:`shardsmith.trainer.preflight.resolve`, after a restart
-:func:`shardsmith.trainer.recovery.persistent_source`); fault injection for tests lives
-in :mod:`shardsmith.trainer.fault_hooks`. This module holds the package's config.
+:func:`shardsmith.trainer.runtime.preflight.resolve`, after a restart
+:func:`shardsmith.trainer.checkpoint.recovery.persistent_source`); fault injection for tests lives
+in :mod:`shardsmith.trainer.fault.hooks`. This module holds the package's config.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Bad steps: a non-finite loss or gradient norm skips the update; too many in a row roll
 back and skip the data window that caused them (PaLM's remedy for loss spikes:
 Chowdhery et al. 2022, section 5.1). The rollback itself is
-:meth:`~shardsmith.trainer.checkpointing.CheckpointPolicy.roll_back`."""
+:meth:`~shardsmith.trainer.checkpoint.policy.CheckpointPolicy.roll_back`."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Where bytes live: the Store and its backends."""

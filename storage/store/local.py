@@ -1,0 +1,267 @@
+"""Local-file primitives under :class:`~shardsmith.storage.store.fs.Store`: atomic publish and scatter reads.
+
+Plain functions with no retries or error mapping; the store runs them under its
+retry policy (:meth:`Store._call`), which names the URL in every error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import io
+import mmap
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Iterator, Sequence
+
+from shardsmith.storage.crashpoints import crash_point
+
+#: Most iovecs one ``preadv`` takes (IOV_MAX on Linux).
+_IOV_MAX = 1024
+
+
+#: Largest single write to a local file: every write of a reshard's verified block is one
+#: call, and 1 MiB ``pwrite`` s run at disk rate while keeping the kernel's page-cache folios
+#: below 2 MiB (which some hosts must fault back in first). Re-measure:
+#: ``python bench/reshard_bench.py --gb 2``.
+WRITE_PIECE_NBYTES = 1 << 20
+
+
+def tmp_name(path: str) -> str:
+    """The hidden temporary sibling a write of ``path`` goes to before its rename."""
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+
+
+@contextlib.contextmanager
+def atomic_file(path: str) -> Iterator[BinaryIO]:
+    """A binary file that becomes ``path`` only when the block exits cleanly.
+
+    Written to a hidden temporary sibling, then renamed (``os.replace`` is atomic on
+    POSIX: a killed writer never leaves a partial file under ``path``); removed on error.
+
+    Raises:
+        OSError: creating, writing or renaming failed.
+    """
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = tmp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+        crash_point("fs.before_publish", key=path)              # test hook; inert normally
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_parts(path: str, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+    """Atomically create or replace ``path`` with the concatenation of ``parts`` (a sequence:
+    one pass of ``iter(parts)``, each part written as it is yielded, in
+    :data:`WRITE_PIECE_NBYTES` writes). The file's blocks are allocated first
+    (:func:`preallocate`, sizes read by index, which does not start the pass), so a full disk
+    fails before the first byte is written; the file ends where the written bytes end.
+
+    Raises:
+        OSError: the disk is full (naming ``path``), or a write or the rename failed.
+    """
+    with atomic_file(path) as f:
+        preallocate(f.fileno(), sum(memoryview(parts[i]).nbytes for i in range(len(parts))), path)
+        for i, part in enumerate(parts):
+            view = memoryview(part).cast("B")
+            for start in range(0, len(view), WRITE_PIECE_NBYTES):
+                f.write(view[start:start + WRITE_PIECE_NBYTES])
+            if i == 0:
+                crash_point("fs.mid_write", key=path)           # test hook; inert normally
+        f.flush()
+        if f.tell() != os.fstat(f.fileno()).st_size:          # parts indexed longer than iterated
+            os.ftruncate(f.fileno(), f.tell())
+
+
+def preadv_into(path: str, offset: int, views: Sequence[memoryview]) -> int:
+    """Fill ``views`` in order with the bytes of ``path`` from ``offset`` (scatter read).
+
+    Returns:
+        Bytes read: ``sum(len(v))``, or fewer when the file ends first.
+
+    Raises:
+        OSError: the file cannot be opened or read.
+    """
+    pending = [v for v in views if len(v)]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        total, i = 0, 0
+        while i < len(pending):
+            n = os.preadv(fd, pending[i:i + _IOV_MAX], offset + total)
+            if n == 0:
+                break
+            total += n
+            while i < len(pending) and n >= len(pending[i]):
+                n -= len(pending[i])
+                i += 1
+            if n:
+                pending[i] = pending[i][n:]
+        return total
+    finally:
+        os.close(fd)
+
+
+_FALLOCATE: Any = None          # libc's fallocate(2) wrapper, looked up once (False: none)
+
+
+def preallocate(fd: int, nbytes: int, name: str = "") -> bool:
+    """Allocate the blocks of bytes ``[0, nbytes)`` of the open file ``fd`` now (Linux
+    ``fallocate(2)``, mode 0: the file's size becomes at least ``nbytes``), so a full disk
+    fails here, before anything is written, and the writes that follow fill allocated
+    blocks instead of reserving each page as they go (ext4's delayed allocation; re-measure
+    with ``python bench/reshard_bench.py --gb 2``). Unlike ``posix_fallocate`` it never
+    falls back to writing a byte per block.
+
+    Returns:
+        False (nothing done) where the filesystem or platform has no ``fallocate``.
+
+    Raises:
+        OSError: ``ENOSPC`` (the disk is full), ``EFBIG``, ``EIO`` ..., naming ``name``.
+    """
+    global _FALLOCATE
+    if _FALLOCATE is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).fallocate
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            _FALLOCATE = fn
+        except (OSError, AttributeError):
+            _FALLOCATE = False
+    if not _FALLOCATE or nbytes <= 0:
+        return False
+    if _FALLOCATE(fd, 0, 0, nbytes) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV):
+        return False
+    raise OSError(err, f"{name or 'a file'}: cannot allocate {nbytes} bytes: {os.strerror(err)}"
+                  + (" (free space, or write elsewhere)" if err == errno.ENOSPC else ""))
+
+
+def map_range(path: str, offset: int, nbytes: int) -> memoryview:
+    """A read-only view of bytes ``[offset, offset + nbytes)`` of ``path``, mapped from the
+    page cache (``mmap``): no copy into user memory. Shorter when the file ends first. The
+    mapping lives as long as the view (or anything made from it).
+
+    Not pre-faulted (no ``MAP_POPULATE``): the first touch of each page faults it in with
+    its neighbours (the kernel's fault-around, 64 KiB), on the thread that reads it: less
+    CPU and wall time than pre-faulting every mapping, which also faults pages never read
+    (``python bench/copy_primitives.py``, ``python bench/reshard_bench.py --gb 2``).
+
+    Raises:
+        OSError: the file cannot be opened or mapped.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        nbytes = max(0, min(nbytes, size - offset))
+        if nbytes == 0:
+            return memoryview(b"")
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        mapped = mmap.mmap(fd, offset + nbytes - start, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
+    finally:
+        os.close(fd)
+    return memoryview(mapped)[offset - start:]
+
+
+@dataclass(frozen=True)
+class FileSpan:
+    """Bytes ``[offset, offset + len(view))`` of the local file ``path``, with ``view`` a
+    mapping of them (:func:`map_range`): a writer to a local file copies them in the kernel
+    (:func:`copy_span`), any other writes ``view``."""
+
+    path: str
+    offset: int
+    view: memoryview
+
+
+#: copy_file_range errors that mean "not here" (other filesystem, old kernel): write instead.
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
+
+
+def copy_span(f: Any, span: FileSpan) -> bool:
+    """Append ``span``'s bytes to the open local file ``f`` with ``os.copy_file_range`` (the
+    kernel copies page cache to page cache: no pass through user memory, like ``cp``).
+
+    Returns:
+        False, having written nothing, when ``f`` has no file descriptor or the kernel cannot
+        copy between these files (the caller writes ``span.view``).
+
+    Raises:
+        OSError: the copy failed, or the source ended early.
+    """
+    try:
+        out = f.fileno()
+    except (AttributeError, io.UnsupportedOperation):
+        return False
+    f.flush()
+    pos = f.tell()
+    if not copy_span_at(out, pos, span):
+        return False
+    f.seek(pos + len(span.view))
+    return True
+
+
+def copy_span_at(out: int, pos: int, span: FileSpan) -> bool:
+    """Copy ``span``'s bytes to byte ``pos`` of the local file open as descriptor ``out``
+    (:func:`copy_range`: the file position is untouched, so several threads may fill one
+    file at different offsets).
+
+    Returns:
+        False, having written nothing, when the kernel cannot copy between these files.
+
+    Raises:
+        OSError: the copy failed, or the source ended early.
+    """
+    fd = os.open(span.path, os.O_RDONLY)
+    try:
+        return copy_range(fd, span.offset, out, pos, len(span.view), span.path)
+    finally:
+        os.close(fd)
+
+
+def copy_range(src: int, src_pos: int, out: int, pos: int, nbytes: int, name: str = "source") -> bool:
+    """Copy ``nbytes`` from byte ``src_pos`` of the file open as ``src`` to byte ``pos`` of the
+    file open as ``out`` with ``os.copy_file_range`` (page cache to page cache in the kernel,
+    like ``cp``; explicit offsets, no file position moves).
+
+    Returns:
+        False, having written nothing, when the kernel cannot copy between these files
+        (other filesystem, old kernel: the caller writes the bytes).
+
+    Raises:
+        OSError: the copy failed, or ``name`` ended early.
+    """
+    done = 0
+    while done < nbytes:
+        try:
+            n = os.copy_file_range(src, out, nbytes - done, src_pos + done, pos + done)
+        except OSError as exc:
+            if done == 0 and exc.errno in _NO_KERNEL_COPY:
+                return False
+            raise
+        if n == 0:
+            raise OSError(errno.EIO, f"{name}: ended at byte {src_pos + done}, {nbytes - done} bytes short of the copy")
+        done += n
+    return True
+
+
+def pwrite_all(out: int, data: Any, pos: int) -> None:
+    """Write all of ``data`` (any buffer) at byte ``pos`` of the file open as descriptor
+    ``out`` (``os.pwrite`` in :data:`WRITE_PIECE_NBYTES` pieces, repeated after short writes;
+    the file position is untouched).
+
+    Raises:
+        OSError: the write failed (e.g. ``ENOSPC``: the disk is full).
+    """
+    view = memoryview(data).cast("B")
+    while len(view):
+        n = os.pwrite(out, view[:WRITE_PIECE_NBYTES], pos)
+        view, pos = view[n:], pos + n

@@ -1,0 +1,1 @@
+"""Checkpointing inside a training job: policy, save/load, tiers, recovery."""

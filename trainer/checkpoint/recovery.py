@@ -1,0 +1,364 @@
+"""Recovery from the fastest complete tier: on a (re)start every rank reports which local
+steps it can load (its own copy, and the buddy copy it holds for the rank one node before),
+one all-gather of those few integers makes every rank agree on the newest step complete on
+every rank, and that step wins when it is not older than the persistent tier's newest. Each
+rank then loads its own copy, or receives it from its buddy over the process group first.
+Never a mixed step: a step counts only when every rank has it.
+
+When the world changed (a node lost and not replaced), every rank looks for the old ranks'
+copies it can reach on its filesystem (all of them on one machine) and, when some step is
+complete, loads it by box intersection (resharding) from the local tier; else from the
+persistent tier.
+
+The persistent tier's step is the one the launcher resolved (:func:`persistent_source`); a
+step whose data fails verification while loading is marked corrupt and, with ``--resume
+auto``, the next older committed step of its run loads instead (:func:`load_resume`).
+
+Rank 0 logs one line the benches parse: ``recovered step S from local|buddy|persistent``
+(regex ``recovered step (\\d+) from (local|buddy|persistent)``), from the ``recovery`` event
+it writes to metrics.jsonl (``step``, ``source``, ``detail``, ``seconds``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from shardsmith.errors import CheckpointError, CheckpointNotFound, IntegrityError, ManifestError
+from shardsmith.layout.plan import checkpoint_specs
+from shardsmith.storage.commit import open_manifest, parse_step_dir, resolve_checkpoint, split_step_url, step_dir
+from shardsmith.storage.formats.registry import SafetensorsFormat
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.lineage import committed_runs, loadable_steps, mark_corrupt, run_id_of
+from shardsmith.storage.manifest.records import Manifest, ManifestBuilder
+from shardsmith.trainer.comm import broadcast_text, gather_json
+from shardsmith.trainer.checkpoint.local_tier import (Lineage, LocalTier, RankCopy, buddy_of, check_copy_files,
+                                           parse_rank_doc, rank_manifest_name, saved_dims)
+from shardsmith.trainer.checkpoint.peer_copy import exchange_files
+from shardsmith.trainer.runtime.preflight import choose_resume, way_forward
+from shardsmith.trainer.rng import pack_rng_states
+
+if TYPE_CHECKING:
+    from shardsmith.trainer.checkpoint.policy import CheckpointPolicy
+
+log = logging.getLogger(__name__)
+
+
+class StaticManifest:
+    """A manifest already in memory, read like a :class:`~shardsmith.storage.manifest.read.ManifestReader`."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self._manifest = manifest
+
+    def manifest(self, fqns: Any = None) -> Manifest:
+        """The whole manifest (``fqns`` is ignored: it is in memory already)."""
+        return self._manifest
+
+
+def announce(policy: CheckpointPolicy, step: int, source: str, detail: str = "", seconds: float = 0.0) -> None:
+    """The ``recovery`` event: which tier a (re)start loaded (rank 0 logs it as the line
+    ``recovered step S from SOURCE[ (DETAIL)]``, :mod:`shardsmith.trainer.observe.console`)."""
+    policy.event({"event": "recovery", "step": step, "source": source, "detail": detail,
+                  "seconds": round(seconds, 4)})
+
+
+def agree(infos: list[dict[str, Any]], per_node: int, replicas: bool) -> tuple[int | None, list[str]]:
+    """The newest step every rank can load in the current layout, and each rank's source.
+
+    Args:
+        infos: per rank (in rank order) ``{"own": [steps], "held": [steps of the copy it
+            holds for the rank one node before]}``.
+        per_node: ranks per node (the buddy of rank r is ``(r + per_node) % world``).
+        replicas: whether buddy copies exist.
+
+    Returns:
+        (step or None, per rank ``"local"`` or ``"buddy"``). Pure; the same on every rank.
+    """
+    world = len(infos)
+    avail = []
+    for r in range(world):
+        steps = set(infos[r]["own"])
+        if replicas:
+            steps |= set(infos[buddy_of(r, world, per_node)]["held"])
+        avail.append(steps)
+    common = set.intersection(*avail) if avail else set()
+    if not common:
+        return None, []
+    step = max(common)
+    return step, ["local" if step in infos[r]["own"] else "buddy" for r in range(world)]
+
+
+def lineage_for(policy: CheckpointPolicy, persistent: tuple[Store, int] | None) -> Lineage | None:
+    """Whose local copies this start may load: the run of the persistent step it would resume
+    (and, after a torchrun restart, its own launch's); None when it starts something new
+    (``--resume none``/URL, ``--overwrite``) or nothing ties the local tier to this job."""
+    ckpt = policy.cfg.checkpoint
+    if policy.restarts == 0 and (ckpt.resume != "auto" or ckpt.overwrite):
+        return None
+    launch = os.environ.get("TORCHELASTIC_RUN_ID", "") if policy.restarts > 0 else ""
+    run = run_id_of(open_manifest(persistent[0]).manifest(()).state) if persistent is not None else ""
+    return Lineage(run=run, launch=launch) if run or launch else None
+
+
+def build_manifest(copies: list[tuple[RankCopy, str]]) -> Manifest:
+    """One in-memory manifest over rank copies of one step (file names prefixed with where
+    each copy lies relative to the store the load reads); each distinct box once.
+
+    Raises:
+        ManifestError: a copy names a tensor the saved model does not have.
+    """
+    first = copies[0][0].doc
+    model, dims = saved_dims(first)
+    specs = checkpoint_specs(model, dims, with_optimizer=True)
+    state = {**first["state"], "rng": pack_rng_states([c.doc["rng"] for c, _ in sorted(copies, key=lambda x: x[0].rank)],
+                                                      dims)}
+    builder = ManifestBuilder(step=copies[0][0].step, dims=dims, model=first["model"], config=first["config"],
+                              state=state, tensors={f: (s.shape, s.dtype) for f, s in specs.items()},
+                              chunk_nbytes=first["chunk_nbytes"])
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+    gathered = []
+    for copy, prefix in copies:
+        rec, shards = copy.doc["records"], {}
+        for fqn, shard in rec["shards"].items():
+            if fqn not in specs:
+                raise ManifestError(f"{copy.store.url}: rank {copy.rank} holds {fqn!r}, not in the saved model")
+            key = (fqn, tuple(shard[3]))
+            if key not in seen:
+                seen.add(key)
+                shards[fqn] = shard
+        gathered.append({"file": [prefix + rec["file"][0], *rec["file"][1:]], "sidecar": rec["sidecar"],
+                         "shards": shards})
+    SafetensorsFormat().add_records(builder, gathered, copies[0][0].store, specs, dims)
+    manifest = builder.build()
+    # A rank file holds every box of its rank, replicas included, and the duplicates are left
+    # out above: like a partial read, a file may hold entries its records do not name.
+    manifest.all_tensors = tuple(manifest.tensors)
+    return manifest
+
+
+def recover_local(policy: CheckpointPolicy) -> bool:
+    """Load the newest step complete in the local tier when it is not older than the
+    persistent tier's (collective; every rank calls it, after ``_check_root``).
+
+    Returns:
+        True when a local step was loaded; False: load from the persistent tier as before.
+    """
+    t0 = time.perf_counter()
+    tier = policy.local
+    assert tier is not None
+    persistent = policy.resume_source()
+    lineage = lineage_for(policy, persistent)
+    if lineage is None:
+        return False
+    newest_persistent = persistent[1] if persistent is not None else -1
+    dims = policy.cfg.parallel
+    own, held = _scan_this_rank(policy, tier, lineage)
+    infos = gather_json({"own": [c.step for c in own if c.same_layout(dims)],
+                         "held": [c.step for c in held if c.same_layout(dims)],
+                         "other": any(not c.same_layout(dims) for c in own + held)})
+    step, sources = agree(infos, tier.per_node, tier.replicas)
+    if step is not None and step >= newest_persistent:
+        _load_same_layout(policy, step, sources, own, held)
+        announce(policy, step, "buddy" if "buddy" in sources else "local", seconds=time.perf_counter() - t0)
+    elif any(i["other"] for i in infos):
+        step = _reshard_from_local(policy, lineage, newest_persistent)
+        if step is None:
+            return False
+        announce(policy, step, "local", "resharded", seconds=time.perf_counter() - t0)
+    else:
+        return False
+    policy.last_saved_step = newest_persistent       # the persistent tier still needs the final save
+    return True
+
+
+def _scan_this_rank(policy: CheckpointPolicy, tier: LocalTier, lineage: Lineage) -> tuple[list[RankCopy], list[RankCopy]]:
+    """This rank's own copies and the buddy copies it holds; each skipped copy is warned about
+    (path, reason). A scan that fails (an unreadable disk) counts as finding nothing, so the
+    all-gather that follows still runs on every rank."""
+    own: list[RankCopy] = []
+    held: list[RankCopy] = []
+    skipped: list[str] = []
+    try:
+        own, skipped = tier.scan(tier.root, policy.rank, lineage)
+        if tier.replicas:
+            assert tier.source is not None
+            held, more = tier.scan(tier.replica_root, tier.source, lineage)
+            skipped += more
+    except Exception as exc:  # noqa: BLE001 — reported, and the next tier is used
+        skipped.append(f"local tier: cannot scan {tier.root.url}: {type(exc).__name__}: {exc}; "
+                       "falling back to the next tier")
+    for line in skipped:
+        log.warning("%s", line)
+        policy.event({"event": "warning", "message": line})
+    return own, held
+
+
+def _load_same_layout(policy: CheckpointPolicy, step: int, sources: list[str], own: list[RankCopy],
+                      held: list[RankCopy]) -> None:
+    """Every rank loads its own copy of ``step``; ranks without one first receive it from
+    the rank holding their buddy copy (point-to-point) and store it as their own."""
+    tier, rank = policy.local, policy.rank
+    assert tier is not None
+    world = len(sources)
+    needers = [r for r, s in enumerate(sources) if s == "buddy"]
+    sends = {r: tier.read_copy(next(c for c in held if c.step == step)) for r in needers
+             if buddy_of(r, world, tier.per_node) == rank}
+    recvs = [buddy_of(rank, world, tier.per_node)] if rank in needers else []
+    if sends or recvs:
+        got = exchange_files(sends, recvs)
+    if recvs:
+        files = got[recvs[0]]
+        store = tier.store_copy(tier.root, rank, step, files)
+        copy = RankCopy(step, rank, store, parse_rank_doc(files[rank_manifest_name(rank)], store.url, rank, step))
+        why = check_copy_files(copy, crc=True)
+        if why:
+            raise CheckpointError(f"rank {rank}: the copy of step {step} received from rank {recvs[0]}: {why}")
+    else:
+        copy = next(c for c in own if c.step == step)
+    policy._load(copy.store, step, reason="resume", reader=StaticManifest(build_manifest([(copy, "")])))
+
+
+def reachable_steps(tier: LocalTier, lineage: Lineage) -> dict[int, list[tuple[RankCopy, str]]]:
+    """Steps for which this process can reach a copy of every rank of the layout they were
+    saved in (own or replica directories of any node), each with those copies and their
+    paths relative to ``tier.top``. Whole-file CRCs are checked (a world change is rare; with
+    node-local disks a rank reaches only its own node's few copies)."""
+    found: dict[int, dict[int, RankCopy]] = {}
+    for store, _ in tier.node_dirs():
+        for name in store.list_dir():
+            step = parse_step_dir(name)
+            if step is None:
+                continue
+            for f in store.list_dir(name):
+                if f.startswith("rank-") and f.endswith(".json") and f[5:-5].isdigit():
+                    copy, _ = tier.check(store.child(name), int(f[5:-5]), step, lineage, True)
+                    if copy is not None:
+                        found.setdefault(step, {}).setdefault(copy.rank, copy)
+    out = {}
+    for step, copies in found.items():
+        layouts = {(c.doc["world_size"], str(sorted(c.doc["layout"].items()))) for c in copies.values()}
+        world = next(iter(copies.values())).doc["world_size"]
+        if len(layouts) == 1 and sorted(copies) == list(range(world)):
+            out[step] = [(c, c.store.url[len(tier.top.url) + 1:] + "/") for _, c in sorted(copies.items())]
+    return out
+
+
+def _reshard_from_local(policy: CheckpointPolicy, lineage: Lineage, newest_persistent: int) -> int | None:
+    """The world changed: load the newest step every rank can reach completely (the same on
+    every rank: one all-gather), resharding; None when there is none newer than persistent."""
+    tier = policy.local
+    assert tier is not None
+    try:
+        steps = reachable_steps(tier, lineage)
+    except Exception as exc:  # noqa: BLE001 — as in _scan_this_rank: nothing found, next tier
+        log.warning("local tier: cannot scan %s: %s: %s; falling back to the persistent tier",
+                    tier.top.url, type(exc).__name__, exc)
+        steps = {}
+    common = set.intersection(*(set(s) for s in gather_json(sorted(steps))))
+    step = max(common) if common else None
+    if step is None or step < newest_persistent:
+        return None
+    copies = steps[step]
+    policy._load(tier.top, step, reason="resume", reader=StaticManifest(build_manifest(copies)))
+    return step
+
+
+__all__ = ["recover_local", "agree", "build_manifest", "StaticManifest", "announce"]
+
+
+# ---- the persistent tier: the step the launcher resolved, and a corrupt one ------------------
+
+def persistent_source(policy: CheckpointPolicy) -> tuple[Store, int] | None:
+    """The persistent-tier step a start loads (collective: every rank calls it once).
+
+    On the first start it is exactly ``checkpoint.resume_step``, the URL the launcher resolved
+    (:func:`shardsmith.trainer.runtime.preflight.resolve`); nobody chooses again. After an elastic
+    restart (or for a config nobody resolved) rank 0 chooses with
+    :func:`~shardsmith.trainer.runtime.preflight.choose_resume` and broadcasts its choice, so
+    every rank loads the same step even while a save commits another.
+
+    Raises:
+        CheckpointNotFound: on every rank, when rank 0 found no committed step at an explicit URL.
+    """
+    ckpt = policy.cfg.checkpoint
+    if ckpt.resume_step is not None and policy.restarts == 0:
+        return _step_of(ckpt.resume_step, ckpt.storage_options) if ckpt.resume_step else None
+    chosen = ""
+    if policy.rank == 0:
+        try:
+            root = None if ckpt.overwrite and policy.restarts == 0 else policy.root
+            src = choose_resume(ckpt.resume, root, policy.restarts, ckpt.storage_options)
+            chosen = src[0].url if src is not None else ""
+        except CheckpointNotFound as exc:
+            chosen = f"!{exc}"
+    chosen = broadcast_text(chosen)
+    if chosen.startswith("!"):
+        raise CheckpointNotFound(chosen[1:])
+    return _step_of(chosen, ckpt.storage_options) if chosen else None
+
+
+def _step_of(url: str, storage_options: dict[str, Any]) -> tuple[Store, int]:
+    _, step_store, step = resolve_checkpoint(url, storage_options)
+    return step_store, step
+
+
+def load_resume(policy: CheckpointPolicy, src: tuple[Store, int]) -> tuple[Store, int]:
+    """Load ``src``; when its data fails verification (an ``IntegrityError`` every rank
+    raises alike, see ``CheckpointPolicy._read``) mark the step corrupt
+    (:func:`~shardsmith.storage.lineage.mark_corrupt`, so ``ls`` shows it and ``auto`` skips
+    it), report a ``corrupt_step`` event, and with ``--resume auto`` (or after a restart) load
+    the newest older committed step of the same run instead. Collective.
+
+    Returns:
+        The step loaded.
+
+    Raises:
+        IntegrityError: an explicit ``--resume`` step is corrupt, or no older step is left;
+            the message names the command that goes on from the older step.
+    """
+    step_store, step = src
+    fallback = policy.cfg.checkpoint.resume == "auto" or policy.restarts > 0
+    while True:
+        try:
+            policy._load(step_store, step, reason="resume")
+            return step_store, step
+        except IntegrityError as exc:
+            older = older_step(policy, step_store, step)
+            if policy.rank == 0:
+                try:
+                    mark_corrupt(step_store, step=step, error=str(exc), found_by="resume")
+                except OSError as mark_exc:               # read-only storage: the event still says it
+                    log.warning("cannot mark %s corrupt: %s", step_store.url, mark_exc)
+            go_on = older is not None and fallback
+            policy.event({"event": "corrupt_step", "step": step, "url": step_store.url, "error": str(exc),
+                          "fallback_step": older[1] if go_on and older is not None else None})
+            if not go_on:
+                raise IntegrityError(way_forward(str(exc), step_store.url, older)) from None
+            assert older is not None
+            step_store, step = older
+
+
+def older_step(policy: CheckpointPolicy, step_store: Store, step: int) -> tuple[Store, int] | None:
+    """The newest committed step older than ``step`` of the same run, not marked corrupt (rank 0
+    looks, every rank gets its answer). Collective."""
+    found = ""
+    if policy.rank == 0:
+        root = Store(split_step_url(step_store.url)[0], policy.cfg.checkpoint.storage_options)
+        run = committed_runs(root, [step]).get(step)
+        steps = loadable_steps(root, {run} if run is not None else None, below=step)
+        found = root.url_of(step_dir(steps[0])) if steps else ""
+    found = broadcast_text(found)
+    return _step_of(found, policy.cfg.checkpoint.storage_options) if found else None
+
+
+def rollback_step(policy: CheckpointPolicy) -> int | None:
+    """The step a rollback loads: the newest committed step of this run's lineage not marked
+    corrupt (rank 0 looks, every rank gets its answer). Collective."""
+    found = ""
+    if policy.rank == 0 and policy.root is not None:
+        steps = loadable_steps(policy.root, policy.run.lineage())
+        found = str(steps[0]) if steps else ""
+    found = broadcast_text(found)
+    return int(found) if found else None

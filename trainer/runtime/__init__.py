@@ -1,0 +1,1 @@
+"""The job's processes: launch, workers, supervisor, preflight, in-process restart."""

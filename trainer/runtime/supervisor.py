@@ -1,0 +1,233 @@
+"""In-process restarts, the launcher side: ``shardsmith train --restart in-process``.
+
+torchrun's elastic agent answers a worker's death by stopping every worker and starting the
+whole group again: new processes, imports, rendezvous, model build, load (a cold start; ~31 s
+from the kill to the next finished step on the test machine). The :class:`Supervisor` keeps
+the survivors instead: it starts ``nproc`` workers plus ``spares`` *warm spares* (torch and
+the trainer imported, waiting; :mod:`shardsmith.trainer.runtime.inprocess`), hosts the TCPStore
+every generation rendezvouses on, and when a member dies it opens the next generation: the
+survivors keep their ranks (they notice through gloo, tear down their groups and rejoin, see
+:mod:`~shardsmith.trainer.runtime.inprocess`), a spare takes each dead rank's slot, and all of
+them load the newest complete checkpoint. Spares used up are replaced ``refill_delay_s``
+after a restart (their imports would compete for the CPU with the restart itself); with no
+spare left a dead slot goes to a freshly started process (the survivors still do not
+cold-start).
+
+A worker exiting non-zero (a crash, SIGKILL, an error) counts like a death; after
+``max_restarts`` restarts the job fails with the first worker's error line, as with torchrun.
+SIGTERM/SIGUSR1/SIGINT to the supervisor are forwarded to the members (they checkpoint at the
+next step boundary and exit 0); a second Ctrl-C stops everything at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from shardsmith.trainer.config import TrainConfig
+from shardsmith.trainer.runtime.inprocess import SUPERVISOR_ENV, WORKER_ID_ENV
+from shardsmith.trainer.runtime.preflight import prepare
+from shardsmith.trainer.runtime.launch import (EXIT_INTERRUPTED, LaunchError, first_error, job_files,
+                                       set_worker_env)
+
+log = logging.getLogger(__name__)
+
+#: Seconds the supervisor waits at most, after a failure, for every member to be dead or to
+#: have rejoined before it opens the next generation.
+SETTLE_S = 10.0
+
+
+class Supervisor:
+    """Start, watch and re-assign the worker processes of one job (see the module doc).
+
+    Args:
+        config_path: the workers' config JSON.
+        nproc: ranks per generation (the world size).
+        max_restarts: generations after the first, at most.
+        spares: warm spare processes kept ready.
+        refill_delay_s: seconds after a restart before used-up spares are replaced.
+        error_file: where the first failing worker writes its error line.
+    """
+
+    def __init__(self, config_path: str, nproc: int, *, max_restarts: int, spares: int,
+                 refill_delay_s: float = 10.0, error_file: str = "") -> None:
+        self.config_path, self.nproc, self.max_restarts = config_path, nproc, max_restarts
+        self.num_spares, self.refill_delay_s, self.error_file = spares, refill_delay_s, error_file
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60))
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.assigned: dict[str, int] = {}
+        self.members: list[str] = []
+        self.spares: list[str] = []
+        self.gen = 0
+        self.refill_at: float | None = None
+        self.signals: list[int] = []
+        self.run_id = f"shardsmith-{uuid.uuid4().hex[:8]}"
+
+    # ---- processes ----------------------------------------------------------------------------
+
+    def _start_process(self) -> str:
+        worker_id = f"w{len(self.procs)}"
+        env = {**os.environ, SUPERVISOR_ENV: f"127.0.0.1:{self.store.port}", WORKER_ID_ENV: worker_id,
+               "TORCHELASTIC_RUN_ID": self.run_id}           # the launch id the local tier checks
+        self.procs[worker_id] = subprocess.Popen(
+            [sys.executable, "-m", "shardsmith.trainer.runtime.inprocess", self.config_path], env=env)
+        self.assigned[worker_id] = 0
+        return worker_id
+
+    def _assign(self, worker_id: str, job: dict[str, Any]) -> None:
+        k = self.assigned[worker_id]
+        self.assigned[worker_id] = k + 1
+        self.store.set(f"assign/{worker_id}/{k}", json.dumps(job))
+
+    def _open_generation(self) -> None:
+        for rank, worker_id in enumerate(self.members):
+            self._assign(worker_id, {"gen": self.gen, "rank": rank, "world": self.nproc})
+
+    def _alive(self, worker_id: str) -> bool:
+        return self.procs[worker_id].poll() is None
+
+    def _take_spare(self) -> str:
+        while self.spares:
+            worker_id = self.spares.pop(0)
+            if self._alive(worker_id):
+                return worker_id
+        return self._start_process()                     # none left: a cold process (survivors stay)
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start the job and supervise it to the end.
+
+        Returns:
+            0 when every member of the last generation exited 0 (done or preempted),
+            :data:`~shardsmith.trainer.runtime.launch.EXIT_INTERRUPTED` after Ctrl-C.
+
+        Raises:
+            LaunchError: a member failed after ``max_restarts`` restarts (its error line).
+        """
+        self.members = [self._start_process() for _ in range(self.nproc)]
+        self.spares = [self._start_process() for _ in range(self.num_spares)]
+        self._open_generation()
+        previous = self._install_signals()
+        try:
+            return self._watch()
+        finally:
+            self._restore_signals(previous)
+            self._stop_all()
+            for gen in range(self.gen + 1):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(os.path.dirname(self.config_path), f"abort-{gen}"))
+
+    def _watch(self) -> int:
+        while True:
+            time.sleep(0.02)
+            codes = [self.procs[w].poll() for w in self.members]
+            if all(code == 0 for code in codes):
+                return EXIT_INTERRUPTED if signal.SIGINT in self.signals else 0
+            if any(code not in (None, 0) for code in codes) or self._reported():
+                if signal.SIGINT in self.signals:
+                    return EXIT_INTERRUPTED
+                with open(os.path.join(os.path.dirname(self.config_path), f"abort-{self.gen}"), "w"):
+                    pass                                   # survivors drop their connections
+                self._restart()
+            if self.refill_at is not None and time.monotonic() >= self.refill_at:
+                self.refill_at = None
+                self.spares += [self._start_process() for _ in range(self.num_spares - len(self.spares))]
+
+    def _reported(self) -> bool:
+        """A member of this generation caught a peer failure (none died: e.g. a timeout)."""
+        return self.store.add(f"failed/{self.gen}", 0) > 0
+
+    def _settle(self) -> list[int]:
+        """The ranks dead once every member is dead or has rejoined (at most ``SETTLE_S``): the
+        ranks of a node that die a moment apart are replaced in one restart."""
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            dead = [rank for rank, w in enumerate(self.members) if not self._alive(w)]
+            if len(dead) + self.store.add(f"failed/{self.gen}", 0) >= self.nproc or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.02)
+
+    def _restart(self) -> None:
+        dead = self._settle()
+        codes = {rank: self.procs[self.members[rank]].returncode for rank in dead}
+        if self.gen >= self.max_restarts:
+            raise LaunchError(self._failure_line(dead))
+        self.gen += 1
+        for rank in dead:
+            self.members[rank] = self._take_spare()
+        self._open_generation()
+        self.refill_at = time.monotonic() + self.refill_delay_s
+        print(f"restart {self.gen}/{self.max_restarts}: rank(s) {dead or 'none'} (exit codes "
+              f"{list(codes.values())}) replaced by warm spares; the others restart in place",
+              file=sys.stderr, flush=True)
+
+    def _failure_line(self, dead: list[int]) -> str:
+        line = first_error(self.error_file) if self.error_file else ""
+        if line:
+            return line
+        codes = {rank: self.procs[self.members[rank]].returncode for rank in dead}
+        how = ", ".join(f"rank {r} exit code {c}" for r, c in codes.items()) or "a peer failure"
+        return f"worker failed after {self.max_restarts} restart(s): {how}"
+
+    def _stop_all(self) -> None:
+        for worker_id, proc in self.procs.items():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs.values():
+            proc.wait()
+
+    # ---- signals ------------------------------------------------------------------------------
+
+    def _install_signals(self) -> dict[int, Any]:
+        sigs = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+        return {sig: signal.signal(sig, self._forward) for sig in sigs}
+
+    def _restore_signals(self, previous: dict[int, Any]) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    def _forward(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and signal.SIGINT in self.signals:
+            raise KeyboardInterrupt                       # a second Ctrl-C: stop at once
+        self.signals.append(signum)
+        for worker_id in self.members:
+            if self._alive(worker_id) and signum != signal.SIGINT:   # Ctrl-C reached them already
+                self.procs[worker_id].send_signal(signum)
+
+
+def launch_in_process(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0, spares: int = 1) -> int:
+    """Like :func:`shardsmith.trainer.runtime.launch.launch`, with in-process restarts and warm spares.
+
+    Returns:
+        0, or :data:`~shardsmith.trainer.runtime.launch.EXIT_INTERRUPTED` after Ctrl-C.
+
+    Raises:
+        LaunchError: a worker failed after ``max_restarts`` restarts (its error line).
+        CheckpointNotFound, CheckpointMismatch, StorageError: from the preflight checks.
+    """
+    resolved = prepare(cfg)
+    if resolved is None:
+        return 0
+    cfg = resolved
+    set_worker_env()
+    with job_files(cfg) as (path, error_file):
+        supervisor = Supervisor(path, nproc_per_node, max_restarts=max_restarts, spares=spares,
+                                error_file=error_file)
+        try:
+            return supervisor.run()
+        except KeyboardInterrupt:
+            print("interrupted again: stopped the workers without a checkpoint", file=sys.stderr, flush=True)
+            return EXIT_INTERRUPTED
