@@ -197,7 +197,8 @@ def train(**flags: Any) -> None:
     if flags["dry_run"]:
         print_estimate(cfg, flags["model_preset"], flags["as_json"], device_nbytes(flags))
         return
-    from shardsmith.trainer.runtime.preflight import COMMAND_ENV, prepare
+    from shardsmith.trainer.checkpoint.resume import COMMAND_ENV
+    from shardsmith.trainer.runtime.preflight import prepare
 
     # The step to load is resolved here, once, and every check that a manifest allows is made
     # before torch is imported and before any worker starts.

@@ -13,7 +13,7 @@ exactly the chunks it touched without reading the whole shard.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import crc32c as _crc32c_sse42
 
@@ -26,8 +26,20 @@ except ImportError:                   # pragma: no cover - platforms without its
 
 from shardsmith.errors import IntegrityError
 
-if TYPE_CHECKING:
-    from shardsmith.storage.manifest.records import ShardRecord
+
+class ChecksummedShard(Protocol):
+    """What chunk verification needs of a shard record (:class:`~shardsmith.storage.manifest.records.ShardRecord`
+    satisfies it): its key, its size in bytes and its per-chunk CRC32C values. A protocol, so this
+    module, which the manifest records import, imports nothing of theirs."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def crc32c(self) -> Sequence[int]: ...
 
 #: Default chunk size for shard checksums, in bytes. A ranged read is widened to whole
 #: chunks so every byte it reads is verified: smaller chunks read less beyond what a
@@ -144,7 +156,7 @@ def require_full_read(got: int, expected: int, offset: int, url: str) -> None:
                              "the file is damaged: restore it, or load or reshard another step")
 
 
-def verify_chunks(shard: "ShardRecord", first_chunk: int, views: Sequence[Any], chunk_nbytes: int,
+def verify_chunks(shard: ChecksummedShard, first_chunk: int, views: Sequence[Any], chunk_nbytes: int,
                   url: str) -> None:
     """Check bytes read from a shard against the manifest's per-chunk CRC-32Cs.
 
@@ -180,14 +192,14 @@ def verify_chunks(shard: "ShardRecord", first_chunk: int, views: Sequence[Any], 
         _check_chunk(shard, c, int(value), filled, chunk_nbytes, url)
 
 
-def _check_chunk(shard: "ShardRecord", c: int, value: int, need: int, chunk_nbytes: int, url: str) -> None:
+def _check_chunk(shard: ChecksummedShard, c: int, value: int, need: int, chunk_nbytes: int, url: str) -> None:
     if c >= len(shard.crc32c) or value != shard.crc32c[c] or need <= 0:
         raise IntegrityError(f"{url}: checksum mismatch in {shard.key!r} bytes [{c * chunk_nbytes}, "
                              f"{c * chunk_nbytes + need}) — the file is corrupt; restore it, or load "
                              "or reshard another step")
 
 
-def verify_chunks_split(shard: "ShardRecord", first_chunk: int, data: Any, chunk_nbytes: int, sub_nbytes: int,
+def verify_chunks_split(shard: ChecksummedShard, first_chunk: int, data: Any, chunk_nbytes: int, sub_nbytes: int,
                         url: str) -> list[int]:
     """:func:`verify_chunks` of one contiguous buffer that also returns the CRC-32Cs of its
     ``sub_nbytes`` pieces (from its first byte; the last may be short), in the same pass:

@@ -11,9 +11,7 @@ names an incomplete step they fall back to the newest committed step and say so.
 from __future__ import annotations
 
 import logging
-import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Iterable
 
 from shardsmith.errors import BucketNotFound, CheckpointNotFound, LayoutError, ManifestError, SaveError, TargetCommitted
@@ -23,53 +21,11 @@ from shardsmith.storage.store.fs import Store
 from shardsmith.storage.manifest.records import MANIFEST_NAME, Manifest
 from shardsmith.storage.manifest.parse import parse_manifest
 from shardsmith.storage.manifest.read import ManifestReader
+from shardsmith.storage.manifest.v2 import dumps_manifest
+from shardsmith.storage.lineage import committed_runs, run_id_of
+from shardsmith.storage.steps import LATEST_NAME, StepInfo, list_steps, parse_step_dir, read_latest_hint, step_dir  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
-
-LATEST_NAME = "latest"
-_STEP_RE = re.compile(r"^step-(\d{9,})$")
-
-
-def step_dir(step: int) -> str:
-    """Directory name of a step, e.g. ``step-000000040``."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return f"step-{step:09d}"
-
-
-def parse_step_dir(name: str) -> int | None:
-    """Step number of a directory name, or ``None`` when it is not a step directory."""
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
-@dataclass
-class StepInfo:
-    """A step directory under a checkpoint root."""
-
-    step: int
-    name: str
-    committed: bool
-
-
-def list_steps(root: Store) -> list[StepInfo]:
-    """All step directories under ``root``, oldest first, with commit status."""
-    out = []
-    for name in root.list_dir():
-        step = parse_step_dir(name)
-        if step is not None:
-            out.append(StepInfo(step, name, root.exists(f"{name}/{MANIFEST_NAME}")))
-    return sorted(out, key=lambda s: s.step)
-
-
-def read_latest_hint(root: Store) -> str | None:
-    """Contents of ``<root>/latest`` (a step directory name) or ``None``."""
-    try:
-        text = root.read(LATEST_NAME).decode("utf-8", "replace").strip()
-    except FileNotFoundError:
-        return None
-    return text or None
-
 
 def find_latest_committed(root: Store, runs: set[str] | None = None) -> int | None:
     """The newest committed step under ``root`` of one lineage, or ``None`` when there is none.
@@ -84,7 +40,6 @@ def find_latest_committed(root: Store, runs: set[str] | None = None) -> int | No
     other committed step of its run it is used; otherwise the newest committed step of
     the run wins and a warning says why.
     """
-    from shardsmith.storage.lineage import committed_runs
 
     steps = [s.step for s in list_steps(root) if s.committed]
     if not steps:
@@ -204,7 +159,7 @@ def commit(root: Store, manifest: Manifest, *, check_files: bool = True) -> None
     name = step_dir(manifest.step)
     step_store = root.child(name)
     with cycle_gc_paused():                 # CPU only: no storage call while the collector waits
-        raw = manifest.dumps()
+        raw = dumps_manifest(manifest)
         parse_manifest(raw, step_store.url_of(MANIFEST_NAME))
     crash_point("commit.before_check", step=manifest.step)          # test hooks; inert normally
     if check_files:
@@ -230,7 +185,6 @@ def commit(root: Store, manifest: Manifest, *, check_files: bool = True) -> None
 def _same_run(root: Store, step: int, manifest: Manifest) -> bool:
     """Whether committed ``step`` belongs to the run of ``manifest`` (``latest`` follows the
     run that commits: another run's newer step does not keep it)."""
-    from shardsmith.storage.lineage import committed_runs, run_id_of
 
     return committed_runs(root, [step]).get(step) == run_id_of(manifest.state)
 

@@ -28,9 +28,10 @@ from typing import Any, Callable
 
 from shardsmith.layout.dims import ParallelDims
 from shardsmith.errors import ManifestError
-from shardsmith.storage.commit import parse_step_dir, read_manifest
+from shardsmith.storage.commit import read_manifest
 from shardsmith.storage.store.fs import Store
-from shardsmith.storage.lineage import CORRUPT_NAME, corrupt_mark, run_id_of
+from shardsmith.storage.lineage import CORRUPT_NAME, committed_runs, corrupt_mark, current_run, describe_run, run_id_of
+from shardsmith.storage.steps import delete_step, parse_step_dir  # noqa: F401 (delete_step re-exported)
 from shardsmith.storage.manifest.records import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
@@ -186,7 +187,6 @@ def _lineage(root: Store, committed: list[int], runs: set[str] | None,
     """Committed steps retention may act on (one lineage) and a note on the others."""
     if not retention or not committed:
         return set(committed), ""
-    from shardsmith.storage.lineage import committed_runs, current_run, describe_run
 
     by_run = committed_runs(root, committed)
     if runs is None:
@@ -234,12 +234,6 @@ def plan_gc(root: Store, keep_last: int | None = None, keep_every: int | None = 
             delete, reason = _committed_decision(s.step, newest, last, keep_last, keep_every)
         out.append(GcDecision(s.step, s.name, s.status, delete, reason))
     return out
-
-
-def delete_step(root: Store, name: str) -> None:
-    """Delete one step directory, manifest first (it stops being committed at once)."""
-    root.delete(f"{name}/{MANIFEST_NAME}")
-    root.delete(name, recursive=True)
 
 
 def gc(root: Store, keep_last: int | None = None, keep_every: int | None = None, *,

@@ -24,6 +24,7 @@ from typing import Any
 from shardsmith.errors import CheckpointMismatch, ManifestError
 from shardsmith.storage.store.fs import Store
 from shardsmith.storage.manifest.records import MANIFEST_NAME
+from shardsmith.storage.steps import LATEST_NAME, delete_step, list_steps, parse_step_dir, read_latest_hint, step_dir
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,6 @@ def committed_runs(root: Store, steps: Iterable[int] | None = None) -> dict[int,
 
     One manifest read per step, in parallel; a step whose manifest cannot be read is left out.
     """
-    from shardsmith.storage.commit import list_steps, step_dir
 
     if steps is None:
         steps = [s.step for s in list_steps(root) if s.committed]
@@ -81,7 +81,6 @@ def committed_runs(root: Store, steps: Iterable[int] | None = None) -> dict[int,
 def current_run(root: Store) -> str | None:
     """The run a root belongs to now: the run of the step ``latest`` names when it is
     committed, else of the newest committed step; None for a root without committed steps."""
-    from shardsmith.storage.commit import list_steps, parse_step_dir, read_latest_hint
 
     committed = [s.step for s in list_steps(root) if s.committed]
     if not committed:
@@ -111,7 +110,6 @@ def check_new_run_root(root: Store, resume_mode: str, overwrite: bool, *, restar
     """
     if resume_mode != "none" or overwrite or restarts > 0:
         return
-    from shardsmith.storage.commit import list_steps
 
     committed = [s.step for s in list_steps(root) if s.committed]
     if not committed:
@@ -128,8 +126,6 @@ def remove_runs_except(root: Store, keep: str | None) -> list[int]:
     """``--overwrite``: delete every step directory under ``root`` not of run ``keep``
     (committed steps manifest first, incomplete ones too) and the ``latest`` hint.
     Single process (rank 0). Returns the steps deleted."""
-    from shardsmith.storage.commit import LATEST_NAME, list_steps
-    from shardsmith.storage.gc import delete_step
 
     infos = list_steps(root)
     runs = committed_runs(root, [s.step for s in infos if s.committed])
@@ -202,7 +198,6 @@ def loadable_steps(root: Store, runs: set[str] | None, *, below: int | None = No
     """Committed steps under ``root`` of the runs ``runs`` (None: any run), newest first,
     without the steps marked corrupt; ``below``: only steps older than it. One listing, one
     manifest read per step (only when ``runs`` is given) and one marker probe per step."""
-    from shardsmith.storage.commit import list_steps, step_dir
 
     steps = [s.step for s in list_steps(root) if s.committed and (below is None or s.step < below)]
     if runs is not None:

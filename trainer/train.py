@@ -38,7 +38,7 @@ from shardsmith.trainer.observe.console import EtaClock, duration, known_peak_fl
 from shardsmith.trainer.moe import router_stats
 from shardsmith.trainer.observe.metrics import (EventLog, MetricsWriter, flops_per_token,
                                         iter_json_lines, run_dir, step_line, step_record)
-from shardsmith.trainer.runtime.preflight import schedule_change
+from shardsmith.trainer.checkpoint.resume import schedule_change
 from shardsmith.trainer.optim import build_optimizer, lr_lambda
 from shardsmith.trainer.observe.profiling import profile_step
 from shardsmith.trainer.context_parallel import context_parallel

@@ -23,6 +23,7 @@ from shardsmith.storage.manifest.records import MANIFEST_NAME, ManifestBuilder
 from shardsmith.storage.manifest.parse import parse_manifest
 from shardsmith.storage.formats.safetensors import file_order
 from shardsmith.storage.formats.tensor_files import write_shard_file
+from shardsmith.storage.manifest.v2 import dumps_manifest
 
 #: ``read(fqn, box)``: the box (global elements) of logical tensor ``fqn``, float32, contiguous.
 BoxReader = Callable[[str, Box], torch.Tensor]
@@ -83,6 +84,6 @@ def write_checkpoint(ckpt_url: str, model: ModelConfig, dims: ParallelDims, read
         report.num_files += 1
         report.nbytes_written += record.nbytes
     manifest = builder.build()
-    parse_manifest(manifest.dumps(), dst.url_of(MANIFEST_NAME))     # coverage check before commit
+    parse_manifest(dumps_manifest(manifest), dst.url_of(MANIFEST_NAME))     # coverage check before commit
     commit(root, manifest)
     return report

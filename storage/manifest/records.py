@@ -172,15 +172,6 @@ class Manifest:
                       for name, f in sorted(self.files.items())},
         }
 
-    def dumps(self) -> bytes:
-        """The ``manifest.json`` bytes: version 3 (:func:`shardsmith.storage.manifest.v2.encode`),
-        or version 1 compact JSON for a manifest read from a version-1 checkpoint."""
-        if self.version == 1:
-            return json.dumps(self.to_json(), separators=(",", ":")).encode()
-        from shardsmith.storage.manifest.v2 import encode     # manifest_v2 imports this module
-
-        return encode(self)
-
     @property
     def nbytes(self) -> int:
         """Total bytes of the data files."""

@@ -111,6 +111,14 @@ def encode(manifest: Manifest) -> bytes:
     return head + b",".join(entries) + GRIDS_START + b",".join(g for _, g in grids) + _BODY_END
 
 
+def dumps_manifest(manifest: Manifest) -> bytes:
+    """The ``manifest.json`` bytes of ``manifest``: version 3 (:func:`encode`), or version 1
+    compact JSON for a manifest read from a version-1 checkpoint (rewritten as it was read)."""
+    if manifest.version == 1:
+        return json.dumps(manifest.to_json(), separators=(",", ":")).encode()
+    return encode(manifest)
+
+
 def head_nbytes_of(prefix: bytes, source: str) -> int:
     """The head's length from the first :data:`PREFIX_NBYTES` bytes of a version-2 or -3 manifest."""
     field = prefix[len(PREFIX):PREFIX_NBYTES - 1]

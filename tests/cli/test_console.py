@@ -29,8 +29,10 @@ from shardsmith.trainer.runtime import launch as launcher
 from shardsmith.trainer.observe.console import EtaClock, event_line, layout_name, step_line
 from shardsmith.trainer.fault.preemption import PreemptionHandler
 from shardsmith.trainer.observe.metrics import EventLog, MetricsWriter, iter_json_lines
-from shardsmith.trainer.runtime.preflight import preflight, schedule_change
+from shardsmith.trainer.checkpoint.resume import schedule_change
+from shardsmith.trainer.runtime.preflight import preflight
 from shardsmith.trainer.runtime.worker import report_error
+from shardsmith.storage.manifest.v2 import dumps_manifest
 
 RECORD = {"step": 41, "loss": 5.1234, "lr": 2.95e-4, "grad_norm": 1.234, "tokens_per_s": 12345.0,
           "seconds": 0.31, "skipped": False, "steps": 60, "tokens_seen": 1_300_000,
@@ -284,7 +286,7 @@ def test_reshard_refuses_its_source_root_and_names_the_target_run(tmp_path: Path
     step_store = root.child(step_dir(manifest.step))
     saved = read_manifest(step_store)
     saved.config["checkpoint"] = {"url": str(tmp_path / "src")}
-    step_store.write(MANIFEST_NAME, saved.dumps())
+    step_store.write(MANIFEST_NAME, dumps_manifest(saved))
     same = CliRunner().invoke(cli, ["reshard", str(tmp_path / "src"), str(tmp_path / "src"), "--dp-shard", "4"])
     assert same.exit_code == 1 and "is the source's own checkpoint root" in same.output, same.output
     out = CliRunner().invoke(cli, ["reshard", str(tmp_path / "src"), str(tmp_path / "out"), "--dp-shard", "4", "-q"])

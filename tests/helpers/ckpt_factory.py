@@ -33,6 +33,7 @@ from shardsmith.storage.manifest.records import Manifest, ManifestBuilder, now_i
 from shardsmith.storage.formats.safetensors import file_order
 from shardsmith.storage.manifest.sidecar import write_sidecar
 from shardsmith.storage.formats.tensor_files import DTYPE_NAMES, TORCH_DTYPES, write_shard_file
+from shardsmith.storage.manifest.v2 import dumps_manifest
 
 TINY_CHUNK_NBYTES = 16
 FILE0, FILE1 = "shards/rank-00000.safetensors", "shards/rank-00001.safetensors"
@@ -200,7 +201,7 @@ def save_direct(root: Store, full: dict[str, torch.Tensor], dims: ParallelDims,
 def manifest_json(m: Manifest) -> dict:
     """The manifest document (chunk CRCs by sidecar index, whether or not they were fetched),
     without its clock time and the run record a reshard adds (its parent)."""
-    data = json.loads(m.dumps())
+    data = json.loads(dumps_manifest(m))
     for key in ("created", "head_nbytes"):
         data.pop(key)
     data["state"].pop("run", None)

@@ -20,6 +20,7 @@ from shardsmith.storage.manifest.records import MANIFEST_NAME
 from shardsmith.storage.manifest.parse import parse_manifest
 from shardsmith.storage.manifest.read import ManifestReader
 from shardsmith.storage.manifest.v2 import PREFIXES
+from shardsmith.storage.manifest.v2 import dumps_manifest
 
 DIMS = ParallelDims(tp=4, dp_shard=4)            # 2-d weights: 16 shards, a 4 x 4 or 16 x 1 grid
 STEP = 2
@@ -73,7 +74,7 @@ def test_load_through_grids_is_bitwise_and_version2_still_loads(saved, tmp_path:
     saved_min = manifest_grid.GRID_MIN_SHARDS
     manifest_grid.GRID_MIN_SHARDS = 10**9                  # no grids: the version-2 layout
     try:
-        doc = parse_manifest(raw, "m.json").dumps()
+        doc = dumps_manifest(parse_manifest(raw, "m.json"))
     finally:
         manifest_grid.GRID_MIN_SHARDS = saved_min
     assert doc.endswith(b'},"grids":{}}')

@@ -52,6 +52,7 @@ from shardsmith.storage.formats.zarr_format import parse_codec, regular_chunks
 from shardsmith.trainer.checkpoint.async_save import AsyncCheckpointer
 from shardsmith.trainer.checkpoint.save_load import load_into, save_checkpoint
 from shardsmith.trainer.config import CheckpointConfig
+from shardsmith.storage.manifest.v2 import dumps_manifest
 from ckpt_factory import CHUNK_NBYTES, MODEL, assert_bitwise_equal, full_tensors, load_full, save_offline
 
 STEP = 7
@@ -261,7 +262,7 @@ def test_hostile_codec_in_metadata_is_refused(ckpts: dict, tmp_path: Path) -> No
     step.write(key, raw)
     manifest = read_manifest(step)                    # a forged manifest: checksums match
     manifest.files[key] = FileRecord(nbytes=len(raw), crc32c=crc32c(raw))
-    step.write(MANIFEST_NAME, manifest.dumps())
+    step.write(MANIFEST_NAME, dumps_manifest(manifest))
     with pytest.raises(IntegrityError, match="unsupported codec"):
         read_box(step, read_manifest(step), "norm.weight", Box((0,), (32,)))
 

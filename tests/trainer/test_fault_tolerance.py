@@ -44,7 +44,7 @@ from shardsmith.storage.commit import read_latest_hint, step_dir
 from shardsmith.storage.store.fs import Store
 from shardsmith.trainer.config import FaultConfig, TrainConfig
 from shardsmith.trainer.optim import OptimConfig
-from shardsmith.trainer.runtime.preflight import choose_resume
+from shardsmith.trainer.checkpoint.resume import choose_resume
 from shardsmith.trainer.fault.bad_steps import BadStepPolicy
 from shardsmith.trainer.fault.elastic import fit_world_size
 from shardsmith.trainer.fault.preemption import PreemptionHandler

@@ -26,7 +26,8 @@ from shardsmith.storage.gc import describe_steps
 from shardsmith.storage.lineage import CORRUPT_NAME, corrupt_mark, loadable_steps, mark_corrupt
 from shardsmith.trainer.checkpoint.save_load import raise_agreed
 from shardsmith.trainer.observe.console import event_line
-from shardsmith.trainer.runtime.preflight import COMMAND_ENV, command_with, resolve, way_forward
+from shardsmith.trainer.checkpoint.resume import COMMAND_ENV, command_with, way_forward
+from shardsmith.trainer.runtime.preflight import resolve
 from shardsmith.trainer.checkpoint.run_checks import resume_changes
 
 RUN = "a" * 32

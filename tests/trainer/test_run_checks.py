@@ -20,6 +20,7 @@ from shardsmith.storage.verify import verify_checkpoint
 from shardsmith.trainer.config import CheckpointConfig, TrainConfig
 from shardsmith.trainer.runtime.preflight import preflight
 from shardsmith.trainer.checkpoint.run_checks import check_before_load
+from shardsmith.storage.manifest.v2 import dumps_manifest
 
 DIMS = ParallelDims()
 
@@ -119,7 +120,7 @@ def test_verify_checks_the_model_record_against_the_tensors(tmp_path):
     assert verify_checkpoint(step).ok
     saved = read_manifest(step)
     saved.model["vocab_size"] = 10**12
-    step.write("manifest.json", saved.dumps())
+    step.write("manifest.json", dumps_manifest(saved))
     report = verify_checkpoint(step)
     assert not report.ok
     assert any("vocab_size=1000000000000" in p.what and "tok_embeddings" in p.what for p in report.problems), \

@@ -320,7 +320,7 @@ class CheckpointPolicy:
                     "saved_layout": reader.manifest(()).layout, "nbytes_read": sum(r[0] for r in read),
                     **({"upcast_from": info["upcast_from"]} if info.get("upcast_from") else {})})
 
-    def _load(self, step_store: Store, step: int, *, reason: str,
+    def load_step(self, step_store: Store, step: int, *, reason: str,
               reader: ManifestReader | StaticManifest | None = None) -> None:
         """Load tensors (resharding by box intersection), counters, data position, LR
         schedule, bad-step state and RNG (restored, or re-derived on a new layout); ``reader``:
@@ -394,7 +394,7 @@ class CheckpointPolicy:
             raise TrainingDiverged(f"steps {bad_step - streak + 1}..{bad_step} had a non-finite loss or "
                                    "gradient norm and there is no committed checkpoint to roll back to; "
                                    "set --ckpt and --save-interval, or lower --lr")
-        self._load(self.root.child(step_dir(latest)), latest, reason="rollback")
+        self.load_step(self.root.child(step_dir(latest)), latest, reason="rollback")
         if self.local is not None:
             self.local.forget_after(latest)
         self.event({"event": "rollback", "from_step": bad_step, "to_step": latest, "skip_samples": window,

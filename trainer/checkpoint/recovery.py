@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from shardsmith.errors import CheckpointError, CheckpointNotFound, IntegrityError, ManifestError
 from shardsmith.layout.plan import checkpoint_specs
@@ -37,13 +37,37 @@ from shardsmith.trainer.comm import broadcast_text, gather_json
 from shardsmith.trainer.checkpoint.local_tier import (Lineage, LocalTier, RankCopy, buddy_of, check_copy_files,
                                            parse_rank_doc, rank_manifest_name, saved_dims)
 from shardsmith.trainer.checkpoint.peer_copy import exchange_files
-from shardsmith.trainer.runtime.preflight import choose_resume, way_forward
+from shardsmith.trainer.checkpoint.resume import choose_resume, way_forward
 from shardsmith.trainer.rng import pack_rng_states
 
+from shardsmith.trainer.checkpoint.run_checks import RunIdentity
+
 if TYPE_CHECKING:
-    from shardsmith.trainer.checkpoint.policy import CheckpointPolicy
+    from shardsmith.storage.manifest.read import ManifestReader
+    from shardsmith.trainer.config import TrainConfig
 
 log = logging.getLogger(__name__)
+
+
+class RecoveringPolicy(Protocol):
+    """What recovery needs of the job's checkpoint policy
+    (:class:`~shardsmith.trainer.checkpoint.policy.RecoveringPolicy`): its configuration, rank,
+    restart count, tiers, run identity, event sink and the one load it performs. A protocol, so
+    recovery (which the policy calls) imports nothing of the policy."""
+
+    cfg: TrainConfig
+    rank: int
+    restarts: int
+    root: Store | None
+    local: LocalTier | None
+    last_saved_step: int
+    run: RunIdentity
+    event: Callable[[dict[str, Any]], None]
+
+    def resume_source(self) -> tuple[Store, int] | None: ...
+
+    def load_step(self, step_store: Store, step: int, *, reason: str,
+                  reader: ManifestReader | StaticManifest | None = None) -> None: ...
 
 
 class StaticManifest:
@@ -57,7 +81,7 @@ class StaticManifest:
         return self._manifest
 
 
-def announce(policy: CheckpointPolicy, step: int, source: str, detail: str = "", seconds: float = 0.0) -> None:
+def announce(policy: RecoveringPolicy, step: int, source: str, detail: str = "", seconds: float = 0.0) -> None:
     """The ``recovery`` event: which tier a (re)start loaded (rank 0 logs it as the line
     ``recovered step S from SOURCE[ (DETAIL)]``, :mod:`shardsmith.trainer.observe.console`)."""
     policy.event({"event": "recovery", "step": step, "source": source, "detail": detail,
@@ -90,7 +114,7 @@ def agree(infos: list[dict[str, Any]], per_node: int, replicas: bool) -> tuple[i
     return step, ["local" if step in infos[r]["own"] else "buddy" for r in range(world)]
 
 
-def lineage_for(policy: CheckpointPolicy, persistent: tuple[Store, int] | None) -> Lineage | None:
+def lineage_for(policy: RecoveringPolicy, persistent: tuple[Store, int] | None) -> Lineage | None:
     """Whose local copies this start may load: the run of the persistent step it would resume
     (and, after a torchrun restart, its own launch's); None when it starts something new
     (``--resume none``/URL, ``--overwrite``) or nothing ties the local tier to this job."""
@@ -138,7 +162,7 @@ def build_manifest(copies: list[tuple[RankCopy, str]]) -> Manifest:
     return manifest
 
 
-def recover_local(policy: CheckpointPolicy) -> bool:
+def recover_local(policy: RecoveringPolicy) -> bool:
     """Load the newest step complete in the local tier when it is not older than the
     persistent tier's (collective; every rank calls it, after ``_check_root``).
 
@@ -173,7 +197,7 @@ def recover_local(policy: CheckpointPolicy) -> bool:
     return True
 
 
-def _scan_this_rank(policy: CheckpointPolicy, tier: LocalTier, lineage: Lineage) -> tuple[list[RankCopy], list[RankCopy]]:
+def _scan_this_rank(policy: RecoveringPolicy, tier: LocalTier, lineage: Lineage) -> tuple[list[RankCopy], list[RankCopy]]:
     """This rank's own copies and the buddy copies it holds; each skipped copy is warned about
     (path, reason). A scan that fails (an unreadable disk) counts as finding nothing, so the
     all-gather that follows still runs on every rank."""
@@ -195,7 +219,7 @@ def _scan_this_rank(policy: CheckpointPolicy, tier: LocalTier, lineage: Lineage)
     return own, held
 
 
-def _load_same_layout(policy: CheckpointPolicy, step: int, sources: list[str], own: list[RankCopy],
+def _load_same_layout(policy: RecoveringPolicy, step: int, sources: list[str], own: list[RankCopy],
                       held: list[RankCopy]) -> None:
     """Every rank loads its own copy of ``step``; ranks without one first receive it from
     the rank holding their buddy copy (point-to-point) and store it as their own."""
@@ -217,7 +241,7 @@ def _load_same_layout(policy: CheckpointPolicy, step: int, sources: list[str], o
             raise CheckpointError(f"rank {rank}: the copy of step {step} received from rank {recvs[0]}: {why}")
     else:
         copy = next(c for c in own if c.step == step)
-    policy._load(copy.store, step, reason="resume", reader=StaticManifest(build_manifest([(copy, "")])))
+    policy.load_step(copy.store, step, reason="resume", reader=StaticManifest(build_manifest([(copy, "")])))
 
 
 def reachable_steps(tier: LocalTier, lineage: Lineage) -> dict[int, list[tuple[RankCopy, str]]]:
@@ -245,7 +269,7 @@ def reachable_steps(tier: LocalTier, lineage: Lineage) -> dict[int, list[tuple[R
     return out
 
 
-def _reshard_from_local(policy: CheckpointPolicy, lineage: Lineage, newest_persistent: int) -> int | None:
+def _reshard_from_local(policy: RecoveringPolicy, lineage: Lineage, newest_persistent: int) -> int | None:
     """The world changed: load the newest step every rank can reach completely (the same on
     every rank: one all-gather), resharding; None when there is none newer than persistent."""
     tier = policy.local
@@ -261,7 +285,7 @@ def _reshard_from_local(policy: CheckpointPolicy, lineage: Lineage, newest_persi
     if step is None or step < newest_persistent:
         return None
     copies = steps[step]
-    policy._load(tier.top, step, reason="resume", reader=StaticManifest(build_manifest(copies)))
+    policy.load_step(tier.top, step, reason="resume", reader=StaticManifest(build_manifest(copies)))
     return step
 
 
@@ -270,13 +294,13 @@ __all__ = ["recover_local", "agree", "build_manifest", "StaticManifest", "announ
 
 # ---- the persistent tier: the step the launcher resolved, and a corrupt one ------------------
 
-def persistent_source(policy: CheckpointPolicy) -> tuple[Store, int] | None:
+def persistent_source(policy: RecoveringPolicy) -> tuple[Store, int] | None:
     """The persistent-tier step a start loads (collective: every rank calls it once).
 
     On the first start it is exactly ``checkpoint.resume_step``, the URL the launcher resolved
     (:func:`shardsmith.trainer.runtime.preflight.resolve`); nobody chooses again. After an elastic
     restart (or for a config nobody resolved) rank 0 chooses with
-    :func:`~shardsmith.trainer.runtime.preflight.choose_resume` and broadcasts its choice, so
+    :func:`~shardsmith.trainer.checkpoint.resume.choose_resume` and broadcasts its choice, so
     every rank loads the same step even while a save commits another.
 
     Raises:
@@ -304,9 +328,9 @@ def _step_of(url: str, storage_options: dict[str, Any]) -> tuple[Store, int]:
     return step_store, step
 
 
-def load_resume(policy: CheckpointPolicy, src: tuple[Store, int]) -> tuple[Store, int]:
+def load_resume(policy: RecoveringPolicy, src: tuple[Store, int]) -> tuple[Store, int]:
     """Load ``src``; when its data fails verification (an ``IntegrityError`` every rank
-    raises alike, see ``CheckpointPolicy._read``) mark the step corrupt
+    raises alike, see ``RecoveringPolicy._read``) mark the step corrupt
     (:func:`~shardsmith.storage.lineage.mark_corrupt`, so ``ls`` shows it and ``auto`` skips
     it), report a ``corrupt_step`` event, and with ``--resume auto`` (or after a restart) load
     the newest older committed step of the same run instead. Collective.
@@ -322,7 +346,7 @@ def load_resume(policy: CheckpointPolicy, src: tuple[Store, int]) -> tuple[Store
     fallback = policy.cfg.checkpoint.resume == "auto" or policy.restarts > 0
     while True:
         try:
-            policy._load(step_store, step, reason="resume")
+            policy.load_step(step_store, step, reason="resume")
             return step_store, step
         except IntegrityError as exc:
             older = older_step(policy, step_store, step)
@@ -340,7 +364,7 @@ def load_resume(policy: CheckpointPolicy, src: tuple[Store, int]) -> tuple[Store
             step_store, step = older
 
 
-def older_step(policy: CheckpointPolicy, step_store: Store, step: int) -> tuple[Store, int] | None:
+def older_step(policy: RecoveringPolicy, step_store: Store, step: int) -> tuple[Store, int] | None:
     """The newest committed step older than ``step`` of the same run, not marked corrupt (rank 0
     looks, every rank gets its answer). Collective."""
     found = ""
@@ -353,7 +377,7 @@ def older_step(policy: CheckpointPolicy, step_store: Store, step: int) -> tuple[
     return _step_of(found, policy.cfg.checkpoint.storage_options) if found else None
 
 
-def rollback_step(policy: CheckpointPolicy) -> int | None:
+def rollback_step(policy: RecoveringPolicy) -> int | None:
     """The step a rollback loads: the newest committed step of this run's lineage not marked
     corrupt (rank 0 looks, every rank gets its answer). Collective."""
     found = ""

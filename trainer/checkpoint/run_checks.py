@@ -25,6 +25,7 @@ from shardsmith.layout.plan import checkpoint_specs
 from shardsmith.errors import CheckpointMismatch
 from shardsmith.storage.lineage import UNNAMED, run_record
 from shardsmith.storage.manifest.records import Manifest
+from shardsmith.trainer.checkpoint.resume import check_data_change, data_differs
 
 if TYPE_CHECKING:
     from shardsmith.trainer.config import TrainConfig
@@ -159,12 +160,11 @@ def resume_changes(manifest: Manifest, cfg: TrainConfig, url: str, step: int,
     Raises:
         ConfigError: the data changed and ``checkpoint.data_change`` does not say how (the
             launcher refuses this before any worker starts; see
-            :func:`shardsmith.trainer.runtime.preflight.check_data_change`).
+            :func:`shardsmith.trainer.checkpoint.resume.check_data_change`).
     """
     from dataclasses import asdict
 
     from shardsmith.trainer.data.config import describe_data
-    from shardsmith.trainer.runtime.preflight import check_data_change, data_differs
 
     saved = manifest.config or {}
     out: list[dict[str, Any]] = []
