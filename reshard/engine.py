@@ -45,7 +45,7 @@ from shardsmith.storage.formats import safetensors
 from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
 from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
 from shardsmith.storage.store.fs import Store
-from shardsmith.storage.store.local import FileSpan, preallocate
+from shardsmith.storage.store.local import preallocate
 from shardsmith.storage.lineage import rewritten_state
 from shardsmith.storage.manifest.records import FileRecord, Manifest, ManifestBuilder, ShardRecord, sidecar_name
 from shardsmith.storage.manifest.model_record import check_model_record
@@ -89,7 +89,7 @@ class _Executor:
         if self.progress is not None and done:
             self.progress(done)
 
-    def _read(self, slab: Slab, entry: PlanEntry) -> tuple[np.ndarray | FileSpan, np.ndarray | None, list[int] | None]:
+    def _read(self, slab: Slab, entry: PlanEntry) -> tuple[np.ndarray, np.ndarray | None, list[int] | None]:
         """(slab bytes, pool buffer to give back, their chunk CRCs when the verified source's serve)."""
         out = assemble_slab(self.src, self.plan.source, slab, entry, self.pool, self.plan.options.chunk_nbytes)
         self._count(nbytes_read=sum(p.read_nbytes for p in slab.pieces), nbytes_needed=slab.src_nbytes)
@@ -107,10 +107,10 @@ class _Executor:
         if self.dst.local_path(tf.name) is not None:
             return self._write_at_offsets(tf)
 
-        def counted() -> Iterator[tuple[int, np.ndarray | FileSpan, list[int] | None]]:
+        def counted() -> Iterator[tuple[int, np.ndarray, list[int] | None]]:
             for i, data, known in self._slab_stream(tf):
                 yield i, data, known
-                self._count(nbytes_written=len(data.view) if isinstance(data, FileSpan) else len(data))
+                self._count(nbytes_written=len(data))
 
         record, crcs = safetensors.write_stream(self.dst, tf.name, tf.header, counted(), len(tf.entries),
                                                 self.plan.options.chunk_nbytes, tf.nbytes)
@@ -120,7 +120,7 @@ class _Executor:
 
     def _write_at_offsets(self, tf: TargetFile) -> FileResult:
         """A local target file: each slab is written at its offset by the read thread that read
-        it (kernel copy or ``pwrite``), several at once, so the copies of one file use every
+        it (``pwrite``), several at once, so the copies of one file use every
         core; this thread only combines the slabs' chunk CRCs in file order. The file appears
         (renamed into place) only when every slab is written."""
         chunk = self.plan.options.chunk_nbytes

@@ -29,7 +29,7 @@ from shardsmith.reshard.slabs import ASSEMBLED_SLAB_NBYTES, Piece, Slab
 from shardsmith.reshard.stream import RAW_DTYPES, BufferPool, slab_crcs, slab_offset
 from shardsmith.storage.checksum import grid_crcs, require_full_read, verify_chunks, verify_chunks_split
 from shardsmith.storage.store.fs import Store
-from shardsmith.storage.store.local import FileSpan, copy_span_at, map_range, pwrite_all
+from shardsmith.storage.store.local import map_range, pwrite_all
 from shardsmith.storage.manifest.records import Manifest
 from shardsmith.storage.manifest.sidecar import load_chunk_crcs
 from shardsmith.storage.verify import check_file_once
@@ -86,25 +86,23 @@ def copy_slab_verified(src: Store, manifest: Manifest, slab: Slab, entry: PlanEn
     return pieces
 
 
-def write_slab_at(out: int, entry: PlanEntry, slab: Slab, data: np.ndarray | FileSpan, known: list[int] | None,
+def write_slab_at(out: int, entry: PlanEntry, slab: Slab, data: np.ndarray, known: list[int] | None,
                   chunk_nbytes: int, lock: Any = contextlib.nullcontext()) -> list[tuple[int, int]]:
     """Write a slab's bytes (from :func:`assemble_slab`) at their place in the local target file
-    open as descriptor ``out`` (whose entry data starts at ``entry.byte_offset``): a
-    :class:`FileSpan` by the kernel, else ``pwrite``, holding ``lock``. Any thread, any slab.
+    open as descriptor ``out`` (whose entry data starts at ``entry.byte_offset``) with
+    ``pwrite``, holding ``lock``. Any thread, any slab.
 
     Returns:
         The bytes' ``(CRC-32C, length)`` pieces on the entry's ``chunk_nbytes`` grid
         (:func:`~shardsmith.storage.checksum.grid_crcs`; from ``known`` when given and aligned).
 
     Raises:
-        OSError: the copy or write failed (``ENOSPC``: the disk is full).
+        OSError: the write failed (``ENOSPC``: the disk is full).
     """
     start = slab_offset(entry, slab)
-    view = data.view if isinstance(data, FileSpan) else data
     with lock:
-        if not (isinstance(data, FileSpan) and copy_span_at(out, entry.byte_offset + start, data)):
-            pwrite_all(out, view, entry.byte_offset + start)
-    return grid_crcs(view, start, chunk_nbytes, known)
+        pwrite_all(out, data, entry.byte_offset + start)
+    return grid_crcs(data, start, chunk_nbytes, known)
 
 
 def write_assembled_at(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry, out: int, chunk_nbytes: int,

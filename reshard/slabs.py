@@ -152,7 +152,7 @@ def _shard_row_cuts(manifest: Manifest, fqn: str, box: Box) -> list[int]:
     or ends. A slab cut there is filled by fewer source reads; where the saved shards hold
     whole rows of ``box`` (a tensor split on dim 0, e.g. column-parallel TP or FSDP shards),
     each slab then comes from one contiguous read and is copied as it is
-    (:attr:`Slab.zero_copy`: a kernel copy for a local source) instead of assembled."""
+    (:attr:`Slab.zero_copy`: written from the source's mapping for a local source) instead of assembled."""
     lo, hi = box.offsets[0], box.offsets[0] + box.lengths[0]
     rows: set[int] = set()
     for shard, _, _ in intersections(manifest.tensors[fqn], box):

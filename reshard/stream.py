@@ -23,7 +23,7 @@ from shardsmith.reshard.planner import PlanEntry
 from shardsmith.reshard.slabs import Piece, Slab
 from shardsmith.storage.checksum import chunk_crc32c, require_full_read, verify_chunks, verify_chunks_split
 from shardsmith.storage.store.fs import Store
-from shardsmith.storage.store.local import FileSpan, map_range
+from shardsmith.storage.store.local import map_range
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.manifest.records import FileRecord, Manifest, ShardRecord
 from shardsmith.storage.manifest.sidecar import load_chunk_crcs
@@ -165,14 +165,14 @@ def slab_crcs(piece: Piece, subs: list[int] | None, sub_nbytes: int) -> list[int
 
 
 def assemble_slab(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry, pool: BufferPool,
-                  chunk_nbytes: int = 0) -> tuple[np.ndarray | FileSpan, np.ndarray | None, list[int] | None]:
+                  chunk_nbytes: int = 0) -> tuple[np.ndarray, np.ndarray | None, list[int] | None]:
     """The slab's bytes in the target dtype, as a contiguous 1-d ``uint8`` array.
 
     Each piece is read, verified, and copied through a strided view of the source
     shard's row-major storage into the slab; pieces are read one at a time. A slab that
-    one read holds as it is written (:attr:`Slab.zero_copy`) is returned as a view of it
-    (of a local source: a :class:`FileSpan`, which the writer copies in the kernel), with its
-    ``chunk_nbytes`` chunk CRCs when they came out of the verifying pass.
+    one read holds as it is written (:attr:`Slab.zero_copy`) is returned as a view of it (of a
+    local source: of its mapping), with its ``chunk_nbytes`` chunk CRCs when they came out of
+    the verifying pass.
 
     Returns:
         (bytes, the pool buffer holding them, to give back once written, or ``None`` when
@@ -181,10 +181,7 @@ def assemble_slab(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry, 
     if slab.zero_copy:
         piece = slab.pieces[0]
         buf, subs = read_piece(src, manifest, piece, pool, chunk_nbytes)
-        data: np.ndarray | FileSpan = buf[piece.first - piece.read_start:piece.last - piece.read_start]
-        path = src.local_path(piece.shard.file)
-        if path is not None and not buf.flags.owndata:          # mapped: the writer may copy in the kernel
-            data = FileSpan(path, piece.shard.byte_offset + piece.first, data.data)
+        data = buf[piece.first - piece.read_start:piece.last - piece.read_start]
         return data, buf, slab_crcs(piece, subs, chunk_nbytes)
     itemsize = DTYPE_NBYTES[entry.src_dtype]
     raw = RAW_DTYPES[itemsize]

@@ -23,7 +23,6 @@ from shardsmith.layout.dtypes import SAFETENSORS_DTYPE_ORDER
 from shardsmith.storage.checksum import ChunkedCrc, chunk_crc32c, crc32c, crc32c_extend
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.store.fs import Store
-from shardsmith.storage.store.local import FileSpan, copy_span
 from shardsmith.storage.manifest.records import FileRecord, ShardRecord
 from shardsmith.storage.manifest.parse import reject_duplicate_keys
 
@@ -203,8 +202,7 @@ def write_stream(store: Store, key: str, header: bytes, data: Iterable[tuple[Any
     ``(entry index, bytes)`` of ``data`` in file order (entry indices never decrease),
     checksummed as it goes: one CRC pass per byte, the file's CRC combined from the chunks'.
     An item ``(entry index, bytes, chunk CRCs)`` brings the CRCs of its bytes' chunks
-    (:meth:`ChunkedCrc.update`'s ``known``), saving that pass; bytes given as a
-    :class:`~shardsmith.storage.store.local.FileSpan` are copied by the kernel into a local file. The file appears atomically
+    (:meth:`ChunkedCrc.update`'s ``known``), saving that pass; The file appears atomically
     when every byte is written, never on an error.
 
     Returns:
@@ -222,10 +220,8 @@ def write_stream(store: Store, key: str, header: bytes, data: Iterable[tuple[Any
             if i < last:
                 raise ValueError(f"write_stream {key}: entry {i} after entry {last}; feed entries in file order")
             last = i
-            view = chunk.view if isinstance(chunk, FileSpan) else chunk
-            if not (isinstance(chunk, FileSpan) and copy_span(f, chunk)):
-                f.write(view)
-            crcs[i].update(view, known[0] if known else None)
+            f.write(chunk)
+            crcs[i].update(chunk, known[0] if known else None)
     file_crc = crc32c(header)
     for c in crcs:
         file_crc = c.extend_crc(file_crc)

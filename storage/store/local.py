@@ -9,11 +9,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import io
 import mmap
 import os
 import uuid
-from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterator, Sequence
 
 from shardsmith.storage.crashpoints import crash_point
@@ -169,88 +167,6 @@ def map_range(path: str, offset: int, nbytes: int) -> memoryview:
     finally:
         os.close(fd)
     return memoryview(mapped)[offset - start:]
-
-
-@dataclass(frozen=True)
-class FileSpan:
-    """Bytes ``[offset, offset + len(view))`` of the local file ``path``, with ``view`` a
-    mapping of them (:func:`map_range`): a writer to a local file copies them in the kernel
-    (:func:`copy_span`), any other writes ``view``."""
-
-    path: str
-    offset: int
-    view: memoryview
-
-
-#: copy_file_range errors that mean "not here" (other filesystem, old kernel): write instead.
-_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
-
-
-def copy_span(f: Any, span: FileSpan) -> bool:
-    """Append ``span``'s bytes to the open local file ``f`` with ``os.copy_file_range`` (the
-    kernel copies page cache to page cache: no pass through user memory, like ``cp``).
-
-    Returns:
-        False, having written nothing, when ``f`` has no file descriptor or the kernel cannot
-        copy between these files (the caller writes ``span.view``).
-
-    Raises:
-        OSError: the copy failed, or the source ended early.
-    """
-    try:
-        out = f.fileno()
-    except (AttributeError, io.UnsupportedOperation):
-        return False
-    f.flush()
-    pos = f.tell()
-    if not copy_span_at(out, pos, span):
-        return False
-    f.seek(pos + len(span.view))
-    return True
-
-
-def copy_span_at(out: int, pos: int, span: FileSpan) -> bool:
-    """Copy ``span``'s bytes to byte ``pos`` of the local file open as descriptor ``out``
-    (:func:`copy_range`: the file position is untouched, so several threads may fill one
-    file at different offsets).
-
-    Returns:
-        False, having written nothing, when the kernel cannot copy between these files.
-
-    Raises:
-        OSError: the copy failed, or the source ended early.
-    """
-    fd = os.open(span.path, os.O_RDONLY)
-    try:
-        return copy_range(fd, span.offset, out, pos, len(span.view), span.path)
-    finally:
-        os.close(fd)
-
-
-def copy_range(src: int, src_pos: int, out: int, pos: int, nbytes: int, name: str = "source") -> bool:
-    """Copy ``nbytes`` from byte ``src_pos`` of the file open as ``src`` to byte ``pos`` of the
-    file open as ``out`` with ``os.copy_file_range`` (page cache to page cache in the kernel,
-    like ``cp``; explicit offsets, no file position moves).
-
-    Returns:
-        False, having written nothing, when the kernel cannot copy between these files
-        (other filesystem, old kernel: the caller writes the bytes).
-
-    Raises:
-        OSError: the copy failed, or ``name`` ended early.
-    """
-    done = 0
-    while done < nbytes:
-        try:
-            n = os.copy_file_range(src, out, nbytes - done, src_pos + done, pos + done)
-        except OSError as exc:
-            if done == 0 and exc.errno in _NO_KERNEL_COPY:
-                return False
-            raise
-        if n == 0:
-            raise OSError(errno.EIO, f"{name}: ended at byte {src_pos + done}, {nbytes - done} bytes short of the copy")
-        done += n
-    return True
 
 
 def pwrite_all(out: int, data: Any, pos: int) -> None:

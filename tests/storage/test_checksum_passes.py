@@ -4,8 +4,6 @@ that take those paths (compared byte for byte with a direct save)."""
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
 
@@ -17,7 +15,7 @@ from shardsmith.storage.checksum import (ChunkedCrc, chunk_crc32c, crc32c, crc32
                                          verify_chunks_split)
 from shardsmith.storage.commit import step_dir
 from shardsmith.storage.store.fs import Store
-from shardsmith.storage.store.local import FileSpan, copy_span, map_range
+from shardsmith.storage.store.local import map_range
 from shardsmith.storage.manifest.records import ShardRecord
 from shardsmith.storage.formats.safetensors import write_stream
 from shardsmith.storage.verify import verify_checkpoint
@@ -146,21 +144,6 @@ def test_map_range_reads_local_bytes_and_stops_at_the_end(tmp_path) -> None:
     assert Store("memory://copy-passes").local_path("f") is None
 
 
-def test_copy_span_copies_in_the_kernel_or_declines(tmp_path) -> None:
-    data = _bytes(70_000)
-    (tmp_path / "src").write_bytes(data)
-    span = FileSpan(str(tmp_path / "src"), 1000, map_range(str(tmp_path / "src"), 1000, 50_000))
-    with open(tmp_path / "dst", "wb") as f:
-        f.write(b"head")                                       # buffered: flushed before the copy
-        assert copy_span(f, span)
-        f.write(b"tail")
-    assert (tmp_path / "dst").read_bytes() == b"head" + data[1000:51_000] + b"tail"
-    assert not copy_span(io.BytesIO(), span)                  # no file descriptor: the caller writes
-    (tmp_path / "src").write_bytes(data[:20_000])             # the source shrank under the span
-    with open(tmp_path / "short", "wb") as f, pytest.raises(OSError, match="short of the copy"):
-        copy_span(f, FileSpan(str(tmp_path / "src"), 1000, memoryview(bytes(50_000))))
-
-
 def test_write_stream_checksums_and_refuses_out_of_order_entries(tmp_path) -> None:
     store = Store(str(tmp_path))
     a, b = _bytes(300, 1), _bytes(129, 2)
@@ -190,33 +173,14 @@ def test_reshard_across_chunk_sizes_is_byte_identical(tmp_path, src_chunk: int, 
 
 
 def test_reshard_from_local_to_another_backend_writes_the_mapped_bytes(tmp_path) -> None:
-    """A local source's spans cannot be kernel-copied into ``memory://``: the writer falls back
-    to writing the mapped, verified bytes, with the same result as a direct save."""
+    """A local source's mapped, verified bytes streamed into ``memory://``: the same result
+    as a direct save."""
     full = full_state(4)
     save_direct(Store(str(tmp_path / "src")), full, SRC_DIMS, chunk=128)
     step = Store(str(tmp_path / "src")).child(step_dir(STEP))
     dst = f"memory://copy-passes-{tmp_path.name}"
     reshard(step, dst, ParallelDims(), options=ReshardOptions(chunk_nbytes=64, workers=2))
     assert_same_as_direct_save(Store(dst).child(step_dir(STEP)), Store(str(tmp_path / "want")), full, ParallelDims(), 64)
-
-
-def test_kernel_refusing_the_copy_gets_the_verified_bytes_written(tmp_path, monkeypatch) -> None:
-    """Where ``copy_file_range`` is refused (``EXDEV``: another filesystem), a local reshard
-    writes the verified mapped bytes instead, with the same files and manifest."""
-    import errno
-    import os
-
-    def refuse(*args, **kwargs):
-        raise OSError(errno.EXDEV, "cross-device")
-
-    full = full_state(5)
-    save_direct(Store(str(tmp_path / "src")), full, SRC_DIMS, chunk=128)
-    step = Store(str(tmp_path / "src")).child(step_dir(STEP))
-    monkeypatch.setattr(os, "copy_file_range", refuse)
-    reshard(step, str(tmp_path / "out"), ParallelDims(), options=ReshardOptions(chunk_nbytes=64, workers=2))
-    assert_same_as_direct_save(Store(str(tmp_path / "out")).child(step_dir(STEP)), Store(str(tmp_path / "want")), full,
-                               ParallelDims(), 64)
-
 
 
 def test_preallocate_allocates_up_front_and_names_a_full_disk(tmp_path, monkeypatch) -> None:
