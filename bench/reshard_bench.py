@@ -65,6 +65,8 @@ from shardsmith.reshard.engine import reshard
 from shardsmith.layout import ParallelDims
 from shardsmith.reshard.planner import ReshardOptions
 from shardsmith.storage.store.fs import Store
+from shardsmith.cli.main import return_freed_buffers_to_os
+return_freed_buffers_to_os()        # as the shardsmith command does (process-wide, the entry point's call)
 a = json.loads(sys.argv[1])
 u0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
 r = reshard(Store(a["src"]), a["dst"], ParallelDims.from_json(a["dims"]), options=ReshardOptions(**a["options"]))

@@ -39,9 +39,8 @@ from shardsmith.reshard.slabs import Slab
 from shardsmith.reshard.progress import PROGRESS_NAME, ReshardReport, load_progress, save_progress
 from shardsmith.reshard.scaleout import Share, assign_files, cleanup, gather, publish
 from shardsmith.reshard.local_copy import copy_slab_verified, write_assembled_at, write_slab_at
-from shardsmith.reshard.stream import (BufferBudget, BufferPool, FileResult, assemble_slab, gc_frozen,
-                                       return_freed_buffers_to_os)
-from shardsmith.storage.formats import safetensors
+from shardsmith.reshard.stream import BufferBudget, BufferPool, FileResult, assemble_slab
+import shardsmith.storage.formats.safetensors as safetensors
 from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
 from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
 from shardsmith.storage.store.fs import Store
@@ -324,13 +323,11 @@ def execute(plan: ReshardPlan, src: Store, dst_root: Store, *, share: Share | No
     share = share or Share()
     dst = dst_root.child(step_dir(plan.source.step))
     ensure_not_committed(dst)
-    return_freed_buffers_to_os()
     mine = assign_files(plan.files, share.world_size)[share.rank]
     progress_name = PROGRESS_NAME if share.world_size == 1 else f".reshard-progress-{share.rank:05d}.json"
     executor = _Executor(plan, src, dst, mine, progress_name, progress, ReshardReport(plan.source.step, dst.url))
     try:
-        with gc_frozen():
-            results = executor.run(on_file_done)
+        results = executor.run(on_file_done)
     except BaseException as exc:
         if share.world_size > 1:
             publish(dst, share, plan.plan_id, [], error=f"{type(exc).__name__}: {exc}")
@@ -391,10 +388,9 @@ def reshard(src: Store, dst_url: str, dims: ParallelDims, *, options: ReshardOpt
         CheckpointNotFound / ManifestError / IntegrityError: bad source.
         TargetCommitted (a CheckpointError): the target is already committed.
     """
-    with gc_frozen():
-        manifest = read_manifest(src)
-        check_model_record(manifest, src.url)          # refuse before a byte is written
-        plan = plan_reshard(manifest, dims, options, src.url)
-        return execute(plan, src, target_root(dst_url, manifest.step, storage_options), share=share,
-                       progress=progress, on_file_done=on_file_done)
+    manifest = read_manifest(src)
+    check_model_record(manifest, src.url)          # refuse before a byte is written
+    plan = plan_reshard(manifest, dims, options, src.url)
+    return execute(plan, src, target_root(dst_url, manifest.step, storage_options), share=share,
+                   progress=progress, on_file_done=on_file_done)
 

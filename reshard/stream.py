@@ -6,14 +6,11 @@ No torch here (``convert_dtype`` imports it only when a reshard converts dtypes)
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import gc
 import os
 import threading
 from dataclasses import dataclass
 from math import prod
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -232,38 +229,3 @@ def convert_dtype(raw: np.ndarray, src: str, dst: str) -> np.ndarray:
 
     converted = torch.from_numpy(raw).view(TORCH_DTYPES[src]).to(TORCH_DTYPES[dst])
     return converted.view(torch.uint8).numpy().view(RAW_DTYPES[DTYPE_NBYTES[dst]])
-
-
-def return_freed_buffers_to_os(threshold_nbytes: int = 1 << 20) -> bool:
-    """Make glibc serve allocations >= ``threshold_nbytes`` with their own mmap, returned
-    to the OS on free (``mallopt(M_MMAP_THRESHOLD)``, see mallopt(3)).
-
-    By default glibc raises that threshold dynamically up to 32 MiB after the first large
-    free, after which freed slabs stay cached in per-thread arenas and the process's RSS
-    exceeds the executor's buffer accounting by several slabs. Process-wide and harmless
-    elsewhere (large allocations behave as before the dynamic raise). Returns False where
-    there is no glibc.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, int(threshold_nbytes)))       # -3 = M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
-
-
-@contextlib.contextmanager
-def gc_frozen() -> Iterator[None]:
-    """Keep the cyclic garbage collector off the objects that exist before a reshard (the
-    interpreter's modules, the caller's state: ~49,000 after the imports) while it runs
-    (``gc.freeze``, https://docs.python.org/3/library/gc.html#gc.freeze), since scanning
-    them is pure overhead (``python bench/reshard_bench.py --gb 2``). Unfrozen
-    after, so nothing stays uncollectable. Nested or concurrent calls leave the outermost
-    to unfreeze."""
-    first = gc.get_freeze_count() == 0
-    if first:
-        gc.freeze()
-    try:
-        yield
-    finally:
-        if first:
-            gc.unfreeze()
