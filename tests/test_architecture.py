@@ -98,3 +98,86 @@ def test_a_rank_starts_without_the_object_store_and_zarr_stacks() -> None:
             "print(sorted(m for m in ('botocore', 'aiohttp', 'obstore', 'zarr', 's3fs') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(("shardsmith",) + (parts[:-1] if parts[-1] == "__init__" else parts))
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Product module -> product modules it imports anywhere: at the top, inside functions and
+    under ``TYPE_CHECKING`` alike (``from package import name`` counts the package and, when
+    ``name`` is a module, the module)."""
+    paths = {_module_name(p): p for package in PACKAGES for p in _modules(package)}
+    graph: dict[str, set[str]] = {m: set() for m in paths}
+    for module, path in paths.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            graph[module] |= {t for t in targets if t in paths and t != module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_no_import_cycles_between_product_modules() -> None:
+    """A cycle, even one held open by an import inside a function, means two modules are one
+    concept or a third one is missing (as ``storage/steps.py`` under commit, lineage and gc)."""
+    cycles = _cycles(_import_graph())
+    assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_function_level_import() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize("package", ["storage", "trainer"])
+def test_packages_are_rooms_by_concept(package: str) -> None:
+    """At most 12 top-level modules: more means a sub-package (a concept) is missing."""
+    top = sorted(p.name for p in (ROOT / package).glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 12, f"{package}/ has {len(top)} top-level modules: {top}"
