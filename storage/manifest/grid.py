@@ -43,7 +43,7 @@ GRID_MIN_SHARDS = 16
 #: Records per block of ``at``: a reader fetches at most this many records per cell it needs
 #: (~2.7 KB), and ``at`` costs one number per this many records.
 GRID_BLOCK = 16
-_JSON = {"separators": (",", ":")}
+_SEPARATORS = (",", ":")
 
 
 def grid_bounds(shape: list[int], shards: list[ShardRecord]) -> list[list[int]] | None:
@@ -71,8 +71,8 @@ def encode_entry(fqn: str, t: TensorRecord, bounds: list[list[int]]) -> tuple[by
     """The tensor's entry in ``"tensors"`` (the same JSON as version 2's) and its grid entry."""
     itemsize = DTYPE_NBYTES[t.dtype]
     fqn_json = json.dumps(fqn)
-    head = (fqn_json + ":" + json.dumps({"shape": t.shape, "dtype": t.dtype}, **_JSON)[:-1] + ',"shards":[').encode()
-    records = [json.dumps(s.to_v2_json(itemsize), **_JSON).encode() for s in t.shards]
+    head = (fqn_json + ":" + json.dumps({"shape": t.shape, "dtype": t.dtype}, separators=_SEPARATORS)[:-1] + ',"shards":[').encode()
+    records = [json.dumps(s.to_v2_json(itemsize), separators=_SEPARATORS).encode() for s in t.shards]
     at, pos = [], len(head)
     for i, rec in enumerate(records):
         if i % GRID_BLOCK == 0:
@@ -80,7 +80,7 @@ def encode_entry(fqn: str, t: TensorRecord, bounds: list[list[int]]) -> tuple[by
         pos += len(rec) + 1
     at.append(pos - 1)
     grid = {"shape": t.shape, "dtype": t.dtype, "split": [_split_json(b) for b in bounds], "at": at}
-    return head + b",".join(records) + b"]}", (fqn_json + ":" + json.dumps(grid, **_JSON)).encode()
+    return head + b",".join(records) + b"]}", (fqn_json + ":" + json.dumps(grid, separators=_SEPARATORS)).encode()
 
 
 @dataclass

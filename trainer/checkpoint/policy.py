@@ -288,7 +288,8 @@ class CheckpointPolicy:
         manifest = reader.manifest(wanted)                    # the records of this rank's (group's) boxes only
         shapes = {f: s.shape for f, s in specs.items()}
         read_share = share_reader(step_store, siblings, cfg.checkpoint.simulate_nodes)
-        sharing, error = {"replicas_sharing_reads": 1}, ""
+        sharing: dict[str, Any] = {"replicas_sharing_reads": 1}
+        error = ""
         staged = upcast_staging(manifest, tensors) if upcast else {}
         try:
             if shares_reads(step_store, group, cfg.checkpoint.simulate_nodes) and all(

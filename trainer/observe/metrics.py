@@ -217,7 +217,7 @@ def _wandb_run(run_dir: str, config: dict[str, Any]) -> Any:
     except ImportError as exc:
         raise ImportError("--wandb needs the wandb package: pip install wandb") from exc
     return wandb.init(dir=run_dir, project=os.environ.get("WANDB_PROJECT", "shardsmith"), config=config,
-                      mode=os.environ.get("WANDB_MODE", "offline"))       # compute nodes often have no network
+                      mode=os.environ.get("WANDB_MODE", "offline"))  # type: ignore[arg-type]       # compute nodes often have no network
 
 
 def _wandb_scalars(record: dict[str, Any]) -> dict[str, float]:
