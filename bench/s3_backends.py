@@ -14,7 +14,7 @@ client process's CPU seconds (user + system, all threads) of:
 * **ranged get**: 8 ``Store.read_into`` calls of 1/8 of the object each into preallocated
   buffers, one after another, the same two ways;
 * **parallel ranged get**: the same 8 calls from 8 threads at once, as a load reads
-  (``storage/reading/execute.py``: one thread per read, up to ``READ_WORKERS``).
+  (``storage/reading/execute.py``: one thread per read, up to the store's ``capabilities.read_workers``).
 
 s3torchconnector is not measured: it ships no wheel for this platform (sdist only, a Rust/CRT
 build). Prints a table and, last, one JSON line with ``<op>_speedup_obstore_vs_s3fs`` (wall,
@@ -84,7 +84,7 @@ def clients(endpoint: str, bucket: str) -> tuple[Any, Any, Any]:
     ours = Store(f"s3://{bucket}", opts)
     del os.environ[READER_ENV]
     fast = Store(f"s3://{bucket}", opts)
-    assert ours.fast_reads is None and fast.fast_reads is not None
+    assert ours.backend.fast_reads is None and fast.backend.fast_reads is not None
     obs = S3Store(bucket, endpoint=endpoint, access_key_id=KEY, secret_access_key=SECRET, region=REGION,
                   client_options={"allow_http": True})
     return ours, fast, obs

@@ -28,19 +28,11 @@ from shardsmith.storage.formats.tensor_files import TORCH_DTYPES
 from shardsmith.storage.manifest.file_checks import check_file_once
 from shardsmith.storage.manifest.sidecar import load_chunk_crcs
 
-#: Ranged reads in flight at once in one :func:`read_safetensors_boxes` call (threads: local
-#: ``preadv`` and object-store GETs both release the GIL). On a local store each file's reads
-#: are one task, in file order, and files are read in parallel: on a page-cache disk,
-#: concurrent reads of one file cost the kernel more CPU and are slower (re-measure the loads
-#: with ``python bench/checkpoint_vs_dcp.py --gb 1``).
-READ_WORKERS = 8
-#: Scratch bytes (for pieces that cannot be read straight into their destination) one
-#: :func:`read_safetensors_boxes` call holds at once; beyond it the reads planned so far are run
-#: first, and their scratch buffers are reused by the next ones. Local files: small, so the
-#: reads are CPU-bound copies into buffers that stay mapped (no fresh pages to fault in);
-#: object stores: large, so many ranged GETs are in flight at once.
-MAX_SCRATCH_NBYTES = 256 * 2**20
-LOCAL_SCRATCH_NBYTES = 32 * 2**20
+# How many reads run at once, whether reads of one file may overlap and how much scratch a
+# call holds all come from the store's capabilities
+# (:func:`shardsmith.storage.store.backends.capabilities_of`): node-local page-cache disks read
+# each file as one task in file order, shared filesystems and object stores keep many ranged
+# reads in flight, within a file too.
 
 
 @dataclass
@@ -80,13 +72,14 @@ def _run_reads(store: Store, parts: list[ReadPart], chunk: int, source: str) -> 
         return got
 
     reads = coalesce(parts)
-    if store.is_local:          # one task per file, its reads in file order (see READ_WORKERS)
-        tasks = [list(g) for _, g in groupby(reads, key=lambda r: r[0].shard.file)]   # coalesce sorts by file
-    else:
+    caps = store.capabilities
+    if caps.concurrent_reads_per_file:
         tasks = [[r] for r in reads]
+    else:                       # one task per file, its reads in file order
+        tasks = [list(g) for _, g in groupby(reads, key=lambda r: r[0].shard.file)]   # coalesce sorts by file
     if len(tasks) <= 1:
         return sum(one(r) for t in tasks for r in t)
-    with ThreadPoolExecutor(min(READ_WORKERS, len(tasks))) as pool:
+    with ThreadPoolExecutor(min(caps.read_workers, len(tasks))) as pool:
         return sum(pool.map(lambda t: sum(one(r) for r in t), tasks))
 
 
@@ -120,7 +113,7 @@ class _Batch:
 
     @property
     def scratch_limit(self) -> int:
-        return LOCAL_SCRATCH_NBYTES if self.store.is_local else MAX_SCRATCH_NBYTES
+        return self.store.capabilities.scratch_nbytes
 
     def scratch(self, nbytes: int) -> torch.Tensor:
         """A 1-d ``uint8`` scratch buffer of ``nbytes``: the smallest free one that fits, else new."""

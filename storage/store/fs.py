@@ -32,14 +32,12 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import fsspec
 from fsspec.core import url_to_fs
-from fsspec.implementations.local import LocalFileSystem
 
 from shardsmith.errors import BucketNotFound, StorageAccessDenied, StorageError, StorageNotFound
-from shardsmith.storage.store import local
-from shardsmith.storage.store.multipart import MultipartWriter, part_size
+from shardsmith.storage.store.backends import Capabilities, FsspecBackend, backend_for
 from shardsmith.storage.store.retry import (RetryPolicy, Verdict, bounded_s3_options, brief, call_with_retries,
                                       client_error_info, storage_timeout_s)
-from shardsmith.storage.store.s3_reads import ObstoreReads, obstore_reads
+from shardsmith.storage.store.s3_reads import obstore_reads
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,10 +94,10 @@ class Store:
         self.url = url.rstrip("/") or url
         policy = retry or RetryPolicy.from_env()
         self.storage_options = dict(storage_options or {})
-        self.fast_reads: ObstoreReads | None = None        # s3:// reads: storage/store/s3_reads.py
+        fast_reads = None                                  # s3:// reads: storage/store/s3_reads.py
         if self.url.startswith(("s3://", "s3a://")):
             attempt_s = storage_timeout_s() / (policy.max_attempts if max_attempts is None else max_attempts)
-            self.fast_reads = obstore_reads(self.url, self.storage_options, attempt_s)
+            fast_reads = obstore_reads(self.url, self.storage_options, attempt_s)
             self.storage_options = bounded_s3_options(self.storage_options, attempt_s)
         try:
             self.fs, root = url_to_fs(self.url, **self.storage_options)
@@ -116,7 +114,21 @@ class Store:
             max_backoff_s=max(policy.max_backoff_s, backoff_s or 0.0))
         self.part_nbytes = part_nbytes
         self.max_concurrency = max_concurrency
-        self.is_local = isinstance(self.fs, LocalFileSystem)
+        try:
+            self.backend: FsspecBackend = backend_for(self.fs, self.root, fast_reads)
+        except ValueError as exc:
+            raise StorageError(f"cannot open {self.url}: {exc}") from None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the backend can do and the read strategy that follows (see
+        :mod:`shardsmith.storage.store.backends`)."""
+        return self.backend.capabilities
+
+    @property
+    def is_local(self) -> bool:
+        """Files have a local path (a POSIX mount: node-local disk or a shared filesystem)."""
+        return self.backend.posix
 
     def child(self, key: str) -> "Store":
         """A store rooted at ``key`` under this one (same filesystem, options and policy)."""
@@ -169,8 +181,8 @@ class Store:
             StorageNotFound: absent (a ``FileNotFoundError`` naming the URL).
             StorageError: other failures, after retries for transient ones.
         """
-        path, fast = self._path(key), self._fast()
-        return bytes(self._call("read", key, lambda: fast.read(path) if fast else self.fs.cat_file(path)))
+        path = self._path(key)
+        return bytes(self._call("read", key, lambda: self.backend.read(path)))
 
     def read_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of an object (one ranged GET on object stores); shorter when
@@ -181,11 +193,11 @@ class Store:
         """:meth:`read_range` without copying obstore's buffer."""
         if end <= start:
             return b""
-        path, fast = self._path(key), self._fast()
+        path = self._path(key)
 
         def get() -> bytes | memoryview:
             try:
-                return fast.read_range(path, start, end) if fast else self.fs.cat_file(path, start=start, end=end)
+                return self.backend.read_range(path, start, end)
             except Exception as exc:
                 info = client_error_info(exc)
                 if info is not None and (info[0] == "InvalidRange" or info[1] == 416):
@@ -193,10 +205,6 @@ class Store:
                 raise
 
         return self._call("read", key, get)
-
-    def _fast(self) -> ObstoreReads | None:
-        """The obstore reader when this store has one and this process may use it."""
-        return self.fast_reads if self.fast_reads is not None and self.fast_reads.usable else None
 
     def read_into(self, key: str, start: int, dests: Sequence[memoryview]) -> int:
         """Fill ``dests`` in order with the bytes of ``key`` from byte ``start`` (a scatter read).
@@ -211,21 +219,13 @@ class Store:
         Raises:
             StorageNotFound: absent. StorageError: other failures, after retries.
         """
-        if self.is_local:
-            path = self._path(key)
-            return self._call("read", key, lambda: local.preadv_into(path, start, dests))
-        data = memoryview(self._get_range(key, start, start + sum(len(d) for d in dests))).cast("B")
-        pos = 0
-        for d in dests:
-            take = min(len(d), len(data) - pos)
-            d[:take] = data[pos:pos + take]
-            pos += take
-        return pos
+        return self.backend.read_into(self._path(key), start, dests, lambda fn: self._call("read", key, fn),
+                                      lambda s, e: self._get_range(key, s, e))
 
     def local_path(self, key: str) -> str | None:
         """The filesystem path of ``key`` on a local store (for mapped reads and kernel copies,
         :mod:`shardsmith.storage.store.local`); ``None`` on any other backend."""
-        return self._path(key) if self.is_local else None
+        return self.backend.local_path(self._path(key))
 
     def exists(self, key: str) -> bool:
         """True when ``key`` is an object (or a non-empty prefix).
@@ -306,21 +306,11 @@ class Store:
         :meth:`write`; retried as a whole, or part by part on S3. Local files take the parts
         in one pass of ``iter(parts)``, each written as it is yielded."""
         path = self._path(key)
-        if self.is_local:
-            self._call("write", key, lambda: local.write_parts(path, parts))
+        try:
+            self.backend.write_parts(path, parts, lambda fn: self._call("write", key, fn), self.part_nbytes,
+                                     self.max_concurrency)
+        finally:
             self.fs.invalidate_cache(path)
-            return
-        total = sum(memoryview(p).nbytes for p in parts)
-        if self._is_s3:
-            with self.open_writer(key, nbytes_hint=total) as f:
-                for part in parts:
-                    f.write(part)
-        elif len(parts) == 1 or total <= self.part_nbytes:
-            body = b"".join(parts) if len(parts) != 1 else bytes(parts[0])
-            self._call("write", key, lambda: self.fs.pipe_file(path, body))
-        else:
-            self._call("write", key, lambda: self._write_stream(path, parts))
-        self.fs.invalidate_cache(path)
 
     @contextlib.contextmanager
     def open_writer(self, key: str, nbytes_hint: int | None = None) -> Iterator[Any]:
@@ -339,40 +329,13 @@ class Store:
             StorageNotFound / StorageAccessDenied / StorageError: naming the URL.
         """
         path = self._path(key)
-        if self.is_local:
-            with contextlib.ExitStack() as stack:
-                f = self._call("write", key, lambda: stack.enter_context(local.atomic_file(path)))
+        try:
+            with self.backend.open_writer(path, lambda fn: self._call("write", key, fn),
+                                          lambda fn: self._call("write", key, fn, retry=False), nbytes_hint,
+                                          self.part_nbytes, self.max_concurrency) as f:
                 yield f
-        elif self._is_s3:
-            writer = MultipartWriter(self.fs, path, lambda fn: self._call("write", key, fn),
-                                     part_size(self.part_nbytes, nbytes_hint), self.max_concurrency)
-            try:
-                yield writer
-                writer.finish()
-            except BaseException:
-                writer.abort()
-                raise
-        else:
-            f = self._call("write", key, lambda: self.fs.open(path, "wb", autocommit=False))
-            try:
-                yield f
-                self._call("write", key, lambda: (f.close(), f.commit()), retry=False)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    f.discard()
-                raise
-            finally:
-                self.fs.invalidate_cache(path)
-
-    @property
-    def _is_s3(self) -> bool:
-        """s3fs (or a wrapper of it): its ``call_s3`` gives the parallel multipart path."""
-        return hasattr(self.fs, "call_s3") and hasattr(self.fs, "split_path")
-
-    def _write_stream(self, path: str, parts: Sequence[Bytes]) -> None:
-        with self.fs.open(path, "wb") as f:
-            for part in parts:
-                f.write(part)
+        finally:
+            self.fs.invalidate_cache(path)
 
     def delete(self, key: str, recursive: bool = False) -> None:
         """Remove an object (or a whole prefix with ``recursive``); absent is fine."""

@@ -32,7 +32,7 @@ def test_reads_match_s3fs_byte_for_byte(s3_url: S3Prefix, monkeypatch: pytest.Mo
     for reader in ("obstore", "s3fs"):
         monkeypatch.setenv("SHARDSMITH_S3_READER", reader)
         store = Store(s3_url.url, s3_url.storage_options, retry=FAST)
-        assert (store.fast_reads is not None) == (reader == "obstore")
+        assert (store.backend.fast_reads is not None) == (reader == "obstore")
         a, b = bytearray(1000), bytearray(2**20)
         got = store.read_into("obj.bin", 5, [memoryview(a), memoryview(b)])
         answers[reader] = (store.read("obj.bin"), store.read_range("obj.bin", 123, 2**20 + 9),
@@ -47,7 +47,7 @@ def test_reads_match_s3fs_byte_for_byte(s3_url: S3Prefix, monkeypatch: pytest.Mo
 
 def test_missing_key_and_bucket_are_named(s3_url: S3Prefix) -> None:
     store = Store(s3_url.url, s3_url.storage_options, retry=FAST)
-    assert store.fast_reads is not None
+    assert store.backend.fast_reads is not None
     with pytest.raises(StorageNotFound, match=rf"{s3_url.url}/nope does not exist \(read: NoSuchKey: "):
         store.read_range("nope", 0, 10)
     other = Store("s3://no-such-bucket-here/run", s3_url.storage_options, retry=FAST)
@@ -69,7 +69,7 @@ def test_throttled_reads_are_retried_by_our_policy(s3_url: S3Prefix, fail_gets: 
     Store(s3_url.url, s3_url.storage_options).write("obj.bin", b"0123456789" * 100)
     with ThrottlingProxy(s3_url.server.endpoint_url, fail_gets) as proxy, caplog.at_level(logging.WARNING):
         store = Store(s3_url.url, _via(s3_url.storage_options, proxy.endpoint_url), retry=FAST)
-        assert store.fast_reads is not None
+        assert store.backend.fast_reads is not None
         if ok:
             assert store.read_range("obj.bin", 10, 30) == b"0123456789" * 2
         else:
@@ -112,12 +112,12 @@ def test_obstore_only_where_it_sees_what_s3fs_sees(options: dict, env: dict, obs
     (tmp_path / "garbage").write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
     for name, value in env.items():
         monkeypatch.setenv(name, str(tmp_path / value) if value in ("exists", "missing", "garbage") else value)
-    assert (Store("s3://bucket/run", options).fast_reads is not None) == obstore
+    assert (Store("s3://bucket/run", options).backend.fast_reads is not None) == obstore
 
 
 def _read_in_child(store: Store, queue: "multiprocessing.Queue[tuple]") -> None:
     fresh = Store(store.url, store.storage_options)
-    queue.put((fresh.read_range("obj.bin", 1, 4), fresh.read("obj.bin"), store._fast() is None, fresh.fast_reads))
+    queue.put((fresh.read_range("obj.bin", 1, 4), fresh.read("obj.bin"), store.backend._fast() is None, fresh.backend.fast_reads))
 
 
 def test_a_forked_child_reads_through_s3fs(s3_url: S3Prefix) -> None:
@@ -126,7 +126,7 @@ def test_a_forked_child_reads_through_s3fs(s3_url: S3Prefix) -> None:
     its own: fsspec refuses the parent's filesystem instance in a child, "not fork-safe")."""
     store = Store(s3_url.url, s3_url.storage_options, retry=FAST)
     store.write("obj.bin", b"abcdef")
-    assert store.read("obj.bin") == b"abcdef" and store._fast() is not None
+    assert store.read("obj.bin") == b"abcdef" and store.backend._fast() is not None
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     child = ctx.Process(target=_read_in_child, args=(store, queue))

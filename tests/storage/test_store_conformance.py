@@ -55,7 +55,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Stor
     def new() -> Store:
         url, options = make_root(kind, tmp_path, s3)  # type: ignore[arg-type]
         store = Store(url, options, retry=FAST_RETRY)
-        assert (store.fast_reads is not None) == (kind == "s3"), "the s3 backend reads through obstore"
+        assert (store.backend.fast_reads is not None) == (kind == "s3"), "the s3 backend reads through obstore"
         return store
 
     return new
@@ -214,7 +214,7 @@ def test_s3_unreachable_endpoint_is_retried_then_named(reader: str, error: str,
     options = {"key": "a", "secret": "b", "config_kwargs": {"retries": {"max_attempts": 1}},
                "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-east-1"}}
     store = Store("s3://bucket/run", options, retry=RetryPolicy(max_attempts=2, backoff_s=0.001))
-    assert (store.fast_reads is not None) == (reader == "obstore")
+    assert (store.backend.fast_reads is not None) == (reader == "obstore")
     with pytest.raises(StorageError, match=r"read s3://bucket/run/k failed after 2 attempts: " + error) as info:
         store.read("k")
     assert "Debug source" not in str(info.value)
@@ -226,7 +226,7 @@ def test_s3_configured_from_the_standard_environment(s3_url: S3Prefix,
     for key, value in s3_url.env.items():
         monkeypatch.setenv(key, value)
     store = Store(s3_url.url + "/env", {"skip_instance_cache": True}, retry=FAST_RETRY)
-    assert store.fast_reads is not None                   # obstore too reads its settings from there
+    assert store.backend.fast_reads is not None                   # obstore too reads its settings from there
     store.write("k", b"from env")
     assert store.read("k") == b"from env"
     assert Store(s3_url.url, s3_url.storage_options).read("env/k") == b"from env"

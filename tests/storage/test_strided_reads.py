@@ -4,6 +4,8 @@ are read straight into the destination."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 from typing import Any
 
@@ -70,25 +72,30 @@ def test_scratch_is_reused_across_flushes_and_the_values_are_exact(tmp_path, mon
             handed.append(real(self, nbytes))
             return handed[-1]
 
-        monkeypatch.setattr(execute, "LOCAL_SCRATCH_NBYTES", limit)
+        monkeypatch.setattr(step.backend, "capabilities", dataclasses.replace(caps, scratch_nbytes=limit))
         monkeypatch.setattr(execute._Batch, "scratch", scratch)
         stats = ReadStats()
         return read_safetensors_boxes(step, manifest, requests, stats), stats, handed
 
+    caps = step.capabilities
     outs, stats, handed = read(8192)
     for (fqn, box, _), got in zip(requests, outs):
         assert torch.equal(got, full[fqn][box.relative_to(Box((0,) * len(box.lengths), tuple(full[fqn].shape)))]), fqn
     storages = {t.untyped_storage().data_ptr() for t in handed}
     assert len(handed) > 20 and len(storages) < len(handed) // 3          # reused (each handed one is kept alive)
-    _, default_stats, _ = read(execute.MAX_SCRATCH_NBYTES)
+    _, default_stats, _ = read(caps.scratch_nbytes)
     assert stats.nbytes_read == default_stats.nbytes_read and stats.nbytes_needed == default_stats.nbytes_needed
 
 
-def test_local_reads_of_one_file_run_in_file_order_on_one_thread(tmp_path, monkeypatch) -> None:
-    """On a local store every file's reads are one task, in offset order (concurrent reads of
-    one file cost a page-cache disk more CPU); different files still
-    read in parallel; every value is exact."""
+@pytest.mark.parametrize("kind", ["node-local", "shared-fs"])
+def test_node_local_reads_of_one_file_run_in_file_order_on_one_thread(tmp_path, monkeypatch, kind: str) -> None:
+    """On a node-local store every file's reads are one task, in offset order (concurrent reads
+    of one file cost a page-cache disk more CPU); different files still read in parallel. On a
+    shared filesystem (the same files, ``SHARDSMITH_STORAGE_KIND=shared-fs``) every ranged read
+    is its own task, so several reads of one file are in flight. Every value is exact."""
+    monkeypatch.setenv("SHARDSMITH_STORAGE_KIND", kind)
     full, step, manifest, requests = _dp_shard2_reads(tmp_path)
+    assert step.capabilities.kind.value == kind
     seen: list[tuple[str, int, int]] = []
     real = Store.read_into
 
@@ -111,6 +118,9 @@ def test_local_reads_of_one_file_run_in_file_order_on_one_thread(tmp_path, monke
         assert torch.equal(got, full[fqn][box.relative_to(Box((0,) * len(box.lengths), tuple(full[fqn].shape)))]), fqn
     files = {key for key, _, _ in seen}
     assert len(files) > 1
+    if kind == "shared-fs":
+        assert pooled and max(pooled) == len(seen) > len(files)              # one task per read
+        return
     for f in files:
         mine = [(start, thread) for key, start, thread in seen if key == f]
         assert len(mine) > 1 and len({t for _, t in mine}) == 1, f          # one thread per file
