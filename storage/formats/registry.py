@@ -7,15 +7,17 @@ A :class:`TensorFormat` is used in three phases, like DCP's ``StorageWriter``/``
 2. the coordinator only, before the commit: :meth:`TensorFormat.add_records` puts every
    rank's records (and any format metadata it writes) into the
    :class:`~shardsmith.storage.manifest.records.ManifestBuilder`;
-3. any reader: :func:`read_boxes` reads boxes of a committed step in whatever format its
-   manifest names.
+3. any reader: :meth:`TensorFormat.read_boxes` reads boxes of a committed step;
+   :func:`read_boxes` picks the format its manifest names.
 
-:func:`tensor_format` is the one place that maps a format name to its implementation.
+:data:`FORMATS` is the one place that maps a format name to its implementation, and
+:data:`~shardsmith.storage.manifest.records.FORMAT_TRAITS` the one place that says what other
+modules may know of it (no module outside ``storage/formats/`` compares format names).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -63,6 +65,12 @@ class TensorFormat(Protocol):
         """Data bytes written by all ranks, from their gathered records."""
         ...
 
+    def read_boxes(self, store: Store, manifest: Manifest, requests: Sequence[Request], stats: ReadStats | None,
+                   source: str) -> list[torch.Tensor]:
+        """Any reader: the boxes ``requests`` name of a committed step in this format, into
+        host tensors (see :func:`read_boxes` for the contract)."""
+        ...
+
 
 class SafetensorsFormat:
     """One safetensors file per writing rank (``shards/rank-NNNNN.safetensors``) and its
@@ -104,6 +112,11 @@ class SafetensorsFormat:
         return sum(g["file"][1] + g["sidecar"][0] for g in gathered if "file" in g)
 
 
+    def read_boxes(self, store: Store, manifest: Manifest, requests: Sequence[Request], stats: ReadStats | None,
+                   source: str) -> list[torch.Tensor]:
+        return read_safetensors_boxes(store, manifest, requests, stats, source)
+
+
 class ZarrFormat:
     """One zarr v3 array per logical tensor, chunked on the layout's shard boundaries;
     ``codec`` compresses the optimizer state (see :func:`zarr_format.parse_codec`)."""
@@ -140,6 +153,21 @@ class ZarrFormat:
     def gathered_nbytes(self, gathered: list[dict[str, Any]]) -> int:
         return sum(f[0] for g in gathered for f in g.get("zarr", {}).get("files", {}).values())
 
+    def read_boxes(self, store: Store, manifest: Manifest, requests: Sequence[Request], stats: ReadStats | None,
+                   source: str) -> list[torch.Tensor]:
+        from shardsmith.storage.formats.zarr_read import read_zarr_boxes
+
+        return read_zarr_boxes(store, manifest, requests, stats, source)
+
+
+#: Every tensor format by the name a manifest records (``tensor_format``); its traits are
+#: :data:`~shardsmith.storage.manifest.records.FORMAT_TRAITS`. A new format is one class here
+#: (writes and reads), one entry in each of the two tables.
+FORMATS: dict[str, Callable[[str], TensorFormat]] = {
+    SafetensorsFormat.name: lambda codec: SafetensorsFormat(),
+    ZarrFormat.name: ZarrFormat,
+}
+
 
 def tensor_format(name: str, codec: str = "") -> TensorFormat:
     """The implementation of format ``name`` (``codec``: zarr compression, ignored otherwise).
@@ -147,11 +175,9 @@ def tensor_format(name: str, codec: str = "") -> TensorFormat:
     Raises:
         ConfigError: an unknown format or codec.
     """
-    if name == SafetensorsFormat.name:
-        return SafetensorsFormat()
-    if name == ZarrFormat.name:
-        return ZarrFormat(codec)
-    raise ConfigError(f"tensor format {name!r}: choose one of {list(TENSOR_FORMATS)}")
+    if name not in FORMATS:
+        raise ConfigError(f"tensor format {name!r}: choose one of {list(TENSOR_FORMATS)}")
+    return FORMATS[name](codec)
 
 
 def layout_arrays(specs: dict[str, TensorSpec], dims: ParallelDims, codec: str = "") -> dict[str, ZarrArray]:
@@ -187,11 +213,7 @@ def read_boxes(store: Store, manifest: Manifest, requests: Sequence[Request], st
     buffer, batch by batch (:func:`shardsmith.storage.reading.staging.read_staged`)."""
     if not all(on_host(out) for _, _, out in requests):
         return _read_with_staging(store, manifest, requests, stats, source)
-    if manifest.tensor_format == ZarrFormat.name:
-        from shardsmith.storage.formats.zarr_read import read_zarr_boxes
-
-        return read_zarr_boxes(store, manifest, requests, stats, source)
-    return read_safetensors_boxes(store, manifest, requests, stats, source)
+    return tensor_format(manifest.tensor_format).read_boxes(store, manifest, requests, stats, source)
 
 
 def _read_with_staging(store: Store, manifest: Manifest, requests: Sequence[Request], stats: ReadStats | None,
@@ -203,7 +225,7 @@ def _read_with_staging(store: Store, manifest: Manifest, requests: Sequence[Requ
     host = iter(read_boxes(store, manifest, [r for r in requests if on_host(r[2])], stats, source))
     staged = [(fqn, box, destination(fqn, box, manifest.tensors[fqn].dtype, out))
               for fqn, box, out in requests if not on_host(out)]
-    read_staged(host_read, staged, split_rows=manifest.tensor_format != ZarrFormat.name)
+    read_staged(host_read, staged, split_rows=manifest.traits.raw_shards)
     devices = iter(out for _, _, out in staged)
     return [next(host) if on_host(out) else next(devices) for _, _, out in requests]
 

@@ -118,7 +118,7 @@ def check_file_once(store: Store, manifest: Manifest, file: str, source: str = "
     if size != want:
         raise IntegrityError(f"{url}: {_size_problem(size, want)}; the file is damaged — resume from "
                              "another step (`shardsmith ls`) or restore it")
-    if manifest.tensor_format == "safetensors" and not file.endswith(SIDECAR_SUFFIX):
+    if manifest.traits.file_headers and not file.endswith(SIDECAR_SUFFIX):
         data_start, header = read_header(store, file, want)
         problems = header_problems(shards_in_file(manifest, file), want, data_start, header,
                                    complete=not manifest.partial)
@@ -206,7 +206,7 @@ def file_problems(store: Store, manifest: Manifest, file: str, shards: Sequence[
     except FileNotFoundError:
         return [f"missing (the manifest records {want} bytes)"], 0
     problems = [] if size == want else [_size_problem(size, want)]
-    if manifest.tensor_format == "safetensors" and not file.endswith(SIDECAR_SUFFIX):
+    if manifest.traits.file_headers and not file.endswith(SIDECAR_SUFFIX):
         try:
             data_start, header = read_header(store, file, min(size, want))
             problems += header_problems(shards, want, data_start, header)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardsmith.storage.cycle_gc import cycle_gc_paused
-from shardsmith.storage.manifest.records import FileRecord, Manifest, ShardRecord
+from shardsmith.storage.manifest.records import FORMAT_TRAITS, FileRecord, Manifest, ShardRecord
 from shardsmith.storage.manifest.checks import (MAX_INT, Problems, check_bytes, check_coverage, check_files_disjoint,
                                                 err, fields, int_list, load_json, parse_header, parse_tensor,
                                                 reject_duplicate_keys, safe_relpath, to_int, to_str)
@@ -79,7 +79,7 @@ def parse_manifest(raw: bytes, source: str = "manifest.json") -> Manifest:
                for fqn, t in data["tensors"].items()}
     problems = Problems(source)
     for fqn, rec in tensors.items():
-        check_coverage(fqn, rec, problems, raw_nbytes=data["tensor_format"] == "safetensors")
+        check_coverage(fqn, rec, problems, raw_nbytes=FORMAT_TRAITS[data["tensor_format"]].raw_shards)
         check_bytes(fqn, rec, files, chunk, problems)
     check_files_disjoint(tensors, problems)
     problems.raise_if_any()

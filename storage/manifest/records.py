@@ -27,8 +27,30 @@ FORMAT_VERSION = 3
 #: Versions this shardsmith reads.
 READ_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
-#: Tensor formats a manifest may name (zarr: see the zarr issue).
-TENSOR_FORMATS = ("safetensors", "zarr")
+
+
+@dataclass(frozen=True)
+class FormatTraits:
+    """What code outside ``storage/formats/`` may know of a tensor format (its implementation,
+    writes and reads, is :func:`shardsmith.storage.formats.registry.tensor_format`'s).
+
+    Attributes:
+        raw_shards: a shard's bytes in its file are its raw row-major elements from
+            ``byte_offset`` (safetensors), so reads are planned as byte ranges (a read may be
+            split by rows, siblings may read a union once) and a shard's ``nbytes`` is its
+            box's size; False: encoded chunks (zarr).
+        file_headers: every data file begins with a header naming its entries, checked
+            against the manifest (safetensors).
+    """
+
+    raw_shards: bool
+    file_headers: bool
+
+
+#: Tensor formats a manifest may name, and their traits.
+FORMAT_TRAITS = {"safetensors": FormatTraits(raw_shards=True, file_headers=True),
+                 "zarr": FormatTraits(raw_shards=False, file_headers=False)}
+TENSOR_FORMATS = tuple(FORMAT_TRAITS)
 #: Suffix of a data file's chunk-checksum sidecar (:mod:`shardsmith.storage.manifest.sidecar`).
 SIDECAR_SUFFIX = ".crc32c"
 
@@ -171,6 +193,11 @@ class Manifest:
             "files": {name: {"nbytes": f.nbytes, "crc32c": f.crc32c}
                       for name, f in sorted(self.files.items())},
         }
+
+    @property
+    def traits(self) -> FormatTraits:
+        """The traits of this manifest's tensor format."""
+        return FORMAT_TRAITS[self.tensor_format]
 
     @property
     def nbytes(self) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardsmith.errors import ConfigError
+from shardsmith.storage.manifest.records import TENSOR_FORMATS
 
 
 #: ``--data-change`` values ("": not given).
@@ -85,8 +86,8 @@ class CheckpointConfig:
         if self.keep_last < 0 or self.keep_every < 0:
             raise ConfigError(f"checkpoint.keep_last={self.keep_last}, keep_every={self.keep_every}: "
                               "must be >= 0 (0 = keep all)")
-        if self.tensor_format not in ("safetensors", "zarr"):
-            raise ConfigError(f"checkpoint.tensor_format={self.tensor_format!r}: choose 'safetensors' or 'zarr'")
+        if self.tensor_format not in TENSOR_FORMATS:
+            raise ConfigError(f"checkpoint.tensor_format={self.tensor_format!r}: choose one of {list(TENSOR_FORMATS)}")
         if self.zarr_codec:
             if self.tensor_format != "zarr":
                 raise ConfigError(f"checkpoint.zarr_codec={self.zarr_codec!r} needs tensor_format='zarr' "

@@ -28,7 +28,7 @@ from shardsmith.errors import CheckpointError, IntegrityError
 from shardsmith.layout.box import Box
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.layout.plan import lpt_assign
-from shardsmith.storage.formats.registry import ZarrFormat, read_boxes
+from shardsmith.storage.formats.registry import read_boxes
 from shardsmith.storage.store.fs import Store
 from shardsmith.storage.manifest.records import Manifest
 from shardsmith.storage.reading.execute import ReadStats
@@ -143,7 +143,7 @@ def sibling_unions(manifest: Manifest, member_boxes: list[dict[str, Box]]) -> di
     least :data:`SIBLING_MIN_SAVING` fewer bytes than the members reading their boxes apart
     (:func:`~shardsmith.storage.reading.plan.planned_read_nbytes`). None for zarr checkpoints.
     """
-    if manifest.tensor_format == ZarrFormat.name or len(member_boxes) < 2:
+    if not manifest.traits.raw_shards or len(member_boxes) < 2:
         return {}
     out: dict[str, Box] = {}
     common = set.intersection(*(set(m) for m in member_boxes))
