@@ -41,6 +41,7 @@ class ChecksummedShard(Protocol):
     @property
     def crc32c(self) -> Sequence[int]: ...
 
+
 #: Default chunk size for shard checksums, in bytes. A ranged read is widened to whole
 #: chunks so every byte it reads is verified: smaller chunks read less beyond what a
 #: reshard load needs (``bench/checkpoint_vs_dcp.py``: 1 GiB tp2 x dp2 -> dp4 reads 1.28x
