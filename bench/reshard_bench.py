@@ -8,7 +8,7 @@
    ``--optimizer``, saved in the tp2·pp2 layout (4 files, written as a job would).
 2. Measures, in an order that rotates every run (no method always follows the same one),
    taking medians over ``--runs`` runs:
-   - **reshard**: ``shardsmith.reshard.engine.reshard`` to ``--target`` (default tp1·pp1:
+   - **reshard**: ``shardsmith.reshard.api.reshard`` to ``--target`` (default tp1·pp1:
      every byte read and written once), in a fresh subprocess that starts its clock after
      its imports; its peak RSS is that process's ``VmHWM`` (Linux ``/proc/self/status``);
    - **raw copy**: the same source files copied with ``shutil.copyfile`` (what ``cp``
@@ -61,7 +61,7 @@ MB = 1_000_000
 
 DRIVER = r"""
 import json, resource, sys, time
-from shardsmith.reshard.engine import reshard
+from shardsmith.reshard.api import reshard
 from shardsmith.layout import ParallelDims
 from shardsmith.reshard.planner import ReshardOptions
 from shardsmith.storage.store.fs import Store
