@@ -38,7 +38,7 @@ def progress_bar(total: int, label: str, enabled: bool) -> Iterator[Callable[[in
         yield lambda n: bar.advance(task, n)
 
 
-def print_plan(plan: Any, src_url: str) -> None:
+def print_plan(plan: Any, src_url: str, workers: int) -> None:
     """The ``--dry-run`` summary: files, bytes to read and write, peak buffer, per-rank sizes."""
     from shardsmith.layout import ParallelDims
 
@@ -55,7 +55,7 @@ def print_plan(plan: Any, src_url: str) -> None:
     click.echo(f"  write        {_human(plan.nbytes_write)} ({plan.nbytes_write:,} bytes)")
     click.echo(f"  peak buffer  <= {_human(plan.peak_buffer_nbytes)} (--max-buffer "
                f"{_human(opts.max_buffer_nbytes)}; largest tensor shard {_human(plan.largest_shard_nbytes)}; "
-               f"{len(plan.slabs())} slabs, {opts.workers} workers)")
+               f"{len(plan.slabs())} slabs, {workers} workers)")
     click.echo(f"  {'rank':>6}  {'file':<32} {'tensors':>7}  {'bytes':>15}")
     for tf in plan.files:
         click.echo(f"  {tf.rank:>6}  {tf.name:<32} {len(tf.entries):>7}  {tf.nbytes:>15,}")
@@ -107,7 +107,9 @@ def print_diff(report: Any, atol: float) -> bool:
 @size_option("--max-buffer", "max_buffer_nbytes", default_from=f"{PLANNER}:ReshardOptions.max_buffer_nbytes",
              help="Bytes of tensor data held in memory at once, beyond one slab")
 @click.option("--workers", type=int, cls=FieldOption, default_from=f"{PLANNER}:ReshardOptions.workers",
-              help="I/O threads; also target files written at once (local to local: at most one per core).")
+              show=lambda n: str(n) if n else "auto",
+              help="I/O threads per process; also target files written at once. auto: one per core between "
+                   "local files, two per core otherwise (at least 4), at most 16; local to local: at most one per core.")
 @dry_run_option("Validate the target layout and print the plan only.")
 @click.option("--verify", is_flag=True, help="Afterwards, diff the result against the source.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
@@ -123,7 +125,7 @@ def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, cp, expert
     root's `latest` updated, so `train --resume auto` finds it. Interrupted? Run the same
     command again: files already written and verified are kept.
     """
-    from shardsmith.reshard.api import prepare, run
+    from shardsmith.reshard.api import prepare, processes_on_node, run
     from shardsmith.reshard.planner import ReshardOptions
     from shardsmith.reshard.scaleout import Share
     from shardsmith.storage.store.options import parse_storage_options
@@ -133,10 +135,10 @@ def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, cp, expert
                           max_buffer_nbytes=max_buffer_nbytes, workers=workers)
     job = prepare(src, dst, make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel, cp),
                   options=opts, tensor_format=tensor_format, codec=zarr_codec, storage_options=options)
-    if dry_run:
-        _print_dry_run(job, dst)
-        return
     share = Share.launched()
+    if dry_run:
+        _print_dry_run(job, dst, processes_on_node(share, nproc_per_node))
+        return
     rank = share.rank if share else 0
     with progress_bar(job.share_nbytes(share), "resharding", job.plan is not None and not quiet and rank == 0) \
             as bar, _explain_interrupt(job.dst_root.url, rank, job.plan is not None):
@@ -148,9 +150,9 @@ def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, cp, expert
         raise click.exceptions.Exit(1)
 
 
-def _print_dry_run(job: Any, dst: str) -> None:
+def _print_dry_run(job: Any, dst: str, processes: int) -> None:
     if job.plan is not None:
-        print_plan(job.plan, job.src.url)
+        print_plan(job.plan, job.src.url, job.threads(processes))
     else:
         click.echo(f"would convert {job.src.url} ({job.manifest.tensor_format}) to {job.tensor_format} in layout "
                    f"{job.dims.describe()} -> {dst}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import sys
 import threading
@@ -75,6 +76,17 @@ class ReshardJob:
         if self.plan is not None:
             return list(self.plan.tensors)
         return [f for f in self.manifest.tensors if not (self.options.model_only and f.startswith("optim."))]
+
+    def threads(self, processes: int = 1) -> int:
+        """Read threads each of ``processes`` reshard processes on this node runs
+        (:meth:`ReshardOptions.threads`; node-local source and target: a CPU-bound copy)."""
+        return self.options.threads(self.src.is_local and self.dst_root.is_local, processes)
+
+    def with_threads(self, processes: int) -> "ReshardJob":
+        """This job with ``options.workers`` (and its plan's) resolved for ``processes`` on this node."""
+        options = dataclasses.replace(self.options, workers=self.threads(processes))
+        plan = dataclasses.replace(self.plan, options=options) if self.plan is not None else None
+        return dataclasses.replace(self, options=options, plan=plan)
 
     def share_nbytes(self, share: Share | None) -> int:
         """Bytes of the target files ``share`` writes (the whole target when ``None``)."""
@@ -151,13 +163,15 @@ def run(job: ReshardJob, *, verify: bool = False, nproc: int = 1, share: Share |
         on_file_done: Callable[[str], None] | None = None,
         on_tensor: Callable[[str, Any], None] | None = None) -> ReshardReport:
     """Write and commit the target of a prepared job (see :func:`reshard` for the arguments)."""
+    scale_out = share is None and nproc > 1
+    job = job.with_threads(processes_on_node(share, nproc))
     if job.plan is None:
         from shardsmith.reshard.zarr_convert import convert_format
 
         report = convert_format(job.src, job.dst_url, job.dims, job.tensor_format, codec=job.codec,
                                 model_only=job.options.model_only, chunk_nbytes=job.options.chunk_nbytes,
                                 storage_options=storage_options)
-    elif share is None and nproc > 1:
+    elif scale_out:
         report = _scale_out(job, nproc, storage_options, progress, on_file_done)
     else:
         report = execute(job.plan, job.src, job.dst_root, share=share, progress=progress,
@@ -211,6 +225,12 @@ def reshard(src: Store | str, dst_url: str, dims: ParallelDims, *, options: Resh
                progress=progress, on_file_done=on_file_done, on_tensor=on_tensor)
 
 
+def processes_on_node(share: Share | None, nproc: int = 1) -> int:
+    """Reshard processes sharing this node's cores: torchrun's ``LOCAL_WORLD_SIZE`` for a
+    ``share`` it started, else the ``nproc`` :func:`reshard` starts."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if share is not None else max(1, nproc)
+
+
 def _job_json(job: ReshardJob, storage_options: dict | None) -> str:
     """What a scale-out worker needs to prepare the same job (and so the same plan)."""
     return json.dumps({"src": job.src.url, "dst": job.dst_url, "dims": job.dims.to_json(),
@@ -251,6 +271,7 @@ def _scale_out(job: ReshardJob, nproc: int, storage_options: dict | None,
 
 def _worker_main() -> int:
     """A scale-out worker: prepare the job in ``SHARDSMITH_RESHARD_JOB``, convert this rank's share."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")       # as the command's (resuming: ...)
     try:
         spec = json.loads(os.environ[JOB_ENV])
         storage_options = spec["storage_options"] or None

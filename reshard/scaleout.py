@@ -154,7 +154,8 @@ def spawn_local(command: list[str], share: Share, env: dict[str, str]) -> dict[i
 
     Called by :func:`shardsmith.reshard.api.reshard` with ``nproc > 1`` (not under torchrun).
     """
-    base = {**os.environ, **env, "WORLD_SIZE": str(share.world_size), "SHARDSMITH_RESHARD_ATTEMPT": share.attempt}
+    base = {**os.environ, **env, "WORLD_SIZE": str(share.world_size), "LOCAL_WORLD_SIZE": str(share.world_size),
+            "SHARDSMITH_RESHARD_ATTEMPT": share.attempt}
     return {r: subprocess.Popen(command, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
             for r in range(1, share.world_size)}
 

@@ -90,3 +90,39 @@ def test_a_worker_that_dies_without_publishing_is_named(source, tmp_path) -> Non
     publish_for_dead({1: _Exited(-9), 2: _Exited(0)}, dst, share, job.plan.plan_id, stop, poll_s=0.0)  # type: ignore[dict-item]
     with pytest.raises(CheckpointError, match="rank 1 failed: the process exited with code -9"):
         gather(dst, share, job.plan, timeout_s=60.0)
+
+
+# ---- the default worker count --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cores, local, processes, want", [
+    (2, True, 1, 2), (1, True, 1, 1), (2, False, 1, 4), (1, False, 1, 4),     # a small VM
+    (96, True, 1, 16), (96, False, 1, 16),                                    # a GPU node: capped
+    (12, True, 1, 12), (12, False, 1, 16), (6, False, 1, 12),
+    (96, True, 8, 12), (96, False, 8, 16), (16, True, 8, 2), (16, False, 8, 4),  # processes share the cores
+    (4, True, 8, 1),
+])
+def test_default_workers_come_from_cores_storage_and_processes(cores, local, processes, want) -> None:
+    from shardsmith.reshard.planner import MAX_AUTO_WORKERS, default_workers
+
+    assert MAX_AUTO_WORKERS == 16
+    assert default_workers(cores, local, processes) == want
+
+
+def test_workers_given_override_the_default(source, tmp_path, monkeypatch) -> None:
+    import shardsmith.reshard.planner as planner
+
+    monkeypatch.setattr(planner, "usable_cores", lambda: 96)
+    assert ReshardOptions().threads(local=True) == 16 and ReshardOptions().threads(local=False) == 16
+    assert ReshardOptions(workers=3).threads(local=False) == 3 == ReshardOptions(workers=3).threads(local=True)
+    assert ReshardOptions(workers=200).threads(local=True) == 96          # local: at most one per core
+    assert ReshardOptions().threads(local=True, processes=8) == 12
+    with pytest.raises(ConfigError, match="workers=-1"):
+        ReshardOptions(workers=-1)
+    out = str(tmp_path / "out")
+    auto = CliRunner().invoke(cli, ["reshard", source.url, out, "--dp-shard", "4", "--dry-run"])
+    given = CliRunner().invoke(cli, ["reshard", source.url, out, "--dp-shard", "4", "--dry-run", "--workers", "3"])
+    assert auto.exit_code == 0 and given.exit_code == 0, auto.output + given.output
+    assert "slabs, 16 workers)" in auto.output and "slabs, 3 workers)" in given.output
+    help_text = CliRunner().invoke(cli, ["reshard", "--help"]).output
+    assert "default: auto" in help_text
