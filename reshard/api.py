@@ -38,10 +38,14 @@ from shardsmith.reshard.progress import ReshardReport
 from shardsmith.reshard.scaleout import Share, assign_files, publish_for_dead, spawn_local
 from shardsmith.storage.cycle_gc import cycle_gc_paused
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint, resolve_target, split_step_url, step_dir
-from shardsmith.storage.formats.registry import SafetensorsFormat
 from shardsmith.storage.manifest.model_record import check_model_record
 from shardsmith.storage.manifest.records import Manifest
 from shardsmith.storage.store.fs import Store
+
+#: The tensor format the streaming engine reads and writes (its planner encodes safetensors
+#: headers); any other source or result goes through ``zarr_convert``. A literal, so that a
+#: reshard imports no torch (``storage.formats.registry`` does).
+STREAMED_FORMAT = "safetensors"
 
 #: environment variable carrying the job to a scale-out worker process (JSON, see :func:`_job_json`).
 JOB_ENV = "SHARDSMITH_RESHARD_JOB"
@@ -128,7 +132,7 @@ def _prepare(src: Store, manifest: Manifest, dst_url: str, dims: ParallelDims, o
              tensor_format: str | None, codec: str, storage_options: dict | None) -> ReshardJob:
     check_model_record(manifest, src.url)               # refuse before a byte is written
     tensor_format = tensor_format or manifest.tensor_format
-    streams = manifest.tensor_format == tensor_format == SafetensorsFormat.name
+    streams = manifest.tensor_format == tensor_format == STREAMED_FORMAT
     plan = None
     if streams:
         if codec:

@@ -126,3 +126,15 @@ def test_workers_given_override_the_default(source, tmp_path, monkeypatch) -> No
     assert "slabs, 16 workers)" in auto.output and "slabs, 3 workers)" in given.output
     help_text = CliRunner().invoke(cli, ["reshard", "--help"]).output
     assert "default: auto" in help_text
+
+
+def test_a_safetensors_reshard_imports_no_torch() -> None:
+    """The streaming path needs no torch (seconds of start-up in every scale-out worker):
+    format conversion, ``--dtype`` and verify import it when they run."""
+    import subprocess
+    import sys
+
+    code = ("import sys, shardsmith.reshard.api, shardsmith.cli.reshard_commands\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
