@@ -8,7 +8,7 @@
    ``--optimizer``, saved in the tp2·pp2 layout (4 files, written as a job would).
 2. Measures, in an order that rotates every run (no method always follows the same one),
    taking medians over ``--runs`` runs:
-   - **reshard**: ``shardsmith.reshard.engine.reshard`` to ``--target`` (default tp1·pp1:
+   - **reshard**: ``shardsmith.reshard.api.reshard`` to ``--target`` (default tp1·pp1:
      every byte read and written once), in a fresh subprocess that starts its clock after
      its imports; its peak RSS is that process's ``VmHWM`` (Linux ``/proc/self/status``);
    - **raw copy**: the same source files copied with ``shutil.copyfile`` (what ``cp``
@@ -61,7 +61,7 @@ MB = 1_000_000
 
 DRIVER = r"""
 import json, resource, sys, time
-from shardsmith.reshard.engine import reshard
+from shardsmith.reshard.api import reshard
 from shardsmith.layout import ParallelDims
 from shardsmith.reshard.planner import ReshardOptions
 from shardsmith.storage.store.fs import Store
@@ -197,13 +197,14 @@ def main() -> None:
     ap.add_argument("--optimizer", action="store_true", help="include AdamW state in the checkpoint")
     ap.add_argument("--target", default="1,1,1,1", help="target pp,dp_replicate,dp_shard,tp")
     ap.add_argument("--max-buffer-mib", type=int, default=ReshardOptions().max_buffer_nbytes >> 20)
-    ap.add_argument("--workers", type=int, default=ReshardOptions().workers)
+    ap.add_argument("--workers", type=int, default=0, help="0: the reshard's default for local files (one per core)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args()
     work = Path(args.dir or tempfile.mkdtemp(prefix="reshard-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     pp, dpr, dps, tp = (int(x) for x in args.target.split(","))
     target = ParallelDims(pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tp)
+    args.workers = args.workers or ReshardOptions().threads(local=True)     # DCP's thread_count gets the same
     options = ReshardOptions(max_buffer_nbytes=args.max_buffer_mib << 20, workers=args.workers)
     try:
         model = llama_config(args.gb, args.optimizer)

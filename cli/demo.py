@@ -51,7 +51,7 @@ def demo_layouts(moe: bool) -> tuple[ModelConfig, ParallelDims, ParallelDims]:
 
 def run_demo(workdir: str, steps: int = 30, more_steps: int = 20, moe: bool = False) -> None:
     """Run the demo under ``workdir`` (replaced). Takes ~1-3 minutes on 2 CPU cores."""
-    from shardsmith.reshard.engine import reshard          # torch: not for `demo --help`
+    from shardsmith.reshard.api import reshard          # torch: not for `demo --help`
     from shardsmith.trainer.runtime.launch import launch
 
     shutil.rmtree(workdir, ignore_errors=True)

@@ -48,12 +48,16 @@ class TensorDiff:
 
 @dataclass
 class DiffReport:
-    """The result of :func:`diff_checkpoints`; ``equal`` iff nothing differs or is missing."""
+    """The result of :func:`diff_checkpoints`; ``equal`` iff no tensor differs or is missing.
+
+    ``state_keys``: dotted paths where the non-tensor state differs (``state.run.parent``; not counted).
+    """
 
     num_compared: int = 0
     differing: list[TensorDiff] = field(default_factory=list)
     only_a: list[str] = field(default_factory=list)
     only_b: list[str] = field(default_factory=list)
+    state_keys: list[str] = field(default_factory=list)
 
     @property
     def equal(self) -> bool:
@@ -159,4 +163,13 @@ def diff_checkpoints(a: Store, ma: Manifest, b: Store, mb: Manifest, *, atol: fl
             report.differing.append(found)
         if on_tensor is not None:
             on_tensor(fqn, found)
+    report.state_keys = differing_keys(ma.state, mb.state)
     return report
+
+
+def differing_keys(a: object, b: object, path: str = "state") -> list[str]:
+    """Dotted paths of the leaves where two JSON values differ (``state.run.parent``)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [k for key in sorted(set(a) | set(b), key=str)
+                for k in differing_keys(a.get(key), b.get(key), f"{path}.{key}")]
+    return [] if a == b else [path]

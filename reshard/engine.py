@@ -33,8 +33,7 @@ from typing import Any, Callable, Generator, Iterator
 
 import numpy as np
 
-from shardsmith.layout import ParallelDims
-from shardsmith.reshard.planner import PlanEntry, ReshardOptions, ReshardPlan, TargetFile, plan_reshard
+from shardsmith.reshard.planner import PlanEntry, ReshardPlan, TargetFile
 from shardsmith.reshard.slabs import Slab
 from shardsmith.reshard.progress import PROGRESS_NAME, ReshardReport, load_progress, save_progress
 from shardsmith.reshard.scaleout import Share, assign_files, cleanup, gather, publish
@@ -42,12 +41,11 @@ from shardsmith.reshard.local_copy import copy_slab_verified, write_assembled_at
 from shardsmith.reshard.stream import BufferBudget, BufferPool, FileResult, assemble_slab
 import shardsmith.storage.formats.safetensors as safetensors
 from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
-from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
+from shardsmith.storage.commit import commit, ensure_not_committed, step_dir
 from shardsmith.storage.store.fs import Store
 from shardsmith.storage.store.local import preallocate
 from shardsmith.storage.lineage import rewritten_state
 from shardsmith.storage.manifest.records import FileRecord, Manifest, ManifestBuilder, ShardRecord, sidecar_name
-from shardsmith.storage.manifest.model_record import check_model_record
 from shardsmith.storage.manifest.sidecar import write_sidecar
 
 log = logging.getLogger(__name__)
@@ -250,7 +248,7 @@ class _Executor:
         """This process's target files, ``workers`` at a time; progress saved after each."""
         kept = load_progress(self.dst, self.plan.plan_id, {tf.name for tf in self.files})
         results: dict[str, FileResult] = {}
-        workers = self.plan.options.threads(self.src.is_local and self.dst.is_local)
+        workers = self.plan.options.threads(self.src.capabilities.node_local and self.dst.capabilities.node_local)
         with ThreadPoolExecutor(workers, "reshard-read") as reads, \
                 ThreadPoolExecutor(max(1, min(workers, len(self.files))), "reshard-file") as files:
             self.reads = reads
@@ -356,41 +354,3 @@ def _commit(plan: ReshardPlan, dst_root: Store, dst: Store, results: list[FileRe
             dst.delete(f"shards/{name}")
     commit(dst_root, manifest)          # validates coverage and file sizes, then writes the manifest
     cleanup(dst)
-
-
-def target_root(dst_url: str, step: int, storage_options: dict | None = None) -> Store:
-    """The root store of a reshard target (see :func:`shardsmith.storage.commit.resolve_target`).
-
-    Kept for ``cli/reshard_commands.py``; new callers use ``resolve_target``.
-    """
-    return resolve_target(dst_url, step, storage_options)[0]
-
-
-def reshard(src: Store, dst_url: str, dims: ParallelDims, *, options: ReshardOptions | None = None,
-            storage_options: dict | None = None, share: Share | None = None,
-            progress: Callable[[int], None] | None = None,
-            on_file_done: Callable[[str], None] | None = None) -> ReshardReport:
-    """Write the checkpoint in step directory ``src`` again under layout ``dims`` and commit it.
-
-    Args:
-        src: the source step directory (committed).
-        dst_url: target step directory (``.../step-NNNNNNNNN``, the source's step) or a root.
-        dims: target layout.
-        options: dtype, model-only, buffer, workers (:class:`ReshardOptions`).
-        storage_options: fsspec options of the target.
-        share, progress, on_file_done: see :func:`execute`.
-
-    Returns:
-        A :class:`ReshardReport`.
-
-    Raises:
-        LayoutError: ``dims`` does not fit the model, or ``dst_url`` names another step.
-        CheckpointNotFound / ManifestError / IntegrityError: bad source.
-        TargetCommitted (a CheckpointError): the target is already committed.
-    """
-    manifest = read_manifest(src)
-    check_model_record(manifest, src.url)          # refuse before a byte is written
-    plan = plan_reshard(manifest, dims, options, src.url)
-    return execute(plan, src, target_root(dst_url, manifest.step, storage_options), share=share,
-                   progress=progress, on_file_done=on_file_done)
-

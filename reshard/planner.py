@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 
 from shardsmith.errors import ConfigError, LayoutError
@@ -32,10 +31,35 @@ from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.layout.dtypes import DTYPE_NBYTES, FLOAT_DTYPES
 from shardsmith.reshard.slabs import Slab, cut_slabs
 from shardsmith.storage.manifest.records import Manifest
+from shardsmith.storage.store.backends import usable_cores
 from shardsmith.storage.formats.safetensors import encode_header, file_order
 
 
 MiB = 1024 * 1024
+
+
+#: The most threads :func:`default_workers` gives one process: each may also be writing a target
+#: file, and a file uploaded to an object store holds up to ``DEFAULT_MAX_CONCURRENCY + 1``
+#: parts in memory beyond the read buffer.
+MAX_AUTO_WORKERS = 16
+
+
+def default_workers(cores: int, local: bool, processes: int = 1) -> int:
+    """Threads of one reshard process when ``--workers`` is not given.
+
+    Between node-local files the copy is CPU-bound with no latency to hide, so one thread per
+    core this process has to itself (``cores // processes``); to or from any other storage
+    (object store, network or parallel filesystem) each thread waits on one ranged request at
+    a time, so two per core, and at least 4 however few the cores. Never more than
+    :data:`MAX_AUTO_WORKERS`. Re-measure: ``python bench/reshard_bench.py --gb 2 --workers N``.
+
+    Args:
+        cores: usable CPUs of the node (:func:`usable_cores`).
+        local: source and target are both local files.
+        processes: reshard processes sharing the node's cores (``--nproc-per-node``).
+    """
+    share = max(1, cores // max(1, processes))
+    return min(MAX_AUTO_WORKERS, share if local else max(4, 2 * share))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +74,8 @@ class ReshardOptions:
         chunk_nbytes: checksum chunk size of the target, bytes.
         max_buffer_nbytes: bytes of slabs held in memory at once (read-ahead budget).
         workers: I/O threads (reads) and target files written concurrently (between local
-            files at most one per core: :meth:`threads`).
+            files at most one per core: :meth:`threads`); 0 = from the cores and the storage
+            (:func:`default_workers`).
         slab_nbytes: bytes per slab (rows of a tensor shard assembled at once); 0 = an
             eighth of the buffer (so ~4 slabs, each with its read span, are in flight),
             clamped to [1 MiB, 64 MiB].
@@ -60,24 +85,26 @@ class ReshardOptions:
     model_only: bool = False
     chunk_nbytes: int = DEFAULT_CHUNK_NBYTES
     max_buffer_nbytes: int = 256 * MiB
-    workers: int = 4
+    workers: int = 0
     slab_nbytes: int = 0
 
-    def threads(self, local: bool) -> int:
-        """Read threads to run: :attr:`workers`; for a copy between local files (CPU-bound, no
-        latency to hide) at most one per usable core, since more only contend for them
-        (re-measure: ``python bench/reshard_bench.py --gb 2 --workers N``)."""
-        if not local:
-            return self.workers
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return max(1, min(self.workers, cores))
+    def threads(self, local: bool, processes: int = 1) -> int:
+        """Read threads to run: :attr:`workers`, at most one per usable core for a copy between
+        local files (CPU-bound, no latency to hide: more only contend for the cores); with
+        ``workers`` 0, :func:`default_workers` for ``processes`` reshard processes on this node."""
+        cores = usable_cores()
+        if not self.workers:
+            return default_workers(cores, local, processes)
+        return max(1, min(self.workers, cores)) if local else self.workers
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in FLOAT_DTYPES:
             raise ConfigError(f"reshard dtype={self.dtype!r}: choose one of {list(FLOAT_DTYPES)}")
-        for name in ("chunk_nbytes", "max_buffer_nbytes", "workers"):
+        for name in ("chunk_nbytes", "max_buffer_nbytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"reshard {name}={getattr(self, name)}: must be >= 1")
+        if self.workers < 0:
+            raise ConfigError(f"reshard workers={self.workers}: must be >= 1 (or 0: from the cores and the storage)")
         if self.slab_nbytes < 0:
             raise ConfigError(f"reshard slab_nbytes={self.slab_nbytes}: must be >= 0 (0 = auto)")
 

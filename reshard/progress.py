@@ -34,6 +34,8 @@ class ReshardReport:
         peak_buffer_nbytes: the executor's buffer high-water mark (its accounting).
         seconds: wall time.
         committed: this process committed the result (rank 0, or the only process).
+        verified: with ``verify``, the diff of the result against the source
+            (a :class:`~shardsmith.reshard.diff.DiffReport`; its ``equal`` says whether they agree).
     """
 
     step: int
@@ -49,6 +51,7 @@ class ReshardReport:
     peak_buffer_nbytes: int = 0
     seconds: float = 0.0
     committed: bool = False
+    verified: Any = None
 
 
 def load_progress(dst: Store, plan_id: str, mine: set[str]) -> dict[str, dict[str, Any]]:

@@ -6,7 +6,7 @@ files' manifest records in ``<dst step>/.reshard-done-<rank>.json``. The coordin
 (rank 0) waits for every rank's record, then commits the manifest last, as in a save.
 No process group is needed, so no torch: ranks and the attempt come from the
 environment torchrun sets (``RANK``, ``WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``,
-``TORCHELASTIC_RESTART_COUNT``) or from :func:`launch_local` (``--nproc-per-node``).
+``TORCHELASTIC_RESTART_COUNT``) or from :func:`spawn_local` (``nproc``, ``--nproc-per-node``).
 A rank that fails publishes its error, so the coordinator stops waiting and names it;
 records of an earlier attempt are never mixed in (each carries its attempt id).
 """
@@ -16,9 +16,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
+import threading
 import time
-import uuid
 from dataclasses import dataclass
 
 from shardsmith.errors import CheckpointError, ConfigError
@@ -51,8 +50,13 @@ class Share:
                               "0 <= rank < world_size (check RANK and WORLD_SIZE)")
 
     @classmethod
+    def launched(cls) -> "Share | None":
+        """:meth:`from_env` when a launcher (torchrun, :func:`spawn_local`) set ``WORLD_SIZE``, else ``None``."""
+        return cls.from_env() if "WORLD_SIZE" in os.environ else None
+
+    @classmethod
     def from_env(cls) -> "Share":
-        """The share torchrun (or :func:`launch_local`) describes in the environment;
+        """The share torchrun (or :func:`spawn_local`) describes in the environment;
         a single process when ``WORLD_SIZE`` is unset."""
         env = os.environ
         attempt = env.get("SHARDSMITH_RESHARD_ATTEMPT") or (
@@ -144,29 +148,39 @@ def cleanup(dst: Store) -> None:
             dst.delete(name)
 
 
-def launch_local(args: list[str], nproc: int) -> int:
-    """Run ``shardsmith reshard ARGS`` in ``nproc`` local processes sharing one attempt;
-    returns the first non-zero exit code (stopping the others) or 0.
+def spawn_local(command: list[str], share: Share, env: dict[str, str]) -> dict[int, subprocess.Popen]:
+    """Start ranks ``1 .. share.world_size - 1`` of ``share``'s attempt as local processes running
+    ``command`` (with ``env`` added); the caller is rank 0. Returns rank -> process.
 
-    Called by the ``--nproc-per-node`` command line (not under torchrun).
+    Called by :func:`shardsmith.reshard.api.reshard` with ``nproc > 1`` (not under torchrun).
     """
-    env = {**os.environ, "WORLD_SIZE": str(nproc), "SHARDSMITH_RESHARD_ATTEMPT": uuid.uuid4().hex}
-    procs = [subprocess.Popen([sys.executable, "-m", "shardsmith", "reshard", *args],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)]
-    code = 0
+    base = {**os.environ, **env, "WORLD_SIZE": str(share.world_size), "LOCAL_WORLD_SIZE": str(share.world_size),
+            "SHARDSMITH_RESHARD_ATTEMPT": share.attempt}
+    return {r: subprocess.Popen(command, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+            for r in range(1, share.world_size)}
+
+
+def publish_for_dead(procs: dict[int, subprocess.Popen], dst: Store, share: Share, plan_id: str,
+                     stop: threading.Event, poll_s: float = 0.1) -> None:
+    """Until ``stop`` is set: publish an error for each process of ``procs`` that exits non-zero
+    without having published for this attempt (killed, crashed before :func:`publish`), so the
+    coordinator's :func:`gather` names it instead of waiting out its timeout.
+
+    Runs on a thread of the process that started ``procs`` (rank 0)."""
+    pending = dict(procs)
+    while pending and not stop.wait(poll_s):
+        for rank, proc in list(pending.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del pending[rank]
+            if code and not _published(dst, rank, share.attempt):
+                publish(dst, Share(rank, share.world_size, share.attempt), plan_id, [],
+                        error=f"the process exited with code {code}")
+
+
+def _published(dst: Store, rank: int, attempt: str) -> bool:
     try:
-        while procs:
-            for p in list(procs):
-                rc = p.poll()
-                if rc is None:
-                    continue
-                procs.remove(p)
-                if rc and not code:
-                    code = rc
-                    for other in procs:
-                        other.terminate()
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            p.kill()
-    return code
+        return json.loads(dst.read(done_name(rank))).get("attempt") == attempt
+    except FileNotFoundError:
+        return False

@@ -47,7 +47,7 @@ from math import prod
 from typing import Any, Callable, Collection
 
 from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.storage.manifest.records import FORMAT_NAME, FileRecord, Manifest, ShardRecord, TensorRecord
+from shardsmith.storage.manifest.records import FORMAT_NAME, FORMAT_TRAITS, FileRecord, Manifest, ShardRecord, TensorRecord
 from shardsmith.storage.manifest.checks import (Problems, check_bytes, check_coverage, check_files_disjoint,
                                                 check_sidecars, check_type, err, fields, int_list, int_ok, ints_ok,
                                                 load_json, parse_header, parse_tensor, relpath_ok, safe_relpath,
@@ -296,7 +296,7 @@ def check_tensors(head: Head, tensors: dict[str, TensorRecord], source: str, *, 
         ManifestError: listing every problem.
     """
     problems = Problems(source)
-    raw_nbytes = head.data["tensor_format"] == "safetensors"
+    raw_nbytes = FORMAT_TRAITS[head.data["tensor_format"]].raw_shards
     for fqn, rec in tensors.items():
         if fqn in partial:
             check_cell_nbytes(fqn, rec, problems, raw_nbytes=raw_nbytes)

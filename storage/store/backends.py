@@ -86,6 +86,12 @@ class Capabilities:
     read_workers: int
     scratch_nbytes: int
 
+    @property
+    def node_local(self) -> bool:
+        """A disk of this node served by its page cache: copies between such files are
+        CPU-bound, with no latency to hide."""
+        return self.kind is StorageKind.NODE_LOCAL
+
 
 def usable_cores() -> int:
     """Cores this process may run on (its affinity mask, else the machine's count)."""

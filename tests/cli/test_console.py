@@ -346,14 +346,14 @@ def test_an_unreachable_object_store_fails_fast_in_one_line(tmp_path: Path, monk
 
 def test_ctrl_c_during_a_reshard_says_the_target_is_incomplete(tmp_path: Path, monkeypatch) -> None:
     from shardsmith.cli.main import cli
-    from shardsmith.reshard import engine
+    from shardsmith.reshard import api
 
     save_direct(Store(str(tmp_path / "src")), full_state(), SRC_DIMS)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(engine, "execute", interrupted)
+    monkeypatch.setattr(api, "execute", interrupted)
     result = CliRunner().invoke(cli, ["reshard", str(tmp_path / "src"), str(tmp_path / "out"), "--dp-shard", "4"])
     assert result.exit_code == 130, result.output
     assert "is incomplete (nothing committed); run the same command again to resume" in result.output
@@ -378,7 +378,7 @@ def test_another_ranks_fresh_progress_is_not_an_interrupted_run(tmp_path: Path, 
 def test_diff_names_the_state_fields_that_differ() -> None:
     """`shardsmith diff`'s note on the non-tensor state names the differing fields (a reshard
     records its parent), not the steps, which are equal."""
-    from shardsmith.cli.reshard_commands import _differing_keys
+    from shardsmith.reshard.diff import differing_keys as _differing_keys
 
     a = {"step": 30, "run": {"id": "r1", "parent": None}, "rng": [1, 2]}
     b = {"step": 30, "run": {"id": "r1", "parent": "demo-run/a/step-000000030"}, "rng": [1, 2], "extra": 1}

@@ -28,7 +28,7 @@ import pytest
 from safetensors import safe_open
 
 from conftest import assert_tensors_bitwise_equal, open_checkpoint, read_full_tensors, run_torchrun
-from shardsmith.reshard.engine import reshard
+from shardsmith.reshard.api import reshard
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.storage.commit import step_dir
 from shardsmith.storage.store.fs import Store

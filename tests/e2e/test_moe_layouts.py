@@ -125,7 +125,7 @@ def test_moe_layouts_match_one_process_resume_and_reshard_everywhere(tmp_path: P
 def _reshard_matrix(tmp_path: Path) -> None:
     """Offline: each trained checkpoint to every layout of its kind; ``diff`` and bitwise checks."""
     from shardsmith.reshard.diff import diff_checkpoints
-    from shardsmith.reshard.engine import reshard
+    from shardsmith.reshard.api import reshard
     from shardsmith.storage.commit import read_manifest
     from shardsmith.storage.store.fs import Store
 

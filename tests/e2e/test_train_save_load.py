@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 
 from conftest import (LAYOUTS, TINY_MODEL, TINY_TRAIN_FLAGS, assert_tensors_bitwise_equal,
                       open_checkpoint, read_full_tensors, run_torchrun, tiny_train_config)
-from shardsmith.reshard.engine import reshard
+from shardsmith.reshard.api import reshard
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.plan import OPTIM_PREFIXES
 from shardsmith.storage.commit import step_dir

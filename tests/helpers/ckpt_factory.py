@@ -12,7 +12,7 @@ needs a checkpoint on disk builds it here:
   boxes, writer assignment from the sharding plan). :func:`save_offline` (the storage
   tests' 2-layer :data:`MODEL`) and :func:`save_direct` (the reshard tests' 3-layer
   :data:`RESHARD_MODEL`, step :data:`RESHARD_STEP`) are its two presets. The result loads
-  with ``read_box`` and reshards with ``shardsmith.reshard.engine.reshard``.
+  with ``read_box`` and reshards with ``shardsmith.reshard.api.reshard``.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def task_train(cfg: TrainConfig, task: dict[str, Any]) -> None:
 def task_reshard(cfg: TrainConfig, task: dict[str, Any]) -> None:
     """Rank 0 reshards ``src`` to ``dst`` offline (the engine of ``shardsmith reshard``)."""
     from shardsmith.layout import ParallelDims
-    from shardsmith.reshard.engine import reshard
+    from shardsmith.reshard.api import reshard
     from shardsmith.storage.store.fs import Store
 
     if dist.get_rank() == 0:

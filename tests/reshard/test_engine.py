@@ -21,7 +21,7 @@ from safetensors.torch import save as safetensors_save
 from shardsmith.cli.main import cli
 from shardsmith.errors import CheckpointError, IntegrityError, LayoutError
 from shardsmith.reshard.diff import diff_checkpoints
-from shardsmith.reshard.engine import reshard
+from shardsmith.reshard.api import reshard
 from shardsmith.reshard.progress import PROGRESS_NAME
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.plan import shard_file_name

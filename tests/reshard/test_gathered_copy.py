@@ -15,7 +15,7 @@ import shardsmith.reshard.local_copy as local_copy
 from shardsmith.errors import IntegrityError
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.reshard.engine import reshard
+from shardsmith.reshard.api import reshard
 from shardsmith.reshard.planner import ReshardOptions, plan_reshard
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.store.fs import Store

@@ -9,7 +9,7 @@ import pytest
 
 from shardsmith.errors import IntegrityError
 from shardsmith.layout import ParallelDims
-from shardsmith.reshard.engine import reshard
+from shardsmith.reshard.api import reshard
 from shardsmith.reshard.planner import ReshardOptions, plan_reshard
 from shardsmith.storage.checksum import (ChunkedCrc, chunk_crc32c, crc32c, crc32c_combine, crc32c_update, verify_chunks,
                                          verify_chunks_split)

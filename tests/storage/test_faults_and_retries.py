@@ -30,7 +30,7 @@ from s3server import S3Prefix, s3_server, s3_url  # noqa: F401  (pytest fixtures
 from ckpt_factory import MODEL, assert_bitwise_equal, full_tensors, load_full, save_offline
 
 from shardsmith.errors import SaveError, StorageAccessDenied, StorageError
-from shardsmith.reshard.engine import reshard
+from shardsmith.reshard.api import reshard
 from shardsmith.reshard.planner import ReshardOptions, plan_reshard
 from shardsmith.layout import ParallelDims
 from shardsmith.storage.store import faults

@@ -23,7 +23,7 @@ from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.layout.plan import TINY_BOX_SHARE, checkpoint_specs, rank_boxes, write_assignment
-from shardsmith.reshard.engine import reshard
+from shardsmith.reshard.api import reshard
 from shardsmith.storage.commit import open_manifest, read_manifest, step_dir
 from shardsmith.storage.formats.registry import read_box, read_boxes
 from shardsmith.storage.store.fs import Store

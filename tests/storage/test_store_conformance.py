@@ -20,7 +20,7 @@ from ckpt_factory import assert_bitwise_equal, full_tensors, load_full, save_off
 
 from shardsmith.cli.main import cli
 from shardsmith.errors import StorageError, StorageNotFound
-from shardsmith.reshard.engine import reshard
+from shardsmith.reshard.api import reshard
 from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import find_latest_committed, list_steps, resolve_checkpoint, step_dir
 from shardsmith.storage.store.fs import DEFAULT_PART_NBYTES, Store

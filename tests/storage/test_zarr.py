@@ -33,7 +33,7 @@ from click.testing import CliRunner
 
 from shardsmith.cli.main import cli
 from shardsmith.errors import ConfigError, IntegrityError
-from shardsmith.reshard.engine import reshard
+from shardsmith.reshard.api import reshard
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.plan import checkpoint_specs, rank_boxes
 from shardsmith.reshard.planner import ReshardOptions

@@ -138,7 +138,7 @@ def test_a_data_change_is_refused_before_workers_unless_said_and_a_batch_change_
 
 def test_a_resume_refuses_other_weight_dtypes_before_workers_and_init_from_accepts_them(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    from shardsmith.reshard.engine import reshard
+    from shardsmith.reshard.api import reshard
     from shardsmith.reshard.planner import ReshardOptions
 
     src = _root(tmp_path / "r", steps=(4,), config=_cfg("r").to_json())

@@ -82,7 +82,7 @@ def test_interleaved_pipeline_matches_one_process_and_reshards(tmp_path: Path, d
     ScheduleInterleaved1F1B: logits and first-step grads equal one process (1e-5); a
     same-layout resume is bitwise; its checkpoint loads into pp1 (dp_shard 2) and pp2 and back,
     and reshards offline to one process, with bitwise the same tensors."""
-    from shardsmith.reshard.engine import reshard
+    from shardsmith.reshard.api import reshard
     from shardsmith.storage.store.fs import Store
 
     virtual = ParallelDims(pp=2, virtual_stages=2)
@@ -126,7 +126,7 @@ def test_moe_with_expert_parallelism_matches_one_process(tmp_path: Path, data_pa
     offline to one process bitwise."""
     import dataclasses
 
-    from shardsmith.reshard.engine import reshard
+    from shardsmith.reshard.api import reshard
     from shardsmith.storage.store.fs import Store
 
     moe = dataclasses.replace(TINY_MODEL, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01)
