@@ -9,6 +9,7 @@ rules: no product module over 450 lines (issue 30: one concept per module may ou
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -181,3 +182,23 @@ def test_packages_are_rooms_by_concept(package: str) -> None:
     """At most 12 top-level modules: more means a sub-package (a concept) is missing."""
     top = sorted(p.name for p in (ROOT / package).glob("*.py") if p.name != "__init__.py")
     assert len(top) <= 12, f"{package}/ has {len(top)} top-level modules: {top}"
+
+
+#: Modules outside storage/formats/ that may name a tensor format, and why.
+FORMAT_NAMED = {
+    "reshard/api.py": "the streaming engine reads and writes safetensors; other formats convert",
+    "reshard/zarr_convert.py": "the conversion writers, one per target format",
+    "trainer/checkpoint/config.py": "--zarr-codec needs --format zarr",
+}
+_FORMAT_BRANCH = re.compile(r'tensor_format\s*[!=]=|[!=]=\s*"(zarr|safetensors)"|"(zarr|safetensors)"\s*[!=]='
+                            r'|\b(Zarr|Safetensors)Format\.name\b')
+
+
+def test_no_module_outside_the_formats_branches_on_a_format_name() -> None:
+    """Reads, checks and shared reads ask a manifest's ``traits`` or the registry
+    (``storage/formats/registry.FORMATS``); comparing format names elsewhere is how a new
+    format came to touch nine files."""
+    found = sorted({str(p.relative_to(ROOT)) for package in PACKAGES for p in _modules(package)
+                    if not str(p.relative_to(ROOT)).startswith("storage/formats/")
+                    and _FORMAT_BRANCH.search(p.read_text())})
+    assert found == sorted(FORMAT_NAMED), found
