@@ -1,0 +1,54 @@
+"""Messages that say what a checkpoint is and which field is wrong (issue 29, item 8): an
+imported step refused for a resume says it was imported, and a model record that lies about
+``num_kv_heads`` is named as such by ``verify``, ``reshard`` and a ``train`` preflight."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from click.testing import CliRunner
+
+from ckpt_factory import MODEL, full_tensors, save_offline
+from shardsmith.cli.main import cli
+from shardsmith.errors import CheckpointMismatch
+from shardsmith.layout import ParallelDims
+from shardsmith.layout.compat import check_has_optimizer_state
+from shardsmith.storage.commit import read_manifest, step_dir
+from shardsmith.storage.store.fs import Store
+from shardsmith.storage.verify import verify_checkpoint
+from shardsmith.trainer.config import CheckpointConfig, TrainConfig
+from shardsmith.trainer.runtime.preflight import preflight
+
+DIMS = ParallelDims(dp_shard=2)
+
+
+def test_resume_of_an_imported_step_says_it_was_imported() -> None:
+    weights = ["tok_embeddings.weight", "output.weight"]
+    with pytest.raises(CheckpointMismatch) as exc:
+        check_has_optimizer_state(weights, source="ck/step-000000000",
+                                  imported={"format": "huggingface", "path": "/models/llama"})
+    msg = str(exc.value)
+    assert "import-hf" in msg and "/models/llama" in msg and "model-only" not in msg, msg
+    assert "--init-from ck/step-000000000" in msg and "--reset-optimizer" in msg, msg
+    with pytest.raises(CheckpointMismatch, match="reshard --model-only"):
+        check_has_optimizer_state(weights, source="x")
+
+
+def test_a_lying_num_kv_heads_is_named_by_verify_reshard_and_train(tmp_path) -> None:
+    root = Store(str(tmp_path / "r"))
+    save_offline(root, 4, DIMS, full_tensors(MODEL, 4, with_optimizer=True), MODEL)
+    step = root.child(step_dir(4))
+    saved = read_manifest(step)
+    saved.model["num_kv_heads"] = 4                              # the K/V projections hold 2 heads
+    step.write("manifest.json", saved.dumps())
+    named = f"num_kv_heads=4 where the tensor implies {MODEL.num_kv_heads}"
+    problems = [p.what for p in verify_checkpoint(step).problems]
+    assert problems and all(named in p and "hidden_size" not in p for p in problems), problems
+    result = CliRunner().invoke(cli, ["reshard", step.url, str(tmp_path / "out"), "--tp", "1"])
+    assert result.exit_code != 0 and named in result.output, result.output
+    believer = dataclasses.replace(MODEL, num_kv_heads=4)         # a job that trusts the record
+    cfg = TrainConfig(model=believer, parallel=DIMS, global_batch_size=2, micro_batch_size=1,
+                      checkpoint=CheckpointConfig(url=str(tmp_path / "new"), resume=step.url))
+    with pytest.raises(CheckpointMismatch, match=named):
+        preflight(cfg)
