@@ -52,3 +52,34 @@ def test_a_lying_num_kv_heads_is_named_by_verify_reshard_and_train(tmp_path) -> 
                       checkpoint=CheckpointConfig(url=str(tmp_path / "new"), resume=step.url))
     with pytest.raises(CheckpointMismatch, match=named):
         preflight(cfg)
+
+
+def test_each_warning_is_printed_once(tmp_path, caplog) -> None:
+    """The `latest ... using newest committed step` line once per process however often the
+    newest step is asked for, and a warning event is not echoed a second time by the console
+    (the code that raised it logged it)."""
+    import logging
+
+    from shardsmith.storage.commit import LATEST_NAME, find_latest_committed
+    from shardsmith.trainer.observe.console import event_line
+
+    root = Store(str(tmp_path / "r"))
+    save_offline(root, 4, DIMS, full_tensors(MODEL, 4), MODEL)
+    root.delete(LATEST_NAME)
+    with caplog.at_level(logging.WARNING, logger="shardsmith"):
+        assert [find_latest_committed(root) for _ in range(4)] == [4] * 4
+    assert sum("using newest committed step" in r.getMessage() for r in caplog.records) == 1, caplog.text
+    assert event_line({"event": "warning", "message": "local tier: skipping x"}) == ""
+
+
+def test_layout_names_and_inspect_spell_expert_parallelism(tmp_path) -> None:
+    moe = dataclasses.replace(MODEL, num_experts=4, moe_router_topk=2)
+    dims = ParallelDims(dp_shard=4, expert_parallel=4)
+    assert dims.describe() == "pp1·dpr1·dps4·tp1·ep4" and ParallelDims.parse(dims.describe()) == dims
+    staged = ParallelDims(pp=2, dp_shard=2, virtual_stages=2, expert_parallel=2)
+    assert ParallelDims.parse(staged.describe()) == staged and staged.describe().endswith("·v2·ep2")
+    assert ParallelDims(tp=2).describe() == "pp1·dpr1·dps1·tp2"          # unchanged without them
+    root = Store(str(tmp_path / "r"))
+    save_offline(root, 2, dims, full_tensors(moe, 2), moe)
+    result = CliRunner().invoke(cli, ["inspect", root.url])
+    assert result.exit_code == 0 and "layout pp1·dpr1·dps4·tp1·ep4 (4 ranks)" in result.output, result.output
