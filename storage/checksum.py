@@ -158,7 +158,8 @@ def verify_chunks(shard: "ShardRecord", first_chunk: int, views: Sequence[Any], 
         url: the file's URL, for the message.
 
     Raises:
-        IntegrityError: a chunk's CRC differs (names the file, the key and the byte range).
+        IntegrityError: a chunk's CRC differs (names the file, the key and the chunk's byte
+            range in the file, as ``verify`` does).
     """
     c, value, filled = first_chunk, 0, 0
     need = min(chunk_nbytes, shard.nbytes - c * chunk_nbytes)
@@ -182,8 +183,9 @@ def verify_chunks(shard: "ShardRecord", first_chunk: int, views: Sequence[Any], 
 
 def _check_chunk(shard: "ShardRecord", c: int, value: int, need: int, chunk_nbytes: int, url: str) -> None:
     if c >= len(shard.crc32c) or value != shard.crc32c[c] or need <= 0:
-        raise IntegrityError(f"{url}: checksum mismatch in {shard.key!r} bytes [{c * chunk_nbytes}, "
-                             f"{c * chunk_nbytes + need}) — the file is corrupt; restore it, or load "
+        start = shard.byte_offset + c * chunk_nbytes          # file offsets, as `shardsmith verify` gives
+        raise IntegrityError(f"{url}: checksum mismatch in {shard.key!r} at bytes [{start}, "
+                             f"{start + max(need, 0)}) of the file — the file is corrupt; restore it, or load "
                              "or reshard another step")
 
 

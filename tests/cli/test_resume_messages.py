@@ -83,3 +83,19 @@ def test_layout_names_and_inspect_spell_expert_parallelism(tmp_path) -> None:
     save_offline(root, 2, dims, full_tensors(moe, 2), moe)
     result = CliRunner().invoke(cli, ["inspect", root.url])
     assert result.exit_code == 0 and "layout pp1·dpr1·dps4·tp1·ep4 (4 ranks)" in result.output, result.output
+
+
+def test_error_lines_spell_paths_as_the_user_typed_them(tmp_path, monkeypatch) -> None:
+    from shardsmith.cli.main import user_spelling
+
+    monkeypatch.chdir(tmp_path)
+    save_offline(Store(str(tmp_path / "r")), 4, DIMS, full_tensors(MODEL, 4), MODEL)
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-kv-heads", "2",
+             "--ffn-hidden-size", "64", "--vocab-size", "256", "--seq-length", "16", "--dp-shard", "2",
+             "--nproc-per-node", "2", "--global-batch-size", "2", "--micro-batch-size", "1", "--steps", "1"]
+    result = CliRunner().invoke(cli, ["train", *flags, "--ckpt", "n", "--resume", "r/step-000000004"])
+    assert result.exit_code == 1 and "error: r/step-000000004 holds" in result.output, result.output
+    assert str(tmp_path) not in result.output, result.output
+    here = str(tmp_path)
+    assert user_spelling(f"file://{here}/r/step-1 and {here}/rx; {here}/other", ["./r", "--ckpt=rx"]) == \
+        f"r/step-1 and rx; {here}/other"
