@@ -49,6 +49,7 @@ from shardsmith.storage.store.local import FileSpan, preallocate
 from shardsmith.storage.lineage import rewritten_state
 from shardsmith.storage.manifest.records import FileRecord, Manifest, ManifestBuilder, ShardRecord, sidecar_name
 from shardsmith.storage.manifest.model_record import check_model_record
+from shardsmith.storage.store.local import sweep_stale_tmp
 from shardsmith.storage.manifest.sidecar import write_sidecar
 
 log = logging.getLogger(__name__)
@@ -325,6 +326,8 @@ def execute(plan: ReshardPlan, src: Store, dst_root: Store, *, share: Share | No
     dst = dst_root.child(step_dir(plan.source.step))
     ensure_not_committed(dst)
     created = _new_local_dirs(dst)
+    if dst.local_path("") and not created:
+        sweep_stale_tmp(dst.local_path(""))        # a killed run's hidden temporary files
     return_freed_buffers_to_os()
     mine = assign_files(plan.files, share.world_size)[share.rank]
     progress_name = PROGRESS_NAME if share.world_size == 1 else f".reshard-progress-{share.rank:05d}.json"

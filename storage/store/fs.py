@@ -49,7 +49,7 @@ DEFAULT_PART_NBYTES = 8 * 2**20
 #: Parts uploaded at once per object.
 DEFAULT_MAX_CONCURRENCY = 8
 _MIN_PART_NBYTES = 5 * 2**20
-_TMP_RE = re.compile(r"^\..+\.tmp-[0-9a-f]{12}$")
+_TMP_RE = re.compile(r"^\..+\.tmp-(.+-\d+-)?[0-9a-f]{12}$")    # local.tmp_name (and the older form without writer)
 
 Bytes = bytes | bytearray | memoryview
 
@@ -341,7 +341,7 @@ class Store:
         path = self._path(key)
         if self.is_local:
             with contextlib.ExitStack() as stack:
-                f = self._call("write", key, lambda: stack.enter_context(local.atomic_file(path)))
+                f = self._call("write", key, lambda: stack.enter_context(local.streamed_file(path)))
                 yield f
         elif self._is_s3:
             writer = MultipartWriter(self.fs, path, lambda fn: self._call("write", key, fn),
