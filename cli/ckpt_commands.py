@@ -228,10 +228,15 @@ def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_s
     modified within --grace-seconds). Aborts unfinished multipart uploads under ROOT older
     than --uploads-grace (with --uploads, only that)."""
     from shardsmith.storage.gc import gc
+    from shardsmith.storage.store.local import sweep_stale_tmp
     from shardsmith.storage.store.uploads import abort_stale_uploads
 
     store = existing_root(root, storage_options)
     aborted = abort_stale_uploads(store, grace_s=uploads_grace, dry_run=dry_run)
+    if store.is_local and not dry_run:            # killed writers' hidden temporary files
+        for path in sweep_stale_tmp(store.root):
+            if not as_json:
+                click.echo(f"removed {path} (a killed writer's temporary file)")
     verb = "would abort" if dry_run else "aborted"
     if not as_json:
         for u in aborted:

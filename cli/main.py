@@ -26,6 +26,10 @@ THIRD_PARTY_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "
 class Group(click.Group):
     """Turns expected errors into one line on stderr and exit code 1."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["shardsmith.argv"] = list(args)              # for user_spelling in error lines
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -40,8 +44,26 @@ class Group(click.Group):
         except (ShardsmithError, ValueError, FileNotFoundError, PermissionError, OSError) as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            click.echo(f"error: {exc}", err=True)
+            click.echo(f"error: {user_spelling(str(exc), ctx.meta.get('shardsmith.argv', []))}", err=True)
             ctx.exit(1)
+
+
+def user_spelling(text: str, argv: list[str]) -> str:
+    """``text`` with the absolute paths the code made of relative path arguments (``r`` ->
+    ``/home/me/r``, ``file:///home/me/r``) written back as the user typed them, including
+    paths inside them (``r/step-000000004``). Pure apart from the working directory."""
+    spelled: dict[str, str] = {}
+    for arg in argv:
+        value = arg.split("=", 1)[1] if arg.startswith("--") and "=" in arg else arg
+        if not value or value.startswith("-") or "://" in value or os.path.isabs(value):
+            continue
+        absolute = os.path.normpath(os.path.abspath(value))
+        if absolute != os.sep:
+            spelled.setdefault(absolute, os.path.normpath(value))
+    for absolute in sorted(spelled, key=len, reverse=True):
+        for form in ("file://" + absolute, absolute):
+            text = text.replace(form + os.sep, spelled[absolute] + os.sep).replace(form, spelled[absolute])
+    return text
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"],

@@ -102,15 +102,38 @@ def check_tensor_names(saved: Iterable[str], expected: Iterable[str], *, source:
             "model flags against `shardsmith inspect` of the checkpoint")
 
 
-def check_has_optimizer_state(saved: Iterable[str], *, source: str, optimizer_prefix: str = "optim.") -> None:
+#: ``source.format`` of an imported checkpoint's state -> how the user made it.
+IMPORTED_BY: dict[str, str] = {"huggingface": "import-hf (a Hugging Face model)",
+                               "dcp": "import-dcp (a PyTorch DCP checkpoint)",
+                               "megatron_torch_dist": "import-megatron (a Megatron-Core checkpoint)"}
+
+
+def check_has_optimizer_state(saved: Iterable[str], *, source: str, optimizer_prefix: str = "optim.",
+                              imported: dict | None = None) -> None:
     """Refuse to resume from a checkpoint without optimizer state (never invent a fresh one).
+
+    Args:
+        saved: FQNs of the checkpoint's logical tensors.
+        source: the checkpoint's URL as the user spelled it, for the message.
+        optimizer_prefix: the prefix of optimizer-state FQNs.
+        imported: the manifest state's ``source`` record (``{"format", "path", ...}``) when
+            the step was imported from another format; the message then says so instead of
+            guessing at ``--model-only``.
 
     Raises:
         CheckpointMismatch: no saved FQN starts with ``optimizer_prefix``; points at
             ``--init-from`` (weights only, fresh optimizer, step 0) and ``--reset-optimizer``.
     """
-    if not any(n.startswith(optimizer_prefix) for n in saved):
+    if any(n.startswith(optimizer_prefix) for n in saved):
+        return
+    ways = (f"start a new run from its weights with --init-from {source} (fresh AdamW, step 0), or "
+            "add --reset-optimizer to keep its step count with a fresh AdamW (recorded as an event)")
+    if imported:
+        how = IMPORTED_BY.get(str(imported.get("format")), f"an import from {imported.get('format')}")
+        origin = f" of {imported['path']}" if imported.get("path") else ""
         raise CheckpointMismatch(
-            f"{source} holds no optimizer state (written with --model-only?), so it cannot be resumed "
-            "exactly; use --init-from to start a new run from its weights (fresh optimizer, step 0), "
-            "or --reset-optimizer to continue its step count with a fresh AdamW (recorded as an event)")
+            f"{source} was written by {how}{origin}: it holds the model weights but no optimizer "
+            f"state, so there is nothing to resume exactly; {ways}")
+    raise CheckpointMismatch(
+        f"{source} holds model weights but no optimizer state (a `reshard --model-only` copy, or an "
+        f"export), so it cannot be resumed exactly; {ways}")

@@ -57,6 +57,8 @@ FSDP_AXES: tuple[str, ...] = ("dp_shard", "cp")
 FSDP_MESH_DIM = "dp_shard_cp"
 #: Mesh axis names in :data:`MESH_AXIS_TABLE` order.
 MESH_AXES: tuple[str, ...] = tuple(a.name for a in MESH_AXIS_TABLE)
+#: Fields a layout name spells after the mesh axes when above 1, with their prefixes.
+EXTRA_NAME_PARTS: tuple[tuple[str, str], ...] = (("virtual_stages", "v"), ("expert_parallel", "ep"))
 #: Axes every layout name, manifest and short form spells (the non-optional ones).
 REQUIRED_AXES: tuple[str, ...] = tuple(a.name for a in MESH_AXIS_TABLE if not a.optional)
 
@@ -211,10 +213,13 @@ class ParallelDims:
                               "let dp_shard follow the world size")
 
     def describe(self) -> str:
-        """The layout name, e.g. ``pp2·dpr1·dps1·tp2`` (:meth:`parse` reads it back; the
-        pipeline split is not part of the name)."""
-        return "·".join(f"{a.short}{getattr(self, a.name)}" for a in MESH_AXIS_TABLE
-                        if not a.optional or getattr(self, a.name) != 1)
+        """The layout name, e.g. ``pp2·dpr1·dps1·tp2``, then virtual stages and expert
+        parallelism when above 1 (``pp2·dpr1·dps4·tp1·ep4``; :meth:`parse` reads it back;
+        the pipeline split is not part of the name)."""
+        parts = [f"{a.short}{getattr(self, a.name)}" for a in MESH_AXIS_TABLE
+                 if not a.optional or getattr(self, a.name) != 1]
+        parts += [f"{short}{getattr(self, name)}" for name, short in EXTRA_NAME_PARTS if getattr(self, name) > 1]
+        return "·".join(parts)
 
     @classmethod
     def parse(cls, name: str) -> "ParallelDims":
@@ -237,6 +242,9 @@ class ParallelDims:
                 elif not a.optional:
                     sizes = {}
                     break
+            for field_name, short in EXTRA_NAME_PARTS if sizes else ():
+                if rest and rest[0].startswith(short) and rest[0][len(short):].isdigit():
+                    sizes[field_name] = int(rest.pop(0)[len(short):])
             sizes = sizes if not rest else {}
         if not sizes:
             raise ConfigError(f"layout name {name!r}: expected e.g. 'pp2·dpr1·dps1·tp2' or its short "

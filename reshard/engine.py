@@ -46,6 +46,7 @@ from shardsmith.storage.store.fs import Store
 from shardsmith.storage.store.local import preallocate
 from shardsmith.storage.lineage import rewritten_state
 from shardsmith.storage.manifest.records import FileRecord, Manifest, ManifestBuilder, ShardRecord, sidecar_name
+from shardsmith.storage.store.local import sweep_stale_tmp
 from shardsmith.storage.manifest.sidecar import write_sidecar
 
 log = logging.getLogger(__name__)
@@ -321,6 +322,9 @@ def execute(plan: ReshardPlan, src: Store, dst_root: Store, *, share: Share | No
     share = share or Share()
     dst = dst_root.child(step_dir(plan.source.step))
     ensure_not_committed(dst)
+    created = _new_local_dirs(dst)
+    if dst.local_path("") and not created:
+        sweep_stale_tmp(dst.local_path(""))        # a killed run's hidden temporary files
     mine = assign_files(plan.files, share.world_size)[share.rank]
     progress_name = PROGRESS_NAME if share.world_size == 1 else f".reshard-progress-{share.rank:05d}.json"
     executor = _Executor(plan, src, dst, mine, progress_name, progress, ReshardReport(plan.source.step, dst.url))
@@ -329,6 +333,7 @@ def execute(plan: ReshardPlan, src: Store, dst_root: Store, *, share: Share | No
     except BaseException as exc:
         if share.world_size > 1:
             publish(dst, share, plan.plan_id, [], error=f"{type(exc).__name__}: {exc}")
+        _remove_if_empty(created)                 # a refused reshard leaves no empty directories
         raise
     if share.world_size > 1:
         publish(dst, share, plan.plan_id, results)
@@ -342,6 +347,28 @@ def execute(plan: ReshardPlan, src: Store, dst_root: Store, *, share: Share | No
     executor.report.committed = True
     executor.report.seconds = time.perf_counter() - t0
     return executor.report
+
+
+def _new_local_dirs(dst: Store) -> list[str]:
+    """The local directories a reshard into ``dst`` would create that do not exist yet
+    (``shards/``, the step directory, the target root and its missing parents), deepest
+    first; [] on object stores, which have no directories."""
+    path = dst.local_path("shards")
+    out: list[str] = []
+    while path is not None and not os.path.exists(path) and os.path.dirname(path) != path:
+        out.append(os.path.normpath(path))
+        path = os.path.dirname(os.path.normpath(path))
+    return out
+
+
+def _remove_if_empty(paths: list[str]) -> None:
+    """Remove each of ``paths`` (deepest first) that is an empty directory; files written
+    there stay, so a rerun keeps them."""
+    for path in paths:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
 
 
 def _commit(plan: ReshardPlan, dst_root: Store, dst: Store, results: list[FileResult], source_url: str) -> None:

@@ -46,6 +46,7 @@ from shardsmith.storage.commit import read_manifest, resolve_checkpoint
 from shardsmith.storage.store.fs import Store
 from shardsmith.storage.manifest.records import Manifest
 from shardsmith.storage.manifest.model_record import check_model_record
+from shardsmith.storage.store.local import sweep_stale_tmp
 from shardsmith.storage.formats.safetensors import encode_header, write_stream
 from shardsmith.storage.formats.registry import read_box
 from shardsmith.storage.formats.tensor_files import DTYPE_NAMES, byte_view
@@ -196,6 +197,7 @@ def export_hf(ckpt_url: str, out_dir: str, *, dtype: str = EXPORT_DTYPE, max_sha
     out = Store(out_dir, storage_options)
     if out.is_local:
         out.fs.makedirs(out.root, exist_ok=True)
+        sweep_stale_tmp(out.root)                 # a killed export's hidden temporary files
     _check_out_dir(out, overwrite)
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     groups = plan_weight_files(entries, itemsize, max_shard_nbytes)

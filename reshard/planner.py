@@ -30,6 +30,7 @@ from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.layout.dtypes import DTYPE_NBYTES, FLOAT_DTYPES
 from shardsmith.reshard.slabs import Slab, cut_slabs
+from shardsmith.storage.manifest.model_record import check_model_record
 from shardsmith.storage.manifest.records import Manifest
 from shardsmith.storage.store.backends import usable_cores
 from shardsmith.storage.formats.safetensors import encode_header, file_order
@@ -243,8 +244,11 @@ def plan_reshard(manifest: Manifest, dims: ParallelDims, options: ReshardOptions
         LayoutError: ``dims`` does not fit the model (heads, kv heads, FFN width or vocab
             not divisible by tp, layers not splittable into pp stages ...), or a source
             tensor is missing or has the wrong shape.
+        CheckpointMismatch: the manifest's model record contradicts its tensors (names the
+            fields behind each wrong shape).
     """
     options = options or ReshardOptions()
+    check_model_record(manifest, source_url)          # a record that lies names its field
     model = ModelConfig.from_json(manifest.model)
     with_optim = not options.model_only and any(k.startswith("optim.") for k in manifest.tensors)
     specs = checkpoint_specs(model, dims, with_optimizer=with_optim)     # validates the layout

@@ -28,9 +28,10 @@ from shardsmith.errors import IntegrityError
 
 
 class ChecksummedShard(Protocol):
-    """What chunk verification needs of a shard record (:class:`~shardsmith.storage.manifest.records.ShardRecord`
-    satisfies it): its key, its size in bytes and its per-chunk CRC32C values. A protocol, so this
-    module, which the manifest records import, imports nothing of theirs."""
+    """What chunk verification needs of a shard record
+    (:class:`~shardsmith.storage.manifest.records.ShardRecord` satisfies it): its key, its size
+    and offset in its file (bytes) and its per-chunk CRC32C values. A protocol, so this module,
+    which the manifest records import, imports nothing of theirs."""
 
     @property
     def key(self) -> str: ...
@@ -40,6 +41,9 @@ class ChecksummedShard(Protocol):
 
     @property
     def crc32c(self) -> Sequence[int]: ...
+
+    @property
+    def byte_offset(self) -> int: ...
 
 
 #: Default chunk size for shard checksums, in bytes. A ranged read is widened to whole
@@ -171,7 +175,8 @@ def verify_chunks(shard: ChecksummedShard, first_chunk: int, views: Sequence[Any
         url: the file's URL, for the message.
 
     Raises:
-        IntegrityError: a chunk's CRC differs (names the file, the key and the byte range).
+        IntegrityError: a chunk's CRC differs (names the file, the key and the chunk's byte
+            range in the file, as ``verify`` does).
     """
     c, value, filled = first_chunk, 0, 0
     need = min(chunk_nbytes, shard.nbytes - c * chunk_nbytes)
@@ -195,8 +200,9 @@ def verify_chunks(shard: ChecksummedShard, first_chunk: int, views: Sequence[Any
 
 def _check_chunk(shard: ChecksummedShard, c: int, value: int, need: int, chunk_nbytes: int, url: str) -> None:
     if c >= len(shard.crc32c) or value != shard.crc32c[c] or need <= 0:
-        raise IntegrityError(f"{url}: checksum mismatch in {shard.key!r} bytes [{c * chunk_nbytes}, "
-                             f"{c * chunk_nbytes + need}) — the file is corrupt; restore it, or load "
+        start = shard.byte_offset + c * chunk_nbytes          # file offsets, as `shardsmith verify` gives
+        raise IntegrityError(f"{url}: checksum mismatch in {shard.key!r} at bytes [{start}, "
+                             f"{start + max(need, 0)}) of the file — the file is corrupt; restore it, or load "
                              "or reshard another step")
 
 

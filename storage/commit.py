@@ -55,10 +55,16 @@ def find_latest_committed(root: Store, runs: set[str] | None = None) -> int | No
     if not steps:
         return None
     newest = steps[-1]
-    if hinted != newest:
+    said = (root.url, hint, newest)
+    if hinted != newest and said not in _LATEST_WARNED:        # once per process: callers ask again
+        _LATEST_WARNED.add(said)
         log.warning("%s/latest is %s; using newest committed step %s instead",
                     root.url, "missing" if hint is None else repr(hint), step_dir(newest))
     return newest
+
+
+#: (root, hint, newest) already warned about by :func:`find_latest_committed` in this process.
+_LATEST_WARNED: set[tuple[str, str | None, int]] = set()
 
 
 def open_manifest(step_store: Store) -> ManifestReader:

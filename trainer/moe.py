@@ -37,7 +37,9 @@ the last stage. :func:`router_stats` reports the tokens per expert and the aux l
 
 from __future__ import annotations
 
+import contextlib
 import re
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -89,6 +91,7 @@ class MoEFeedForward(nn.Module):
         self.load: torch.Tensor | None = None       # (E,) routed slots per expert since reset_stats
         self.aux_sum: torch.Tensor | float = 0.0    # sum of the aux losses since reset_stats
         self.num_forwards = 0
+        self.counting = True                        # False inside :func:`uncounted`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -136,7 +139,9 @@ class MoEFeedForward(nn.Module):
 
     def _record(self, counts: torch.Tensor) -> None:
         """Accumulate router statistics (activation-checkpoint recomputes count twice, which
-        leaves max/mean and the mean aux loss unchanged)."""
+        leaves max/mean and the mean aux loss unchanged); nothing inside :func:`uncounted`."""
+        if not self.counting:
+            return
         c = counts.detach().float()
         self.load = c if self.load is None else self.load + c
         assert self.aux_loss is not None
@@ -252,6 +257,25 @@ def moe_layers(model: nn.Module) -> dict[int, MoEFeedForward]:
         if isinstance(m, MoEFeedForward) and found:
             out[int(found.group(1))] = m
     return out
+
+
+@contextlib.contextmanager
+def uncounted(model: nn.Module) -> Iterator[None]:
+    """Forwards of ``model``'s MoE layers inside this block leave the router statistics alone.
+
+    For passes that are not training: torch's pipeline stage infers its activation shapes
+    with one extra forward on the first step of every schedule, stage 0 on the first
+    microbatch again and later stages on uninitialized tensors (NaN or garbage router
+    loads). Any rank may call it; it is local.
+    """
+    layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    for m in layers:
+        m.counting = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.counting = True
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:

@@ -22,6 +22,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.pipelining._backward import stage_backward
 
 from shardsmith.errors import ConfigError
+from shardsmith.trainer.moe import uncounted
 
 #: ``--pipeline-schedule`` name -> (torch schedule class, runs several stages per rank).
 SCHEDULES: dict[str, tuple[type, bool]] = {
@@ -87,7 +88,16 @@ class ShardedGradPipelineStage(PipelineStage):
     backward reduce-scatters each block's gradient into the sharded one (FSDP2 accumulates)
     and reshards, at the price of one all-gather and one reduce-scatter per block and
     microbatch. Same constructor as ``PipelineStage``; every rank of a stage uses it.
+
+    Its shape-inference forward (upstream ``_forward_metadata_inference``, on the first step
+    of every schedule: after each start and resume) runs under
+    :func:`shardsmith.trainer.moe.uncounted`, so the MoE router statistics logged for that
+    step are those of the training microbatches alone.
     """
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with uncounted(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if backward_type != "full" or not isinstance(self.submod, FSDPModule):

@@ -7,6 +7,8 @@ instead of loading garbage or allocating the impossible. Pure: no torch, no I/O.
 
 from __future__ import annotations
 
+import dataclasses
+
 from shardsmith.errors import CheckpointMismatch
 from shardsmith.layout.compat import SHAPE_FIELDS
 from shardsmith.layout.dims import ParallelDims
@@ -43,8 +45,7 @@ def model_record_problems(manifest: Manifest) -> list[str]:
         if rec is None:
             problems.append(f"model record implies tensor {fqn} {tuple(spec.shape)}, which the manifest lacks")
         elif tuple(rec.shape) != tuple(spec.shape):
-            fields = [f"{n}={getattr(model, n)}" for n in SHAPE_FIELDS
-                      if any(getattr(model, n) == want != got for want, got in zip(spec.shape, rec.shape))]
+            fields = fields_behind(model, fqn, tuple(spec.shape), tuple(rec.shape))
             problems.append(f"tensor {fqn} has shape {tuple(rec.shape)} but the model record"
                             f"{' (' + ', '.join(fields) + ')' if fields else ''} implies {tuple(spec.shape)}")
     extra = sorted(set(manifest.tensors) - set(specs))
@@ -52,6 +53,43 @@ def model_record_problems(manifest: Manifest) -> list[str]:
         problems.append(f"tensors the model record does not imply: {', '.join(extra[:5])}"
                         + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""))
     return problems
+
+
+def fields_behind(model: ModelConfig, fqn: str, want: tuple[int, ...], got: tuple[int, ...]) -> list[str]:
+    """The model fields whose recorded value explains why tensor ``fqn`` is ``got`` and not
+    the ``want`` the record implies, each as ``"name=recorded where the tensor implies v"``.
+
+    A field is named when changing it alone, by the ratio of a differing dim
+    (``v = recorded * got / want``), gives exactly ``got``: ``num_kv_heads`` behind a K/V
+    projection's ``num_kv_heads * head_dim`` rows, ``vocab_size`` behind the embedding's.
+    Falls back to the fields equal to a wanted dim when no single change explains the shape.
+    """
+    named: list[str] = []
+    for name in SHAPE_FIELDS:
+        value = getattr(model, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            continue
+        for w, g in zip(want, got):
+            if w == g or (g * value) % w:
+                continue
+            candidate = g * value // w
+            if candidate > 0 and _shape_with(model, name, candidate, fqn) == got:
+                named.append(f"{name}={value} where the tensor implies {candidate}")
+                break
+    if named:
+        return named
+    return [f"{n}={getattr(model, n)}" for n in SHAPE_FIELDS
+            if any(getattr(model, n) == w != g for w, g in zip(want, got))]
+
+
+def _shape_with(model: ModelConfig, name: str, value: int, fqn: str) -> tuple[int, ...] | None:
+    """``fqn``'s shape under ``model`` with field ``name`` set to ``value`` (None: invalid)."""
+    try:
+        spec = checkpoint_specs(dataclasses.replace(model, **{name: value}), ParallelDims(),
+                                with_optimizer=False).get(fqn)
+    except (ValueError, TypeError, KeyError, ZeroDivisionError):
+        return None
+    return None if spec is None else tuple(spec.shape)
 
 
 def check_model_record(manifest: Manifest, source: str) -> None:

@@ -252,9 +252,10 @@ class PosixBackend(FsspecBackend):
     @contextlib.contextmanager
     def open_writer(self, path: str, call: Call, call_once: Call, nbytes_hint: int | None, part_nbytes: int,
                     max_concurrency: int) -> Iterator[Any]:
-        """A hidden temporary file renamed into place on a clean exit."""
+        """A hidden temporary file renamed into place on a clean exit (the ``fs.mid_write``
+        crash point fires after its first write)."""
         with contextlib.ExitStack() as stack:
-            yield call(lambda: stack.enter_context(local.atomic_file(path)))
+            yield call(lambda: stack.enter_context(local.streamed_file(path)))
 
 
 class S3Backend(FsspecBackend):

@@ -47,7 +47,7 @@ DEFAULT_PART_NBYTES = 8 * 2**20
 #: Parts uploaded at once per object.
 DEFAULT_MAX_CONCURRENCY = 8
 _MIN_PART_NBYTES = 5 * 2**20
-_TMP_RE = re.compile(r"^\..+\.tmp-[0-9a-f]{12}$")
+_TMP_RE = re.compile(r"^\..+\.tmp-(.+-\d+-)?[0-9a-f]{12}$")    # local.tmp_name (and the older form without writer)
 
 Bytes = bytes | bytearray | memoryview
 

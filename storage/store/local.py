@@ -11,6 +11,9 @@ import ctypes
 import errno
 import mmap
 import os
+import re
+import socket
+import time
 import uuid
 from typing import Any, BinaryIO, Iterator, Sequence
 
@@ -27,10 +30,85 @@ _IOV_MAX = 1024
 WRITE_PIECE_NBYTES = 1 << 20
 
 
+#: A hidden temporary file of :func:`tmp_name`: ``.NAME.tmp-HOST-PID-HEX``.
+_TMP_RE = re.compile(r"^\..+\.tmp-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{12}$")
+#: Age after which :func:`sweep_stale_tmp` removes a temporary file whose writer it cannot
+#: check (another host's): far longer than any one file's write.
+TMP_GRACE_S = 6 * 3600.0
+
+
 def tmp_name(path: str) -> str:
-    """The hidden temporary sibling a write of ``path`` goes to before its rename."""
+    """The hidden temporary sibling a write of ``path`` goes to before its rename; it names
+    the writer's host and process, so :func:`sweep_stale_tmp` can tell a dead writer's."""
     directory, name = os.path.split(path)
-    return os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+    return os.path.join(directory, f".{name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+def _writer_dead(host: str, pid: int) -> bool:
+    """True when process ``pid`` of this host is gone (another host's: unknown, False)."""
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def sweep_stale_tmp(directory: str, grace_s: float = TMP_GRACE_S) -> list[str]:
+    """Remove the temporary files killed writers left under ``directory`` (recursively).
+
+    A ``.NAME.tmp-HOST-PID-HEX`` file (:func:`tmp_name`) goes when its writer is provably
+    dead (this host, no such process) or its last write is older than ``grace_s`` seconds;
+    a live writer's file, and anything else, stays. Any process may call it.
+
+    Returns:
+        The paths removed.
+    """
+    removed: list[str] = []
+    now = time.time()
+    for top, _, files in os.walk(directory):
+        for name in files:
+            found = _TMP_RE.match(name)
+            if found is None:
+                continue
+            path = os.path.join(top, name)
+            try:
+                stale = now - os.stat(path).st_mtime > grace_s
+                if stale or _writer_dead(found["host"], int(found["pid"])):
+                    os.unlink(path)
+                    removed.append(path)
+            except OSError:
+                continue                                # gone meanwhile, or not ours to remove
+    return removed
+
+
+class _MidWriteHook:
+    """A file whose first ``write`` reaches the ``fs.mid_write`` crash point, as
+    :func:`write_parts`'s first part does (streamed writes go through it too)."""
+
+    def __init__(self, f: BinaryIO, path: str) -> None:
+        self._f, self._path, self._fired = f, path, False
+
+    def write(self, data: Any) -> int:
+        n = self._f.write(data)
+        if not self._fired:
+            self._fired = True
+            crash_point("fs.mid_write", key=self._path)      # test hook; inert normally
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+@contextlib.contextmanager
+def streamed_file(path: str) -> Iterator[Any]:
+    """:func:`atomic_file` for a writer that streams: the ``fs.mid_write`` crash point fires
+    after its first write, mid-file, as it does for :func:`write_parts`."""
+    with atomic_file(path) as f:
+        yield _MidWriteHook(f, path)
 
 
 @contextlib.contextmanager

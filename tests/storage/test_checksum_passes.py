@@ -102,7 +102,7 @@ def test_verify_split_refuses_what_verify_refuses() -> None:
     data[700] ^= 0x10
     for check in (lambda: verify_chunks(shard, 0, [data], 256, "file:///x"),
                   lambda: verify_chunks_split(shard, 0, data, 256, 64, "file:///x")):
-        with pytest.raises(IntegrityError, match=r"file:///x: checksum mismatch in 'w' bytes \[512, 768\)"):
+        with pytest.raises(IntegrityError, match=r"file:///x: checksum mismatch in 'w' at bytes \[512, 768\) of the file"):
             check()
 
 

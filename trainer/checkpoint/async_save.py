@@ -32,7 +32,9 @@ import torch.distributed as dist
 
 from shardsmith.errors import SaveError
 from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.storage.commit import step_dir
 from shardsmith.storage.crashpoints import crash_point
+from shardsmith.storage.manifest.records import MANIFEST_NAME
 from shardsmith.storage.store.fs import Store
 from shardsmith.trainer.checkpoint.save_load import SaveResult, WritePlan, plan_local_writes, write_and_commit
 from shardsmith.trainer.checkpoint.local_tier import LocalTier, replicate
@@ -182,8 +184,29 @@ class AsyncCheckpointer:
             if self.on_commit is not None:
                 self.on_commit(self.last_result)
         except BaseException as exc:  # never dies silently: logged now, raised by the next call
-            log.error("background save of step %d failed: %s", staged.step, exc)
-            self._error = exc
+            self._error = self._failure(staged.step, plan is not None, exc)
+
+    def _failure(self, step: int, persistent: bool, exc: BaseException) -> BaseException:
+        """Log a background save's failure as what happened, and return what :meth:`wait` raises.
+
+        Rank 0 writes the manifest before it tells the others; a rank that fails after that
+        (the confirmation never came, a dead peer, the ``on_commit`` callback) did not fail to
+        save: the step is committed, and the line and the error say so instead of "failed".
+        """
+        if persistent and self._committed(step):
+            log.warning("step %d is committed (rank 0 wrote its manifest), but this rank failed after the "
+                        "commit: %s: %s", step, type(exc).__name__, exc)
+            return SaveError(f"checkpoint step {step} is committed (complete and loadable); after the commit "
+                             f"this rank failed: {type(exc).__name__}: {exc}")
+        log.error("background save of step %d failed: %s", step, exc)
+        return exc
+
+    def _committed(self, step: int) -> bool:
+        """True when ``step``'s manifest is in the persistent root (False if that cannot be told)."""
+        try:
+            return self.root.exists(f"{step_dir(step)}/{MANIFEST_NAME}")
+        except Exception:  # the store itself failing: say nothing we do not know
+            return False
 
     def _write_local(self, staged: WritePlan, local_doc: dict[str, Any]) -> None:
         """The local tier: this rank's files, then (with replicas) the exchange with the buddies."""

@@ -61,7 +61,8 @@ def check_before_load(manifest: Manifest, cfg: TrainConfig, source: str, *, resu
     names = manifest.tensor_names                 # every tensor of the step (a partial read too)
     load_optim = resume and not reset_optimizer
     if load_optim:
-        check_has_optimizer_state(names, source=source, optimizer_prefix=OPTIM_PREFIX)
+        check_has_optimizer_state(names, source=source, optimizer_prefix=OPTIM_PREFIX,
+                                  imported=manifest.state.get("source"))
     expected = checkpoint_specs(cfg.model, cfg.parallel, with_optimizer=load_optim)
     check_tensor_names(names, expected, source=source, optimizer_prefixes=() if load_optim else (OPTIM_PREFIX,))
     return warnings

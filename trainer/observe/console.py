@@ -164,6 +164,7 @@ _EVENT_LINES = {
     "resume": _resume,
     "save": _save,
     "preempt": lambda r: "",
+    "warning": lambda r: "",                                  # logged once where it was raised
     "schedule_change": lambda r: f"warning: {r.get('message', 'the LR schedule changed')}",
     "gc": lambda r: "deleted old checkpoints: steps " + ", ".join(map(str, r.get("deleted_steps", []))),
     "init_from": lambda r: (f"initialized the weights from {short_url(r.get('from', '?'))} "
