@@ -41,9 +41,9 @@ What is not the trainer's own code path, and why:
   microbatch; the activation bytes it keeps (measured: the tracker's activation total after
   the forward minus before it) are added for the other ``k - 1``, which keeps the bench's CPU
   time to a few minutes on 2 cores;
-* stages whose run would be the same (:func:`signature`: first, last, their layers, the
-  e.g. the 14 middle stages of the 1,024-rank job) run once, and
-  each is reported with its own microbatches in flight;
+* stages whose run would be the same (:func:`signature`: first, last, number of layers; e.g.
+  the 14 middle stages of the 1,024-rank job) run once, and each is reported with its own
+  microbatches in flight;
 * the optimizer step runs under the tracker, but its peak is reported apart and not compared:
   under fake tensors the tracker keeps every temporary of the single-tensor AdamW counted
   (``exp_avg_sq.sqrt()`` and the like: optimizer memory 4.9x the parameter bytes on a small
