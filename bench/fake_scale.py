@@ -301,7 +301,7 @@ def main() -> None:
         r = run_config(configs[name], args.workers)
         results.append(r)
         print(f"{r['name']}: {r['layout']} = {r['ranks']:,} ranks, {r['params'] / 1e9:.1f}B params "
-              f"({r['seconds']:.0f} s)", flush=True)
+              f"({r['seconds']:.0f} s): max |error| {r['max_rel_error']:.1%}", flush=True)
         for s in r["stages"]:
             print(f"  stage {s['stage']:>2} (rank {s['rank']:>4}, {s['in_flight']} in flight): measured "
                   f"{s['measured_peak_bytes'] / 2**30:7.2f} GiB, estimate {s['estimate_bytes'] / 2**30:7.2f} GiB, "
