@@ -9,7 +9,8 @@ large job, with no process group and no data bytes:
   that keeps only sizes, ``SafetensorsFormat.rank_records`` (what the rank gathers to rank 0);
 * commit, rank 0 (timed: ``commit_seconds``): decode every rank's gathered JSON,
   ``SafetensorsFormat.add_records`` into the ``ManifestBuilder``, ``commit`` (serialize the
-  version-2 manifest, validate all of it with ``parse_manifest``, write it) — without the
+  version-3 manifest, whose tensors carry shard grids (:mod:`shardsmith.storage.manifest.grid`),
+  validate all of it with ``parse_manifest``, write it) — without the
   data-file size checks, which are storage round trips;
 * resume, per sampled rank (one rank per pipeline stage and mesh corner of the loading
   layout): ``ManifestReader`` (head, then the entries of the tensors the rank loads, through
@@ -251,7 +252,7 @@ def run(cfg: Config, chunk: int, dump: str | None = None) -> dict[str, Any]:
 
 def verify_rss(path: str, mode: str) -> dict[str, Any]:
     """Peak RSS of verifying the metadata of a manifest (``path``) in a fresh process:
-    ``stream`` runs ``verify_checkpoint`` (version 2: tensor by tensor, 256 files per pass)
+    ``stream`` runs ``verify_checkpoint`` (versions 2 and 3: tensor by tensor, 256 files per pass)
     with the per-file data checks stubbed out (no data here); ``whole`` parses the manifest
     whole (what verify held in memory before)."""
     from shardsmith.storage import verify

@@ -414,7 +414,7 @@ def print_estimate(cfg: Any, preset: str | None, as_json: bool, device: int | No
                    f"{r.num_params:>15,} " + " ".join(
                        f"{_short(n):>10}" for n in (r.param_nbytes, r.grad_nbytes, r.optim_nbytes,
                                                      r.activation_nbytes, r.total_nbytes, r.checkpoint_nbytes)))
-    for what in ("memory", "activation", "bubble", "flops") + (("moe",) if est.moe else ()):
+    for what in ("memory", "activation", "loss", "peak", "bubble", "flops") + (("moe",) if est.moe else ()):
         click.echo(textwrap.fill(f"{what}: {FORMULAS[what]}", 100, initial_indent="  ",
                                  subsequent_indent="    "))
     print_verdict(verdict)

@@ -6,15 +6,21 @@ rank really holds. The rest are standard estimates, each with its source:
 
 * bytes per parameter element: fp32 master weight 4 + fp32 gradient 4 + AdamW
   ``exp_avg``/``exp_avg_sq`` 8 (mixed precision keeps fp32 master weights);
-* activations per layer and microbatch (Korthikanti et al. 2022, "Reducing Activation
-  Recomputation in Large Transformer Models", eq. 2, tensor parallel without sequence
-  parallel): ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes at 2 bytes per value (= ``sbh(34 +
-  5as/h)`` at t = 1), doubled for fp32 activations; with sequence parallelism (their table 2)
-  ``s*b*h*(34/t + 5*a*s/(h*t))``; with full activation recomputation
-  (``--activation-checkpointing``, their section 4.1) ``2*s*b*h`` per layer (``/t`` with
-  sequence parallelism) plus one layer's full set. A 1F1B stage ``p`` of ``P`` holds ``min(P - p, M)`` microbatches in
+* activations per layer and microbatch counted from what shardsmith's own block keeps
+  (:mod:`shardsmith.layout.activations`: ``2*(4h + 2ch) + 5cq/t + 4cf/t`` bytes per token at
+  ``c`` bytes per value; fused attention, no dropout, so not Korthikanti et al. 2022's
+  ``sbh(34 + 5as/h)``); with full activation recomputation (``--activation-checkpointing``,
+  their section 4.1) ``c*h`` per token and layer (``/t`` with sequence parallelism) plus one
+  layer's full set. A 1F1B stage ``p`` of ``P`` holds ``min(P - p, M)`` microbatches in
   flight (their section 4.2.3), times ``1 + (P - 1)/(P*V)`` under the interleaved schedule
-  with V virtual stages (the same section); the last stage adds the fp32 logits ``4*s*b*V/t``;
+  with V virtual stages (the same section);
+* the last stage's logits and loss per microbatch, ``s*b*V/t*(c + 4 + 4 + 4)`` bytes under bf16
+  (``s*b*V/t*(4 + 4 + 4)`` in fp32): logits, their fp32 copy, the log-softmax and its
+  gradient (:func:`shardsmith.layout.activations.loss_nbytes_per_token`);
+* the peak (:func:`shardsmith.layout.peak.transient_nbytes`): the sharded state and the kept activations are held
+  all step; on top of them, the largest of three phases that never overlap: a block's
+  backward (FSDP's unsharded block buffers, plus the output layer's gradient the last stage
+  made first), the end of backward (every root gradient, the embedding's last), the loss;
 * pipeline bubble ``(P - 1) / (V * M)`` of the step (Narayanan et al. 2021, "Efficient
   Large-Scale Language Model Training on GPU Clusters", section 2.2: 1F1B at V = 1, the
   interleaved schedule with V virtual stages per rank, sec. 2.2.2);
@@ -43,18 +49,25 @@ from shardsmith.layout import activations as act
 from shardsmith.layout.dims import MESH_AXES, ParallelDims
 from shardsmith.layout.gpus import process_groups, process_overhead_nbytes
 from shardsmith.layout.model_config import ModelConfig, stage_layers
+from shardsmith.layout.peak import stage_transient
 from shardsmith.layout.plan import TensorSpec, padded_vocab_size, param_specs
 
 #: Bytes per parameter element: fp32 weight, fp32 gradient, AdamW's two fp32 moments.
 PARAM_NBYTES, GRAD_NBYTES, OPTIM_NBYTES = 4, 4, 8
 
 FORMULAS = {
-    "activation": "per layer and microbatch s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes at 16 bit, x2 at "
-                  "fp32 (Korthikanti et al. 2022, eq. 2; = sbh(34 + 5as/h) at t=1); with sequence "
-                  "parallelism s*b*h*(34/t + 5*a*s/(h*t)) (their table 2); with "
-                  "activation checkpointing 2*s*b*h per layer (/t with SP) + one full layer (sec. 4.1); "
-                  "min(P - stage, M) microbatches in flight under 1F1B, x(1 + (P-1)/(P*V)) interleaved (sec. "
-                  "4.2.3); last stage + 4*s*b*V/t logits",
+    "activation": "per token, layer and microbatch 2*(4h + 2ch) + 5cq/t + 4cf/t bytes at c bytes per value "
+                  "(2 under bf16, 4 in fp32; q = heads*head_dim, f = ffn), the norms (4h + ch)/t + ch each with "
+                  "sequence parallelism (counted from shardsmith's block: fused attention keeps no s x s scores, "
+                  "no dropout; Korthikanti et al. 2022 eq. 2 counts sbh(34 + 5as/h) for GPT with both); with "
+                  "activation checkpointing c*h per layer (/t with SP) + one full layer (their sec. 4.1); off "
+                  "stage 0 the stage input; min(P - stage, M) microbatches in flight under 1F1B, x(1 + "
+                  "(P-1)/(P*V)) interleaved (sec. 4.2.3)",
+    "loss": "last stage, per microbatch: s*b*V/t*(c + 4 + 4 + 4) bytes at c = 2 (bf16), s*b*V/t*(4 + 4 + 4) in "
+            "fp32: logits, their fp32 copy (bf16 only), log-softmax, its gradient",
+    "peak": "weights + gradients + AdamW state + kept activations + gathered root parameters + the largest of: "
+            "a block's FSDP buffers (+ the last stage's output gradient), all root gradients (end of "
+            "backward), the loss",
     "bubble": "(P - 1) / (V * M), V virtual stages per rank (Narayanan et al. 2021, sec. 2.2: 1F1B at "
               "V = 1, interleaved 1F1B sec. 2.2.2)",
     "flops": "(6*N + 12*L*H*Q*T) * tokens, N = matmul parameters (all but the input embedding) "
@@ -164,13 +177,16 @@ class RankRole:
     fsdp_buffer_nbytes: int = 0
     loss_nbytes: int = 0
     process_nbytes: int = 0
+    root_grad_nbytes: int = 0
+    transient_nbytes: int = 0
 
     @property
     def total_nbytes(self) -> int:
         """What PyTorch's allocator holds at the step's peak: weights + gradients + optimizer
-        state + activations + FSDP all-gather/reduce-scatter buffers + the last stage's loss."""
+        state + activations + the largest transient phase (:func:`transient_nbytes`: FSDP
+        buffers, root gradients or the last stage's loss, which never coexist)."""
         return (self.param_nbytes + self.grad_nbytes + self.optim_nbytes + self.activation_nbytes
-                + self.fsdp_buffer_nbytes + self.loss_nbytes)
+                + self.transient_nbytes)
 
     @property
     def tracked_peak_nbytes(self) -> int:
@@ -287,12 +303,6 @@ def _activation_nbytes(model: ModelConfig, dims: ParallelDims, stage: int, num_l
     return total, in_flight
 
 
-def loss_nbytes(model: ModelConfig, dims: ParallelDims, micro_batch_size: int, bytes_per_value: int) -> int:
-    """The last stage's logits and loss of one microbatch (:func:`activations.loss_nbytes_per_token`)."""
-    vocab = padded_vocab_size(model.vocab_size, dims.tp) // dims.tp
-    return int(model.seq_length // dims.cp * micro_batch_size * act.loss_nbytes_per_token(vocab, bytes_per_value))
-
-
 def unsharded_numels(model: ModelConfig, dims: ParallelDims) -> tuple[list[int], list[int]]:
     """Per stage: (largest transformer block's, root's) parameter elements one rank holds
     while FSDP has them all-gathered (its TP share; expert-parallel experts, never gathered,
@@ -330,18 +340,6 @@ def root_grad_numels(model: ModelConfig, dims: ParallelDims) -> list[int]:
             if stage == 0 or (model.tie_embeddings and stage == dims.pp - 1):
                 out[stage] += vh - vh // dims.tp
     return out
-
-
-def fsdp_buffer_nbytes(block_numel: int, root_numel: int, dims: ParallelDims, bf16: bool) -> int:
-    """FSDP2's unsharded buffers at the backward peak (``parallel.apply_fsdp``): the root's
-    parameters stay gathered from forward to backward (FSDP2 does not reshard the root after
-    forward), the current and the prefetched block's parameters in the compute dtype, and the
-    current block's unsharded gradient in the compute dtype plus its fp32 reduce-scatter
-    input under bf16 (``reduce_dtype=float32``). 0 without data parallelism (no FSDP)."""
-    if dims.dp == 1:
-        return 0
-    c = 2 if bf16 else 4
-    return root_numel * c + block_numel * (3 * c + (4 if bf16 else 0))
 
 
 def _stage_roles(model: ModelConfig, dims: ParallelDims, specs: dict[str, TensorSpec], stage: int,
@@ -397,9 +395,8 @@ def estimate(model: ModelConfig, dims: ParallelDims, *, micro_batch_size: int, g
                                                    micro_batch_size, num_microbatches, c,
                                                    activation_checkpointing, sequence_parallel)
         extra = {"activation_nbytes": act_nbytes, "microbatches_in_flight": in_flight,
-                 "fsdp_buffer_nbytes": fsdp_buffer_nbytes(blocks[stage], roots[stage], dims, c == 2)
-                 + c * root_grads[stage],
-                 "loss_nbytes": loss_nbytes(model, dims, micro_batch_size, c) if stage == dims.pp - 1 else 0,
+                 **stage_transient(model, dims, stage, blocks[stage], roots[stage], root_grads[stage], c,
+                                    micro_batch_size),
                  "process_nbytes": process_overhead_nbytes(groups)}
         roles.extend(_stage_roles(model, dims, specs, stage, cells, extra))
     total = sum(prod(s.shape) for s in specs.values())

@@ -15,7 +15,8 @@ from shardsmith.cli.main import cli
 from shardsmith.layout import ModelConfig, ParallelDims, validate_layout
 from shardsmith.layout import activations as act
 from shardsmith.layout.cost import MAX_MATMUL_EFFICIENCY, matmul_efficiency
-from shardsmith.layout.estimate import fsdp_buffer_nbytes, loss_nbytes, root_grad_numels, unsharded_numels
+from shardsmith.layout.estimate import root_grad_numels, unsharded_numels
+from shardsmith.layout.peak import fsdp_buffer_nbytes, loss_nbytes
 from shardsmith.layout.gpus import (ALLOCATOR_MARGIN, CUDA_CONTEXT_NBYTES, NCCL_COMM_NBYTES, gpu, process_groups,
                                    process_overhead_nbytes)
 from shardsmith.layout.planner import plan
@@ -62,8 +63,7 @@ def test_fsdp_buffer_and_process_terms_by_hand() -> None:
     est = Job(TINY, dims, micro_batch_size=1, global_batch_size=8).estimate()
     role = est.roles[0]
     assert role.peak_nbytes == int(role.total_nbytes * (1 + ALLOCATOR_MARGIN)) + process_overhead_nbytes(2)
-    assert role.total_nbytes == (16 * role.num_params + role.activation_nbytes + role.fsdp_buffer_nbytes
-                                 + role.loss_nbytes)
+    assert role.total_nbytes == 16 * role.num_params + role.activation_nbytes + role.transient_nbytes
 
 
 def test_gpu_table_and_matmul_efficiency() -> None:
