@@ -8,7 +8,9 @@ a first save) in every round, and without its start-up overlapping our measureme
 Files in a control directory carry the protocol: ``ready`` (peer built and warmed up),
 ``go.<r>`` (bench: run round r), ``round.<r>.json`` (peer: round r's figures, written atomically),
 ``stop`` (bench: no more rounds). Rank 0 of the peer polls; its other ranks wait in a barrier.
-Standard library only (both interpreters import it).
+:func:`serve_rounds` is the peer ranks' round loop and :func:`spawn_ranks` starts a peer's (or a
+trainer bench's) gloo ranks; both import torch lazily, the rest is standard library only (every
+interpreter imports this module).
 """
 
 from __future__ import annotations
@@ -57,6 +59,43 @@ def peer_next(ctrl: str, r: int) -> bool:
 
 def peer_done(ctrl: str, r: int, results: dict[str, Any]) -> None:
     _write(os.path.join(ctrl, f"round.{r}.json"), results)
+
+
+def serve_rounds(ctrl: str, one_round: Callable[[int], dict[str, Any]]) -> None:
+    """Every rank of a peer (gloo process group initialised, state built and warmed up): say
+    ``ready`` (rank 0), then run ``one_round(r)`` on every rank each time the bench asks for round
+    ``r`` until it says ``stop``; rank 0 hands round r's figures (its return value) to the bench.
+    Rank 0 decides and broadcasts, so all ranks run the same rounds."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == 0:
+        peer_ready(ctrl)
+    r = 0
+    while True:
+        go = torch.tensor([int(rank != 0 or peer_next(ctrl, r))])
+        dist.broadcast(go, 0)
+        if not int(go):
+            return
+        results = one_round(r)
+        if rank == 0:
+            peer_done(ctrl, r, results)
+        r += 1
+
+
+def spawn_ranks(worker: Callable[..., None], nproc: int, *args: Any) -> None:
+    """Spawn ``nproc`` processes running ``worker(rank, *args, port)`` with a free localhost TCP
+    port for their gloo rendezvous (``tcp://127.0.0.1:<port>``); returns when all have exited and
+    raises (torch.multiprocessing's ProcessRaisedException) if one failed."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(worker, args=(*args, port), nprocs=nproc, start_method="spawn")
 
 
 # ---- bench side ------------------------------------------------------------------------------------
