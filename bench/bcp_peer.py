@@ -249,15 +249,9 @@ def _round(ops: _Ops, patches: _Patches, spec: dict[str, Any], base: str, checke
 
 
 def main(argv: list[str]) -> int:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from lockstep import spawn_ranks
+    from lockstep import peer_main
 
-    spec_path, base, ctrl = argv
-    with open(spec_path) as f:
-        spec = json.load(f)
-    os.makedirs(base, exist_ok=True)
-    spawn_ranks(_worker, spec["nproc"], spec, base, ctrl)
-    return 0
+    return peer_main(argv, _worker)
 
 
 if __name__ == "__main__":

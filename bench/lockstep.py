@@ -141,3 +141,15 @@ class PeerProcess:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+
+
+def peer_main(argv: list[str], worker: Callable[..., None]) -> int:
+    """A peer's ``main(SPEC DIR CTRL)``: read the state's description (JSON at SPEC, with
+    ``nproc``), make the checkpoint directory DIR, run ``worker(rank, spec, DIR, CTRL, port)`` on
+    ``nproc`` spawned ranks (:func:`spawn_ranks`); 0 when all ranks exited cleanly."""
+    spec_path, base, ctrl = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    os.makedirs(base, exist_ok=True)
+    spawn_ranks(worker, spec["nproc"], spec, base, ctrl)
+    return 0
