@@ -47,11 +47,23 @@ def peer_ready(ctrl: str) -> None:
     _write(os.path.join(ctrl, "ready"), {})
 
 
+def _bench_alive(ctrl: str) -> bool:
+    """Whether the bench process that started this peer (pid in ``ctrl/bench``) still runs."""
+    try:
+        with open(os.path.join(ctrl, "bench")) as f:
+            os.kill(json.load(f)["pid"], 0)
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return True
+
+
 def peer_next(ctrl: str, r: int) -> bool:
-    """Wait until the bench asks for round ``r`` (True) or stops (False)."""
+    """Wait until the bench asks for round ``r`` (True) or stops (False). A bench that died
+    (killed by the kernel's OOM killer, say) counts as a stop, so its peer does not outlive it
+    holding its share of the state."""
     go, stop = os.path.join(ctrl, f"go.{r}"), os.path.join(ctrl, "stop")
     while not os.path.exists(go):
-        if os.path.exists(stop):
+        if os.path.exists(stop) or not _bench_alive(ctrl):
             return False
         time.sleep(POLL_S)
     return True
@@ -106,6 +118,7 @@ class PeerProcess:
 
     def __init__(self, cmd: list[str], ctrl: str, env: dict[str, str], log_path: str) -> None:
         os.makedirs(ctrl, exist_ok=True)
+        _write(os.path.join(ctrl, "bench"), {"pid": os.getpid()})
         self.ctrl, self.log_path = ctrl, log_path
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 
@@ -44,6 +45,7 @@ def test_lockstep_runs_the_peer_round_by_round_then_stops(tmp_path) -> None:
     import torch.distributed as dist
 
     ctrl = str(tmp_path)
+    lockstep._write(os.path.join(ctrl, "bench"), {"pid": os.getpid()})
     seen: list[int] = []
 
     def one_round(r: int) -> dict:
@@ -71,3 +73,13 @@ def test_lockstep_runs_the_peer_round_by_round_then_stops(tmp_path) -> None:
     lockstep._write(os.path.join(ctrl, "stop"), {})
     thread.join(30)
     assert seen == [0, 1, 2] and not thread.is_alive()
+
+
+def test_a_peer_stops_when_its_bench_is_gone(tmp_path) -> None:
+    ctrl = str(tmp_path)
+    lockstep._write(os.path.join(ctrl, "bench"), {"pid": os.getpid()})
+    assert lockstep._bench_alive(ctrl)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lockstep._write(os.path.join(ctrl, "bench"), {"pid": dead.pid})
+    assert not lockstep.peer_next(ctrl, 0)
