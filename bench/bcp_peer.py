@@ -35,9 +35,10 @@ option), which is noted next to its figures.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
-import socket
+import re
 import sys
 import threading
 import time
@@ -130,9 +131,19 @@ class _Ops:
         from shardsmith.layout import ModelConfig
 
         self.bcp, self.base, self.step = bytecheckpoint, base, 0
-        cfg = ModelConfig.from_json(spec["model"])
-        self.src = _build(cfg, spec["save"], fill=True)
-        self.dst = {t: _build(cfg, t, fill=False) for t in spec["loads"]}
+        self.cfg = ModelConfig.from_json(spec["model"])
+        self.src = _build(self.cfg, spec["save"], fill=True)
+        self.dst: dict[str, dict[str, Any]] = {}
+
+    def target(self, layout: str) -> dict[str, Any]:
+        """The load target under ``layout``, built afresh (untimed) with the previous one dropped:
+        one target alive at a time, so a rank holds two copies of its share of the state (the
+        source and one target), not one per layout (one per layout drove the peer past the
+        memory of a shared 24 GiB VM at 1 GiB of state)."""
+        self.dst.clear()
+        gc.collect()
+        self.dst[layout] = _build(self.cfg, layout, fill=False)
+        return self.dst[layout]
 
     def save(self, name: str, fast: bool) -> float:
         """Returns the seconds the caller was blocked; returns after the save is committed."""
@@ -149,8 +160,6 @@ class _Ops:
 
     def load(self, name: str, target: str) -> None:
         dst = self.dst[target]
-        for t in dst["locals"]().values():
-            t.zero_()
         self.bcp.load(os.path.join(self.base, name, f"global_step_{self.step_of[name]}"), dst["state"],
                       framework="fsdp2", fast_loading=True)
 
@@ -200,18 +209,7 @@ def _worker(rank: int, spec: dict[str, Any], base: str, ctrl: str, port: int) ->
         ops, patches = _Ops(spec, base), _Patches()
         ops.save("warmup", False)                  # starts its gRPC coordinator
         checked: set[str] = set()
-        if rank == 0:
-            lockstep.peer_ready(ctrl)
-        r = 0
-        while True:
-            go = torch.tensor([int(rank != 0 or lockstep.peer_next(ctrl, r))])
-            dist.broadcast(go, 0)
-            if not int(go):
-                break
-            results = _round(ops, patches, spec, base, checked)
-            if rank == 0:
-                lockstep.peer_done(ctrl, r, results)
-            r += 1
+        lockstep.serve_rounds(ctrl, lambda r: _round(ops, patches, spec, base, checked))
     finally:
         dist.destroy_process_group()
 
@@ -238,26 +236,22 @@ def _round(ops: _Ops, patches: _Patches, spec: dict[str, Any], base: str, checke
         run(f"{mode}.async", lambda: ops.save(f"{mode}-async", True))
         for target in spec["loads"]:
             key = f"{mode}.load.{target}"
+            ops.target(target)
             run(key, lambda: ops.load(f"{mode}-sync", target))
             if key in results and key not in checked:
                 checked.add(key)
                 results["loads_identical"][f"{mode}.{target}"] = _loaded_ok(spec, target, ops.dst[target]["locals"]())
+    with open("/proc/self/status") as f:             # peak RSS since the rank started (its HWM)
+        hwm = torch.tensor([int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024])
+    dist.all_reduce(hwm, op=dist.ReduceOp.MAX)
+    results["peak_rss_mib"] = float(hwm[0])
     return results
 
 
 def main(argv: list[str]) -> int:
-    import torch.multiprocessing as mp
+    from lockstep import peer_main
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    spec_path, base, ctrl = argv
-    with open(spec_path) as f:
-        spec = json.load(f)
-    os.makedirs(base, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(spec, base, ctrl, port), nprocs=spec["nproc"], start_method="spawn")
-    return 0
+    return peer_main(argv, _worker)
 
 
 if __name__ == "__main__":

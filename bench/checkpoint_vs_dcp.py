@@ -647,6 +647,7 @@ def paired_ratios(args: argparse.Namespace, data: dict) -> dict[str, Any]:
         stats["stall_vs_megatron"] = robust.paired(col("ours.async_bg", "blocked"),
                                                    [x["blocked"] if x else None for x in meg["async"]])
     stats.update(bcp_stats(data, col, targets))
+    bcp_rss = stats.pop("bytecheckpoint_peak_rss_mib", None)
     goals = {k: (v, "<=" if k.startswith("stall") else ">=", 0.1 if k.startswith("stall") else 1.3)
              for k, v in stats.items()}
     lines, noise = robust.judge(goals)
@@ -656,7 +657,7 @@ def paired_ratios(args: argparse.Namespace, data: dict) -> dict[str, Any]:
         print("peers not measured: " + "; ".join(f"{k}: {v}" for k, v in data["peers"]["why"].items()))
     out = {k: (v["median"] if v else None) for k, v in stats.items()}
     out.update(spread={k: v for k, v in stats.items() if v}, within_noise=noise,
-               load_average=robust.load_average())
+               load_average=robust.load_average(), bytecheckpoint_peak_rss_mib=bcp_rss)
     return out
 
 
@@ -697,8 +698,10 @@ def bcp_stats(data: dict, col: Callable[..., list[float]], targets: list[str]) -
     if errors:
         print("ByteCheckpoint failures (first of each): " + "; ".join(f"{k}: {v[:120]}" for k, v in errors.items()))
     identical = {k: v for r in data["peers"]["bytecheckpoint"] if r for k, v in r.get("loads_identical", {}).items()}
+    rss = [r["peak_rss_mib"] for r in data["peers"]["bytecheckpoint"] if r and "peak_rss_mib" in r]
+    out["bytecheckpoint_peak_rss_mib"] = max(rss) if rss else None
     print(f"ByteCheckpoint 0.0.2 (outside its declared torch <= 2.5; fsyncs its files): loads identical to the "
-          f"saved values: {identical}")
+          f"saved values: {identical}; peak RSS {out['bytecheckpoint_peak_rss_mib']} MiB/rank")
     return out
 
 

@@ -8,7 +8,9 @@ a first save) in every round, and without its start-up overlapping our measureme
 Files in a control directory carry the protocol: ``ready`` (peer built and warmed up),
 ``go.<r>`` (bench: run round r), ``round.<r>.json`` (peer: round r's figures, written atomically),
 ``stop`` (bench: no more rounds). Rank 0 of the peer polls; its other ranks wait in a barrier.
-Standard library only (both interpreters import it).
+:func:`serve_rounds` is the peer ranks' round loop and :func:`spawn_ranks` starts a peer's (or a
+trainer bench's) gloo ranks; both import torch lazily, the rest is standard library only (every
+interpreter imports this module).
 """
 
 from __future__ import annotations
@@ -45,11 +47,23 @@ def peer_ready(ctrl: str) -> None:
     _write(os.path.join(ctrl, "ready"), {})
 
 
+def _bench_alive(ctrl: str) -> bool:
+    """Whether the bench process that started this peer (pid in ``ctrl/bench``) still runs."""
+    try:
+        with open(os.path.join(ctrl, "bench")) as f:
+            os.kill(json.load(f)["pid"], 0)
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return True
+
+
 def peer_next(ctrl: str, r: int) -> bool:
-    """Wait until the bench asks for round ``r`` (True) or stops (False)."""
+    """Wait until the bench asks for round ``r`` (True) or stops (False). A bench that died
+    (killed by the kernel's OOM killer, say) counts as a stop, so its peer does not outlive it
+    holding its share of the state."""
     go, stop = os.path.join(ctrl, f"go.{r}"), os.path.join(ctrl, "stop")
     while not os.path.exists(go):
-        if os.path.exists(stop):
+        if os.path.exists(stop) or not _bench_alive(ctrl):
             return False
         time.sleep(POLL_S)
     return True
@@ -57,6 +71,43 @@ def peer_next(ctrl: str, r: int) -> bool:
 
 def peer_done(ctrl: str, r: int, results: dict[str, Any]) -> None:
     _write(os.path.join(ctrl, f"round.{r}.json"), results)
+
+
+def serve_rounds(ctrl: str, one_round: Callable[[int], dict[str, Any]]) -> None:
+    """Every rank of a peer (gloo process group initialised, state built and warmed up): say
+    ``ready`` (rank 0), then run ``one_round(r)`` on every rank each time the bench asks for round
+    ``r`` until it says ``stop``; rank 0 hands round r's figures (its return value) to the bench.
+    Rank 0 decides and broadcasts, so all ranks run the same rounds."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == 0:
+        peer_ready(ctrl)
+    r = 0
+    while True:
+        go = torch.tensor([int(rank != 0 or peer_next(ctrl, r))])
+        dist.broadcast(go, 0)
+        if not int(go):
+            return
+        results = one_round(r)
+        if rank == 0:
+            peer_done(ctrl, r, results)
+        r += 1
+
+
+def spawn_ranks(worker: Callable[..., None], nproc: int, *args: Any) -> None:
+    """Spawn ``nproc`` processes running ``worker(rank, *args, port)`` with a free localhost TCP
+    port for their gloo rendezvous (``tcp://127.0.0.1:<port>``); returns when all have exited and
+    raises (torch.multiprocessing's ProcessRaisedException) if one failed."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(worker, args=(*args, port), nprocs=nproc, start_method="spawn")
 
 
 # ---- bench side ------------------------------------------------------------------------------------
@@ -67,6 +118,7 @@ class PeerProcess:
 
     def __init__(self, cmd: list[str], ctrl: str, env: dict[str, str], log_path: str) -> None:
         os.makedirs(ctrl, exist_ok=True)
+        _write(os.path.join(ctrl, "bench"), {"pid": os.getpid()})
         self.ctrl, self.log_path = ctrl, log_path
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -102,3 +154,15 @@ class PeerProcess:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+
+
+def peer_main(argv: list[str], worker: Callable[..., None]) -> int:
+    """A peer's ``main(SPEC DIR CTRL)``: read the state's description (JSON at SPEC, with
+    ``nproc``), make the checkpoint directory DIR, run ``worker(rank, spec, DIR, CTRL, port)`` on
+    ``nproc`` spawned ranks (:func:`spawn_ranks`); 0 when all ranks exited cleanly."""
+    spec_path, base, ctrl = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    os.makedirs(base, exist_ok=True)
+    spawn_ranks(worker, spec["nproc"], spec, base, ctrl)
+    return 0

@@ -32,7 +32,6 @@ import math
 import os
 import resource
 import shutil
-import socket
 import statistics
 import sys
 import time
@@ -311,49 +310,36 @@ def _worker(rank: int, spec: dict[str, Any], base: str, ctrl: str, port: int) ->
         ops = _Ops(spec, base)
         ops.save("warmup", False)                  # the first save in a process takes seconds
         skipped, checked = _fp_load_too_big(spec), set()
-        if rank == 0:
-            lockstep.peer_ready(ctrl)
-        r = 0
-        while True:
-            go = torch.tensor([int(rank != 0 or lockstep.peer_next(ctrl, r))])
-            dist.broadcast(go, 0)
-            if not int(go):
-                break
-            results: dict[str, Any] = {"loads_identical": True, "load_fp_skipped": skipped}
-
-            def run(key: str, fn: Callable[[], Any]) -> None:
-                results[key] = [_measure(base, fn)]
-                if key.startswith("load") and key not in checked:
-                    checked.add(key)
-                    target = key.split(".", 1)[1]
-                    results["loads_identical"] &= _loaded_ok(spec, target, ops.loaded[target])
-            run("save", lambda: ops.save("plain", False))
-            run("save_fp", lambda: ops.save("fp", True))
-            run("async", lambda: ops.async_save("async"))
-            for target in spec["loads"]:
-                run(f"load.{target}", lambda: ops.load("plain", target, False))
-                if not skipped:
-                    run(f"load_fp.{target}", lambda: ops.load("plain", target, True))
-            if rank == 0:
-                lockstep.peer_done(ctrl, r, results)
-            r += 1
+        lockstep.serve_rounds(ctrl, lambda r: _round(ops, spec, base, skipped, checked))
     finally:
         dist.destroy_process_group()
 
 
-def main(argv: list[str]) -> int:
-    import torch.multiprocessing as mp
+def _round(ops: Any, spec: dict[str, Any], base: str, skipped: str, checked: set[str]) -> dict[str, Any]:
+    """One round: plain, fully parallel and async saves, then a plain (and, when it fits, a fully
+    parallel) load into each layout; loaded values are checked once per layout."""
+    results: dict[str, Any] = {"loads_identical": True, "load_fp_skipped": skipped}
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    spec_path, base, ctrl = argv
-    with open(spec_path) as f:
-        spec = json.load(f)
-    os.makedirs(base, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(spec, base, ctrl, port), nprocs=spec["nproc"], start_method="spawn")
-    return 0
+    def run(key: str, fn: Callable[[], Any]) -> None:
+        results[key] = [_measure(base, fn)]
+        if key.startswith("load") and key not in checked:
+            checked.add(key)
+            target = key.split(".", 1)[1]
+            results["loads_identical"] &= _loaded_ok(spec, target, ops.loaded[target])
+    run("save", lambda: ops.save("plain", False))
+    run("save_fp", lambda: ops.save("fp", True))
+    run("async", lambda: ops.async_save("async"))
+    for target in spec["loads"]:
+        run(f"load.{target}", lambda: ops.load("plain", target, False))
+        if not skipped:
+            run(f"load_fp.{target}", lambda: ops.load("plain", target, True))
+    return results
+
+
+def main(argv: list[str]) -> int:
+    from lockstep import peer_main
+
+    return peer_main(argv, _worker)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import sys
 import time
 from typing import Any, Callable
@@ -199,16 +198,13 @@ def _rank(rank: int, system: str, spec: dict[str, Any], outdir: str, port: int) 
 
 
 def main(argv: list[str]) -> int:
-    import torch.multiprocessing as mp
+    from lockstep import spawn_ranks
 
     system, spec_path, outdir = argv
     with open(spec_path) as f:
         spec = json.load(f)
     os.makedirs(outdir, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank, args=(system, spec, outdir, port), nprocs=spec["nproc"], start_method="spawn")
+    spawn_ranks(_rank, spec["nproc"], system, spec, outdir)
     return 0
 
 

@@ -177,6 +177,7 @@ def build_config(spec: dict[str, Any]) -> Any:
     cfg.training.global_batch_size = spec["batch"]
     cfg.training.seq_len = spec["model"]["seq"]
     cfg.training.steps = spec["steps"]
+    cfg.training.disable_cuda_graphs = True        # none on CPU; torchtitan refuses pp with them on
     cfg.dataloader = HuggingFaceTextDataLoader.Config(dataset="bench")
     par = cfg.parallelism
     par.data_parallel_replicate_degree, par.data_parallel_shard_degree = dpr, dps

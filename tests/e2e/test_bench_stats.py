@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 
@@ -40,16 +41,23 @@ def test_a_spread_that_straddles_the_goal_is_within_noise_not_met_or_missed() ->
 
 
 def test_lockstep_runs_the_peer_round_by_round_then_stops(tmp_path) -> None:
+    """The peer's real round loop (lockstep.serve_rounds, one gloo rank) against the bench side."""
+    import torch.distributed as dist
+
     ctrl = str(tmp_path)
+    lockstep._write(os.path.join(ctrl, "bench"), {"pid": os.getpid()})
     seen: list[int] = []
 
-    def peer() -> None:                       # what a peer's rank 0 does
-        lockstep.peer_ready(ctrl)
-        r = 0
-        while lockstep.peer_next(ctrl, r):
-            seen.append(r)
-            lockstep.peer_done(ctrl, r, {"round": r})
-            r += 1
+    def one_round(r: int) -> dict:
+        seen.append(r)
+        return {"round": r}
+
+    def peer() -> None:                       # what every rank of a peer does
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+        try:
+            lockstep.serve_rounds(ctrl, one_round)
+        finally:
+            dist.destroy_process_group()
     thread = threading.Thread(target=peer)
     thread.start()
 
@@ -65,3 +73,13 @@ def test_lockstep_runs_the_peer_round_by_round_then_stops(tmp_path) -> None:
     lockstep._write(os.path.join(ctrl, "stop"), {})
     thread.join(30)
     assert seen == [0, 1, 2] and not thread.is_alive()
+
+
+def test_a_peer_stops_when_its_bench_is_gone(tmp_path) -> None:
+    ctrl = str(tmp_path)
+    lockstep._write(os.path.join(ctrl, "bench"), {"pid": os.getpid()})
+    assert lockstep._bench_alive(ctrl)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lockstep._write(os.path.join(ctrl, "bench"), {"pid": dead.pid})
+    assert not lockstep.peer_next(ctrl, 0)
