@@ -105,6 +105,20 @@ def _fits(job: Job, device_nbytes: int) -> tuple[bool, int]:
     return peak <= device_nbytes, peak
 
 
+def merge_flags(changes: list[str]) -> list[str]:
+    """A series of flag changes as one set of flags: a later value of a flag replaces an earlier
+    one, in the place the flag first appeared (``["--tp 2 --dp-shard 4", "--tp 4 --dp-shard 2"]``
+    -> ``["--tp 4", "--dp-shard 2"]``)."""
+    flags: dict[str, str] = {}
+    for change in changes:
+        words = change.split()
+        for i, word in enumerate(words):
+            if word.startswith("--"):
+                value = words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else ""
+                flags[word] = value
+    return [f"{flag} {value}".strip() for flag, value in flags.items()]
+
+
 def fixes(job: Job, device_nbytes: int, limit: int = 4) -> list[dict[str, Any]]:
     """Changes that make ``job`` fit ``device_nbytes`` per GPU, each checked by the estimator:
     single changes that fit alone, then the shortest cumulative series of the single changes
@@ -128,7 +142,8 @@ def fixes(job: Job, device_nbytes: int, limit: int = 4) -> list[dict[str, Any]]:
         ok, peak = _fits(current, device_nbytes)
         if ok:
             if len(steps) > 1:
-                found.append({"changes": steps, "peak_bytes": peak, "headroom_bytes": device_nbytes - peak})
+                found.append({"changes": merge_flags(steps), "peak_bytes": peak,
+                              "headroom_bytes": device_nbytes - peak})
             break
     return found[:limit]
 

@@ -21,7 +21,7 @@ from shardsmith.layout.gpus import (ALLOCATOR_MARGIN, CUDA_CONTEXT_NBYTES, NCCL_
                                    process_overhead_nbytes)
 from shardsmith.layout.planner import plan
 from shardsmith.layout.presets import resolve_model
-from shardsmith.layout.verdict import Job, fixes, judge, max_peak, warnings
+from shardsmith.layout.verdict import Job, fixes, judge, max_peak, merge_flags, warnings
 
 TINY = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                    ffn_hidden_size=128, vocab_size=256, seq_length=64)
@@ -138,3 +138,16 @@ def test_planner_flags_start_a_real_run(tmp_path: Path, data_path: str) -> None:
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "step" in run.stdout + run.stderr
+
+
+def test_a_series_of_fixes_names_each_flag_once() -> None:
+    """The cumulative fix of a config no single change fits (70B tp1·pp2·dps8 on 80 GB) names
+    every flag once, with its last value: ``--tp 8 --dp-shard 1``, not ``--tp 2 ... --tp 4 ... --tp 8``."""
+    assert merge_flags(["--micro-batch-size 1", "--tp 2 --dp-shard 4", "--sequence-parallel",
+                        "--tp 4 --dp-shard 2"]) == ["--micro-batch-size 1", "--tp 4", "--dp-shard 2",
+                                                    "--sequence-parallel"]
+    m = resolve_model("llama3-70b", {})
+    job = Job(m, ParallelDims(pp=2, dp_shard=8), micro_batch_size=2, global_batch_size=16)
+    for fix in fixes(job, 80 * 10 ** 9):
+        names = [c.split()[0] for c in fix["changes"]]
+        assert len(names) == len(set(names)), fix["changes"]
