@@ -34,7 +34,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from shardsmith.errors import BucketNotFound, StorageAccessDenied, StorageError, StorageNotFound
-from shardsmith.storage.store.backends import Capabilities, FsspecBackend, backend_for
+from shardsmith.storage.store.backends import Bytes, Capabilities, FsspecBackend, backend_for
 from shardsmith.storage.store.retry import (RetryPolicy, Verdict, bounded_s3_options, brief, call_with_retries,
                                       client_error_info, storage_timeout_s)
 from shardsmith.storage.store.s3_reads import obstore_reads
@@ -49,7 +49,6 @@ DEFAULT_MAX_CONCURRENCY = 8
 _MIN_PART_NBYTES = 5 * 2**20
 _TMP_RE = re.compile(r"^\..+\.tmp-(.+-\d+-)?[0-9a-f]{12}$")    # local.tmp_name (and the older form without writer)
 
-Bytes = bytes | bytearray | memoryview
 
 
 def _describe(exc: BaseException) -> str:
