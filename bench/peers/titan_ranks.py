@@ -10,7 +10,11 @@ bench/train_ranks.py ``titan``. torchtitan targets GPUs; on this CPU machine it 
   trainers all use causal SDPA over the packed sequence, so no per-document mask is built);
 * ``ReduceOp.PREMUL_SUM`` (gloo lacks it) replaced by SUM with the scaling applied after;
   ``barrier(device_ids=...)`` without device ids; ``dist.set_timeout`` (absent in torch 2.13) a
-  no-op; ``parallelism.spmd_backend = partial_dtensor``.
+  no-op; ``parallelism.spmd_backend = partial_dtensor``;
+* the pipeline schedule's ``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``, which torchtitan
+  0.3.0 calls with microbatches already split (a newer torch's API), routed to torch 2.13's
+  ``_step_microbatches``: torch 2.13's ``step`` takes the whole batch and would split the lists
+  again ("Expecting 4 arg_mbs but got 2").
 
 The model is the bench's shape registered as the flavor ``bench`` (same layers, hidden size,
 heads, kv heads, FFN width, vocab, sequence; fp32); data: the bench's JSONL corpus, through a
@@ -156,6 +160,21 @@ def register(spec: dict[str, Any]) -> Any:
     return llama3_debugmodel, llama3.model_registry
 
 
+def split_microbatches(schedule: Any) -> None:
+    """Route torchtitan 0.3.0's ``schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...,
+    losses=..., loss_kwargs=..., return_outputs=...)`` (microbatches already split) to torch
+    2.13's ``_step_microbatches``, whose ``step`` expects the whole batch."""
+    import inspect
+
+    if "arg_mbs" in inspect.signature(schedule.step).parameters:
+        return                                            # a torch that has the list API already
+
+    def step(*, arg_mbs: Any = None, kwarg_mbs: Any = None, target_mbs: Any = None, losses: Any = None,
+             loss_kwargs: Any = None, return_outputs: bool = True) -> Any:
+        schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+    schedule.step = step
+
+
 def build_config(spec: dict[str, Any]) -> Any:
     """torchtitan's Trainer.Config for the bench's spec (CPU, gloo, no compile, no activation
     checkpointing, no validation, no sequence parallelism: as the bench runs ours)."""
@@ -204,6 +223,8 @@ def run_titan(spec: dict[str, Any]) -> dict[str, Any]:
 
     init_logger()
     trainer = build_config(spec).build()
+    if getattr(trainer, "pp_schedule", None) is not None:
+        split_microbatches(trainer.pp_schedule)
     steps: list[float] = []
     train_step = trainer.train_step
 
