@@ -73,12 +73,21 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
         steps=spec["steps"], global_batch_size=spec["batch"], micro_batch_size=spec["micro_batch"],
         log_interval=0, run_dir=os.path.join(spec["ckpt_dir"], f"run-{os.environ['RANK']}"))
     trainer = Trainer.create(cfg)
+    cpu: list[float] = []
+    train_step = trainer.train_step
+
+    def timed() -> Any:
+        c0 = time.process_time()
+        out = train_step()
+        cpu.append(time.process_time() - c0)
+        return out
+    trainer.train_step = timed
     try:
         history = trainer.run()
         policy = trainer.checkpointing
         ckpt = time_saves(trainer.save, trainer.wait_for_save,
                           lambda on: setattr(policy, "checkpointer", on), policy.checkpointer)
-        return {"step_s": [h.duration_s for h in history], "ckpt": ckpt}
+        return {"step_s": [h.duration_s for h in history], "cpu_s": cpu, "ckpt": ckpt}
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -147,8 +156,9 @@ def run_plain(spec: dict[str, Any]) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(1234 + mesh["dp"].get_local_rank())
     local_batch, seq = spec["batch"] // dps, m["seq"]
     steps = []
+    cpu: list[float] = []
     for _ in range(spec["steps"]):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         starts = torch.randint(0, len(tokens) - seq - 1, (local_batch,), generator=gen)
         window = torch.stack([tokens[s:s + seq + 1] for s in starts.tolist()])
         for micro in window.split(spec["micro_batch"]):
@@ -160,8 +170,9 @@ def run_plain(spec: dict[str, Any]) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         steps.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     dist.destroy_process_group()
-    return {"step_s": steps}
+    return {"step_s": steps, "cpu_s": cpu}
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> None:

@@ -163,7 +163,8 @@ def register(spec: dict[str, Any]) -> Any:
 def split_microbatches(schedule: Any) -> None:
     """Route torchtitan 0.3.0's ``schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...,
     losses=..., loss_kwargs=..., return_outputs=...)`` (microbatches already split) to torch
-    2.13's ``_step_microbatches``, whose ``step`` expects the whole batch."""
+    2.13's ``_step_microbatches``, whose ``step`` expects the whole batch, after the per-step set-up
+    torch 2.13's ``step`` does (the stage's ``has_backward``, cleared runtime state)."""
     import inspect
 
     if "arg_mbs" in inspect.signature(schedule.step).parameters:
@@ -171,6 +172,8 @@ def split_microbatches(schedule: Any) -> None:
 
     def step(*, arg_mbs: Any = None, kwarg_mbs: Any = None, target_mbs: Any = None, losses: Any = None,
              loss_kwargs: Any = None, return_outputs: bool = True) -> Any:
+        schedule._stage.has_backward = schedule._has_backward    # what torch 2.13's step() does first:
+        schedule._stage.clear_runtime_states()                   # without it no stage runs a backward
         schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
     schedule.step = step
 
@@ -196,6 +199,7 @@ def build_config(spec: dict[str, Any]) -> Any:
     cfg.training.global_batch_size = spec["batch"]
     cfg.training.seq_len = spec["model"]["seq"]
     cfg.training.steps = spec["steps"]
+    cfg.training.mixed_precision_param = "float32"  # the bench trains fp32 (its default, bf16, is FSDP's param dtype)
     cfg.training.disable_cuda_graphs = True        # none on CPU; torchtitan refuses pp with them on
     cfg.dataloader = HuggingFaceTextDataLoader.Config(dataset="bench")
     par = cfg.parallelism
@@ -226,12 +230,14 @@ def run_titan(spec: dict[str, Any]) -> dict[str, Any]:
     if getattr(trainer, "pp_schedule", None) is not None:
         split_microbatches(trainer.pp_schedule)
     steps: list[float] = []
+    cpu: list[float] = []
     train_step = trainer.train_step
 
     def timed(*a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = train_step(*a, **k)
         steps.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         return out
     trainer.train_step = timed
     ckpt = trainer.checkpointer
@@ -252,7 +258,7 @@ def run_titan(spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         ckpt.save(trainer.step + 2)
         sync = time.perf_counter() - t0
-        return {"step_s": steps, "ckpt": {"async_blocked": blocked, "async_s": total, "sync_s": sync}}
+        return {"step_s": steps, "cpu_s": cpu, "ckpt": {"async_blocked": blocked, "async_s": total, "sync_s": sync}}
     finally:
         trainer.close()
         if dist.is_initialized():
