@@ -11,14 +11,18 @@ layout (``pp.dp_replicate.dp_shard.tp``, 4 ranks, gloo):
 * ``ours``: shardsmith's ``Trainer`` (bench/train_ranks.py);
 * ``torchtitan`` 0.3.0 in its own interpreter (``.venv-titan``, built by bench/peers/setup.sh;
   env ``SHARDSMITH_TITAN_PYTHON``) with the CPU shim of bench/peers/titan_ranks.py; skipped,
-  with the reason printed, without it;
+  with the reason printed, without it; it trains fp32 too (``mixed_precision_param``, whose
+  default bf16 would be FSDP's compute dtype), and a run in which any of its ranks' parameters
+  lacks a gradient at the last step counts as failed (torch 2.13 runs torchtitan 0.3.0's pipeline
+  only through the shim, and a shim that skipped a stage's backward once went unnoticed);
 * ``plain``: torch's FSDP2 + DTensor TP around the same module, no checkpointing, no metrics,
   no pipeline (layouts with ``pp`` = 1 only): the step time nothing can beat on this machine.
 
 Each round runs every system once per layout, in an order that rotates every round (A B C,
 B C A, ...), each in fresh processes. Per run: the step time is the median over the steps after
 ``--warmup`` of rank 0's step wall time (start-up excluded); tokens/s = batch x seq / step time;
-peak RSS = the largest rank's ``VmHWM``; after the last step each trainer saves once async
+CPU s = the median over those steps of the CPU seconds all ranks spent in the step (what the
+step costs whatever the machine's load); peak RSS = the largest rank's ``VmHWM``; after the last step each trainer saves once async
 (seconds blocked, seconds until committed) and once sync, on the trained state. Ratios are the
 median of per-round ratios with their spread (bench/robust.py); the last line is one JSON
 object with ``tokens_per_s_vs_torchtitan`` (worst layout), ``peak_rss_vs_torchtitan`` (worst
@@ -94,12 +98,26 @@ def run_once(system: str, layout: str, args: argparse.Namespace, tmp: Path) -> d
         print(f"  {system} {layout} failed (rc {proc.returncode}): {' | '.join(errors[-3:])[:600] or proc.stderr[-600:]}",
               file=sys.stderr, flush=True)
         return None
+    if untrained := without_gradients(ranks):
+        print(f"  {system} {layout} failed: parameters without a gradient at the last step ({'; '.join(untrained)})",
+              file=sys.stderr, flush=True)
+        return None
     step = statistics.median(ranks[0]["step_s"][args.warmup:])
-    out = {"step_s": step, "tokens_per_s": args.batch * args.seq / step, "rss_mib": max(r["hwm_mib"] for r in ranks),
+    cpu = statistics.median(sum(r["cpu_s"][i] for r in ranks) for i in range(args.warmup, len(ranks[0]["cpu_s"])))
+    out = {"step_s": step, "cpu_s": cpu, "tokens_per_s": args.batch * args.seq / step,
+           "rss_mib": max(r["hwm_mib"] for r in ranks),
            "wall_s": wall, "steps_s": round(sum(ranks[0]["step_s"]), 2)}
     if "ckpt" in ranks[0]:
         out.update({k: max(r["ckpt"][k] for r in ranks) for k in ranks[0]["ckpt"]})
     return out
+
+
+def without_gradients(ranks: list[dict[str, Any]]) -> list[str]:
+    """``"rank R: K of N"`` for each rank whose figures say that only K of its N parameters had a
+    gradient at the last optimizer step (a stage that ran no backward); ranks that do not report
+    ``grads`` are not judged."""
+    return [f"rank {r}: {g['with_grad']} of {g['params']}" for r, g in enumerate(x.get("grads") for x in ranks)
+            if g and g["with_grad"] < g["params"]]
 
 
 def systems_for(layout: str, have_titan: bool) -> list[str]:
@@ -133,7 +151,9 @@ def paired_or_none(num: list, den: list) -> dict[str, Any] | None:
 
 
 def ratios(runs: dict[str, dict[str, list]]) -> dict[str, dict[str, Any] | None]:
-    """Per-layout paired stats and the headline ones (worst layout)."""
+    """Per-layout paired stats and the headline ones: the worst layout among those where both
+    ours and torchtitan completed at least one round (the others are listed by :func:`report`
+    as ``torchtitan_failed_layouts``)."""
     stats: dict[str, dict[str, Any] | None] = {}
     tok, rss = [], []
     for layout, by in runs.items():
@@ -149,8 +169,9 @@ def ratios(runs: dict[str, dict[str, list]]) -> dict[str, dict[str, Any] | None]
         if "plain" in by:
             stats[f"step_time_vs_plain_loop.{layout}"] = paired_or_none(col(by, "ours", "step_s"), col(by, "plain", "step_s"))
             stats["step_time_vs_plain_loop"] = stats[f"step_time_vs_plain_loop.{layout}"]
-    stats["tokens_per_s_vs_torchtitan"] = None if None in tok else min(tok, key=lambda s: s["median"])
-    stats["peak_rss_vs_torchtitan"] = None if None in rss else max(rss, key=lambda s: s["median"])
+    tok, rss = [t for t in tok if t], [r for r in rss if r]         # layouts torchtitan could not run drop out
+    stats["tokens_per_s_vs_torchtitan"] = min(tok, key=lambda s: s["median"]) if tok else None
+    stats["peak_rss_vs_torchtitan"] = max(rss, key=lambda s: s["median"]) if rss else None
     stats.setdefault("step_time_vs_plain_loop", None)
     return stats
 
@@ -161,7 +182,7 @@ def report(args: argparse.Namespace, runs: dict[str, dict[str, list]], titan_why
           f"vocab {args.vocab}, seq {args.seq}; batch {args.batch} x {args.seq} tokens; fp32; "
           f"{flops_per_step(args) / 1e9:.1f} GFLOP/step; {args.steps} steps, first {args.warmup} excluded; "
           f"{args.rounds} rounds, systems alternating")
-    print(f"{'layout':10s}{'system':8s}{'step s':>9s}{'tok/s':>9s}{'RSS MiB':>9s}{'sync s':>9s}{'async blk':>10s}"
+    print(f"{'layout':10s}{'system':8s}{'step s':>9s}{'CPU s':>8s}{'tok/s':>9s}{'RSS MiB':>9s}{'sync s':>9s}{'async blk':>10s}"
           f"{'async s':>9s}{'run s':>8s}")
     for layout, by in runs.items():
         for system, figs in by.items():
@@ -173,10 +194,14 @@ def report(args: argparse.Namespace, runs: dict[str, dict[str, list]], titan_why
             def med(key: str) -> str:
                 vals = [f[key] for f in done if key in f]
                 return f"{statistics.median(vals):9.3f}" if vals else f"{'-':>9s}"
-            print(f"{layout:10s}{system:8s}{med('step_s')}{med('tokens_per_s')}{med('rss_mib')}{med('sync_s')}"
+            print(f"{layout:10s}{system:8s}{med('step_s')}{med('cpu_s')[1:]}{med('tokens_per_s')}{med('rss_mib')}{med('sync_s')}"
                   f"{med('async_blocked'):>10s}{med('async_s')}{med('wall_s')[:-1]:>8s}")
     if titan_why:
         print(f"torchtitan: skipped: {titan_why}")
+    for layout, by in runs.items():
+        if "titan" in by and not any(by["titan"]):
+            print(f"torchtitan: failed every round at {layout} (its errors are printed above): "
+                  "the headline ratios cover the other layouts")
     stats = ratios(runs)
     goals = {k: (stats[k], *GOALS[k]) for k in GOALS}
     lines, noise = robust.judge(goals)
@@ -189,6 +214,8 @@ def report(args: argparse.Namespace, runs: dict[str, dict[str, list]], titan_why
             "spread": {k: v for k, v in stats.items() if v}, "within_noise": noise,
             "load_average": robust.load_average(), "gflop_per_step": round(flops_per_step(args) / 1e9, 2),
             "torchtitan_skipped": titan_why or None,
+            "torchtitan_failed_layouts": [layout for layout, by in runs.items()
+                                          if "titan" in by and not any(by["titan"])],
             "medians": {f"{layout}.{system}": {k: round(statistics.median(f[k] for f in figs if f), 4)
                                                for k in next(f for f in figs if f)}
                         for layout, by in runs.items() for system, figs in by.items() if any(figs)}}

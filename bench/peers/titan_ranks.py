@@ -19,7 +19,8 @@ bench/train_ranks.py ``titan``. torchtitan targets GPUs; on this CPU machine it 
 The model is the bench's shape registered as the flavor ``bench`` (same layers, hidden size,
 heads, kv heads, FFN width, vocab, sequence; fp32); data: the bench's JSONL corpus, through a
 byte-level ``tokenizer.json`` (one id per byte, plus BOS/EOS ids 256/257, which torchtitan adds
-around each document). Per rank returns ``step_s`` (each ``train_step``'s wall time) and
+around each document). Per rank returns ``step_s`` (each ``train_step``'s wall time), ``cpu_s`` (its CPU seconds),
+``grads`` (how many of the rank's parameters had a gradient at the last optimizer step) and
 ``ckpt`` (after the last step: an async DCP save, ``async_mode="async"``, seconds blocked and
 until done; then a sync one).
 """
@@ -240,6 +241,14 @@ def run_titan(spec: dict[str, Any]) -> dict[str, Any]:
         cpu.append(time.process_time() - c0)
         return out
     trainer.train_step = timed
+    grads = {"with_grad": 0, "params": 0}
+    optimizer_step = trainer.optimizers.step
+
+    def counted_step(*a: Any, **k: Any) -> Any:         # the bench's check that this rank trains
+        params = [p for m in trainer.model_parts for p in m.parameters()]
+        grads.update(with_grad=sum(p.grad is not None for p in params), params=len(params))
+        return optimizer_step(*a, **k)
+    trainer.optimizers.step = counted_step
     ckpt = trainer.checkpointer
     ckpt._should_save = lambda *a, **k: False
     try:
@@ -258,7 +267,7 @@ def run_titan(spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         ckpt.save(trainer.step + 2)
         sync = time.perf_counter() - t0
-        return {"step_s": steps, "cpu_s": cpu, "ckpt": {"async_blocked": blocked, "async_s": total, "sync_s": sync}}
+        return {"step_s": steps, "cpu_s": cpu, "grads": grads, "ckpt": {"async_blocked": blocked, "async_s": total, "sync_s": sync}}
     finally:
         trainer.close()
         if dist.is_initialized():

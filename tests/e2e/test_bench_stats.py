@@ -83,3 +83,31 @@ def test_a_peer_stops_when_its_bench_is_gone(tmp_path) -> None:
     dead.wait()
     lockstep._write(os.path.join(ctrl, "bench"), {"pid": dead.pid})
     assert not lockstep.peer_next(ctrl, 0)
+
+
+def _figs(ours_tok: float, titan_tok: float | None, rss: float = 500.0) -> dict[str, list]:
+    ours = {"tokens_per_s": ours_tok, "rss_mib": rss, "step_s": 1.0, "sync_s": 0.1, "async_blocked": 0.01}
+    titan = None if titan_tok is None else {"tokens_per_s": titan_tok, "rss_mib": 800.0, "sync_s": 0.4,
+                                            "async_blocked": 0.2}
+    return {"ours": [ours, ours, ours], "titan": [titan, titan, titan]}
+
+
+def test_train_vs_peers_headline_is_the_worst_layout_torchtitan_ran() -> None:
+    import train_vs_peers
+
+    stats = train_vs_peers.ratios({"1.1.2.2": _figs(1200.0, 1000.0), "2.1.1.2": _figs(900.0, 1000.0)})
+    assert stats["tokens_per_s_vs_torchtitan"]["median"] == pytest.approx(0.9)      # the worse of 1.2 and 0.9
+    assert stats["peak_rss_vs_torchtitan"]["median"] == pytest.approx(500 / 800)
+    # a layout torchtitan failed every round drops out of the headline instead of blanking it
+    stats = train_vs_peers.ratios({"1.1.2.2": _figs(1200.0, 1000.0), "2.1.1.2": _figs(900.0, None)})
+    assert stats["tokens_per_s_vs_torchtitan"]["median"] == pytest.approx(1.2)
+    assert stats["tokens_per_s_vs_torchtitan.2.1.1.2"] is None
+    assert train_vs_peers.ratios({"2.1.1.2": _figs(900.0, None)})["tokens_per_s_vs_torchtitan"] is None
+
+
+def test_train_vs_peers_fails_a_run_whose_stage_got_no_gradients() -> None:
+    import train_vs_peers
+
+    ranks = [{"grads": {"with_grad": 20, "params": 20}}, {"grads": {"with_grad": 0, "params": 19}}, {}]
+    assert train_vs_peers.without_gradients(ranks) == ["rank 1: 0 of 19"]
+    assert train_vs_peers.without_gradients(ranks[:1] + ranks[2:]) == []
