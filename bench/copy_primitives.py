@@ -3,8 +3,14 @@
     python bench/copy_primitives.py [--mib 512] [--rounds 7] [--row-bytes 11264,4096] [--dir /tmp/copy-primitives]
 
 Thread CPU (``time.thread_time``) of single-threaded primitives on cached source files, each
-writing a new target file; alternating rounds, medians, each as a ratio to ``sendfile`` of
-the same bytes (what ``cp`` does). Not a test: nothing here asserts.
+writing a new target file; every primitive once per round, the order rotated each round
+(bench/robust.py), each as a ratio to ``sendfile`` of the same bytes (what ``cp`` does): the
+median of per-round ratios with its IQR and min-max. Two more ratios are the engine's choices
+against their alternatives, judged against parity (no goal; ``within_noise`` when the IQR
+straddles 1.0): ``map_crc_pwrite_vs_preadv_crc_pwrite`` and ``gather_vs_pwritev``. The last line is
+one JSON object: ``<ratio>.rows<L>`` (medians; the zero-copy primitives are measured again
+with each row length), ``spread``, ``within_noise``, ``load_average``. Not a test: nothing
+here asserts.
 
 * zero-copy (a target range is one source range): ``copy_file_range``; the engine's way
   (``reshard/stream.py: copy_slab_verified``: map the source, CRC-32C each 256 KiB chunk
@@ -20,13 +26,16 @@ the same bytes (what ``cp`` does). Not a test: nothing here asserts.
 from __future__ import annotations
 
 import argparse
+import json
 import mmap
 import os
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
+
+import robust
 
 from shardsmith.storage.checksum import crc32c, crc32c_update
 
@@ -143,6 +152,19 @@ class Primitives:
         os.close(out)
 
 
+def ratios(cpu: dict[str, list[float]], row: int) -> dict[str, tuple[dict[str, Any], str | None, float | None]]:
+    """Per-round ratios of one row length's rounds (``cpu``: primitive -> thread CPU per round,
+    round order): each primitive / ``sendfile`` (no goal), and the engine's two choices / their
+    alternatives (judged against parity: ``<=`` 1.0). Keys ``<ratio>.rows<row>``."""
+    out: dict[str, tuple[dict[str, Any], str | None, float | None]] = {
+        f"{name}_vs_sendfile.rows{row}": (robust.paired(v, cpu["sendfile"]), None, None)
+        for name, v in cpu.items() if name != "sendfile"}
+    out[f"map_crc_pwrite_vs_preadv_crc_pwrite.rows{row}"] = (
+        robust.paired(cpu["map_crc_pwrite"], cpu["preadv_crc_pwrite"]), "<=", 1.0)
+    out[f"gather_vs_pwritev.rows{row}"] = (robust.paired(cpu["row_gather"], cpu["row_pwritev"]), "<=", 1.0)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=int, default=512, help="bytes per primitive, MiB")
@@ -151,22 +173,33 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/copy-primitives")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
+    goals: dict[str, tuple[dict[str, Any], str | None, float | None]] = {}
     for row in (int(x) for x in args.row_bytes.split(",")):
         p = Primitives(args.dir, args.mib << 20, row)
         runs: dict[str, Callable[[], None]] = {
-            "sendfile": p.sendfile, "copy_file_range": p.copy_file_range, "map+crc+pwrite": p.map_crc_pwrite,
-            "preadv+crc+pwrite": p.preadv_crc_pwrite, "map+crc": p.map_crc, f"rows {row} B: gather": p.row_gather,
-            f"rows {row} B: pwritev": p.row_pwritev}
-        cpu: dict[str, list[float]] = {k: [] for k in runs}
-        for _ in range(args.rounds):
-            for name, fn in runs.items():
+            "sendfile": p.sendfile, "copy_file_range": p.copy_file_range, "map_crc_pwrite": p.map_crc_pwrite,
+            "preadv_crc_pwrite": p.preadv_crc_pwrite, "map_crc": p.map_crc, "row_gather": p.row_gather,
+            "row_pwritev": p.row_pwritev}
+
+        def thread_cpu(fn: Callable[[], None]) -> Callable[[int], float]:
+            def run(_round: int) -> float:
                 t0 = time.thread_time()
                 fn()
-                cpu[name].append(time.thread_time() - t0)
+                return time.thread_time() - t0
+            return run
+        cpu = robust.alternate({name: thread_cpu(fn) for name, fn in runs.items()}, args.rounds)
         base = statistics.median(cpu["sendfile"])
-        print(f"{args.mib} MiB, medians of {args.rounds}, load {os.getloadavg()[0]:.1f}")
+        print(f"{args.mib} MiB, rows of {row} B, medians of {args.rounds} rounds, load {os.getloadavg()[0]:.1f}")
+        print(f"  {'primitive':<24} {'CPU-s':>7}  x sendfile (median of per-round ratios)")
         for name, values in cpu.items():
-            print(f"  {name:<24} {statistics.median(values):7.3f} CPU-s  {statistics.median(values) / base:5.2f}x sendfile")
+            ratio = robust.paired(values, cpu["sendfile"])["median"]
+            print(f"  {name:<24} {statistics.median(values):7.3f}  {ratio:5.2f}x   (ratio of medians "
+                  f"{statistics.median(values) / base:5.2f}x)")
+        goals.update(ratios(cpu, row))
+    extra = robust.report("\npaired rounds (median of per-round ratios; the choices judged against parity, "
+                          "not a goal):", goals)
+    print(json.dumps({**robust.medians({k: v[0] for k, v in goals.items()}, 3), "mib": args.mib,
+                      "rounds": args.rounds, **extra}))
 
 
 if __name__ == "__main__":

@@ -2,11 +2,14 @@
 
     python bench/format_bench.py [--mb 80] [--runs 3] [--dir /tmp/format-bench] [--codec zstd] [--keep]
 
+``--rounds`` is ``--runs``.
+
 1. Builds one model state in memory: a Llama-shaped model (hidden 512, 8 heads, 4 kv
    heads, FFN 1408, vocab 8192; layers scaled to about ``--mb`` MB of float32 parameters)
    plus AdamW state (``exp_avg`` ~ N(0, 1e-3), ``exp_avg_sq`` its square, step counters),
    so about 3x ``--mb`` MB in all.
-2. For each format, alternating, ``--runs`` times (medians reported):
+2. For each format, once per round, ``--runs`` rounds, the order rotated each round
+   (bench/robust.py; medians reported):
    - **save**: what the ranks of a ``--save-layout`` (default tp2·pp2) job write, each
      rank's boxes in turn in this one process (safetensors: one file per rank via
      ``SafetensorsFormat``; zarr: chunks and metadata via ``ZarrFormat``, storage/formats/registry.py), then the
@@ -18,7 +21,11 @@
      (zarr reads whole chunks: they may be compressed).
    Objects and bytes stored are counted on disk (every file of the step, manifest included).
 3. Prints a table and, as the last line, one JSON object: per format its numbers and the
-   ratios to safetensors (the baseline measured in the same run).
+   ratios to safetensors (the baseline measured in the same run); the time ratios
+   (``save_s``, ``reshard_load_s``) are medians of per-round ratios, with ``spread``
+   (``<format>.<key>``: IQR, min-max), ``load_average`` and ``within_noise``: there is no
+   goal, so each is judged against parity (<= 1.0: the format no slower than safetensors)
+   and ``within_noise`` names those this run cannot tell from safetensors.
 
 Local disk, warm page cache: the times compare CPU and per-object costs, not a network.
 Random mantissas hardly compress (zstd saves a few percent of the optimizer state);
@@ -38,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+import robust
 
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.plan import checkpoint_specs, rank_boxes, write_assignment
@@ -128,36 +137,54 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"{save_dims.describe()}, load in {load_dims.describe()}", file=sys.stderr)
     variants = {"safetensors": ("safetensors", ""), "zarr": ("zarr", ""), f"zarr+{args.codec}": ("zarr", args.codec)}
     base = Path(args.dir or tempfile.mkdtemp(prefix="format-bench-"))
-    results: dict[str, dict[str, list[float]]] = {v: {"save": [], "load": []} for v in variants}
     sizes: dict[str, dict[str, int]] = {}
+
+    def one_format(name: str) -> Any:
+        fmt, codec = variants[name]
+
+        def run_once(r: int) -> dict[str, float]:
+            root = base / f"{name}-{r}"
+            t0 = time.perf_counter()
+            save(Store(str(root)), full, model, save_dims, fmt, codec)
+            saved = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            stats = reshard_load(Store(str(root)).child(step_dir(STEP)), model, load_dims)
+            loaded = time.perf_counter() - t0
+            objects, stored = on_disk(root / step_dir(STEP))
+            sizes[name] = {"objects": objects, "bytes_stored": stored, "bytes_read": stats.nbytes_read,
+                           "bytes_needed": stats.nbytes_needed}
+            print(f"  run {r + 1} {name:<14} save {saved:6.2f}s  load {loaded:6.2f}s", file=sys.stderr)
+            if not args.keep:
+                shutil.rmtree(root)
+            return {"save": saved, "load": loaded}
+        return run_once
     try:
-        for r in range(args.runs):
-            for name, (fmt, codec) in variants.items():
-                root = base / f"{name}-{r}"
-                t0 = time.perf_counter()
-                save(Store(str(root)), full, model, save_dims, fmt, codec)
-                results[name]["save"].append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                stats = reshard_load(Store(str(root)).child(step_dir(STEP)), model, load_dims)
-                results[name]["load"].append(time.perf_counter() - t0)
-                objects, stored = on_disk(root / step_dir(STEP))
-                sizes[name] = {"objects": objects, "bytes_stored": stored, "bytes_read": stats.nbytes_read,
-                               "bytes_needed": stats.nbytes_needed}
-                print(f"  run {r + 1} {name:<14} save {results[name]['save'][-1]:6.2f}s  "
-                      f"load {results[name]['load'][-1]:6.2f}s", file=sys.stderr)
-                if not args.keep:
-                    shutil.rmtree(root)
+        results = robust.alternate({name: one_format(name) for name in variants}, args.runs)
     finally:
         if not args.keep and not args.dir:
             shutil.rmtree(base, ignore_errors=True)
+    return summarize(args, save_dims, load_dims, full, nbytes, results, sizes)
+
+
+def summarize(args: argparse.Namespace, save_dims: ParallelDims, load_dims: ParallelDims,
+              full: dict[str, torch.Tensor], nbytes: int, results: dict[str, list[dict[str, float]]],
+              sizes: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """The JSON summary: per format its medians and ratios to safetensors (time ratios: medians of
+    per-round ratios, bench/robust.py), ``spread``, ``within_noise``, ``load_average``."""
     out: dict[str, Any] = {"state_bytes": nbytes, "num_tensors": len(full), "save_layout": save_dims.describe(),
                            "load_layout": load_dims.describe(), "runs": args.runs, "formats": {}}
-    for name in variants:
-        med = {k: statistics.median(v) for k, v in results[name].items()}
-        out["formats"][name] = {**sizes[name], "save_s": med["save"], "reshard_load_s": med["load"]}
-    ref = out["formats"]["safetensors"]
+    for name, runs in results.items():
+        out["formats"][name] = {**sizes[name], "save_s": statistics.median(r["save"] for r in runs),
+                                "reshard_load_s": statistics.median(r["load"] for r in runs)}
+    ref, goals = out["formats"]["safetensors"], {}
     for name, f in out["formats"].items():
-        f["ratio_vs_safetensors"] = {k: f[k] / ref[k] for k in ("objects", "bytes_stored", "save_s", "reshard_load_s")}
+        f["ratio_vs_safetensors"] = {k: f[k] / ref[k] for k in ("objects", "bytes_stored")}
+        for key, part in (("save_s", "save"), ("reshard_load_s", "load")):
+            stat = robust.paired([r[part] for r in results[name]], [r[part] for r in results["safetensors"]])
+            f["ratio_vs_safetensors"][key] = stat["median"]
+            if name != "safetensors":
+                goals[f"{name}.{key}"] = (stat, "<=", 1.0)
+    out["robust"] = goals
     return out
 
 
@@ -176,7 +203,7 @@ def print_table(out: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=80, help="MB of float32 parameters (state is ~3x)")
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", "--rounds", dest="runs", type=int, default=3, help="rounds, every format in each")
     parser.add_argument("--dir", default="", help="work directory (default: a temporary one)")
     parser.add_argument("--codec", default="zstd", help="zarr codec of the optimizer state")
     parser.add_argument("--save-layout", default='{"pp": 2, "tp": 2}', help="ParallelDims fields as JSON")
@@ -184,6 +211,9 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
     out = run(parser.parse_args())
     print_table(out)
+    goals = out.pop("robust")
+    out.update(robust.report("\npaired rounds (time vs safetensors: median of per-round ratios; judged against "
+                             "parity, not a goal):", goals))
     print(json.dumps(out))
 
 

@@ -24,6 +24,11 @@ tp2 x dp_shard2, 2 simulated nodes of 2 ranks (``--simulate-nodes 2``), in one b
   local tier every step (the persistent store only at the end) vs no checkpoints; steps/s
   between the step records of ``metrics.jsonl`` after ``--warmup`` steps; the median of the
   pairs' ratios (each pair ran back to back, under one load).
+* ``--rounds`` (default 1): rounds of one ``baseline`` and one ``new`` run, alternating, the
+  order rotated each round (bench/robust.py); ``mttr_ratio`` is the median of per-round ratios
+  (new / baseline MTTR), ``mttr_s``, ``baseline_mttr_s``, ``node_mttr_s``, ``goodput`` and
+  ``baseline_goodput`` the medians over the rounds, ``lost_steps`` the worst round, the parts
+  and sources those of the round with the median goodput (the lower of the two middle ones).
 
 Measured from ``metrics.jsonl`` (rank 0 stamps every record with Unix time) and the kill
 hooks' marker files (created just before the SIGKILL: their mtime is the kill time):
@@ -33,6 +38,9 @@ tier. The last stdout line is one JSON object; the targets are ``lost_steps <= 1
 ``mttr_s <= 0.3 * baseline_mttr_s`` and ``overhead >= 0.95``; ``goodput`` is the ``new`` run's
 productive fraction (``baseline_goodput`` the baseline's), ``periodic_goodput`` the run with a
 failure every ``--fail-every-s`` seconds (``periodic_goodput_no_failures`` the same run without).
+``mttr_ratio`` (goal <= 0.3) and ``overhead`` (>= 0.95) are judged on their IQR: ``within_noise``
+holds those whose IQR straddles the goal; ``spread`` holds both and the goodputs' spread over
+the rounds; ``load_average`` the machine's load.
 
 ``--persistent s3``: every ``--ckpt`` (baseline, new, overhead) is an ``s3://`` prefix on the
 tests' loopback moto server (``tests/helpers/s3server.py``, in this process), reached by the workers
@@ -53,6 +61,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import robust
 
 MODEL_FLAGS = ["--tp", "2", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
                "--num-kv-heads", "2", "--ffn-hidden-size", "64", "--vocab-size", "256", "--seq-length", "16",
@@ -130,16 +140,16 @@ def kill_time(markers: Path, kind: str, step: int) -> float:
     return min(p.stat().st_mtime for p in found)
 
 
-def run_baseline(work: Path, data: str, args: argparse.Namespace) -> dict[str, Any]:
-    root, markers = work / "baseline", work / "baseline-markers"
+def run_baseline(work: Path, data: str, args: argparse.Namespace, r: int = 0) -> dict[str, Any]:
+    root, markers = work / f"baseline-{r}", work / f"baseline-{r}-markers"
     env = {"SHARDSMITH_TEST_KILL_AT": f"1:{args.kill_step}", "SHARDSMITH_TEST_MARKER_DIR": str(markers)}
     recs = train(root, data, args.kill_step + 3, "--ckpt", STORE.url(root), "--save-interval", str(args.save_interval),
                  "--max-restarts", "1", env=env)
     return {**recovery(recs, kill_time(markers, "kill", args.kill_step), args.kill_step), **goodput_of(recs)}
 
 
-def run_new(work: Path, data: str, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
-    root, markers, local = work / "new", work / "new-markers", work / "new-local"
+def run_new(work: Path, data: str, args: argparse.Namespace, r: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+    root, markers, local = work / f"new-{r}", work / f"new-{r}-markers", work / f"new-{r}-local"
     env = {"SHARDSMITH_TEST_KILL_AT": f"1:{args.kill_step}",
            "SHARDSMITH_TEST_LOSE_NODE_AT": f"2:{args.node_step},3:{args.node_step}",
            "SHARDSMITH_TEST_MARKER_DIR": str(markers)}
@@ -209,7 +219,7 @@ def run_overhead(work: Path, data: str, args: argparse.Namespace, t0: float) -> 
         if i and time.time() - t0 > args.budget_s:
             print(f"  overhead: {i} pair(s) only (--budget-s {args.budget_s} reached)", file=sys.stderr, flush=True)
             break
-        for kind in (("local", "none") if i % 2 == 0 else ("none", "local")):
+        for kind in robust.rotated(["local", "none"], i):
             root = work / f"overhead-{kind}-{i}"
             flags = ["--ckpt", STORE.url(root), "--save-interval", "0", "--local-ckpt", str(work / f"overhead-local-{i}"),
                      "--local-save-interval", "1"] if kind == "local" else []
@@ -218,8 +228,9 @@ def run_overhead(work: Path, data: str, args: argparse.Namespace, t0: float) -> 
             print(f"  overhead run {i} {kind}: {rates[kind][-1]:.2f} steps/s", file=sys.stderr, flush=True)
     # Each pair ran back to back, so its ratio sees one load; the load drifts between pairs by
     # more than the effect measured (x2 on this shared machine), hence the median of the ratios.
-    ratios = [a / b for a, b in zip(rates["local"], rates["none"])]
-    return {"overhead": round(statistics.median(ratios), 3), "overhead_pairs": [round(r, 3) for r in ratios],
+    stat = robust.paired(rates["local"], rates["none"])
+    return {"overhead": round(stat["median"], 3), "overhead_pairs": [round(r, 3) for r in stat["rounds"]],
+            "overhead_stat": stat,
             "steps_per_s_local": round(statistics.median(rates["local"]), 3),
             "steps_per_s_none": round(statistics.median(rates["none"]), 3)}
 
@@ -250,6 +261,8 @@ def main() -> None:
                         help="goodput: also two runs, without failures and with one every this many seconds (e.g. 30)")
     parser.add_argument("--goodput-s", type=float, default=65,
                         help="goodput: steps for about this many seconds at the new run's rate (2 failures at 30 s)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of one baseline and one new run, alternating (MTTR ratio: median of rounds)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (its path is printed)")
     args = parser.parse_args()
     global STORE
@@ -258,10 +271,8 @@ def main() -> None:
     t0 = time.time()
     try:
         data = corpus(work / "corpus.txt")
-        base = run_baseline(work, data, args)
-        print(f"baseline (torchrun, persistent every {args.save_interval}): {base}", file=sys.stderr, flush=True)
-        rank, node = run_new(work, data, args)
-        print(f"in-process + local tier: rank {rank}, node {node}", file=sys.stderr, flush=True)
+        rounds = robust.alternate({"baseline": lambda r: run_baseline(work, data, args, r),
+                                   "new": lambda r: run_new(work, data, args, r)}, args.rounds, log=log_round)
         good = goodput_runs(work, data, args, args.rate) if args.fail_every_s > 0 else {}
         over = run_overhead(work, data, args, t0)
     finally:
@@ -270,23 +281,58 @@ def main() -> None:
             print(f"work directory: {work}", file=sys.stderr)
         else:
             shutil.rmtree(work, ignore_errors=True)
-    result = {"mttr_s": rank["mttr_s"], "lost_steps": max(rank["lost_steps"], node["lost_steps"]),
-              "source": rank["source"], "node_mttr_s": node["mttr_s"], "node_lost_steps": node["lost_steps"],
-              "node_source": node["source"], "baseline_mttr_s": base["mttr_s"],
-              "baseline_lost_steps": base["lost_steps"], "baseline_source": base["source"],
-              "mttr_ratio": round(rank["mttr_s"] / base["mttr_s"], 3), **over,
-              "goodput": rank["goodput"], "goodput_parts": rank["goodput_parts"], "goodput_sum": rank["goodput_sum"],
-              "baseline_goodput": base["goodput"], "baseline_goodput_parts": base["goodput_parts"], **good, "persistent": args.persistent,
-              "load_avg_1m": round(os.getloadavg()[0], 2), "wall_s": round(time.time() - t0, 1)}
-    print(f"{'':24}{'mttr_s':>8}{'lost':>6}  source\n{'torchrun + persistent':24}{base['mttr_s']:>8}"
-          f"{base['lost_steps']:>6}  {base['source']}\n{'in-process, one rank':24}{rank['mttr_s']:>8}"
-          f"{rank['lost_steps']:>6}  {rank['source']}\n{'in-process, one node':24}{node['mttr_s']:>8}"
-          f"{node['lost_steps']:>6}  {node['source']}\noverhead (local every step / none): {over['overhead']}\n"
-          f"goodput: new {rank['goodput']} vs baseline {base['goodput']}"
-          + (f"; {good['periodic_goodput']} with a failure every {args.fail_every_s:g} s ({good['periodic_failures']} "
-             f"failures, MTTR {good['periodic_mttr_s']} s, {good['periodic_steps_lost']} steps lost), "
-             f"{good['periodic_goodput_no_failures']} without" if good else ""))
+    result = summarize(rounds["baseline"], [r for r, _ in rounds["new"]], [n for _, n in rounds["new"]], over, good)
+    result.update(persistent=args.persistent, rounds=args.rounds, load_avg_1m=round(os.getloadavg()[0], 2),
+                  wall_s=round(time.time() - t0, 1))
     print(json.dumps(result))
+
+
+def log_round(r: int, kind: str, out: Any) -> None:
+    if kind == "baseline":
+        print(f"round {r + 1} baseline (torchrun, persistent store): {out}", file=sys.stderr, flush=True)
+    else:
+        print(f"round {r + 1} in-process + local tier: rank {out[0]}, node {out[1]}", file=sys.stderr, flush=True)
+
+
+def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run whose goodput is the median (the lower middle one for an even count)."""
+    g = statistics.median_low(r["goodput"] for r in runs)
+    return next(r for r in runs if r["goodput"] == g)
+
+
+def summarize(base: list[dict[str, Any]], rank: list[dict[str, Any]], node: list[dict[str, Any]],
+              over: dict[str, Any], good: dict[str, Any]) -> dict[str, Any]:
+    """The JSON summary of the rounds (round order in each list), printed as a table with the
+    paired ratios (bench/robust.py); see the module docstring for the keys."""
+    def med(runs: list[dict[str, Any]], key: str) -> float:
+        return round(statistics.median(r[key] for r in runs), 3)
+    b, n = median_round(base), median_round(rank)
+    stats = {"mttr_ratio": robust.paired([r["mttr_s"] for r in rank], [r["mttr_s"] for r in base]),
+             "overhead": over.pop("overhead_stat"),
+             "goodput": robust.spread([r["goodput"] for r in rank]),
+             "baseline_goodput": robust.spread([r["goodput"] for r in base])}
+    result = {"mttr_s": med(rank, "mttr_s"), "lost_steps": max(r["lost_steps"] for r in rank + node),
+              "source": n["source"], "node_mttr_s": med(node, "mttr_s"),
+              "node_lost_steps": max(r["lost_steps"] for r in node), "node_source": node[rank.index(n)]["source"],
+              "baseline_mttr_s": med(base, "mttr_s"), "baseline_lost_steps": max(r["lost_steps"] for r in base),
+              "baseline_source": b["source"], "mttr_ratio": round(stats["mttr_ratio"]["median"], 3), **over,
+              "goodput": med(rank, "goodput"), "goodput_parts": n["goodput_parts"], "goodput_sum": n["goodput_sum"],
+              "baseline_goodput": med(base, "goodput"), "baseline_goodput_parts": b["goodput_parts"], **good}
+    print(f"{'':24}{'mttr_s':>8}{'lost':>6}  source   (medians of {len(rank)} round(s); lost: the worst)\n"
+          f"{'torchrun + persistent':24}{result['baseline_mttr_s']:>8}{result['baseline_lost_steps']:>6}  "
+          f"{b['source']}\n{'in-process, one rank':24}{result['mttr_s']:>8}"
+          f"{max(r['lost_steps'] for r in rank):>6}  {n['source']}\n{'in-process, one node':24}"
+          f"{result['node_mttr_s']:>8}{result['node_lost_steps']:>6}  {result['node_source']}\n"
+          f"overhead (local every step / none): {over['overhead']}\n"
+          f"goodput: new {result['goodput']} vs baseline {result['baseline_goodput']}"
+          + (f"; {good['periodic_goodput']} with a failure every {good['periodic_fail_every_s']:g} s "
+             f"({good['periodic_failures']} failures, MTTR {good['periodic_mttr_s']} s, "
+             f"{good['periodic_steps_lost']} steps lost), {good['periodic_goodput_no_failures']} without" if good else ""))
+    result.update(robust.report("\npaired rounds (median of per-round ratios; goodputs: median over rounds):",
+                                {"mttr_ratio": (stats["mttr_ratio"], "<=", 0.3), "overhead": (stats["overhead"], ">=", 0.95),
+                                 "goodput": (stats["goodput"], None, None),
+                                 "baseline_goodput": (stats["baseline_goodput"], None, None)}))
+    return result
 
 
 if __name__ == "__main__":

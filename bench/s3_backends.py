@@ -17,8 +17,13 @@ client process's CPU seconds (user + system, all threads) of:
   (``storage/reading/execute.py``: one thread per read, up to the store's ``capabilities.read_workers``).
 
 s3torchconnector is not measured: it ships no wheel for this platform (sdist only, a Rust/CRT
-build). Prints a table and, last, one JSON line with ``<op>_speedup_obstore_vs_s3fs`` (wall,
-median) and ``<op>_cpu_obstore_vs_s3fs`` per size. Not a test: nothing here asserts.
+build). Prints a table and, last, one JSON line with ``<op>_<mib>mib_speedup_obstore_vs_s3fs``
+(s3fs wall / obstore wall) and ``<op>_<mib>mib_cpu_obstore_vs_s3fs`` (obstore client CPU / s3fs's):
+each the median of per-round ratios (bench/robust.py: the two clients alternate within each
+round, after one warm-up round), with ``spread`` (IQR, min-max), ``load_average`` and
+``within_noise``. There is no goal; each ratio is judged against parity (1.0), so
+``within_noise`` lists the ratios where this run cannot tell which client is faster or cheaper.
+``--rounds`` is ``--repeats``. Not a test: nothing here asserts.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import statistics
 import time
 import uuid
 from typing import Any, Callable
+
+import robust
 
 KEY, SECRET, REGION = "bench", "bench", "us-east-1"
 
@@ -114,39 +121,47 @@ def _parallel(store: Any, key: str, ranges: list[tuple[int, int]], bufs: list[me
         return list(pool.map(lambda rd: store.read_into(key, rd[0][0], [rd[1]]), zip(ranges, bufs)))
 
 
+def measure(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[tuple[float, float]]]:
+    """(wall s, client CPU s) of each client per round, alternating, after one warm-up round."""
+    def timed(fn: Callable[[], Any]) -> Callable[[int], tuple[float, float]]:
+        def run(_round: int) -> tuple[float, float]:
+            c0, t0 = cpu(), time.perf_counter()
+            fn()
+            return time.perf_counter() - t0, cpu() - c0
+        return run
+    return robust.alternate({who: timed(fn) for who, fn in fns.items()}, rounds, warmup=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", default="32,256", help="object sizes, MiB")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", "--rounds", dest="repeats", type=int, default=3,
+                    help="rounds (after one warm-up round), both clients in each")
     args = ap.parse_args()
     proc, endpoint = start_server()
     summary: dict[str, Any] = {"load_average_1m": 0.0, "sizes_mib": []}
+    goals: dict[str, tuple[dict[str, Any] | None, str | None, float | None]] = {}
     try:
         ours, fast, obs = clients(endpoint, f"bench-{uuid.uuid4().hex[:8]}")
         print(f"{'op':<12}{'MiB':>6}{'s3fs s':>9}{'obstore s':>11}{'s3fs cpu':>10}{'obs cpu':>9}")
         for mib in (int(x) for x in args.mib.split(",")):
             data = os.urandom(mib << 20)
-            table = ops(ours, fast, obs, data)
-            for op, fns in table.items():
-                wall: dict[str, list[float]] = {k: [] for k in fns}
-                used: dict[str, list[float]] = {k: [] for k in fns}
-                for rep in range(args.repeats + 1):                     # the first is a warm-up
-                    for who in (list(fns) if rep % 2 else list(fns)[::-1]):
-                        c0, t0 = cpu(), time.perf_counter()
-                        fns[who]()
-                        if rep:
-                            wall[who].append(time.perf_counter() - t0)
-                            used[who].append(cpu() - c0)
-                w = {k: statistics.median(v) for k, v in wall.items()}
-                c = {k: statistics.median(v) for k, v in used.items()}
+            for op, fns in ops(ours, fast, obs, data).items():
+                runs = measure(fns, args.repeats)
+                w = {k: statistics.median(t for t, _ in v) for k, v in runs.items()}
+                c = {k: statistics.median(u for _, u in v) for k, v in runs.items()}
                 print(f"{op:<12}{mib:>6}{w['s3fs']:>9.3f}{w['obstore']:>11.3f}{c['s3fs']:>10.3f}{c['obstore']:>9.3f}")
-                summary[f"{op}_{mib}mib_speedup_obstore_vs_s3fs"] = round(w["s3fs"] / w["obstore"], 3)
-                summary[f"{op}_{mib}mib_cpu_obstore_vs_s3fs"] = round(c["obstore"] / c["s3fs"], 3)
+                goals[f"{op}_{mib}mib_speedup_obstore_vs_s3fs"] = (robust.paired(
+                    [t for t, _ in runs["s3fs"]], [t for t, _ in runs["obstore"]]), ">=", 1.0)
+                goals[f"{op}_{mib}mib_cpu_obstore_vs_s3fs"] = (robust.paired(
+                    [u for _, u in runs["obstore"]], [u for _, u in runs["s3fs"]]), "<=", 1.0)
             summary["sizes_mib"].append(mib)
     finally:
         proc.terminate()
+    extra = robust.report("\npaired rounds (median of per-round ratios; judged against parity, not a goal):", goals)
+    summary.update(robust.medians({k: stat for k, (stat, _, _) in goals.items()}, 3))
     summary["load_average_1m"] = round(os.getloadavg()[0], 1)
-    print(json.dumps(summary))
+    print(json.dumps({**summary, **extra}))
 
 
 if __name__ == "__main__":

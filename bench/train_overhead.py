@@ -11,7 +11,10 @@ after ``--warmup`` steps (start-up excluded; the time between two step records i
 everything the loop did in between: the save's blocking part, and the background save
 competing for the CPU). The run length is chosen so the last save lands before the last
 measured step. Prints a table and, as the last line, one JSON object with
-``throughput_ratio`` (with checkpoints / without; the target is >= 0.97).
+``throughput_ratio`` (with checkpoints / without; the target is >= 0.97): the median of the
+per-round ratios (bench/robust.py: the two runs of a round alternate, rotating which goes
+first), with ``spread`` (IQR, min-max), ``within_noise`` (a ratio whose IQR straddles its goal)
+and ``load_average``. ``--rounds`` is ``--repeats``.
 
 On a shared machine the load drifts between runs by more than the few percent measured,
 so a second estimate comes from inside each checkpointing run: ``within_run_ratio``
@@ -32,6 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import robust
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.trainer.config import CheckpointConfig, DataConfig, OptimConfig, TrainConfig
 
@@ -117,24 +121,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=65)
     p.add_argument("--interval", type=int, default=10, help="checkpoint every this many steps")
     p.add_argument("--warmup", type=int, default=5, help="steps excluded from the measurement")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", "--rounds", dest="repeats", type=int, default=2,
+                   help="rounds: one run with and one without checkpoints each, alternating")
     p.add_argument("--sync", action="store_true", help="synchronous saves instead of async")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     tmp = Path(tempfile.mkdtemp(prefix="train-overhead-"))
-    results: dict[str, list[dict[str, Any]]] = {"none": [], "ckpt": []}
     try:
         data = corpus(tmp / "corpus.txt")
-        for rep in range(args.repeats):
-            for kind in (("none", "ckpt") if rep % 2 == 0 else ("ckpt", "none")):
-                run_dir = tmp / f"{kind}-{rep}"
-                ckpt = str(run_dir / "ckpt") if kind == "ckpt" else ""
-                run_launch(make_config(args, data, ckpt, str(run_dir)), args.nproc, tmp)
-                results[kind].append(throughput(str(run_dir), args.warmup, args.interval))
-                print(f"repeat {rep} {kind}: {results[kind][-1]}", file=sys.stderr, flush=True)
+
+        def one_run(kind: str, rep: int) -> dict[str, Any]:
+            run_dir = tmp / f"{kind}-{rep}"
+            ckpt = str(run_dir / "ckpt") if kind == "ckpt" else ""
+            run_launch(make_config(args, data, ckpt, str(run_dir)), args.nproc, tmp)
+            try:
+                return throughput(str(run_dir), args.warmup, args.interval)
+            finally:
                 shutil.rmtree(run_dir, ignore_errors=True)
+        results = robust.alternate({"none": lambda r: one_run("none", r), "ckpt": lambda r: one_run("ckpt", r)},
+                                   args.repeats, log=lambda r, kind, res: print(f"repeat {r} {kind}: {res}",
+                                                                                file=sys.stderr, flush=True))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps(summarize(args, results)))
+    return 0
+
+
+def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Print the table and the paired ratios; return the JSON summary. ``throughput_ratio`` is
+    the median of per-round ratios (ckpt / none steps/s); ``within_run_ratio`` and its control
+    are the medians of each run's own figure, shown with their spread over the rounds."""
     none = statistics.median(r["steps_per_s"] for r in results["none"])
     ckpt = statistics.median(r["steps_per_s"] for r in results["ckpt"])
     saves = results["ckpt"][0]
@@ -145,19 +161,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':34s}{'steps/s':>10s}")
     print(f"{'no checkpoints':34s}{none:10.3f}")
     print(f"{mode + ' checkpoints':34s}{ckpt:10.3f}")
-    within = statistics.median(r["within_run_ratio"] for r in results["ckpt"])
-    control = statistics.median(r["within_run_ratio"] for r in results["none"])
-    print(f"throughput ratio {ckpt / none:.3f} (between runs); within the checkpointing runs {within:.3f} "
-          f"(same measure on the runs without checkpoints: {control:.3f})")
+    stats = {"throughput_ratio": robust.paired([r["steps_per_s"] for r in results["ckpt"]],
+                                               [r["steps_per_s"] for r in results["none"]]),
+             "within_run_ratio": robust.spread([r["within_run_ratio"] for r in results["ckpt"]]),
+             "within_run_ratio_control": robust.spread([r["within_run_ratio"] for r in results["none"]])}
     print(f"per save: blocked {saves['blocked_s']:.4f} s, until committed {saves['save_s']:.3f} s, "
           f"{saves['saves']} saves per run")
-    print(json.dumps({"throughput_ratio": ckpt / none, "within_run_ratio": within,
-                      "within_run_ratio_control": control, "steps_per_s_none": none, "steps_per_s_ckpt": ckpt,
-                      "ratios": [c["steps_per_s"] / n["steps_per_s"] for c, n in zip(results["ckpt"], results["none"])],
-                      "saves_per_run": saves["saves"], "save_nbytes": saves["nbytes"],
-                      "blocked_s": saves["blocked_s"], "save_s": saves["save_s"], "mode": mode,
-                      "nproc": args.nproc, "layout": args.layout, "steps": args.steps}))
-    return 0
+    robust_out = robust.report(
+        "\npaired rounds (throughput_ratio: median of per-round ratios; within-run ratios: median over runs; "
+        "the control is the same measure on the runs without checkpoints):",
+        {"throughput_ratio": (stats["throughput_ratio"], ">=", 0.97),
+         "within_run_ratio": (stats["within_run_ratio"], ">=", 0.97),
+         "within_run_ratio_control": (stats["within_run_ratio_control"], None, None)})
+    return {**robust.medians(stats), "steps_per_s_none": none, "steps_per_s_ckpt": ckpt,
+            "ratios": stats["throughput_ratio"]["rounds"], "saves_per_run": saves["saves"],
+            "save_nbytes": saves["nbytes"], "blocked_s": saves["blocked_s"], "save_s": saves["save_s"],
+            "mode": mode, "nproc": args.nproc, "layout": args.layout, "steps": args.steps, "rounds": args.repeats,
+            **robust_out}
 
 
 if __name__ == "__main__":
