@@ -340,7 +340,8 @@ def test_hostile_v2_index_refused(valid2, make, where, fragment) -> None:
 
 
 def _assignment_by_ranks(specs: dict, dims: ParallelDims) -> dict[int, list[tuple[str, Box]]]:
-    """The algorithm write_assignment replaced: every rank x every tensor, then a sort."""
+    """write_assignment's rule the slow way: every rank x every tensor, then a sort (tiny boxes to
+    their lowest holder, the others by greedy LPT over their holders)."""
     holders: dict[tuple[str, Box], list[int]] = {}
     for rank in range(dims.world_size):
         for fqn, box in rank_boxes(specs, dims, rank).items():
@@ -350,16 +351,16 @@ def _assignment_by_ranks(specs: dict, dims: ParallelDims) -> dict[int, list[tupl
         return key[1].numel * DTYPE_NBYTES[specs[key[0]].dtype]
 
     tiny = sum(map(nbytes, holders)) * TINY_BOX_SHARE / dims.world_size
-    items: dict[tuple, list[tuple[str, Box]]] = {}       # one item per box, tiny boxes by holders
-    for key in sorted(holders, key=lambda k: (k[0], k[1].offsets)):
-        items.setdefault(("box", key) if nbytes(key) > tiny else ("tiny", tuple(holders[key])), []).append(key)
-    groups = sorted(items.values(), key=lambda g: (-sum(map(nbytes, g)), g[0][0], g[0][1].offsets))
-    load = [0] * dims.world_size
     out: dict[int, list[tuple[str, Box]]] = {r: [] for r in range(dims.world_size)}
-    for group in groups:
-        writer = min(holders[group[0]], key=lambda r: (load[r], r))
-        load[writer] += sum(map(nbytes, group))
-        out[writer] += group
+    for key in sorted(holders, key=lambda k: (k[0], k[1].offsets)):   # tiny boxes: their lowest holder
+        if nbytes(key) <= tiny:
+            out[min(holders[key])].append(key)
+    big = sorted((k for k in holders if nbytes(k) > tiny), key=lambda k: (-nbytes(k), k[0], k[1].offsets))
+    load = [0] * dims.world_size
+    for key in big:
+        writer = min(holders[key], key=lambda r: (load[r], r))
+        load[writer] += nbytes(key)
+        out[writer].append(key)
     for items in out.values():
         items.sort(key=lambda k: k[0])
     return out

@@ -121,7 +121,7 @@ def _rank_plan(model_cfg: ModelConfig, dims: ParallelDims, rank: int,
         shapes = {f: specs[f].local_lengths(dims, coords) for f in rank_boxes(specs, dims, rank)}
         if len(_PLANS) >= 16:
             _PLANS.clear()
-        _PLANS[key] = (specs, shapes, write_assignment(specs, dims)[rank])
+        _PLANS[key] = (specs, shapes, write_assignment(specs, dims, rank=rank)[rank])
     return _PLANS[key]
 
 
