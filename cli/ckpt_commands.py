@@ -117,10 +117,14 @@ def verify(ctx: click.Context, ckpt: str, as_json: bool, workers: int, storage_o
     CKPT is a step directory, or a root (its newest committed step). Checks that every
     listed file is present, sizes, safetensors headers, checksums, and that every tensor's
     boxes cover it exactly once. Exits 1 naming each bad file."""
-    from shardsmith.storage.commit import resolve_checkpoint
+    from shardsmith.errors import CheckpointNotFound
+    from shardsmith.storage.commit import no_checkpoint_message, resolve_checkpoint
     from shardsmith.storage.verify import verify_checkpoint
 
-    _, step_store, _ = resolve_checkpoint(ckpt, parse_storage_options(storage_options))
+    options = parse_storage_options(storage_options)
+    _, step_store, _ = resolve_checkpoint(ckpt, options)
+    if not step_store.exists(""):       # a step name that is not there: not "1 problems in 1 files"
+        raise CheckpointNotFound(no_checkpoint_message(step_store, options))
     report = verify_checkpoint(step_store, workers=workers)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=1))

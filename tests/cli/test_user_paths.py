@@ -1,0 +1,48 @@
+"""What a new user sees on the paths they hit by accident: a mistyped step name, a step
+that is not there, a command's summary line. Each case was found by following README.md
+in a fresh clone; the test pins the message that replaced a misleading one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from ckpt_factory import make_checkpoint
+from shardsmith.cli.main import cli
+from shardsmith.storage.store.fs import Store
+
+
+def _root_with_steps(tmp_path: Path, *steps: int) -> Path:
+    root = tmp_path / "runs" / "a"
+    for step in steps:
+        make_checkpoint(Store(str(root)), step)
+    return root
+
+
+def test_a_mistyped_step_name_lists_the_steps_the_root_holds(tmp_path: Path) -> None:
+    root = _root_with_steps(tmp_path, 10, 20)
+    for command in ("verify", "inspect"):
+        result = CliRunner().invoke(cli, [command, f"{root}/step-00000020"])     # one zero short
+        assert result.exit_code == 1, result.output
+        assert (f"no committed checkpoint under {root}/step-00000020 (it does not exist); {root} holds "
+                f"committed steps 10, 20: name one as {root}/step-000000020, or give {root} for its newest"
+                ) in result.output
+
+
+def test_verify_of_a_step_that_is_not_there_says_so_instead_of_counting_problems(tmp_path: Path) -> None:
+    root = _root_with_steps(tmp_path, 10)
+    result = CliRunner().invoke(cli, ["verify", f"{root}/step-000000099"])
+    assert result.exit_code == 1, result.output
+    assert "step-000000099 (it does not exist); " in result.output
+    assert "holds committed steps 10" in result.output
+    assert "problems in" not in result.output and "BAD" not in result.output
+
+
+def test_an_empty_or_missing_root_names_which(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    empty = CliRunner().invoke(cli, ["verify", str(tmp_path / "empty")])
+    assert empty.exit_code == 1
+    assert f"no committed checkpoint under {tmp_path / 'empty'}\n" in empty.output
+    missing = CliRunner().invoke(cli, ["verify", str(tmp_path / "nope")])
+    assert f"no committed checkpoint under {tmp_path / 'nope'} (it does not exist)" in missing.output
