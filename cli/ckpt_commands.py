@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from shardsmith.cli.options import FieldOption, dry_run_option, json_option, storage_option
+from shardsmith.cli.options import FieldOption, dry_run_option, json_option, plural, storage_option
 from shardsmith.storage.store.options import parse_storage_options
 
 
@@ -134,11 +134,11 @@ def verify(ctx: click.Context, ckpt: str, as_json: bool, workers: int, storage_o
         for name in report.extra_files:
             click.echo(f"note: {name} is not listed in the manifest (leftover; `shardsmith gc` ignores it)")
         if report.ok:
-            click.echo(f"ok: {report.url} step {report.step}: {report.num_files} files, "
+            click.echo(f"ok: {report.url} step {report.step}: {plural(report.num_files, 'file')}, "
                        f"{report.num_tensors} tensors, {report.nbytes_checked:,} bytes verified")
     if not report.ok:
-        click.echo(f"error: {report.url}: {len(report.problems)} problems in {len(report.bad_files)} "
-                   f"files: {', '.join(report.bad_files)}", err=True)
+        click.echo(f"error: {report.url}: {plural(len(report.problems), 'problem')} in "
+                   f"{plural(len(report.bad_files), 'file')}: {', '.join(report.bad_files)}", err=True)
         ctx.exit(1)
 
 

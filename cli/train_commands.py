@@ -19,7 +19,7 @@ import click
 
 from shardsmith.cli.greedy import GreedyOption
 from shardsmith.cli.options import (IntListType, dry_run_option, field_option, json_option, layout_options, make_dims,
-                                    local_tier_options, model_from_flags, model_options, stack,
+                                    local_tier_options, model_from_flags, model_options, plural, stack,
                                     storage_option, tensor_format_option, zarr_codec_option)
 from shardsmith.layout.sizes import format_nbytes
 
@@ -234,12 +234,6 @@ def under_torchrun() -> bool:
     """True when this process was started by torchrun (or another torchelastic agent); the
     same test as :func:`shardsmith.trainer.runtime.launch.under_torchrun`, without importing torch."""
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
-def plural(n: int, noun: str) -> str:
-    """``1 process``, ``2 processes``, ``3 files``."""
-    suffix = "es" if noun.endswith(("s", "sh", "ch", "x")) else "s"
-    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}{suffix}"
 
 
 def train_config(f: dict[str, Any], world: int | None):

@@ -8,15 +8,17 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from ckpt_factory import make_checkpoint
+from ckpt_factory import full_tensors, save_offline
 from shardsmith.cli.main import cli
+from shardsmith.layout import ParallelDims
+from shardsmith.storage.commit import commit
 from shardsmith.storage.store.fs import Store
 
 
 def _root_with_steps(tmp_path: Path, *steps: int) -> Path:
     root = tmp_path / "runs" / "a"
-    for step in steps:
-        make_checkpoint(Store(str(root)), step)
+    for step in steps:             # model-shaped (reshard checks the tensors against the model record)
+        commit(Store(str(root)), save_offline(Store(str(root)), step, ParallelDims(dp_shard=2), full_tensors()))
     return root
 
 
@@ -46,3 +48,13 @@ def test_an_empty_or_missing_root_names_which(tmp_path: Path) -> None:
     assert f"no committed checkpoint under {tmp_path / 'empty'}\n" in empty.output
     missing = CliRunner().invoke(cli, ["verify", str(tmp_path / "nope")])
     assert f"no committed checkpoint under {tmp_path / 'nope'} (it does not exist)" in missing.output
+
+
+def test_one_file_is_not_one_files(tmp_path: Path) -> None:
+    root = _root_with_steps(tmp_path, 10)
+    dry = CliRunner().invoke(cli, ["reshard", str(root), str(tmp_path / "b"), "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert "-> pp1·dpr1·dps1·tp1 (1 file)" in dry.output and "1 files" not in dry.output
+    done = CliRunner().invoke(cli, ["reshard", str(root), str(tmp_path / "b"), "-q"])
+    assert done.exit_code == 0, done.output
+    assert "to pp1·dpr1·dps1·tp1: 1 file, " in done.output
