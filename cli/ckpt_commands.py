@@ -4,6 +4,7 @@ library (:mod:`shardsmith.storage.commit`, ``.verify``, ``.gc``) and print."""
 from __future__ import annotations
 
 import json
+import logging
 from math import prod
 from typing import Any
 
@@ -233,7 +234,7 @@ def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_s
     than --uploads-grace (with --uploads, only that)."""
     from shardsmith.storage.gc import gc
     from shardsmith.storage.store.local import sweep_stale_tmp
-    from shardsmith.storage.store.uploads import abort_stale_uploads
+    from shardsmith.storage.store.uploads import abort_stale_uploads, has_uploads
 
     store = existing_root(root, storage_options)
     aborted = abort_stale_uploads(store, grace_s=uploads_grace, dry_run=dry_run)
@@ -245,7 +246,8 @@ def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_s
     if not as_json:
         for u in aborted:
             click.echo(f"{verb} upload {u.key} ({u.age_s / 3600:.1f}h old)")
-        click.echo(f"{verb} {len(aborted)} unfinished uploads older than {uploads_grace:g}s")
+        if aborted or uploads_only or has_uploads(store):      # local roots have no uploads to speak of
+            click.echo(f"{verb} {len(aborted)} unfinished uploads older than {uploads_grace:g}s")
     if uploads_only:
         if as_json:
             click.echo(json.dumps({"root": store.url, "dry_run": dry_run,
@@ -255,8 +257,14 @@ def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_s
     verb = "would delete" if dry_run else "deleted"
     echo = (lambda d: None) if as_json else (
         lambda d: click.echo(f"{verb if d.delete else 'kept':<12} {d.name}  {d.status:<10} {d.reason}"))
-    gc(store, keep_last, keep_every, grace_seconds=grace_seconds, dry_run=dry_run,
-       on_decision=lambda d: (decisions.append(d), echo(d)))
+    gc_log = logging.getLogger("shardsmith.storage.gc")     # its "gc: deleting" lines: echoed here already
+    level = gc_log.level
+    gc_log.setLevel(logging.WARNING)
+    try:
+        gc(store, keep_last, keep_every, grace_seconds=grace_seconds, dry_run=dry_run,
+           on_decision=lambda d: (decisions.append(d), echo(d)))
+    finally:
+        gc_log.setLevel(level)
     if as_json:
         click.echo(json.dumps({"root": store.url, "dry_run": dry_run, "uploads": [u.__dict__ for u in aborted],
                                "decisions": [d.to_json() for d in decisions]}, indent=1))

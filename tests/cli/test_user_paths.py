@@ -4,6 +4,9 @@ in a fresh clone; the test pins the message that replaced a misleading one."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -58,3 +61,17 @@ def test_one_file_is_not_one_files(tmp_path: Path) -> None:
     done = CliRunner().invoke(cli, ["reshard", str(root), str(tmp_path / "b"), "-q"])
     assert done.exit_code == 0, done.output
     assert "to pp1·dpr1·dps1·tp1: 1 file, " in done.output
+
+
+def test_gc_of_a_local_root_says_each_deletion_once_and_nothing_of_uploads(tmp_path: Path) -> None:
+    root = _root_with_steps(tmp_path, 10, 20)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "shardsmith", "gc", str(root), "--keep-last", "1"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["deleted      step-000000010  committed  committed, outside the retention",
+                                       "kept         step-000000020  committed  newest committed step",
+                                       "deleted 1 of 2 steps"]
+    assert "step-000000010" not in out.stderr                  # the log line that repeated the decision
+    uploads = CliRunner().invoke(cli, ["gc", "--uploads", str(root)])      # asked for: answered
+    assert uploads.output == "aborted 0 unfinished uploads older than 3600s\n"
