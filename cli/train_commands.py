@@ -195,7 +195,11 @@ def train(**flags: Any) -> None:
         raise click.UsageError("--wandb needs the wandb package: pip install wandb")
     cfg.num_microbatches()
     if flags["dry_run"]:
-        print_estimate(cfg, flags["model_preset"], flags["as_json"], device_nbytes(flags))
+        unsized = flags["dp_shard"] == -1 and world is None
+        print_estimate(cfg, flags["model_preset"], flags["as_json"], device_nbytes(flags),
+                       note=(f"note: --dp-shard -1 (the default) takes the rest of the world size, which a dry "
+                             f"run does not know: dp_shard {cfg.parallel.dp_shard} here; pass --dp-shard N (or "
+                             "--nproc-per-node N) for the job you will launch") if unsized else "")
         return
     from shardsmith.trainer.checkpoint.resume import COMMAND_ENV
     from shardsmith.trainer.runtime.preflight import prepare
@@ -355,7 +359,7 @@ def print_verdict(verdict: dict[str, Any]) -> None:
     for g in verdict["rank_groups"]:
         how = (f"fits with {g['headroom_bytes'] / gib:.1f} GiB headroom" if g["fits"]
                else f"does not fit by {-g['headroom_bytes'] / gib:.1f} GiB")
-        click.echo(f"  stage {g['stage']} ({g['num_ranks']:,} ranks, e.g. rank {g['example_rank']}): needs "
+        click.echo(f"  stage {g['stage']} ({plural(g['num_ranks'], 'rank')}, e.g. rank {g['example_rank']}): needs "
                    f"{g['peak_bytes'] / gib:.1f} GiB of {verdict['device_bytes'] / gib:.1f} GiB: {how}")
     for fix in verdict["fixes"]:
         click.echo(f"  to fit: {' '.join(fix['changes'])} -> {fix['peak_bytes'] / gib:.1f} GiB "
@@ -364,9 +368,11 @@ def print_verdict(verdict: dict[str, Any]) -> None:
         click.echo("  to fit: no single change does; try `shardsmith plan` for this model and GPU count")
 
 
-def print_estimate(cfg: Any, preset: str | None, as_json: bool, device: int | None = None) -> None:
+def print_estimate(cfg: Any, preset: str | None, as_json: bool, device: int | None = None,
+                   note: str = "") -> None:
     """The ``--dry-run`` report of ``cfg`` (a TrainConfig), as text or JSON; with ``device``
-    (bytes per GPU) a verdict per rank group and the changes that would make it fit."""
+    (bytes per GPU) a verdict per rank group and the changes that would make it fit; ``note``
+    (text only) follows the layout line."""
     from shardsmith.layout.estimate import FORMULAS
     from shardsmith.layout.presets import preset_of
 
@@ -384,6 +390,8 @@ def print_estimate(cfg: Any, preset: str | None, as_json: bool, device: int | No
     click.echo(f"  layout {dims.describe()} = {dims.world_size:,} ranks; batch {est.global_batch_size} = "
                f"{est.micro_batch_size} per microbatch x {est.num_microbatches} microbatches x dp {dims.dp}; "
                f"{est.tokens_per_step:,} tokens/step")
+    if note:
+        click.echo(f"  {note}")
     click.echo(f"  pipeline bubble (P-1)/(V*M) = {dims.pp - 1}/({dims.virtual_stages}*{est.num_microbatches}) = "
                f"{est.pipeline_bubble_fraction:.1%} of the step")
     click.echo(f"  FLOPs/step {est.flops_per_step:.3e} ({est.flops_per_step / dims.world_size:.3e} per rank)")

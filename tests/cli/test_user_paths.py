@@ -75,3 +75,17 @@ def test_gc_of_a_local_root_says_each_deletion_once_and_nothing_of_uploads(tmp_p
     assert "step-000000010" not in out.stderr                  # the log line that repeated the decision
     uploads = CliRunner().invoke(cli, ["gc", "--uploads", str(root)])      # asked for: answered
     assert uploads.output == "aborted 0 unfinished uploads older than 3600s\n"
+
+
+def test_a_dry_run_without_a_world_size_says_what_dp_shard_minus_one_became() -> None:
+    flags = ["train", "--model", "llama3-70b", "--pp", "2", "--dry-run", "--gpu", "h100"]
+    unsized = CliRunner().invoke(cli, flags)
+    assert unsized.exit_code == 0, unsized.output
+    lines = unsized.output.splitlines()
+    layout = next(i for i, line in enumerate(lines) if line.startswith("  layout pp2·dpr1·dps1·tp1 = 2 ranks"))
+    assert lines[layout + 1].startswith("  note: --dp-shard -1 (the default) takes the rest of the world size, "
+                                        "which a dry run does not know: dp_shard 1 here; pass --dp-shard N")
+    assert "(1 rank, e.g. rank 0)" in unsized.output and "1 ranks" not in unsized.output
+    for sized in (["--dp-shard", "4"], ["--nproc-per-node", "8"], ["--json"]):
+        result = CliRunner().invoke(cli, flags + sized)
+        assert result.exit_code == 0 and "note: --dp-shard -1" not in result.output, (sized, result.output)
