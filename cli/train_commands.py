@@ -220,8 +220,8 @@ def train(**flags: Any) -> None:
         exit_process(0)                 # finished and flushed: no teardown (see exit_process)
     os.environ.setdefault("SHARDSMITH_LAUNCH_TIME", repr(time.time()))   # goodput's start (detect/goodput.py)
     dims = cfg.parallel
-    click.echo(f"training {dims.describe()} on {plural(dims.world_size, 'process')} to step {cfg.steps}",
-               err=True)
+    click.echo(f"training {dims.describe()} on {plural(dims.world_size, 'process')} to step {cfg.steps}"
+               + ("" if cfg.checkpoint.url else " (no --ckpt: no checkpoint will be saved)"), err=True)
     if flags["restart_mode"] == "in-process":
         from shardsmith.trainer.runtime.supervisor import launch_in_process
 

@@ -89,3 +89,21 @@ def test_a_dry_run_without_a_world_size_says_what_dp_shard_minus_one_became() ->
     for sized in (["--dp-shard", "4"], ["--nproc-per-node", "8"], ["--json"]):
         result = CliRunner().invoke(cli, flags + sized)
         assert result.exit_code == 0 and "note: --dp-shard -1" not in result.output, (sized, result.output)
+
+
+def test_a_run_without_ckpt_says_it_saves_nothing(tmp_path: Path, monkeypatch) -> None:
+    import shardsmith.trainer.runtime.launch as launch_module
+    from shardsmith.trainer.checkpoint.resume import COMMAND_ENV
+
+    for name in (COMMAND_ENV, "SHARDSMITH_LAUNCH_TIME"):        # the launcher sets them: restored after
+        monkeypatch.delenv(name, raising=False)
+    launched: list[tuple] = []
+    monkeypatch.setattr(launch_module, "launch", lambda cfg, world, **kw: launched.append((cfg, world)) or 0)
+    monkeypatch.chdir(tmp_path)
+    bare = CliRunner().invoke(cli, ["train", "--steps", "1", "--nproc-per-node", "2"])
+    assert bare.exit_code == 0 and len(launched) == 1, bare.output
+    assert "training pp1·dpr1·dps2·tp1 on 2 processes to step 1 (no --ckpt: no checkpoint will be saved)" \
+        in bare.output
+    saved = CliRunner().invoke(cli, ["train", "--steps", "1", "--nproc-per-node", "2", "--ckpt", "c"])
+    assert saved.exit_code == 0 and len(launched) == 2, saved.output
+    assert "no --ckpt" not in saved.output
