@@ -202,7 +202,11 @@ def train(**flags: Any) -> None:
                              "--nproc-per-node N) for the job you will launch") if unsized else "")
         return
     from shardsmith.trainer.checkpoint.resume import COMMAND_ENV
+    from shardsmith.trainer.data.sources import expand_source
     from shardsmith.trainer.runtime.preflight import prepare
+
+    for source in cfg.data.sources:     # a mistyped path or glob: here, not in every worker after start-up
+        expand_source(source)
 
     # The step to load is resolved here, once, and every check that a manifest allows is made
     # before torch is imported and before any worker starts.

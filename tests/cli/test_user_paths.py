@@ -107,3 +107,22 @@ def test_a_run_without_ckpt_says_it_saves_nothing(tmp_path: Path, monkeypatch) -
     saved = CliRunner().invoke(cli, ["train", "--steps", "1", "--nproc-per-node", "2", "--ckpt", "c"])
     assert saved.exit_code == 0 and len(launched) == 2, saved.output
     assert "no --ckpt" not in saved.output
+
+
+def test_a_mistyped_data_glob_is_refused_before_any_worker_starts(tmp_path: Path, monkeypatch) -> None:
+    import shardsmith.trainer.runtime.launch as launch_module
+    from shardsmith.trainer.checkpoint.resume import COMMAND_ENV
+
+    for name in (COMMAND_ENV, "SHARDSMITH_LAUNCH_TIME"):
+        monkeypatch.delenv(name, raising=False)
+    launched: list[int] = []
+    monkeypatch.setattr(launch_module, "launch", lambda cfg, world, **kw: launched.append(world) or 0)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("some text " * 100)
+    base = ["train", "--steps", "1", "--nproc-per-node", "2", "--ckpt", str(tmp_path / "c")]
+    typo = CliRunner().invoke(cli, base + ["--data", f"{tmp_path}/corpus/*.txtx"])
+    assert typo.exit_code == 1 and launched == [], typo.output
+    assert f"error: --data source '{tmp_path}/corpus/*.txtx' matched no file; check the path or glob" in typo.output
+    assert not (tmp_path / "c").exists()                        # the refused job created no root
+    ok = CliRunner().invoke(cli, base + ["--data", f"{tmp_path}/corpus/*.txt"])
+    assert ok.exit_code == 0 and launched == [2], ok.output
