@@ -167,13 +167,14 @@ def ls(root: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
         click.echo(json.dumps({"root": store.url, "latest_hint": hint, "unfinished_uploads": len(uploads),
                                "steps": [s.to_json() for s in steps]}, indent=1))
         return
+    width = max([17] + [len(s.layout or "-") for s in steps])      # cp·ep·v layouts are longer
     if not steps:
         click.echo(f"{store.url}: no steps")
     else:
-        click.echo(f"  {'step':>10}  {'status':<10} {'bytes':>14}  {'files':>5}  {'layout':<18} run")
+        click.echo(f"  {'step':>10}  {'status':<10} {'bytes':>14}  {'files':>5}  {'layout':<{width}}  run")
     for s in steps:
         click.echo(f"{'*' if s.latest else ' '} {s.step:>10}  {s.status:<10} {s.nbytes:>14,}  "
-                   f"{s.num_files:>5}  {s.layout or '-':<18} {s.run_id[:12] or '-'}"
+                   f"{s.num_files:>5}  {s.layout or '-':<{width}}  {s.run_id[:12] or '-'}"
                    + (f"  ({s.error[:120]})" if s.error else ""))
     newest = next((s.name for s in steps if s.latest), None)
     if steps and hint != newest:

@@ -126,3 +126,13 @@ def test_a_mistyped_data_glob_is_refused_before_any_worker_starts(tmp_path: Path
     assert not (tmp_path / "c").exists()                        # the refused job created no root
     ok = CliRunner().invoke(cli, base + ["--data", f"{tmp_path}/corpus/*.txt"])
     assert ok.exit_code == 0 and launched == [2], ok.output
+
+
+def test_ls_keeps_a_long_layout_apart_from_the_run_id(tmp_path: Path) -> None:
+    root = Store(str(tmp_path / "lc"))
+    commit(root, save_offline(root, 2, ParallelDims(dp_shard=2, cp=2, tp=2), full_tensors()))
+    listing = CliRunner().invoke(cli, ["ls", root.url])
+    assert listing.exit_code == 0, listing.output
+    header, row = listing.output.splitlines()[:2]
+    assert "pp1·dpr1·dps2·cp2·tp2  " in row                   # was "...cp2·tp2 69e71fa6cab6": one space
+    assert header.index("run") == row.index("pp1·dpr1·dps2·cp2·tp2") + len("pp1·dpr1·dps2·cp2·tp2") + 2
