@@ -4,12 +4,13 @@ library (:mod:`shardsmith.storage.commit`, ``.verify``, ``.gc``) and print."""
 from __future__ import annotations
 
 import json
+import logging
 from math import prod
 from typing import Any
 
 import click
 
-from shardsmith.cli.options import FieldOption, dry_run_option, json_option, storage_option
+from shardsmith.cli.options import FieldOption, dry_run_option, json_option, plural, storage_option
 from shardsmith.storage.store.options import parse_storage_options
 
 
@@ -117,10 +118,14 @@ def verify(ctx: click.Context, ckpt: str, as_json: bool, workers: int, storage_o
     CKPT is a step directory, or a root (its newest committed step). Checks that every
     listed file is present, sizes, safetensors headers, checksums, and that every tensor's
     boxes cover it exactly once. Exits 1 naming each bad file."""
-    from shardsmith.storage.commit import resolve_checkpoint
+    from shardsmith.errors import CheckpointNotFound
+    from shardsmith.storage.commit import no_checkpoint_message, resolve_checkpoint
     from shardsmith.storage.verify import verify_checkpoint
 
-    _, step_store, _ = resolve_checkpoint(ckpt, parse_storage_options(storage_options))
+    options = parse_storage_options(storage_options)
+    _, step_store, _ = resolve_checkpoint(ckpt, options)
+    if not step_store.exists(""):       # a step name that is not there: not "1 problems in 1 files"
+        raise CheckpointNotFound(no_checkpoint_message(step_store, options))
     report = verify_checkpoint(step_store, workers=workers)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=1))
@@ -130,11 +135,11 @@ def verify(ctx: click.Context, ckpt: str, as_json: bool, workers: int, storage_o
         for name in report.extra_files:
             click.echo(f"note: {name} is not listed in the manifest (leftover; `shardsmith gc` ignores it)")
         if report.ok:
-            click.echo(f"ok: {report.url} step {report.step}: {report.num_files} files, "
+            click.echo(f"ok: {report.url} step {report.step}: {plural(report.num_files, 'file')}, "
                        f"{report.num_tensors} tensors, {report.nbytes_checked:,} bytes verified")
     if not report.ok:
-        click.echo(f"error: {report.url}: {len(report.problems)} problems in {len(report.bad_files)} "
-                   f"files: {', '.join(report.bad_files)}", err=True)
+        click.echo(f"error: {report.url}: {plural(len(report.problems), 'problem')} in "
+                   f"{plural(len(report.bad_files), 'file')}: {', '.join(report.bad_files)}", err=True)
         ctx.exit(1)
 
 
@@ -162,13 +167,14 @@ def ls(root: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
         click.echo(json.dumps({"root": store.url, "latest_hint": hint, "unfinished_uploads": len(uploads),
                                "steps": [s.to_json() for s in steps]}, indent=1))
         return
+    width = max([17] + [len(s.layout or "-") for s in steps])      # cp·ep·v layouts are longer
     if not steps:
         click.echo(f"{store.url}: no steps")
     else:
-        click.echo(f"  {'step':>10}  {'status':<10} {'bytes':>14}  {'files':>5}  {'layout':<18} run")
+        click.echo(f"  {'step':>10}  {'status':<10} {'bytes':>14}  {'files':>5}  {'layout':<{width}}  run")
     for s in steps:
         click.echo(f"{'*' if s.latest else ' '} {s.step:>10}  {s.status:<10} {s.nbytes:>14,}  "
-                   f"{s.num_files:>5}  {s.layout or '-':<18} {s.run_id[:12] or '-'}"
+                   f"{s.num_files:>5}  {s.layout or '-':<{width}}  {s.run_id[:12] or '-'}"
                    + (f"  ({s.error[:120]})" if s.error else ""))
     newest = next((s.name for s in steps if s.latest), None)
     if steps and hint != newest:
@@ -229,7 +235,7 @@ def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_s
     than --uploads-grace (with --uploads, only that)."""
     from shardsmith.storage.gc import gc
     from shardsmith.storage.store.local import sweep_stale_tmp
-    from shardsmith.storage.store.uploads import abort_stale_uploads
+    from shardsmith.storage.store.uploads import abort_stale_uploads, has_uploads
 
     store = existing_root(root, storage_options)
     aborted = abort_stale_uploads(store, grace_s=uploads_grace, dry_run=dry_run)
@@ -241,7 +247,8 @@ def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_s
     if not as_json:
         for u in aborted:
             click.echo(f"{verb} upload {u.key} ({u.age_s / 3600:.1f}h old)")
-        click.echo(f"{verb} {len(aborted)} unfinished uploads older than {uploads_grace:g}s")
+        if aborted or uploads_only or has_uploads(store):      # local roots have no uploads to speak of
+            click.echo(f"{verb} {len(aborted)} unfinished uploads older than {uploads_grace:g}s")
     if uploads_only:
         if as_json:
             click.echo(json.dumps({"root": store.url, "dry_run": dry_run,
@@ -251,8 +258,14 @@ def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_s
     verb = "would delete" if dry_run else "deleted"
     echo = (lambda d: None) if as_json else (
         lambda d: click.echo(f"{verb if d.delete else 'kept':<12} {d.name}  {d.status:<10} {d.reason}"))
-    gc(store, keep_last, keep_every, grace_seconds=grace_seconds, dry_run=dry_run,
-       on_decision=lambda d: (decisions.append(d), echo(d)))
+    gc_log = logging.getLogger("shardsmith.storage.gc")     # its "gc: deleting" lines: echoed here already
+    level = gc_log.level
+    gc_log.setLevel(logging.WARNING)
+    try:
+        gc(store, keep_last, keep_every, grace_seconds=grace_seconds, dry_run=dry_run,
+           on_decision=lambda d: (decisions.append(d), echo(d)))
+    finally:
+        gc_log.setLevel(level)
     if as_json:
         click.echo(json.dumps({"root": store.url, "dry_run": dry_run, "uploads": [u.__dict__ for u in aborted],
                                "decisions": [d.to_json() for d in decisions]}, indent=1))

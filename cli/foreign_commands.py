@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from shardsmith.cli.options import layout_options, make_dims, stack, storage_option
+from shardsmith.cli.options import layout_options, make_dims, plural, stack, storage_option
 from shardsmith.storage.store.options import parse_storage_options
 
 hint_options = stack(
@@ -33,7 +33,7 @@ def echo_import(report, dims) -> None:
     """Print an importer's :class:`~shardsmith.reshard.foreign.common.ImportReport` (HF, DCP, Megatron)."""
     what = "model weights, AdamW state and step" if report.with_optimizer else "model weights only"
     click.echo(f"imported {report.source} as step {report.step} in {dims.describe()} ({what}): "
-               f"{report.num_files} files, {report.nbytes_written:,} bytes, {report.seconds:.2f}s "
+               f"{plural(report.num_files, 'file')}, {report.nbytes_written:,} bytes, {report.seconds:.2f}s "
                f"-> {report.target}")
     for item in report.dropped:
         click.echo(f"  dropped: {item}")

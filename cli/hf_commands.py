@@ -7,7 +7,7 @@ import os
 import click
 
 from shardsmith.cli.foreign_commands import echo_import
-from shardsmith.cli.options import dtype_option, layout_options, make_dims, size_option, storage_option
+from shardsmith.cli.options import dtype_option, layout_options, make_dims, plural, size_option, storage_option
 from shardsmith.storage.store.options import parse_storage_options
 
 
@@ -30,7 +30,7 @@ def export_hf(ckpt, out_dir, dtype, max_shard_nbytes, overwrite, storage_options
     report = do_export(ckpt, out_dir, dtype=dtype, max_shard_nbytes=max_shard_nbytes,
                        overwrite=overwrite, storage_options=parse_storage_options(storage_options))
     click.echo(f"exported step {report.step} from {report.source}: {report.num_tensors} tensors, "
-               f"{report.nbytes:,} bytes in {len(report.files)} file(s), {report.seconds:.2f}s "
+               f"{report.nbytes:,} bytes in {plural(len(report.files), 'file')}, {report.seconds:.2f}s "
                f"-> {report.out_dir}")
     if report.tokenizer.files:
         click.echo(f"  tokenizer: {', '.join(report.tokenizer.files)}")

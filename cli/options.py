@@ -289,3 +289,9 @@ local_tier_options = stack(
                        "or TP groups sharing the reads of a local checkpoint, on one machine); "
                        "0 = torchrun's nodes (LOCAL_WORLD_SIZE ranks each)."),
 )
+
+
+def plural(n: int, noun: str) -> str:
+    """``1 process``, ``2 processes``, ``3 files``."""
+    suffix = "es" if noun.endswith(("s", "sh", "ch", "x")) else "s"
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}{suffix}"

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 import click
 
 from shardsmith.cli.options import (FieldOption, dry_run_option, dtype_option, layout_options, make_dims,
-                                    size_option, storage_option, tensor_format_option, zarr_codec_option)
+                                    plural, size_option, storage_option, tensor_format_option, zarr_codec_option)
 
 from shardsmith.layout.dtypes import DTYPE_CHOICES as _DTYPES
 from shardsmith.layout.sizes import format_nbytes as _human
@@ -45,8 +45,8 @@ def print_plan(plan: Any, src_url: str, workers: int) -> None:
     m, opts = plan.source, plan.options
     lay = m.layout
     src_layout = ParallelDims.from_json(lay).describe()
-    click.echo(f"step {m.step}: {src_layout} ({len(m.files)} files) -> {plan.dims.describe()} "
-               f"({len(plan.files)} files)   source {src_url}")
+    click.echo(f"step {m.step}: {src_layout} ({plural(len(m.files), 'file')}) -> {plan.dims.describe()} "
+               f"({plural(len(plan.files), 'file')})   source {src_url}")
     click.echo(f"  tensors      {len(plan.tensors)}"
                + (f" ({len(plan.dropped)} dropped: optimizer state)" if plan.dropped else "")
                + (f", floats as {opts.dtype}" if opts.dtype else ""))
@@ -162,12 +162,12 @@ def _print_report(job: Any, report: Any, world_size: int) -> None:
     """The one line a committed reshard prints (a format conversion: its own)."""
     if job.plan is None:
         click.echo(f"converted step {report.step} to {job.tensor_format} {job.dims.describe()}: "
-                   f"{report.num_files} files, {report.nbytes_written:,} bytes, {report.nbytes_read:,} read, "
+                   f"{plural(report.num_files, 'file')}, {report.nbytes_written:,} bytes, {report.nbytes_read:,} read, "
                    f"{report.seconds:.2f}s -> {report.target}")
         return
     rate = report.nbytes_written / max(report.seconds, 1e-9)
     here = "" if world_size == 1 else f" by {world_size} processes"
-    click.echo(f"resharded step {report.step} to {job.dims.describe()}: {report.num_target_files} files, "
+    click.echo(f"resharded step {report.step} to {job.dims.describe()}: {plural(report.num_target_files, 'file')}, "
                f"{_human(report.target_nbytes)}{here}"
                + (f" ({report.num_skipped} kept from an interrupted run here)" if report.num_skipped else "")
                + f"; {'rank 0 ' if here else ''}wrote {_human(report.nbytes_written)} ({_human(rate)}/s), read "

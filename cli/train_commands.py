@@ -19,7 +19,7 @@ import click
 
 from shardsmith.cli.greedy import GreedyOption
 from shardsmith.cli.options import (IntListType, dry_run_option, field_option, json_option, layout_options, make_dims,
-                                    local_tier_options, model_from_flags, model_options, stack,
+                                    local_tier_options, model_from_flags, model_options, plural, stack,
                                     storage_option, tensor_format_option, zarr_codec_option)
 from shardsmith.layout.sizes import format_nbytes
 
@@ -195,10 +195,18 @@ def train(**flags: Any) -> None:
         raise click.UsageError("--wandb needs the wandb package: pip install wandb")
     cfg.num_microbatches()
     if flags["dry_run"]:
-        print_estimate(cfg, flags["model_preset"], flags["as_json"], device_nbytes(flags))
+        unsized = flags["dp_shard"] == -1 and world is None
+        print_estimate(cfg, flags["model_preset"], flags["as_json"], device_nbytes(flags),
+                       note=(f"note: --dp-shard -1 (the default) takes the rest of the world size, which a dry "
+                             f"run does not know: dp_shard {cfg.parallel.dp_shard} here; pass --dp-shard N (or "
+                             "--nproc-per-node N) for the job you will launch") if unsized else "")
         return
     from shardsmith.trainer.checkpoint.resume import COMMAND_ENV
+    from shardsmith.trainer.data.sources import expand_source
     from shardsmith.trainer.runtime.preflight import prepare
+
+    for source in cfg.data.sources:     # a mistyped path or glob: here, not in every worker after start-up
+        expand_source(source)
 
     # The step to load is resolved here, once, and every check that a manifest allows is made
     # before torch is imported and before any worker starts.
@@ -216,8 +224,8 @@ def train(**flags: Any) -> None:
         exit_process(0)                 # finished and flushed: no teardown (see exit_process)
     os.environ.setdefault("SHARDSMITH_LAUNCH_TIME", repr(time.time()))   # goodput's start (detect/goodput.py)
     dims = cfg.parallel
-    click.echo(f"training {dims.describe()} on {plural(dims.world_size, 'process')} to step {cfg.steps}",
-               err=True)
+    click.echo(f"training {dims.describe()} on {plural(dims.world_size, 'process')} to step {cfg.steps}"
+               + ("" if cfg.checkpoint.url else " (no --ckpt: no checkpoint will be saved)"), err=True)
     if flags["restart_mode"] == "in-process":
         from shardsmith.trainer.runtime.supervisor import launch_in_process
 
@@ -234,12 +242,6 @@ def under_torchrun() -> bool:
     """True when this process was started by torchrun (or another torchelastic agent); the
     same test as :func:`shardsmith.trainer.runtime.launch.under_torchrun`, without importing torch."""
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
-def plural(n: int, noun: str) -> str:
-    """``1 process``, ``2 processes``, ``3 files``."""
-    suffix = "es" if noun.endswith(("s", "sh", "ch", "x")) else "s"
-    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}{suffix}"
 
 
 def train_config(f: dict[str, Any], world: int | None):
@@ -361,7 +363,7 @@ def print_verdict(verdict: dict[str, Any]) -> None:
     for g in verdict["rank_groups"]:
         how = (f"fits with {g['headroom_bytes'] / gib:.1f} GiB headroom" if g["fits"]
                else f"does not fit by {-g['headroom_bytes'] / gib:.1f} GiB")
-        click.echo(f"  stage {g['stage']} ({g['num_ranks']:,} ranks, e.g. rank {g['example_rank']}): needs "
+        click.echo(f"  stage {g['stage']} ({plural(g['num_ranks'], 'rank')}, e.g. rank {g['example_rank']}): needs "
                    f"{g['peak_bytes'] / gib:.1f} GiB of {verdict['device_bytes'] / gib:.1f} GiB: {how}")
     for fix in verdict["fixes"]:
         click.echo(f"  to fit: {' '.join(fix['changes'])} -> {fix['peak_bytes'] / gib:.1f} GiB "
@@ -370,9 +372,11 @@ def print_verdict(verdict: dict[str, Any]) -> None:
         click.echo("  to fit: no single change does; try `shardsmith plan` for this model and GPU count")
 
 
-def print_estimate(cfg: Any, preset: str | None, as_json: bool, device: int | None = None) -> None:
+def print_estimate(cfg: Any, preset: str | None, as_json: bool, device: int | None = None,
+                   note: str = "") -> None:
     """The ``--dry-run`` report of ``cfg`` (a TrainConfig), as text or JSON; with ``device``
-    (bytes per GPU) a verdict per rank group and the changes that would make it fit."""
+    (bytes per GPU) a verdict per rank group and the changes that would make it fit; ``note``
+    (text only) follows the layout line."""
     from shardsmith.layout.estimate import FORMULAS
     from shardsmith.layout.presets import preset_of
 
@@ -390,6 +394,8 @@ def print_estimate(cfg: Any, preset: str | None, as_json: bool, device: int | No
     click.echo(f"  layout {dims.describe()} = {dims.world_size:,} ranks; batch {est.global_batch_size} = "
                f"{est.micro_batch_size} per microbatch x {est.num_microbatches} microbatches x dp {dims.dp}; "
                f"{est.tokens_per_step:,} tokens/step")
+    if note:
+        click.echo(f"  {note}")
     click.echo(f"  pipeline bubble (P-1)/(V*M) = {dims.pp - 1}/({dims.virtual_stages}*{est.num_microbatches}) = "
                f"{est.pipeline_bubble_fraction:.1%} of the step")
     click.echo(f"  FLOPs/step {est.flops_per_step:.3e} ({est.flops_per_step / dims.world_size:.3e} per rank)")

@@ -218,8 +218,28 @@ def resolve_checkpoint(url: str, storage_options: dict | None = None) -> tuple[S
         return Store(root_url, storage_options), store, step
     latest = find_latest_committed(store)
     if latest is None:
-        raise CheckpointNotFound(f"no committed checkpoint under {store.url}")
+        raise CheckpointNotFound(no_checkpoint_message(store, storage_options))
     return store, store.child(step_dir(latest)), latest
+
+
+def no_checkpoint_message(store: Store, storage_options: dict | None) -> str:
+    """The message for a URL with no committed step: whether the path exists at all, and (a
+    mistyped step name, ``run/step-00000020``) the committed steps its parent holds."""
+    url = store.url.rstrip("/")
+    exists = store.exists("")
+    what = f"no committed checkpoint under {store.url}" + ("" if exists else " (it does not exist)")
+    parent_url = url.rsplit("/", 1)[0] if "/" in url.split("://", 1)[-1] else ""
+    if exists or not parent_url:
+        return what
+    try:
+        steps = [s.step for s in list_steps(Store(parent_url, storage_options)) if s.committed]
+    except FileNotFoundError:
+        return what
+    if not steps:
+        return what
+    shown = ", ".join(str(s) for s in steps[-5:])
+    return (f"{what}; {parent_url} holds committed steps {'..., ' if len(steps) > 5 else ''}{shown}: "
+            f"name one as {parent_url}/{step_dir(steps[-1])}, or give {parent_url} for its newest")
 
 
 def resolve_target(url: str, step: int | None = None, storage_options: dict | None = None) -> tuple[Store, int]:

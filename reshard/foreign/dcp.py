@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -257,6 +258,16 @@ def _dcp_state_dict(manifest: Any, model: ModelConfig) -> tuple[dict[str, Any], 
     return sd, ours, with_optim
 
 
+def save_one_process(state_dict: dict[str, Any], writer: Any, planner: Any) -> None:
+    """``dcp.save`` in this one process, without its UserWarning that no process group is
+    initialized (an export is one process by design; the warning read as a fault to users)."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=True)
+
+
 def lazy_planner(read: Callable[[str], torch.Tensor], lazy: set[str], *, flatten: bool = True) -> Any:
     """A ``DefaultSavePlanner`` that asks ``read(key)`` for each key in ``lazy`` only when DCP
     writes it (the state dict holds zero-byte ``expand`` placeholders of the right shape)."""
@@ -304,7 +315,7 @@ def export_dcp(ckpt_url: str, out_dir: str, *, overwrite: bool = False,
 
     os.makedirs(out_dir, exist_ok=True)
     writer = dcp.FileSystemWriter(out_dir, single_file_per_rank=False, thread_count=1, sync_files=False)
-    dcp.save(sd, storage_writer=writer, planner=lazy_planner(read, set(ours)), no_dist=True)
+    save_one_process(sd, writer, lazy_planner(read, set(ours)))
     return DCPExportReport(source=step_store.url, out_dir=os.path.abspath(out_dir), step=step,
                            num_tensors=len(ours), with_optimizer=with_optim,
                            seconds=time.perf_counter() - t0)

@@ -27,7 +27,7 @@ from shardsmith.errors import CheckpointError
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.layout.plan import param_specs
-from shardsmith.reshard.foreign.dcp import lazy_planner
+from shardsmith.reshard.foreign.dcp import lazy_planner, save_one_process
 from shardsmith.reshard.foreign.dcp_reader import METADATA_NAME
 from shardsmith.reshard.foreign.megatron import (BACKEND_JSON, EXTRA_STATE_MODULES, FC1, GLOBAL_MAP,
                                                  LAYER_MAP, LAYERS, QKV, fuse_qkv)
@@ -169,7 +169,7 @@ def export_megatron(ckpt_url: str, out_dir: str, *, tp: int = 1, pp: int = 1, di
     os.makedirs(out_dir, exist_ok=True)
     writer = dcp.FileSystemWriter(out_dir, single_file_per_rank=False, thread_count=1, sync_files=False)
     planner = lazy_planner(_Reader(step_store, manifest, model, padded), set(shapes), flatten=False)
-    dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)
+    save_one_process(sd, writer, planner)
     with open(os.path.join(out_dir, "metadata.json"), "w", encoding="utf-8") as f:
         json.dump(BACKEND_JSON, f)
     return MegatronExportReport(source=step_store.url, out_dir=os.path.abspath(out_dir), step=step,

@@ -47,6 +47,12 @@ def _s3_parts(store: Store) -> tuple[Any, str, str] | None:
     return store.fs, bucket, (prefix.rstrip("/") + "/") if prefix else ""
 
 
+def has_uploads(store: Store) -> bool:
+    """Whether ``store``'s backend has multipart uploads to list (S3); local files and
+    ``memory://`` have none."""
+    return _s3_parts(store) is not None
+
+
 def list_uploads(store: Store) -> list[Upload]:
     """Unfinished multipart uploads whose key lies under ``store``'s root, oldest first.
 

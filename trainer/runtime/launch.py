@@ -158,7 +158,12 @@ def _quiet_elastic_logs() -> None:
     """torchelastic's agent logs every signal it forwards and every worker it stops; without
     ``--debug`` only its errors about itself reach the console (workers report their own)."""
     if not os.environ.get("SHARDSMITH_DEBUG"):
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        # Its modules' loggers set WARNING themselves (torch's elastic get_logger), so the
+        # parent's level alone did not reach them: a Ctrl-C printed "W... Received 2 death
+        # signal, shutting down workers" above shardsmith's own line.
+        prefix = "torch.distributed.elastic"
+        for name in [prefix, *(n for n in logging.root.manager.loggerDict if n.startswith(prefix + "."))]:
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def first_error(error_file: str) -> str:

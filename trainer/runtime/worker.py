@@ -44,9 +44,9 @@ def main(argv: list[str]) -> int:
     setup_process()
     with open(argv[0]) as f:
         cfg = TrainConfig.from_json(json.load(f))
-    from shardsmith.trainer.train import run_training
-
     try:
+        from shardsmith.trainer.train import run_training   # imports torch: seconds a Ctrl-C may land in
+
         run_training(cfg)
     except KeyboardInterrupt:                             # Ctrl-C before the loop's handlers
         if os.environ.get("RANK", "0") == "0":
