@@ -381,9 +381,10 @@ class Bench:
         raw write; each load: shardsmith, DCP, raw read) runs back to back, in an order that
         rotates every repeat, so each takes each position equally often (the cost of fresh page
         cache on a shared VM depends on what ran just before)."""
+        import robust
+
         def rotated(names: list[str], shift: int = 0) -> list[str]:
-            k = (rep + shift) % len(names)
-            return names[k:] + names[:k]
+            return robust.rotated(names, rep + shift)
 
         def run(key: str, fn: Callable[[], Any]) -> None:
             settle(self.base, self.local_disk)

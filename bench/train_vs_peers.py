@@ -129,9 +129,7 @@ def measure(args: argparse.Namespace, tmp: Path, have_titan: bool) -> dict[str, 
     runs: dict[str, dict[str, list]] = {}
     for r in range(args.rounds):
         for layout in args.layouts.split(","):
-            names = systems_for(layout, have_titan)
-            k = r % len(names)
-            for system in names[k:] + names[:k]:
+            for system in robust.rotated(systems_for(layout, have_titan), r):
                 fig = run_once(system, layout, args, tmp)
                 runs.setdefault(layout, {}).setdefault(system, []).append(fig)
                 print(f"round {r} {layout} {system}: " + (", ".join(f"{a}={b:.4g}" for a, b in fig.items())

@@ -4,7 +4,6 @@ library (:mod:`shardsmith.storage.commit`, ``.verify``, ``.gc``) and print."""
 from __future__ import annotations
 
 import json
-import logging
 from math import prod
 from typing import Any
 
@@ -258,14 +257,8 @@ def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_s
     verb = "would delete" if dry_run else "deleted"
     echo = (lambda d: None) if as_json else (
         lambda d: click.echo(f"{verb if d.delete else 'kept':<12} {d.name}  {d.status:<10} {d.reason}"))
-    gc_log = logging.getLogger("shardsmith.storage.gc")     # its "gc: deleting" lines: echoed here already
-    level = gc_log.level
-    gc_log.setLevel(logging.WARNING)
-    try:
-        gc(store, keep_last, keep_every, grace_seconds=grace_seconds, dry_run=dry_run,
-           on_decision=lambda d: (decisions.append(d), echo(d)))
-    finally:
-        gc_log.setLevel(level)
+    gc(store, keep_last, keep_every, grace_seconds=grace_seconds, dry_run=dry_run,
+       on_decision=lambda d: (decisions.append(d), echo(d)))
     if as_json:
         click.echo(json.dumps({"root": store.url, "dry_run": dry_run, "uploads": [u.__dict__ for u in aborted],
                                "decisions": [d.to_json() for d in decisions]}, indent=1))

@@ -354,17 +354,17 @@ def _component_boxes(specs: dict[str, TensorSpec], dims: ParallelDims, rank: int
             key = tuple(index[coords[axis]] for index, axis in zip(where[fqn], MESH_AXES[1:]))
             if key in seen[fqn]:
                 continue
-            at = {axis: groups[k][0] for groups, k, axis in zip(parts[fqn][1:], key, MESH_AXES[1:])}
-            box = spec.box(dims, {**at, "pp": spec.stages[0]})
+            chosen = [spec.stages, *(groups[k] for groups, k in zip(parts[fqn][1:], key))]
+            first = dict(zip(MESH_AXES, (group[0] for group in chosen)))
+            box = spec.box(dims, first)
             small = box.numel * DTYPE_NBYTES[spec.dtype] <= tiny
             if box.is_empty or (small and member != rank):
                 seen[fqn][key] = None
                 continue
-            chosen = [groups[k] for groups, k in zip(parts[fqn][1:], key)]
             if small:                                 # only its lowest holder writes it (row-major ranks)
-                seen[fqn][key] = (box, [dims.rank_of(dict(zip(MESH_AXES, (spec.stages[0], *(g[0] for g in chosen)))))])
+                seen[fqn][key] = (box, [dims.rank_of(first)])
                 continue
-            holders = sorted(dims.rank_of(dict(zip(MESH_AXES, c))) for c in product(spec.stages, *chosen))
+            holders = _holders(dims, chosen)
             seen[fqn][key] = (box, holders)
             for h in holders:
                 if h not in component:
@@ -386,6 +386,12 @@ def _axis_parts(spec: TensorSpec, dims: ParallelDims, axis: str) -> list[list[in
     return [list(range(p * width, (p + 1) * width)) for p in range(size // width)]
 
 
+def _holders(dims: ParallelDims, groups: list) -> list[int]:
+    """The ranks (ascending) whose coordinates take every combination of ``groups`` (one list
+    of coordinates per axis, in :data:`MESH_AXES` order)."""
+    return sorted(dims.rank_of(dict(zip(MESH_AXES, c))) for c in product(*groups))
+
+
 def box_holders(spec: TensorSpec, dims: ParallelDims) -> list[tuple[Box, list[int]]]:
     """Every distinct non-empty box of ``spec`` under ``dims`` with the ranks holding it
     (ascending), in mesh order of the splitting coordinates. Pure; no loop over ranks that
@@ -398,8 +404,7 @@ def box_holders(spec: TensorSpec, dims: ParallelDims) -> list[tuple[Box, list[in
         box = spec.box(dims, coords)
         if box.is_empty:
             continue
-        holders = sorted(dims.rank_of(dict(zip(MESH_AXES, c))) for c in product(groups[0][0], *parts))
-        out.append((box, holders))
+        out.append((box, _holders(dims, [groups[0][0], *parts])))
     return out
 
 

@@ -244,7 +244,7 @@ def gc(root: Store, keep_last: int | None = None, keep_every: int | None = None,
 
     Single process (the coordinator, or the CLI). Arguments as :func:`plan_gc`;
     ``on_decision`` is called with every step's decision, after its deletion (``shardsmith gc``
-    prints them).
+    prints them); without it each deletion is logged (INFO) instead.
 
     Returns:
         The steps deleted (or, with ``dry_run``, that would be), oldest first.
@@ -257,7 +257,8 @@ def gc(root: Store, keep_last: int | None = None, keep_every: int | None = None,
     for d in plan_gc(root, keep_last, keep_every, grace_seconds=grace_seconds, now=now, runs=runs):
         if d.delete:
             if not dry_run:
-                log.info("gc: deleting %s (%s)", root.url_of(d.name), d.reason)
+                if on_decision is None:                       # a caller with one reports it itself
+                    log.info("gc: deleting %s (%s)", root.url_of(d.name), d.reason)
                 delete_step(root, d.name)
             deleted.append(d.step)
         if on_decision is not None:
