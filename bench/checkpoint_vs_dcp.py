@@ -21,7 +21,7 @@ position equally often), it measures:
   that adds faulting in and zeroing fresh pages, which a load does not pay).
 
 With ``--megatron`` (local disk), Megatron-Core's ``dist_checkpointing`` then runs on the same
-state under megatron-core's own interpreter (bench/megatron_peer.py; env
+state under megatron-core's own interpreter (bench/peers/megatron_peer.py; env
 ``SHARDSMITH_MCORE_PYTHON``): plain, fully parallel and async save, plain and fully parallel load
 into each layout; keys ``save_speedup_vs_megatron``/``load_speedup_vs_megatron`` (ours vs its
 best variant) and ``megatron_*``. Without it (or without the interpreter) they are null.
@@ -65,16 +65,15 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from pagecache import flush_and_evict
 
-from shardsmith.layout import ModelConfig, ParallelDims, stage_layers
-from shardsmith.layout.plan import checkpoint_specs, kv_replicas, padded_vocab_size, rank_boxes
+from ckpt_state import build_model, parse_layout
+from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout.sharding import checkpoint_specs, rank_boxes
 from shardsmith.storage.checksum import crc32c
 from shardsmith.storage.commit import open_manifest, step_dir
 from shardsmith.storage.store.fs import Store
 from shardsmith.trainer.checkpoint.async_save import AsyncCheckpointer
 from shardsmith.trainer.checkpoint.save_load import plan_local_writes, save_checkpoint
 from shardsmith.trainer.checkpoint.shared_reads import load_into_replicas, share_reader, shares_reads
-from shardsmith.trainer.model import Transformer
-from shardsmith.trainer.parallel import build_mesh, parallelize
 
 # ---- the state ---------------------------------------------------------------------------
 
@@ -90,25 +89,8 @@ def model_for_size(gib: float) -> ModelConfig:
                        ffn_hidden_size=f, vocab_size=v, seq_length=128)
 
 
-def parse_layout(name: str) -> ParallelDims:
-    """``pp.dp_replicate.dp_shard.tp`` -> ParallelDims."""
-    pp, dpr, dps, tp = (int(x) for x in name.split("."))
-    return ParallelDims(pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tp)
 
 
-def build_model(cfg: ModelConfig, dims: ParallelDims) -> tuple[Any, torch.nn.Module]:
-    """(mesh, this rank's pipeline stage of the trainer's model, parallelized under ``dims``,
-    uninitialized CPU memory). Collective (builds a mesh)."""
-    mesh = build_mesh(dims, device="cpu")                     # CPU shards, gloo, also on a GPU machine
-    stage = dims.coords(dist.get_rank())["pp"]
-    layers = stage_layers(cfg, dims)[stage]
-    with torch.device("meta"):
-        model = Transformer(cfg, layers, first=stage == 0, last=stage == dims.pp - 1,
-                            padded_vocab=padded_vocab_size(cfg.vocab_size, dims.tp),
-                            kv_copies=kv_replicas(cfg, dims))
-    parallelize(model, mesh, dims, bf16=False, activation_checkpointing=False)
-    model.to_empty(device="cpu")
-    return mesh, model
 
 
 def build_state(cfg: ModelConfig, dims: ParallelDims, fill: bool) -> tuple[dict, dict, dict, Any]:
@@ -417,8 +399,7 @@ class Bench:
 def start_peers(args: argparse.Namespace, cfg: ModelConfig, tmp: str) -> tuple[dict[str, Any], dict[str, str]]:
     """Rank 0: start each requested peer in its own interpreter (bench/lockstep.py); returns
     (name -> PeerProcess, name -> why it is not run)."""
-    import bcp_peer
-    import megatron_peer
+    from peers import bcp_peer, megatron_peer
 
     peers, why = {}, {}
     for name, on, start in (("megatron", args.megatron, megatron_peer.start_peer),
@@ -578,8 +559,8 @@ def report(args: argparse.Namespace, data: dict) -> dict[str, Any]:
 
 def megatron_side(args: argparse.Namespace, data: dict, summary: dict[str, Any]) -> dict[str, Any]:
     """With ``--megatron`` (local disk only), Megatron-Core's figures on the same state, run
-    after ours (bench/megatron_peer.py); the keys are None, with the reason printed, otherwise."""
-    import megatron_peer
+    after ours (bench/peers/megatron_peer.py); the keys are None, with the reason printed, otherwise."""
+    from peers import megatron_peer
 
     res = data["results"]
     meg, why = None, "not requested (--megatron)"
@@ -736,10 +717,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true", help="print every measurement to stderr")
     p.add_argument("--profile", default="", help="cProfile this measurement on rank 0, e.g. ours.save")
     p.add_argument("--megatron", action="store_true",
-                   help="also run Megatron-Core dist_checkpointing on the same state (bench/megatron_peer.py; "
+                   help="also run Megatron-Core dist_checkpointing on the same state (bench/peers/megatron_peer.py; "
                         "interpreter from SHARDSMITH_MCORE_PYTHON, default .venv-mcore/bin/python)")
     p.add_argument("--bytecheckpoint", action="store_true",
-                   help="also run ByteCheckpoint on the same state, as shipped and patched (bench/bcp_peer.py; "
+                   help="also run ByteCheckpoint on the same state, as shipped and patched (bench/peers/bcp_peer.py; "
                         "interpreter from SHARDSMITH_BCP_PYTHON, default .venv-bcp/bin/python)")
     p.add_argument("--dir", default="", help="local directory for the checkpoints (default: a temp dir)")
     args = p.parse_args(argv)

@@ -9,7 +9,7 @@ checkpointing, FSDP2) on a fake process group of the job's full world size
 (``torch.distributed._tools.mem_tracker.MemTracker``): forward, backward (the trainer's
 autocast, loss parallelism and :func:`shardsmith.trainer.step.loss_fn`) and the AdamW step of
 :func:`shardsmith.trainer.optim.build_optimizer`. The tracker's peak is printed next to the dry
-run's ``tracked_peak_bytes`` for the same stage (:func:`shardsmith.layout.estimate.estimate`:
+run's ``tracked_peak_bytes`` for the same stage (:func:`shardsmith.sizing.estimate.estimate`:
 the estimate before the CUDA/NCCL context and the allocator margin, which a fake tensor cannot
 see).
 
@@ -70,8 +70,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.estimate import estimate
-from shardsmith.layout.presets import resolve_model
+from shardsmith.sizing.estimate import estimate
+from shardsmith.sizing.presets import resolve_model
 
 TOLERANCE = 0.15
 
@@ -103,7 +103,7 @@ def _configs() -> dict[str, Config]:
 
 
 def estimate_of(c: Config) -> Any:
-    """The dry run's estimate of ``c`` (:func:`shardsmith.layout.estimate.estimate`)."""
+    """The dry run's estimate of ``c`` (:func:`shardsmith.sizing.estimate.estimate`)."""
     return estimate(c.model, c.dims, micro_batch_size=c.micro_batch_size, global_batch_size=c.global_batch_size,
                     activation_checkpointing=c.ac, mixed_precision="bf16" if c.bf16 else "fp32",
                     sequence_parallel=c.sp)
@@ -177,7 +177,7 @@ def run_stage(c: Config, stage: int) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from shardsmith.layout import chunk_layers
-    from shardsmith.layout.plan import kv_replicas, padded_vocab_size, param_specs
+    from shardsmith.layout.sharding import kv_replicas, padded_vocab_size, param_specs
     from shardsmith.trainer.checkpoint.save_load import init_optimizer_state
     from shardsmith.trainer.model import Transformer
     from shardsmith.trainer.optim import OptimConfig, build_optimizer

@@ -49,7 +49,8 @@ import torch
 import robust
 
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.plan import checkpoint_specs, rank_boxes, write_assignment
+from shardsmith.layout.sharding import checkpoint_specs, rank_boxes
+from shardsmith.layout.assignment import write_assignment
 from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, read_manifest, step_dir

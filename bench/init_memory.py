@@ -7,7 +7,7 @@ under ``torch.distributed.run`` (gloo, CPU), trains ``--steps`` optimizer steps 
 whose full fp32 parameters are >= 1.5 GB, and has every worker report its peak resident set
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, KiB on Linux; the worker is its own exec'd
 process, so the figure is its own) next to its *share*: the bytes of the parameter boxes it
-holds under :mod:`shardsmith.layout.plan` (fp32) times 4 (parameters, gradients, AdamW
+holds under :mod:`shardsmith.layout.sharding` (fp32) times 4 (parameters, gradients, AdamW
 ``exp_avg`` and ``exp_avg_sq``), plus the 4-byte AdamW step counters.
 
 Target (issue 17): on every rank ``peak <= 1.3 * share + 600 MiB``, and the peak while
@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.plan import checkpoint_specs, param_specs, rank_boxes
+from shardsmith.layout.sharding import checkpoint_specs, param_specs, rank_boxes
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.trainer.config import DataConfig, OptimConfig, TrainConfig
 from shardsmith.trainer.runtime.launch import MALLOC_ENV    # the launcher's glibc malloc settings

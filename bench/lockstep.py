@@ -1,6 +1,6 @@
 """Rounds in lockstep between the bench and a peer running in its own interpreter.
 
-The peer (bench/megatron_peer.py, bench/bcp_peer.py) starts once, builds its state and warms up,
+The peer (bench/peers/megatron_peer.py, bench/peers/bcp_peer.py) starts once, builds its state and warms up,
 then runs one round each time the bench tells it to, so its rounds alternate with ours
 (ours, peer, ours, peer ...) without paying its start-up (seconds: imports, a gRPC coordinator,
 a first save) in every round, and without its start-up overlapping our measurements.

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.plan import checkpoint_specs, rank_boxes, shard_file_name, write_assignment
+from shardsmith.layout.sharding import checkpoint_specs, rank_boxes, shard_file_name
+from shardsmith.layout.assignment import write_assignment
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, step_dir
 from shardsmith.storage.formats.registry import SafetensorsFormat

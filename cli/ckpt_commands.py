@@ -83,7 +83,7 @@ def _print_summary(url: str, m: Any, groups: dict[str, dict[str, int]]) -> None:
     from shardsmith.cli.train_commands import describe_model
     from shardsmith.layout import ModelConfig
     from shardsmith.layout.dims import ParallelDims
-    from shardsmith.layout.presets import preset_of
+    from shardsmith.sizing.presets import preset_of
     from shardsmith.layout.sizes import format_nbytes
 
     model = ModelConfig.from_json(m.model)
@@ -233,12 +233,12 @@ def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_s
     modified within --grace-seconds). Aborts unfinished multipart uploads under ROOT older
     than --uploads-grace (with --uploads, only that)."""
     from shardsmith.storage.gc import gc
-    from shardsmith.storage.store.local import sweep_stale_tmp
+    from shardsmith.storage.store.posix import sweep_stale_tmp
     from shardsmith.storage.store.uploads import abort_stale_uploads, has_uploads
 
     store = existing_root(root, storage_options)
     aborted = abort_stale_uploads(store, grace_s=uploads_grace, dry_run=dry_run)
-    if store.is_local and not dry_run:            # killed writers' hidden temporary files
+    if store.is_posix and not dry_run:            # killed writers' hidden temporary files
         for path in sweep_stale_tmp(store.root):
             if not as_json:
                 click.echo(f"removed {path} (a killed writer's temporary file)")

@@ -1,4 +1,4 @@
-"""``shardsmith export-hf`` and ``import-hf``: flags onto :mod:`shardsmith.reshard.hf_io`."""
+"""``shardsmith export-hf`` and ``import-hf``: flags onto :mod:`shardsmith.reshard.foreign.hf_io`."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from shardsmith.storage.store.options import parse_storage_options
 @click.command("export-hf")
 @click.argument("ckpt")
 @click.argument("out_dir")
-@dtype_option("dtype of the exported weights.", default_from="shardsmith.reshard.hf:EXPORT_DTYPE")
-@size_option("--max-shard-size", "max_shard_nbytes", default_from="shardsmith.reshard.hf:EXPORT_MAX_SHARD_NBYTES",
+@dtype_option("dtype of the exported weights.", default_from="shardsmith.reshard.foreign.hf:EXPORT_DTYPE")
+@size_option("--max-shard-size", "max_shard_nbytes", default_from="shardsmith.reshard.foreign.hf:EXPORT_MAX_SHARD_NBYTES",
              help="Split the weights into files of at most this size, with model.safetensors.index.json")
 @click.option("--overwrite", is_flag=True, help="Replace a model already in OUT_DIR.")
 @storage_option
@@ -25,7 +25,7 @@ def export_hf(ckpt, out_dir, dtype, max_shard_nbytes, overwrite, storage_options
     CKPT is a step directory, or a root (its newest step); OUT_DIR is what transformers'
     LlamaForCausalLM.from_pretrained loads, with the run's --tokenizer (tokenizer.json and
     tokenizer_config.json) when that file is still here and unchanged."""
-    from shardsmith.reshard.hf_io import export_hf as do_export
+    from shardsmith.reshard.foreign.hf_io import export_hf as do_export
 
     report = do_export(ckpt, out_dir, dtype=dtype, max_shard_nbytes=max_shard_nbytes,
                        overwrite=overwrite, storage_options=parse_storage_options(storage_options))
@@ -52,8 +52,8 @@ def import_hf(hf_dir, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, cp, 
     (a root or step directory) in the given layout; start training from it with
     `train --init-from CKPT`. A tokenizer.json in HF_DIR is recorded as the checkpoint's
     tokenizer (train with --tokenizer HF_DIR)."""
-    from shardsmith.reshard.hf_io import import_hf as do_import, read_model_config
-    from shardsmith.reshard.hf_tokenizer import find_hf_tokenizer
+    from shardsmith.reshard.foreign.hf_io import import_hf as do_import, read_model_config
+    from shardsmith.reshard.foreign.hf_tokenizer import find_hf_tokenizer
     from shardsmith.trainer.config import TrainConfig
     from shardsmith.trainer.data.config import DataConfig
 

@@ -18,7 +18,7 @@ import click
 from shardsmith.errors import LayoutError
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.dtypes import DTYPE_CHOICES
-from shardsmith.layout.presets import DEFAULT_PRESET, PRESETS
+from shardsmith.sizing.presets import DEFAULT_PRESET, PRESETS
 from shardsmith.layout.sizes import SIZE_HELP, parse_nbytes, short_nbytes
 
 F = Callable[..., Any]
@@ -261,8 +261,8 @@ model_options = stack(
 
 def model_from_flags(flags: dict[str, Any]) -> ModelConfig:
     """The ModelConfig of ``--model`` and the model flags the user gave (value not None),
-    by :func:`shardsmith.layout.presets.resolve_model`."""
-    from shardsmith.layout.presets import resolve_model
+    by :func:`shardsmith.sizing.presets.resolve_model`."""
+    from shardsmith.sizing.presets import resolve_model
 
     given = {f: flags[f] for f in MODEL_FLAGS if flags.get(f) is not None}
     return resolve_model(flags.get("model_preset"), given)

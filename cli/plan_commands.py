@@ -1,4 +1,4 @@
-"""``shardsmith plan``: which layout to train a model with on N GPUs (:mod:`shardsmith.layout.planner`).
+"""``shardsmith plan``: which layout to train a model with on N GPUs (:mod:`shardsmith.sizing.search`).
 
 Imports no torch: it answers from the estimator and the cost model in a second or two.
 """
@@ -42,9 +42,9 @@ def plan_command(**flags: Any) -> None:
 
     Searches the layouts of the model on --gpus GPUs, keeps those that fit the GPU's memory
     (the dry run's estimate) and prints the fastest by an estimated step time, with the exact
-    `shardsmith train` flags. The cost model and its constants: shardsmith/layout/cost.py."""
-    from shardsmith.layout.gpus import gpu
-    from shardsmith.layout.planner import plan, plan_warnings
+    `shardsmith train` flags. The cost model and its constants: shardsmith/sizing/cost.py."""
+    from shardsmith.sizing.gpus import gpu
+    from shardsmith.sizing.search import plan, plan_warnings
     from shardsmith.layout.sizes import parse_nbytes
 
     model = model_from_flags(flags)

@@ -1,5 +1,5 @@
 """``shardsmith train``: flags onto :class:`~shardsmith.trainer.config.TrainConfig`, then the
-launcher (or, with ``--dry-run``, the estimate of :mod:`shardsmith.layout.estimate`).
+launcher (or, with ``--dry-run``, the estimate of :mod:`shardsmith.sizing.estimate`).
 
 Every default is the config dataclass's own (:class:`~shardsmith.cli.options.FieldOption`).
 """
@@ -321,7 +321,7 @@ def virtual_stages(f: dict[str, Any], model: Any) -> int:
 
 def device_nbytes(flags: dict[str, Any]) -> int | None:
     """Bytes per GPU from ``--gpu-memory SIZE`` or ``--gpu NAME`` (the former wins); None without."""
-    from shardsmith.layout.gpus import gpu
+    from shardsmith.sizing.gpus import gpu
     from shardsmith.layout.sizes import parse_nbytes
 
     if flags.get("gpu_memory"):
@@ -330,8 +330,8 @@ def device_nbytes(flags: dict[str, Any]) -> int | None:
 
 
 def job_of(cfg: Any) -> Any:
-    """The :class:`~shardsmith.layout.verdict.Job` of a TrainConfig."""
-    from shardsmith.layout.verdict import Job
+    """The :class:`~shardsmith.sizing.verdict.Job` of a TrainConfig."""
+    from shardsmith.sizing.verdict import Job
 
     return Job(cfg.model, cfg.parallel, micro_batch_size=cfg.micro_batch_size,
                global_batch_size=cfg.global_batch_size, activation_checkpointing=cfg.activation_checkpointing,
@@ -340,7 +340,7 @@ def job_of(cfg: Any) -> Any:
 
 def verdict_json(job: Any, est: Any, device: int | None) -> dict[str, Any]:
     """``fits``, ``headroom_bytes``, ``peak_bytes`` per rank group, the warnings and the fixes."""
-    from shardsmith.layout.verdict import fixes, judge, warnings
+    from shardsmith.sizing.verdict import fixes, judge, warnings
 
     out: dict[str, Any] = {"warnings": warnings(est)}
     if device is None:
@@ -377,8 +377,8 @@ def print_estimate(cfg: Any, preset: str | None, as_json: bool, device: int | No
     """The ``--dry-run`` report of ``cfg`` (a TrainConfig), as text or JSON; with ``device``
     (bytes per GPU) a verdict per rank group and the changes that would make it fit; ``note``
     (text only) follows the layout line."""
-    from shardsmith.layout.estimate import FORMULAS
-    from shardsmith.layout.presets import preset_of
+    from shardsmith.sizing.estimate import FORMULAS
+    from shardsmith.sizing.presets import preset_of
 
     job = job_of(cfg)
     est = job.estimate()

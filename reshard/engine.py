@@ -37,16 +37,16 @@ from shardsmith.reshard.planner import PlanEntry, ReshardPlan, TargetFile
 from shardsmith.reshard.slabs import Slab
 from shardsmith.reshard.progress import PROGRESS_NAME, ReshardReport, load_progress, save_progress
 from shardsmith.reshard.scaleout import Share, assign_files, cleanup, gather, publish
-from shardsmith.reshard.local_copy import copy_slab_verified, write_assembled_at, write_slab_at
+from shardsmith.reshard.posix_copy import copy_slab_verified, write_assembled_at, write_slab_at
 from shardsmith.reshard.stream import BufferBudget, BufferPool, FileResult, assemble_slab
 import shardsmith.storage.formats.safetensors as safetensors
 from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
 from shardsmith.storage.commit import commit, ensure_not_committed, step_dir
 from shardsmith.storage.store.fs import Store
-from shardsmith.storage.store.local import preallocate
+from shardsmith.storage.store.posix import preallocate
 from shardsmith.storage.lineage import rewritten_state
 from shardsmith.storage.manifest.records import FileRecord, Manifest, ManifestBuilder, ShardRecord, sidecar_name
-from shardsmith.storage.store.local import sweep_stale_tmp
+from shardsmith.storage.store.posix import sweep_stale_tmp
 from shardsmith.storage.manifest.sidecar import write_sidecar
 
 log = logging.getLogger(__name__)

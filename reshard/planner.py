@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from shardsmith.errors import ConfigError, LayoutError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.plan import checkpoint_specs, shard_file_name, write_assignment
+from shardsmith.layout.sharding import checkpoint_specs, shard_file_name
+from shardsmith.layout.assignment import write_assignment
 from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.layout.dtypes import DTYPE_NBYTES, FLOAT_DTYPES
@@ -228,7 +229,7 @@ def plan_reshard(manifest: Manifest, dims: ParallelDims, options: ReshardOptions
     """Plan the conversion of a checkpoint to layout ``dims``. Pure; any process may call it.
 
     Target files, their entries and writers come from the sharding plan
-    (:func:`shardsmith.layout.plan.write_assignment`), so the result has the files,
+    (:func:`shardsmith.layout.sharding.write_assignment`), so the result has the files,
     keys and boxes a job saving directly in ``dims`` would write.
 
     Args:

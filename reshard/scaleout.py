@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from shardsmith.errors import CheckpointError, ConfigError
-from shardsmith.layout.plan import lpt_assign
+from shardsmith.layout.assignment import lpt_assign
 from shardsmith.reshard.planner import ReshardPlan, TargetFile
 from shardsmith.reshard.stream import FileResult
 from shardsmith.storage.store.fs import Store

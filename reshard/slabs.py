@@ -162,7 +162,7 @@ def _shard_row_cuts(manifest: Manifest, fqn: str, box: Box) -> list[int]:
 
 #: Bytes of a gathered slab (a tensor saved split on dim 1 or later, e.g. row-parallel
 #: ``wo``/``w2`` going to a smaller TP) assembled, checksummed and written at once by
-#: ``reshard/local_copy.py: write_assembled_at``: small enough that the assembled rows are
+#: ``reshard/posix_copy.py: write_assembled_at``: small enough that the assembled rows are
 #: still in cache when they are checksummed and written. The slab itself (one read per
 #: source) is as large as any other, so few source chunks are read twice at slab boundaries.
 ASSEMBLED_SLAB_NBYTES = 4 << 20

@@ -20,7 +20,7 @@ from shardsmith.reshard.planner import PlanEntry
 from shardsmith.reshard.slabs import Piece, Slab
 from shardsmith.storage.checksum import chunk_crc32c, require_full_read, verify_chunks, verify_chunks_split
 from shardsmith.storage.store.fs import Store
-from shardsmith.storage.store.local import map_range
+from shardsmith.storage.store.posix import map_range
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.manifest.records import FileRecord, Manifest, ShardRecord
 from shardsmith.storage.manifest.sidecar import load_chunk_crcs

@@ -24,7 +24,8 @@ import torch
 from shardsmith.errors import LayoutError
 from shardsmith.reshard.progress import ReshardReport
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.plan import TensorSpec, checkpoint_specs, shard_file_name, write_assignment
+from shardsmith.layout.sharding import TensorSpec, checkpoint_specs, shard_file_name
+from shardsmith.layout.assignment import write_assignment
 from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir

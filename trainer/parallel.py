@@ -3,7 +3,7 @@
 The mesh is built once from :class:`ParallelDims` and passed down; nothing here is
 global. Order of application (as in torchtitan): pipeline split -> TP -> FSDP2, all on
 the ``meta`` device, then only local shards are materialized. The TP plan is built from
-the tables of :mod:`shardsmith.layout.plan`, and the placements this produces are checked
+the tables of :mod:`shardsmith.layout.sharding`, and the placements this produces are checked
 against the plan's ``dim_axes`` at every build (and the boxes at every save and load).
 """
 
@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 
 from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims, chunk_layers, stage_layers
 from shardsmith.layout.dims import FSDP_AXES, FSDP_MESH_DIM
-from shardsmith.layout.plan import (COLWISE, ROWWISE, VOCAB_PARALLEL, TensorSpec, grad_sum_groups,
+from shardsmith.layout.sharding import (COLWISE, ROWWISE, VOCAB_PARALLEL, TensorSpec, grad_sum_groups,
                                     kv_replicas, padded_vocab_size, param_specs, tp_module_key)
 from shardsmith.trainer.context_parallel import attach, context_parallel, fsdp_mesh
 from shardsmith.trainer.model import Transformer
@@ -122,7 +122,7 @@ def build_stage_model(cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, *,
 
     Raises:
         AssertionError: a parameter's DTensor placements or local shape differ from
-            :func:`shardsmith.layout.plan.param_specs` (internal invariant).
+            :func:`shardsmith.layout.sharding.param_specs` (internal invariant).
     """
     coords = dims.coords(dist.get_rank())
     info = StageInfo(coords["pp"], dims.pp, stage_layers(cfg, dims)[coords["pp"]])
@@ -147,7 +147,7 @@ def build_stage_model(cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, *,
 
 
 def tp_plan(model: Transformer, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """``parallelize_module`` plan of one stage, from the tables of :mod:`shardsmith.layout.plan`.
+    """``parallelize_module`` plan of one stage, from the tables of :mod:`shardsmith.layout.sharding`.
 
     ``COLWISE``/``ROWWISE`` linears get torch's ``ColwiseParallel``/``RowwiseParallel``;
     ``VOCAB_PARALLEL`` modules split the vocab (dim 0): ``RowwiseParallel`` on the embedding
@@ -282,7 +282,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, *, bf1
 
 def build_grad_sum_groups(cfg: ModelConfig, dims: ParallelDims) -> dict[str, dist.ProcessGroup]:
     """Process groups summing the gradients of tied copies (see
-    :func:`shardsmith.layout.plan.grad_sum_groups`), keyed by parameter FQN, for this rank.
+    :func:`shardsmith.layout.sharding.grad_sum_groups`), keyed by parameter FQN, for this rank.
 
     Collective: every rank creates every group, in the same order.
     """

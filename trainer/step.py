@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims
-from shardsmith.layout.plan import param_specs
+from shardsmith.layout.sharding import param_specs
 from shardsmith.trainer import pipeline
 from shardsmith.trainer.moe import set_aux_loss_scale
 from shardsmith.trainer.parallel import device_type
@@ -30,7 +30,7 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
-def build_schedule(model: torch.nn.Module, pp_rank: int, parallel: ParallelDims, pp_group: dist.ProcessGroup,
+def schedule_for(model: torch.nn.Module, pp_rank: int, parallel: ParallelDims, pp_group: dist.ProcessGroup,
                    num_microbatches: int, name: str = "") -> Any:
     """This rank's pipeline schedule (see :func:`shardsmith.trainer.pipeline.build_schedule`)
     with :func:`loss_fn`."""

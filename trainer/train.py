@@ -45,7 +45,7 @@ from shardsmith.trainer.context_parallel import context_parallel
 from shardsmith.trainer.parallel import (build_grad_sum_groups, build_mesh, build_stage_model, device_type,
                                         finalize_grads, init_distributed)
 from shardsmith.trainer.rng import seed_rng
-from shardsmith.trainer.step import StepMath, StepMetrics, build_schedule
+from shardsmith.trainer.step import StepMath, StepMetrics, schedule_for
 
 __all__ = ["Trainer", "run_training", "iter_json_lines"]   # iter_json_lines: trainer/demo.py
 
@@ -105,7 +105,7 @@ class Trainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.optim.decay_steps or cfg.steps))
         schedule = None
         if parallel.pp > 1:
-            schedule = build_schedule(model, stage.index, parallel, mesh["pp"].get_group(), num_mb,
+            schedule = schedule_for(model, stage.index, parallel, mesh["pp"].get_group(), num_mb,
                                       cfg.pipeline_schedule)
         state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                            bad_steps=BadStepPolicy(max_bad_steps=cfg.fault.max_bad_steps))

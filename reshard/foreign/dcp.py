@@ -42,7 +42,7 @@ import torch
 from shardsmith.errors import CheckpointError, ConfigError
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.box import Box
-from shardsmith.layout.plan import param_specs
+from shardsmith.layout.sharding import param_specs
 from shardsmith.reshard.foreign.common import MODEL_RECORD_KEY, ImportReport, ModelHints, infer_model_config
 from shardsmith.reshard.foreign.dcp_reader import METADATA_NAME, DCPCheckpoint
 from shardsmith.reshard.foreign.write import write_checkpoint

@@ -21,7 +21,7 @@ read too). The fused QKV rows are grouped per kv head: for each of the K groups,
 query heads, then its key head, then its value head (Megatron ``SelfAttention``,
 ``get_query_key_value_tensors``). Megatron rotates RoPE halves (``rotary_interleaved=False``,
 like Hugging Face), shardsmith interleaved pairs, so q/k rows are permuted within each head
-exactly as for Hugging Face (:func:`shardsmith.reshard.hf.permute_from_hf`). The vocabulary
+exactly as for Hugging Face (:func:`shardsmith.reshard.foreign.hf.permute_from_hf`). The vocabulary
 is padded to a multiple of ``make_vocab_size_divisible_by * tp`` with zero rows.
 Adam state: :mod:`.megatron_optim` (model-space layout converted, bucket layout reported).
 """
@@ -42,7 +42,7 @@ from shardsmith.reshard.foreign.dcp_reader import DCPCheckpoint
 from shardsmith.reshard.foreign.megatron_optim import (BUCKET_SPACE, KINDS, STATE, MegatronOptim,
                                                        optimizer_layout, step_tensor)
 from shardsmith.reshard.foreign.write import write_checkpoint
-from shardsmith.reshard.hf import permute_from_hf, permute_to_hf
+from shardsmith.reshard.foreign.hf import permute_from_hf, permute_to_hf
 
 LAYERS = "decoder.layers."
 QKV = "self_attention.linear_qkv.weight"

@@ -26,7 +26,7 @@ import torch
 from shardsmith.errors import CheckpointError
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.box import Box
-from shardsmith.layout.plan import param_specs
+from shardsmith.layout.sharding import param_specs
 from shardsmith.reshard.foreign.dcp import lazy_planner, save_one_process
 from shardsmith.reshard.foreign.dcp_reader import METADATA_NAME
 from shardsmith.reshard.foreign.megatron import (BACKEND_JSON, EXTRA_STATE_MODULES, FC1, GLOBAL_MAP,

@@ -16,7 +16,8 @@ import torch
 
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.box import Box
-from shardsmith.layout.plan import checkpoint_specs, shard_file_name, write_assignment
+from shardsmith.layout.sharding import checkpoint_specs, shard_file_name
+from shardsmith.layout.assignment import write_assignment
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, ensure_not_committed, resolve_target, step_dir
 from shardsmith.storage.manifest.records import MANIFEST_NAME, ManifestBuilder

@@ -24,7 +24,8 @@ import torch
 from shardsmith.errors import ConfigError
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.box import Box
-from shardsmith.layout.plan import TensorSpec, shard_file_name, write_assignment
+from shardsmith.layout.sharding import TensorSpec, shard_file_name
+from shardsmith.layout.assignment import write_assignment
 from shardsmith.storage.cycle_gc import cycle_gc_paused
 from shardsmith.storage.store.fs import Store
 from shardsmith.storage.manifest.records import TENSOR_FORMATS, FileRecord, Manifest, ManifestBuilder, ShardRecord

@@ -239,7 +239,7 @@ def write_chunks(step_store: Store, arrays: dict[str, ZarrArray], entries: Itera
                  chunk_nbytes: int) -> tuple[dict[str, FileRecord], dict[str, list[ShardRecord]]]:
     """Encode and write the chunks of this writer's boxes; return their manifest records.
 
-    Every writer calls it for the boxes it is assigned (``layout.plan.write_assignment``),
+    Every writer calls it for the boxes it is assigned (``layout.sharding.write_assignment``),
     any number of writers at once: chunks are never shared. ``entries`` may be a generator
     (e.g. boxes read one at a time); at most :data:`MAX_PENDING_NBYTES` of encoded bytes
     are held before they are written, concurrently.

@@ -13,7 +13,7 @@ from shardsmith.errors import CheckpointMismatch
 from shardsmith.layout.compat import SHAPE_FIELDS
 from shardsmith.layout.dims import ParallelDims
 from shardsmith.layout.model_config import ModelConfig
-from shardsmith.layout.plan import checkpoint_specs
+from shardsmith.layout.sharding import checkpoint_specs
 from shardsmith.storage.manifest.records import Manifest
 
 OPTIM_PREFIX = "optim."

@@ -1,7 +1,7 @@
 """Load-time read execution: run planned reads concurrently through the Store, verify, scatter.
 
 :func:`read_safetensors_boxes` (reached through :func:`shardsmith.storage.formats.registry.read_boxes`)
-plans with :mod:`shardsmith.storage.reading.plan`, reads each coalesced range with one
+plans with :mod:`shardsmith.storage.reading.ranges`, reads each coalesced range with one
 :meth:`~shardsmith.storage.store.fs.Store.read_into` (local ``preadv`` / ranged GET, under the
 store's retries), verifies every chunk with :func:`~shardsmith.storage.checksum.verify_chunks`
 before use, and copies scratch pieces into place.
@@ -22,7 +22,7 @@ from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.storage.checksum import require_full_read, verify_chunks
 from shardsmith.storage.store.fs import Store
 from shardsmith.storage.manifest.records import Manifest
-from shardsmith.storage.reading.plan import ReadPart, ScratchPiece, coalesce, plan_piece
+from shardsmith.storage.reading.ranges import ReadPart, ScratchPiece, coalesce, plan_piece
 from shardsmith.storage.reading.spans import intersections
 from shardsmith.storage.formats.tensor_files import TORCH_DTYPES
 from shardsmith.storage.manifest.file_checks import check_file_once

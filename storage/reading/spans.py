@@ -1,6 +1,6 @@
 """The box -> byte-range rules every reader shares (pure: no torch, no I/O).
 
-Used by load planning (:mod:`shardsmith.storage.reading.plan`), the zarr reader and the
+Used by load planning (:mod:`shardsmith.storage.reading.ranges`), the zarr reader and the
 offline reshard planner, so the three agree on which saved shards a box touches and on
 how a byte range is widened to the checksum chunks that verify it.
 """

@@ -5,6 +5,6 @@ read and write, under one retry policy and error mapping), its
 :attr:`~shardsmith.storage.store.fs.Store.capabilities`
 (:class:`~shardsmith.storage.store.backends.Capabilities`, :class:`~shardsmith.storage.store.backends.StorageKind`),
 :func:`~shardsmith.storage.store.options.parse_storage_options`, and the POSIX helpers of
-:mod:`~shardsmith.storage.store.local` for the resharder's local copies. The backends
+:mod:`~shardsmith.storage.store.posix` for the resharder's local copies. The backends
 (:mod:`~shardsmith.storage.store.backends`) are reached only through the Store.
 """

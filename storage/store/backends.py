@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from fsspec.implementations.local import LocalFileSystem
 
-from shardsmith.storage.store import local
+from shardsmith.storage.store import posix
 from shardsmith.storage.store.multipart import MultipartWriter, part_size
 from shardsmith.storage.store.s3_reads import ObstoreReads
 
@@ -239,7 +239,7 @@ class PosixBackend(FsspecBackend):
     def read_into(self, path: str, start: int, dests: Sequence[memoryview], call: Call,
                   get_range: Callable[[int, int], bytes | memoryview]) -> int:
         """One ``preadv`` straight into ``dests``."""
-        return int(call(lambda: local.preadv_into(path, start, dests)))
+        return int(call(lambda: posix.preadv_into(path, start, dests)))
 
     def local_path(self, path: str) -> str | None:
         return path
@@ -247,7 +247,7 @@ class PosixBackend(FsspecBackend):
     def write_parts(self, path: str, parts: Sequence[Bytes], call: Call, part_nbytes: int,
                     max_concurrency: int) -> None:
         """The parts in one pass of ``iter(parts)`` into a temporary file, renamed into place."""
-        call(lambda: local.write_parts(path, parts))
+        call(lambda: posix.write_parts(path, parts))
 
     @contextlib.contextmanager
     def open_writer(self, path: str, call: Call, call_once: Call, nbytes_hint: int | None, part_nbytes: int,
@@ -255,7 +255,7 @@ class PosixBackend(FsspecBackend):
         """A hidden temporary file renamed into place on a clean exit (the ``fs.mid_write``
         crash point fires after its first write)."""
         with contextlib.ExitStack() as stack:
-            yield call(lambda: stack.enter_context(local.streamed_file(path)))
+            yield call(lambda: stack.enter_context(posix.streamed_file(path)))
 
 
 class S3Backend(FsspecBackend):

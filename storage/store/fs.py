@@ -125,7 +125,7 @@ class Store:
         return self.backend.capabilities
 
     @property
-    def is_local(self) -> bool:
+    def is_posix(self) -> bool:
         """Files have a local path (a POSIX mount: node-local disk or a shared filesystem)."""
         return self.backend.posix
 
@@ -223,7 +223,7 @@ class Store:
 
     def local_path(self, key: str) -> str | None:
         """The filesystem path of ``key`` on a local store (for mapped reads and kernel copies,
-        :mod:`shardsmith.storage.store.local`); ``None`` on any other backend."""
+        :mod:`shardsmith.storage.store.posix`); ``None`` on any other backend."""
         return self.backend.local_path(self._path(key))
 
     def exists(self, key: str) -> bool:

@@ -141,7 +141,7 @@ def test_inspect_shows_the_model_config(tmp_path) -> None:
     assert "layout pp1·dpr1·dps1·tp2 (2 ranks)" in result.output
     from math import prod
 
-    from shardsmith.layout.plan import param_specs
+    from shardsmith.layout.sharding import param_specs
 
     num_params = sum(prod(s.shape) for s in param_specs(MODEL, ParallelDims()).values())
     assert "model custom: 2 layers, hidden 32, 4 heads (2 kv), ffn 64, vocab 256, seq 16" in result.output

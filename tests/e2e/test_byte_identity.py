@@ -20,7 +20,7 @@ from pathlib import Path
 
 from shardsmith.layout import ParallelDims
 from shardsmith.reshard.api import reshard
-from shardsmith.reshard.hf_io import export_hf
+from shardsmith.reshard.foreign.hf_io import export_hf
 from shardsmith.reshard.planner import ReshardOptions
 from shardsmith.reshard.zarr_convert import convert_format
 from shardsmith.storage.commit import read_manifest, step_dir

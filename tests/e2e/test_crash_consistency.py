@@ -324,7 +324,7 @@ def _run_cli(name: str, root: Store, flags: list[str], workdir: Path) -> Group:
 
 def _copy_root(src: Store, dst: Store) -> None:
     """Copy a checkpoint root as it is (local: temp-file leftovers included)."""
-    if src.is_local:
+    if src.is_posix:
         shutil.copytree(src.url, dst.url)
         return
     for key in src.walk():

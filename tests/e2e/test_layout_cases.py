@@ -129,7 +129,7 @@ def _file_layout(url: str) -> dict[str, dict[str, tuple]]:
         for s in rec.shards:
             files.setdefault(s.file, {})[s.key] = (tuple(s.offsets), tuple(s.lengths))
     for name, keys in files.items():
-        with safe_open(store.fs.unstrip_protocol(store._path(name)) if not store.is_local
+        with safe_open(store.fs.unstrip_protocol(store._path(name)) if not store.is_posix
                        else store._path(name), framework="pt") as f:
             assert sorted(f.keys()) == sorted(keys), f"{name}: file keys differ from the manifest"
     return files
@@ -167,7 +167,7 @@ def test_step0_checkpoints_of_every_layout_are_bitwise_equal(sources, jobs, work
     from click.testing import CliRunner
 
     from shardsmith.cli.main import cli
-    from shardsmith.layout.plan import OPTIM_PREFIXES
+    from shardsmith.layout.sharding import OPTIM_PREFIXES
     from shardsmith.trainer.model import Transformer
     from shardsmith.trainer.weight_init import init_weights
 

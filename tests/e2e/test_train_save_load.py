@@ -37,7 +37,7 @@ from conftest import (LAYOUTS, TINY_MODEL, TINY_TRAIN_FLAGS, assert_tensors_bitw
                       open_checkpoint, read_full_tensors, run_torchrun, tiny_train_config)
 from shardsmith.reshard.api import reshard
 from shardsmith.layout import ParallelDims
-from shardsmith.layout.plan import OPTIM_PREFIXES
+from shardsmith.layout.sharding import OPTIM_PREFIXES
 from shardsmith.storage.commit import step_dir
 from shardsmith.storage.store.fs import Store
 from shardsmith.trainer.model import Transformer

@@ -24,7 +24,8 @@ import uuid
 import torch
 
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.plan import checkpoint_specs, shard_file_name, write_assignment
+from shardsmith.layout.sharding import checkpoint_specs, shard_file_name
+from shardsmith.layout.assignment import write_assignment
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import commit, read_manifest, step_dir
 from shardsmith.storage.formats.registry import read_box

@@ -10,7 +10,7 @@ from shardsmith.errors import CheckpointMismatch
 from shardsmith.layout import ModelConfig
 from shardsmith.layout.compat import (check_has_optimizer_state, check_model_compatible,
                                       check_tensor_names, model_differences)
-from shardsmith.layout.plan import checkpoint_specs
+from shardsmith.layout.sharding import checkpoint_specs
 from shardsmith.layout.dims import ParallelDims
 
 BASE = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2,

@@ -9,8 +9,9 @@ from click.testing import CliRunner
 from shardsmith.cli.main import cli
 from shardsmith.errors import ConfigError
 from shardsmith.layout import ModelConfig, ParallelDims, chunk_layers, stage_layers
-from shardsmith.layout.estimate import activation_nbytes_per_layer, estimate
-from shardsmith.layout.plan import param_specs, rank_boxes, write_assignment
+from shardsmith.sizing.estimate import activation_nbytes_per_layer, estimate
+from shardsmith.layout.sharding import param_specs, rank_boxes
+from shardsmith.layout.assignment import write_assignment
 
 MODEL = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                     ffn_hidden_size=128, vocab_size=256, seq_length=64)
@@ -57,7 +58,7 @@ def test_bubble_fraction_shrinks_by_the_virtual_stages() -> None:
 
 
 def test_sequence_parallel_activation_formula() -> None:
-    """layout/activations.py at 16 bit: per token 2(4h + 4h) + 10q/t + 8f/t without SP, the norms
+    """sizing/activations.py at 16 bit: per token 2(4h + 4h) + 10q/t + 8f/t without SP, the norms
     over t and the gathered linear input whole with SP: 2((4h + 2h)/t + 2h) + 10q/t + 8f/t;
     2sbh vs 2sbh/t under full recomputation."""
     s, b, h, t = 64, 2, 64, 2
@@ -188,7 +189,7 @@ def test_expert_parallel_layout_rules() -> None:
 def test_moe_flops_count_only_the_routed_experts() -> None:
     import dataclasses
 
-    from shardsmith.layout.estimate import flops_per_token
+    from shardsmith.layout.flops import flops_per_token
 
     dense = flops_per_token(MODEL)
     moe = dataclasses.replace(MODEL, num_experts=4, moe_router_topk=1)     # 1 of 4 experts = the dense FFN

@@ -1,4 +1,4 @@
-"""A saving rank's write list from its component alone equals the whole world's (layout/plan.py)."""
+"""A saving rank's write list from its component alone equals the whole world's (layout/sharding.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import pytest
 
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.layout.plan import _component_boxes, box_holders, checkpoint_specs, write_assignment
+from shardsmith.layout.assignment import _component_boxes, box_holders, write_assignment
+from shardsmith.layout.sharding import checkpoint_specs
 
-from tests.layout.test_plan import GQA_MODEL, MODEL, ODD_MODEL, PLAN_CASES
+from plan_cases import GQA_MODEL, MODEL, ODD_MODEL, PLAN_CASES
 
 MOE = dataclasses.replace(MODEL, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
 CASES = PLAN_CASES + [

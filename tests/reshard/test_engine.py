@@ -24,7 +24,7 @@ from shardsmith.reshard.diff import diff_checkpoints
 from shardsmith.reshard.api import reshard
 from shardsmith.reshard.progress import PROGRESS_NAME
 from shardsmith.layout import ParallelDims
-from shardsmith.layout.plan import shard_file_name
+from shardsmith.layout.sharding import shard_file_name
 from shardsmith.reshard.planner import ReshardOptions, plan_reshard
 from shardsmith.storage.formats.safetensors import encode_header, file_order
 from shardsmith.reshard.scaleout import Share, assign_files

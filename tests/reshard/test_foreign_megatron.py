@@ -22,7 +22,7 @@ from shardsmith.layout import ModelConfig
 from shardsmith.reshard.foreign.dcp_reader import DCPCheckpoint
 from shardsmith.reshard.foreign.megatron import fuse_qkv, split_qkv
 from shardsmith.reshard.foreign.megatron_optim import optimizer_layout
-from shardsmith.reshard.hf import permute_from_hf
+from shardsmith.reshard.foreign.hf import permute_from_hf
 from shardsmith.trainer.model import Transformer
 
 MCORE_PYTHON = os.environ.get("SHARDSMITH_MCORE_PYTHON", str(REPO_ROOT / ".venv-mcore" / "bin" / "python"))

@@ -1,5 +1,5 @@
 """Gathered slabs (a tensor saved split on dim 1, e.g. row-parallel ``wo``/``w2`` merged to a
-smaller TP) between local files: ``reshard/local_copy.py: write_assembled_at`` maps the sources
+smaller TP) between local files: ``reshard/posix_copy.py: write_assembled_at`` maps the sources
 once per slab and gathers, checksums and writes a few rows at a time, verifying each source
 chunk once, just before its first use."""
 
@@ -11,7 +11,7 @@ from math import prod
 import pytest
 
 import shardsmith.reshard.engine as engine
-import shardsmith.reshard.local_copy as local_copy
+import shardsmith.reshard.posix_copy as local_copy
 from shardsmith.errors import IntegrityError
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.dtypes import DTYPE_NBYTES

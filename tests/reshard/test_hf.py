@@ -23,12 +23,12 @@ from hf_models import save_hf_llama
 
 from shardsmith.cli.main import cli
 from shardsmith.errors import ConfigError
-from shardsmith.reshard.hf import (from_hf_name, hf_config, model_config_from_hf, permute_from_hf,
+from shardsmith.reshard.foreign.hf import (from_hf_name, hf_config, model_config_from_hf, permute_from_hf,
                                    permute_to_hf, to_hf_name)
 from shardsmith.layout.sizes import parse_nbytes
-from shardsmith.reshard.hf_io import plan_weight_files, WeightEntry
+from shardsmith.reshard.foreign.hf_io import plan_weight_files, WeightEntry
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.plan import param_specs, rank_boxes
+from shardsmith.layout.sharding import param_specs, rank_boxes
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
 from shardsmith.storage.formats.registry import read_box

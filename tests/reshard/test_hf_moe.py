@@ -16,8 +16,8 @@ import torch
 from conftest import TINY_MODEL, assert_tensors_bitwise_equal, read_full_tensors
 from shardsmith.errors import ConfigError
 from shardsmith.layout import ParallelDims
-from shardsmith.layout.plan import param_specs
-from shardsmith.reshard.hf import expert_hf_names, hf_config, model_config_from_hf
+from shardsmith.layout.sharding import param_specs
+from shardsmith.reshard.foreign.hf import expert_hf_names, hf_config, model_config_from_hf
 
 MOE = dataclasses.replace(TINY_MODEL, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.02)
 
@@ -39,7 +39,7 @@ def test_mixtral_names_and_config() -> None:
 def test_moe_checkpoint_exports_as_mixtral_and_imports_back(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     from shardsmith.reshard.foreign.write import write_checkpoint
-    from shardsmith.reshard.hf_io import export_hf, import_hf
+    from shardsmith.reshard.foreign.hf_io import export_hf, import_hf
     from shardsmith.trainer.model import Transformer
     from shardsmith.trainer.weight_init import init_box
 

@@ -83,7 +83,7 @@ def test_tokenizer_not_copied_is_said(tmp_path: Path) -> None:
 
 
 def test_tiktoken_file_is_copied_under_its_name(tmp_path: Path) -> None:
-    from shardsmith.reshard.hf_tokenizer import copy_tokenizer
+    from shardsmith.reshard.foreign.hf_tokenizer import copy_tokenizer
     from shardsmith.storage.store.fs import Store
 
     bpe = tmp_path / "cl100k_base.tiktoken"

@@ -15,7 +15,7 @@ from shardsmith.cli.main import cli
 from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import find_latest_committed, step_dir
 from shardsmith.storage.store.fs import Store
-from shardsmith.storage.store.local import sweep_stale_tmp, tmp_name
+from shardsmith.storage.store.posix import sweep_stale_tmp, tmp_name
 
 
 def _tmp_files(path) -> list[str]:

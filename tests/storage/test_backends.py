@@ -42,11 +42,11 @@ def test_capabilities_follow_the_storage_kind_and_the_cores() -> None:
 def test_a_store_picks_its_backend_and_kind(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("SHARDSMITH_STORAGE_KIND", raising=False)
     local = Store(str(tmp_path))
-    assert isinstance(local.backend, PosixBackend) and local.is_local
+    assert isinstance(local.backend, PosixBackend) and local.is_posix
     assert local.capabilities.kind is posix_kind(str(tmp_path))
     assert local.local_path("a/b") == str(tmp_path / "a" / "b")
     mem = Store("memory://backends-test")
-    assert type(mem.backend) is FsspecBackend and not mem.is_local and mem.local_path("a") is None
+    assert type(mem.backend) is FsspecBackend and not mem.is_posix and mem.local_path("a") is None
     assert mem.capabilities.kind is StorageKind.OBJECT_STORE
     monkeypatch.setenv("SHARDSMITH_STORAGE_KIND", "shared-fs")
     shared = Store(str(tmp_path))

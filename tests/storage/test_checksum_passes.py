@@ -15,7 +15,7 @@ from shardsmith.storage.checksum import (ChunkedCrc, chunk_crc32c, crc32c, crc32
                                          verify_chunks_split)
 from shardsmith.storage.commit import step_dir
 from shardsmith.storage.store.fs import Store
-from shardsmith.storage.store.local import map_range
+from shardsmith.storage.store.posix import map_range
 from shardsmith.storage.manifest.records import ShardRecord
 from shardsmith.storage.formats.safetensors import write_stream
 from shardsmith.storage.verify import verify_checkpoint
@@ -188,16 +188,16 @@ def test_preallocate_allocates_up_front_and_names_a_full_disk(tmp_path, monkeypa
     import errno
     import os
 
-    from shardsmith.storage.store import local
+    from shardsmith.storage.store import posix
 
     path = tmp_path / "f"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        if not local.preallocate(fd, 3 << 20, str(path)):
+        if not posix.preallocate(fd, 3 << 20, str(path)):
             pytest.skip("this filesystem has no fallocate")
         st = os.fstat(fd)
         assert st.st_size == 3 << 20 and st.st_blocks * 512 >= 3 << 20      # blocks allocated, not a hole
-        assert not local.preallocate(fd, 0)
+        assert not posix.preallocate(fd, 0)
 
         def failing(code: int):
             def fallocate(*args) -> int:
@@ -205,13 +205,13 @@ def test_preallocate_allocates_up_front_and_names_a_full_disk(tmp_path, monkeypa
                 return -1
             return fallocate
 
-        monkeypatch.setattr(local, "_FALLOCATE", failing(errno.ENOSPC))
+        monkeypatch.setattr(posix, "_FALLOCATE", failing(errno.ENOSPC))
         with pytest.raises(OSError) as info:
-            local.preallocate(fd, 1 << 40, "/ckpt/step-1/rank-0.safetensors")
+            posix.preallocate(fd, 1 << 40, "/ckpt/step-1/rank-0.safetensors")
         assert info.value.errno == errno.ENOSPC
         assert "/ckpt/step-1/rank-0.safetensors" in str(info.value) and "free space" in str(info.value)
-        monkeypatch.setattr(local, "_FALLOCATE", failing(errno.EOPNOTSUPP))
-        assert not local.preallocate(fd, 1 << 20)                              # unsupported: skipped
+        monkeypatch.setattr(posix, "_FALLOCATE", failing(errno.EOPNOTSUPP))
+        assert not posix.preallocate(fd, 1 << 20)                              # unsupported: skipped
     finally:
         os.close(fd)
 
@@ -220,17 +220,17 @@ def test_write_parts_allocates_before_the_first_write_and_a_full_disk_loses_noth
     import ctypes
     import errno
 
-    from shardsmith.storage.store import local
+    from shardsmith.storage.store import posix
     from shardsmith.storage.store.fs import Store
 
     seen: list[tuple[int, int]] = []
-    real = local.preallocate
+    real = posix.preallocate
 
     def spy(fd: int, nbytes: int, name: str = "") -> bool:
         seen.append((nbytes, __import__("os").fstat(fd).st_size))          # the size asked, bytes written so far
         return real(fd, nbytes, name)
 
-    monkeypatch.setattr(local, "preallocate", spy)
+    monkeypatch.setattr(posix, "preallocate", spy)
     store = Store(str(tmp_path))
     parts = [memoryview(b"a" * 1000), memoryview(bytes(range(256)) * 40)]
     store.write_parts("rank-7.safetensors", parts)
@@ -241,8 +241,8 @@ def test_write_parts_allocates_before_the_first_write_and_a_full_disk_loses_noth
         ctypes.set_errno(errno.ENOSPC)
         return -1
 
-    monkeypatch.setattr(local, "preallocate", real)
-    monkeypatch.setattr(local, "_FALLOCATE", full)
+    monkeypatch.setattr(posix, "preallocate", real)
+    monkeypatch.setattr(posix, "_FALLOCATE", full)
     with pytest.raises(Exception) as info:
         store.write_parts("rank-7.safetensors", [memoryview(b"new" * 100)])
     assert "free space" in str(info.value) and "rank-7.safetensors" in str(info.value)
@@ -253,7 +253,7 @@ def test_write_parts_allocates_before_the_first_write_and_a_full_disk_loses_noth
 def test_write_parts_file_ends_where_the_written_bytes_end(tmp_path) -> None:
     """Sizes are read by index for the allocation; a sequence whose iteration yields fewer
     bytes than its indexing promised still gives a file of exactly the written bytes."""
-    from shardsmith.storage.store.local import write_parts
+    from shardsmith.storage.store.posix import write_parts
 
     class Shrinking(list):
         def __iter__(self):

@@ -12,7 +12,7 @@ from ckpt_factory import MODEL, assert_bitwise_equal, full_tensors, load_full, s
 from shardsmith.errors import ManifestError
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.box import Box, bounding_box
-from shardsmith.layout.plan import checkpoint_specs, rank_boxes
+from shardsmith.layout.sharding import checkpoint_specs, rank_boxes
 from shardsmith.storage.manifest import grid as manifest_grid
 from shardsmith.storage.commit import step_dir
 from shardsmith.storage.store.fs import Store

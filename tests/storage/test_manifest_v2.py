@@ -22,7 +22,8 @@ from shardsmith.errors import IntegrityError, ManifestError
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.layout.plan import TINY_BOX_SHARE, checkpoint_specs, rank_boxes, write_assignment
+from shardsmith.layout.assignment import TINY_BOX_SHARE, write_assignment
+from shardsmith.layout.sharding import checkpoint_specs, rank_boxes
 from shardsmith.reshard.api import reshard
 from shardsmith.storage.commit import open_manifest, read_manifest, step_dir
 from shardsmith.storage.formats.registry import read_box, read_boxes

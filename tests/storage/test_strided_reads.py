@@ -15,12 +15,12 @@ import torch
 import shardsmith.storage.reading.execute as execute
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.box import Box
-from shardsmith.layout.plan import checkpoint_specs, rank_boxes
+from shardsmith.layout.sharding import checkpoint_specs, rank_boxes
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.store.fs import Store
 from shardsmith.storage.manifest.records import ShardRecord
 from shardsmith.storage.reading.execute import ReadStats, read_safetensors_boxes
-from shardsmith.storage.reading.plan import plan_piece
+from shardsmith.storage.reading.ranges import plan_piece
 
 from ckpt_factory import RESHARD_MODEL as MODEL
 from ckpt_factory import RESHARD_SRC_DIMS as SRC_DIMS

@@ -35,7 +35,7 @@ from shardsmith.cli.main import cli
 from shardsmith.errors import ConfigError, IntegrityError
 from shardsmith.reshard.api import reshard
 from shardsmith.layout import ParallelDims
-from shardsmith.layout.plan import checkpoint_specs, rank_boxes
+from shardsmith.layout.sharding import checkpoint_specs, rank_boxes
 from shardsmith.reshard.planner import ReshardOptions
 from shardsmith.reshard.zarr_convert import convert_format
 from shardsmith.storage.formats.registry import layout_arrays

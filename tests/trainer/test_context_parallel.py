@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from shardsmith.errors import ConfigError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.estimate import estimate
-from shardsmith.layout.plan import checkpoint_specs, rank_boxes
+from shardsmith.sizing.estimate import estimate
+from shardsmith.layout.sharding import checkpoint_specs, rank_boxes
 from shardsmith.trainer.context_parallel import ContextParallel, local_positions, shard_sequence, unshard_sequence
 
 

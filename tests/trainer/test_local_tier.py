@@ -36,7 +36,7 @@ from conftest import TINY_MODEL, assert_tensors_bitwise_equal, read_full_tensors
 from train_runs import RECOVERED, REFERENCE_STEPS, Run, train_tp2
 from shardsmith.errors import ConfigError
 from shardsmith.layout import ParallelDims
-from shardsmith.layout.plan import checkpoint_specs
+from shardsmith.layout.sharding import checkpoint_specs
 from shardsmith.storage.commit import step_dir
 from shardsmith.storage.formats.tensor_files import TORCH_DTYPES
 from shardsmith.trainer.checkpoint.config import CheckpointConfig
@@ -117,7 +117,7 @@ def test_retention_keeps_two_committed_steps_below_the_one_written(tmp_path: Pat
 
 def test_two_ranks_copies_merge_into_one_manifest_that_reshards_bitwise(tmp_path: Path) -> None:
     """tp=2 copies (norms replicated in both files) read back whole by a 1-rank layout."""
-    from shardsmith.layout.plan import rank_boxes
+    from shardsmith.layout.sharding import rank_boxes
     from shardsmith.trainer.checkpoint.save_load import load_into
     from shardsmith.trainer.checkpoint.recovery import build_manifest, reachable_steps
 

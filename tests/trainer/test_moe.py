@@ -91,7 +91,7 @@ def test_router_stats_count_tokens_per_expert(gloo_group: None) -> None:
 def test_demo_moe_layouts_move_stages_experts_and_tp() -> None:
     from shardsmith.cli.demo import demo_layouts
     from shardsmith.layout import validate_layout
-    from shardsmith.layout.plan import param_specs
+    from shardsmith.layout.sharding import param_specs
 
     model, first, then = demo_layouts(moe=True)
     assert model.num_experts == 4 and (first.world_size, then.world_size) == (4, 2)

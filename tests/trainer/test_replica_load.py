@@ -16,7 +16,7 @@ from shardsmith.layout import ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.store.fs import Store
-from shardsmith.layout.plan import lpt_assign
+from shardsmith.layout.assignment import lpt_assign
 from shardsmith.trainer.checkpoint.shared_reads import SHARED_READ_MIN_NBYTES
 
 REPLICAS = 3

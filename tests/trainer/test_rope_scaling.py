@@ -14,8 +14,8 @@ from click.testing import CliRunner
 
 from shardsmith.cli.main import cli
 from shardsmith.layout import ModelConfig
-from shardsmith.layout.presets import PRESETS
-from shardsmith.reshard.hf import hf_config, model_config_from_hf
+from shardsmith.sizing.presets import PRESETS
+from shardsmith.reshard.foreign.hf import hf_config, model_config_from_hf
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
 from shardsmith.storage.formats.registry import read_box
 from shardsmith.layout.box import Box

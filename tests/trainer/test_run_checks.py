@@ -147,7 +147,7 @@ def test_ls_shows_the_run_id(tmp_path):
 
 
 def test_interrupted_hf_export_does_not_block_the_next(tmp_path):
-    from shardsmith.reshard.hf_io import export_hf
+    from shardsmith.reshard.foreign.hf_io import export_hf
 
     root = Store(str(tmp_path / "r"))
     _step(root, 4, None)

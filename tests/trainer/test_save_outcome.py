@@ -12,7 +12,7 @@ import torch
 
 from shardsmith.errors import SaveError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.plan import checkpoint_specs
+from shardsmith.layout.sharding import checkpoint_specs
 from shardsmith.storage.commit import find_latest_committed
 from shardsmith.storage.store.fs import Store
 from shardsmith.trainer.checkpoint import save_load

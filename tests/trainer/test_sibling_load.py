@@ -16,7 +16,7 @@ from shardsmith.layout import ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.store.fs import Store
-from shardsmith.storage.reading.plan import planned_read_nbytes
+from shardsmith.storage.reading.ranges import planned_read_nbytes
 from shardsmith.trainer.checkpoint.shared_reads import _row_blocks, _union_batches, sibling_unions
 
 CHUNK = 1 << 16

@@ -11,7 +11,7 @@ import torch
 from conftest import TINY_MODEL
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.box import Box
-from shardsmith.layout.plan import param_specs
+from shardsmith.layout.sharding import param_specs
 from shardsmith.trainer.model import Transformer
 from shardsmith.trainer.weight_init import BLOCK_NUMEL, block_rows, init_box, init_std, init_weights
 

@@ -38,7 +38,7 @@ import torch
 from shardsmith.errors import ConfigError, ManifestError
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.box import Box
-from shardsmith.layout.plan import TensorSpec, checkpoint_specs, rank_boxes, shard_file_name
+from shardsmith.layout.sharding import TensorSpec, checkpoint_specs, rank_boxes, shard_file_name
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES, crc32c
 from shardsmith.storage.commit import parse_step_dir, step_dir
 from shardsmith.storage.crashpoints import crash_point

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from shardsmith.errors import IntegrityError, TrainingDiverged
 from shardsmith.layout.box import bounding_box
-from shardsmith.layout.plan import checkpoint_specs, rank_boxes
+from shardsmith.layout.sharding import checkpoint_specs, rank_boxes
 from shardsmith.storage.commit import open_manifest, resolve_checkpoint, step_dir
 from shardsmith.storage.store.fs import Store
 from shardsmith.storage.gc import gc_after_commit

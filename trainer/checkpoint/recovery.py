@@ -27,7 +27,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from shardsmith.errors import CheckpointError, CheckpointNotFound, IntegrityError, ManifestError
-from shardsmith.layout.plan import checkpoint_specs
+from shardsmith.layout.sharding import checkpoint_specs
 from shardsmith.storage.commit import open_manifest, parse_step_dir, resolve_checkpoint, split_step_url, step_dir
 from shardsmith.storage.formats.registry import SafetensorsFormat
 from shardsmith.storage.store.fs import Store

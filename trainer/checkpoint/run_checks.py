@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from shardsmith.layout.compat import check_has_optimizer_state, check_model_compatible, check_tensor_names
-from shardsmith.layout.plan import checkpoint_specs
+from shardsmith.layout.sharding import checkpoint_specs
 from shardsmith.errors import CheckpointMismatch
 from shardsmith.storage.lineage import UNNAMED, run_record
 from shardsmith.storage.manifest.records import Manifest

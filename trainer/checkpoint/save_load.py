@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from shardsmith.errors import CheckpointError, IntegrityError, SaveError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.plan import checkpoint_specs, rank_boxes, shard_file_name, write_assignment
+from shardsmith.layout.sharding import checkpoint_specs, rank_boxes, shard_file_name
+from shardsmith.layout.assignment import write_assignment
 from shardsmith.layout.box import Box
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import commit, step_dir
@@ -35,13 +36,9 @@ from shardsmith.storage.formats.registry import read_boxes
 from shardsmith.storage.formats.registry import tensor_format as get_tensor_format
 from shardsmith.storage.formats.tensor_files import DTYPE_NAMES, TORCH_DTYPES
 from shardsmith.trainer.comm import broadcast_text, gather_json_to_root
+from shardsmith.trainer.weight_init import local_tensor
 
 log = logging.getLogger(__name__)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a (possibly DTensor) parameter or state tensor."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def model_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
@@ -128,7 +125,7 @@ def _rank_plan(model_cfg: ModelConfig, dims: ParallelDims, rank: int,
 def plan_local_writes(step: int, tensors: dict[str, torch.Tensor], model_cfg: ModelConfig,
                       dims: ParallelDims, rank: int) -> WritePlan:
     """Check this rank's tensors against the sharding plan and pick the ones it writes
-    (each distinct box once over all ranks; see ``layout.plan.write_assignment``).
+    (each distinct box once over all ranks; see ``layout.sharding.write_assignment``).
     The plan is computed once per (model, layout, rank) and reused by later saves."""
     with_optim = any(k.startswith("optim.") for k in tensors)
     specs, shapes, mine = _rank_plan(model_cfg, dims, rank, with_optim)

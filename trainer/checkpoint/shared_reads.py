@@ -27,12 +27,12 @@ import torch.distributed as dist
 from shardsmith.errors import CheckpointError, IntegrityError
 from shardsmith.layout.box import Box
 from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.layout.plan import lpt_assign
+from shardsmith.layout.assignment import lpt_assign
 from shardsmith.storage.formats.registry import read_boxes
 from shardsmith.storage.store.fs import Store
 from shardsmith.storage.manifest.records import Manifest
 from shardsmith.storage.reading.execute import ReadStats
-from shardsmith.storage.reading.plan import planned_read_nbytes
+from shardsmith.storage.reading.ranges import planned_read_nbytes
 from shardsmith.trainer.checkpoint.save_load import load_into, load_requests, unpadded
 from shardsmith.trainer.comm import any_rank, broadcast_into, gather_json
 
@@ -60,7 +60,7 @@ def shares_reads(step_store: Store, group: dist.ProcessGroup | None, simulate_no
     environments differ."""
     if group is None or dist.get_world_size(group) < 2:
         return False
-    if not step_store.is_local:
+    if not step_store.is_posix:
         return True
     from shardsmith.trainer.checkpoint.local_tier import ranks_per_node   # (local_tier imports checkpoint)
 
@@ -99,7 +99,7 @@ def load_into_replicas(step_store: Store, manifest: Manifest, tensors: dict[str,
                        strict: bool = True, reader: Reader = load_into) -> ReadStats:
     """:func:`~shardsmith.trainer.checkpoint.save_load.load_into` for a group of replicas (ranks holding
     the same boxes, e.g. the ``dp_replicate`` group of HSDP): each member reads and verifies
-    about 1/R of the bytes (:func:`~shardsmith.layout.plan.lpt_assign` by bytes), then each
+    about 1/R of the bytes (:func:`~shardsmith.layout.sharding.lpt_assign` by bytes), then each
     tensor is broadcast from its reader. Storage reads drop R-fold (HSDP with 8 replicas on a
     5 TB checkpoint: 5 TB read instead of 40 TB); the rest travels over the process group
     (NCCL for GPU tensors). Tensors under :data:`SHARED_READ_MIN_NBYTES` are read by every
@@ -141,7 +141,7 @@ def sibling_unions(manifest: Manifest, member_boxes: list[dict[str, Box]]) -> di
     disjoint and tile their bounding box exactly (e.g. TP column blocks of the same rows), the
     union holds at least :data:`SHARED_READ_MIN_NBYTES`, and reading the union once fetches at
     least :data:`SIBLING_MIN_SAVING` fewer bytes than the members reading their boxes apart
-    (:func:`~shardsmith.storage.reading.plan.planned_read_nbytes`). None for zarr checkpoints.
+    (:func:`~shardsmith.storage.reading.ranges.planned_read_nbytes`). None for zarr checkpoints.
     """
     if not manifest.traits.raw_shards or len(member_boxes) < 2:
         return {}
@@ -177,7 +177,7 @@ def _union_batches(unions: dict[str, Box], itemsize: dict[str, int], members: in
                    block_nbytes: int) -> list[list[tuple[str, Box, int]]]:
     """The unions' row blocks (:func:`_row_blocks`) in batches of consecutive blocks of at most
     ``members * block_nbytes`` (or one block), each block with the member that reads it:
-    balanced by bytes within the batch (:func:`~shardsmith.layout.plan.lpt_assign`), so every
+    balanced by bytes within the batch (:func:`~shardsmith.layout.sharding.lpt_assign`), so every
     member reads about ``block_nbytes`` of each batch at the same time. Pure, deterministic."""
     blocks = [(f, b, b.numel * itemsize[f]) for f in sorted(unions) for b in _row_blocks(unions[f], itemsize[f], block_nbytes)]
     batches: list[list[tuple[str, Box, int]]] = [[]]

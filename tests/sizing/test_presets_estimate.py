@@ -11,9 +11,10 @@ from click.testing import CliRunner
 from shardsmith.cli.main import cli
 from shardsmith.errors import ConfigError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.estimate import activation_nbytes_per_layer, estimate, flops_per_token
-from shardsmith.layout.plan import param_specs
-from shardsmith.layout.presets import PRESETS, llama_ffn_hidden_size, preset_of, resolve_model
+from shardsmith.layout.flops import flops_per_token
+from shardsmith.sizing.estimate import activation_nbytes_per_layer, estimate
+from shardsmith.layout.sharding import param_specs
+from shardsmith.sizing.presets import PRESETS, llama_ffn_hidden_size, preset_of, resolve_model
 
 
 @pytest.mark.parametrize("name, num_params", [
@@ -62,7 +63,7 @@ def test_estimate_rank_roles_add_up_to_the_model() -> None:
     assert est.flops_per_step == flops_per_token(model) * 64 * model.seq_length
     first = est.roles[0]
     assert first.param_nbytes == 4 * first.num_params and first.optim_nbytes == 8 * first.num_params
-    # shardsmith's block at bf16, t=1 (layout/activations.py): 2 norms x (4h + 2*2h) + attention
+    # shardsmith's block at bf16, t=1 (sizing/activations.py): 2 norms x (4h + 2*2h) + attention
     # 5*2*q + SwiGLU 4*2*f bytes per token = 16*4096 + 10*4096 + 8*14336 = 221,184; x 8,192 tokens
     s, h = model.seq_length, model.hidden_size
     assert activation_nbytes_per_layer(model, 1, 1) == 221_184 * 8192 == 1_811_939_328

@@ -29,7 +29,7 @@ from shardsmith.reshard.slabs import ASSEMBLED_SLAB_NBYTES, Piece, Slab
 from shardsmith.reshard.stream import RAW_DTYPES, BufferPool, slab_crcs, slab_offset
 from shardsmith.storage.checksum import grid_crcs, require_full_read, verify_chunks, verify_chunks_split
 from shardsmith.storage.store.fs import Store
-from shardsmith.storage.store.local import map_range, pwrite_all
+from shardsmith.storage.store.posix import map_range, pwrite_all
 from shardsmith.storage.manifest.records import Manifest
 from shardsmith.storage.manifest.sidecar import load_chunk_crcs
 from shardsmith.storage.verify import check_file_once
@@ -39,9 +39,9 @@ def copy_slab_verified(src: Store, manifest: Manifest, slab: Slab, entry: PlanEn
                        chunk_nbytes: int, lock: Any = contextlib.nullcontext()) -> list[tuple[int, int]] | None:
     """Copy a :attr:`~Slab.zero_copy` slab of a local source into the local target file open as
     descriptor ``out``, at its place: the slab's source range is mapped once (``mmap``, pages
-    faulted in as it is read, :func:`~shardsmith.storage.store.local.map_range`), then block by block (one
+    faulted in as it is read, :func:`~shardsmith.storage.store.posix.map_range`), then block by block (one
     source checksum chunk) its chunks are verified through the mapping and the needed bytes
-    written from it (``pwrite``, :data:`~shardsmith.storage.store.local.WRITE_PIECE_NBYTES` pieces)
+    written from it (``pwrite``, :data:`~shardsmith.storage.store.posix.WRITE_PIECE_NBYTES` pieces)
     while they are in cache, so each byte crosses memory once (reading each block into a
     buffer first costs a second pass; re-measure with ``python bench/copy_primitives.py``
     and ``python bench/reshard_bench.py --gb 2``). Any thread,

@@ -1,13 +1,13 @@
 """ByteCheckpoint (``bytecheckpoint`` 0.0.2) on the state of bench/checkpoint_vs_dcp.py (its peer).
 
-Two halves, in two interpreters, as bench/megatron_peer.py:
+Two halves, in two interpreters, as bench/peers/megatron_peer.py:
 
 * :func:`start_peer` (shardsmith's Python, called by checkpoint_vs_dcp.py ``--bytecheckpoint``)
   writes the state's description (megatron_peer.describe_state plus the model config) to JSON
   and starts this file under ByteCheckpoint's Python (env ``SHARDSMITH_BCP_PYTHON``, default
   ``<repo>/.venv-bcp/bin/python``, built by bench/peers/setup.sh). Returns the running peer, or
   None and a reason when that interpreter is absent or fails.
-* ``python bench/bcp_peer.py SPEC DIR OUT`` (ByteCheckpoint's Python) spawns ``nproc`` gloo
+* ``python bench/peers/bcp_peer.py SPEC DIR OUT`` (ByteCheckpoint's Python) spawns ``nproc`` gloo
   ranks that build the same FSDP2 + TP model as the bench (the trainer's ``Transformer`` and
   ``parallelize``, with the same values: the same generator seeds), an AdamW whose state holds
   the same ``exp_avg``/``exp_avg_sq``/``step``, warm up once (its first save starts a gRPC
@@ -48,7 +48,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ---- shardsmith side ---------------------------------------------------------------------------
@@ -63,7 +65,7 @@ def start_peer(cfg: Any, args: Any, tmp: str) -> tuple[Any, str]:
     ``load_layouts``) under its own Python, in lockstep with the bench (bench/lockstep.py), in
     the scratch directory ``tmp``. Returns (the started PeerProcess: wait with ``ready()``, "") or (None, why not)."""
     from lockstep import PeerProcess
-    from megatron_peer import describe_state
+    from peer_state import describe_state
 
     py = bcp_python()
     if not os.path.exists(py):
@@ -171,9 +173,9 @@ def _build(cfg: Any, layout: str, fill: bool) -> dict[str, Any]:
     its load unpickles with ``weights_only`` and fails on torch >= 2.6); ``locals()`` maps the
     bench's FQNs (``w``, ``optim.exp_avg.w``, ...) to this rank's local tensors, read afresh (an
     optimizer load replaces its state tensors)."""
-    from checkpoint_vs_dcp import build_model, parse_layout
+    from ckpt_state import build_model, parse_layout
 
-    from shardsmith.layout.plan import checkpoint_specs, rank_boxes
+    from shardsmith.layout.sharding import checkpoint_specs, rank_boxes
 
     dims = parse_layout(layout)
     _, model = build_model(cfg, dims)
@@ -217,7 +219,7 @@ def _worker(rank: int, spec: dict[str, Any], base: str, ctrl: str, port: int) ->
 def _round(ops: _Ops, patches: _Patches, spec: dict[str, Any], base: str, checked: set[str]) -> dict[str, Any]:
     """One round: as shipped, then patched: sync save, async save, a load into each layout (a
     failure is recorded in ``errors``; loaded values are checked once per mode and layout)."""
-    from megatron_peer import _loaded_ok, _measure
+    from peer_state import _loaded_ok, _measure
 
     results: dict[str, Any] = {"errors": {}, "loads_identical": {}}
 

@@ -1,17 +1,17 @@
 """The step's peak above the sharded state: FSDP buffers, root gradients and the last stage's loss.
 
 Pure (no torch). :func:`transient_nbytes` says which of these coexist at the peak (they are
-phases of the step, not a sum); :mod:`shardsmith.layout.estimate` adds them to the weights,
+phases of the step, not a sum); :mod:`shardsmith.sizing.estimate` adds them to the weights,
 gradients, AdamW state and kept activations. ``bench/fake_scale.py`` measures each against
 the real code on fake tensors.
 """
 
 from __future__ import annotations
 
-from shardsmith.layout import activations as act
+from shardsmith.sizing import activations as act
 from shardsmith.layout.dims import ParallelDims
 from shardsmith.layout.model_config import ModelConfig
-from shardsmith.layout.plan import padded_vocab_size
+from shardsmith.layout.sharding import padded_vocab_size
 
 
 def loss_nbytes(model: ModelConfig, dims: ParallelDims, micro_batch_size: int, bytes_per_value: int) -> int:

@@ -1,7 +1,7 @@
 """Hugging Face Llama <-> shardsmith: tensor names, the q/k row permutation, config mapping.
 
 Pure functions, no I/O (the streaming export and import are in
-:mod:`shardsmith.reshard.hf_io`).
+:mod:`shardsmith.reshard.foreign.hf_io`).
 
 Names (ours -> ``transformers`` ``LlamaForCausalLM``)::
 
@@ -47,7 +47,7 @@ if TYPE_CHECKING:                      # `export-hf --help` reads the defaults b
     import torch
 
 
-#: ``export-hf`` defaults (:func:`shardsmith.reshard.hf_io.export_hf`): the weights' dtype, and
+#: ``export-hf`` defaults (:func:`shardsmith.reshard.foreign.hf_io.export_hf`): the weights' dtype, and
 #: the largest file before the export splits (``transformers``' own 5 GB default).
 EXPORT_DTYPE = "fp32"
 EXPORT_MAX_SHARD_NBYTES = 5 * 10**9

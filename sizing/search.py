@@ -1,5 +1,5 @@
 """``shardsmith plan``: search the layouts of a model on N GPUs, keep those that fit, rank by
-the estimated step time of :mod:`shardsmith.layout.cost`.
+the estimated step time of :mod:`shardsmith.sizing.cost`.
 
 Pure (no torch). The search space: tp in 1, 2, 4, 8 within a node (a divisor of
 ``gpus_per_node``), pp a divisor of the GPUs up to the layer count, virtual stages 1, 2, 4
@@ -7,7 +7,7 @@ Pure (no torch). The search space: tp in 1, 2, 4, 8 within a node (a divisor of
 16, 32, 64 replicated over the rest, micro-batch size 1, 2, 4, activation checkpointing off
 and on, sequence parallelism whenever tp > 1 (same communication, less memory), bf16, and
 expert parallelism over dp_shard for a MoE model. Every candidate is first ranked by the cost
-model (no memory needed); the memory check (:func:`shardsmith.layout.estimate.estimate`, fast
+model (no memory needed); the memory check (:func:`shardsmith.sizing.estimate.estimate`, fast
 path: the rank with tp = dp_shard = 0 of each stage, which holds the largest shares under
 ``torch.chunk``'s split, so its peak is the stage's) runs in that order until ``top`` fit.
 """
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from shardsmith.errors import ConfigError
-from shardsmith.layout.cost import StepCost, model_counts, step_cost
+from shardsmith.sizing.cost import StepCost, model_counts, step_cost
 from shardsmith.layout.dims import ParallelDims
-from shardsmith.layout.gpus import Gpu
+from shardsmith.sizing.gpus import Gpu
 from shardsmith.layout.model_config import ModelConfig, validate_layout
-from shardsmith.layout.verdict import Job, max_peak, warnings
+from shardsmith.sizing.verdict import Job, max_peak, warnings
 
 MAX_MEMORY_CHECKS = 400
 

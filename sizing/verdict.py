@@ -1,7 +1,7 @@
 """Does a training job fit its GPUs, and if not, which changes would make it fit.
 
 Pure (no torch). A :class:`Job` is a model, a layout and the step's settings; its estimate is
-:func:`shardsmith.layout.estimate.estimate`; :func:`judge` compares each rank group's
+:func:`shardsmith.sizing.estimate.estimate`; :func:`judge` compares each rank group's
 ``peak_nbytes`` (tracked peak + allocator margin + CUDA/NCCL context) with the device's memory;
 :func:`fixes` re-runs the estimator on changed jobs (never a guess) and returns those that fit.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shardsmith.layout.dims import ParallelDims
-from shardsmith.layout.estimate import Estimate, estimate
+from shardsmith.sizing.estimate import Estimate, estimate
 from shardsmith.layout.model_config import ModelConfig
 
 #: A pipeline bubble above this fraction of the step is worth a warning (Narayanan et al. 2021
@@ -36,7 +36,7 @@ class Job:
     sequence_parallel: bool = False
 
     def estimate(self, first_rank_only: bool = False) -> Estimate:
-        """:func:`shardsmith.layout.estimate.estimate` of this job (raises as it does)."""
+        """:func:`shardsmith.sizing.estimate.estimate` of this job (raises as it does)."""
         return estimate(self.model, self.dims, micro_batch_size=self.micro_batch_size,
                         global_batch_size=self.global_batch_size,
                         activation_checkpointing=self.activation_checkpointing,

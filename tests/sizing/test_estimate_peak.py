@@ -4,9 +4,9 @@ parallelism, and the printed formulas say what is computed (hand-computed values
 from __future__ import annotations
 
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout import activations as act
-from shardsmith.layout.estimate import FORMULAS, estimate
-from shardsmith.layout.peak import fsdp_buffer_nbytes, transient_nbytes
+from shardsmith.sizing import activations as act
+from shardsmith.sizing.estimate import FORMULAS, estimate
+from shardsmith.sizing.peak import fsdp_buffer_nbytes, transient_nbytes
 
 TINY = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                    ffn_hidden_size=128, vocab_size=256, seq_length=64)

@@ -13,15 +13,15 @@ from click.testing import CliRunner
 
 from shardsmith.cli.main import cli
 from shardsmith.layout import ModelConfig, ParallelDims, validate_layout
-from shardsmith.layout import activations as act
-from shardsmith.layout.cost import MAX_MATMUL_EFFICIENCY, matmul_efficiency
-from shardsmith.layout.estimate import root_grad_numels, unsharded_numels
-from shardsmith.layout.peak import fsdp_buffer_nbytes, loss_nbytes
-from shardsmith.layout.gpus import (ALLOCATOR_MARGIN, CUDA_CONTEXT_NBYTES, NCCL_COMM_NBYTES, gpu, process_groups,
+from shardsmith.sizing import activations as act
+from shardsmith.sizing.cost import MAX_MATMUL_EFFICIENCY, matmul_efficiency
+from shardsmith.sizing.estimate import root_grad_numels, unsharded_numels
+from shardsmith.sizing.peak import fsdp_buffer_nbytes, loss_nbytes
+from shardsmith.sizing.gpus import (ALLOCATOR_MARGIN, CUDA_CONTEXT_NBYTES, NCCL_COMM_NBYTES, gpu, process_groups,
                                    process_overhead_nbytes)
-from shardsmith.layout.planner import plan
-from shardsmith.layout.presets import resolve_model
-from shardsmith.layout.verdict import Job, fixes, judge, max_peak, merge_flags, warnings
+from shardsmith.sizing.search import plan
+from shardsmith.sizing.presets import resolve_model
+from shardsmith.sizing.verdict import Job, fixes, judge, max_peak, merge_flags, warnings
 
 TINY = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                    ffn_hidden_size=128, vocab_size=256, seq_length=64)

@@ -13,7 +13,7 @@ slices: only the rows each target box needs) and writes a model-only shardsmith
 checkpoint in any layout, one target file at a time, committed like a save
 (data first, manifest last, then ``latest``).
 
-Name mapping, the q/k permutation and the config mapping are in :mod:`shardsmith.reshard.hf`.
+Name mapping, the q/k permutation and the config mapping are in :mod:`shardsmith.reshard.foreign.hf`.
 """
 
 from __future__ import annotations
@@ -31,22 +31,22 @@ import torch
 from safetensors import safe_open
 
 from shardsmith.errors import CheckpointError, ConfigError
-from shardsmith.reshard.hf import (EXPORT_DTYPE, EXPORT_MAX_SHARD_NBYTES, HF_IGNORED, expert_hf_names, from_hf_name,
+from shardsmith.reshard.foreign.hf import (EXPORT_DTYPE, EXPORT_MAX_SHARD_NBYTES, HF_IGNORED, expert_hf_names, from_hf_name,
                                    hf_config, model_config_from_hf, permute_from_hf, permute_to_hf, rope_heads,
                                    to_hf_name)
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.plan import TensorSpec, param_specs
+from shardsmith.layout.sharding import TensorSpec, param_specs
 from shardsmith.layout.box import Box
 from shardsmith.layout.dtypes import DTYPE_CHOICES, DTYPES
 from shardsmith.reshard.foreign.common import ImportReport
 from shardsmith.reshard.foreign.write import write_checkpoint
-from shardsmith.reshard.hf_tokenizer import TokenizerCopy, copy_tokenizer
+from shardsmith.reshard.foreign.hf_tokenizer import TokenizerCopy, copy_tokenizer
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
 from shardsmith.storage.store.fs import Store
 from shardsmith.storage.manifest.records import Manifest
 from shardsmith.storage.manifest.model_record import check_model_record
-from shardsmith.storage.store.local import sweep_stale_tmp
+from shardsmith.storage.store.posix import sweep_stale_tmp
 from shardsmith.storage.formats.safetensors import encode_header, write_stream
 from shardsmith.storage.formats.registry import read_box
 from shardsmith.storage.formats.tensor_files import DTYPE_NAMES, byte_view
@@ -168,7 +168,7 @@ def export_hf(ckpt_url: str, out_dir: str, *, dtype: str = EXPORT_DTYPE, max_sha
 
     Optimizer state is not exported. Tied embeddings give ``tie_word_embeddings: true``
     and no ``lm_head.weight``. The run's tokenizer is copied along when it is still on this
-    machine (:func:`shardsmith.reshard.hf_tokenizer.copy_tokenizer`; ``report.tokenizer``).
+    machine (:func:`shardsmith.reshard.foreign.hf_tokenizer.copy_tokenizer`; ``report.tokenizer``).
 
     Args:
         ckpt_url: a step directory, or a root (its newest committed step).
@@ -195,7 +195,7 @@ def export_hf(ckpt_url: str, out_dir: str, *, dtype: str = EXPORT_DTYPE, max_sha
     model = ModelConfig.from_json(manifest.model)
     entries = _export_entries(manifest, model, step_store.url)
     out = Store(out_dir, storage_options)
-    if out.is_local:
+    if out.is_posix:
         out.fs.makedirs(out.root, exist_ok=True)
         sweep_stale_tmp(out.root)                 # a killed export's hidden temporary files
     _check_out_dir(out, overwrite)

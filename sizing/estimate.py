@@ -1,13 +1,13 @@
 """What a layout costs, per rank, before anything runs (``shardsmith train --dry-run``).
 
 Pure (no torch, no I/O). Parameter counts come from the sharding plan
-(:func:`shardsmith.layout.plan.param_specs` and its boxes), so they are the elements each
+(:func:`shardsmith.layout.sharding.param_specs` and its boxes), so they are the elements each
 rank really holds. The rest are standard estimates, each with its source:
 
 * bytes per parameter element: fp32 master weight 4 + fp32 gradient 4 + AdamW
   ``exp_avg``/``exp_avg_sq`` 8 (mixed precision keeps fp32 master weights);
 * activations per layer and microbatch counted from what shardsmith's own block keeps
-  (:mod:`shardsmith.layout.activations`: ``2*(4h + 2ch) + 5cq/t + 4cf/t`` bytes per token at
+  (:mod:`shardsmith.sizing.activations`: ``2*(4h + 2ch) + 5cq/t + 4cf/t`` bytes per token at
   ``c`` bytes per value; fused attention, no dropout, so not Korthikanti et al. 2022's
   ``sbh(34 + 5as/h)``); with full activation recomputation (``--activation-checkpointing``,
   their section 4.1) ``c*h`` per token and layer (``/t`` with sequence parallelism) plus one
@@ -16,8 +16,8 @@ rank really holds. The rest are standard estimates, each with its source:
   with V virtual stages (the same section);
 * the last stage's logits and loss per microbatch, ``s*b*V/t*(c + 4 + 4 + 4)`` bytes under bf16
   (``s*b*V/t*(4 + 4 + 4)`` in fp32): logits, their fp32 copy, the log-softmax and its
-  gradient (:func:`shardsmith.layout.activations.loss_nbytes_per_token`);
-* the peak (:func:`shardsmith.layout.peak.transient_nbytes`): the sharded state and the kept activations are held
+  gradient (:func:`shardsmith.sizing.activations.loss_nbytes_per_token`);
+* the peak (:func:`shardsmith.sizing.peak.transient_nbytes`): the sharded state and the kept activations are held
   all step; on top of them, the largest of three phases that never overlap: a block's
   backward (FSDP's unsharded block buffers, plus the output layer's gradient the last stage
   made first), the end of backward (every root gradient, the embedding's last), the loss;
@@ -45,12 +45,13 @@ from dataclasses import asdict, dataclass, field
 from math import prod
 from typing import Any
 
-from shardsmith.layout import activations as act
+from shardsmith.sizing import activations as act
 from shardsmith.layout.dims import MESH_AXES, ParallelDims
-from shardsmith.layout.gpus import process_groups, process_overhead_nbytes
+from shardsmith.sizing.gpus import process_groups, process_overhead_nbytes
 from shardsmith.layout.model_config import ModelConfig, stage_layers
-from shardsmith.layout.peak import stage_transient
-from shardsmith.layout.plan import TensorSpec, padded_vocab_size, param_specs
+from shardsmith.sizing.peak import stage_transient
+from shardsmith.layout.flops import flops_per_token
+from shardsmith.layout.sharding import TensorSpec, padded_vocab_size, param_specs
 
 #: Bytes per parameter element: fp32 weight, fp32 gradient, AdamW's two fp32 moments.
 PARAM_NBYTES, GRAD_NBYTES, OPTIM_NBYTES = 4, 4, 8
@@ -96,37 +97,12 @@ def _specs(model: ModelConfig, dims: ParallelDims) -> dict[str, TensorSpec]:
     return _SPECS[key]
 
 
-def flops_per_token(model: ModelConfig) -> float:
-    """Model FLOPs of one training token (forward + backward), without recomputation.
-
-    ``6 * N + 12 * L * H * Q * T`` (Chowdhery et al. 2022, "PaLM", appendix B): N is the
-    number of parameters that take part in matrix multiplies (all but the input embedding
-    table, which is a lookup; with tied embeddings the output projection still counts; of a MoE
-    layer's experts only the K of E each token is routed to),
-    L layers, H query heads, Q = head dim, T = sequence length; the second term is the
-    attention score and value matmuls (counted for the full T x T matrix, as PaLM does).
-    The same convention as nanoGPT's ``estimate_mfu`` and torchtitan's
-    ``get_num_flop_per_token``.
-
-    Returns:
-        FLOPs per token (float, unitless count).
-    """
-    specs = _specs(model, ParallelDims())
-    num_params = sum(prod(s.shape) for fqn, s in specs.items() if fqn != "tok_embeddings.weight"
-                     and ".experts." not in fqn)
-    num_params += sum(prod(s.shape) * model.moe_router_topk // model.num_experts     # active experts only
-                      for fqn, s in specs.items() if ".experts." in fqn)
-    if model.tie_embeddings:
-        num_params += model.vocab_size * model.hidden_size          # the output matmul
-    head_dim = model.hidden_size // model.num_attention_heads
-    return 6.0 * num_params + 12.0 * model.num_layers * model.num_attention_heads * head_dim * model.seq_length
-
 
 def activation_nbytes_per_layer(model: ModelConfig, micro_batch_size: int, tp: int, *,
                                 bytes_per_value: int = 2, recompute: bool = False,
                                 sequence_parallel: bool = False, cp: int = 1) -> int:
     """Activation bytes one transformer layer keeps for one microbatch: ``s/cp * b`` times the
-    per-token counts of :mod:`shardsmith.layout.activations` (``recompute``: only the layer
+    per-token counts of :mod:`shardsmith.sizing.activations` (``recompute``: only the layer
     input, ``c*h``, over t with sequence parallelism); ``cp`` > 1 adds the K/V of the whole
     sequence that the layer's all-gather brought in and backward keeps."""
     tokens = model.seq_length // cp * micro_batch_size
@@ -196,8 +172,8 @@ class RankRole:
     @property
     def peak_nbytes(self) -> int:
         """Device memory the rank needs: the tracked peak plus the allocator margin, the CUDA
-        context and NCCL buffers (:mod:`shardsmith.layout.gpus`)."""
-        from shardsmith.layout.gpus import ALLOCATOR_MARGIN
+        context and NCCL buffers (:mod:`shardsmith.sizing.gpus`)."""
+        from shardsmith.sizing.gpus import ALLOCATOR_MARGIN
 
         return int(self.total_nbytes * (1 + ALLOCATOR_MARGIN)) + self.process_nbytes
 
@@ -289,7 +265,7 @@ def _activation_nbytes(model: ModelConfig, dims: ParallelDims, stage: int, num_l
     saved activations times the 1F1B stage's ``min(P - stage, M)`` microbatches in flight
     (x ``1 + (P-1)/(P*V)`` interleaved; Korthikanti et al. sec. 4.2.3), the stage's input of
     each in-flight microbatch off stage 0, and with recomputation the one layer whose full set
-    backward rebuilds (:mod:`shardsmith.layout.activations`)."""
+    backward rebuilds (:mod:`shardsmith.sizing.activations`)."""
     in_flight = min(dims.pp - stage, num_microbatches)
     kw = {"bytes_per_value": bytes_per_value, "sequence_parallel": sequence_parallel, "cp": dims.cp}
     per_layer = activation_nbytes_per_layer(model, micro_batch_size, dims.tp, recompute=recompute, **kw)
