@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from shardsmith.cli.options import FieldOption, dry_run_option, json_option, plural, storage_option
-from shardsmith.storage.store.options import parse_storage_options
+from shardsmith.storage.store import parse_storage_options
 
 
 @click.command(short_help="Summarize a checkpoint (metadata only).")
@@ -24,7 +24,7 @@ def inspect(ckpt: str, all_tensors: bool, as_json: bool, storage_options: tuple[
 
     CKPT is a step directory, or a root (its newest committed step). Reads the manifest
     only: the data is not checked (`shardsmith verify` does that)."""
-    from shardsmith.storage.commit import read_manifest, resolve_checkpoint
+    from shardsmith.storage import read_manifest, resolve_checkpoint
 
     _refuse_file(ckpt)
     _, step_store, _ = resolve_checkpoint(ckpt, parse_storage_options(storage_options))
@@ -82,9 +82,9 @@ def tensor_groups(tensors: dict[str, Any]) -> dict[str, dict[str, int]]:
 def _print_summary(url: str, m: Any, groups: dict[str, dict[str, int]]) -> None:
     from shardsmith.cli.train_commands import describe_model
     from shardsmith.layout import ModelConfig
-    from shardsmith.layout.dims import ParallelDims
-    from shardsmith.sizing.presets import preset_of
-    from shardsmith.layout.sizes import format_nbytes
+    from shardsmith.layout import ParallelDims
+    from shardsmith.sizing import preset_of
+    from shardsmith.layout import format_nbytes
 
     model = ModelConfig.from_json(m.model)
     state = {k: v for k, v in m.state.items() if k not in ("rng",)}
@@ -118,8 +118,8 @@ def verify(ctx: click.Context, ckpt: str, as_json: bool, workers: int, storage_o
     listed file is present, sizes, safetensors headers, checksums, and that every tensor's
     boxes cover it exactly once. Exits 1 naming each bad file."""
     from shardsmith.errors import CheckpointNotFound
-    from shardsmith.storage.commit import no_checkpoint_message, resolve_checkpoint
-    from shardsmith.storage.verify import verify_checkpoint
+    from shardsmith.storage import no_checkpoint_message, resolve_checkpoint
+    from shardsmith.storage import verify_checkpoint
 
     options = parse_storage_options(storage_options)
     _, step_store, _ = resolve_checkpoint(ckpt, options)
@@ -153,10 +153,10 @@ def ls(root: str, as_json: bool, storage_options: tuple[str, ...]) -> None:
     marked it; --resume auto skips it); sizes are in bytes; `*` marks the step
     readers resume from; run is the run id that committed it. Unfinished multipart uploads
     (S3) are counted."""
-    from shardsmith.storage.commit import read_latest_hint
-    from shardsmith.storage.gc import describe_steps
+    from shardsmith.storage import read_latest_hint
+    from shardsmith.storage import describe_steps
 
-    from shardsmith.storage.store.uploads import list_uploads
+    from shardsmith.storage.store import list_uploads
 
     store = existing_root(root, storage_options)
     steps = describe_steps(store)
@@ -233,8 +233,8 @@ def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_s
     modified within --grace-seconds). Aborts unfinished multipart uploads under ROOT older
     than --uploads-grace (with --uploads, only that)."""
     from shardsmith.storage.gc import gc
-    from shardsmith.storage.store.posix import sweep_stale_tmp
-    from shardsmith.storage.store.uploads import abort_stale_uploads, has_uploads
+    from shardsmith.storage.store import sweep_stale_tmp
+    from shardsmith.storage.store import abort_stale_uploads, has_uploads
 
     store = existing_root(root, storage_options)
     aborted = abort_stale_uploads(store, grace_s=uploads_grace, dry_run=dry_run)
@@ -269,9 +269,9 @@ def gc_command(root: str, keep_last: int | None, keep_every: int | None, grace_s
 def existing_root(root: str, storage_options: tuple[str, ...]) -> Any:
     """The Store of ROOT; CheckpointNotFound (one line, non-zero exit) when nothing is there."""
     from shardsmith.errors import CheckpointNotFound
-    from shardsmith.storage.store.fs import Store
+    from shardsmith.storage.store import Store
 
-    from shardsmith.storage.store.uploads import list_uploads
+    from shardsmith.storage.store import list_uploads
 
     store = Store(root, parse_storage_options(storage_options))
     if not store.exists("") and not list_uploads(store):      # both retried and error-mapped

@@ -20,14 +20,15 @@ import shutil
 import click
 
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.storage.commit import step_dir
-from shardsmith.storage.store.fs import Store
-from shardsmith.trainer.config import CheckpointConfig, OptimConfig, TrainConfig
-from shardsmith.trainer.observe.console import layout_name
+from shardsmith.storage import step_dir
+from shardsmith.storage.store import Store
+from shardsmith.trainer.checkpoint import CheckpointConfig
+from shardsmith.trainer import OptimConfig, TrainConfig
+from shardsmith.trainer.observe import layout_name
 
 
 def _losses(run_dir: str) -> dict[int, float]:
-    from shardsmith.trainer.observe.metrics import iter_json_lines
+    from shardsmith.trainer.observe import iter_json_lines
 
     path = os.path.join(run_dir, "metrics.jsonl")
     return {r["step"]: r["loss"] for r in iter_json_lines(path) if "loss" in r}
@@ -51,7 +52,7 @@ def demo_layouts(moe: bool) -> tuple[ModelConfig, ParallelDims, ParallelDims]:
 
 def run_demo(workdir: str, steps: int = 30, more_steps: int = 20, moe: bool = False) -> None:
     """Run the demo under ``workdir`` (replaced). Takes ~1-3 minutes on 2 CPU cores."""
-    from shardsmith.reshard.api import reshard          # torch: not for `demo --help`
+    from shardsmith.reshard import reshard
     from shardsmith.trainer.runtime.launch import launch
 
     shutil.rmtree(workdir, ignore_errors=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from shardsmith.cli.options import layout_options, make_dims, plural, stack, storage_option
-from shardsmith.storage.store.options import parse_storage_options
+from shardsmith.storage.store import parse_storage_options
 
 hint_options = stack(
     click.option("--num-attention-heads", type=int, default=None,
@@ -24,7 +24,7 @@ hint_options = stack(
 
 
 def _config_maker(dims):
-    from shardsmith.trainer.config import TrainConfig
+    from shardsmith.trainer import TrainConfig
 
     return lambda model: TrainConfig(model=model, parallel=dims).to_json()
 
@@ -51,8 +51,8 @@ def import_dcp(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, cp, ex
     shardsmith checkpoint at CKPT (a root or step directory) in the given layout: model
     weights, and AdamW state, step, tokens seen and LR-schedule position when present.
     What is not carried over is listed."""
-    from shardsmith.reshard.foreign.common import ModelHints
-    from shardsmith.reshard.foreign.dcp import import_dcp as do_import
+    from shardsmith.reshard.foreign import ModelHints
+    from shardsmith.reshard.foreign import import_dcp as do_import
 
     dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel, cp)
     hints = ModelHints(num_attention_heads=num_attention_heads, seq_length=seq_length,
@@ -71,7 +71,7 @@ def export_dcp(ckpt, out_dir, overwrite, storage_options) -> None:
     """Write checkpoint CKPT (a step directory, or a root: its newest step) as a torchtitan-style
     PyTorch DCP directory OUT_DIR that torch.distributed.checkpoint.load reads (model keys,
     optimizer.state.* / optimizer.param_groups.*, train_state, lr_scheduler; no dataloader)."""
-    from shardsmith.reshard.foreign.dcp import export_dcp as do_export
+    from shardsmith.reshard.foreign import export_dcp as do_export
 
     report = do_export(ckpt, out_dir, overwrite=overwrite,
                        storage_options=parse_storage_options(storage_options))
@@ -97,8 +97,8 @@ def import_megatron(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, c
     distributed optimizer's fully_reshardable layout, Megatron-LM
     --dist-ckpt-optim-fully-reshardable); the dp_reshardable bucket layout is reported and not
     converted: then start training from the weights with `train --init-from CKPT`."""
-    from shardsmith.reshard.foreign.common import ModelHints
-    from shardsmith.reshard.foreign.megatron import import_megatron as do_import
+    from shardsmith.reshard.foreign import ModelHints
+    from shardsmith.reshard.foreign import import_megatron as do_import
 
     dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel, cp)
     hints = ModelHints(num_attention_heads=num_attention_heads, seq_length=seq_length,
@@ -127,7 +127,7 @@ def export_megatron(ckpt, out_dir, tp, pp, divisible_by, no_optimizer, overwrite
     the Adam state, when CKPT has it, in the distributed optimizer's fully_reshardable layout
     (load it with metadata distrib_optim_sharding_type=fully_reshardable and the same --lr and
     --min-lr: Megatron pairs param groups by them)."""
-    from shardsmith.reshard.foreign.megatron_export import export_megatron as do_export
+    from shardsmith.reshard.foreign import export_megatron as do_export
 
     report = do_export(ckpt, out_dir, tp=tp, pp=pp, divisible_by=divisible_by, optimizer=not no_optimizer,
                        overwrite=overwrite, storage_options=parse_storage_options(storage_options))

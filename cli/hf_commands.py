@@ -8,7 +8,7 @@ import click
 
 from shardsmith.cli.foreign_commands import echo_import
 from shardsmith.cli.options import dtype_option, layout_options, make_dims, plural, size_option, storage_option
-from shardsmith.storage.store.options import parse_storage_options
+from shardsmith.storage.store import parse_storage_options
 
 
 @click.command("export-hf")
@@ -25,7 +25,7 @@ def export_hf(ckpt, out_dir, dtype, max_shard_nbytes, overwrite, storage_options
     CKPT is a step directory, or a root (its newest step); OUT_DIR is what transformers'
     LlamaForCausalLM.from_pretrained loads, with the run's --tokenizer (tokenizer.json and
     tokenizer_config.json) when that file is still here and unchanged."""
-    from shardsmith.reshard.foreign.hf_io import export_hf as do_export
+    from shardsmith.reshard.foreign import export_hf as do_export
 
     report = do_export(ckpt, out_dir, dtype=dtype, max_shard_nbytes=max_shard_nbytes,
                        overwrite=overwrite, storage_options=parse_storage_options(storage_options))
@@ -52,10 +52,10 @@ def import_hf(hf_dir, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, cp, 
     (a root or step directory) in the given layout; start training from it with
     `train --init-from CKPT`. A tokenizer.json in HF_DIR is recorded as the checkpoint's
     tokenizer (train with --tokenizer HF_DIR)."""
-    from shardsmith.reshard.foreign.hf_io import import_hf as do_import, read_model_config
-    from shardsmith.reshard.foreign.hf_tokenizer import find_hf_tokenizer
-    from shardsmith.trainer.config import TrainConfig
-    from shardsmith.trainer.data.config import DataConfig
+    from shardsmith.reshard.foreign import import_hf as do_import, read_model_config
+    from shardsmith.reshard.foreign import find_hf_tokenizer
+    from shardsmith.trainer import TrainConfig
+    from shardsmith.trainer.data import DataConfig
 
     dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel, cp)
     tokenizer = find_hf_tokenizer(hf_dir)

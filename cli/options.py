@@ -17,9 +17,9 @@ import click
 
 from shardsmith.errors import LayoutError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.dtypes import DTYPE_CHOICES
-from shardsmith.sizing.presets import DEFAULT_PRESET, PRESETS
-from shardsmith.layout.sizes import SIZE_HELP, parse_nbytes, short_nbytes
+from shardsmith.layout import DTYPE_CHOICES
+from shardsmith.sizing import DEFAULT_PRESET, PRESETS
+from shardsmith.layout import SIZE_HELP, parse_nbytes, short_nbytes
 
 F = Callable[..., Any]
 
@@ -141,7 +141,7 @@ def dry_run_option(what: str) -> F:
 
 def tensor_format_option(default_from: str | None, help: str) -> F:
     """``--format safetensors|zarr``; ``default_from=None``: no default (the source's)."""
-    from shardsmith.storage.manifest.records import TENSOR_FORMATS
+    from shardsmith.storage.manifest import TENSOR_FORMATS
 
     kwargs: dict[str, Any] = ({"cls": FieldOption, "default_from": default_from} if default_from
                               else {"default": None})
@@ -262,7 +262,7 @@ model_options = stack(
 def model_from_flags(flags: dict[str, Any]) -> ModelConfig:
     """The ModelConfig of ``--model`` and the model flags the user gave (value not None),
     by :func:`shardsmith.sizing.presets.resolve_model`."""
-    from shardsmith.sizing.presets import resolve_model
+    from shardsmith.sizing import resolve_model
 
     given = {f: flags[f] for f in MODEL_FLAGS if flags.get(f) is not None}
     return resolve_model(flags.get("model_preset"), given)

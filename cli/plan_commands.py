@@ -43,9 +43,9 @@ def plan_command(**flags: Any) -> None:
     Searches the layouts of the model on --gpus GPUs, keeps those that fit the GPU's memory
     (the dry run's estimate) and prints the fastest by an estimated step time, with the exact
     `shardsmith train` flags. The cost model and its constants: shardsmith/sizing/cost.py."""
-    from shardsmith.sizing.gpus import gpu
-    from shardsmith.sizing.search import plan, plan_warnings
-    from shardsmith.layout.sizes import parse_nbytes
+    from shardsmith.sizing import gpu
+    from shardsmith.sizing import plan, plan_warnings
+    from shardsmith.layout import parse_nbytes
 
     model = model_from_flags(flags)
     accel = gpu(flags["gpu_name"])

@@ -14,8 +14,8 @@ import click
 from shardsmith.cli.options import (FieldOption, dry_run_option, dtype_option, layout_options, make_dims,
                                     plural, size_option, storage_option, tensor_format_option, zarr_codec_option)
 
-from shardsmith.layout.dtypes import DTYPE_CHOICES as _DTYPES
-from shardsmith.layout.sizes import format_nbytes as _human
+from shardsmith.layout import DTYPE_CHOICES as _DTYPES
+from shardsmith.layout import format_nbytes as _human
 
 PLANNER = "shardsmith.reshard.planner"
 
@@ -70,8 +70,8 @@ def _echo_diff(fqn: str, found: Any) -> None:
 def run_diff(a_url: str, b_url: str, *, atol: float, storage_options: dict, cast_a: str | None = None,
              fqns: Any = None) -> bool:
     """Print the differences of two checkpoints; True iff equal."""
-    from shardsmith.reshard.diff import diff_checkpoints
-    from shardsmith.storage.commit import read_manifest, resolve_checkpoint
+    from shardsmith.reshard import diff_checkpoints
+    from shardsmith.storage import read_manifest, resolve_checkpoint
 
     _, a, _ = resolve_checkpoint(a_url, storage_options)
     _, b, _ = resolve_checkpoint(b_url, storage_options)
@@ -125,10 +125,10 @@ def reshard(src, dst, tp, pp, dp_shard, dp_replicate, pipeline_split, cp, expert
     root's `latest` updated, so `train --resume auto` finds it. Interrupted? Run the same
     command again: files already written and verified are kept.
     """
-    from shardsmith.reshard.api import prepare, processes_on_node, run
-    from shardsmith.reshard.planner import ReshardOptions
-    from shardsmith.reshard.scaleout import Share
-    from shardsmith.storage.store.options import parse_storage_options
+    from shardsmith.reshard import prepare, processes_on_node, run
+    from shardsmith.reshard import ReshardOptions
+    from shardsmith.reshard import Share
+    from shardsmith.storage.store import parse_storage_options
 
     options = parse_storage_options(storage_options)
     opts = ReshardOptions(dtype=_DTYPES[dtype] if dtype else None, model_only=model_only,
@@ -201,7 +201,7 @@ def diff(ckpt_a, ckpt_b, atol, storage_options) -> None:
 
     Exits 0 iff all tensors are equal. Prints the max abs difference of each differing tensor and the tensors only one side has.
     """
-    from shardsmith.storage.store.options import parse_storage_options
+    from shardsmith.storage.store import parse_storage_options
 
     if not run_diff(ckpt_a, ckpt_b, atol=atol, storage_options=parse_storage_options(storage_options)):
         raise click.exceptions.Exit(1)

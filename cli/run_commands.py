@@ -22,7 +22,7 @@ def plot(run_dirs: tuple[str, ...], out_path: str) -> None:
     Needs matplotlib, which `pip install -e .` does not install: pip install -e ".[plot]"
     in a clone (else: pip install "shardsmith[plot]").
     """
-    from shardsmith.trainer.observe.plot import plot_runs
+    from shardsmith.trainer.observe import plot_runs
 
     try:
         written = plot_runs(list(run_dirs), out_path)

@@ -21,7 +21,7 @@ from shardsmith.cli.greedy import GreedyOption
 from shardsmith.cli.options import (IntListType, dry_run_option, field_option, json_option, layout_options, make_dims,
                                     local_tier_options, model_from_flags, model_options, plural, stack,
                                     storage_option, tensor_format_option, zarr_codec_option)
-from shardsmith.layout.sizes import format_nbytes
+from shardsmith.layout import format_nbytes
 
 T, O, C, FC = "TrainConfig", "OptimConfig", "CheckpointConfig", "FaultConfig"
 
@@ -201,9 +201,9 @@ def train(**flags: Any) -> None:
                              f"run does not know: dp_shard {cfg.parallel.dp_shard} here; pass --dp-shard N (or "
                              "--nproc-per-node N) for the job you will launch") if unsized else "")
         return
-    from shardsmith.trainer.checkpoint.resume import COMMAND_ENV
-    from shardsmith.trainer.data.sources import expand_source
-    from shardsmith.trainer.runtime.preflight import prepare
+    from shardsmith.trainer.checkpoint import COMMAND_ENV
+    from shardsmith.trainer.data import expand_source
+    from shardsmith.trainer.runtime import prepare
 
     for source in cfg.data.sources:     # a mistyped path or glob: here, not in every worker after start-up
         expand_source(source)
@@ -216,8 +216,8 @@ def train(**flags: Any) -> None:
         return
     cfg = resolved
     if external:
-        from shardsmith.trainer.train import run_training
-        from shardsmith.trainer.runtime.worker import exit_process, setup_process
+        from shardsmith.trainer import run_training
+        from shardsmith.trainer.runtime import exit_process, setup_process
 
         setup_process()                 # as the launcher's workers: log levels, stacks on fatal signals
         run_training(cfg)
@@ -227,7 +227,7 @@ def train(**flags: Any) -> None:
     click.echo(f"training {dims.describe()} on {plural(dims.world_size, 'process')} to step {cfg.steps}"
                + ("" if cfg.checkpoint.url else " (no --ckpt: no checkpoint will be saved)"), err=True)
     if flags["restart_mode"] == "in-process":
-        from shardsmith.trainer.runtime.supervisor import launch_in_process
+        from shardsmith.trainer.runtime import launch_in_process
 
         code = launch_in_process(cfg, dims.world_size, max_restarts=flags["max_restarts"], spares=flags["spares"])
     else:
@@ -246,9 +246,10 @@ def under_torchrun() -> bool:
 
 def train_config(f: dict[str, Any], world: int | None):
     """Map ``train``'s flags onto :class:`~shardsmith.trainer.config.TrainConfig` (one field each)."""
-    from shardsmith.storage.store.options import parse_storage_options
-    from shardsmith.trainer.config import (CheckpointConfig, DataConfig, DetectConfig, FaultConfig, OptimConfig,
-                                           TrainConfig)
+    from shardsmith.storage.store import parse_storage_options
+    from shardsmith.trainer.checkpoint import CheckpointConfig
+    from shardsmith.trainer.data import DataConfig
+    from shardsmith.trainer import DetectConfig, FaultConfig, OptimConfig, TrainConfig
     from shardsmith.trainer.data import parse_data_args, resolve_vocab_size
 
     def pick(*names: str) -> dict[str, Any]:
@@ -321,8 +322,8 @@ def virtual_stages(f: dict[str, Any], model: Any) -> int:
 
 def device_nbytes(flags: dict[str, Any]) -> int | None:
     """Bytes per GPU from ``--gpu-memory SIZE`` or ``--gpu NAME`` (the former wins); None without."""
-    from shardsmith.sizing.gpus import gpu
-    from shardsmith.layout.sizes import parse_nbytes
+    from shardsmith.sizing import gpu
+    from shardsmith.layout import parse_nbytes
 
     if flags.get("gpu_memory"):
         return parse_nbytes(flags["gpu_memory"])
@@ -331,7 +332,7 @@ def device_nbytes(flags: dict[str, Any]) -> int | None:
 
 def job_of(cfg: Any) -> Any:
     """The :class:`~shardsmith.sizing.verdict.Job` of a TrainConfig."""
-    from shardsmith.sizing.verdict import Job
+    from shardsmith.sizing import Job
 
     return Job(cfg.model, cfg.parallel, micro_batch_size=cfg.micro_batch_size,
                global_batch_size=cfg.global_batch_size, activation_checkpointing=cfg.activation_checkpointing,
@@ -340,7 +341,7 @@ def job_of(cfg: Any) -> Any:
 
 def verdict_json(job: Any, est: Any, device: int | None) -> dict[str, Any]:
     """``fits``, ``headroom_bytes``, ``peak_bytes`` per rank group, the warnings and the fixes."""
-    from shardsmith.sizing.verdict import fixes, judge, warnings
+    from shardsmith.sizing import fixes, judge, warnings
 
     out: dict[str, Any] = {"warnings": warnings(est)}
     if device is None:
@@ -377,8 +378,8 @@ def print_estimate(cfg: Any, preset: str | None, as_json: bool, device: int | No
     """The ``--dry-run`` report of ``cfg`` (a TrainConfig), as text or JSON; with ``device``
     (bytes per GPU) a verdict per rank group and the changes that would make it fit; ``note``
     (text only) follows the layout line."""
-    from shardsmith.sizing.estimate import FORMULAS
-    from shardsmith.sizing.presets import preset_of
+    from shardsmith.sizing import FORMULAS
+    from shardsmith.sizing import preset_of
 
     job = job_of(cfg)
     est = job.estimate()

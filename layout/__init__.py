@@ -5,7 +5,6 @@ check), ``box`` (Box, chunk math), ``plan`` (the sharding plan), ``dtypes`` (the
 dtype table).
 """
 
-from shardsmith.layout.dims import MESH_AXES, MESH_AXIS_TABLE, ParallelDims
-from shardsmith.layout.model_config import ModelConfig, chunk_layers, stage_layers, validate_layout
+import lazy_loader as lazy
 
-__all__ = ["MESH_AXES", "MESH_AXIS_TABLE", "ModelConfig", "ParallelDims", "chunk_layers", "stage_layers", "validate_layout"]
+__getattr__, __dir__, __all__ = lazy.attach_stub(__name__, __file__)

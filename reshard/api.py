@@ -36,11 +36,11 @@ from shardsmith.reshard.engine import execute
 from shardsmith.reshard.planner import ReshardOptions, ReshardPlan, plan_reshard
 from shardsmith.reshard.progress import ReshardReport
 from shardsmith.reshard.scaleout import Share, assign_files, publish_for_dead, spawn_local
-from shardsmith.storage.cycle_gc import cycle_gc_paused
-from shardsmith.storage.commit import read_manifest, resolve_checkpoint, resolve_target, split_step_url, step_dir
-from shardsmith.storage.manifest.model_record import check_model_record
-from shardsmith.storage.manifest.records import Manifest
-from shardsmith.storage.store.fs import Store
+from shardsmith.storage import cycle_gc_paused
+from shardsmith.storage import read_manifest, resolve_checkpoint, resolve_target, split_step_url, step_dir
+from shardsmith.storage.manifest import check_model_record
+from shardsmith.storage.manifest import Manifest
+from shardsmith.storage.store import Store
 
 #: The tensor format the streaming engine reads and writes (its planner encodes safetensors
 #: headers); any other source or result goes through ``zarr_convert``. A literal, so that a
@@ -140,7 +140,7 @@ def _prepare(src: Store, manifest: Manifest, dst_url: str, dims: ParallelDims, o
             raise ConfigError("--zarr-codec needs --format zarr")
         plan = plan_reshard(manifest, dims, options, src.url)
     else:
-        from shardsmith.storage.formats.registry import tensor_format as tensor_format_of
+        from shardsmith.storage.formats import tensor_format as tensor_format_of
 
         if options.dtype:
             raise ConfigError("--dtype is not supported when converting to or from zarr; convert the "

@@ -16,12 +16,12 @@ from typing import Callable, Iterable
 
 import torch
 
-from shardsmith.layout.dtypes import DTYPE_NBYTES, FLOAT_DTYPES
-from shardsmith.layout.box import Box
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.manifest.records import Manifest
-from shardsmith.storage.formats.registry import read_box
-from shardsmith.storage.formats.tensor_files import TORCH_DTYPES
+from shardsmith.layout import DTYPE_NBYTES, FLOAT_DTYPES
+from shardsmith.layout import Box
+from shardsmith.storage.store import Store
+from shardsmith.storage.manifest import Manifest
+from shardsmith.storage.formats import read_box
+from shardsmith.storage.formats import TORCH_DTYPES
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

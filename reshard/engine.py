@@ -40,14 +40,15 @@ from shardsmith.reshard.scaleout import Share, assign_files, cleanup, gather, pu
 from shardsmith.reshard.posix_copy import copy_slab_verified, write_assembled_at, write_slab_at
 from shardsmith.reshard.stream import BufferBudget, BufferPool, FileResult, assemble_slab
 import shardsmith.storage.formats.safetensors as safetensors
-from shardsmith.storage.checksum import ChunkedCrc, crc32c, crc32c_update
-from shardsmith.storage.commit import commit, ensure_not_committed, step_dir
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.store.posix import preallocate
-from shardsmith.storage.lineage import rewritten_state
-from shardsmith.storage.manifest.records import FileRecord, Manifest, ManifestBuilder, ShardRecord, sidecar_name
-from shardsmith.storage.store.posix import sweep_stale_tmp
-from shardsmith.storage.manifest.sidecar import write_sidecar
+from shardsmith.storage import ChunkedCrc, crc32c, crc32c_update
+from shardsmith.storage.commit import commit
+from shardsmith.storage import ensure_not_committed, step_dir
+from shardsmith.storage.store import Store
+from shardsmith.storage.store import preallocate
+from shardsmith.storage import rewritten_state
+from shardsmith.storage.manifest import FileRecord, Manifest, ManifestBuilder, ShardRecord, sidecar_name
+from shardsmith.storage.store import sweep_stale_tmp
+from shardsmith.storage.manifest import write_sidecar
 
 log = logging.getLogger(__name__)
 

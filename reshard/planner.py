@@ -25,16 +25,16 @@ from dataclasses import dataclass
 
 from shardsmith.errors import ConfigError, LayoutError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.sharding import checkpoint_specs, shard_file_name
-from shardsmith.layout.assignment import write_assignment
-from shardsmith.layout.box import Box
-from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
-from shardsmith.layout.dtypes import DTYPE_NBYTES, FLOAT_DTYPES
+from shardsmith.layout import checkpoint_specs, shard_file_name
+from shardsmith.layout import write_assignment
+from shardsmith.layout import Box
+from shardsmith.storage import DEFAULT_CHUNK_NBYTES
+from shardsmith.layout import DTYPE_NBYTES, FLOAT_DTYPES
 from shardsmith.reshard.slabs import Slab, cut_slabs
-from shardsmith.storage.manifest.model_record import check_model_record
-from shardsmith.storage.manifest.records import Manifest
-from shardsmith.storage.store.backends import usable_cores
-from shardsmith.storage.formats.safetensors import encode_header, file_order
+from shardsmith.storage.manifest import check_model_record
+from shardsmith.storage.manifest import Manifest
+from shardsmith.storage.store import usable_cores
+from shardsmith.storage.formats import encode_header, file_order
 
 
 MiB = 1024 * 1024

@@ -22,17 +22,17 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from shardsmith.layout.box import Box, row_major_span, row_major_strides
-from shardsmith.layout.dtypes import DTYPE_NBYTES
+from shardsmith.layout import Box, row_major_span, row_major_strides
+from shardsmith.layout import DTYPE_NBYTES
 from shardsmith.reshard.planner import PlanEntry
 from shardsmith.reshard.slabs import ASSEMBLED_SLAB_NBYTES, Piece, Slab
 from shardsmith.reshard.stream import RAW_DTYPES, BufferPool, slab_crcs, slab_offset
-from shardsmith.storage.checksum import grid_crcs, require_full_read, verify_chunks, verify_chunks_split
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.store.posix import map_range, pwrite_all
-from shardsmith.storage.manifest.records import Manifest
-from shardsmith.storage.manifest.sidecar import load_chunk_crcs
-from shardsmith.storage.verify import check_file_once
+from shardsmith.storage import grid_crcs, require_full_read, verify_chunks, verify_chunks_split
+from shardsmith.storage.store import Store
+from shardsmith.storage.store import map_range, pwrite_all
+from shardsmith.storage.manifest import Manifest
+from shardsmith.storage.manifest import load_chunk_crcs
+from shardsmith.storage.manifest import check_file_once
 
 
 def copy_slab_verified(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry, out: int,

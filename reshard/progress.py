@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardsmith.reshard.stream import FileResult
-from shardsmith.storage.store.fs import Store
+from shardsmith.storage.store import Store
 
 log = logging.getLogger(__name__)
 

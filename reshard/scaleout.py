@@ -21,11 +21,11 @@ import time
 from dataclasses import dataclass
 
 from shardsmith.errors import CheckpointError, ConfigError
-from shardsmith.layout.assignment import lpt_assign
+from shardsmith.layout import lpt_assign
 from shardsmith.reshard.planner import ReshardPlan, TargetFile
 from shardsmith.reshard.stream import FileResult
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.manifest.records import FileRecord, ShardRecord
+from shardsmith.storage.store import Store
+from shardsmith.storage.manifest import FileRecord, ShardRecord
 
 DONE_PREFIX = ".reshard-done-"
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import gcd, prod
 
-from shardsmith.layout.box import Box, row_major_span
-from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.storage.manifest.records import Manifest, ShardRecord
-from shardsmith.storage.reading.spans import chunk_span, intersections
+from shardsmith.layout import Box, row_major_span
+from shardsmith.layout import DTYPE_NBYTES
+from shardsmith.storage.manifest import Manifest, ShardRecord
+from shardsmith.storage.reading import chunk_span, intersections
 
 
 @dataclass(frozen=True)

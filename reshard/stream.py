@@ -15,16 +15,16 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from shardsmith.layout.box import row_major_strides
+from shardsmith.layout import row_major_strides
 from shardsmith.reshard.planner import PlanEntry
 from shardsmith.reshard.slabs import Piece, Slab
-from shardsmith.storage.checksum import chunk_crc32c, require_full_read, verify_chunks, verify_chunks_split
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.store.posix import map_range
-from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.storage.manifest.records import FileRecord, Manifest, ShardRecord
-from shardsmith.storage.manifest.sidecar import load_chunk_crcs
-from shardsmith.storage.verify import check_file_once
+from shardsmith.storage import chunk_crc32c, require_full_read, verify_chunks, verify_chunks_split
+from shardsmith.storage.store import Store
+from shardsmith.storage.store import map_range
+from shardsmith.layout import DTYPE_NBYTES
+from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord
+from shardsmith.storage.manifest import load_chunk_crcs
+from shardsmith.storage.manifest import check_file_once
 
 RAW_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}   # element-size views: dtype-agnostic copies
 
@@ -225,7 +225,7 @@ def convert_dtype(raw: np.ndarray, src: str, dst: str) -> np.ndarray:
     even), returning raw elements of ``dst``. Imports torch only when called."""
     import torch
 
-    from shardsmith.storage.formats.tensor_files import TORCH_DTYPES
+    from shardsmith.storage.formats import TORCH_DTYPES
 
     converted = torch.from_numpy(raw).view(TORCH_DTYPES[src]).to(TORCH_DTYPES[dst])
     return converted.view(torch.uint8).numpy().view(RAW_DTYPES[DTYPE_NBYTES[dst]])

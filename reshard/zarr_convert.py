@@ -24,22 +24,22 @@ import torch
 from shardsmith.errors import LayoutError
 from shardsmith.reshard.progress import ReshardReport
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.sharding import TensorSpec, checkpoint_specs, shard_file_name
-from shardsmith.layout.assignment import write_assignment
-from shardsmith.layout.box import Box
-from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
-from shardsmith.storage.commit import commit, ensure_not_committed, read_manifest, resolve_target, step_dir
-from shardsmith.storage.store.fs import Store
-from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.storage.manifest.sidecar import write_sidecar
-from shardsmith.storage.manifest.records import (SIDECAR_SUFFIX, FileRecord, Manifest, ManifestBuilder, sidecar_name,
-                                         ShardRecord)
-from shardsmith.storage.formats.safetensors import encode_header, file_order, shard_records, write_stream
-from shardsmith.storage.reading.execute import ReadStats
-from shardsmith.storage.formats.registry import SafetensorsFormat, ZarrFormat, layout_arrays, read_box
-from shardsmith.storage.formats.registry import tensor_format as tensor_format_of
-from shardsmith.storage.formats.tensor_files import byte_view
-from shardsmith.storage.formats.zarr_format import write_chunks, write_metadata
+from shardsmith.layout import TensorSpec, checkpoint_specs, shard_file_name
+from shardsmith.layout import write_assignment
+from shardsmith.layout import Box
+from shardsmith.storage import DEFAULT_CHUNK_NBYTES
+from shardsmith.storage.commit import commit
+from shardsmith.storage import ensure_not_committed, read_manifest, resolve_target, step_dir
+from shardsmith.storage.store import Store
+from shardsmith.layout import DTYPE_NBYTES
+from shardsmith.storage.manifest import write_sidecar
+from shardsmith.storage.manifest import SIDECAR_SUFFIX, FileRecord, Manifest, ManifestBuilder, sidecar_name, ShardRecord
+from shardsmith.storage.formats import encode_header, file_order, shard_records, write_stream
+from shardsmith.storage.reading import ReadStats
+from shardsmith.storage.formats import SafetensorsFormat, ZarrFormat, layout_arrays, read_box
+from shardsmith.storage.formats import tensor_format as tensor_format_of
+from shardsmith.storage.formats import byte_view
+from shardsmith.storage.formats import write_chunks, write_metadata
 
 def _target_specs(manifest: Manifest, dims: ParallelDims, model_only: bool, url: str) -> dict[str, TensorSpec]:
     """Specs of the target layout, with the source's dtypes; checks the source fits."""

@@ -6,3 +6,7 @@ block keeps for backward, the transient peak), ``gpus`` (the accelerator table, 
 and allocator margin), ``verdict`` (fits or not per rank group, and the re-estimated fixes),
 ``cost`` (the step-time model) and ``search`` (the layout search).
 """
+
+import lazy_loader as lazy
+
+__getattr__, __dir__, __all__ = lazy.attach_stub(__name__, __file__)

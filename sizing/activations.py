@@ -28,7 +28,7 @@ autocast with FSDP's bf16 parameters, 4 in fp32), hidden ``h``, FFN width ``f``,
 
 from __future__ import annotations
 
-from shardsmith.layout.model_config import ModelConfig
+from shardsmith.layout import ModelConfig
 
 
 def compute_nbytes(mixed_precision: str) -> int:

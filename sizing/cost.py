@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 from math import prod
 
-from shardsmith.layout.dims import ParallelDims
+from shardsmith.layout import ParallelDims
 from shardsmith.sizing.gpus import Gpu
-from shardsmith.layout.model_config import ModelConfig, stage_layers
+from shardsmith.layout import ModelConfig, stage_layers
 from shardsmith.sizing.verdict import Job
 
 #: Best fraction of the dense bf16 peak a large bf16 GEMM reaches (cuBLAS on A100/H100).
@@ -72,7 +72,7 @@ def matmul_efficiency(model: ModelConfig, tp: int, micro_batch_size: int) -> flo
 
 def model_counts(model: ModelConfig) -> tuple[int, int, float]:
     """(largest layer's parameters, parameters outside the layers, FLOPs per token)."""
-    from shardsmith.layout.flops import flops_per_token
+    from shardsmith.layout import flops_per_token
     from shardsmith.sizing.estimate import _specs
 
     layers: dict[str, int] = {}

@@ -46,12 +46,12 @@ from math import prod
 from typing import Any
 
 from shardsmith.sizing import activations as act
-from shardsmith.layout.dims import MESH_AXES, ParallelDims
+from shardsmith.layout import MESH_AXES, ParallelDims
 from shardsmith.sizing.gpus import process_groups, process_overhead_nbytes
-from shardsmith.layout.model_config import ModelConfig, stage_layers
+from shardsmith.layout import ModelConfig, stage_layers
 from shardsmith.sizing.peak import stage_transient
-from shardsmith.layout.flops import flops_per_token
-from shardsmith.layout.sharding import TensorSpec, padded_vocab_size, param_specs
+from shardsmith.layout import flops_per_token
+from shardsmith.layout import TensorSpec, padded_vocab_size, param_specs
 
 #: Bytes per parameter element: fp32 weight, fp32 gradient, AdamW's two fp32 moments.
 PARAM_NBYTES, GRAD_NBYTES, OPTIM_NBYTES = 4, 4, 8

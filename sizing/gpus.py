@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardsmith.errors import ConfigError
-from shardsmith.layout.dims import ParallelDims
+from shardsmith.layout import ParallelDims
 
 MiB, GiB = 1 << 20, 1 << 30
 

@@ -9,9 +9,9 @@ the real code on fake tensors.
 from __future__ import annotations
 
 from shardsmith.sizing import activations as act
-from shardsmith.layout.dims import ParallelDims
-from shardsmith.layout.model_config import ModelConfig
-from shardsmith.layout.sharding import padded_vocab_size
+from shardsmith.layout import ParallelDims
+from shardsmith.layout import ModelConfig
+from shardsmith.layout import padded_vocab_size
 
 
 def loss_nbytes(model: ModelConfig, dims: ParallelDims, micro_batch_size: int, bytes_per_value: int) -> int:

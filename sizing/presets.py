@@ -17,7 +17,7 @@ import dataclasses
 from typing import Any
 
 from shardsmith.errors import ConfigError
-from shardsmith.layout.model_config import ModelConfig
+from shardsmith.layout import ModelConfig
 
 #: Round the SwiGLU width up to a multiple of this (Meta's Llama reference ``multiple_of``).
 FFN_MULTIPLE_OF = 256

@@ -19,9 +19,9 @@ from typing import Any, Iterator
 
 from shardsmith.errors import ConfigError
 from shardsmith.sizing.cost import StepCost, model_counts, step_cost
-from shardsmith.layout.dims import ParallelDims
+from shardsmith.layout import ParallelDims
 from shardsmith.sizing.gpus import Gpu
-from shardsmith.layout.model_config import ModelConfig, validate_layout
+from shardsmith.layout import ModelConfig, validate_layout
 from shardsmith.sizing.verdict import Job, max_peak, warnings
 
 MAX_MEMORY_CHECKS = 400

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from shardsmith.layout.dims import ParallelDims
+from shardsmith.layout import ParallelDims
 from shardsmith.sizing.estimate import Estimate, estimate
-from shardsmith.layout.model_config import ModelConfig
+from shardsmith.layout import ModelConfig
 
 #: A pipeline bubble above this fraction of the step is worth a warning (Narayanan et al. 2021
 #: aim for under ~20-25 % by choosing M >= 4P).
@@ -151,7 +151,7 @@ def fixes(job: Job, device_nbytes: int, limit: int = 4) -> list[dict[str, Any]]:
 def stage_work(est: Estimate) -> list[float]:
     """Per pipeline stage, its forward FLOPs in layer-equivalents: layers, plus the output
     projection's ``2*h*V`` per token over one layer's ``flops_per_token / (3 L)`` on the last."""
-    from shardsmith.layout.model_config import stage_layers
+    from shardsmith.layout import stage_layers
 
     m, d = est.model, est.dims
     per_layer = (est.flops_per_token / 3 - 2 * m.hidden_size * m.vocab_size) / m.num_layers

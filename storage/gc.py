@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any, Callable
 
-from shardsmith.layout.dims import ParallelDims
+from shardsmith.layout import ParallelDims
 from shardsmith.errors import ManifestError
 from shardsmith.storage.commit import read_manifest
 from shardsmith.storage.store.fs import Store

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardsmith.storage.cycle_gc import cycle_gc_paused
+from shardsmith.storage import cycle_gc_paused
 
 
 def gather_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:

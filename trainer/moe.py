@@ -48,7 +48,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from shardsmith.layout import ModelConfig
-from shardsmith.layout.box import chunk_range
+from shardsmith.layout import chunk_range
 
 #: Expert weight -> the dim tensor parallelism splits (w1/w3 column-, w2 row-parallel over F).
 EXPERT_TP_DIMS: dict[str, int] = {"w1": 1, "w2": 2, "w3": 1}

@@ -25,9 +25,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                parallelize_module)
 
 from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims, chunk_layers, stage_layers
-from shardsmith.layout.dims import FSDP_AXES, FSDP_MESH_DIM
-from shardsmith.layout.sharding import (COLWISE, ROWWISE, VOCAB_PARALLEL, TensorSpec, grad_sum_groups,
-                                    kv_replicas, padded_vocab_size, param_specs, tp_module_key)
+from shardsmith.layout import FSDP_AXES, FSDP_MESH_DIM
+from shardsmith.layout import COLWISE, ROWWISE, VOCAB_PARALLEL, TensorSpec, grad_sum_groups, kv_replicas, padded_vocab_size, param_specs, tp_module_key
 from shardsmith.trainer.context_parallel import attach, context_parallel, fsdp_mesh
 from shardsmith.trainer.model import Transformer
 from shardsmith.trainer.moe import EXPERT_TP_DIMS, MoEFeedForward, expert_params, expert_parallel_params, shard_experts

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims
-from shardsmith.layout.sharding import param_specs
+from shardsmith.layout import param_specs
 from shardsmith.trainer import pipeline
 from shardsmith.trainer.moe import set_aux_loss_scale
 from shardsmith.trainer.parallel import device_type

@@ -36,7 +36,8 @@ from shardsmith.trainer.fault.watchdog import apply_collective_timeout, set_grou
 from shardsmith.trainer.fault.hooks import FaultHooks
 from shardsmith.trainer.observe.console import EtaClock, duration, known_peak_flops, peak_memory_nbytes
 from shardsmith.trainer.moe import router_stats
-from shardsmith.trainer.observe.metrics import (EventLog, MetricsWriter, flops_per_token,
+from shardsmith.layout import flops_per_token
+from shardsmith.trainer.observe.metrics import (EventLog, MetricsWriter,
                                         iter_json_lines, run_dir, step_line, step_record)
 from shardsmith.trainer.checkpoint.resume import schedule_change
 from shardsmith.trainer.optim import build_optimizer, lr_lambda
@@ -277,7 +278,7 @@ class Trainer:
         if self.step >= self.cfg.steps and self.rank == 0:
             print(f"step {self.step} is at or past --steps {self.cfg.steps}: nothing to train",
                   file=sys.stderr, flush=True)
-        from shardsmith.storage.commit import read_manifest
+        from shardsmith.storage import read_manifest
 
         if self.rank == 0:
             message = schedule_change(read_manifest(src[0]).config, self.cfg, self.step)

@@ -24,8 +24,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.box import Box
-from shardsmith.layout.sharding import TensorSpec, param_specs
+from shardsmith.layout import Box
+from shardsmith.layout import TensorSpec, param_specs
 
 #: Elements drawn per generation block (4 MiB in fp32). Part of the init's definition:
 #: changing it changes every initial weight.

@@ -3,3 +3,7 @@
 Readers of DCP's pickled ``.metadata`` go through :mod:`.unpickler`, the only unpickling in
 shardsmith; every importer writes through :func:`.write.write_checkpoint`.
 """
+
+import lazy_loader as lazy
+
+__getattr__, __dir__, __all__ = lazy.attach_stub(__name__, __file__)

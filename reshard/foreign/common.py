@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from shardsmith.errors import ConfigError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.sharding import param_specs
+from shardsmith.layout import param_specs
 
 if TYPE_CHECKING:
     from shardsmith.reshard.foreign.write import WriteReport

@@ -41,13 +41,13 @@ import torch
 
 from shardsmith.errors import CheckpointError, ConfigError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.box import Box
-from shardsmith.layout.sharding import param_specs
+from shardsmith.layout import Box
+from shardsmith.layout import param_specs
 from shardsmith.reshard.foreign.common import MODEL_RECORD_KEY, ImportReport, ModelHints, infer_model_config
 from shardsmith.reshard.foreign.dcp_reader import METADATA_NAME, DCPCheckpoint
 from shardsmith.reshard.foreign.write import write_checkpoint
-from shardsmith.storage.commit import read_manifest, resolve_checkpoint
-from shardsmith.storage.formats.registry import read_box
+from shardsmith.storage import read_manifest, resolve_checkpoint
+from shardsmith.storage.formats import read_box
 
 #: AdamW state kinds: DCP name (after ``optimizer.state.<fqn>.``) -> our prefix.
 OPTIM_KINDS = {"exp_avg": "optim.exp_avg.", "exp_avg_sq": "optim.exp_avg_sq.", "step": "optim.step."}

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from shardsmith.errors import CheckpointNotFound, IntegrityError
-from shardsmith.layout.box import Box
+from shardsmith.layout import Box
 from shardsmith.reshard.foreign.unpickler import (TensorRecord, load_dcp_metadata, load_inert_value,
                                                   load_plain_value,
                                                   load_tensor_record)

@@ -35,21 +35,21 @@ from shardsmith.reshard.foreign.hf import (EXPORT_DTYPE, EXPORT_MAX_SHARD_NBYTES
                                    hf_config, model_config_from_hf, permute_from_hf, permute_to_hf, rope_heads,
                                    to_hf_name)
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.sharding import TensorSpec, param_specs
-from shardsmith.layout.box import Box
-from shardsmith.layout.dtypes import DTYPE_CHOICES, DTYPES
+from shardsmith.layout import TensorSpec, param_specs
+from shardsmith.layout import Box
+from shardsmith.layout import DTYPE_CHOICES, DTYPES
 from shardsmith.reshard.foreign.common import ImportReport
 from shardsmith.reshard.foreign.write import write_checkpoint
 from shardsmith.reshard.foreign.hf_tokenizer import TokenizerCopy, copy_tokenizer
-from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
-from shardsmith.storage.commit import read_manifest, resolve_checkpoint
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.manifest.records import Manifest
-from shardsmith.storage.manifest.model_record import check_model_record
-from shardsmith.storage.store.posix import sweep_stale_tmp
-from shardsmith.storage.formats.safetensors import encode_header, write_stream
-from shardsmith.storage.formats.registry import read_box
-from shardsmith.storage.formats.tensor_files import DTYPE_NAMES, byte_view
+from shardsmith.storage import DEFAULT_CHUNK_NBYTES
+from shardsmith.storage import read_manifest, resolve_checkpoint
+from shardsmith.storage.store import Store
+from shardsmith.storage.manifest import Manifest
+from shardsmith.storage.manifest import check_model_record
+from shardsmith.storage.store import sweep_stale_tmp
+from shardsmith.storage.formats import encode_header, write_stream
+from shardsmith.storage.formats import read_box
+from shardsmith.storage.formats import DTYPE_NAMES, byte_view
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardsmith.storage.store.fs import Store
+from shardsmith.storage.store import Store
 
 TOKENIZER_JSON = "tokenizer.json"
 SIBLINGS = ("tokenizer_config.json", "special_tokens_map.json")

@@ -36,7 +36,7 @@ import torch
 
 from shardsmith.errors import ConfigError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.box import Box
+from shardsmith.layout import Box
 from shardsmith.reshard.foreign.common import ImportReport, ModelHints, infer_model_config
 from shardsmith.reshard.foreign.dcp_reader import DCPCheckpoint
 from shardsmith.reshard.foreign.megatron_optim import (BUCKET_SPACE, KINDS, STATE, MegatronOptim,

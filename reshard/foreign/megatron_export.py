@@ -25,15 +25,15 @@ import torch
 
 from shardsmith.errors import CheckpointError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.box import Box
-from shardsmith.layout.sharding import param_specs
+from shardsmith.layout import Box
+from shardsmith.layout import param_specs
 from shardsmith.reshard.foreign.dcp import lazy_planner, save_one_process
 from shardsmith.reshard.foreign.dcp_reader import METADATA_NAME
 from shardsmith.reshard.foreign.megatron import (BACKEND_JSON, EXTRA_STATE_MODULES, FC1, GLOBAL_MAP,
                                                  LAYER_MAP, LAYERS, QKV, fuse_qkv)
 from shardsmith.reshard.foreign.megatron_optim import STATE, common_steps, optimizer_common
-from shardsmith.storage.commit import read_manifest, resolve_checkpoint
-from shardsmith.storage.formats.registry import read_box
+from shardsmith.storage import read_manifest, resolve_checkpoint
+from shardsmith.storage.formats import read_box
 
 
 @dataclass

@@ -15,16 +15,17 @@ from typing import Any, Callable
 import torch
 
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.box import Box
-from shardsmith.layout.sharding import checkpoint_specs, shard_file_name
-from shardsmith.layout.assignment import write_assignment
-from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
-from shardsmith.storage.commit import commit, ensure_not_committed, resolve_target, step_dir
-from shardsmith.storage.manifest.records import MANIFEST_NAME, ManifestBuilder
-from shardsmith.storage.manifest.parse import parse_manifest
-from shardsmith.storage.formats.safetensors import file_order
-from shardsmith.storage.formats.tensor_files import write_shard_file
-from shardsmith.storage.manifest.v2 import dumps_manifest
+from shardsmith.layout import Box
+from shardsmith.layout import checkpoint_specs, shard_file_name
+from shardsmith.layout import write_assignment
+from shardsmith.storage import DEFAULT_CHUNK_NBYTES
+from shardsmith.storage.commit import commit
+from shardsmith.storage import ensure_not_committed, resolve_target, step_dir
+from shardsmith.storage.manifest import MANIFEST_NAME, ManifestBuilder
+from shardsmith.storage.manifest import parse_manifest
+from shardsmith.storage.formats import file_order
+from shardsmith.storage.formats import write_shard_file
+from shardsmith.storage.manifest import dumps_manifest
 
 #: ``read(fqn, box)``: the box (global elements) of logical tensor ``fqn``, float32, contiguous.
 BoxReader = Callable[[str, Box], torch.Tensor]

@@ -8,3 +8,7 @@ whatever its format), the safetensors header reader/writer
 (:mod:`~shardsmith.storage.formats.tensor_files`). Outside this package code asks a manifest's
 ``traits``, never its format's name.
 """
+
+import lazy_loader as lazy
+
+__getattr__, __dir__, __all__ = lazy.attach_stub(__name__, __file__)

@@ -23,9 +23,9 @@ import torch
 
 from shardsmith.errors import ConfigError
 from shardsmith.layout import ParallelDims
-from shardsmith.layout.box import Box
-from shardsmith.layout.sharding import TensorSpec, shard_file_name
-from shardsmith.layout.assignment import write_assignment
+from shardsmith.layout import Box
+from shardsmith.layout import TensorSpec, shard_file_name
+from shardsmith.layout import write_assignment
 from shardsmith.storage.cycle_gc import cycle_gc_paused
 from shardsmith.storage.store.fs import Store
 from shardsmith.storage.manifest.records import TENSOR_FORMATS, FileRecord, Manifest, ManifestBuilder, ShardRecord

@@ -18,8 +18,8 @@ import struct
 from typing import Any, Iterable, Iterator, Sequence
 
 from shardsmith.errors import IntegrityError
-from shardsmith.layout.box import Box
-from shardsmith.layout.dtypes import SAFETENSORS_DTYPE_ORDER
+from shardsmith.layout import Box
+from shardsmith.layout import SAFETENSORS_DTYPE_ORDER
 from shardsmith.storage.checksum import ChunkedCrc, chunk_crc32c, crc32c, crc32c_extend
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.store.fs import Store

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shardsmith.layout.box import Box
-from shardsmith.layout.dtypes import DTYPES
+from shardsmith.layout import Box
+from shardsmith.layout import DTYPES
 from shardsmith.storage.formats import safetensors
 from shardsmith.storage.checksum import chunk_crc32c, crc32c
 from shardsmith.storage.store.fs import Store

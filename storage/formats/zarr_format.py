@@ -60,8 +60,8 @@ from zarr.codecs import GzipCodec, ZstdCodec
 from zarr.storage import MemoryStore
 
 from shardsmith.errors import ConfigError, IntegrityError
-from shardsmith.layout.box import Box
-from shardsmith.layout.dtypes import ZARR_DTYPES
+from shardsmith.layout import Box
+from shardsmith.layout import ZARR_DTYPES
 from shardsmith.storage.checksum import chunk_crc32c, crc32c
 from shardsmith.storage.store.fs import Store
 from shardsmith.storage.manifest.records import FileRecord, ShardRecord, TensorRecord

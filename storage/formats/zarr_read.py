@@ -19,10 +19,10 @@ import torch
 from zarr.core.buffer import default_buffer_prototype
 
 from shardsmith.errors import IntegrityError
-from shardsmith.layout.box import Box, row_major_span, row_major_strides
+from shardsmith.layout import Box, row_major_span, row_major_strides
 from shardsmith.storage.checksum import crc32c, require_full_read, verify_chunks
 from shardsmith.storage.store.fs import Store
-from shardsmith.layout.dtypes import DTYPE_NBYTES
+from shardsmith.layout import DTYPE_NBYTES
 from shardsmith.storage.manifest.records import Manifest, ShardRecord, TensorRecord
 from shardsmith.storage.reading.execute import destination
 from shardsmith.storage.reading.spans import chunk_span, intersections

@@ -10,3 +10,7 @@ any version), :func:`~shardsmith.storage.manifest.v2.dumps_manifest` (the bytes 
 :func:`~shardsmith.storage.manifest.model_record.check_model_record`. ``v2``, ``grid`` and
 ``checks`` are the parser's internals.
 """
+
+import lazy_loader as lazy
+
+__getattr__, __dir__, __all__ = lazy.attach_stub(__name__, __file__)

@@ -13,8 +13,8 @@ from math import prod
 from typing import Any, Callable
 
 from shardsmith.errors import ManifestError
-from shardsmith.layout.dims import MESH_AXES, REQUIRED_AXES
-from shardsmith.layout.dtypes import DTYPE_NBYTES
+from shardsmith.layout import MESH_AXES, REQUIRED_AXES
+from shardsmith.layout import DTYPE_NBYTES
 from shardsmith.storage.manifest.records import (FORMAT_NAME, MANIFEST_NAME, SIDECAR_SUFFIX, TENSOR_FORMATS, FileRecord,
                                          ShardRecord, TensorRecord, sidecar_name)
 

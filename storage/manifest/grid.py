@@ -33,8 +33,8 @@ from itertools import product
 from math import prod
 from typing import Any, Callable
 
-from shardsmith.layout.box import Box
-from shardsmith.layout.dtypes import DTYPE_NBYTES
+from shardsmith.layout import Box
+from shardsmith.layout import DTYPE_NBYTES
 from shardsmith.storage.manifest.records import ShardRecord, TensorRecord
 from shardsmith.storage.manifest.checks import Problems, check_type, err, int_list, load_json, parse_tensor
 

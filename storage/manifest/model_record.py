@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 
 from shardsmith.errors import CheckpointMismatch
-from shardsmith.layout.compat import SHAPE_FIELDS
-from shardsmith.layout.dims import ParallelDims
-from shardsmith.layout.model_config import ModelConfig
-from shardsmith.layout.sharding import checkpoint_specs
+from shardsmith.layout import SHAPE_FIELDS
+from shardsmith.layout import ParallelDims
+from shardsmith.layout import ModelConfig
+from shardsmith.layout import checkpoint_specs
 from shardsmith.storage.manifest.records import Manifest
 
 OPTIM_PREFIX = "optim."

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
 
-from shardsmith.layout.box import Box
+from shardsmith.layout import Box
 
 from shardsmith.storage.cycle_gc import cycle_gc_paused
 from shardsmith.storage.store.fs import Store

@@ -14,9 +14,9 @@ from datetime import datetime, timezone
 from math import prod
 from typing import Any, Iterable, Mapping, Sequence
 
-from shardsmith.layout.box import Box
-from shardsmith.layout.dims import ParallelDims
-from shardsmith.layout.dtypes import DTYPE_NBYTES
+from shardsmith.layout import Box
+from shardsmith.layout import ParallelDims
+from shardsmith.layout import DTYPE_NBYTES
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 
 FORMAT_NAME = "shardsmith.checkpoint"

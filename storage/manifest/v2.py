@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any, Callable, Collection
 
-from shardsmith.layout.dtypes import DTYPE_NBYTES
+from shardsmith.layout import DTYPE_NBYTES
 from shardsmith.storage.manifest.records import FORMAT_NAME, FORMAT_TRAITS, FileRecord, Manifest, ShardRecord, TensorRecord
 from shardsmith.storage.manifest.checks import (Problems, check_bytes, check_coverage, check_files_disjoint,
                                                 check_sidecars, check_type, err, fields, int_list, int_ok, ints_ok,

@@ -17,8 +17,8 @@ from typing import Sequence
 import torch
 
 from shardsmith.errors import IntegrityError
-from shardsmith.layout.box import Box, row_major_strides
-from shardsmith.layout.dtypes import DTYPE_NBYTES
+from shardsmith.layout import Box, row_major_strides
+from shardsmith.layout import DTYPE_NBYTES
 from shardsmith.storage.checksum import require_full_read, verify_chunks
 from shardsmith.storage.store.fs import Store
 from shardsmith.storage.manifest.records import Manifest

@@ -19,8 +19,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from shardsmith.layout.box import Box, row_major_span, row_major_strides
-from shardsmith.layout.dtypes import DTYPE_NBYTES
+from shardsmith.layout import Box, row_major_span, row_major_strides
+from shardsmith.layout import DTYPE_NBYTES
 from shardsmith.storage.manifest.records import ShardRecord, TensorRecord
 from shardsmith.storage.reading.spans import chunk_span, intersections
 from shardsmith.storage.formats.tensor_files import byte_view

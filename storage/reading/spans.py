@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from shardsmith.layout.box import Box
+from shardsmith.layout import Box
 from shardsmith.storage.manifest.records import ShardRecord, TensorRecord
 
 

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from shardsmith.layout.box import Box
+from shardsmith.layout import Box
 
 #: Host bytes staged at once for destinations off the CPU (one buffer, reused batch after batch).
 STAGING_NBYTES = 256 * 2**20

@@ -8,3 +8,7 @@ read and write, under one retry policy and error mapping), its
 :mod:`~shardsmith.storage.store.posix` for the resharder's local copies. The backends
 (:mod:`~shardsmith.storage.store.backends`) are reached only through the Store.
 """
+
+import lazy_loader as lazy
+
+__getattr__, __dir__, __all__ = lazy.attach_stub(__name__, __file__)

@@ -50,7 +50,8 @@ from shardsmith.trainer.fault.elastic import fit_world_size
 from shardsmith.trainer.fault.preemption import PreemptionHandler
 from shardsmith.trainer.fault.watchdog import StepWatchdog, hang_threshold
 from shardsmith.trainer.fault.hooks import FaultHooks
-from shardsmith.trainer.observe.metrics import MetricsWriter, flops_per_token, iter_json_lines, model_flops_utilization
+from shardsmith.layout.flops import flops_per_token
+from shardsmith.trainer.observe.metrics import MetricsWriter, iter_json_lines, model_flops_utilization
 from shardsmith.trainer.observe.plot import loss_segments, run_markers
 from shardsmith.trainer.rng import (capture_rng, pack_rng_states, restore_rng, role_seed,
                                     select_rng_state)

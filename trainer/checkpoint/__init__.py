@@ -8,3 +8,7 @@ changes) and :mod:`~shardsmith.trainer.checkpoint.run_checks` (does a step fit t
 load mechanics (``save_load``, ``async_save``), the node-local tier, peer copies, shared reads
 and recovery are the policy's.
 """
+
+import lazy_loader as lazy
+
+__getattr__, __dir__, __all__ = lazy.attach_stub(__name__, __file__)

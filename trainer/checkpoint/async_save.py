@@ -32,10 +32,10 @@ import torch.distributed as dist
 
 from shardsmith.errors import SaveError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.storage.commit import step_dir
-from shardsmith.storage.crashpoints import crash_point
-from shardsmith.storage.manifest.records import MANIFEST_NAME
-from shardsmith.storage.store.fs import Store
+from shardsmith.storage import step_dir
+from shardsmith.storage import crash_point
+from shardsmith.storage.manifest import MANIFEST_NAME
+from shardsmith.storage.store import Store
 from shardsmith.trainer.checkpoint.save_load import SaveResult, WritePlan, plan_local_writes, write_and_commit
 from shardsmith.trainer.checkpoint.local_tier import LocalTier, replicate
 from shardsmith.trainer.parallel import device_type

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardsmith.errors import ConfigError
-from shardsmith.storage.manifest.records import TENSOR_FORMATS
+from shardsmith.storage.manifest import TENSOR_FORMATS
 
 
 #: ``--data-change`` values ("": not given).
@@ -92,7 +92,7 @@ class CheckpointConfig:
             if self.tensor_format != "zarr":
                 raise ConfigError(f"checkpoint.zarr_codec={self.zarr_codec!r} needs tensor_format='zarr' "
                                   "(safetensors checkpoints are not compressed)")
-            from shardsmith.storage.formats.zarr_format import parse_codec
+            from shardsmith.storage.formats import parse_codec
 
             parse_codec(self.zarr_codec)
         if self.data_change not in DATA_CHANGES:

@@ -37,15 +37,15 @@ import torch
 
 from shardsmith.errors import ConfigError, ManifestError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.box import Box
-from shardsmith.layout.sharding import TensorSpec, checkpoint_specs, rank_boxes, shard_file_name
-from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES, crc32c
-from shardsmith.storage.commit import parse_step_dir, step_dir
-from shardsmith.storage.crashpoints import crash_point
-from shardsmith.storage.formats.registry import SafetensorsFormat
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.manifest.records import sidecar_name
-from shardsmith.storage.manifest.checks import load_json
+from shardsmith.layout import Box
+from shardsmith.layout import TensorSpec, checkpoint_specs, rank_boxes, shard_file_name
+from shardsmith.storage import DEFAULT_CHUNK_NBYTES, crc32c
+from shardsmith.storage import parse_step_dir, step_dir
+from shardsmith.storage import crash_point
+from shardsmith.storage.formats import SafetensorsFormat
+from shardsmith.storage.store import Store
+from shardsmith.storage.manifest import sidecar_name
+from shardsmith.storage.manifest import load_json
 from shardsmith.trainer.checkpoint.save_load import WritePlan, unpadded
 from shardsmith.trainer.rng import capture_rng, rng_role
 

@@ -19,15 +19,15 @@ import torch
 import torch.distributed as dist
 
 from shardsmith.errors import IntegrityError, TrainingDiverged
-from shardsmith.layout.box import bounding_box
-from shardsmith.layout.sharding import checkpoint_specs, rank_boxes
-from shardsmith.storage.commit import open_manifest, resolve_checkpoint, step_dir
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.gc import gc_after_commit
-from shardsmith.storage.lineage import check_new_run_root, remove_runs_except
-from shardsmith.storage.manifest.records import MANIFEST_NAME, Manifest
-from shardsmith.storage.formats.tensor_files import DTYPE_NAMES
-from shardsmith.storage.manifest.read import ManifestReader
+from shardsmith.layout import bounding_box
+from shardsmith.layout import checkpoint_specs, rank_boxes
+from shardsmith.storage import open_manifest, resolve_checkpoint, step_dir
+from shardsmith.storage.store import Store
+from shardsmith.storage import gc_after_commit
+from shardsmith.storage import check_new_run_root, remove_runs_except
+from shardsmith.storage.manifest import MANIFEST_NAME, Manifest
+from shardsmith.storage.formats import DTYPE_NAMES
+from shardsmith.storage.manifest import ManifestReader
 from shardsmith.trainer.checkpoint.async_save import AsyncCheckpointer
 from shardsmith.trainer.checkpoint.save_load import (ReadStats, SaveResult, finish_upcast, init_optimizer_state,
                                           model_state_tensors, raise_agreed, save_checkpoint, upcast_staging)

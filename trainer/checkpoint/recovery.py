@@ -27,12 +27,12 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from shardsmith.errors import CheckpointError, CheckpointNotFound, IntegrityError, ManifestError
-from shardsmith.layout.sharding import checkpoint_specs
-from shardsmith.storage.commit import open_manifest, parse_step_dir, resolve_checkpoint, split_step_url, step_dir
-from shardsmith.storage.formats.registry import SafetensorsFormat
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.lineage import committed_runs, loadable_steps, mark_corrupt, run_id_of
-from shardsmith.storage.manifest.records import Manifest, ManifestBuilder
+from shardsmith.layout import checkpoint_specs
+from shardsmith.storage import open_manifest, parse_step_dir, resolve_checkpoint, split_step_url, step_dir
+from shardsmith.storage.formats import SafetensorsFormat
+from shardsmith.storage.store import Store
+from shardsmith.storage import committed_runs, loadable_steps, mark_corrupt, run_id_of
+from shardsmith.storage.manifest import Manifest, ManifestBuilder
 from shardsmith.trainer.comm import broadcast_text, gather_json
 from shardsmith.trainer.checkpoint.local_tier import (Lineage, LocalTier, RankCopy, buddy_of, check_copy_files,
                                            parse_rank_doc, rank_manifest_name, saved_dims)
@@ -43,7 +43,7 @@ from shardsmith.trainer.rng import pack_rng_states
 from shardsmith.trainer.checkpoint.run_checks import RunIdentity
 
 if TYPE_CHECKING:
-    from shardsmith.storage.manifest.read import ManifestReader
+    from shardsmith.storage.manifest import ManifestReader
     from shardsmith.trainer.config import TrainConfig
 
 log = logging.getLogger(__name__)

@@ -12,10 +12,10 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from shardsmith.errors import CheckpointNotFound, ConfigError
-from shardsmith.storage.commit import find_latest_committed, list_steps, read_manifest, resolve_checkpoint, split_step_url, step_dir
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.lineage import CORRUPT_NAME, corrupt_mark, loadable_steps, run_id_of
-from shardsmith.storage.manifest.records import Manifest
+from shardsmith.storage import find_latest_committed, list_steps, read_manifest, resolve_checkpoint, split_step_url, step_dir
+from shardsmith.storage.store import Store
+from shardsmith.storage import CORRUPT_NAME, corrupt_mark, loadable_steps, run_id_of
+from shardsmith.storage.manifest import Manifest
 from shardsmith.trainer.observe.console import short_url
 from shardsmith.trainer.data.config import data_changed, describe_data
 

@@ -20,11 +20,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shardsmith.layout.compat import check_has_optimizer_state, check_model_compatible, check_tensor_names
-from shardsmith.layout.sharding import checkpoint_specs
+from shardsmith.layout import check_has_optimizer_state, check_model_compatible, check_tensor_names
+from shardsmith.layout import checkpoint_specs
 from shardsmith.errors import CheckpointMismatch
-from shardsmith.storage.lineage import UNNAMED, run_record
-from shardsmith.storage.manifest.records import Manifest
+from shardsmith.storage import UNNAMED, run_record
+from shardsmith.storage.manifest import Manifest
 from shardsmith.trainer.checkpoint.resume import check_data_change, data_differs
 
 if TYPE_CHECKING:

@@ -23,18 +23,19 @@ from torch.distributed.tensor import DTensor
 
 from shardsmith.errors import CheckpointError, IntegrityError, SaveError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.sharding import checkpoint_specs, rank_boxes, shard_file_name
-from shardsmith.layout.assignment import write_assignment
-from shardsmith.layout.box import Box
-from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
-from shardsmith.storage.commit import commit, step_dir
-from shardsmith.storage.crashpoints import crash_point
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.manifest.records import Manifest, ManifestBuilder
-from shardsmith.storage.reading.execute import ReadStats
-from shardsmith.storage.formats.registry import read_boxes
-from shardsmith.storage.formats.registry import tensor_format as get_tensor_format
-from shardsmith.storage.formats.tensor_files import DTYPE_NAMES, TORCH_DTYPES
+from shardsmith.layout import checkpoint_specs, rank_boxes, shard_file_name
+from shardsmith.layout import write_assignment
+from shardsmith.layout import Box
+from shardsmith.storage import DEFAULT_CHUNK_NBYTES
+from shardsmith.storage.commit import commit
+from shardsmith.storage import step_dir
+from shardsmith.storage import crash_point
+from shardsmith.storage.store import Store
+from shardsmith.storage.manifest import Manifest, ManifestBuilder
+from shardsmith.storage.reading import ReadStats
+from shardsmith.storage.formats import read_boxes
+from shardsmith.storage.formats import tensor_format as get_tensor_format
+from shardsmith.storage.formats import DTYPE_NAMES, TORCH_DTYPES
 from shardsmith.trainer.comm import broadcast_text, gather_json_to_root
 from shardsmith.trainer.weight_init import local_tensor
 

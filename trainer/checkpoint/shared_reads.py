@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 
 from shardsmith.errors import CheckpointError, IntegrityError
-from shardsmith.layout.box import Box
-from shardsmith.layout.dtypes import DTYPE_NBYTES
-from shardsmith.layout.assignment import lpt_assign
-from shardsmith.storage.formats.registry import read_boxes
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.manifest.records import Manifest
-from shardsmith.storage.reading.execute import ReadStats
-from shardsmith.storage.reading.ranges import planned_read_nbytes
+from shardsmith.layout import Box
+from shardsmith.layout import DTYPE_NBYTES
+from shardsmith.layout import lpt_assign
+from shardsmith.storage.formats import read_boxes
+from shardsmith.storage.store import Store
+from shardsmith.storage.manifest import Manifest
+from shardsmith.storage.reading import ReadStats
+from shardsmith.storage.reading import planned_read_nbytes
 from shardsmith.trainer.checkpoint.save_load import load_into, load_requests, unpadded
 from shardsmith.trainer.comm import any_rank, broadcast_into, gather_json
 

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardsmith.layout import ParallelDims
-from shardsmith.layout.dims import FSDP_AXES, FSDP_MESH_DIM
+from shardsmith.layout import FSDP_AXES, FSDP_MESH_DIM
 from shardsmith.trainer.context_parallel.attention import ContextParallel
 
 

@@ -30,7 +30,7 @@ from shardsmith.trainer.data.identity import (check_same_tokenizer, resolve_voca
 _LAZY = {"BlendedDataset": "blend", "blending_table": "blend", "GlobalBatchSampler": "dataset",
          "TokenDataset": "dataset", "vocab_size_needed": "dataset", "build_dataset": "loading",
          "load_tokens": "loading", "tokenize_documents": "loading", "stdlib_corpus": "sources",
-         "stdlib_documents": "sources"}
+         "stdlib_documents": "sources", "expand_source": "sources"}
 
 
 def __getattr__(name: str) -> Any:
@@ -41,6 +41,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BYTE_VOCAB_SIZE", "TOKEN_DTYPES", "BlendedDataset", "DataConfig", "GlobalBatchSampler",
+    "expand_source",
     "TokenDataset", "blending_table", "build_dataset", "check_same_tokenizer", "load_tokens",
     "parse_data_args", "resolve_vocab_size", "stdlib_corpus", "stdlib_documents",
     "tokenize_documents", "tokenizer_identity", "vocab_size_needed",

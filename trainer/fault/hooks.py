@@ -18,7 +18,6 @@ from typing import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardsmith.storage.crashpoints import crash_point  # noqa: F401  (re-exported test hook)
 from shardsmith.trainer.fault.preemption import say
 
 

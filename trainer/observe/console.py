@@ -19,8 +19,8 @@ import sys
 from collections import deque
 from typing import Any
 
-from shardsmith.layout.dims import MESH_AXIS_TABLE
-from shardsmith.layout.sizes import format_nbytes
+from shardsmith.layout import MESH_AXIS_TABLE
+from shardsmith.layout import format_nbytes
 
 #: Dense bf16 peak FLOP/s of one device by name fragment (vendor data sheets), for MFU
 #: when ``--peak-flops`` is not given.

@@ -29,7 +29,6 @@ import threading
 import time
 from typing import Any, Iterator
 
-from shardsmith.layout.flops import flops_per_token  # noqa: F401 (its home; re-exported)
 from shardsmith.trainer.observe.console import event_line, step_line  # noqa: F401 (re-exported)
 from shardsmith.trainer.config import TrainConfig
 

@@ -5,3 +5,7 @@ Public surface: :func:`~shardsmith.trainer.runtime.launch.launch` (the CLI's ``t
 torch is imported), :mod:`~shardsmith.trainer.runtime.worker` (a torchrun worker's set-up and
 exit) and :mod:`~shardsmith.trainer.runtime.supervisor` (``--restart in-process``).
 """
+
+import lazy_loader as lazy
+
+__getattr__, __dir__, __all__ = lazy.attach_stub(__name__, __file__)

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from shardsmith.errors import StorageError
-from shardsmith.storage.commit import read_manifest, resolve_checkpoint
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.lineage import check_new_run_root
-from shardsmith.storage.manifest.model_record import check_model_record
+from shardsmith.storage import read_manifest, resolve_checkpoint
+from shardsmith.storage.store import Store
+from shardsmith.storage import check_new_run_root
+from shardsmith.storage.manifest import check_model_record
 from shardsmith.trainer.observe.console import short_url
 from shardsmith.trainer.checkpoint.resume import absolute_url, check_data_change, check_exists, resume_source
 from shardsmith.trainer.checkpoint.run_checks import check_before_load, reset_due

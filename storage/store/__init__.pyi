@@ -1,0 +1,8 @@
+# The face of shardsmith.storage.store: the names other packages import. Read at import time by lazy_loader
+# (attach_stub), so a name's module is imported on first use; type checkers read it as is.
+
+from .backends import usable_cores as usable_cores
+from .fs import Store as Store
+from .options import parse_storage_options as parse_storage_options
+from .posix import map_range as map_range, preallocate as preallocate, pwrite_all as pwrite_all, sweep_stale_tmp as sweep_stale_tmp
+from .uploads import abort_stale_uploads as abort_stale_uploads, has_uploads as has_uploads, list_uploads as list_uploads

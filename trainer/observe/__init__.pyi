@@ -1,0 +1,6 @@
+# The face of shardsmith.trainer.observe: the names other packages import. Read at import time by lazy_loader
+# (attach_stub), so a name's module is imported on first use; type checkers read it as is.
+
+from .console import layout_name as layout_name
+from .metrics import iter_json_lines as iter_json_lines
+from .plot import plot_runs as plot_runs
