@@ -23,14 +23,18 @@ def parse_layout(name: str) -> ParallelDims:
 def build_model(cfg: ModelConfig, dims: ParallelDims) -> tuple[Any, torch.nn.Module]:
     """(mesh, this rank's pipeline stage of the trainer's model, parallelized under ``dims``,
     uninitialized CPU memory). Collective (builds a mesh)."""
-    mesh = build_mesh(dims, device="cpu")                     # CPU shards, gloo, also on a GPU machine
+    mesh = build_mesh(dims, device="cpu")  # CPU shards, gloo, also on a GPU machine
     stage = dims.coords(dist.get_rank())["pp"]
     layers = stage_layers(cfg, dims)[stage]
     with torch.device("meta"):
-        model = Transformer(cfg, layers, first=stage == 0, last=stage == dims.pp - 1,
-                            padded_vocab=padded_vocab_size(cfg.vocab_size, dims.tp),
-                            kv_copies=kv_replicas(cfg, dims))
+        model = Transformer(
+            cfg,
+            layers,
+            first=stage == 0,
+            last=stage == dims.pp - 1,
+            padded_vocab=padded_vocab_size(cfg.vocab_size, dims.tp),
+            kv_copies=kv_replicas(cfg, dims),
+        )
     parallelize(model, mesh, dims, bf16=False, activation_checkpointing=False)
     model.to_empty(device="cpu")
     return mesh, model
-

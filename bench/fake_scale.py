@@ -92,21 +92,52 @@ class Config:
 
 def _configs() -> dict[str, Config]:
     # the 1,024-rank job of bench/scale_sim.py ("main": ~410B parameters, seq 4096)
-    big = ModelConfig(num_layers=128, hidden_size=16384, num_attention_heads=128, num_kv_heads=8,
-                      ffn_hidden_size=53248, vocab_size=128256, seq_length=4096)
-    return {c.name: c for c in (
-        Config("llama3-8b", resolve_model("llama3-8b", {}), ParallelDims(tp=2, dp_shard=4), 8),
-        Config("llama3-70b", resolve_model("llama3-70b", {}), ParallelDims(tp=8, pp=4, dp_shard=8), 512,
-               bf16=True, ac=True, sp=True),
-        Config("410b-1024", big, ParallelDims(tp=8, pp=16, dp_shard=8), 1024, bf16=True, ac=True, sp=True),
-    )}
+    big = ModelConfig(
+        num_layers=128,
+        hidden_size=16384,
+        num_attention_heads=128,
+        num_kv_heads=8,
+        ffn_hidden_size=53248,
+        vocab_size=128256,
+        seq_length=4096,
+    )
+    return {
+        c.name: c
+        for c in (
+            Config("llama3-8b", resolve_model("llama3-8b", {}), ParallelDims(tp=2, dp_shard=4), 8),
+            Config(
+                "llama3-70b",
+                resolve_model("llama3-70b", {}),
+                ParallelDims(tp=8, pp=4, dp_shard=8),
+                512,
+                bf16=True,
+                ac=True,
+                sp=True,
+            ),
+            Config(
+                "410b-1024",
+                big,
+                ParallelDims(tp=8, pp=16, dp_shard=8),
+                1024,
+                bf16=True,
+                ac=True,
+                sp=True,
+            ),
+        )
+    }
 
 
 def estimate_of(c: Config) -> Any:
     """The dry run's estimate of ``c`` (:func:`shardsmith.sizing.estimate.estimate`)."""
-    return estimate(c.model, c.dims, micro_batch_size=c.micro_batch_size, global_batch_size=c.global_batch_size,
-                    activation_checkpointing=c.ac, mixed_precision="bf16" if c.bf16 else "fp32",
-                    sequence_parallel=c.sp)
+    return estimate(
+        c.model,
+        c.dims,
+        micro_batch_size=c.micro_batch_size,
+        global_batch_size=c.global_batch_size,
+        activation_checkpointing=c.ac,
+        mixed_precision="bf16" if c.bf16 else "fp32",
+        sequence_parallel=c.sp,
+    )
 
 
 def in_flight_of(c: Config, stage: int) -> int:
@@ -190,9 +221,17 @@ def run_stage(c: Config, stage: int) -> dict[str, Any]:
     mesh = build_mesh(dims, "cpu")
     first, last = stage == 0, stage == dims.pp - 1
     with torch.device("meta"):
-        model = Transformer(m, chunk_layers(m, dims)[stage], first=first, last=last,
-                            padded_vocab=padded_vocab_size(m.vocab_size, dims.tp), kv_copies=kv_replicas(m, dims))
-    parallelize(model, mesh, dims, bf16=c.bf16, activation_checkpointing=c.ac, sequence_parallel=c.sp)
+        model = Transformer(
+            m,
+            chunk_layers(m, dims)[stage],
+            first=first,
+            last=last,
+            padded_vocab=padded_vocab_size(m.vocab_size, dims.tp),
+            kv_copies=kv_replicas(m, dims),
+        )
+    parallelize(
+        model, mesh, dims, bf16=c.bf16, activation_checkpointing=c.ac, sequence_parallel=c.sp
+    )
     check_placements(model, param_specs(m, dims), dims)
     in_flight = in_flight_of(c, stage)
     run_k = 1
@@ -229,7 +268,10 @@ def run_stage(c: Config, stage: int) -> dict[str, Any]:
             if first:
                 xs = [torch.randint(0, m.vocab_size, (b, s)) for _ in range(run_k)]
             else:
-                xs = [torch.randn(b, seq, m.hidden_size, dtype=act_dtype, requires_grad=True) for _ in range(run_k)]
+                xs = [
+                    torch.randn(b, seq, m.hidden_size, dtype=act_dtype, requires_grad=True)
+                    for _ in range(run_k)
+                ]
             with math._loss_ctx() if last else contextlib.nullcontext():
                 with math._autocast():
                     outs = Microbatches()(xs)
@@ -243,17 +285,28 @@ def run_stage(c: Config, stage: int) -> dict[str, Any]:
             optimizer.step()
         opt_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     per_mb = after[1] - after[0]
-    return {"stage": stage, "rank": rank, "in_flight": in_flight, "run_in_flight": run_k,
-            "per_microbatch_bytes": per_mb, "tracker_peak_bytes": peak["Total"],
-            "measured_peak_bytes": peak["Total"] + (in_flight - run_k) * per_mb,
-            "optimizer_step_tracker_peak_bytes": opt_peak,
-            "by_kind": {str(k).split(".")[-1].strip("'>"): v for k, v in peak.items() if k != "Total"}}
+    return {
+        "stage": stage,
+        "rank": rank,
+        "in_flight": in_flight,
+        "run_in_flight": run_k,
+        "per_microbatch_bytes": per_mb,
+        "tracker_peak_bytes": peak["Total"],
+        "measured_peak_bytes": peak["Total"] + (in_flight - run_k) * per_mb,
+        "optimizer_step_tracker_peak_bytes": opt_peak,
+        "by_kind": {str(k).split(".")[-1].strip("'>"): v for k, v in peak.items() if k != "Total"},
+    }
 
 
 def _stage_subprocess(name: str, stage: int) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, __file__, "--stage-of", name, str(stage)], capture_output=True,
-                         text=True, env=env, check=False)
+    out = subprocess.run(
+        [sys.executable, __file__, "--stage-of", name, str(stage)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     if out.returncode:
         raise RuntimeError(f"{name} stage {stage} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -271,18 +324,39 @@ def run_config(c: Config, workers: int) -> dict[str, Any]:
     rows = []
     for p, sig in sigs.items():
         src = next(q for q in firsts if sigs[q] == sig)
-        got = {**ran[src], "stage": p, "rank": c.dims.rank_of({"pp": p, "dp_replicate": 0, "dp_shard": 0, "tp": 0}),
-               "in_flight": in_flight_of(c, p), "same_run_as_stage": src}
-        got["measured_peak_bytes"] = got["tracker_peak_bytes"] + (got["in_flight"] - got["run_in_flight"]) * \
-            got["per_microbatch_bytes"]
+        got = {
+            **ran[src],
+            "stage": p,
+            "rank": c.dims.rank_of({"pp": p, "dp_replicate": 0, "dp_shard": 0, "tp": 0}),
+            "in_flight": in_flight_of(c, p),
+            "same_run_as_stage": src,
+        }
+        got["measured_peak_bytes"] = (
+            got["tracker_peak_bytes"]
+            + (got["in_flight"] - got["run_in_flight"]) * got["per_microbatch_bytes"]
+        )
         want = by_stage[p].tracked_peak_nbytes
-        rows.append({**got, "estimate_bytes": want,
-                     "rel_error": (want - got["measured_peak_bytes"]) / got["measured_peak_bytes"]})
-    return {"name": c.name, "ranks": c.dims.world_size, "layout": c.dims.describe(),
-            "params": est.total_params, "bf16": c.bf16, "activation_checkpointing": c.ac,
-            "sequence_parallel": c.sp, "micro_batch_size": c.micro_batch_size,
-            "global_batch_size": c.global_batch_size, "stages": rows,
-            "max_rel_error": max(abs(r["rel_error"]) for r in rows), "seconds": time.perf_counter() - t0}
+        rows.append(
+            {
+                **got,
+                "estimate_bytes": want,
+                "rel_error": (want - got["measured_peak_bytes"]) / got["measured_peak_bytes"],
+            }
+        )
+    return {
+        "name": c.name,
+        "ranks": c.dims.world_size,
+        "layout": c.dims.describe(),
+        "params": est.total_params,
+        "bf16": c.bf16,
+        "activation_checkpointing": c.ac,
+        "sequence_parallel": c.sp,
+        "micro_batch_size": c.micro_batch_size,
+        "global_batch_size": c.global_batch_size,
+        "stages": rows,
+        "max_rel_error": max(abs(r["rel_error"]) for r in rows),
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def main() -> None:
@@ -300,15 +374,30 @@ def main() -> None:
     for name in args.only or list(configs):
         r = run_config(configs[name], args.workers)
         results.append(r)
-        print(f"{r['name']}: {r['layout']} = {r['ranks']:,} ranks, {r['params'] / 1e9:.1f}B params "
-              f"({r['seconds']:.0f} s): max |error| {r['max_rel_error']:.1%}", flush=True)
+        print(
+            f"{r['name']}: {r['layout']} = {r['ranks']:,} ranks, {r['params'] / 1e9:.1f}B params "
+            f"({r['seconds']:.0f} s): max |error| {r['max_rel_error']:.1%}",
+            flush=True,
+        )
         for s in r["stages"]:
-            print(f"  stage {s['stage']:>2} (rank {s['rank']:>4}, {s['in_flight']} in flight): measured "
-                  f"{s['measured_peak_bytes'] / 2**30:7.2f} GiB, estimate {s['estimate_bytes'] / 2**30:7.2f} GiB, "
-                  f"{s['rel_error']:+.1%}", flush=True)
+            print(
+                f"  stage {s['stage']:>2} (rank {s['rank']:>4}, {s['in_flight']} in flight): measured "
+                f"{s['measured_peak_bytes'] / 2**30:7.2f} GiB, estimate {s['estimate_bytes'] / 2**30:7.2f} GiB, "
+                f"{s['rel_error']:+.1%}",
+                flush=True,
+            )
     worst = max(r["max_rel_error"] for r in results)
-    print(json.dumps({"configs": results, "max_rel_error": worst, "tolerance": TOLERANCE,
-                      "ok": worst <= TOLERANCE, "seconds": time.perf_counter() - t0}))
+    print(
+        json.dumps(
+            {
+                "configs": results,
+                "max_rel_error": worst,
+                "tolerance": TOLERANCE,
+                "ok": worst <= TOLERANCE,
+                "seconds": time.perf_counter() - t0,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

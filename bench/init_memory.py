@@ -33,20 +33,24 @@ import tempfile
 from pathlib import Path
 
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.sharding import checkpoint_specs, param_specs, rank_boxes
 from shardsmith.layout.dtypes import DTYPE_NBYTES
+from shardsmith.layout.sharding import checkpoint_specs, param_specs, rank_boxes
 from shardsmith.trainer.config import DataConfig, OptimConfig, TrainConfig
-from shardsmith.trainer.runtime.launch import MALLOC_ENV    # the launcher's glibc malloc settings
+from shardsmith.trainer.runtime.launch import MALLOC_ENV  # the launcher's glibc malloc settings
 
-MIB = 2 ** 20
+MIB = 2**20
 #: "Before": this bench on commit 1f5db9a (the full fp32 model built and initialized on
 #: every rank, then the stage copied out), 2026-11-30, same machine and malloc settings:
 #: ``--layout 2.1.1.2 --num-layers 16 --hidden-size 1024 --num-attention-heads 8
 #: --num-kv-heads 8 --ffn-hidden-size 4096`` (full model 1026 MiB). The default model here
 #: cannot be run that way on this 23 GiB machine (8 ranks x > 3 GiB).
-BEFORE = {"model": "16 layers, hidden 1024, ffn 4096, pp2·tp2 on 4 processes (full model 1026 MiB)",
-          "built_peak_rss_bytes_max": 1867 * MIB, "peak_rss_bytes_max": 1867 * MIB,
-          "after_built_peak_rss_bytes_max": 598 * MIB, "after_peak_rss_bytes_max": 1414 * MIB}
+BEFORE = {
+    "model": "16 layers, hidden 1024, ffn 4096, pp2·tp2 on 4 processes (full model 1026 MiB)",
+    "built_peak_rss_bytes_max": 1867 * MIB,
+    "peak_rss_bytes_max": 1867 * MIB,
+    "after_built_peak_rss_bytes_max": 598 * MIB,
+    "after_peak_rss_bytes_max": 1414 * MIB,
+}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -74,8 +78,13 @@ def share_nbytes(cfg: ModelConfig, dims: ParallelDims, rank: int) -> int:
     """Bytes of this rank's parameters + gradients + AdamW state under the plan (fp32):
     every box of :func:`checkpoint_specs` (parameters, exp_avg, exp_avg_sq, step) it holds,
     plus its parameter boxes once more for the gradients."""
+
     def total(specs: dict) -> int:
-        return sum(box.numel * DTYPE_NBYTES[specs[f].dtype] for f, box in rank_boxes(specs, dims, rank).items())
+        return sum(
+            box.numel * DTYPE_NBYTES[specs[f].dtype]
+            for f, box in rank_boxes(specs, dims, rank).items()
+        )
+
     return total(checkpoint_specs(cfg, dims)) + total(param_specs(cfg, dims))
 
 
@@ -85,14 +94,28 @@ def full_model_nbytes(cfg: ModelConfig) -> int:
 
 
 def train_config(args: argparse.Namespace, data: str) -> TrainConfig:
-    model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                        num_attention_heads=args.num_attention_heads, num_kv_heads=args.num_kv_heads,
-                        ffn_hidden_size=args.ffn_hidden_size, vocab_size=256, seq_length=args.seq_length)
+    model = ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_kv_heads=args.num_kv_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        vocab_size=256,
+        seq_length=args.seq_length,
+    )
     dims = layout(args.layout)
-    return TrainConfig(model=model, parallel=dims, optim=OptimConfig(lr=1e-4, warmup_steps=1),
-                       data=DataConfig(sources=(data,)), steps=args.steps, seed=0,
-                       global_batch_size=2 * dims.pp * dims.dp, micro_batch_size=1,
-                       mixed_precision=args.mixed_precision, log_interval=1)
+    return TrainConfig(
+        model=model,
+        parallel=dims,
+        optim=OptimConfig(lr=1e-4, warmup_steps=1),
+        data=DataConfig(sources=(data,)),
+        steps=args.steps,
+        seed=0,
+        global_batch_size=2 * dims.pp * dims.dp,
+        micro_batch_size=1,
+        mixed_precision=args.mixed_precision,
+        log_interval=1,
+    )
 
 
 def worker(spec_path: str) -> None:
@@ -111,13 +134,18 @@ def worker(spec_path: str) -> None:
         iteration()
         steps.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
-    trainer._iteration = measured_iteration                     # peak after each step
+    trainer._iteration = measured_iteration  # peak after each step
     trainer.run()
     rank = dist.get_rank()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out = {"rank": rank, "coords": cfg.parallel.coords(rank), "peak_rss_bytes": peak, "built_peak_rss_bytes": built,
-           "step_peak_rss_bytes": steps,
-           "share_bytes": share_nbytes(cfg.model, cfg.parallel, rank)}
+    out = {
+        "rank": rank,
+        "coords": cfg.parallel.coords(rank),
+        "peak_rss_bytes": peak,
+        "built_peak_rss_bytes": built,
+        "step_peak_rss_bytes": steps,
+        "share_bytes": share_nbytes(cfg.model, cfg.parallel, rank),
+    }
     Path(spec_path).with_name(f"rank-{rank:05d}.json").write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
@@ -128,43 +156,70 @@ def launch(cfg: TrainConfig, work: Path) -> list[dict]:
     spec = work / "spec.json"
     spec.write_text(json.dumps(cfg.to_json()))
     env = {**os.environ, **MALLOC_ENV, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={cfg.parallel.world_size}", __file__, "--worker", str(spec)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={cfg.parallel.world_size}",
+        __file__,
+        "--worker",
+        str(spec),
+    ]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         errors = [line for line in proc.stdout.splitlines() if "Error" in line][:10]
-        sys.exit(f"training failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n" + "\n".join(errors))
+        sys.exit(
+            f"training failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+            + "\n".join(errors)
+        )
     return [json.loads(p.read_text()) for p in sorted(work.glob("rank-*.json"))]
 
 
 def report(cfg: TrainConfig, ranks: list[dict]) -> dict:
     """Print the table and return the summary (the last line's JSON)."""
     full = full_model_nbytes(cfg.model)
-    print(f"model: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, ffn "
-          f"{cfg.model.ffn_hidden_size}: full fp32 params {full / MIB:.0f} MiB; layout "
-          f"{cfg.parallel.describe()}, {cfg.steps} steps, {cfg.mixed_precision}")
-    print(f"{'rank':>4} {'pp,dps,tp':>10} {'share MiB':>10} {'built MiB':>10} {'peak MiB':>9} {'goal MiB':>9} "
-          f"{'ratio':>6}")
+    print(
+        f"model: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, ffn "
+        f"{cfg.model.ffn_hidden_size}: full fp32 params {full / MIB:.0f} MiB; layout "
+        f"{cfg.parallel.describe()}, {cfg.steps} steps, {cfg.mixed_precision}"
+    )
+    print(
+        f"{'rank':>4} {'pp,dps,tp':>10} {'share MiB':>10} {'built MiB':>10} {'peak MiB':>9} {'goal MiB':>9} "
+        f"{'ratio':>6}"
+    )
     ok = True
     for r in ranks:
         goal = 1.3 * r["share_bytes"] + 600 * MIB
         good = r["peak_rss_bytes"] <= goal and r["built_peak_rss_bytes"] < full
         ok &= good
         c = r["coords"]
-        print(f"{r['rank']:>4} {c['pp']:>6},{c['dp_shard']},{c['tp']} {r['share_bytes'] / MIB:>10.0f} "
-              f"{r['built_peak_rss_bytes'] / MIB:>10.0f} {r['peak_rss_bytes'] / MIB:>9.0f} {goal / MIB:>9.0f} "
-              f"{r['peak_rss_bytes'] / r['share_bytes']:>6.2f}{'' if good else '  OVER'}  steps: "
-              + " ".join(f"{b / MIB:.0f}" for b in r["step_peak_rss_bytes"]))
+        print(
+            f"{r['rank']:>4} {c['pp']:>6},{c['dp_shard']},{c['tp']} {r['share_bytes'] / MIB:>10.0f} "
+            f"{r['built_peak_rss_bytes'] / MIB:>10.0f} {r['peak_rss_bytes'] / MIB:>9.0f} {goal / MIB:>9.0f} "
+            f"{r['peak_rss_bytes'] / r['share_bytes']:>6.2f}{'' if good else '  OVER'}  steps: "
+            + " ".join(f"{b / MIB:.0f}" for b in r["step_peak_rss_bytes"])
+        )
     peak = max(r["peak_rss_bytes"] for r in ranks)
-    print(f"before/after on {BEFORE['model']}: peak RSS after build "
-          f"{BEFORE['built_peak_rss_bytes_max'] / MIB:.0f} -> {BEFORE['after_built_peak_rss_bytes_max'] / MIB:.0f}"
-          f" MiB, over 2 steps {BEFORE['peak_rss_bytes_max'] / MIB:.0f} -> "
-          f"{BEFORE['after_peak_rss_bytes_max'] / MIB:.0f} MiB (per rank, max)")
+    print(
+        f"before/after on {BEFORE['model']}: peak RSS after build "
+        f"{BEFORE['built_peak_rss_bytes_max'] / MIB:.0f} -> {BEFORE['after_built_peak_rss_bytes_max'] / MIB:.0f}"
+        f" MiB, over 2 steps {BEFORE['peak_rss_bytes_max'] / MIB:.0f} -> "
+        f"{BEFORE['after_peak_rss_bytes_max'] / MIB:.0f} MiB (per rank, max)"
+    )
     peak = max(r["peak_rss_bytes"] for r in ranks)
-    return {"peak_rss_bytes_max": peak, "share_bytes_max": max(r["share_bytes"] for r in ranks),
-            "full_model_bytes": full, "ok": ok, "ranks": len(ranks), "layout": cfg.parallel.describe(),
-            "steps": cfg.steps, "malloc_env": MALLOC_ENV, "built_peak_rss_bytes_max": max(r["built_peak_rss_bytes"] for r in ranks),
-            "before": BEFORE}
+    return {
+        "peak_rss_bytes_max": peak,
+        "share_bytes_max": max(r["share_bytes"] for r in ranks),
+        "full_model_bytes": full,
+        "ok": ok,
+        "ranks": len(ranks),
+        "layout": cfg.parallel.describe(),
+        "steps": cfg.steps,
+        "malloc_env": MALLOC_ENV,
+        "built_peak_rss_bytes_max": max(r["built_peak_rss_bytes"] for r in ranks),
+        "before": BEFORE,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -174,7 +229,9 @@ def main(argv: list[str]) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="init-memory-") as tmp:
         data = Path(tmp) / "corpus.txt"
-        data.write_bytes(b"".join(Path(m.__file__).read_bytes() for m in (json, argparse, tempfile)))
+        data.write_bytes(
+            b"".join(Path(m.__file__).read_bytes() for m in (json, argparse, tempfile))
+        )
         cfg = train_config(args, str(data))
         summary = report(cfg, launch(cfg, Path(tmp)))
     print(json.dumps(summary))

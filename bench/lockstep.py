@@ -132,7 +132,9 @@ class PeerProcess:
         with open(self.log_path, errors="replace") as f:
             lines = f.read().splitlines()
         errors = [line for line in lines if "Error" in line or "Killed" in line]
-        return f"rc {self.proc.poll()}: " + (" | ".join(errors[-3:]) or " | ".join(lines[-3:]))[:600]
+        return (
+            f"rc {self.proc.poll()}: " + (" | ".join(errors[-3:]) or " | ".join(lines[-3:]))[:600]
+        )
 
     def ready(self, timeout_s: float = 900.0) -> bool:
         return _wait_for(os.path.join(self.ctrl, "ready"), self.alive, timeout_s)

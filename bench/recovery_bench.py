@@ -64,10 +64,38 @@ from typing import Any
 
 import robust
 
-MODEL_FLAGS = ["--tp", "2", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-               "--num-kv-heads", "2", "--ffn-hidden-size", "64", "--vocab-size", "256", "--seq-length", "16",
-               "--lr", "3e-3", "--warmup-steps", "2", "--global-batch-size", "8", "--micro-batch-size", "2",
-               "--seed", "1234", "--log-interval", "1", "--simulate-nodes", "2"]
+MODEL_FLAGS = [
+    "--tp",
+    "2",
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--num-kv-heads",
+    "2",
+    "--ffn-hidden-size",
+    "64",
+    "--vocab-size",
+    "256",
+    "--seq-length",
+    "16",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--micro-batch-size",
+    "2",
+    "--seed",
+    "1234",
+    "--log-interval",
+    "1",
+    "--simulate-nodes",
+    "2",
+]
 
 
 def records(root: Path) -> list[dict[str, Any]]:
@@ -88,7 +116,7 @@ class Persistent:
         if kind == "s3":
             tests = Path(__file__).resolve().parent.parent / "tests"
             sys.path[:0] = [str(tests / "helpers"), str(tests)]
-            from s3server import start_server        # the tests' moto server: one way to start it
+            from s3server import start_server  # the tests' moto server: one way to start it
 
             self.server, info = start_server("recovery-bench")
             self.env, self.bucket = info.env, info.bucket
@@ -102,17 +130,50 @@ class Persistent:
             self.server.stop()
 
 
-STORE = Persistent("local")     # main() replaces it per --persistent
+STORE = Persistent("local")  # main() replaces it per --persistent
 
 
-def train(root: Path, data: str, steps: int, *flags: str, env: dict[str, str] | None = None,
-          timeout: float = 900) -> list[dict[str, Any]]:
+def train(
+    root: Path,
+    data: str,
+    steps: int,
+    *flags: str,
+    env: dict[str, str] | None = None,
+    timeout: float = 900,
+) -> list[dict[str, Any]]:
     """One ``shardsmith train`` (4 processes); its metrics records. Raises on failure."""
-    cmd = [sys.executable, "-m", "shardsmith", "train", "--nproc-per-node", "4", *MODEL_FLAGS, "--data", data,
-           "--steps", str(steps), "--lr-decay-steps", str(steps), "--run-dir", str(root), *flags]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **STORE.env,
-                               **(env or {})})
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardsmith",
+        "train",
+        "--nproc-per-node",
+        "4",
+        *MODEL_FLAGS,
+        "--data",
+        data,
+        "--steps",
+        str(steps),
+        "--lr-decay-steps",
+        str(steps),
+        "--run-dir",
+        str(root),
+        *flags,
+    ]
+    proc = subprocess.run(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore",
+            **STORE.env,
+            **(env or {}),
+        },
+    )
     (root.parent / f"{root.name}.log").write_text(proc.stdout)
     if proc.returncode != 0:
         raise SystemExit(f"{root.name} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
@@ -128,8 +189,11 @@ def recovery(recs: list[dict[str, Any]], kill_time: float, kill_step: int) -> di
         raise SystemExit("no step finished after the restart")
     first = after[0]
     events = [r for r in recs if r.get("event") == "recovery" and r["time"] > restart]
-    return {"mttr_s": round(first["time"] - kill_time, 3), "lost_steps": kill_step - first["step"],
-            "source": events[0]["source"] if events else "persistent"}
+    return {
+        "mttr_s": round(first["time"] - kill_time, 3),
+        "lost_steps": kill_step - first["step"],
+        "source": events[0]["source"] if events else "persistent",
+    }
 
 
 def kill_time(markers: Path, kind: str, step: int) -> float:
@@ -142,20 +206,59 @@ def kill_time(markers: Path, kind: str, step: int) -> float:
 
 def run_baseline(work: Path, data: str, args: argparse.Namespace, r: int = 0) -> dict[str, Any]:
     root, markers = work / f"baseline-{r}", work / f"baseline-{r}-markers"
-    env = {"SHARDSMITH_TEST_KILL_AT": f"1:{args.kill_step}", "SHARDSMITH_TEST_MARKER_DIR": str(markers)}
-    recs = train(root, data, args.kill_step + 3, "--ckpt", STORE.url(root), "--save-interval", str(args.save_interval),
-                 "--max-restarts", "1", env=env)
-    return {**recovery(recs, kill_time(markers, "kill", args.kill_step), args.kill_step), **goodput_of(recs)}
+    env = {
+        "SHARDSMITH_TEST_KILL_AT": f"1:{args.kill_step}",
+        "SHARDSMITH_TEST_MARKER_DIR": str(markers),
+    }
+    recs = train(
+        root,
+        data,
+        args.kill_step + 3,
+        "--ckpt",
+        STORE.url(root),
+        "--save-interval",
+        str(args.save_interval),
+        "--max-restarts",
+        "1",
+        env=env,
+    )
+    return {
+        **recovery(recs, kill_time(markers, "kill", args.kill_step), args.kill_step),
+        **goodput_of(recs),
+    }
 
 
-def run_new(work: Path, data: str, args: argparse.Namespace, r: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
+def run_new(
+    work: Path, data: str, args: argparse.Namespace, r: int = 0
+) -> tuple[dict[str, Any], dict[str, Any]]:
     root, markers, local = work / f"new-{r}", work / f"new-{r}-markers", work / f"new-{r}-local"
-    env = {"SHARDSMITH_TEST_KILL_AT": f"1:{args.kill_step}",
-           "SHARDSMITH_TEST_LOSE_NODE_AT": f"2:{args.node_step},3:{args.node_step}",
-           "SHARDSMITH_TEST_MARKER_DIR": str(markers)}
-    recs = train(root, data, args.node_step + 3, "--ckpt", STORE.url(root), "--save-interval", str(args.save_interval),
-                 "--local-ckpt", str(local), "--local-save-interval", "1", "--local-replicas", "1",
-                 "--restart", "in-process", "--spares", "3", "--max-restarts", "2", env=env)
+    env = {
+        "SHARDSMITH_TEST_KILL_AT": f"1:{args.kill_step}",
+        "SHARDSMITH_TEST_LOSE_NODE_AT": f"2:{args.node_step},3:{args.node_step}",
+        "SHARDSMITH_TEST_MARKER_DIR": str(markers),
+    }
+    recs = train(
+        root,
+        data,
+        args.node_step + 3,
+        "--ckpt",
+        STORE.url(root),
+        "--save-interval",
+        str(args.save_interval),
+        "--local-ckpt",
+        str(local),
+        "--local-save-interval",
+        "1",
+        "--local-replicas",
+        "1",
+        "--restart",
+        "in-process",
+        "--spares",
+        "3",
+        "--max-restarts",
+        "2",
+        env=env,
+    )
     args.rate = new_rate(recs)
     rank = recovery(recs, kill_time(markers, "kill", args.kill_step), args.kill_step)
     node = recovery(recs, kill_time(markers, "lose-node", args.node_step), args.node_step)
@@ -167,15 +270,42 @@ def goodput_runs(work: Path, data: str, args: argparse.Namespace, rate: float) -
     from shardsmith.trainer.detect.goodput import CATEGORIES, breakdown
 
     steps = min(max(int(args.goodput_s * rate), 20), 5000)
-    flags = ["--save-interval", str(args.save_interval), "--local-save-interval", "1", "--local-replicas", "1",
-             "--restart", "in-process", "--spares", "2", "--max-restarts", "20"]
+    flags = [
+        "--save-interval",
+        str(args.save_interval),
+        "--local-save-interval",
+        "1",
+        "--local-replicas",
+        "1",
+        "--restart",
+        "in-process",
+        "--spares",
+        "2",
+        "--max-restarts",
+        "20",
+    ]
     out: dict[str, Any] = {"periodic_steps": steps, "periodic_fail_every_s": args.fail_every_s}
     for kind in ("clean", "failing"):
         root, markers = work / f"goodput-{kind}", work / f"goodput-{kind}-markers"
-        env = {"SHARDSMITH_TEST_KILL_EVERY": f"1:{args.fail_every_s}", "SHARDSMITH_TEST_MARKER_DIR": str(markers)} \
-            if kind == "failing" else {}
-        recs = train(root, data, steps, "--ckpt", STORE.url(root), "--local-ckpt", str(work / f"goodput-{kind}-local"),
-                     *flags, env=env)
+        env = (
+            {
+                "SHARDSMITH_TEST_KILL_EVERY": f"1:{args.fail_every_s}",
+                "SHARDSMITH_TEST_MARKER_DIR": str(markers),
+            }
+            if kind == "failing"
+            else {}
+        )
+        recs = train(
+            root,
+            data,
+            steps,
+            "--ckpt",
+            STORE.url(root),
+            "--local-ckpt",
+            str(work / f"goodput-{kind}-local"),
+            *flags,
+            env=env,
+        )
         g = breakdown(recs)
         print(f"  goodput {kind}: {g}", file=sys.stderr, flush=True)
         if kind == "clean":
@@ -183,10 +313,14 @@ def goodput_runs(work: Path, data: str, args: argparse.Namespace, rate: float) -
             continue
         kills = sorted(markers.glob("kill-every-rank*-step*")) if markers.exists() else []
         each = [recovery(recs, p.stat().st_mtime, int(p.name.rsplit("step", 1)[1])) for p in kills]
-        out.update(periodic_goodput=g["goodput"], periodic_parts={k: g[k] for k in CATEGORIES},
-                   periodic_wall_s=g["wall_s"], periodic_failures=len(kills),
-                   periodic_mttr_s=round(statistics.mean(r["mttr_s"] for r in each), 3) if each else None,
-                   periodic_steps_lost=sum(r["lost_steps"] for r in each))
+        out.update(
+            periodic_goodput=g["goodput"],
+            periodic_parts={k: g[k] for k in CATEGORIES},
+            periodic_wall_s=g["wall_s"],
+            periodic_failures=len(kills),
+            periodic_mttr_s=round(statistics.mean(r["mttr_s"] for r in each), 3) if each else None,
+            periodic_steps_lost=sum(r["lost_steps"] for r in each),
+        )
     return out
 
 
@@ -195,8 +329,12 @@ def goodput_of(recs: list[dict[str, Any]]) -> dict[str, Any]:
     from shardsmith.trainer.detect.goodput import CATEGORIES, breakdown
 
     g = breakdown(recs)
-    return {"goodput": g["goodput"], "goodput_parts": {k: g[k] for k in CATEGORIES}, "goodput_wall_s": g["wall_s"],
-            "goodput_sum": round(sum(g[k] for k in CATEGORIES), 4)}
+    return {
+        "goodput": g["goodput"],
+        "goodput_parts": {k: g[k] for k in CATEGORIES},
+        "goodput_wall_s": g["wall_s"],
+        "goodput_sum": round(sum(g[k] for k in CATEGORIES), 4),
+    }
 
 
 def new_rate(recs: list[dict[str, Any]]) -> float:
@@ -217,22 +355,45 @@ def run_overhead(work: Path, data: str, args: argparse.Namespace, t0: float) -> 
     rates: dict[str, list[float]] = {"local": [], "none": []}
     for i in range(args.repeats):
         if i and time.time() - t0 > args.budget_s:
-            print(f"  overhead: {i} pair(s) only (--budget-s {args.budget_s} reached)", file=sys.stderr, flush=True)
+            print(
+                f"  overhead: {i} pair(s) only (--budget-s {args.budget_s} reached)",
+                file=sys.stderr,
+                flush=True,
+            )
             break
         for kind in robust.rotated(["local", "none"], i):
             root = work / f"overhead-{kind}-{i}"
-            flags = ["--ckpt", STORE.url(root), "--save-interval", "0", "--local-ckpt", str(work / f"overhead-local-{i}"),
-                     "--local-save-interval", "1"] if kind == "local" else []
+            flags = (
+                [
+                    "--ckpt",
+                    STORE.url(root),
+                    "--save-interval",
+                    "0",
+                    "--local-ckpt",
+                    str(work / f"overhead-local-{i}"),
+                    "--local-save-interval",
+                    "1",
+                ]
+                if kind == "local"
+                else []
+            )
             recs = train(root, data, args.warmup + args.measure, *flags)
             rates[kind].append(steps_per_s(recs, args.warmup))
-            print(f"  overhead run {i} {kind}: {rates[kind][-1]:.2f} steps/s", file=sys.stderr, flush=True)
+            print(
+                f"  overhead run {i} {kind}: {rates[kind][-1]:.2f} steps/s",
+                file=sys.stderr,
+                flush=True,
+            )
     # Each pair ran back to back, so its ratio sees one load; the load drifts between pairs by
     # more than the effect measured (x2 on this shared machine), hence the median of the ratios.
     stat = robust.paired(rates["local"], rates["none"])
-    return {"overhead": round(stat["median"], 3), "overhead_pairs": [round(r, 3) for r in stat["rounds"]],
-            "overhead_stat": stat,
-            "steps_per_s_local": round(statistics.median(rates["local"]), 3),
-            "steps_per_s_none": round(statistics.median(rates["none"]), 3)}
+    return {
+        "overhead": round(stat["median"], 3),
+        "overhead_pairs": [round(r, 3) for r in stat["rounds"]],
+        "overhead_stat": stat,
+        "steps_per_s_local": round(statistics.median(rates["local"]), 3),
+        "steps_per_s_none": round(statistics.median(rates["none"]), 3),
+    }
 
 
 def corpus(path: Path) -> str:
@@ -248,31 +409,69 @@ def corpus(path: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kill-step", type=int, default=8, help="rank 1 dies as this step starts")
-    parser.add_argument("--node-step", type=int, default=13, help="node 1 (ranks 2, 3) dies as this step starts")
-    parser.add_argument("--save-interval", type=int, default=5, help="persistent-store interval (both paths)")
+    parser.add_argument(
+        "--node-step", type=int, default=13, help="node 1 (ranks 2, 3) dies as this step starts"
+    )
+    parser.add_argument(
+        "--save-interval", type=int, default=5, help="persistent-store interval (both paths)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="overhead: pairs of runs")
-    parser.add_argument("--warmup", type=int, default=5, help="overhead: steps left out of the rate")
+    parser.add_argument(
+        "--warmup", type=int, default=5, help="overhead: steps left out of the rate"
+    )
     parser.add_argument("--measure", type=int, default=20, help="overhead: steps measured")
-    parser.add_argument("--budget-s", type=float, default=780,
-                        help="overhead: start no new pair after this many seconds of the bench")
-    parser.add_argument("--persistent", choices=("local", "s3"), default="local",
-                        help="the persistent store (--ckpt): /dev/shm, or the tests' loopback moto S3 server")
-    parser.add_argument("--fail-every-s", type=float, default=0,
-                        help="goodput: also two runs, without failures and with one every this many seconds (e.g. 30)")
-    parser.add_argument("--goodput-s", type=float, default=65,
-                        help="goodput: steps for about this many seconds at the new run's rate (2 failures at 30 s)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="rounds of one baseline and one new run, alternating (MTTR ratio: median of rounds)")
-    parser.add_argument("--keep", action="store_true", help="keep the work directory (its path is printed)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=780,
+        help="overhead: start no new pair after this many seconds of the bench",
+    )
+    parser.add_argument(
+        "--persistent",
+        choices=("local", "s3"),
+        default="local",
+        help="the persistent store (--ckpt): /dev/shm, or the tests' loopback moto S3 server",
+    )
+    parser.add_argument(
+        "--fail-every-s",
+        type=float,
+        default=0,
+        help="goodput: also two runs, without failures and with one every this many seconds (e.g. 30)",
+    )
+    parser.add_argument(
+        "--goodput-s",
+        type=float,
+        default=65,
+        help="goodput: steps for about this many seconds at the new run's rate (2 failures at 30 s)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of one baseline and one new run, alternating (MTTR ratio: median of rounds)",
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the work directory (its path is printed)"
+    )
     args = parser.parse_args()
     global STORE
     STORE = Persistent(args.persistent)
-    work = Path(tempfile.mkdtemp(prefix="recovery-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    work = Path(
+        tempfile.mkdtemp(
+            prefix="recovery-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+        )
+    )
     t0 = time.time()
     try:
         data = corpus(work / "corpus.txt")
-        rounds = robust.alternate({"baseline": lambda r: run_baseline(work, data, args, r),
-                                   "new": lambda r: run_new(work, data, args, r)}, args.rounds, log=log_round)
+        rounds = robust.alternate(
+            {
+                "baseline": lambda r: run_baseline(work, data, args, r),
+                "new": lambda r: run_new(work, data, args, r),
+            },
+            args.rounds,
+            log=log_round,
+        )
         good = goodput_runs(work, data, args, args.rate) if args.fail_every_s > 0 else {}
         over = run_overhead(work, data, args, t0)
     finally:
@@ -281,17 +480,31 @@ def main() -> None:
             print(f"work directory: {work}", file=sys.stderr)
         else:
             shutil.rmtree(work, ignore_errors=True)
-    result = summarize(rounds["baseline"], [r for r, _ in rounds["new"]], [n for _, n in rounds["new"]], over, good)
-    result.update(persistent=args.persistent, rounds=args.rounds, load_avg_1m=round(os.getloadavg()[0], 2),
-                  wall_s=round(time.time() - t0, 1))
+    result = summarize(
+        rounds["baseline"], [r for r, _ in rounds["new"]], [n for _, n in rounds["new"]], over, good
+    )
+    result.update(
+        persistent=args.persistent,
+        rounds=args.rounds,
+        load_avg_1m=round(os.getloadavg()[0], 2),
+        wall_s=round(time.time() - t0, 1),
+    )
     print(json.dumps(result))
 
 
 def log_round(r: int, kind: str, out: Any) -> None:
     if kind == "baseline":
-        print(f"round {r + 1} baseline (torchrun, persistent store): {out}", file=sys.stderr, flush=True)
+        print(
+            f"round {r + 1} baseline (torchrun, persistent store): {out}",
+            file=sys.stderr,
+            flush=True,
+        )
     else:
-        print(f"round {r + 1} in-process + local tier: rank {out[0]}, node {out[1]}", file=sys.stderr, flush=True)
+        print(
+            f"round {r + 1} in-process + local tier: rank {out[0]}, node {out[1]}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -300,38 +513,72 @@ def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return next(r for r in runs if r["goodput"] == g)
 
 
-def summarize(base: list[dict[str, Any]], rank: list[dict[str, Any]], node: list[dict[str, Any]],
-              over: dict[str, Any], good: dict[str, Any]) -> dict[str, Any]:
+def summarize(
+    base: list[dict[str, Any]],
+    rank: list[dict[str, Any]],
+    node: list[dict[str, Any]],
+    over: dict[str, Any],
+    good: dict[str, Any],
+) -> dict[str, Any]:
     """The JSON summary of the rounds (round order in each list), printed as a table with the
     paired ratios (bench/robust.py); see the module docstring for the keys."""
+
     def med(runs: list[dict[str, Any]], key: str) -> float:
         return round(statistics.median(r[key] for r in runs), 3)
+
     b, n = median_round(base), median_round(rank)
-    stats = {"mttr_ratio": robust.paired([r["mttr_s"] for r in rank], [r["mttr_s"] for r in base]),
-             "overhead": over.pop("overhead_stat"),
-             "goodput": robust.spread([r["goodput"] for r in rank]),
-             "baseline_goodput": robust.spread([r["goodput"] for r in base])}
-    result = {"mttr_s": med(rank, "mttr_s"), "lost_steps": max(r["lost_steps"] for r in rank + node),
-              "source": n["source"], "node_mttr_s": med(node, "mttr_s"),
-              "node_lost_steps": max(r["lost_steps"] for r in node), "node_source": node[rank.index(n)]["source"],
-              "baseline_mttr_s": med(base, "mttr_s"), "baseline_lost_steps": max(r["lost_steps"] for r in base),
-              "baseline_source": b["source"], "mttr_ratio": round(stats["mttr_ratio"]["median"], 3), **over,
-              "goodput": med(rank, "goodput"), "goodput_parts": n["goodput_parts"], "goodput_sum": n["goodput_sum"],
-              "baseline_goodput": med(base, "goodput"), "baseline_goodput_parts": b["goodput_parts"], **good}
-    print(f"{'':24}{'mttr_s':>8}{'lost':>6}  source   (medians of {len(rank)} round(s); lost: the worst)\n"
-          f"{'torchrun + persistent':24}{result['baseline_mttr_s']:>8}{result['baseline_lost_steps']:>6}  "
-          f"{b['source']}\n{'in-process, one rank':24}{result['mttr_s']:>8}"
-          f"{max(r['lost_steps'] for r in rank):>6}  {n['source']}\n{'in-process, one node':24}"
-          f"{result['node_mttr_s']:>8}{result['node_lost_steps']:>6}  {result['node_source']}\n"
-          f"overhead (local every step / none): {over['overhead']}\n"
-          f"goodput: new {result['goodput']} vs baseline {result['baseline_goodput']}"
-          + (f"; {good['periodic_goodput']} with a failure every {good['periodic_fail_every_s']:g} s "
-             f"({good['periodic_failures']} failures, MTTR {good['periodic_mttr_s']} s, "
-             f"{good['periodic_steps_lost']} steps lost), {good['periodic_goodput_no_failures']} without" if good else ""))
-    result.update(robust.report("\npaired rounds (median of per-round ratios; goodputs: median over rounds):",
-                                {"mttr_ratio": (stats["mttr_ratio"], "<=", 0.3), "overhead": (stats["overhead"], ">=", 0.95),
-                                 "goodput": (stats["goodput"], None, None),
-                                 "baseline_goodput": (stats["baseline_goodput"], None, None)}))
+    stats = {
+        "mttr_ratio": robust.paired([r["mttr_s"] for r in rank], [r["mttr_s"] for r in base]),
+        "overhead": over.pop("overhead_stat"),
+        "goodput": robust.spread([r["goodput"] for r in rank]),
+        "baseline_goodput": robust.spread([r["goodput"] for r in base]),
+    }
+    result = {
+        "mttr_s": med(rank, "mttr_s"),
+        "lost_steps": max(r["lost_steps"] for r in rank + node),
+        "source": n["source"],
+        "node_mttr_s": med(node, "mttr_s"),
+        "node_lost_steps": max(r["lost_steps"] for r in node),
+        "node_source": node[rank.index(n)]["source"],
+        "baseline_mttr_s": med(base, "mttr_s"),
+        "baseline_lost_steps": max(r["lost_steps"] for r in base),
+        "baseline_source": b["source"],
+        "mttr_ratio": round(stats["mttr_ratio"]["median"], 3),
+        **over,
+        "goodput": med(rank, "goodput"),
+        "goodput_parts": n["goodput_parts"],
+        "goodput_sum": n["goodput_sum"],
+        "baseline_goodput": med(base, "goodput"),
+        "baseline_goodput_parts": b["goodput_parts"],
+        **good,
+    }
+    print(
+        f"{'':24}{'mttr_s':>8}{'lost':>6}  source   (medians of {len(rank)} round(s); lost: the worst)\n"
+        f"{'torchrun + persistent':24}{result['baseline_mttr_s']:>8}{result['baseline_lost_steps']:>6}  "
+        f"{b['source']}\n{'in-process, one rank':24}{result['mttr_s']:>8}"
+        f"{max(r['lost_steps'] for r in rank):>6}  {n['source']}\n{'in-process, one node':24}"
+        f"{result['node_mttr_s']:>8}{result['node_lost_steps']:>6}  {result['node_source']}\n"
+        f"overhead (local every step / none): {over['overhead']}\n"
+        f"goodput: new {result['goodput']} vs baseline {result['baseline_goodput']}"
+        + (
+            f"; {good['periodic_goodput']} with a failure every {good['periodic_fail_every_s']:g} s "
+            f"({good['periodic_failures']} failures, MTTR {good['periodic_mttr_s']} s, "
+            f"{good['periodic_steps_lost']} steps lost), {good['periodic_goodput_no_failures']} without"
+            if good
+            else ""
+        )
+    )
+    result.update(
+        robust.report(
+            "\npaired rounds (median of per-round ratios; goodputs: median over rounds):",
+            {
+                "mttr_ratio": (stats["mttr_ratio"], "<=", 0.3),
+                "overhead": (stats["overhead"], ">=", 0.95),
+                "goodput": (stats["goodput"], None, None),
+                "baseline_goodput": (stats["baseline_goodput"], None, None),
+            },
+        )
+    )
     return result
 
 

@@ -47,15 +47,15 @@ import fsspec
 import torch
 
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.sharding import checkpoint_specs, shard_file_name
 from shardsmith.layout.assignment import write_assignment
-from shardsmith.reshard.planner import ReshardOptions, plan_reshard
 from shardsmith.layout.box import Box
+from shardsmith.layout.sharding import checkpoint_specs, shard_file_name
+from shardsmith.reshard.planner import ReshardOptions, plan_reshard
 from shardsmith.storage.commit import commit, read_manifest, step_dir
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.manifest.records import Manifest, ManifestBuilder
 from shardsmith.storage.formats.registry import read_box
 from shardsmith.storage.formats.tensor_files import encode_and_record
+from shardsmith.storage.manifest.records import Manifest, ManifestBuilder
+from shardsmith.storage.store.fs import Store
 
 STEP = 100
 MB = 1_000_000
@@ -87,8 +87,15 @@ def llama_config(gb: float, optimizer: bool) -> ModelConfig:
     """Llama-like shape with the fewest layers (>= 2, one per stage) whose checkpoint reaches ``gb`` GB."""
     layers = 2
     while True:
-        model = ModelConfig(num_layers=layers, hidden_size=2048, num_attention_heads=16, num_kv_heads=4,
-                            ffn_hidden_size=5632, vocab_size=32000, seq_length=2048)
+        model = ModelConfig(
+            num_layers=layers,
+            hidden_size=2048,
+            num_attention_heads=16,
+            num_kv_heads=4,
+            ffn_hidden_size=5632,
+            vocab_size=32000,
+            seq_length=2048,
+        )
         specs = checkpoint_specs(model, ParallelDims(), with_optimizer=optimizer)
         if sum(s.nbytes for s in specs.values()) >= gb * 1e9:
             return model
@@ -98,9 +105,16 @@ def llama_config(gb: float, optimizer: bool) -> ModelConfig:
 def build_source(root: Store, model: ModelConfig, dims: ParallelDims, optimizer: bool) -> Manifest:
     """Write and commit random tensors in layout ``dims``, one rank's file at a time."""
     specs = checkpoint_specs(model, dims, with_optimizer=optimizer)
-    builder = ManifestBuilder(step=STEP, dims=dims, model=model.to_json(), config={"parallel": dims.to_json()},
-                              state={"step": STEP}, tensors={f: (s.shape, s.dtype) for f, s in specs.items()},
-                              chunk_nbytes=4 << 20, created="bench")
+    builder = ManifestBuilder(
+        step=STEP,
+        dims=dims,
+        model=model.to_json(),
+        config={"parallel": dims.to_json()},
+        state={"step": STEP},
+        tensors={f: (s.shape, s.dtype) for f, s in specs.items()},
+        chunk_nbytes=4 << 20,
+        created="bench",
+    )
     step = root.child(step_dir(STEP))
     gen = torch.Generator().manual_seed(0)
     for rank, items in write_assignment(specs, dims).items():
@@ -121,8 +135,14 @@ def run_reshard(src: str, dst: str, dims: ParallelDims, options: ReshardOptions)
     """One reshard in a fresh subprocess: its own timing, CPU and peak RSS (``VmHWM``);
     ``process_cpu_seconds`` adds the interpreter's start-up and imports (the subprocess's
     whole rusage, waited for by ``subprocess.run``)."""
-    arg = json.dumps({"src": src, "dst": dst, "dims": dims.to_json(),
-                      "options": {"max_buffer_nbytes": options.max_buffer_nbytes, "workers": options.workers}})
+    arg = json.dumps(
+        {
+            "src": src,
+            "dst": dst,
+            "dims": dims.to_json(),
+            "options": {"max_buffer_nbytes": options.max_buffer_nbytes, "workers": options.workers},
+        }
+    )
     c0 = children_cpu_seconds()
     proc = subprocess.run([sys.executable, "-c", DRIVER, arg], stdout=subprocess.PIPE, check=False)
     if proc.returncode:
@@ -168,8 +188,10 @@ def dcp_prepare(src: Store, manifest: Manifest, path: Path) -> None:
     """Save the checkpoint once with DCP (one rank: one chunk per tensor)."""
     import torch.distributed.checkpoint as dcp
 
-    state = {fqn: read_box(src, manifest, fqn, Box((0,) * len(t.shape), tuple(t.shape)))
-             for fqn, t in manifest.tensors.items()}
+    state = {
+        fqn: read_box(src, manifest, fqn, Box((0,) * len(t.shape), tuple(t.shape)))
+        for fqn, t in manifest.tensors.items()
+    }
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), sync_files=False))
 
 
@@ -180,7 +202,9 @@ def dcp_convert(manifest: Manifest, src: Path, dst: Path, workers: int) -> float
     t0 = time.perf_counter()
     state = {fqn: torch.empty(t.shape, dtype=torch.float32) for fqn, t in manifest.tensors.items()}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(src)))
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dst), thread_count=workers, sync_files=False))
+    dcp.save(
+        state, storage_writer=dcp.FileSystemWriter(str(dst), thread_count=workers, sync_files=False)
+    )
     seconds = time.perf_counter() - t0
     del state
     return seconds
@@ -192,40 +216,58 @@ def tree_nbytes(path: Path) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gb", type=float, default=2.0, help="checkpoint size to build, GB (1e9 bytes)")
+    ap.add_argument(
+        "--gb", type=float, default=2.0, help="checkpoint size to build, GB (1e9 bytes)"
+    )
     ap.add_argument("--runs", type=int, default=3, help="alternating runs per method (medians)")
     ap.add_argument("--dir", default="", help="work directory (default: a new temporary one)")
-    ap.add_argument("--optimizer", action="store_true", help="include AdamW state in the checkpoint")
+    ap.add_argument(
+        "--optimizer", action="store_true", help="include AdamW state in the checkpoint"
+    )
     ap.add_argument("--target", default="1,1,1,1", help="target pp,dp_replicate,dp_shard,tp")
     ap.add_argument("--max-buffer-mib", type=int, default=ReshardOptions().max_buffer_nbytes >> 20)
-    ap.add_argument("--workers", type=int, default=0, help="0: the reshard's default for local files (one per core)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="0: the reshard's default for local files (one per core)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args()
     work = Path(args.dir or tempfile.mkdtemp(prefix="reshard-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     pp, dpr, dps, tp = (int(x) for x in args.target.split(","))
     target = ParallelDims(pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tp)
-    args.workers = args.workers or ReshardOptions().threads(local=True)     # DCP's thread_count gets the same
+    args.workers = args.workers or ReshardOptions().threads(
+        local=True
+    )  # DCP's thread_count gets the same
     options = ReshardOptions(max_buffer_nbytes=args.max_buffer_mib << 20, workers=args.workers)
     try:
         model = llama_config(args.gb, args.optimizer)
         src_dims = ParallelDims(tp=2, pp=2)
-        print(f"building a {src_dims.describe()} checkpoint: {model.num_layers} layers ...", file=sys.stderr)
+        print(
+            f"building a {src_dims.describe()} checkpoint: {model.num_layers} layers ...",
+            file=sys.stderr,
+        )
         t0 = time.perf_counter()
         manifest = build_source(Store(str(work / "src")), model, src_dims, args.optimizer)
         src_step = work / "src" / step_dir(STEP)
         src_store = Store(str(src_step))
-        print(f"  {manifest.nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.1f}s; saving it with DCP ...",
-              file=sys.stderr)
+        print(
+            f"  {manifest.nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.1f}s; saving it with DCP ...",
+            file=sys.stderr,
+        )
         dcp_prepare(src_store, read_manifest(src_store), work / "dcp-src")
         plan = plan_reshard(manifest, target, options)
         times: dict[str, list[float]] = {"cp": [], "stream copy": [], "reshard": [], "dcp": []}
         cpu: dict[str, list[float]] = {name: [] for name in times}
-        kernel: dict[str, list[float]] = {name: [] for name in times}      # the system part of cpu
+        kernel: dict[str, list[float]] = {name: [] for name in times}  # the system part of cpu
         rss, written, process_cpu = [], 0, []
         names = list(times)
         for run in range(args.runs):
-            for name in names[run % len(names):] + names[:run % len(names)]:   # rotating: no fixed neighbour
+            for name in (
+                names[run % len(names) :] + names[: run % len(names)]
+            ):  # rotating: no fixed neighbour
                 out = work / "out"
                 shutil.rmtree(out, ignore_errors=True)
                 c0, k0 = cpu_seconds(), sys_seconds()
@@ -243,8 +285,10 @@ def main() -> None:
                     times[name].append(dcp_convert(manifest, work / "dcp-src", out, args.workers))
                 cpu[name].append(r["cpu_seconds"] if name == "reshard" else cpu_seconds() - c0)
                 kernel[name].append(r["sys_seconds"] if name == "reshard" else sys_seconds() - k0)
-                print(f"  run {run + 1} {name:<12} {times[name][-1]:6.2f}s  cpu {cpu[name][-1]:6.2f}s",
-                      file=sys.stderr)
+                print(
+                    f"  run {run + 1} {name:<12} {times[name][-1]:6.2f}s  cpu {cpu[name][-1]:6.2f}s",
+                    file=sys.stderr,
+                )
         shutil.rmtree(work / "out", ignore_errors=True)
         report(manifest, plan, options, target, times, cpu, rss, written, process_cpu, kernel)
     finally:
@@ -252,9 +296,18 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def report(manifest: Manifest, plan: Any, options: ReshardOptions, target: ParallelDims,
-           times: dict[str, list[float]], cpu: dict[str, list[float]], rss: list[int], written: int,
-           process_cpu: list[float], kernel: dict[str, list[float]]) -> None:
+def report(
+    manifest: Manifest,
+    plan: Any,
+    options: ReshardOptions,
+    target: ParallelDims,
+    times: dict[str, list[float]],
+    cpu: dict[str, list[float]],
+    rss: list[int],
+    written: int,
+    process_cpu: list[float],
+    kernel: dict[str, list[float]],
+) -> None:
     """Print the table and, last, the JSON line. Ratios use wall-clock medians; best-of
     and CPU seconds (user + system, all threads) are given too, since wall time on a
     shared machine mostly measures the neighbours. ``reshard_cpu_vs_copy``: the reshard's
@@ -276,58 +329,111 @@ def report(manifest: Manifest, plan: Any, options: ReshardOptions, target: Paral
     fraction = (written / med["reshard"]) / (copied / med["cp"])
     speedup = med["dcp"] / med["reshard"]
     cpu_vs_copy = (cpu_med["reshard"] / written) / (cpu_med["cp"] / copied)
-    print(f"\nsource {manifest.nbytes / 1e9:.2f} GB tp2·pp2 -> {target.describe()}, "
-          f"largest tensor shard {largest / MB:.0f} MB, max-buffer {options.max_buffer_nbytes >> 20} MiB, "
-          f"{options.workers} workers")
+    print(
+        f"\nsource {manifest.nbytes / 1e9:.2f} GB tp2·pp2 -> {target.describe()}, "
+        f"largest tensor shard {largest / MB:.0f} MB, max-buffer {options.max_buffer_nbytes >> 20} MiB, "
+        f"{options.workers} workers"
+    )
     print(f"{'method':<14}{'median s':>10}{'GB/s':>8}{'best s':>8}{'cpu s':>8}   runs (s)")
-    for name, nbytes in (("reshard", written), ("cp", copied), ("stream copy", copied), ("dcp", written)):
-        print(f"{name:<14}{med[name]:>10.2f}{nbytes / med[name] / 1e9:>8.2f}{best[name]:>8.2f}"
-              f"{cpu_med[name]:>8.2f}   " + " ".join(f"{t:.2f}" for t in times[name]))
-    print(f"peak RSS of reshard {peak / MB:.0f} MB (target <= 1.5 x {largest / MB:.0f} + 300 = "
-          f"{rss_limit / MB:.0f} MB); throughput {fraction:.0%} of cp (target >= 60%), "
-          f"{(written / med['reshard']) / (copied / med['stream copy']):.0%} of a streamed copy; "
-          f"{speedup:.1f}x faster than DCP (target >= 2x); CPU {cpu_vs_copy:.2f}x cp's per byte "
-          f"(target <= 1.3x); load average {os.getloadavg()[0]:.1f}")
+    for name, nbytes in (
+        ("reshard", written),
+        ("cp", copied),
+        ("stream copy", copied),
+        ("dcp", written),
+    ):
+        print(
+            f"{name:<14}{med[name]:>10.2f}{nbytes / med[name] / 1e9:>8.2f}{best[name]:>8.2f}"
+            f"{cpu_med[name]:>8.2f}   " + " ".join(f"{t:.2f}" for t in times[name])
+        )
+    print(
+        f"peak RSS of reshard {peak / MB:.0f} MB (target <= 1.5 x {largest / MB:.0f} + 300 = "
+        f"{rss_limit / MB:.0f} MB); throughput {fraction:.0%} of cp (target >= 60%), "
+        f"{(written / med['reshard']) / (copied / med['stream copy']):.0%} of a streamed copy; "
+        f"{speedup:.1f}x faster than DCP (target >= 2x); CPU {cpu_vs_copy:.2f}x cp's per byte "
+        f"(target <= 1.3x); load average {os.getloadavg()[0]:.1f}"
+    )
     paired, noise = paired_stats(times, cpu, written, copied)
     out = {
-        "peak_rss_bytes": peak, "largest_shard_bytes": largest, "fraction_of_raw_copy": round(fraction, 3),
-        "speedup_vs_dcp": round(speedup, 2), "rss_limit_bytes": rss_limit,
+        "peak_rss_bytes": peak,
+        "largest_shard_bytes": largest,
+        "fraction_of_raw_copy": round(fraction, 3),
+        "speedup_vs_dcp": round(speedup, 2),
+        "rss_limit_bytes": rss_limit,
         "reshard_cpu_vs_copy": round(cpu_vs_copy, 3),
-        "reshard_cpu_vs_stream_copy": round((cpu_med["reshard"] / written) / (cpu_med["stream copy"] / copied), 3),
+        "reshard_cpu_vs_stream_copy": round(
+            (cpu_med["reshard"] / written) / (cpu_med["stream copy"] / copied), 3
+        ),
         "reshard_cpu_vs_dcp": round(cpu_med["reshard"] / cpu_med["dcp"], 3),
         "reshard_process_cpu_s": round(statistics.median(process_cpu), 3),
-        "fraction_of_streamed_copy": round((written / med["reshard"]) / (copied / med["stream copy"]), 3),
-        "checkpoint_bytes": manifest.nbytes, "written_bytes": written, "reshard_s": round(med["reshard"], 3),
-        "cp_s": round(med["cp"], 3), "stream_copy_s": round(med["stream copy"], 3), "dcp_s": round(med["dcp"], 3),
+        "fraction_of_streamed_copy": round(
+            (written / med["reshard"]) / (copied / med["stream copy"]), 3
+        ),
+        "checkpoint_bytes": manifest.nbytes,
+        "written_bytes": written,
+        "reshard_s": round(med["reshard"], 3),
+        "cp_s": round(med["cp"], 3),
+        "stream_copy_s": round(med["stream copy"], 3),
+        "dcp_s": round(med["dcp"], 3),
         "best_s": {k: round(v, 3) for k, v in best.items()},
         "cpu_s": {k: round(v, 3) for k, v in cpu_med.items()},
         "sys_cpu_s": {k: round(statistics.median(v), 3) for k, v in kernel.items()},
-        "user_cpu_s": {k: round(statistics.median(c - s for c, s in zip(cpu[k], v)), 3) for k, v in kernel.items()},
-        "reshard_cpu_vs_copy_per_run": [round((r / written) / (c / copied), 3) for r, c in zip(cpu["reshard"], cpu["cp"])],
+        "user_cpu_s": {
+            k: round(statistics.median(c - s for c, s in zip(cpu[k], v)), 3)
+            for k, v in kernel.items()
+        },
+        "reshard_cpu_vs_copy_per_run": [
+            round((r / written) / (c / copied), 3) for r, c in zip(cpu["reshard"], cpu["cp"])
+        ],
         "fraction_of_raw_copy_best": round((written / best["reshard"]) / (copied / best["cp"]), 3),
         "speedup_vs_dcp_best": round(best["dcp"] / best["reshard"], 2),
-        "load_average_1m": round(os.getloadavg()[0], 1), "cpus": os.cpu_count(),
-        "max_buffer_bytes": options.max_buffer_nbytes, "workers": options.workers,
-        "target": target.describe(), "runs": len(times["reshard"]),
-        "targets_met": {"rss": peak <= rss_limit, "raw_copy": fraction >= 0.6, "dcp": speedup >= 2,
-                        "cpu_vs_copy": cpu_vs_copy <= 1.3}}
-    print(json.dumps({**out, **{k: round(v["median"], 3) for k, v in paired.items()}, "spread": paired, "within_noise": noise}))
+        "load_average_1m": round(os.getloadavg()[0], 1),
+        "cpus": os.cpu_count(),
+        "max_buffer_bytes": options.max_buffer_nbytes,
+        "workers": options.workers,
+        "target": target.describe(),
+        "runs": len(times["reshard"]),
+        "targets_met": {
+            "rss": peak <= rss_limit,
+            "raw_copy": fraction >= 0.6,
+            "dcp": speedup >= 2,
+            "cpu_vs_copy": cpu_vs_copy <= 1.3,
+        },
+    }
+    print(
+        json.dumps(
+            {
+                **out,
+                **{k: round(v["median"], 3) for k, v in paired.items()},
+                "spread": paired,
+                "within_noise": noise,
+            }
+        )
+    )
 
 
-def paired_stats(times: dict[str, list[float]], cpu: dict[str, list[float]], written: int,
-                 copied: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def paired_stats(
+    times: dict[str, list[float]], cpu: dict[str, list[float]], written: int, copied: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The headline ratios as medians of per-run ratios (the methods alternate inside each run,
     bench/robust.py), printed with their spread and verdicts; (stats, within_noise)."""
     import robust
 
-    stats = {"speedup_vs_dcp": robust.paired(times["dcp"], times["reshard"]),
-             "fraction_of_raw_copy": robust.paired([written / t for t in times["reshard"]],
-                                                   [copied / t for t in times["cp"]]),
-             "reshard_cpu_vs_copy": robust.paired([c / written for c in cpu["reshard"]],
-                                                  [c / copied for c in cpu["cp"]])}
-    lines, noise = robust.judge({"speedup_vs_dcp": (stats["speedup_vs_dcp"], ">=", 2.0),
-                                 "fraction_of_raw_copy": (stats["fraction_of_raw_copy"], ">=", 0.6),
-                                 "reshard_cpu_vs_copy": (stats["reshard_cpu_vs_copy"], "<=", 1.3)})
+    stats = {
+        "speedup_vs_dcp": robust.paired(times["dcp"], times["reshard"]),
+        "fraction_of_raw_copy": robust.paired(
+            [written / t for t in times["reshard"]], [copied / t for t in times["cp"]]
+        ),
+        "reshard_cpu_vs_copy": robust.paired(
+            [c / written for c in cpu["reshard"]], [c / copied for c in cpu["cp"]]
+        ),
+    }
+    lines, noise = robust.judge(
+        {
+            "speedup_vs_dcp": (stats["speedup_vs_dcp"], ">=", 2.0),
+            "fraction_of_raw_copy": (stats["fraction_of_raw_copy"], ">=", 0.6),
+            "reshard_cpu_vs_copy": (stats["reshard_cpu_vs_copy"], "<=", 1.3),
+        }
+    )
     print("paired runs (median of per-run ratios):\n" + "\n".join(lines))
     return stats, noise
 

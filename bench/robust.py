@@ -39,10 +39,19 @@ def paired(num: Iterable[float], den: Iterable[float]) -> dict[str, Any]:
 
 def spread(values: list[float]) -> dict[str, Any]:
     """Median, IQR (inclusive quartiles; for one value q1 = q3 = it), min, max, rounds."""
-    q1, q3 = (statistics.quantiles(values, n=4, method="inclusive")[i] for i in (0, 2)) \
-        if len(values) > 1 else (values[0], values[0])
-    return {"median": statistics.median(values), "q1": q1, "q3": q3, "min": min(values),
-            "max": max(values), "rounds": [round(v, 4) for v in values]}
+    q1, q3 = (
+        (statistics.quantiles(values, n=4, method="inclusive")[i] for i in (0, 2))
+        if len(values) > 1
+        else (values[0], values[0])
+    )
+    return {
+        "median": statistics.median(values),
+        "q1": q1,
+        "q3": q3,
+        "min": min(values),
+        "max": max(values),
+        "rounds": [round(v, 4) for v in values],
+    }
 
 
 def verdict(stat: dict[str, Any], op: str, goal: float) -> str:
@@ -55,8 +64,9 @@ def verdict(stat: dict[str, Any], op: str, goal: float) -> str:
     return "met" if good else "missed"
 
 
-def judge(goals: dict[str, tuple[dict[str, Any] | None, str | None, float | None]]
-          ) -> tuple[list[str], dict[str, Any]]:
+def judge(
+    goals: dict[str, tuple[dict[str, Any] | None, str | None, float | None]],
+) -> tuple[list[str], dict[str, Any]]:
     """Table lines (``key  median [q1-q3] min-max  goal  verdict``) and the ``within_noise`` dict
     (key -> {median, q1, q3, min, max, goal, load}) for ``{key: (paired stat or None, op, goal)}``.
     An ``op`` of None shows the ratio and its spread without a goal or verdict."""
@@ -66,17 +76,24 @@ def judge(goals: dict[str, tuple[dict[str, Any] | None, str | None, float | None
         if stat is None:
             lines.append(f"{key:36s}{'n/a':>8s}   (not measured)")
             continue
-        line = (f"{key:36s}{stat['median']:8.3f}  IQR {stat['q1']:.3f}-{stat['q3']:.3f}  "
-                f"min-max {stat['min']:.3f}-{stat['max']:.3f}")
+        line = (
+            f"{key:36s}{stat['median']:8.3f}  IQR {stat['q1']:.3f}-{stat['q3']:.3f}  "
+            f"min-max {stat['min']:.3f}-{stat['max']:.3f}"
+        )
         if op is None or goal is None:
             lines.append(line)
             continue
         v = verdict(stat, op, goal)
         lines.append(f"{line}  goal {op} {goal:g}: {v}")
         if v == "within noise":
-            noise[key] = {**{k: round(stat[k], 4) for k in ("median", "q1", "q3", "min", "max")},
-                          "goal": f"{op} {goal:g}", "load": load}
-    lines.append(f"load average {load[0]} / {load[1]} / {load[2]} (1/5/15 min), {os.cpu_count()} CPUs")
+            noise[key] = {
+                **{k: round(stat[k], 4) for k in ("median", "q1", "q3", "min", "max")},
+                "goal": f"{op} {goal:g}",
+                "load": load,
+            }
+    lines.append(
+        f"load average {load[0]} / {load[1]} / {load[2]} (1/5/15 min), {os.cpu_count()} CPUs"
+    )
     return lines, noise
 
 
@@ -88,8 +105,12 @@ def rotated(names: Sequence[T], round_index: int) -> list[T]:
     return list(names[k:]) + list(names[:k])
 
 
-def alternate(rivals: dict[str, Callable[[int], T]], rounds: int, warmup: int = 0,
-              log: Callable[[int, str, T], None] | None = None) -> dict[str, list[T]]:
+def alternate(
+    rivals: dict[str, Callable[[int], T]],
+    rounds: int,
+    warmup: int = 0,
+    log: Callable[[int, str, T], None] | None = None,
+) -> dict[str, list[T]]:
     """Run every rival once per round, in :func:`rotated` order, ``warmup + rounds`` rounds; each
     rival is called with the round index (0-based, warm-up rounds included) and its result kept
     for the last ``rounds`` rounds. Returns name -> results in round order, the lists
@@ -108,16 +129,20 @@ def alternate(rivals: dict[str, Callable[[int], T]], rounds: int, warmup: int = 
     return out
 
 
-def report(title: str, goals: dict[str, tuple[dict[str, Any] | None, str | None, float | None]]
-           ) -> dict[str, Any]:
+def report(
+    title: str, goals: dict[str, tuple[dict[str, Any] | None, str | None, float | None]]
+) -> dict[str, Any]:
     """Print ``title`` and the :func:`judge` lines of ``goals``; return what every bench's JSON
     line carries: ``spread`` (key -> the paired stat, measured keys only), ``within_noise`` and
     ``load_average``. The keys' own values (the medians) are the bench's to place
     (:func:`medians`)."""
     lines, noise = judge(goals)
     print(title + "\n" + "\n".join(lines))
-    return {"spread": {k: stat for k, (stat, _, _) in goals.items() if stat is not None},
-            "within_noise": noise, "load_average": load_average()}
+    return {
+        "spread": {k: stat for k, (stat, _, _) in goals.items() if stat is not None},
+        "within_noise": noise,
+        "load_average": load_average(),
+    }
 
 
 def medians(stats: dict[str, dict[str, Any] | None], digits: int = 4) -> dict[str, float | None]:

@@ -85,15 +85,27 @@ def clients(endpoint: str, bucket: str) -> tuple[Any, Any, Any]:
     from shardsmith.storage.store.fs import Store
     from shardsmith.storage.store.s3_reads import READER_ENV
 
-    opts = {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": endpoint, "region_name": REGION}}
-    fsspec.filesystem("s3", skip_instance_cache=True, **opts).call_s3("create_bucket", Bucket=bucket)
+    opts = {
+        "key": KEY,
+        "secret": SECRET,
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": REGION},
+    }
+    fsspec.filesystem("s3", skip_instance_cache=True, **opts).call_s3(
+        "create_bucket", Bucket=bucket
+    )
     os.environ[READER_ENV] = "s3fs"
     ours = Store(f"s3://{bucket}", opts)
     del os.environ[READER_ENV]
     fast = Store(f"s3://{bucket}", opts)
     assert ours.backend.fast_reads is None and fast.backend.fast_reads is not None
-    obs = S3Store(bucket, endpoint=endpoint, access_key_id=KEY, secret_access_key=SECRET, region=REGION,
-                  client_options={"allow_http": True})
+    obs = S3Store(
+        bucket,
+        endpoint=endpoint,
+        access_key_id=KEY,
+        secret_access_key=SECRET,
+        region=REGION,
+        client_options={"allow_http": True},
+    )
     return ours, fast, obs
 
 
@@ -105,16 +117,29 @@ def ops(ours: Any, fast: Any, obs: Any, data: bytes) -> dict[str, dict[str, Call
     bufs = [memoryview(bytearray(b - a)) for a, b in ranges]
     part, conc = ours.part_nbytes, ours.max_concurrency
     return {
-        "put": {"s3fs": lambda: ours.write("obj-s3fs", data),
-                "obstore": lambda: obstore.put(obs, "obj-obstore", data, chunk_size=part, max_concurrency=conc)},
+        "put": {
+            "s3fs": lambda: ours.write("obj-s3fs", data),
+            "obstore": lambda: obstore.put(
+                obs, "obj-obstore", data, chunk_size=part, max_concurrency=conc
+            ),
+        },
         "get": {"s3fs": lambda: ours.read("obj-s3fs"), "obstore": lambda: fast.read("obj-obstore")},
-        "ranged_get": {"s3fs": lambda: [ours.read_into("obj-s3fs", a, [d]) for (a, _), d in zip(ranges, bufs)],
-                       "obstore": lambda: [fast.read_into("obj-obstore", a, [d]) for (a, _), d in zip(ranges, bufs)]},
-        "par_ranged": {"s3fs": lambda: _parallel(ours, "obj-s3fs", ranges, bufs),
-                       "obstore": lambda: _parallel(fast, "obj-obstore", ranges, bufs)}}
+        "ranged_get": {
+            "s3fs": lambda: [ours.read_into("obj-s3fs", a, [d]) for (a, _), d in zip(ranges, bufs)],
+            "obstore": lambda: [
+                fast.read_into("obj-obstore", a, [d]) for (a, _), d in zip(ranges, bufs)
+            ],
+        },
+        "par_ranged": {
+            "s3fs": lambda: _parallel(ours, "obj-s3fs", ranges, bufs),
+            "obstore": lambda: _parallel(fast, "obj-obstore", ranges, bufs),
+        },
+    }
 
 
-def _parallel(store: Any, key: str, ranges: list[tuple[int, int]], bufs: list[memoryview]) -> list[int]:
+def _parallel(
+    store: Any, key: str, ranges: list[tuple[int, int]], bufs: list[memoryview]
+) -> list[int]:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(ranges)) as pool:
@@ -123,20 +148,29 @@ def _parallel(store: Any, key: str, ranges: list[tuple[int, int]], bufs: list[me
 
 def measure(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[tuple[float, float]]]:
     """(wall s, client CPU s) of each client per round, alternating, after one warm-up round."""
+
     def timed(fn: Callable[[], Any]) -> Callable[[int], tuple[float, float]]:
         def run(_round: int) -> tuple[float, float]:
             c0, t0 = cpu(), time.perf_counter()
             fn()
             return time.perf_counter() - t0, cpu() - c0
+
         return run
+
     return robust.alternate({who: timed(fn) for who, fn in fns.items()}, rounds, warmup=1)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", default="32,256", help="object sizes, MiB")
-    ap.add_argument("--repeats", "--rounds", dest="repeats", type=int, default=3,
-                    help="rounds (after one warm-up round), both clients in each")
+    ap.add_argument(
+        "--repeats",
+        "--rounds",
+        dest="repeats",
+        type=int,
+        default=3,
+        help="rounds (after one warm-up round), both clients in each",
+    )
     args = ap.parse_args()
     proc, endpoint = start_server()
     summary: dict[str, Any] = {"load_average_1m": 0.0, "sizes_mib": []}
@@ -150,15 +184,25 @@ def main() -> None:
                 runs = measure(fns, args.repeats)
                 w = {k: statistics.median(t for t, _ in v) for k, v in runs.items()}
                 c = {k: statistics.median(u for _, u in v) for k, v in runs.items()}
-                print(f"{op:<12}{mib:>6}{w['s3fs']:>9.3f}{w['obstore']:>11.3f}{c['s3fs']:>10.3f}{c['obstore']:>9.3f}")
-                goals[f"{op}_{mib}mib_speedup_obstore_vs_s3fs"] = (robust.paired(
-                    [t for t, _ in runs["s3fs"]], [t for t, _ in runs["obstore"]]), ">=", 1.0)
-                goals[f"{op}_{mib}mib_cpu_obstore_vs_s3fs"] = (robust.paired(
-                    [u for _, u in runs["obstore"]], [u for _, u in runs["s3fs"]]), "<=", 1.0)
+                print(
+                    f"{op:<12}{mib:>6}{w['s3fs']:>9.3f}{w['obstore']:>11.3f}{c['s3fs']:>10.3f}{c['obstore']:>9.3f}"
+                )
+                goals[f"{op}_{mib}mib_speedup_obstore_vs_s3fs"] = (
+                    robust.paired([t for t, _ in runs["s3fs"]], [t for t, _ in runs["obstore"]]),
+                    ">=",
+                    1.0,
+                )
+                goals[f"{op}_{mib}mib_cpu_obstore_vs_s3fs"] = (
+                    robust.paired([u for _, u in runs["obstore"]], [u for _, u in runs["s3fs"]]),
+                    "<=",
+                    1.0,
+                )
             summary["sizes_mib"].append(mib)
     finally:
         proc.terminate()
-    extra = robust.report("\npaired rounds (median of per-round ratios; judged against parity, not a goal):", goals)
+    extra = robust.report(
+        "\npaired rounds (median of per-round ratios; judged against parity, not a goal):", goals
+    )
     summary.update(robust.medians({k: stat for k, (stat, _, _) in goals.items()}, 3))
     summary["load_average_1m"] = round(os.getloadavg()[0], 1)
     print(json.dumps({**summary, **extra}))

@@ -26,9 +26,9 @@ from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d) for d in ("helpers", ".")]
 
+import robust  # noqa: E402
 from tokenizer_factory import sample_text, train_hf_bpe, train_tiktoken  # noqa: E402
 
-import robust  # noqa: E402
 from shardsmith.trainer.data import DataConfig, load_tokens  # noqa: E402
 
 
@@ -38,7 +38,9 @@ def _time(cfg: DataConfig) -> tuple[float, int]:
     return time.perf_counter() - start, int(tokens.size)
 
 
-def ratios(runs: dict[str, list[dict[str, float]]]) -> dict[str, tuple[dict[str, Any], str | None, float | None]]:
+def ratios(
+    runs: dict[str, list[dict[str, float]]],
+) -> dict[str, tuple[dict[str, Any], str | None, float | None]]:
     """Paired ratios of the rounds (``runs``: ``bytes`` -> [{"s"}], each tokenizer ->
     [{"cold", "warm"}], round order) with their judging: ``(stat, op, reference)``."""
     base = [r["s"] for r in runs["bytes"]]
@@ -60,8 +62,10 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        toks = {"hf-bpe": train_hf_bpe(root / "tokenizer.json", sample_text(), args.vocab_size),
-                "tiktoken": train_tiktoken(root / "t.tiktoken", sample_text()[:8000], 300)}
+        toks = {
+            "hf-bpe": train_hf_bpe(root / "tokenizer.json", sample_text(), args.vocab_size),
+            "tiktoken": train_tiktoken(root / "t.tiktoken", sample_text()[:8000], 300),
+        }
 
         def baseline(r: int) -> dict[str, float]:
             s, n = _time(DataConfig())
@@ -73,14 +77,31 @@ def main() -> None:
                 cache = root / f"cache-{name}-{r}"
                 cold, n = _time(DataConfig(tokenizer=str(toks[name]), cache_dir=str(cache)))
                 warm, _ = _time(DataConfig(tokenizer=str(toks[name]), cache_dir=str(cache)))
-                print(f"round {r + 1} {name:9s} first start {cold:7.2f} s  {n:>11,} tokens; cached {warm:7.2f} s")
+                print(
+                    f"round {r + 1} {name:9s} first start {cold:7.2f} s  {n:>11,} tokens; cached {warm:7.2f} s"
+                )
                 return {"cold": cold, "warm": warm}
+
             return run
-        runs = robust.alternate({"bytes": baseline, **{name: tokenizer(name) for name in toks}}, args.rounds)
+
+        runs = robust.alternate(
+            {"bytes": baseline, **{name: tokenizer(name) for name in toks}}, args.rounds
+        )
     goals = ratios(runs)
-    extra = robust.report("\npaired rounds (median of per-round ratios; cached vs bytes judged against parity, "
-                          "not a goal):", goals)
-    print(json.dumps({**robust.medians({k: v[0] for k, v in goals.items()}, 3), "rounds": args.rounds, **extra}))
+    extra = robust.report(
+        "\npaired rounds (median of per-round ratios; cached vs bytes judged against parity, "
+        "not a goal):",
+        goals,
+    )
+    print(
+        json.dumps(
+            {
+                **robust.medians({k: v[0] for k, v in goals.items()}, 3),
+                "rounds": args.rounds,
+                **extra,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import robust
+
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.trainer.config import CheckpointConfig, DataConfig, OptimConfig, TrainConfig
 
@@ -58,28 +59,53 @@ def corpus(path: Path) -> str:
 
 
 def make_config(args: argparse.Namespace, data: str, ckpt: str, run_dir: str) -> TrainConfig:
-    model = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
-                        num_kv_heads=4, ffn_hidden_size=args.ffn, vocab_size=256, seq_length=args.seq)
-    checkpoint = CheckpointConfig(url=ckpt, save_interval=args.interval if ckpt else 0, resume="none",
-                                  save_final=False, async_save=not args.sync)
-    return TrainConfig(model=model, parallel=parse_layout(args.layout), data=DataConfig(sources=(data,)),
-                       optim=OptimConfig(lr=1e-3, warmup_steps=5), checkpoint=checkpoint,
-                       steps=args.steps, global_batch_size=args.batch, micro_batch_size=args.micro_batch,
-                       log_interval=0, run_dir=run_dir)
+    model = ModelConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=8,
+        num_kv_heads=4,
+        ffn_hidden_size=args.ffn,
+        vocab_size=256,
+        seq_length=args.seq,
+    )
+    checkpoint = CheckpointConfig(
+        url=ckpt,
+        save_interval=args.interval if ckpt else 0,
+        resume="none",
+        save_final=False,
+        async_save=not args.sync,
+    )
+    return TrainConfig(
+        model=model,
+        parallel=parse_layout(args.layout),
+        data=DataConfig(sources=(data,)),
+        optim=OptimConfig(lr=1e-3, warmup_steps=5),
+        checkpoint=checkpoint,
+        steps=args.steps,
+        global_batch_size=args.batch,
+        micro_batch_size=args.micro_batch,
+        log_interval=0,
+        run_dir=run_dir,
+    )
 
 
 def throughput(run_dir: str, warmup: int, interval: int) -> dict[str, Any]:
     """Steps/s between the step records after ``warmup`` and the last one; save events; and
     the within-run ratio (see :func:`within_run_ratio`)."""
-    records = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines() if line]
+    records = [
+        json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines() if line
+    ]
     steps = [r for r in records if "step" in r and "event" not in r]
     saves = [r for r in records if r.get("event") == "save"]
     first, last = steps[warmup - 1], steps[-1]
-    return {"steps_per_s": (last["step"] - first["step"]) / (last["time"] - first["time"]),
-            "within_run_ratio": within_run_ratio(steps[warmup - 1:], interval),
-            "saves": len(saves), "nbytes": saves[0]["nbytes"] if saves else 0,
-            "blocked_s": statistics.median(s["blocked_seconds"] for s in saves) if saves else 0.0,
-            "save_s": statistics.median(s["seconds"] for s in saves) if saves else 0.0}
+    return {
+        "steps_per_s": (last["step"] - first["step"]) / (last["time"] - first["time"]),
+        "within_run_ratio": within_run_ratio(steps[warmup - 1 :], interval),
+        "saves": len(saves),
+        "nbytes": saves[0]["nbytes"] if saves else 0,
+        "blocked_s": statistics.median(s["blocked_seconds"] for s in saves) if saves else 0.0,
+        "save_s": statistics.median(s["seconds"] for s in saves) if saves else 0.0,
+    }
 
 
 def within_run_ratio(steps: list[dict[str, Any]], interval: int) -> float:
@@ -102,9 +128,11 @@ def run_launch(cfg: TrainConfig, nproc: int, tmp: Path) -> None:
     themselves unchanged), which would bias whichever configuration runs later."""
     path = tmp / "config.json"
     path.write_text(json.dumps(cfg.to_json()))
-    code = ("import json, sys; from shardsmith.trainer.config import TrainConfig; "
-            "from shardsmith.trainer.runtime.launch import launch; "
-            "launch(TrainConfig.from_json(json.load(open(sys.argv[1]))), int(sys.argv[2]))")
+    code = (
+        "import json, sys; from shardsmith.trainer.config import TrainConfig; "
+        "from shardsmith.trainer.runtime.launch import launch; "
+        "launch(TrainConfig.from_json(json.load(open(sys.argv[1]))), int(sys.argv[2]))"
+    )
     subprocess.run([sys.executable, "-c", code, str(path), str(nproc)], check=True)
 
 
@@ -121,8 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=65)
     p.add_argument("--interval", type=int, default=10, help="checkpoint every this many steps")
     p.add_argument("--warmup", type=int, default=5, help="steps excluded from the measurement")
-    p.add_argument("--repeats", "--rounds", dest="repeats", type=int, default=2,
-                   help="rounds: one run with and one without checkpoints each, alternating")
+    p.add_argument(
+        "--repeats",
+        "--rounds",
+        dest="repeats",
+        type=int,
+        default=2,
+        help="rounds: one run with and one without checkpoints each, alternating",
+    )
     p.add_argument("--sync", action="store_true", help="synchronous saves instead of async")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -138,9 +172,14 @@ def main(argv: list[str] | None = None) -> int:
                 return throughput(str(run_dir), args.warmup, args.interval)
             finally:
                 shutil.rmtree(run_dir, ignore_errors=True)
-        results = robust.alternate({"none": lambda r: one_run("none", r), "ckpt": lambda r: one_run("ckpt", r)},
-                                   args.repeats, log=lambda r, kind, res: print(f"repeat {r} {kind}: {res}",
-                                                                                file=sys.stderr, flush=True))
+
+        results = robust.alternate(
+            {"none": lambda r: one_run("none", r), "ckpt": lambda r: one_run("ckpt", r)},
+            args.repeats,
+            log=lambda r, kind, res: print(
+                f"repeat {r} {kind}: {res}", file=sys.stderr, flush=True
+            ),
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(summarize(args, results)))
@@ -155,29 +194,50 @@ def summarize(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]]
     ckpt = statistics.median(r["steps_per_s"] for r in results["ckpt"])
     saves = results["ckpt"][0]
     mode = "sync" if args.sync else "async"
-    print(f"\n{args.nproc} ranks, layout {args.layout}, {args.steps} steps (first {args.warmup} excluded), "
-          f"{mode} checkpoint every {args.interval} steps ({saves['nbytes'] / 2**20:.1f} MiB each); "
-          f"medians of {args.repeats}")
+    print(
+        f"\n{args.nproc} ranks, layout {args.layout}, {args.steps} steps (first {args.warmup} excluded), "
+        f"{mode} checkpoint every {args.interval} steps ({saves['nbytes'] / 2**20:.1f} MiB each); "
+        f"medians of {args.repeats}"
+    )
     print(f"{'':34s}{'steps/s':>10s}")
     print(f"{'no checkpoints':34s}{none:10.3f}")
     print(f"{mode + ' checkpoints':34s}{ckpt:10.3f}")
-    stats = {"throughput_ratio": robust.paired([r["steps_per_s"] for r in results["ckpt"]],
-                                               [r["steps_per_s"] for r in results["none"]]),
-             "within_run_ratio": robust.spread([r["within_run_ratio"] for r in results["ckpt"]]),
-             "within_run_ratio_control": robust.spread([r["within_run_ratio"] for r in results["none"]])}
-    print(f"per save: blocked {saves['blocked_s']:.4f} s, until committed {saves['save_s']:.3f} s, "
-          f"{saves['saves']} saves per run")
+    stats = {
+        "throughput_ratio": robust.paired(
+            [r["steps_per_s"] for r in results["ckpt"]], [r["steps_per_s"] for r in results["none"]]
+        ),
+        "within_run_ratio": robust.spread([r["within_run_ratio"] for r in results["ckpt"]]),
+        "within_run_ratio_control": robust.spread([r["within_run_ratio"] for r in results["none"]]),
+    }
+    print(
+        f"per save: blocked {saves['blocked_s']:.4f} s, until committed {saves['save_s']:.3f} s, "
+        f"{saves['saves']} saves per run"
+    )
     robust_out = robust.report(
         "\npaired rounds (throughput_ratio: median of per-round ratios; within-run ratios: median over runs; "
         "the control is the same measure on the runs without checkpoints):",
-        {"throughput_ratio": (stats["throughput_ratio"], ">=", 0.97),
-         "within_run_ratio": (stats["within_run_ratio"], ">=", 0.97),
-         "within_run_ratio_control": (stats["within_run_ratio_control"], None, None)})
-    return {**robust.medians(stats), "steps_per_s_none": none, "steps_per_s_ckpt": ckpt,
-            "ratios": stats["throughput_ratio"]["rounds"], "saves_per_run": saves["saves"],
-            "save_nbytes": saves["nbytes"], "blocked_s": saves["blocked_s"], "save_s": saves["save_s"],
-            "mode": mode, "nproc": args.nproc, "layout": args.layout, "steps": args.steps, "rounds": args.repeats,
-            **robust_out}
+        {
+            "throughput_ratio": (stats["throughput_ratio"], ">=", 0.97),
+            "within_run_ratio": (stats["within_run_ratio"], ">=", 0.97),
+            "within_run_ratio_control": (stats["within_run_ratio_control"], None, None),
+        },
+    )
+    return {
+        **robust.medians(stats),
+        "steps_per_s_none": none,
+        "steps_per_s_ckpt": ckpt,
+        "ratios": stats["throughput_ratio"]["rounds"],
+        "saves_per_run": saves["saves"],
+        "save_nbytes": saves["nbytes"],
+        "blocked_s": saves["blocked_s"],
+        "save_s": saves["save_s"],
+        "mode": mode,
+        "nproc": args.nproc,
+        "layout": args.layout,
+        "steps": args.steps,
+        "rounds": args.repeats,
+        **robust_out,
+    }
 
 
 if __name__ == "__main__":

@@ -62,16 +62,27 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from shardsmith.layout import ParallelDims
 
     cfg = TrainConfig(
-        model=ModelConfig(num_layers=m["layers"], hidden_size=m["hidden"], num_attention_heads=m["heads"],
-                          num_kv_heads=m["kv_heads"], ffn_hidden_size=m["ffn"], vocab_size=m["vocab"],
-                          seq_length=m["seq"]),
+        model=ModelConfig(
+            num_layers=m["layers"],
+            hidden_size=m["hidden"],
+            num_attention_heads=m["heads"],
+            num_kv_heads=m["kv_heads"],
+            ffn_hidden_size=m["ffn"],
+            vocab_size=m["vocab"],
+            seq_length=m["seq"],
+        ),
         parallel=ParallelDims(pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tp),
         data=DataConfig(sources=(spec["data"],), text_key="text"),
         optim=OptimConfig(lr=3e-4, warmup_steps=2),
-        checkpoint=CheckpointConfig(url=spec["ckpt_dir"], save_interval=0, resume="none", save_final=False,
-                                    async_save=True),
-        steps=spec["steps"], global_batch_size=spec["batch"], micro_batch_size=spec["micro_batch"],
-        log_interval=0, run_dir=os.path.join(spec["ckpt_dir"], f"run-{os.environ['RANK']}"))
+        checkpoint=CheckpointConfig(
+            url=spec["ckpt_dir"], save_interval=0, resume="none", save_final=False, async_save=True
+        ),
+        steps=spec["steps"],
+        global_batch_size=spec["batch"],
+        micro_batch_size=spec["micro_batch"],
+        log_interval=0,
+        run_dir=os.path.join(spec["ckpt_dir"], f"run-{os.environ['RANK']}"),
+    )
     trainer = Trainer.create(cfg)
     cpu: list[float] = []
     train_step = trainer.train_step
@@ -81,20 +92,29 @@ def run_ours(spec: dict[str, Any]) -> dict[str, Any]:
         out = train_step()
         cpu.append(time.process_time() - c0)
         return out
+
     trainer.train_step = timed
     try:
         history = trainer.run()
         policy = trainer.checkpointing
-        ckpt = time_saves(trainer.save, trainer.wait_for_save,
-                          lambda on: setattr(policy, "checkpointer", on), policy.checkpointer)
+        ckpt = time_saves(
+            trainer.save,
+            trainer.wait_for_save,
+            lambda on: setattr(policy, "checkpointer", on),
+            policy.checkpointer,
+        )
         return {"step_s": [h.duration_s for h in history], "cpu_s": cpu, "ckpt": ckpt}
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def time_saves(save: Callable[[], None], wait: Callable[[], None], set_async: Callable[[Any], None],
-               async_obj: Any) -> dict[str, float]:
+def time_saves(
+    save: Callable[[], None],
+    wait: Callable[[], None],
+    set_async: Callable[[Any], None],
+    async_obj: Any,
+) -> dict[str, float]:
     """An async save (seconds blocked, seconds until committed), then a sync one (``set_async(None)``
     switches the trainer to its synchronous path), each from a barrier."""
     dist.barrier()
@@ -119,8 +139,12 @@ def run_plain(spec: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed._composable.fsdp import fully_shard
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        loss_parallel,
+        parallelize_module,
+    )
 
     from shardsmith.layout import ModelConfig
     from shardsmith.trainer.model import Transformer
@@ -130,15 +154,29 @@ def run_plain(spec: dict[str, Any]) -> dict[str, Any]:
     assert pp == 1 and dpr == 1, "the plain loop has no pipeline and no replication"
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dps, tp), mesh_dim_names=("dp", "tp"))
-    cfg = ModelConfig(num_layers=m["layers"], hidden_size=m["hidden"], num_attention_heads=m["heads"],
-                      num_kv_heads=m["kv_heads"], ffn_hidden_size=m["ffn"], vocab_size=m["vocab"],
-                      seq_length=m["seq"])
+    cfg = ModelConfig(
+        num_layers=m["layers"],
+        hidden_size=m["hidden"],
+        num_attention_heads=m["heads"],
+        num_kv_heads=m["kv_heads"],
+        ffn_hidden_size=m["ffn"],
+        vocab_size=m["vocab"],
+        seq_length=m["seq"],
+    )
     with torch.device("meta"):
         model = Transformer(cfg)
-    plan: dict[str, Any] = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-                            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    plan: dict[str, Any] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
     for i in model.layers:
-        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+        for name in (
+            "attention.wq",
+            "attention.wk",
+            "attention.wv",
+            "feed_forward.w1",
+            "feed_forward.w3",
+        ):
             plan[f"layers.{i}.{name}"] = ColwiseParallel()
         for name in ("attention.wo", "feed_forward.w2"):
             plan[f"layers.{i}.{name}"] = RowwiseParallel()
@@ -160,11 +198,13 @@ def run_plain(spec: dict[str, Any]) -> dict[str, Any]:
     for _ in range(spec["steps"]):
         t0, c0 = time.perf_counter(), time.process_time()
         starts = torch.randint(0, len(tokens) - seq - 1, (local_batch,), generator=gen)
-        window = torch.stack([tokens[s:s + seq + 1] for s in starts.tolist()])
+        window = torch.stack([tokens[s : s + seq + 1] for s in starts.tolist()])
         for micro in window.split(spec["micro_batch"]):
             with loss_parallel():
                 logits = model(micro[:, :-1])
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), micro[:, 1:].flatten())
+                loss = torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), micro[:, 1:].flatten()
+                )
                 (loss * micro.shape[0] / local_batch).backward()
         clip_grad_norm(list(model.parameters()), 1.0)
         opt.step()
@@ -194,8 +234,14 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> None:
 
 
 def _rank(rank: int, system: str, spec: dict[str, Any], outdir: str, port: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(spec["nproc"]),
-                      LOCAL_WORLD_SIZE=str(spec["nproc"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(spec["nproc"]),
+        LOCAL_WORLD_SIZE=str(spec["nproc"]),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     if system == "titan":
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))

@@ -46,12 +46,17 @@ from typing import Any
 import robust
 
 BENCH = Path(__file__).resolve().parent
-GOALS = {"tokens_per_s_vs_torchtitan": (">=", 1.0), "peak_rss_vs_torchtitan": ("<=", 0.8),
-         "step_time_vs_plain_loop": ("<=", 1.1)}
+GOALS = {
+    "tokens_per_s_vs_torchtitan": (">=", 1.0),
+    "peak_rss_vs_torchtitan": ("<=", 0.8),
+    "step_time_vs_plain_loop": ("<=", 1.1),
+}
 
 
 def titan_python() -> str:
-    return os.environ.get("SHARDSMITH_TITAN_PYTHON", str(BENCH.parent / ".venv-titan" / "bin" / "python"))
+    return os.environ.get(
+        "SHARDSMITH_TITAN_PYTHON", str(BENCH.parent / ".venv-titan" / "bin" / "python")
+    )
 
 
 def write_corpus(path: Path) -> None:
@@ -71,42 +76,79 @@ def flops_per_step(args: argparse.Namespace) -> float:
     """Training FLOPs of one step: 6 x (matmul parameters) x tokens + causal attention
     12 x layers x seq x hidden per token (PaLM, Chowdhery et al. 2022, appendix B)."""
     hd = args.hidden // args.heads
-    per_layer = 2 * args.hidden * args.hidden + 2 * args.hidden * args.kv_heads * hd + 3 * args.hidden * args.ffn
+    per_layer = (
+        2 * args.hidden * args.hidden
+        + 2 * args.hidden * args.kv_heads * hd
+        + 3 * args.hidden * args.ffn
+    )
     params = args.layers * per_layer + args.vocab * args.hidden
     tokens = args.batch * args.seq
     return 6 * params * tokens + 12 * args.layers * args.seq * args.hidden * tokens
 
 
-def run_once(system: str, layout: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any] | None:
+def run_once(
+    system: str, layout: str, args: argparse.Namespace, tmp: Path
+) -> dict[str, Any] | None:
     """One training run of ``system``; its figures, or None (the reason printed) on failure."""
     work = Path(tempfile.mkdtemp(prefix=f"{system}-", dir=tmp))
     micro = args.micro_batch if layout.startswith("1.") else max(1, args.micro_batch // 2)
-    spec = {"model": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq")},
-            "layout": layout, "batch": args.batch, "micro_batch": micro, "steps": args.steps,
-            "data": str(tmp / "corpus.jsonl"), "ckpt_dir": str(work / "ckpt"), "nproc": 4}
+    spec = {
+        "model": {
+            k: getattr(args, k)
+            for k in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq")
+        },
+        "layout": layout,
+        "batch": args.batch,
+        "micro_batch": micro,
+        "steps": args.steps,
+        "data": str(tmp / "corpus.jsonl"),
+        "ckpt_dir": str(work / "ckpt"),
+        "nproc": 4,
+    }
     (work / "spec.json").write_text(json.dumps(spec))
     py = titan_python() if system == "titan" else sys.executable
     t0 = time.perf_counter()
-    proc = subprocess.run([py, str(BENCH / "train_ranks.py"), system, str(work / "spec.json"), str(work / "out")],
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=args.timeout)
+    proc = subprocess.run(
+        [py, str(BENCH / "train_ranks.py"), system, str(work / "spec.json"), str(work / "out")],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=args.timeout,
+    )
     wall = time.perf_counter() - t0
-    ranks = [json.loads(p.read_text()) for p in sorted((work / "out").glob("rank*.json"))] if (work / "out").exists() else []
+    ranks = (
+        [json.loads(p.read_text()) for p in sorted((work / "out").glob("rank*.json"))]
+        if (work / "out").exists()
+        else []
+    )
     shutil.rmtree(work, ignore_errors=True)
     if proc.returncode or len(ranks) != 4:
         errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error" in line]
-        print(f"  {system} {layout} failed (rc {proc.returncode}): {' | '.join(errors[-3:])[:600] or proc.stderr[-600:]}",
-              file=sys.stderr, flush=True)
+        print(
+            f"  {system} {layout} failed (rc {proc.returncode}): {' | '.join(errors[-3:])[:600] or proc.stderr[-600:]}",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     if untrained := without_gradients(ranks):
-        print(f"  {system} {layout} failed: parameters without a gradient at the last step ({'; '.join(untrained)})",
-              file=sys.stderr, flush=True)
+        print(
+            f"  {system} {layout} failed: parameters without a gradient at the last step ({'; '.join(untrained)})",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
-    step = statistics.median(ranks[0]["step_s"][args.warmup:])
-    cpu = statistics.median(sum(r["cpu_s"][i] for r in ranks) for i in range(args.warmup, len(ranks[0]["cpu_s"])))
-    out = {"step_s": step, "cpu_s": cpu, "tokens_per_s": args.batch * args.seq / step,
-           "rss_mib": max(r["hwm_mib"] for r in ranks),
-           "wall_s": wall, "steps_s": round(sum(ranks[0]["step_s"]), 2)}
+    step = statistics.median(ranks[0]["step_s"][args.warmup :])
+    cpu = statistics.median(
+        sum(r["cpu_s"][i] for r in ranks) for i in range(args.warmup, len(ranks[0]["cpu_s"]))
+    )
+    out = {
+        "step_s": step,
+        "cpu_s": cpu,
+        "tokens_per_s": args.batch * args.seq / step,
+        "rss_mib": max(r["hwm_mib"] for r in ranks),
+        "wall_s": wall,
+        "steps_s": round(sum(ranks[0]["step_s"]), 2),
+    }
     if "ckpt" in ranks[0]:
         out.update({k: max(r["ckpt"][k] for r in ranks) for k in ranks[0]["ckpt"]})
     return out
@@ -116,12 +158,19 @@ def without_gradients(ranks: list[dict[str, Any]]) -> list[str]:
     """``"rank R: K of N"`` for each rank whose figures say that only K of its N parameters had a
     gradient at the last optimizer step (a stage that ran no backward); ranks that do not report
     ``grads`` are not judged."""
-    return [f"rank {r}: {g['with_grad']} of {g['params']}" for r, g in enumerate(x.get("grads") for x in ranks)
-            if g and g["with_grad"] < g["params"]]
+    return [
+        f"rank {r}: {g['with_grad']} of {g['params']}"
+        for r, g in enumerate(x.get("grads") for x in ranks)
+        if g and g["with_grad"] < g["params"]
+    ]
 
 
 def systems_for(layout: str, have_titan: bool) -> list[str]:
-    return ["ours"] + (["titan"] if have_titan else []) + (["plain"] if layout.startswith("1.1.") else [])
+    return (
+        ["ours"]
+        + (["titan"] if have_titan else [])
+        + (["plain"] if layout.startswith("1.1.") else [])
+    )
 
 
 def measure(args: argparse.Namespace, tmp: Path, have_titan: bool) -> dict[str, dict[str, list]]:
@@ -132,8 +181,13 @@ def measure(args: argparse.Namespace, tmp: Path, have_titan: bool) -> dict[str, 
             for system in robust.rotated(systems_for(layout, have_titan), r):
                 fig = run_once(system, layout, args, tmp)
                 runs.setdefault(layout, {}).setdefault(system, []).append(fig)
-                print(f"round {r} {layout} {system}: " + (", ".join(f"{a}={b:.4g}" for a, b in fig.items())
-                      if fig else "failed") + f" (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+                print(
+                    f"round {r} {layout} {system}: "
+                    + (", ".join(f"{a}={b:.4g}" for a, b in fig.items()) if fig else "failed")
+                    + f" (load {os.getloadavg()[0]:.1f})",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return runs
 
 
@@ -155,33 +209,49 @@ def ratios(runs: dict[str, dict[str, list]]) -> dict[str, dict[str, Any] | None]
     stats: dict[str, dict[str, Any] | None] = {}
     tok, rss = [], []
     for layout, by in runs.items():
-        stats[f"tokens_per_s_vs_torchtitan.{layout}"] = paired_or_none(col(by, "ours", "tokens_per_s"),
-                                                                        col(by, "titan", "tokens_per_s"))
-        stats[f"peak_rss_vs_torchtitan.{layout}"] = paired_or_none(col(by, "ours", "rss_mib"), col(by, "titan", "rss_mib"))
-        stats[f"sync_save_speedup_vs_torchtitan.{layout}"] = paired_or_none(col(by, "titan", "sync_s"),
-                                                                            col(by, "ours", "sync_s"))
-        stats[f"async_stall_vs_torchtitan.{layout}"] = paired_or_none(col(by, "ours", "async_blocked"),
-                                                                      col(by, "titan", "async_blocked"))
+        stats[f"tokens_per_s_vs_torchtitan.{layout}"] = paired_or_none(
+            col(by, "ours", "tokens_per_s"), col(by, "titan", "tokens_per_s")
+        )
+        stats[f"peak_rss_vs_torchtitan.{layout}"] = paired_or_none(
+            col(by, "ours", "rss_mib"), col(by, "titan", "rss_mib")
+        )
+        stats[f"sync_save_speedup_vs_torchtitan.{layout}"] = paired_or_none(
+            col(by, "titan", "sync_s"), col(by, "ours", "sync_s")
+        )
+        stats[f"async_stall_vs_torchtitan.{layout}"] = paired_or_none(
+            col(by, "ours", "async_blocked"), col(by, "titan", "async_blocked")
+        )
         tok.append(stats[f"tokens_per_s_vs_torchtitan.{layout}"])
         rss.append(stats[f"peak_rss_vs_torchtitan.{layout}"])
         if "plain" in by:
-            stats[f"step_time_vs_plain_loop.{layout}"] = paired_or_none(col(by, "ours", "step_s"), col(by, "plain", "step_s"))
+            stats[f"step_time_vs_plain_loop.{layout}"] = paired_or_none(
+                col(by, "ours", "step_s"), col(by, "plain", "step_s")
+            )
             stats["step_time_vs_plain_loop"] = stats[f"step_time_vs_plain_loop.{layout}"]
-    tok, rss = [t for t in tok if t], [r for r in rss if r]         # layouts torchtitan could not run drop out
+    tok, rss = (
+        [t for t in tok if t],
+        [r for r in rss if r],
+    )  # layouts torchtitan could not run drop out
     stats["tokens_per_s_vs_torchtitan"] = min(tok, key=lambda s: s["median"]) if tok else None
     stats["peak_rss_vs_torchtitan"] = max(rss, key=lambda s: s["median"]) if rss else None
     stats.setdefault("step_time_vs_plain_loop", None)
     return stats
 
 
-def report(args: argparse.Namespace, runs: dict[str, dict[str, list]], titan_why: str) -> dict[str, Any]:
+def report(
+    args: argparse.Namespace, runs: dict[str, dict[str, list]], titan_why: str
+) -> dict[str, Any]:
     """Print the table of medians and the paired ratios; return the JSON summary."""
-    print(f"\nmodel: {args.layers} layers, hidden {args.hidden}, {args.heads} heads ({args.kv_heads} kv), ffn {args.ffn}, "
-          f"vocab {args.vocab}, seq {args.seq}; batch {args.batch} x {args.seq} tokens; fp32; "
-          f"{flops_per_step(args) / 1e9:.1f} GFLOP/step; {args.steps} steps, first {args.warmup} excluded; "
-          f"{args.rounds} rounds, systems alternating")
-    print(f"{'layout':10s}{'system':8s}{'step s':>9s}{'CPU s':>8s}{'tok/s':>9s}{'RSS MiB':>9s}{'sync s':>9s}{'async blk':>10s}"
-          f"{'async s':>9s}{'run s':>8s}")
+    print(
+        f"\nmodel: {args.layers} layers, hidden {args.hidden}, {args.heads} heads ({args.kv_heads} kv), ffn {args.ffn}, "
+        f"vocab {args.vocab}, seq {args.seq}; batch {args.batch} x {args.seq} tokens; fp32; "
+        f"{flops_per_step(args) / 1e9:.1f} GFLOP/step; {args.steps} steps, first {args.warmup} excluded; "
+        f"{args.rounds} rounds, systems alternating"
+    )
+    print(
+        f"{'layout':10s}{'system':8s}{'step s':>9s}{'CPU s':>8s}{'tok/s':>9s}{'RSS MiB':>9s}{'sync s':>9s}{'async blk':>10s}"
+        f"{'async s':>9s}{'run s':>8s}"
+    )
     for layout, by in runs.items():
         for system, figs in by.items():
             done = [f for f in figs if f]
@@ -192,36 +262,56 @@ def report(args: argparse.Namespace, runs: dict[str, dict[str, list]], titan_why
             def med(key: str) -> str:
                 vals = [f[key] for f in done if key in f]
                 return f"{statistics.median(vals):9.3f}" if vals else f"{'-':>9s}"
-            print(f"{layout:10s}{system:8s}{med('step_s')}{med('cpu_s')[1:]}{med('tokens_per_s')}{med('rss_mib')}{med('sync_s')}"
-                  f"{med('async_blocked'):>10s}{med('async_s')}{med('wall_s')[:-1]:>8s}")
+
+            print(
+                f"{layout:10s}{system:8s}{med('step_s')}{med('cpu_s')[1:]}{med('tokens_per_s')}{med('rss_mib')}{med('sync_s')}"
+                f"{med('async_blocked'):>10s}{med('async_s')}{med('wall_s')[:-1]:>8s}"
+            )
     if titan_why:
         print(f"torchtitan: skipped: {titan_why}")
     for layout, by in runs.items():
         if "titan" in by and not any(by["titan"]):
-            print(f"torchtitan: failed every round at {layout} (its errors are printed above): "
-                  "the headline ratios cover the other layouts")
+            print(
+                f"torchtitan: failed every round at {layout} (its errors are printed above): "
+                "the headline ratios cover the other layouts"
+            )
     stats = ratios(runs)
     goals = {k: (stats[k], *GOALS[k]) for k in GOALS}
     lines, noise = robust.judge(goals)
     print("\npaired rounds (median of per-round ratios):")
     for key, s in stats.items():
         if "." in key and s:
-            print(f"  {key:48s}{s['median']:8.3f}  IQR {s['q1']:.3f}-{s['q3']:.3f}  min-max {s['min']:.3f}-{s['max']:.3f}")
+            print(
+                f"  {key:48s}{s['median']:8.3f}  IQR {s['q1']:.3f}-{s['q3']:.3f}  min-max {s['min']:.3f}-{s['max']:.3f}"
+            )
     print("\n".join(lines))
-    return {**{k: (v["median"] if v else None) for k, v in stats.items()},
-            "spread": {k: v for k, v in stats.items() if v}, "within_noise": noise,
-            "load_average": robust.load_average(), "gflop_per_step": round(flops_per_step(args) / 1e9, 2),
-            "torchtitan_skipped": titan_why or None,
-            "torchtitan_failed_layouts": [layout for layout, by in runs.items()
-                                          if "titan" in by and not any(by["titan"])],
-            "medians": {f"{layout}.{system}": {k: round(statistics.median(f[k] for f in figs if f), 4)
-                                               for k in next(f for f in figs if f)}
-                        for layout, by in runs.items() for system, figs in by.items() if any(figs)}}
+    return {
+        **{k: (v["median"] if v else None) for k, v in stats.items()},
+        "spread": {k: v for k, v in stats.items() if v},
+        "within_noise": noise,
+        "load_average": robust.load_average(),
+        "gflop_per_step": round(flops_per_step(args) / 1e9, 2),
+        "torchtitan_skipped": titan_why or None,
+        "torchtitan_failed_layouts": [
+            layout for layout, by in runs.items() if "titan" in by and not any(by["titan"])
+        ],
+        "medians": {
+            f"{layout}.{system}": {
+                k: round(statistics.median(f[k] for f in figs if f), 4)
+                for k in next(f for f in figs if f)
+            }
+            for layout, by in runs.items()
+            for system, figs in by.items()
+            if any(figs)
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layouts", default="1.1.2.2,2.1.1.2", help="pp.dp_replicate.dp_shard.tp, 4 ranks each")
+    p.add_argument(
+        "--layouts", default="1.1.2.2,2.1.1.2", help="pp.dp_replicate.dp_shard.tp, 4 ranks each"
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3, help="steps excluded from the step time")
@@ -233,14 +323,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=8, help="global batch, sequences")
-    p.add_argument("--micro-batch", type=int, default=4, help="micro-batch (halved under pipeline parallelism)")
+    p.add_argument(
+        "--micro-batch", type=int, default=4, help="micro-batch (halved under pipeline parallelism)"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("--no-titan", action="store_true", help="skip torchtitan")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    titan_why = "not requested (--no-titan)" if args.no_titan else (
-        "" if os.path.exists(titan_python()) else
-        f"no torchtitan interpreter at {titan_python()} (bash bench/peers/setup.sh titan, or set SHARDSMITH_TITAN_PYTHON)")
+    titan_why = (
+        "not requested (--no-titan)"
+        if args.no_titan
+        else (
+            ""
+            if os.path.exists(titan_python())
+            else f"no torchtitan interpreter at {titan_python()} (bash bench/peers/setup.sh titan, or set SHARDSMITH_TITAN_PYTHON)"
+        )
+    )
     tmp = Path(tempfile.mkdtemp(prefix="train-vs-peers-"))
     try:
         write_corpus(tmp / "corpus.jsonl")

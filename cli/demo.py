@@ -22,8 +22,8 @@ import click
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.storage import step_dir
 from shardsmith.storage.store import Store
-from shardsmith.trainer.checkpoint import CheckpointConfig
 from shardsmith.trainer import OptimConfig, TrainConfig
+from shardsmith.trainer.checkpoint import CheckpointConfig
 from shardsmith.trainer.observe import layout_name
 
 
@@ -35,7 +35,9 @@ def _losses(run_dir: str) -> dict[int, float]:
 
 
 #: The MoE demo's model: the default dense one with a Mixtral-style FFN on every layer.
-MOE_MODEL = ModelConfig(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=176, moe_aux_loss_coeff=0.01)
+MOE_MODEL = ModelConfig(
+    num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=176, moe_aux_loss_coeff=0.01
+)
 
 
 def demo_layouts(moe: bool) -> tuple[ModelConfig, ParallelDims, ParallelDims]:
@@ -59,25 +61,49 @@ def run_demo(workdir: str, steps: int = 30, more_steps: int = 20, moe: bool = Fa
     a, b = os.path.join(workdir, "a"), os.path.join(workdir, "b")
     model, layout, target = demo_layouts(moe)
     optim = OptimConfig(decay_steps=steps + more_steps)
-    first = TrainConfig(model=model, parallel=layout, steps=steps, optim=optim,
-                        checkpoint=CheckpointConfig(url=a, save_interval=10), log_interval=5)
+    first = TrainConfig(
+        model=model,
+        parallel=layout,
+        steps=steps,
+        optim=optim,
+        checkpoint=CheckpointConfig(url=a, save_interval=10),
+        log_interval=5,
+    )
     what = f"{model.num_experts}-expert MoE " if moe else ""
-    click.echo(f"[1/3] training a {what}model {layout_name(layout.to_json())} on 4 processes to step "
-               f"{steps} (checkpoints in {a})")
+    click.echo(
+        f"[1/3] training a {what}model {layout_name(layout.to_json())} on 4 processes to step "
+        f"{steps} (checkpoints in {a})"
+    )
     launch(first, 4)
-    click.echo(f"[2/3] resharding {a}/{step_dir(steps)} -> {b}/{step_dir(steps)} as "
-               f"{layout_name(target.to_json())}")
+    click.echo(
+        f"[2/3] resharding {a}/{step_dir(steps)} -> {b}/{step_dir(steps)} as "
+        f"{layout_name(target.to_json())}"
+    )
     report = reshard(Store(a).child(step_dir(steps)), f"{b}/{step_dir(steps)}", target)
-    click.echo(f"      {report.num_files} files, {report.nbytes_written:,} bytes in {report.seconds:.2f}s")
-    second = dataclasses.replace(first, parallel=target, steps=steps + more_steps,
-                                 checkpoint=CheckpointConfig(url=b, save_interval=10, resume="auto"))
-    click.echo(f"[3/3] resuming on 2 processes ({layout_name(target.to_json())}) to step {steps + more_steps}")
+    click.echo(
+        f"      {report.num_files} files, {report.nbytes_written:,} bytes in {report.seconds:.2f}s"
+    )
+    second = dataclasses.replace(
+        first,
+        parallel=target,
+        steps=steps + more_steps,
+        checkpoint=CheckpointConfig(url=b, save_interval=10, resume="auto"),
+    )
+    click.echo(
+        f"[3/3] resuming on 2 processes ({layout_name(target.to_json())}) to step {steps + more_steps}"
+    )
     launch(second, 2)
     before, after = _losses(a), _losses(b)
-    click.echo(f"\nloss at step {steps} ({layout_name(layout.to_json())}, 4 procs): {before[steps]:.4f}")
-    click.echo(f"loss at step {steps + 1} ({layout_name(target.to_json())}, 2 procs, resumed): "
-               f"{after[steps + 1]:.4f}")
+    click.echo(
+        f"\nloss at step {steps} ({layout_name(layout.to_json())}, 4 procs): {before[steps]:.4f}"
+    )
+    click.echo(
+        f"loss at step {steps + 1} ({layout_name(target.to_json())}, 2 procs, resumed): "
+        f"{after[steps + 1]:.4f}"
+    )
     click.echo(f"loss at step {steps + more_steps}: {after[steps + more_steps]:.4f}")
     click.echo(f"inspect with: shardsmith inspect {b}/{step_dir(steps + more_steps)}")
-    click.echo(f"plot both runs as one curve: shardsmith plot {a} {b}  (needs matplotlib: "
-               'pip install -e ".[plot]" in a clone)')
+    click.echo(
+        f"plot both runs as one curve: shardsmith plot {a} {b}  (needs matplotlib: "
+        'pip install -e ".[plot]" in a clone)'
+    )

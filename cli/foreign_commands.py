@@ -9,17 +9,39 @@ from shardsmith.cli.options import layout_options, make_dims, plural, stack, sto
 from shardsmith.storage.store import parse_storage_options
 
 hint_options = stack(
-    click.option("--num-attention-heads", type=int, default=None,
-                 help="Query heads (not told by the tensors' shapes); needed unless SRC records its "
-                      "model config (DCP written by export-dcp)."),
-    click.option("--seq-length", type=int, default=None,
-                 help="Training sequence length to record [default: SRC's record, else 2048]."),
-    click.option("--rope-theta", "--rotary-base", "rope_theta", type=float, default=None,
-                 help="RoPE base to record (Megatron: --rotary-base) [default: SRC's record, else 10000]."),
-    click.option("--norm-eps", type=float, default=None,
-                 help="RMSNorm epsilon to record [default: SRC's record, else 1e-5]."),
-    click.option("--step", type=int, default=None,
-                 help="Step number of the new checkpoint [default: the source's step, else 0]."),
+    click.option(
+        "--num-attention-heads",
+        type=int,
+        default=None,
+        help="Query heads (not told by the tensors' shapes); needed unless SRC records its "
+        "model config (DCP written by export-dcp).",
+    ),
+    click.option(
+        "--seq-length",
+        type=int,
+        default=None,
+        help="Training sequence length to record [default: SRC's record, else 2048].",
+    ),
+    click.option(
+        "--rope-theta",
+        "--rotary-base",
+        "rope_theta",
+        type=float,
+        default=None,
+        help="RoPE base to record (Megatron: --rotary-base) [default: SRC's record, else 10000].",
+    ),
+    click.option(
+        "--norm-eps",
+        type=float,
+        default=None,
+        help="RMSNorm epsilon to record [default: SRC's record, else 1e-5].",
+    ),
+    click.option(
+        "--step",
+        type=int,
+        default=None,
+        help="Step number of the new checkpoint [default: the source's step, else 0].",
+    ),
 )
 
 
@@ -32,9 +54,11 @@ def _config_maker(dims):
 def echo_import(report, dims) -> None:
     """Print an importer's :class:`~shardsmith.reshard.foreign.common.ImportReport` (HF, DCP, Megatron)."""
     what = "model weights, AdamW state and step" if report.with_optimizer else "model weights only"
-    click.echo(f"imported {report.source} as step {report.step} in {dims.describe()} ({what}): "
-               f"{plural(report.num_files, 'file')}, {report.nbytes_written:,} bytes, {report.seconds:.2f}s "
-               f"-> {report.target}")
+    click.echo(
+        f"imported {report.source} as step {report.step} in {dims.describe()} ({what}): "
+        f"{plural(report.num_files, 'file')}, {report.nbytes_written:,} bytes, {report.seconds:.2f}s "
+        f"-> {report.target}"
+    )
     for item in report.dropped:
         click.echo(f"  dropped: {item}")
 
@@ -45,8 +69,23 @@ def echo_import(report, dims) -> None:
 @layout_options
 @hint_options
 @storage_option
-def import_dcp(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, cp, expert_parallel, num_attention_heads, seq_length,
-               rope_theta, norm_eps, step, storage_options) -> None:
+def import_dcp(
+    src,
+    ckpt,
+    tp,
+    pp,
+    dp_shard,
+    dp_replicate,
+    pipeline_split,
+    cp,
+    expert_parallel,
+    num_attention_heads,
+    seq_length,
+    rope_theta,
+    norm_eps,
+    step,
+    storage_options,
+) -> None:
     """Turn the torchtitan-style PyTorch DCP directory SRC (.metadata + *.distcp) into a
     shardsmith checkpoint at CKPT (a root or step directory) in the given layout: model
     weights, and AdamW state, step, tokens seen and LR-schedule position when present.
@@ -55,10 +94,21 @@ def import_dcp(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, cp, ex
     from shardsmith.reshard.foreign import import_dcp as do_import
 
     dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel, cp)
-    hints = ModelHints(num_attention_heads=num_attention_heads, seq_length=seq_length,
-                       rope_theta=rope_theta, norm_eps=norm_eps)
-    report = do_import(src, ckpt, dims, hints, step=step, make_config=_config_maker(dims),
-                       storage_options=parse_storage_options(storage_options))
+    hints = ModelHints(
+        num_attention_heads=num_attention_heads,
+        seq_length=seq_length,
+        rope_theta=rope_theta,
+        norm_eps=norm_eps,
+    )
+    report = do_import(
+        src,
+        ckpt,
+        dims,
+        hints,
+        step=step,
+        make_config=_config_maker(dims),
+        storage_options=parse_storage_options(storage_options),
+    )
     echo_import(report, dims)
 
 
@@ -73,11 +123,14 @@ def export_dcp(ckpt, out_dir, overwrite, storage_options) -> None:
     optimizer.state.* / optimizer.param_groups.*, train_state, lr_scheduler; no dataloader)."""
     from shardsmith.reshard.foreign import export_dcp as do_export
 
-    report = do_export(ckpt, out_dir, overwrite=overwrite,
-                       storage_options=parse_storage_options(storage_options))
+    report = do_export(
+        ckpt, out_dir, overwrite=overwrite, storage_options=parse_storage_options(storage_options)
+    )
     what = "with AdamW state" if report.with_optimizer else "model only"
-    click.echo(f"exported step {report.step} from {report.source} ({what}): {report.num_tensors} tensors, "
-               f"{report.seconds:.2f}s -> {report.out_dir}")
+    click.echo(
+        f"exported step {report.step} from {report.source} ({what}): {report.num_tensors} tensors, "
+        f"{report.seconds:.2f}s -> {report.out_dir}"
+    )
 
 
 @click.command("import-megatron", short_help="Import a Megatron-Core torch_dist checkpoint.")
@@ -85,11 +138,31 @@ def export_dcp(ckpt, out_dir, overwrite, storage_options) -> None:
 @click.argument("ckpt")
 @layout_options
 @hint_options
-@click.option("--vocab-size", type=int, default=None,
-              help="Unpadded vocabulary; Megatron's padding rows beyond it are dropped [default: every row].")
+@click.option(
+    "--vocab-size",
+    type=int,
+    default=None,
+    help="Unpadded vocabulary; Megatron's padding rows beyond it are dropped [default: every row].",
+)
 @storage_option
-def import_megatron(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, cp, expert_parallel, num_attention_heads, seq_length,
-                    rope_theta, norm_eps, step, vocab_size, storage_options) -> None:
+def import_megatron(
+    src,
+    ckpt,
+    tp,
+    pp,
+    dp_shard,
+    dp_replicate,
+    pipeline_split,
+    cp,
+    expert_parallel,
+    num_attention_heads,
+    seq_length,
+    rope_theta,
+    norm_eps,
+    step,
+    vocab_size,
+    storage_options,
+) -> None:
     """Turn the Megatron-Core GPT checkpoint SRC in the torch_dist format (.metadata, *.distcp,
     metadata.json; saved with any tp/pp/dp) into a shardsmith checkpoint at CKPT in the given
     layout: fused QKV and SwiGLU FC1 split, RoPE rows reordered, vocab padding dropped. The
@@ -101,26 +174,60 @@ def import_megatron(src, ckpt, tp, pp, dp_shard, dp_replicate, pipeline_split, c
     from shardsmith.reshard.foreign import import_megatron as do_import
 
     dims = make_dims(tp, pp, dp_shard, dp_replicate, pipeline_split, None, expert_parallel, cp)
-    hints = ModelHints(num_attention_heads=num_attention_heads, seq_length=seq_length,
-                       rope_theta=rope_theta, norm_eps=norm_eps)
-    report = do_import(src, ckpt, dims, hints, vocab_size=vocab_size, step=step,
-                       make_config=_config_maker(dims), storage_options=parse_storage_options(storage_options))
+    hints = ModelHints(
+        num_attention_heads=num_attention_heads,
+        seq_length=seq_length,
+        rope_theta=rope_theta,
+        norm_eps=norm_eps,
+    )
+    report = do_import(
+        src,
+        ckpt,
+        dims,
+        hints,
+        vocab_size=vocab_size,
+        step=step,
+        make_config=_config_maker(dims),
+        storage_options=parse_storage_options(storage_options),
+    )
     echo_import(report, dims)
 
 
 @click.command("export-megatron", short_help="Export weights as a Megatron-Core checkpoint.")
 @click.argument("ckpt")
 @click.argument("out_dir")
-@click.option("--tp", "--tensor-model-parallel-size", "tp", type=int, default=1, show_default=True,
-              help="Megatron TP degree the vocabulary is padded for (torch_dist itself loads into any tp).")
-@click.option("--pp", "--pipeline-model-parallel-size", "pp", type=int, default=1, show_default=True,
-              help="Megatron pipeline stages to check the layers against (torch_dist loads into any pp).")
-@click.option("--make-vocab-size-divisible-by", "divisible_by", type=int, default=128, show_default=True,
-              help="Megatron's vocabulary padding unit (times tp).")
+@click.option(
+    "--tp",
+    "--tensor-model-parallel-size",
+    "tp",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Megatron TP degree the vocabulary is padded for (torch_dist itself loads into any tp).",
+)
+@click.option(
+    "--pp",
+    "--pipeline-model-parallel-size",
+    "pp",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Megatron pipeline stages to check the layers against (torch_dist loads into any pp).",
+)
+@click.option(
+    "--make-vocab-size-divisible-by",
+    "divisible_by",
+    type=int,
+    default=128,
+    show_default=True,
+    help="Megatron's vocabulary padding unit (times tp).",
+)
 @click.option("--no-optimizer", is_flag=True, help="Weights only, even when CKPT has Adam state.")
 @click.option("--overwrite", is_flag=True, help="Replace a checkpoint already in OUT_DIR.")
 @storage_option
-def export_megatron(ckpt, out_dir, tp, pp, divisible_by, no_optimizer, overwrite, storage_options) -> None:
+def export_megatron(
+    ckpt, out_dir, tp, pp, divisible_by, no_optimizer, overwrite, storage_options
+) -> None:
     """Write checkpoint CKPT as a Megatron-Core GPT torch_dist directory OUT_DIR (Transformer
     Engine key names, layer-stacked) that megatron.core.dist_checkpointing.load reads into a
     GPTModel with SwiGLU, RMSNorm, RoPE, no biases and num_query_groups = the kv heads; with
@@ -129,12 +236,22 @@ def export_megatron(ckpt, out_dir, tp, pp, divisible_by, no_optimizer, overwrite
     --min-lr: Megatron pairs param groups by them)."""
     from shardsmith.reshard.foreign import export_megatron as do_export
 
-    report = do_export(ckpt, out_dir, tp=tp, pp=pp, divisible_by=divisible_by, optimizer=not no_optimizer,
-                       overwrite=overwrite, storage_options=parse_storage_options(storage_options))
+    report = do_export(
+        ckpt,
+        out_dir,
+        tp=tp,
+        pp=pp,
+        divisible_by=divisible_by,
+        optimizer=not no_optimizer,
+        overwrite=overwrite,
+        storage_options=parse_storage_options(storage_options),
+    )
     what = "weights and Adam state" if report.with_optimizer else "model weights"
-    click.echo(f"exported step {report.step} from {report.source} ({what}, vocab padded to "
-               f"{report.padded_vocab_size}): {report.num_tensors} tensors, {report.seconds:.2f}s "
-               f"-> {report.out_dir}")
+    click.echo(
+        f"exported step {report.step} from {report.source} ({what}, vocab padded to "
+        f"{report.padded_vocab_size}): {report.num_tensors} tensors, {report.seconds:.2f}s "
+        f"-> {report.out_dir}"
+    )
 
 
 def register(group: click.Group) -> None:

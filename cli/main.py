@@ -13,11 +13,16 @@ from typing import Any
 
 import click
 
-from shardsmith.cli import (ckpt_commands, foreign_commands, hf_commands, plan_commands, reshard_commands,
-                            run_commands)
+from shardsmith.cli import (
+    ckpt_commands,
+    foreign_commands,
+    hf_commands,
+    plan_commands,
+    reshard_commands,
+    run_commands,
+)
 from shardsmith.cli.train_commands import train, train_config  # noqa: F401 (tests build configs)
 from shardsmith.errors import ShardsmithError
-
 
 #: Libraries whose log lines stay off the console unless ``--debug``.
 THIRD_PARTY_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "asyncio", "torch")
@@ -27,13 +32,13 @@ class Group(click.Group):
     """Turns expected errors into one line on stderr and exit code 1."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        ctx.meta["shardsmith.argv"] = list(args)              # for user_spelling in error lines
+        ctx.meta["shardsmith.argv"] = list(args)  # for user_spelling in error lines
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except BrokenPipeError:      # output piped into `head` and closed: not an error
+        except BrokenPipeError:  # output piped into `head` and closed: not an error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             ctx.exit(0)
         except KeyboardInterrupt:
@@ -44,7 +49,9 @@ class Group(click.Group):
         except (ShardsmithError, ValueError, FileNotFoundError, PermissionError, OSError) as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            click.echo(f"error: {user_spelling(str(exc), ctx.meta.get('shardsmith.argv', []))}", err=True)
+            click.echo(
+                f"error: {user_spelling(str(exc), ctx.meta.get('shardsmith.argv', []))}", err=True
+            )
             ctx.exit(1)
 
 
@@ -62,12 +69,15 @@ def user_spelling(text: str, argv: list[str]) -> str:
             spelled.setdefault(absolute, os.path.normpath(value))
     for absolute in sorted(spelled, key=len, reverse=True):
         for form in ("file://" + absolute, absolute):
-            text = text.replace(form + os.sep, spelled[absolute] + os.sep).replace(form, spelled[absolute])
+            text = text.replace(form + os.sep, spelled[absolute] + os.sep).replace(
+                form, spelled[absolute]
+            )
     return text
 
 
-@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"],
-                                          "max_content_width": 100})
+@click.group(
+    cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}
+)
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 @click.version_option(package_name="shardsmith")
 @click.pass_context
@@ -77,13 +87,20 @@ def cli(ctx: click.Context, debug: bool) -> None:
     if debug:
         os.environ["SHARDSMITH_DEBUG"] = "1"
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not debug:                       # third-party log lines (botocore's retries ...) only with --debug
+    if not debug:  # third-party log lines (botocore's retries ...) only with --debug
         for name in THIRD_PARTY_LOGGERS:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 cli.add_command(train)
-for _module in (ckpt_commands, foreign_commands, hf_commands, plan_commands, reshard_commands, run_commands):
+for _module in (
+    ckpt_commands,
+    foreign_commands,
+    hf_commands,
+    plan_commands,
+    reshard_commands,
+    run_commands,
+):
     _module.register(cli)
 
 
@@ -99,7 +116,7 @@ def return_freed_buffers_to_os(threshold_nbytes: int = 1 << 20) -> bool:
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, int(threshold_nbytes)))       # -3 = M_MMAP_THRESHOLD
+        return bool(libc.mallopt(-3, int(threshold_nbytes)))  # -3 = M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         return False
 

@@ -30,10 +30,24 @@ def _model_flags(flags: dict[str, Any]) -> list[str]:
 @click.command("plan")
 @model_options
 @click.option("--gpus", type=int, required=True, help="GPUs of the job (the world size).")
-@click.option("--gpus-per-node", type=int, default=8, show_default=True, help="GPUs per node (tp stays within one).")
-@click.option("--gpu", "gpu_name", default="h100", show_default=True, metavar="NAME",
-              help="Accelerator: a100-80gb, h100, h200, b200 (memory, peak bf16 FLOPs, links).")
-@click.option("--gpu-memory", default=None, metavar="SIZE", help="Memory per GPU instead of the GPU's own.")
+@click.option(
+    "--gpus-per-node",
+    type=int,
+    default=8,
+    show_default=True,
+    help="GPUs per node (tp stays within one).",
+)
+@click.option(
+    "--gpu",
+    "gpu_name",
+    default="h100",
+    show_default=True,
+    metavar="NAME",
+    help="Accelerator: a100-80gb, h100, h200, b200 (memory, peak bf16 FLOPs, links).",
+)
+@click.option(
+    "--gpu-memory", default=None, metavar="SIZE", help="Memory per GPU instead of the GPU's own."
+)
 @click.option("--global-batch-size", type=int, required=True, help="Sequences per optimizer step.")
 @click.option("--top", type=int, default=5, show_default=True, help="How many layouts to print.")
 @json_option("the layouts")
@@ -43,28 +57,47 @@ def plan_command(**flags: Any) -> None:
     Searches the layouts of the model on --gpus GPUs, keeps those that fit the GPU's memory
     (the dry run's estimate) and prints the fastest by an estimated step time, with the exact
     `shardsmith train` flags. The cost model and its constants: shardsmith/sizing/cost.py."""
-    from shardsmith.sizing import gpu
-    from shardsmith.sizing import plan, plan_warnings
     from shardsmith.layout import parse_nbytes
+    from shardsmith.sizing import gpu, plan, plan_warnings
 
     model = model_from_flags(flags)
     accel = gpu(flags["gpu_name"])
     device = parse_nbytes(flags["gpu_memory"]) if flags["gpu_memory"] else accel.memory_nbytes
-    found = plan(model, flags["gpus"], flags["gpus_per_node"], accel, flags["global_batch_size"], device,
-                 top=flags["top"])
+    found = plan(
+        model,
+        flags["gpus"],
+        flags["gpus_per_node"],
+        accel,
+        flags["global_batch_size"],
+        device,
+        top=flags["top"],
+    )
     model_flags = _model_flags(flags)
     if flags["as_json"]:
-        click.echo(json.dumps({"gpu": accel.name, "gpus": flags["gpus"], "device_bytes": device,
-                               "candidates": [c.to_json(device, model_flags) for c in found]}, indent=1))
+        click.echo(
+            json.dumps(
+                {
+                    "gpu": accel.name,
+                    "gpus": flags["gpus"],
+                    "device_bytes": device,
+                    "candidates": [c.to_json(device, model_flags) for c in found],
+                },
+                indent=1,
+            )
+        )
         return
-    gib = 2 ** 30
-    click.echo(f"plan: {flags['gpus']:,} x {accel.name} ({device / gib:.1f} GiB), {flags['gpus_per_node']} per node, "
-               f"global batch {flags['global_batch_size']} x {model.seq_length} tokens; fastest that fit:")
+    gib = 2**30
+    click.echo(
+        f"plan: {flags['gpus']:,} x {accel.name} ({device / gib:.1f} GiB), {flags['gpus_per_node']} per node, "
+        f"global batch {flags['global_batch_size']} x {model.seq_length} tokens; fastest that fit:"
+    )
     for i, c in enumerate(found, 1):
         d = c.to_json(device, model_flags)
-        click.echo(f"{i}. {d['layout']}: step {d['step_s']:.2f} s, MFU {d['mfu']:.1%}, {d['tokens_per_s']:,.0f} tokens/s, "
-                   f"{d['peak_bytes'] / gib:.1f} GiB per GPU ({d['headroom_bytes'] / gib:.1f} GiB headroom), "
-                   f"bubble {d['bubble_fraction']:.0%}")
+        click.echo(
+            f"{i}. {d['layout']}: step {d['step_s']:.2f} s, MFU {d['mfu']:.1%}, {d['tokens_per_s']:,.0f} tokens/s, "
+            f"{d['peak_bytes'] / gib:.1f} GiB per GPU ({d['headroom_bytes'] / gib:.1f} GiB headroom), "
+            f"bubble {d['bubble_fraction']:.0%}"
+        )
         click.echo(f"   {d['command']}")
         for line in plan_warnings(c):
             click.echo(f"   warning: {line}")

@@ -10,8 +10,13 @@ from shardsmith.cli.options import FieldOption
 
 @click.command("plot")
 @click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR...")
-@click.option("--out", "out_path", default="", metavar="PNG",
-              help="Where to write the PNG (default: the last RUN_DIR/loss.png).")
+@click.option(
+    "--out",
+    "out_path",
+    default="",
+    metavar="PNG",
+    help="Where to write the PNG (default: the last RUN_DIR/loss.png).",
+)
 def plot(run_dirs: tuple[str, ...], out_path: str) -> None:
     """Draw runs' loss, LR, grad norm and tokens/s as one PNG.
 
@@ -32,14 +37,32 @@ def plot(run_dirs: tuple[str, ...], out_path: str) -> None:
 
 
 @click.command(short_help="The main job: train TP2·PP2 (or MoE), reshard, resume on 2.")
-@click.option("--dir", "workdir", default="demo-run", show_default=True,
-              help="Where the demo's checkpoints go (replaced if present).")
-@click.option("--steps", type=int, cls=FieldOption, default_from="shardsmith.cli.demo:run_demo.steps",
-              help="Steps before the move.")
-@click.option("--more-steps", type=int, cls=FieldOption, default_from="shardsmith.cli.demo:run_demo.more_steps",
-              help="Steps after the move.")
-@click.option("--moe", is_flag=True,
-              help="A 4-expert MoE model: train PP2·EP2 on 4 processes, reshard to TP2 (EP1), resume on 2.")
+@click.option(
+    "--dir",
+    "workdir",
+    default="demo-run",
+    show_default=True,
+    help="Where the demo's checkpoints go (replaced if present).",
+)
+@click.option(
+    "--steps",
+    type=int,
+    cls=FieldOption,
+    default_from="shardsmith.cli.demo:run_demo.steps",
+    help="Steps before the move.",
+)
+@click.option(
+    "--more-steps",
+    type=int,
+    cls=FieldOption,
+    default_from="shardsmith.cli.demo:run_demo.more_steps",
+    help="Steps after the move.",
+)
+@click.option(
+    "--moe",
+    is_flag=True,
+    help="A 4-expert MoE model: train PP2·EP2 on 4 processes, reshard to TP2 (EP1), resume on 2.",
+)
 def demo(workdir: str, steps: int, more_steps: int, moe: bool) -> None:
     """The main job: train TP2·PP2, reshard to dp_shard=2, resume.
 

@@ -18,148 +18,424 @@ from typing import Any
 import click
 
 from shardsmith.cli.greedy import GreedyOption
-from shardsmith.cli.options import (IntListType, dry_run_option, field_option, json_option, layout_options, make_dims,
-                                    local_tier_options, model_from_flags, model_options, plural, stack,
-                                    storage_option, tensor_format_option, zarr_codec_option)
+from shardsmith.cli.options import (
+    IntListType,
+    dry_run_option,
+    field_option,
+    json_option,
+    layout_options,
+    local_tier_options,
+    make_dims,
+    model_from_flags,
+    model_options,
+    plural,
+    stack,
+    storage_option,
+    tensor_format_option,
+    zarr_codec_option,
+)
 from shardsmith.layout import format_nbytes
 
-T, O, C, FC = "TrainConfig", "OptimConfig", "CheckpointConfig", "FaultConfig"
+T, OPT, C, FC = "TrainConfig", "OptimConfig", "CheckpointConfig", "FaultConfig"
 
 run_options = stack(
-    click.option("--nproc-per-node", type=int, default=None,
-                 help="Start this many local workers via torchrun's API (default: the layout's world "
-                      "size; ignored under an external torchrun)."),
-    field_option(T, "steps", "--steps", "--train-iters", type=int,
-                 help="Train until this optimizer step (absolute; Megatron: --train-iters)."),
-    field_option(T, "global_batch_size", "--global-batch-size", type=int,
-                 help="Samples per optimizer step over all DP ranks."),
-    field_option(T, "micro_batch_size", "--micro-batch-size", type=int,
-                 help="Samples per forward pass (pipeline microbatch / accumulation step)."),
-    field_option(O, "lr", "--lr", type=float, help="Peak learning rate."),
-    field_option(O, "decay_steps", "--lr-decay-steps", "--lr-decay-iters", type=int,
-                 help="Cosine decay ends at this step (0 = --steps; Megatron: --lr-decay-iters)."),
-    field_option(O, "min_lr_ratio", "--min-lr-ratio", type=float, help="Final LR / peak LR."),
-    field_option(O, "warmup_steps", "--warmup-steps", "--lr-warmup-iters", type=int,
-                 help="Linear warmup steps."),
-    field_option(O, "weight_decay", "--weight-decay", type=float, help="AdamW weight decay."),
-    field_option(O, "grad_clip", "--grad-clip", "--clip-grad", type=float,
-                 help="Clip the global gradient norm to this (0 = off)."),
+    click.option(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="Start this many local workers via torchrun's API (default: the layout's world "
+        "size; ignored under an external torchrun).",
+    ),
+    field_option(
+        T,
+        "steps",
+        "--steps",
+        "--train-iters",
+        type=int,
+        help="Train until this optimizer step (absolute; Megatron: --train-iters).",
+    ),
+    field_option(
+        T,
+        "global_batch_size",
+        "--global-batch-size",
+        type=int,
+        help="Samples per optimizer step over all DP ranks.",
+    ),
+    field_option(
+        T,
+        "micro_batch_size",
+        "--micro-batch-size",
+        type=int,
+        help="Samples per forward pass (pipeline microbatch / accumulation step).",
+    ),
+    field_option(OPT, "lr", "--lr", type=float, help="Peak learning rate."),
+    field_option(
+        OPT,
+        "decay_steps",
+        "--lr-decay-steps",
+        "--lr-decay-iters",
+        type=int,
+        help="Cosine decay ends at this step (0 = --steps; Megatron: --lr-decay-iters).",
+    ),
+    field_option(OPT, "min_lr_ratio", "--min-lr-ratio", type=float, help="Final LR / peak LR."),
+    field_option(
+        OPT,
+        "warmup_steps",
+        "--warmup-steps",
+        "--lr-warmup-iters",
+        type=int,
+        help="Linear warmup steps.",
+    ),
+    field_option(OPT, "weight_decay", "--weight-decay", type=float, help="AdamW weight decay."),
+    field_option(
+        OPT,
+        "grad_clip",
+        "--grad-clip",
+        "--clip-grad",
+        type=float,
+        help="Clip the global gradient norm to this (0 = off).",
+    ),
     field_option(T, "seed", "--seed", type=int, help="Init and data-order seed."),
-    click.option("--data", "--data-path", "data", multiple=True, cls=GreedyOption, metavar="[W] SOURCE ...",
-                 help="Text, .jsonl, .parquet, hf:NAME or a save_to_disk dir, nanoGPT .bin, or a Megatron "
-                      "indexed PREFIX (.bin+.idx); files, globs or URLs. Weighted blend: --data 0.7 A 0.3 B. "
-                      "Default: the Python standard library's .py files, found at run time."),
-    field_option("DataConfig", "tokenizer", "--tokenizer", module="shardsmith.trainer.data", metavar="PATH",
-                 help="Hugging Face tokenizer.json (or its directory) or a .tiktoken file. Default: bytes."),
-    field_option("DataConfig", "text_key", "--text-key", module="shardsmith.trainer.data",
-                 help="Text field of JSONL/Parquet/HF rows."),
-    field_option("DataConfig", "cache_dir", "--data-cache", "data_cache", module="shardsmith.trainer.data",
-                 metavar="DIR|none",
-                 help="Cache of tokenized text (default: $SHARDSMITH_DATA_CACHE or ~/.cache/shardsmith/tokens)."),
-    field_option("DataConfig", "token_dtype", "--token-dtype", module="shardsmith.trainer.data",
-                 help="Element type of .bin token files: auto, uint16 or uint32."),
-    field_option(T, "mixed_precision", "--mixed-precision", type=click.Choice(["fp32", "bf16"]),
-                 help="bf16 autocast compute with fp32 master weights."),
+    click.option(
+        "--data",
+        "--data-path",
+        "data",
+        multiple=True,
+        cls=GreedyOption,
+        metavar="[W] SOURCE ...",
+        help="Text, .jsonl, .parquet, hf:NAME or a save_to_disk dir, nanoGPT .bin, or a Megatron "
+        "indexed PREFIX (.bin+.idx); files, globs or URLs. Weighted blend: --data 0.7 A 0.3 B. "
+        "Default: the Python standard library's .py files, found at run time.",
+    ),
+    field_option(
+        "DataConfig",
+        "tokenizer",
+        "--tokenizer",
+        module="shardsmith.trainer.data",
+        metavar="PATH",
+        help="Hugging Face tokenizer.json (or its directory) or a .tiktoken file. Default: bytes.",
+    ),
+    field_option(
+        "DataConfig",
+        "text_key",
+        "--text-key",
+        module="shardsmith.trainer.data",
+        help="Text field of JSONL/Parquet/HF rows.",
+    ),
+    field_option(
+        "DataConfig",
+        "cache_dir",
+        "--data-cache",
+        "data_cache",
+        module="shardsmith.trainer.data",
+        metavar="DIR|none",
+        help="Cache of tokenized text (default: $SHARDSMITH_DATA_CACHE or ~/.cache/shardsmith/tokens).",
+    ),
+    field_option(
+        "DataConfig",
+        "token_dtype",
+        "--token-dtype",
+        module="shardsmith.trainer.data",
+        help="Element type of .bin token files: auto, uint16 or uint32.",
+    ),
+    field_option(
+        T,
+        "mixed_precision",
+        "--mixed-precision",
+        type=click.Choice(["fp32", "bf16"]),
+        help="bf16 autocast compute with fp32 master weights.",
+    ),
     click.option("--bf16", is_flag=True, help="Same as --mixed-precision bf16 (Megatron name)."),
-    field_option(T, "activation_checkpointing", "--activation-checkpointing", is_flag=True,
-                 help="Recompute each block in backward."),
-    field_option(T, "sequence_parallel", "--sequence-parallel", is_flag=True,
-                 help="With --tp > 1: norms and residual activations sharded along the sequence over "
-                      "the TP group (Megatron: --sequence-parallel); checkpoints are unchanged."),
-    click.option("--virtual-stages", type=int, default=None,
-                 help="Model chunks per pipeline rank (interleaved pipeline; rank r holds chunks r, r+P, ...)."),
-    click.option("--num-layers-per-virtual-pipeline-stage", "layers_per_virtual_stage", type=int, default=None,
-                 help="Layers per model chunk (Megatron's flag): --virtual-stages = num_layers / (pp x N)."),
-    click.option("--expert-tensor-parallel-size", "expert_tensor_parallel", type=int, default=None,
-                 help="TP degree inside each expert (Megatron's flag); experts always use the whole TP "
-                      "group (w1/w3 column-, w2 row-parallel), so it must equal --tp."),
-    click.option("--pipeline-schedule", default="", metavar="NAME",
-                 help="Pipeline schedule: 1f1b, gpipe, interleaved-1f1b, looped-bfs or interleaved-zb "
-                      "(default: interleaved-1f1b with virtual stages, else 1f1b)."),
-    field_option(T, "compile", "--compile", is_flag=True,
-                 help="torch.compile each transformer block (in place: checkpoint names unchanged)."),
-    click.option("--profile-steps", type=IntListType(), default="", metavar="N,N,...",
-                 help="Trace these steps with the PyTorch profiler: one Chrome trace per rank under "
-                      "<run dir>/profile/step-N/."),
+    field_option(
+        T,
+        "activation_checkpointing",
+        "--activation-checkpointing",
+        is_flag=True,
+        help="Recompute each block in backward.",
+    ),
+    field_option(
+        T,
+        "sequence_parallel",
+        "--sequence-parallel",
+        is_flag=True,
+        help="With --tp > 1: norms and residual activations sharded along the sequence over "
+        "the TP group (Megatron: --sequence-parallel); checkpoints are unchanged.",
+    ),
+    click.option(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        help="Model chunks per pipeline rank (interleaved pipeline; rank r holds chunks r, r+P, ...).",
+    ),
+    click.option(
+        "--num-layers-per-virtual-pipeline-stage",
+        "layers_per_virtual_stage",
+        type=int,
+        default=None,
+        help="Layers per model chunk (Megatron's flag): --virtual-stages = num_layers / (pp x N).",
+    ),
+    click.option(
+        "--expert-tensor-parallel-size",
+        "expert_tensor_parallel",
+        type=int,
+        default=None,
+        help="TP degree inside each expert (Megatron's flag); experts always use the whole TP "
+        "group (w1/w3 column-, w2 row-parallel), so it must equal --tp.",
+    ),
+    click.option(
+        "--pipeline-schedule",
+        default="",
+        metavar="NAME",
+        help="Pipeline schedule: 1f1b, gpipe, interleaved-1f1b, looped-bfs or interleaved-zb "
+        "(default: interleaved-1f1b with virtual stages, else 1f1b).",
+    ),
+    field_option(
+        T,
+        "compile",
+        "--compile",
+        is_flag=True,
+        help="torch.compile each transformer block (in place: checkpoint names unchanged).",
+    ),
+    click.option(
+        "--profile-steps",
+        type=IntListType(),
+        default="",
+        metavar="N,N,...",
+        help="Trace these steps with the PyTorch profiler: one Chrome trace per rank under "
+        "<run dir>/profile/step-N/.",
+    ),
     field_option(T, "log_interval", "--log-interval", type=int, help="Print every N steps."),
-    field_option(T, "run_dir", "--run-dir", help="Where metrics.jsonl goes (default: --ckpt when local)."),
+    field_option(
+        T, "run_dir", "--run-dir", help="Where metrics.jsonl goes (default: --ckpt when local)."
+    ),
 )
 
 checkpoint_options = stack(
-    field_option(C, "url", "--ckpt", "--save", "ckpt", metavar="URL",
-                 help="Checkpoint root (local dir or fsspec URL). Empty = no checkpoints."),
-    field_option(C, "save_interval", "--save-interval", type=int,
-                 help="Checkpoint every K steps (0 = only at the end)."),
-    field_option(C, "async_save", "--async-save/--no-async-save",
-                 help="Write checkpoints in the background after a host snapshot."),
-    tensor_format_option(f"shardsmith.trainer.config:{C}.tensor_format",
-                         "Checkpoint tensor format: one safetensors file per rank, or one zarr v3 "
-                         "array per tensor (opens in plain zarr)."),
+    field_option(
+        C,
+        "url",
+        "--ckpt",
+        "--save",
+        "ckpt",
+        metavar="URL",
+        help="Checkpoint root (local dir or fsspec URL). Empty = no checkpoints.",
+    ),
+    field_option(
+        C,
+        "save_interval",
+        "--save-interval",
+        type=int,
+        help="Checkpoint every K steps (0 = only at the end).",
+    ),
+    field_option(
+        C,
+        "async_save",
+        "--async-save/--no-async-save",
+        help="Write checkpoints in the background after a host snapshot.",
+    ),
+    tensor_format_option(
+        f"shardsmith.trainer.config:{C}.tensor_format",
+        "Checkpoint tensor format: one safetensors file per rank, or one zarr v3 "
+        "array per tensor (opens in plain zarr).",
+    ),
     zarr_codec_option,
-    field_option(C, "init_from", "--init-from", metavar="URL",
-                 help="Start from this checkpoint's model weights (any layout; fresh optimizer, step 0) "
-                      "when there is nothing to resume, e.g. the output of `shardsmith import-hf`."),
-    field_option(C, "keep_last", "--keep-last", type=int,
-                 help="After each commit keep only the newest N committed steps (0 = all)."),
-    field_option(C, "keep_every", "--keep-every", type=int,
-                 help="...but also keep every step divisible by M (0 = none)."),
-    field_option(C, "resume", "--resume", "--load", metavar="auto|none|URL",
-                 help="auto: newest committed step under --ckpt; none; or a root/step URL (Megatron: --load)."),
-    field_option(C, "reset_optimizer", "--reset-optimizer", is_flag=True,
-                 help="Resume the step count and data position with a fresh AdamW (e.g. from a --model-only "
-                      "checkpoint); recorded as an event. Without it a checkpoint lacking optimizer state is refused."),
-    field_option(C, "data_change", "--data-change", metavar="continue|restart",
-                 help="Resuming with other --data (sources, weights, --text-key, --token-dtype): continue = "
-                      "the new data from the saved global sample index; restart = the new data from sample 0 "
-                      "(step, LR schedule and optimizer continue). Recorded as an event. Without it such a "
-                      "resume is refused."),
-    field_option(C, "overwrite", "--overwrite", is_flag=True,
-                 help="Start a new run in a --ckpt root that holds another run's steps, deleting them first. "
-                      "Without it such a start is refused."),
+    field_option(
+        C,
+        "init_from",
+        "--init-from",
+        metavar="URL",
+        help="Start from this checkpoint's model weights (any layout; fresh optimizer, step 0) "
+        "when there is nothing to resume, e.g. the output of `shardsmith import-hf`.",
+    ),
+    field_option(
+        C,
+        "keep_last",
+        "--keep-last",
+        type=int,
+        help="After each commit keep only the newest N committed steps (0 = all).",
+    ),
+    field_option(
+        C,
+        "keep_every",
+        "--keep-every",
+        type=int,
+        help="...but also keep every step divisible by M (0 = none).",
+    ),
+    field_option(
+        C,
+        "resume",
+        "--resume",
+        "--load",
+        metavar="auto|none|URL",
+        help="auto: newest committed step under --ckpt; none; or a root/step URL (Megatron: --load).",
+    ),
+    field_option(
+        C,
+        "reset_optimizer",
+        "--reset-optimizer",
+        is_flag=True,
+        help="Resume the step count and data position with a fresh AdamW (e.g. from a --model-only "
+        "checkpoint); recorded as an event. Without it a checkpoint lacking optimizer state is refused.",
+    ),
+    field_option(
+        C,
+        "data_change",
+        "--data-change",
+        metavar="continue|restart",
+        help="Resuming with other --data (sources, weights, --text-key, --token-dtype): continue = "
+        "the new data from the saved global sample index; restart = the new data from sample 0 "
+        "(step, LR schedule and optimizer continue). Recorded as an event. Without it such a "
+        "resume is refused.",
+    ),
+    field_option(
+        C,
+        "overwrite",
+        "--overwrite",
+        is_flag=True,
+        help="Start a new run in a --ckpt root that holds another run's steps, deleting them first. "
+        "Without it such a start is refused.",
+    ),
 )
 
 fault_options = stack(
-    click.option("--max-restarts", type=int, default=0, show_default=True,
-                 help="Restart the worker group this many times after a failure."),
-    click.option("--restart", "restart_mode", type=click.Choice(["torchrun", "in-process"]), default="torchrun",
-                 show_default=True,
-                 help="How a failed group restarts: torchrun (the elastic agent starts every worker anew) or "
-                      "in-process (survivors rejoin in place, warm spares replace the dead; README 'Recovery')."),
-    click.option("--spares", type=click.IntRange(min=0), default=1, show_default=True,
-                 help="With --restart in-process: warm spare processes kept ready to replace dead ranks."),
-    field_option(FC, "preempt_deadline", "--preempt-deadline", type=float,
-                 help="Seconds from SIGTERM/SIGUSR1 to a committed checkpoint and exit 0."),
-    field_option(FC, "collective_timeout", "--collective-timeout", type=float,
-                 help="Seconds a collective waits for its peers before the job fails (from the first step on)."),
-    field_option(FC, "init_timeout", "--init-timeout", type=float,
-                 help="Collective timeout during start-up, resume and the first step."),
-    field_option(FC, "hang_factor", "--hang-factor", type=float,
-                 help="Dump every rank's stacks when a step runs this many times the median step."),
-    field_option(FC, "hang_min_seconds", "--hang-min-seconds", type=float,
-                 help="...but never before a step has run this long."),
-    field_option(FC, "max_bad_steps", "--max-bad-steps", type=int,
-                 help="Non-finite steps in a row (each skipped) before rolling back to the last checkpoint."),
-    field_option(FC, "max_rollbacks", "--max-rollbacks", type=int, help="Fail the run after this many rollbacks."),
-    field_option(FC, "peak_flops", "--peak-flops", type=float,
-                 help="Peak FLOP/s of one device, for MFU (e.g. 989e12: H100 SXM bf16); 0 = no MFU."),
+    click.option(
+        "--max-restarts",
+        type=int,
+        default=0,
+        show_default=True,
+        help="Restart the worker group this many times after a failure.",
+    ),
+    click.option(
+        "--restart",
+        "restart_mode",
+        type=click.Choice(["torchrun", "in-process"]),
+        default="torchrun",
+        show_default=True,
+        help="How a failed group restarts: torchrun (the elastic agent starts every worker anew) or "
+        "in-process (survivors rejoin in place, warm spares replace the dead; README 'Recovery').",
+    ),
+    click.option(
+        "--spares",
+        type=click.IntRange(min=0),
+        default=1,
+        show_default=True,
+        help="With --restart in-process: warm spare processes kept ready to replace dead ranks.",
+    ),
+    field_option(
+        FC,
+        "preempt_deadline",
+        "--preempt-deadline",
+        type=float,
+        help="Seconds from SIGTERM/SIGUSR1 to a committed checkpoint and exit 0.",
+    ),
+    field_option(
+        FC,
+        "collective_timeout",
+        "--collective-timeout",
+        type=float,
+        help="Seconds a collective waits for its peers before the job fails (from the first step on).",
+    ),
+    field_option(
+        FC,
+        "init_timeout",
+        "--init-timeout",
+        type=float,
+        help="Collective timeout during start-up, resume and the first step.",
+    ),
+    field_option(
+        FC,
+        "hang_factor",
+        "--hang-factor",
+        type=float,
+        help="Dump every rank's stacks when a step runs this many times the median step.",
+    ),
+    field_option(
+        FC,
+        "hang_min_seconds",
+        "--hang-min-seconds",
+        type=float,
+        help="...but never before a step has run this long.",
+    ),
+    field_option(
+        FC,
+        "max_bad_steps",
+        "--max-bad-steps",
+        type=int,
+        help="Non-finite steps in a row (each skipped) before rolling back to the last checkpoint.",
+    ),
+    field_option(
+        FC,
+        "max_rollbacks",
+        "--max-rollbacks",
+        type=int,
+        help="Fail the run after this many rollbacks.",
+    ),
+    field_option(
+        FC,
+        "peak_flops",
+        "--peak-flops",
+        type=float,
+        help="Peak FLOP/s of one device, for MFU (e.g. 989e12: H100 SXM bf16); 0 = no MFU.",
+    ),
 )
 
 D = "shardsmith.trainer.detect"
 detect_options = stack(
-    field_option("DetectConfig", "straggler_every", "--straggler-every", module=D, type=int,
-                 help="Gather every rank's compute and wait times every N steps (0 = off)."),
-    field_option("DetectConfig", "straggler_factor", "--straggler-factor", module=D, type=float,
-                 help="A rank is slow when its compute time exceeds the median by this factor."),
-    field_option("DetectConfig", "straggler_windows", "--straggler-windows", module=D, type=int,
-                 help="Slow windows in a row before a straggler event names the rank."),
-    field_option("DetectConfig", "check_replay_every", "--check-replay-every", module=D, type=int,
-                 help="Re-run every N-th step's forward and backward and compare the gradients (0 = off)."),
-    field_option("DetectConfig", "on_sdc", "--on-sdc", module=D, type=click.Choice(["stop", "skip-step", "continue"]),
-                 help="After a replay mismatch: stop the job, drop the step's update, or only report."),
-    field_option("DetectConfig", "replay_tolerance", "--replay-tolerance", module=D, type=float,
-                 help="Allowed |diff| / max|grad| of a replay; negative = 0 on CPU (bitwise), 1e-5 on CUDA."),
-    field_option(T, "wandb", "--wandb", is_flag=True,
-                 help="Also log to Weights & Biases (offline unless WANDB_MODE is set; `wandb sync` uploads)."),
+    field_option(
+        "DetectConfig",
+        "straggler_every",
+        "--straggler-every",
+        module=D,
+        type=int,
+        help="Gather every rank's compute and wait times every N steps (0 = off).",
+    ),
+    field_option(
+        "DetectConfig",
+        "straggler_factor",
+        "--straggler-factor",
+        module=D,
+        type=float,
+        help="A rank is slow when its compute time exceeds the median by this factor.",
+    ),
+    field_option(
+        "DetectConfig",
+        "straggler_windows",
+        "--straggler-windows",
+        module=D,
+        type=int,
+        help="Slow windows in a row before a straggler event names the rank.",
+    ),
+    field_option(
+        "DetectConfig",
+        "check_replay_every",
+        "--check-replay-every",
+        module=D,
+        type=int,
+        help="Re-run every N-th step's forward and backward and compare the gradients (0 = off).",
+    ),
+    field_option(
+        "DetectConfig",
+        "on_sdc",
+        "--on-sdc",
+        module=D,
+        type=click.Choice(["stop", "skip-step", "continue"]),
+        help="After a replay mismatch: stop the job, drop the step's update, or only report.",
+    ),
+    field_option(
+        "DetectConfig",
+        "replay_tolerance",
+        "--replay-tolerance",
+        module=D,
+        type=float,
+        help="Allowed |diff| / max|grad| of a replay; negative = 0 on CPU (bitwise), 1e-5 on CUDA.",
+    ),
+    field_option(
+        T,
+        "wandb",
+        "--wandb",
+        is_flag=True,
+        help="Also log to Weights & Biases (offline unless WANDB_MODE is set; `wandb sync` uploads).",
+    ),
 )
 
 
@@ -171,13 +447,23 @@ detect_options = stack(
 @local_tier_options
 @fault_options
 @detect_options
-@dry_run_option("Check the configuration and print per-rank memory, FLOPs and pipeline bubble; "
-                "start nothing.")
+@dry_run_option(
+    "Check the configuration and print per-rank memory, FLOPs and pipeline bubble; start nothing."
+)
 @json_option("the --dry-run report")
-@click.option("--gpu", "gpu_name", default=None, metavar="NAME",
-              help="With --dry-run: judge the memory against this accelerator (a100-80gb, h100, h200, b200).")
-@click.option("--gpu-memory", default=None, metavar="SIZE",
-              help="With --dry-run: judge the memory against this much per GPU (e.g. 80GB, 141GB).")
+@click.option(
+    "--gpu",
+    "gpu_name",
+    default=None,
+    metavar="NAME",
+    help="With --dry-run: judge the memory against this accelerator (a100-80gb, h100, h200, b200).",
+)
+@click.option(
+    "--gpu-memory",
+    default=None,
+    metavar="SIZE",
+    help="With --dry-run: judge the memory against this much per GPU (e.g. 80GB, 141GB).",
+)
 @storage_option
 def train(**flags: Any) -> None:
     """Train a Llama model with TP x PP x DP, or --dry-run it.
@@ -190,27 +476,40 @@ def train(**flags: Any) -> None:
     external = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if external else flags["nproc_per_node"]
     cfg = train_config(flags, world)
-    validate_layout(cfg.model, cfg.parallel)          # refuse before any process starts (no torch yet)
+    validate_layout(cfg.model, cfg.parallel)  # refuse before any process starts (no torch yet)
     if cfg.wandb and importlib.util.find_spec("wandb") is None:
         raise click.UsageError("--wandb needs the wandb package: pip install wandb")
     cfg.num_microbatches()
     if flags["dry_run"]:
         unsized = flags["dp_shard"] == -1 and world is None
-        print_estimate(cfg, flags["model_preset"], flags["as_json"], device_nbytes(flags),
-                       note=(f"note: --dp-shard -1 (the default) takes the rest of the world size, which a dry "
-                             f"run does not know: dp_shard {cfg.parallel.dp_shard} here; pass --dp-shard N (or "
-                             "--nproc-per-node N) for the job you will launch") if unsized else "")
+        print_estimate(
+            cfg,
+            flags["model_preset"],
+            flags["as_json"],
+            device_nbytes(flags),
+            note=(
+                f"note: --dp-shard -1 (the default) takes the rest of the world size, which a dry "
+                f"run does not know: dp_shard {cfg.parallel.dp_shard} here; pass --dp-shard N (or "
+                "--nproc-per-node N) for the job you will launch"
+            )
+            if unsized
+            else "",
+        )
         return
     from shardsmith.trainer.checkpoint import COMMAND_ENV
     from shardsmith.trainer.data import expand_source
     from shardsmith.trainer.runtime import prepare
 
-    for source in cfg.data.sources:     # a mistyped path or glob: here, not in every worker after start-up
+    for (
+        source
+    ) in cfg.data.sources:  # a mistyped path or glob: here, not in every worker after start-up
         expand_source(source)
 
     # The step to load is resolved here, once, and every check that a manifest allows is made
     # before torch is imported and before any worker starts.
-    os.environ[COMMAND_ENV] = json.dumps(["shardsmith", *sys.argv[1:]])   # for "go on with: ..." hints
+    os.environ[COMMAND_ENV] = json.dumps(
+        ["shardsmith", *sys.argv[1:]]
+    )  # for "go on with: ..." hints
     resolved = prepare(cfg)
     if resolved is None:
         return
@@ -219,17 +518,24 @@ def train(**flags: Any) -> None:
         from shardsmith.trainer import run_training
         from shardsmith.trainer.runtime import exit_process, setup_process
 
-        setup_process()                 # as the launcher's workers: log levels, stacks on fatal signals
+        setup_process()  # as the launcher's workers: log levels, stacks on fatal signals
         run_training(cfg)
-        exit_process(0)                 # finished and flushed: no teardown (see exit_process)
-    os.environ.setdefault("SHARDSMITH_LAUNCH_TIME", repr(time.time()))   # goodput's start (detect/goodput.py)
+        exit_process(0)  # finished and flushed: no teardown (see exit_process)
+    os.environ.setdefault(
+        "SHARDSMITH_LAUNCH_TIME", repr(time.time())
+    )  # goodput's start (detect/goodput.py)
     dims = cfg.parallel
-    click.echo(f"training {dims.describe()} on {plural(dims.world_size, 'process')} to step {cfg.steps}"
-               + ("" if cfg.checkpoint.url else " (no --ckpt: no checkpoint will be saved)"), err=True)
+    click.echo(
+        f"training {dims.describe()} on {plural(dims.world_size, 'process')} to step {cfg.steps}"
+        + ("" if cfg.checkpoint.url else " (no --ckpt: no checkpoint will be saved)"),
+        err=True,
+    )
     if flags["restart_mode"] == "in-process":
         from shardsmith.trainer.runtime import launch_in_process
 
-        code = launch_in_process(cfg, dims.world_size, max_restarts=flags["max_restarts"], spares=flags["spares"])
+        code = launch_in_process(
+            cfg, dims.world_size, max_restarts=flags["max_restarts"], spares=flags["spares"]
+        )
     else:
         from shardsmith.trainer.runtime.launch import launch
 
@@ -241,50 +547,114 @@ def train(**flags: Any) -> None:
 def under_torchrun() -> bool:
     """True when this process was started by torchrun (or another torchelastic agent); the
     same test as :func:`shardsmith.trainer.runtime.launch.under_torchrun`, without importing torch."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    )
 
 
 def train_config(f: dict[str, Any], world: int | None):
     """Map ``train``'s flags onto :class:`~shardsmith.trainer.config.TrainConfig` (one field each)."""
     from shardsmith.storage.store import parse_storage_options
-    from shardsmith.trainer.checkpoint import CheckpointConfig
-    from shardsmith.trainer.data import DataConfig
     from shardsmith.trainer import DetectConfig, FaultConfig, OptimConfig, TrainConfig
-    from shardsmith.trainer.data import parse_data_args, resolve_vocab_size
+    from shardsmith.trainer.checkpoint import CheckpointConfig
+    from shardsmith.trainer.data import DataConfig, parse_data_args, resolve_vocab_size
 
     def pick(*names: str) -> dict[str, Any]:
         return {n: f[n] for n in names}
 
     sources, weights = parse_data_args(f["data"])
-    data = DataConfig(sources=sources, weights=weights, token_dtype=f["token_dtype"], seed=f["seed"],
-                      tokenizer=f["tokenizer"], text_key=f["text_key"], cache_dir=f["data_cache"])
+    data = DataConfig(
+        sources=sources,
+        weights=weights,
+        token_dtype=f["token_dtype"],
+        seed=f["seed"],
+        tokenizer=f["tokenizer"],
+        text_key=f["text_key"],
+        cache_dir=f["data_cache"],
+    )
     model = model_from_flags(f)
     check_expert_tensor_parallel(f)
-    if f["vocab_size"] is not None or data.tokenizer:     # the tokenizer's vocab unless given
+    if f["vocab_size"] is not None or data.tokenizer:  # the tokenizer's vocab unless given
         model = dataclasses.replace(model, vocab_size=resolve_vocab_size(data, f["vocab_size"]))
     return TrainConfig(
         model=model,
         parallel=dataclasses.replace(
-            make_dims(f["tp"], f["pp"], f["dp_shard"], f["dp_replicate"], f["pipeline_split"], world,
-                      f["expert_parallel"], f["cp"]),
-            virtual_stages=virtual_stages(f, model)),
-        optim=OptimConfig(**pick("lr", "decay_steps", "min_lr_ratio", "warmup_steps", "weight_decay",
-                                 "grad_clip")),
+            make_dims(
+                f["tp"],
+                f["pp"],
+                f["dp_shard"],
+                f["dp_replicate"],
+                f["pipeline_split"],
+                world,
+                f["expert_parallel"],
+                f["cp"],
+            ),
+            virtual_stages=virtual_stages(f, model),
+        ),
+        optim=OptimConfig(
+            **pick("lr", "decay_steps", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip")
+        ),
         data=data,
         checkpoint=CheckpointConfig(
-            url=f["ckpt"], storage_options=parse_storage_options(f["storage_options"]),
-            **pick("save_interval", "resume", "init_from", "keep_last", "keep_every", "async_save",
-                   "tensor_format", "zarr_codec", "reset_optimizer", "overwrite", "local_ckpt", "data_change",
-                   "local_save_interval", "local_replicas", "simulate_nodes")),
-        fault=FaultConfig(derive_dp_shard=f["dp_shard"] == -1,
-                          **pick("preempt_deadline", "collective_timeout", "init_timeout", "hang_factor",
-                                 "hang_min_seconds", "max_bad_steps", "max_rollbacks", "peak_flops")),
-        detect=DetectConfig(**pick("straggler_every", "straggler_factor", "straggler_windows",
-                                   "check_replay_every", "on_sdc", "replay_tolerance")),
+            url=f["ckpt"],
+            storage_options=parse_storage_options(f["storage_options"]),
+            **pick(
+                "save_interval",
+                "resume",
+                "init_from",
+                "keep_last",
+                "keep_every",
+                "async_save",
+                "tensor_format",
+                "zarr_codec",
+                "reset_optimizer",
+                "overwrite",
+                "local_ckpt",
+                "data_change",
+                "local_save_interval",
+                "local_replicas",
+                "simulate_nodes",
+            ),
+        ),
+        fault=FaultConfig(
+            derive_dp_shard=f["dp_shard"] == -1,
+            **pick(
+                "preempt_deadline",
+                "collective_timeout",
+                "init_timeout",
+                "hang_factor",
+                "hang_min_seconds",
+                "max_bad_steps",
+                "max_rollbacks",
+                "peak_flops",
+            ),
+        ),
+        detect=DetectConfig(
+            **pick(
+                "straggler_every",
+                "straggler_factor",
+                "straggler_windows",
+                "check_replay_every",
+                "on_sdc",
+                "replay_tolerance",
+            )
+        ),
         mixed_precision="bf16" if f["bf16"] else f["mixed_precision"],
-        **pick("steps", "global_batch_size", "micro_batch_size", "seed", "activation_checkpointing",
-               "sequence_parallel", "pipeline_schedule", "compile", "profile_steps", "log_interval",
-               "run_dir", "wandb"))
+        **pick(
+            "steps",
+            "global_batch_size",
+            "micro_batch_size",
+            "seed",
+            "activation_checkpointing",
+            "sequence_parallel",
+            "pipeline_schedule",
+            "compile",
+            "profile_steps",
+            "log_interval",
+            "run_dir",
+            "wandb",
+        ),
+    )
 
 
 def check_expert_tensor_parallel(f: dict[str, Any]) -> None:
@@ -294,8 +664,10 @@ def check_expert_tensor_parallel(f: dict[str, Any]) -> None:
 
     etp = f.get("expert_tensor_parallel")
     if etp is not None and etp != f["tp"]:
-        raise ConfigError(f"--expert-tensor-parallel-size {etp}: experts are split over the whole TP group; "
-                          f"use {f['tp']} (= --tp) or leave it out")
+        raise ConfigError(
+            f"--expert-tensor-parallel-size {etp}: experts are split over the whole TP group; "
+            f"use {f['tp']} (= --tp) or leave it out"
+        )
 
 
 def virtual_stages(f: dict[str, Any], model: Any) -> int:
@@ -311,19 +683,23 @@ def virtual_stages(f: dict[str, Any], model: Any) -> int:
     if per_chunk is None:
         return given or 1
     if per_chunk < 1 or model.num_layers % (f["pp"] * per_chunk):
-        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_chunk}: num_layers={model.num_layers} "
-                          f"must be a multiple of pp={f['pp']} x {per_chunk}")
+        raise ConfigError(
+            f"--num-layers-per-virtual-pipeline-stage {per_chunk}: num_layers={model.num_layers} "
+            f"must be a multiple of pp={f['pp']} x {per_chunk}"
+        )
     derived = model.num_layers // (f["pp"] * per_chunk)
     if given is not None and given != derived:
-        raise ConfigError(f"--virtual-stages {given} disagrees with --num-layers-per-virtual-pipeline-stage "
-                          f"{per_chunk} ({model.num_layers} layers / pp {f['pp']} / {per_chunk} = {derived})")
+        raise ConfigError(
+            f"--virtual-stages {given} disagrees with --num-layers-per-virtual-pipeline-stage "
+            f"{per_chunk} ({model.num_layers} layers / pp {f['pp']} / {per_chunk} = {derived})"
+        )
     return derived
 
 
 def device_nbytes(flags: dict[str, Any]) -> int | None:
     """Bytes per GPU from ``--gpu-memory SIZE`` or ``--gpu NAME`` (the former wins); None without."""
-    from shardsmith.sizing import gpu
     from shardsmith.layout import parse_nbytes
+    from shardsmith.sizing import gpu
 
     if flags.get("gpu_memory"):
         return parse_nbytes(flags["gpu_memory"])
@@ -334,9 +710,15 @@ def job_of(cfg: Any) -> Any:
     """The :class:`~shardsmith.sizing.verdict.Job` of a TrainConfig."""
     from shardsmith.sizing import Job
 
-    return Job(cfg.model, cfg.parallel, micro_batch_size=cfg.micro_batch_size,
-               global_batch_size=cfg.global_batch_size, activation_checkpointing=cfg.activation_checkpointing,
-               mixed_precision=cfg.mixed_precision, sequence_parallel=cfg.sequence_parallel)
+    return Job(
+        cfg.model,
+        cfg.parallel,
+        micro_batch_size=cfg.micro_batch_size,
+        global_batch_size=cfg.global_batch_size,
+        activation_checkpointing=cfg.activation_checkpointing,
+        mixed_precision=cfg.mixed_precision,
+        sequence_parallel=cfg.sequence_parallel,
+    )
 
 
 def verdict_json(job: Any, est: Any, device: int | None) -> dict[str, Any]:
@@ -347,10 +729,16 @@ def verdict_json(job: Any, est: Any, device: int | None) -> dict[str, Any]:
     if device is None:
         return out
     groups = judge(est, device)
-    out.update({"device_bytes": device, "fits": all(g["fits"] for g in groups),
-                "headroom_bytes": min(g["headroom_bytes"] for g in groups),
-                "peak_bytes": max(g["peak_bytes"] for g in groups), "rank_groups": groups,
-                "fixes": [] if all(g["fits"] for g in groups) else fixes(job, device)})
+    out.update(
+        {
+            "device_bytes": device,
+            "fits": all(g["fits"] for g in groups),
+            "headroom_bytes": min(g["headroom_bytes"] for g in groups),
+            "peak_bytes": max(g["peak_bytes"] for g in groups),
+            "rank_groups": groups,
+            "fixes": [] if all(g["fits"] for g in groups) else fixes(job, device),
+        }
+    )
     return out
 
 
@@ -360,26 +748,35 @@ def print_verdict(verdict: dict[str, Any]) -> None:
         click.echo(f"  warning: {line}")
     if "fits" not in verdict:
         return
-    gib = 2 ** 30
+    gib = 2**30
     for g in verdict["rank_groups"]:
-        how = (f"fits with {g['headroom_bytes'] / gib:.1f} GiB headroom" if g["fits"]
-               else f"does not fit by {-g['headroom_bytes'] / gib:.1f} GiB")
-        click.echo(f"  stage {g['stage']} ({plural(g['num_ranks'], 'rank')}, e.g. rank {g['example_rank']}): needs "
-                   f"{g['peak_bytes'] / gib:.1f} GiB of {verdict['device_bytes'] / gib:.1f} GiB: {how}")
+        how = (
+            f"fits with {g['headroom_bytes'] / gib:.1f} GiB headroom"
+            if g["fits"]
+            else f"does not fit by {-g['headroom_bytes'] / gib:.1f} GiB"
+        )
+        click.echo(
+            f"  stage {g['stage']} ({plural(g['num_ranks'], 'rank')}, e.g. rank {g['example_rank']}): needs "
+            f"{g['peak_bytes'] / gib:.1f} GiB of {verdict['device_bytes'] / gib:.1f} GiB: {how}"
+        )
     for fix in verdict["fixes"]:
-        click.echo(f"  to fit: {' '.join(fix['changes'])} -> {fix['peak_bytes'] / gib:.1f} GiB "
-                   f"({fix['headroom_bytes'] / gib:.1f} GiB headroom)")
+        click.echo(
+            f"  to fit: {' '.join(fix['changes'])} -> {fix['peak_bytes'] / gib:.1f} GiB "
+            f"({fix['headroom_bytes'] / gib:.1f} GiB headroom)"
+        )
     if not verdict["fits"] and not verdict["fixes"]:
-        click.echo("  to fit: no single change does; try `shardsmith plan` for this model and GPU count")
+        click.echo(
+            "  to fit: no single change does; try `shardsmith plan` for this model and GPU count"
+        )
 
 
-def print_estimate(cfg: Any, preset: str | None, as_json: bool, device: int | None = None,
-                   note: str = "") -> None:
+def print_estimate(
+    cfg: Any, preset: str | None, as_json: bool, device: int | None = None, note: str = ""
+) -> None:
     """The ``--dry-run`` report of ``cfg`` (a TrainConfig), as text or JSON; with ``device``
     (bytes per GPU) a verdict per rank group and the changes that would make it fit; ``note``
     (text only) follows the layout line."""
-    from shardsmith.sizing import FORMULAS
-    from shardsmith.sizing import preset_of
+    from shardsmith.sizing import FORMULAS, preset_of
 
     job = job_of(cfg)
     est = job.estimate()
@@ -390,40 +787,72 @@ def print_estimate(cfg: Any, preset: str | None, as_json: bool, device: int | No
         return
     m, dims = cfg.model, cfg.parallel
     click.echo(f"dry run: {name or 'custom model'}: {describe_model(m)}")
-    click.echo(f"  {est.total_params:,} parameters ({est.total_params / 1e9:.2f}B); checkpoint "
-               f"{format_nbytes(est.checkpoint_nbytes)} (fp32 weights + AdamW state)")
-    click.echo(f"  layout {dims.describe()} = {dims.world_size:,} ranks; batch {est.global_batch_size} = "
-               f"{est.micro_batch_size} per microbatch x {est.num_microbatches} microbatches x dp {dims.dp}; "
-               f"{est.tokens_per_step:,} tokens/step")
+    click.echo(
+        f"  {est.total_params:,} parameters ({est.total_params / 1e9:.2f}B); checkpoint "
+        f"{format_nbytes(est.checkpoint_nbytes)} (fp32 weights + AdamW state)"
+    )
+    click.echo(
+        f"  layout {dims.describe()} = {dims.world_size:,} ranks; batch {est.global_batch_size} = "
+        f"{est.micro_batch_size} per microbatch x {est.num_microbatches} microbatches x dp {dims.dp}; "
+        f"{est.tokens_per_step:,} tokens/step"
+    )
     if note:
         click.echo(f"  {note}")
-    click.echo(f"  pipeline bubble (P-1)/(V*M) = {dims.pp - 1}/({dims.virtual_stages}*{est.num_microbatches}) = "
-               f"{est.pipeline_bubble_fraction:.1%} of the step")
-    click.echo(f"  FLOPs/step {est.flops_per_step:.3e} ({est.flops_per_step / dims.world_size:.3e} per rank)")
+    click.echo(
+        f"  pipeline bubble (P-1)/(V*M) = {dims.pp - 1}/({dims.virtual_stages}*{est.num_microbatches}) = "
+        f"{est.pipeline_bubble_fraction:.1%} of the step"
+    )
+    click.echo(
+        f"  FLOPs/step {est.flops_per_step:.3e} ({est.flops_per_step / dims.world_size:.3e} per rank)"
+    )
     if est.moe:
-        click.echo(f"  MoE: {est.moe['num_moe_layers']} layers x {m.num_experts} experts (top-{m.moe_router_topk}); "
-                   f"{est.moe['experts_per_rank']} experts x {est.moe['expert_ffn_per_rank']} hidden per rank; "
-                   f"all-to-all {format_nbytes(est.moe['dispatch_nbytes_per_layer_microbatch'])} sent per rank, "
-                   "layer and microbatch")
+        click.echo(
+            f"  MoE: {est.moe['num_moe_layers']} layers x {m.num_experts} experts (top-{m.moe_router_topk}); "
+            f"{est.moe['experts_per_rank']} experts x {est.moe['expert_ffn_per_rank']} hidden per rank; "
+            f"all-to-all {format_nbytes(est.moe['dispatch_nbytes_per_layer_microbatch'])} sent per rank, "
+            "layer and microbatch"
+        )
     if est.context_parallel:
         c = est.context_parallel
-        click.echo(f"  context parallel: cp {c['cp']}, {c['tokens_per_rank']:,} tokens per rank; K/V all-gather "
-                   f"{format_nbytes(c['kv_gather_nbytes_per_layer_microbatch'])} received per rank, layer and "
-                   "microbatch (as much sent by the backward's reduce-scatter)")
+        click.echo(
+            f"  context parallel: cp {c['cp']}, {c['tokens_per_rank']:,} tokens per rank; K/V all-gather "
+            f"{format_nbytes(c['kv_gather_nbytes_per_layer_microbatch'])} received per rank, layer and "
+            "microbatch (as much sent by the backward's reduce-scatter)"
+        )
     if m.rope_scaling:
-        click.echo(f"  RoPE scaling llama3: factor {m.rope_scaling_factor:g}, low/high frequency factors "
-                   f"{m.rope_low_freq_factor:g}/{m.rope_high_freq_factor:g}, original context "
-                   f"{m.rope_original_seq_length:,}")
-    click.echo(f"  {'stage':>5} {'layers':>7} {'ranks':>6} {'e.g.':>6} {'params':>15} {'weights':>10} "
-               f"{'grads':>10} {'optim':>10} {'activ.':>10} {'total':>10} {'ckpt':>10}")
+        click.echo(
+            f"  RoPE scaling llama3: factor {m.rope_scaling_factor:g}, low/high frequency factors "
+            f"{m.rope_low_freq_factor:g}/{m.rope_high_freq_factor:g}, original context "
+            f"{m.rope_original_seq_length:,}"
+        )
+    click.echo(
+        f"  {'stage':>5} {'layers':>7} {'ranks':>6} {'e.g.':>6} {'params':>15} {'weights':>10} "
+        f"{'grads':>10} {'optim':>10} {'activ.':>10} {'total':>10} {'ckpt':>10}"
+    )
     for r in est.roles:
-        click.echo(f"  {r.stage:>5} {f'{r.layers[0]}-{r.layers[1]}':>7} {r.num_ranks:>6,} {r.example_rank:>6} "
-                   f"{r.num_params:>15,} " + " ".join(
-                       f"{_short(n):>10}" for n in (r.param_nbytes, r.grad_nbytes, r.optim_nbytes,
-                                                     r.activation_nbytes, r.total_nbytes, r.checkpoint_nbytes)))
-    for what in ("memory", "activation", "loss", "peak", "bubble", "flops") + (("moe",) if est.moe else ()):
-        click.echo(textwrap.fill(f"{what}: {FORMULAS[what]}", 100, initial_indent="  ",
-                                 subsequent_indent="    "))
+        click.echo(
+            f"  {r.stage:>5} {f'{r.layers[0]}-{r.layers[1]}':>7} {r.num_ranks:>6,} {r.example_rank:>6} "
+            f"{r.num_params:>15,} "
+            + " ".join(
+                f"{_short(n):>10}"
+                for n in (
+                    r.param_nbytes,
+                    r.grad_nbytes,
+                    r.optim_nbytes,
+                    r.activation_nbytes,
+                    r.total_nbytes,
+                    r.checkpoint_nbytes,
+                )
+            )
+        )
+    for what in ("memory", "activation", "loss", "peak", "bubble", "flops") + (
+        ("moe",) if est.moe else ()
+    ):
+        click.echo(
+            textwrap.fill(
+                f"{what}: {FORMULAS[what]}", 100, initial_indent="  ", subsequent_indent="    "
+            )
+        )
     print_verdict(verdict)
 
 
@@ -433,8 +862,13 @@ def _short(nbytes: int) -> str:
 
 def describe_model(m: Any) -> str:
     """One line: layers, width, heads, FFN, vocab, sequence, RoPE base (and Llama 3.1 scaling), tying."""
-    scaled = (f" (llama3 scaling x{m.rope_scaling_factor:g} from {m.rope_original_seq_length:,})"
-              if getattr(m, "rope_scaling_factor", 0) else "")
-    return (f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
-            f"({m.num_kv_heads} kv), ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_length}, "
-            f"rope_theta {m.rope_theta:g}{scaled}, {'tied' if m.tie_embeddings else 'untied'} embeddings")
+    scaled = (
+        f" (llama3 scaling x{m.rope_scaling_factor:g} from {m.rope_original_seq_length:,})"
+        if getattr(m, "rope_scaling_factor", 0)
+        else ""
+    )
+    return (
+        f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
+        f"({m.num_kv_heads} kv), ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_length}, "
+        f"rope_theta {m.rope_theta:g}{scaled}, {'tied' if m.tie_embeddings else 'untied'} embeddings"
+    )

@@ -1,12 +1,47 @@
 # The face of shardsmith.layout: the names other packages import. Read at import time by lazy_loader
 # (attach_stub), so a name's module is imported on first use; type checkers read it as is.
 
-from .assignment import lpt_assign as lpt_assign, write_assignment as write_assignment
-from .box import Box as Box, bounding_box as bounding_box, chunk_range as chunk_range, row_major_span as row_major_span, row_major_strides as row_major_strides
-from .compat import SHAPE_FIELDS as SHAPE_FIELDS, check_has_optimizer_state as check_has_optimizer_state, check_model_compatible as check_model_compatible, check_tensor_names as check_tensor_names
-from .dims import FSDP_AXES as FSDP_AXES, FSDP_MESH_DIM as FSDP_MESH_DIM, MESH_AXES as MESH_AXES, MESH_AXIS_TABLE as MESH_AXIS_TABLE, ParallelDims as ParallelDims, REQUIRED_AXES as REQUIRED_AXES
-from .dtypes import DTYPES as DTYPES, DTYPE_CHOICES as DTYPE_CHOICES, DTYPE_NBYTES as DTYPE_NBYTES, FLOAT_DTYPES as FLOAT_DTYPES, SAFETENSORS_DTYPE_ORDER as SAFETENSORS_DTYPE_ORDER, ZARR_DTYPES as ZARR_DTYPES
+from .assignment import lpt_assign as lpt_assign
+from .assignment import write_assignment as write_assignment
+from .box import Box as Box
+from .box import bounding_box as bounding_box
+from .box import chunk_range as chunk_range
+from .box import row_major_span as row_major_span
+from .box import row_major_strides as row_major_strides
+from .compat import SHAPE_FIELDS as SHAPE_FIELDS
+from .compat import check_has_optimizer_state as check_has_optimizer_state
+from .compat import check_model_compatible as check_model_compatible
+from .compat import check_tensor_names as check_tensor_names
+from .dims import FSDP_AXES as FSDP_AXES
+from .dims import FSDP_MESH_DIM as FSDP_MESH_DIM
+from .dims import MESH_AXES as MESH_AXES
+from .dims import MESH_AXIS_TABLE as MESH_AXIS_TABLE
+from .dims import REQUIRED_AXES as REQUIRED_AXES
+from .dims import ParallelDims as ParallelDims
+from .dtypes import DTYPE_CHOICES as DTYPE_CHOICES
+from .dtypes import DTYPE_NBYTES as DTYPE_NBYTES
+from .dtypes import DTYPES as DTYPES
+from .dtypes import FLOAT_DTYPES as FLOAT_DTYPES
+from .dtypes import SAFETENSORS_DTYPE_ORDER as SAFETENSORS_DTYPE_ORDER
+from .dtypes import ZARR_DTYPES as ZARR_DTYPES
 from .flops import flops_per_token as flops_per_token
-from .model_config import ModelConfig as ModelConfig, chunk_layers as chunk_layers, stage_layers as stage_layers, validate_layout as validate_layout
-from .sharding import COLWISE as COLWISE, ROWWISE as ROWWISE, TensorSpec as TensorSpec, VOCAB_PARALLEL as VOCAB_PARALLEL, checkpoint_specs as checkpoint_specs, grad_sum_groups as grad_sum_groups, kv_replicas as kv_replicas, padded_vocab_size as padded_vocab_size, param_specs as param_specs, rank_boxes as rank_boxes, shard_file_name as shard_file_name, tp_module_key as tp_module_key
-from .sizes import SIZE_HELP as SIZE_HELP, format_nbytes as format_nbytes, parse_nbytes as parse_nbytes, short_nbytes as short_nbytes
+from .model_config import ModelConfig as ModelConfig
+from .model_config import chunk_layers as chunk_layers
+from .model_config import stage_layers as stage_layers
+from .model_config import validate_layout as validate_layout
+from .sharding import COLWISE as COLWISE
+from .sharding import ROWWISE as ROWWISE
+from .sharding import VOCAB_PARALLEL as VOCAB_PARALLEL
+from .sharding import TensorSpec as TensorSpec
+from .sharding import checkpoint_specs as checkpoint_specs
+from .sharding import grad_sum_groups as grad_sum_groups
+from .sharding import kv_replicas as kv_replicas
+from .sharding import padded_vocab_size as padded_vocab_size
+from .sharding import param_specs as param_specs
+from .sharding import rank_boxes as rank_boxes
+from .sharding import shard_file_name as shard_file_name
+from .sharding import tp_module_key as tp_module_key
+from .sizes import SIZE_HELP as SIZE_HELP
+from .sizes import format_nbytes as format_nbytes
+from .sizes import parse_nbytes as parse_nbytes
+from .sizes import short_nbytes as short_nbytes

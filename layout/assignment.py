@@ -17,7 +17,6 @@ from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.layout.model_config import ParallelDims
 from shardsmith.layout.sharding import TensorSpec
 
-
 #: A box is *tiny* when it holds at most this fraction of a rank's even share of the
 #: checkpoint's bytes (norms, AdamW step counters, biases: kilobytes beside gigabytes).
 TINY_BOX_SHARE = 1 / 1024
@@ -44,8 +43,9 @@ def lpt_assign(sizes: dict[str, int], bins: int) -> dict[str, int]:
     return out
 
 
-def write_assignment(specs: dict[str, TensorSpec], dims: ParallelDims, *,
-                     rank: int | None = None) -> dict[int, list[tuple[str, Box]]]:
+def write_assignment(
+    specs: dict[str, TensorSpec], dims: ParallelDims, *, rank: int | None = None
+) -> dict[int, list[tuple[str, Box]]]:
     """Which rank writes which (fqn, box): each distinct non-empty box exactly once.
 
     Replicas of a box (over dp_replicate, tp_replicas kv copies, stages sharing tied
@@ -69,9 +69,14 @@ def write_assignment(specs: dict[str, TensorSpec], dims: ParallelDims, *,
         lists), or ``{rank: its list}``.
     """
     tiny = sum(spec.nbytes for spec in specs.values()) * TINY_BOX_SHARE / dims.world_size
-    boxes = ((fqn, box_holders(spec, dims)) for fqn, spec in specs.items()) if rank is None \
+    boxes = (
+        ((fqn, box_holders(spec, dims)) for fqn, spec in specs.items())
+        if rank is None
         else _component_boxes(specs, dims, rank, tiny)
-    out: dict[int, list[tuple[str, Box]]] = {r: [] for r in range(dims.world_size)} if rank is None else {rank: []}
+    )
+    out: dict[int, list[tuple[str, Box]]] = (
+        {r: [] for r in range(dims.world_size)} if rank is None else {rank: []}
+    )
     items: list[tuple[int, str, Box, list[int]]] = []
     for fqn, holders_of in boxes:
         itemsize = DTYPE_NBYTES[specs[fqn].dtype]
@@ -93,23 +98,31 @@ def write_assignment(specs: dict[str, TensorSpec], dims: ParallelDims, *,
     return out
 
 
-def _component_boxes(specs: dict[str, TensorSpec], dims: ParallelDims, rank: int,
-                     tiny: float) -> list[tuple[str, list[tuple[Box, list[int]]]]]:
+def _component_boxes(
+    specs: dict[str, TensorSpec], dims: ParallelDims, rank: int, tiny: float
+) -> list[tuple[str, list[tuple[Box, list[int]]]]]:
     """(fqn, [(box, holders)]) as :func:`box_holders` lists them, for the non-empty boxes
     :func:`write_assignment` needs to give ``rank`` its list: the non-tiny boxes held in
     ``rank``'s component, grown from ``rank`` by adding the holders of each non-tiny box a
     member holds (breadth first; closed, so the greedy over these boxes alone gives its
     members what the whole world's does: a box's writer depends only on its holders'
     loads), and the tiny boxes ``rank`` holds, with their lowest holder alone."""
-    shared: dict[tuple, tuple[list[list[list[int]]], list[dict[int, int]]]] = {}   # per splitting pattern
+    shared: dict[
+        tuple, tuple[list[list[list[int]]], list[dict[int, int]]]
+    ] = {}  # per splitting pattern
     parts, where = {}, {}
     for fqn, spec in specs.items():
         pattern = (spec.dim_axes, spec.tp_replicas, spec.stages)
         if pattern not in shared:
             axes = [_axis_parts(spec, dims, axis) for axis in MESH_AXES]
-            shared[pattern] = axes, [{c: i for i, group in enumerate(groups) for c in group} for groups in axes[1:]]
+            shared[pattern] = (
+                axes,
+                [{c: i for i, group in enumerate(groups) for c in group} for groups in axes[1:]],
+            )
         parts[fqn], where[fqn] = shared[pattern]
-    seen: dict[str, dict[tuple[int, ...], tuple[Box, list[int]] | None]] = {fqn: {} for fqn in specs}
+    seen: dict[str, dict[tuple[int, ...], tuple[Box, list[int]] | None]] = {
+        fqn: {} for fqn in specs
+    }
     component, frontier = {rank}, [rank]
     while frontier:
         member = frontier.pop()
@@ -127,7 +140,7 @@ def _component_boxes(specs: dict[str, TensorSpec], dims: ParallelDims, rank: int
             if box.is_empty or (small and member != rank):
                 seen[fqn][key] = None
                 continue
-            if small:                                 # only its lowest holder writes it (row-major ranks)
+            if small:  # only its lowest holder writes it (row-major ranks)
                 seen[fqn][key] = (box, [dims.rank_of(first)])
                 continue
             holders = _holders(dims, chosen)
@@ -136,7 +149,9 @@ def _component_boxes(specs: dict[str, TensorSpec], dims: ParallelDims, rank: int
                 if h not in component:
                     component.add(h)
                     frontier.append(h)
-    return [(fqn, [found for _, found in sorted(keyed.items()) if found]) for fqn, keyed in seen.items()]
+    return [
+        (fqn, [found for _, found in sorted(keyed.items()) if found]) for fqn, keyed in seen.items()
+    ]
 
 
 def _axis_parts(spec: TensorSpec, dims: ParallelDims, axis: str) -> list[list[int]]:

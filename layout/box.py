@@ -43,13 +43,15 @@ class Box:
 
     def relative_to(self, outer: "Box") -> tuple[slice, ...]:
         """Slices selecting this box inside a tensor holding ``outer``."""
-        return tuple(slice(o - oo, o - oo + n)
-                     for o, n, oo in zip(self.offsets, self.lengths, outer.offsets))
+        return tuple(
+            slice(o - oo, o - oo + n) for o, n, oo in zip(self.offsets, self.lengths, outer.offsets)
+        )
 
     def within(self, shape: tuple[int, ...]) -> bool:
         """True when the box lies inside a tensor of global ``shape``."""
         return len(shape) == len(self.offsets) and all(
-            o >= 0 and n >= 0 and o + n <= s for o, n, s in zip(self.offsets, self.lengths, shape))
+            o >= 0 and n >= 0 and o + n <= s for o, n, s in zip(self.offsets, self.lengths, shape)
+        )
 
     def to_json(self) -> dict[str, list[int]]:
         """``{"offsets": [...], "lengths": [...]}``."""
@@ -96,6 +98,8 @@ def row_major_span(outer: Box, inner: Box) -> tuple[int, int]:
         return 0, 0
     strides = row_major_strides(outer.lengths)
     first = sum((o - oo) * s for o, oo, s in zip(inner.offsets, outer.offsets, strides))
-    last = sum((o + n - 1 - oo) * s
-               for o, n, oo, s in zip(inner.offsets, inner.lengths, outer.offsets, strides))
+    last = sum(
+        (o + n - 1 - oo) * s
+        for o, n, oo, s in zip(inner.offsets, inner.lengths, outer.offsets, strides)
+    )
     return first, last + 1

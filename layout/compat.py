@@ -18,8 +18,15 @@ from shardsmith.errors import CheckpointMismatch
 from shardsmith.layout.model_config import ModelConfig
 
 #: Model fields that change the shape (or the set) of the stored tensors.
-SHAPE_FIELDS: tuple[str, ...] = ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
-                                 "ffn_hidden_size", "vocab_size", "tie_embeddings")
+SHAPE_FIELDS: tuple[str, ...] = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_kv_heads",
+    "ffn_hidden_size",
+    "vocab_size",
+    "tie_embeddings",
+)
 #: Most tensor names listed in one message.
 MAX_LISTED = 5
 
@@ -66,9 +73,16 @@ def check_model_compatible(saved: Mapping[str, Any], job: ModelConfig, *, source
     if shape:
         raise CheckpointMismatch(
             f"{source} holds a model of another shape ({'; '.join(shape)}); pass the checkpoint's "
-            "model flags (see `shardsmith inspect`) or train a new model in a new --ckpt root")
-    return [f"{source}: model differs in fields that change no tensor shape ({'; '.join(harmless)}); "
-            "this job's values are used"] if harmless else []
+            "model flags (see `shardsmith inspect`) or train a new model in a new --ckpt root"
+        )
+    return (
+        [
+            f"{source}: model differs in fields that change no tensor shape ({'; '.join(harmless)}); "
+            "this job's values are used"
+        ]
+        if harmless
+        else []
+    )
 
 
 def _listed(names: Iterable[str]) -> str:
@@ -77,8 +91,13 @@ def _listed(names: Iterable[str]) -> str:
     return ", ".join(names[:MAX_LISTED]) + more
 
 
-def check_tensor_names(saved: Iterable[str], expected: Iterable[str], *, source: str,
-                       optimizer_prefixes: tuple[str, ...] = ()) -> None:
+def check_tensor_names(
+    saved: Iterable[str],
+    expected: Iterable[str],
+    *,
+    source: str,
+    optimizer_prefixes: tuple[str, ...] = (),
+) -> None:
     """Refuse a load whose logical tensors are not exactly the ones the job needs.
 
     Args:
@@ -95,21 +114,30 @@ def check_tensor_names(saved: Iterable[str], expected: Iterable[str], *, source:
     expected_set = set(expected)
     missing, unexpected = expected_set - saved_set, saved_set - expected_set
     if missing or unexpected:
-        parts = ([f"missing {len(missing)}: {_listed(missing)}"] if missing else []) + \
-                ([f"unexpected {len(unexpected)}: {_listed(unexpected)}"] if unexpected else [])
+        parts = ([f"missing {len(missing)}: {_listed(missing)}"] if missing else []) + (
+            [f"unexpected {len(unexpected)}: {_listed(unexpected)}"] if unexpected else []
+        )
         raise CheckpointMismatch(
             f"{source} does not hold the tensors this model needs ({'; '.join(parts)}); check the "
-            "model flags against `shardsmith inspect` of the checkpoint")
+            "model flags against `shardsmith inspect` of the checkpoint"
+        )
 
 
 #: ``source.format`` of an imported checkpoint's state -> how the user made it.
-IMPORTED_BY: dict[str, str] = {"huggingface": "import-hf (a Hugging Face model)",
-                               "dcp": "import-dcp (a PyTorch DCP checkpoint)",
-                               "megatron_torch_dist": "import-megatron (a Megatron-Core checkpoint)"}
+IMPORTED_BY: dict[str, str] = {
+    "huggingface": "import-hf (a Hugging Face model)",
+    "dcp": "import-dcp (a PyTorch DCP checkpoint)",
+    "megatron_torch_dist": "import-megatron (a Megatron-Core checkpoint)",
+}
 
 
-def check_has_optimizer_state(saved: Iterable[str], *, source: str, optimizer_prefix: str = "optim.",
-                              imported: dict | None = None) -> None:
+def check_has_optimizer_state(
+    saved: Iterable[str],
+    *,
+    source: str,
+    optimizer_prefix: str = "optim.",
+    imported: dict | None = None,
+) -> None:
     """Refuse to resume from a checkpoint without optimizer state (never invent a fresh one).
 
     Args:
@@ -126,14 +154,20 @@ def check_has_optimizer_state(saved: Iterable[str], *, source: str, optimizer_pr
     """
     if any(n.startswith(optimizer_prefix) for n in saved):
         return
-    ways = (f"start a new run from its weights with --init-from {source} (fresh AdamW, step 0), or "
-            "add --reset-optimizer to keep its step count with a fresh AdamW (recorded as an event)")
+    ways = (
+        f"start a new run from its weights with --init-from {source} (fresh AdamW, step 0), or "
+        "add --reset-optimizer to keep its step count with a fresh AdamW (recorded as an event)"
+    )
     if imported:
-        how = IMPORTED_BY.get(str(imported.get("format")), f"an import from {imported.get('format')}")
+        how = IMPORTED_BY.get(
+            str(imported.get("format")), f"an import from {imported.get('format')}"
+        )
         origin = f" of {imported['path']}" if imported.get("path") else ""
         raise CheckpointMismatch(
             f"{source} was written by {how}{origin}: it holds the model weights but no optimizer "
-            f"state, so there is nothing to resume exactly; {ways}")
+            f"state, so there is nothing to resume exactly; {ways}"
+        )
     raise CheckpointMismatch(
         f"{source} holds model weights but no optimizer state (a `reshard --model-only` copy, or an "
-        f"export), so it cannot be resumed exactly; {ways}")
+        f"export), so it cannot be resumed exactly; {ways}"
+    )

@@ -23,6 +23,7 @@ from typing import Any
 
 from shardsmith.errors import ConfigError, LayoutError
 
+
 @dataclass(frozen=True)
 class MeshAxis:
     """One axis of the device mesh.
@@ -103,20 +104,29 @@ class ParallelDims:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"parallel.{axis}={value!r}: must be an integer >= 1")
         if self.virtual_stages > 1 and self.pp < 2:
-            raise ConfigError(f"virtual_stages={self.virtual_stages} needs pp >= 2 (interleaved "
-                              "pipeline chunks live on different pipeline ranks)")
-        if self.expert_parallel not in (1, self.dp_shard) or (self.expert_parallel > 1 and self.dp_replicate > 1):
-            raise ConfigError(f"expert_parallel={self.expert_parallel}: expert parallelism is carved out of the "
-                              f"FSDP ranks; use 1 or dp_shard={self.dp_shard}, with dp_replicate=1")
+            raise ConfigError(
+                f"virtual_stages={self.virtual_stages} needs pp >= 2 (interleaved "
+                "pipeline chunks live on different pipeline ranks)"
+            )
+        if self.expert_parallel not in (1, self.dp_shard) or (
+            self.expert_parallel > 1 and self.dp_replicate > 1
+        ):
+            raise ConfigError(
+                f"expert_parallel={self.expert_parallel}: expert parallelism is carved out of the "
+                f"FSDP ranks; use 1 or dp_shard={self.dp_shard}, with dp_replicate=1"
+            )
         if self.expert_parallel > 1 and self.cp > 1:
-            raise ConfigError(f"expert_parallel={self.expert_parallel} with cp={self.cp}: expert parallelism "
-                              "does not compose with context parallelism yet; use one of them")
+            raise ConfigError(
+                f"expert_parallel={self.expert_parallel} with cp={self.cp}: expert parallelism "
+                "does not compose with context parallelism yet; use one of them"
+            )
         self.pipeline_split = tuple(int(n) for n in self.pipeline_split)
         if self.pipeline_split and len(self.pipeline_split) != self.num_chunks:
             raise ConfigError(
                 f"pipeline_split={','.join(map(str, self.pipeline_split))} has "
                 f"{len(self.pipeline_split)} stages but pp={self.pp} x virtual_stages="
-                f"{self.virtual_stages} needs {self.num_chunks}")
+                f"{self.virtual_stages} needs {self.num_chunks}"
+            )
 
     @property
     def num_chunks(self) -> int:
@@ -171,12 +181,22 @@ class ParallelDims:
         missing from ``coords`` is at 0."""
         rank = 0
         for axis, size in zip(MESH_AXES, self.shape):
-            rank = rank * size + (coords.get(axis, 0) if axis not in REQUIRED_AXES else coords[axis])
+            rank = rank * size + (
+                coords.get(axis, 0) if axis not in REQUIRED_AXES else coords[axis]
+            )
         return rank
 
     @classmethod
-    def for_world_size(cls, world_size: int, *, dp_shard: int = -1, pipeline_split: tuple[int, ...] = (),
-                       virtual_stages: int = 1, expert_parallel: int = 1, **axes: int) -> "ParallelDims":
+    def for_world_size(
+        cls,
+        world_size: int,
+        *,
+        dp_shard: int = -1,
+        pipeline_split: tuple[int, ...] = (),
+        virtual_stages: int = 1,
+        expert_parallel: int = 1,
+        **axes: int,
+    ) -> "ParallelDims":
         """The layout of a job with ``world_size`` ranks; ``dp_shard=-1`` takes the rest.
 
         ``axes`` are the degrees of the other mesh axes (``tp=2, pp=4``; absent ones are 1).
@@ -194,31 +214,51 @@ class ParallelDims:
             raise ConfigError(f"unknown mesh axes {unknown}; known: {list(MESH_AXES)}")
         if dp_shard == -1:
             fixed = prod(axes.values())
-            shown = [a for a in MESH_AXES if a != "dp_shard" and (a in REQUIRED_AXES or axes.get(a, 1) != 1)]
+            shown = [
+                a
+                for a in MESH_AXES
+                if a != "dp_shard" and (a in REQUIRED_AXES or axes.get(a, 1) != 1)
+            ]
             if fixed < 1 or world_size % fixed:
-                raise LayoutError(f"world size {world_size} is not a multiple of {'*'.join(shown)}={fixed} "
-                                  f"({', '.join(f'{a}={axes.get(a, 1)}' for a in shown)}); run on a multiple "
-                                  f"of {fixed} processes")
+                raise LayoutError(
+                    f"world size {world_size} is not a multiple of {'*'.join(shown)}={fixed} "
+                    f"({', '.join(f'{a}={axes.get(a, 1)}' for a in shown)}); run on a multiple "
+                    f"of {fixed} processes"
+                )
             dp_shard = world_size // fixed
-        parallel = cls(**axes, dp_shard=dp_shard, pipeline_split=pipeline_split,
-                       virtual_stages=virtual_stages, expert_parallel=expert_parallel)
+        parallel = cls(
+            **axes,
+            dp_shard=dp_shard,
+            pipeline_split=pipeline_split,
+            virtual_stages=virtual_stages,
+            expert_parallel=expert_parallel,
+        )
         parallel.check_world_size(world_size)
         return parallel
 
     def check_world_size(self, world_size: int) -> None:
         """Raise :class:`~shardsmith.errors.LayoutError` unless this layout has ``world_size`` ranks."""
         if self.world_size != world_size:
-            raise LayoutError(f"layout {self.describe()} needs {self.world_size} processes but the job has "
-                              f"{world_size}; run {self.world_size} processes, or pass --dp-shard -1 to "
-                              "let dp_shard follow the world size")
+            raise LayoutError(
+                f"layout {self.describe()} needs {self.world_size} processes but the job has "
+                f"{world_size}; run {self.world_size} processes, or pass --dp-shard -1 to "
+                "let dp_shard follow the world size"
+            )
 
     def describe(self) -> str:
         """The layout name, e.g. ``pp2·dpr1·dps1·tp2``, then virtual stages and expert
         parallelism when above 1 (``pp2·dpr1·dps4·tp1·ep4``; :meth:`parse` reads it back;
         the pipeline split is not part of the name)."""
-        parts = [f"{a.short}{getattr(self, a.name)}" for a in MESH_AXIS_TABLE
-                 if not a.optional or getattr(self, a.name) != 1]
-        parts += [f"{short}{getattr(self, name)}" for name, short in EXTRA_NAME_PARTS if getattr(self, name) > 1]
+        parts = [
+            f"{a.short}{getattr(self, a.name)}"
+            for a in MESH_AXIS_TABLE
+            if not a.optional or getattr(self, a.name) != 1
+        ]
+        parts += [
+            f"{short}{getattr(self, name)}"
+            for name, short in EXTRA_NAME_PARTS
+            if getattr(self, name) > 1
+        ]
         return "·".join(parts)
 
     @classmethod
@@ -230,34 +270,39 @@ class ParallelDims:
             ConfigError: ``name`` is neither form (the message shows both).
         """
         parts = [p.strip() for p in name.replace("·", ".").replace(",", ".").split(".")]
-        sizes: dict[str, Any] = {}                     # axis -> degree
+        sizes: dict[str, Any] = {}  # axis -> degree
         if all(p.isdigit() for p in parts) and len(parts) in (len(REQUIRED_AXES), len(MESH_AXES)):
             axes = REQUIRED_AXES if len(parts) == len(REQUIRED_AXES) else MESH_AXES
             sizes = {axis: int(p) for axis, p in zip(axes, parts)}
         else:
             rest = list(parts)
-            for a in MESH_AXIS_TABLE:                  # in table order; optional axes may be absent
-                if rest and rest[0].startswith(a.short) and rest[0][len(a.short):].isdigit():
-                    sizes[a.name] = int(rest.pop(0)[len(a.short):])
+            for a in MESH_AXIS_TABLE:  # in table order; optional axes may be absent
+                if rest and rest[0].startswith(a.short) and rest[0][len(a.short) :].isdigit():
+                    sizes[a.name] = int(rest.pop(0)[len(a.short) :])
                 elif not a.optional:
                     sizes = {}
                     break
             for field_name, short in EXTRA_NAME_PARTS if sizes else ():
-                if rest and rest[0].startswith(short) and rest[0][len(short):].isdigit():
-                    sizes[field_name] = int(rest.pop(0)[len(short):])
+                if rest and rest[0].startswith(short) and rest[0][len(short) :].isdigit():
+                    sizes[field_name] = int(rest.pop(0)[len(short) :])
             sizes = sizes if not rest else {}
         if not sizes:
-            raise ConfigError(f"layout name {name!r}: expected e.g. 'pp2·dpr1·dps1·tp2' or its short "
-                              f"form '2.1.1.2' ({'.'.join(REQUIRED_AXES)}, or all of "
-                              f"{'.'.join(MESH_AXES)})")
+            raise ConfigError(
+                f"layout name {name!r}: expected e.g. 'pp2·dpr1·dps1·tp2' or its short "
+                f"form '2.1.1.2' ({'.'.join(REQUIRED_AXES)}, or all of "
+                f"{'.'.join(MESH_AXES)})"
+            )
         return cls(**sizes)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe dict of every field (optional axes, ``virtual_stages`` and
         ``expert_parallel`` only when not 1, so layouts without them write the bytes they
         always wrote)."""
-        out: dict[str, Any] = {a.name: getattr(self, a.name) for a in MESH_AXIS_TABLE
-                               if not a.optional or getattr(self, a.name) != 1}
+        out: dict[str, Any] = {
+            a.name: getattr(self, a.name)
+            for a in MESH_AXIS_TABLE
+            if not a.optional or getattr(self, a.name) != 1
+        }
         out["pipeline_split"] = list(self.pipeline_split)
         if self.virtual_stages > 1:
             out["virtual_stages"] = self.virtual_stages
@@ -268,7 +313,13 @@ class ParallelDims:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ParallelDims":
         """Inverse of :meth:`to_json` (a missing optional axis is 1)."""
-        axes = {a.name: int(data[a.name] if not a.optional else data.get(a.name, 1)) for a in MESH_AXIS_TABLE}
-        return cls(**axes, pipeline_split=tuple(data.get("pipeline_split", ())),
-                   virtual_stages=int(data.get("virtual_stages", 1)),
-                   expert_parallel=int(data.get("expert_parallel", 1)))
+        axes = {
+            a.name: int(data[a.name] if not a.optional else data.get(a.name, 1))
+            for a in MESH_AXIS_TABLE
+        }
+        return cls(
+            **axes,
+            pipeline_split=tuple(data.get("pipeline_split", ())),
+            virtual_stages=int(data.get("virtual_stages", 1)),
+            expert_parallel=int(data.get("expert_parallel", 1)),
+        )

@@ -34,18 +34,21 @@ class DType:
     order: int
 
 
-DTYPES: dict[str, DType] = {d.name: d for d in (
-    DType("I64", 8, False, "int64", "int64", 0),
-    DType("F64", 8, True, "float64", "float64", 1),
-    DType("F32", 4, True, "float32", "float32", 2),
-    DType("I32", 4, False, "int32", "int32", 3),
-    DType("BF16", 2, True, "bfloat16", "uint16", 4),
-    DType("F16", 2, True, "float16", "float16", 5),
-    DType("I16", 2, False, "int16", "int16", 6),
-    DType("I8", 1, False, "int8", "int8", 7),
-    DType("U8", 1, False, "uint8", "uint8", 8),
-    DType("BOOL", 1, False, "bool", "bool", 9),
-)}
+DTYPES: dict[str, DType] = {
+    d.name: d
+    for d in (
+        DType("I64", 8, False, "int64", "int64", 0),
+        DType("F64", 8, True, "float64", "float64", 1),
+        DType("F32", 4, True, "float32", "float32", 2),
+        DType("I32", 4, False, "int32", "int32", 3),
+        DType("BF16", 2, True, "bfloat16", "uint16", 4),
+        DType("F16", 2, True, "float16", "float16", 5),
+        DType("I16", 2, False, "int16", "int16", 6),
+        DType("I8", 1, False, "int8", "int8", 7),
+        DType("U8", 1, False, "uint8", "uint8", 8),
+        DType("BOOL", 1, False, "bool", "bool", 9),
+    )
+}
 
 #: Bytes per element, by safetensors name.
 DTYPE_NBYTES: dict[str, int] = {d.name: d.itemsize for d in DTYPES.values()}
@@ -60,6 +63,13 @@ SAFETENSORS_DTYPE_ORDER: tuple[str, ...] = tuple(sorted(DTYPES, key=lambda n: DT
 ZARR_DTYPES: dict[str, str] = {d.name: d.zarr_name for d in DTYPES.values()}
 
 #: What ``--dtype`` accepts (CLI spelling -> safetensors name); one set for every command.
-DTYPE_CHOICES: dict[str, str] = {"fp32": "F32", "f32": "F32", "float32": "F32",
-                                 "bf16": "BF16", "bfloat16": "BF16",
-                                 "fp16": "F16", "f16": "F16", "float16": "F16"}
+DTYPE_CHOICES: dict[str, str] = {
+    "fp32": "F32",
+    "f32": "F32",
+    "float32": "F32",
+    "bf16": "BF16",
+    "bfloat16": "BF16",
+    "fp16": "F16",
+    "f16": "F16",
+    "float16": "F16",
+}

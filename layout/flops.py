@@ -21,6 +21,7 @@ def _param_specs_once(model: ModelConfig) -> dict[str, TensorSpec]:
         _SPECS[key] = param_specs(model, ParallelDims())
     return _SPECS[key]
 
+
 def flops_per_token(model: ModelConfig) -> float:
     """Model FLOPs of one training token (forward + backward), without recomputation.
 
@@ -37,12 +38,20 @@ def flops_per_token(model: ModelConfig) -> float:
         FLOPs per token (float, unitless count).
     """
     specs = _param_specs_once(model)
-    num_params = sum(prod(s.shape) for fqn, s in specs.items() if fqn != "tok_embeddings.weight"
-                     and ".experts." not in fqn)
-    num_params += sum(prod(s.shape) * model.moe_router_topk // model.num_experts     # active experts only
-                      for fqn, s in specs.items() if ".experts." in fqn)
+    num_params = sum(
+        prod(s.shape)
+        for fqn, s in specs.items()
+        if fqn != "tok_embeddings.weight" and ".experts." not in fqn
+    )
+    num_params += sum(
+        prod(s.shape) * model.moe_router_topk // model.num_experts  # active experts only
+        for fqn, s in specs.items()
+        if ".experts." in fqn
+    )
     if model.tie_embeddings:
-        num_params += model.vocab_size * model.hidden_size          # the output matmul
+        num_params += model.vocab_size * model.hidden_size  # the output matmul
     head_dim = model.hidden_size // model.num_attention_heads
-    return 6.0 * num_params + 12.0 * model.num_layers * model.num_attention_heads * head_dim * model.seq_length
-
+    return (
+        6.0 * num_params
+        + 12.0 * model.num_layers * model.num_attention_heads * head_dim * model.seq_length
+    )

@@ -67,34 +67,53 @@ class ModelConfig:
     rope_original_seq_length: int = 8192
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
-                     "ffn_hidden_size", "vocab_size", "seq_length"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_kv_heads",
+            "ffn_hidden_size",
+            "vocab_size",
+            "seq_length",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"model.{name}={value!r}: must be an integer >= 1")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by "
-                f"num_attention_heads={self.num_attention_heads}")
+                f"num_attention_heads={self.num_attention_heads}"
+            )
         if self.num_attention_heads % self.num_kv_heads:
             raise ConfigError(
                 f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
-                f"num_kv_heads={self.num_kv_heads}")
+                f"num_kv_heads={self.num_kv_heads}"
+            )
         if (self.hidden_size // self.num_attention_heads) % 2:
             raise ConfigError(
-                f"model head dim {self.hidden_size // self.num_attention_heads} must be even for RoPE")
+                f"model head dim {self.hidden_size // self.num_attention_heads} must be even for RoPE"
+            )
 
         if self.num_experts and not 1 <= self.moe_router_topk <= self.num_experts:
-            raise ConfigError(f"model.moe_router_topk={self.moe_router_topk}: must be in 1..num_experts="
-                              f"{self.num_experts}")
-        if self.rope_scaling_factor and not (self.rope_scaling_factor >= 1 and self.rope_original_seq_length >= 1
-                                             and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
-            raise ConfigError(f"model RoPE scaling factor={self.rope_scaling_factor}, low_freq_factor="
-                              f"{self.rope_low_freq_factor}, high_freq_factor={self.rope_high_freq_factor}, "
-                              f"original_seq_length={self.rope_original_seq_length}: need factor >= 1 (or 0 "
-                              "for none), 0 < low < high and original_seq_length >= 1 (Llama 3.1: 8, 1, 4, 8192)")
+            raise ConfigError(
+                f"model.moe_router_topk={self.moe_router_topk}: must be in 1..num_experts="
+                f"{self.num_experts}"
+            )
+        if self.rope_scaling_factor and not (
+            self.rope_scaling_factor >= 1
+            and self.rope_original_seq_length >= 1
+            and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+        ):
+            raise ConfigError(
+                f"model RoPE scaling factor={self.rope_scaling_factor}, low_freq_factor="
+                f"{self.rope_low_freq_factor}, high_freq_factor={self.rope_high_freq_factor}, "
+                f"original_seq_length={self.rope_original_seq_length}: need factor >= 1 (or 0 "
+                "for none), 0 < low < high and original_seq_length >= 1 (Llama 3.1: 8, 1, 4, 8192)"
+            )
         if self.num_experts < 0 or self.moe_layer_freq < 1 or self.moe_ffn_hidden_size < 0:
-            raise ConfigError("model.num_experts, moe_ffn_hidden_size must be >= 0 and moe_layer_freq >= 1")
+            raise ConfigError(
+                "model.num_experts, moe_ffn_hidden_size must be >= 0 and moe_layer_freq >= 1"
+            )
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` has the mixture-of-experts FFN."""
@@ -127,9 +146,13 @@ class ModelConfig:
         """The RoPE scaling as Hugging Face's ``rope_scaling`` names it, or None when plain."""
         if not self.rope_scaling_factor:
             return None
-        return {"rope_type": "llama3", "factor": self.rope_scaling_factor,
-                "low_freq_factor": self.rope_low_freq_factor, "high_freq_factor": self.rope_high_freq_factor,
-                "original_max_position_embeddings": self.rope_original_seq_length}
+        return {
+            "rope_type": "llama3",
+            "factor": self.rope_scaling_factor,
+            "low_freq_factor": self.rope_low_freq_factor,
+            "high_freq_factor": self.rope_high_freq_factor,
+            "original_max_position_embeddings": self.rope_original_seq_length,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ModelConfig":
@@ -137,14 +160,26 @@ class ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise ConfigError(f"unknown model config keys {sorted(unknown)}; known: {sorted(known)}")
+            raise ConfigError(
+                f"unknown model config keys {sorted(unknown)}; known: {sorted(known)}"
+            )
         return cls(**data)
 
 
-_MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_layer_freq")
+_MOE_FIELDS = (
+    "num_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_aux_loss_coeff",
+    "moe_layer_freq",
+)
 #: The Llama 3.1 RoPE scaling fields (written only when ``rope_scaling_factor`` is set).
-ROPE_SCALING_FIELDS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                       "rope_original_seq_length")
+ROPE_SCALING_FIELDS = (
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_seq_length",
+)
 
 
 def chunk_layers(model: ModelConfig, dims: ParallelDims) -> list[range]:
@@ -164,14 +199,22 @@ def chunk_layers(model: ModelConfig, dims: ParallelDims) -> list[range]:
         if sum(counts) != model.num_layers or min(counts) < 1:
             raise LayoutError(
                 f"pipeline_split={','.join(map(str, counts))} must be {chunks} positive counts "
-                f"summing to num_layers={model.num_layers}")
+                f"summing to num_layers={model.num_layers}"
+            )
     else:
         if chunks > model.num_layers:
-            what, fix = (f"pp={dims.pp}", f"pp <= {model.num_layers}") if dims.virtual_stages == 1 else (
-                f"pp={dims.pp} x virtual_stages={dims.virtual_stages}", f"pp x virtual_stages <= {model.num_layers}")
+            what, fix = (
+                (f"pp={dims.pp}", f"pp <= {model.num_layers}")
+                if dims.virtual_stages == 1
+                else (
+                    f"pp={dims.pp} x virtual_stages={dims.virtual_stages}",
+                    f"pp x virtual_stages <= {model.num_layers}",
+                )
+            )
             raise LayoutError(
                 f"{what} exceeds num_layers={model.num_layers}: every pipeline stage needs "
-                f"at least one layer; use {fix}")
+                f"at least one layer; use {fix}"
+            )
         base, extra = divmod(model.num_layers, chunks)
         counts = [base + (1 if s < extra else 0) for s in range(chunks)]
     ranges, start = [], 0
@@ -202,19 +245,31 @@ def validate_layout(model: ModelConfig, dims: ParallelDims) -> None:
     """
     if model.num_attention_heads % dims.tp or model.ffn_hidden_size % dims.tp:
         ok = [d for d in _divisors(model.num_attention_heads) if model.ffn_hidden_size % d == 0]
-        name, value = (("num_attention_heads", model.num_attention_heads)
-                       if model.num_attention_heads % dims.tp else ("ffn_hidden_size", model.ffn_hidden_size))
+        name, value = (
+            ("num_attention_heads", model.num_attention_heads)
+            if model.num_attention_heads % dims.tp
+            else ("ffn_hidden_size", model.ffn_hidden_size)
+        )
         raise LayoutError(
             f"tp={dims.tp} does not divide {name}={value}; tensor-parallel degrees that divide "
-            f"this model: {ok}")
+            f"this model: {ok}"
+        )
     kv = model.num_kv_heads
     if (dims.tp <= kv and kv % dims.tp) or (dims.tp > kv and dims.tp % kv):
-        ok = [d for d in _divisors(model.num_attention_heads) if model.ffn_hidden_size % d == 0
-              and (kv % d == 0 or d % kv == 0)]
+        ok = [
+            d
+            for d in _divisors(model.num_attention_heads)
+            if model.ffn_hidden_size % d == 0 and (kv % d == 0 or d % kv == 0)
+        ]
         raise LayoutError(
             f"tp={dims.tp} and num_kv_heads={kv}: one must divide the other (kv heads are split "
-            f"over tp, or replicated when tp > num_kv_heads); tensor-parallel degrees that work: {ok}")
-    if dims.expert_parallel > 1 and (not model.num_experts or model.num_experts % dims.expert_parallel):
-        raise LayoutError(f"expert_parallel={dims.expert_parallel} needs a MoE model whose num_experts="
-                          f"{model.num_experts} it divides (--num-experts)")
+            f"over tp, or replicated when tp > num_kv_heads); tensor-parallel degrees that work: {ok}"
+        )
+    if dims.expert_parallel > 1 and (
+        not model.num_experts or model.num_experts % dims.expert_parallel
+    ):
+        raise LayoutError(
+            f"expert_parallel={dims.expert_parallel} needs a MoE model whose num_experts="
+            f"{model.num_experts} it divides (--num-experts)"
+        )
     stage_layers(model, dims)

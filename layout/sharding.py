@@ -22,11 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from shardsmith.layout.box import Box, chunk_range
-from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.layout import ModelConfig, ParallelDims, stage_layers, validate_layout
+from shardsmith.layout.box import Box, chunk_range
 from shardsmith.layout.dims import FSDP_AXES, MESH_AXES
-
+from shardsmith.layout.dtypes import DTYPE_NBYTES
 
 #: Prefixes of optimizer-state FQNs; the rest of the name is the parameter's FQN.
 OPTIM_PREFIXES: tuple[str, ...] = ("optim.exp_avg.", "optim.exp_avg_sq.", "optim.step.")
@@ -35,8 +34,13 @@ OPTIM_PREFIXES: tuple[str, ...] = ("optim.exp_avg.", "optim.exp_avg_sq.", "optim
 # ``parallelize_module`` plan is built from (trainer/parallel.py::tp_plan). Block modules are
 # named relative to ``layers.<i>``, the others relative to the model.
 #: Column-parallel linears: the output features (weight dim 0) split over tp.
-COLWISE: tuple[str, ...] = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1",
-                            "feed_forward.w3")
+COLWISE: tuple[str, ...] = (
+    "attention.wq",
+    "attention.wk",
+    "attention.wv",
+    "feed_forward.w1",
+    "feed_forward.w3",
+)
 #: Row-parallel linears: the input features (weight dim 1) split over tp.
 ROWWISE: tuple[str, ...] = ("attention.wo", "feed_forward.w2")
 #: Vocab-parallel embedding and output projection: the vocab rows (dim 0) split over tp.
@@ -44,8 +48,11 @@ VOCAB_PARALLEL: tuple[str, ...] = ("tok_embeddings", "output")
 #: MoE expert tensors ``[E, F, D]`` / ``[E, D, F]`` under expert tensor parallelism (Megatron's
 #: default ``--expert-tensor-parallel-size`` = tp): w1/w3 column-parallel, w2 row-parallel,
 #: so the expert hidden size F splits over tp (trainer/moe.py::shard_experts slices them).
-EXPERT_TP: dict[str, int] = {"feed_forward.experts.w1": 1, "feed_forward.experts.w3": 1,
-                             "feed_forward.experts.w2": 2}
+EXPERT_TP: dict[str, int] = {
+    "feed_forward.experts.w1": 1,
+    "feed_forward.experts.w3": 1,
+    "feed_forward.experts.w2": 2,
+}
 
 
 def tp_module_key(module: str) -> str:
@@ -101,7 +108,9 @@ class TensorSpec:
         """Shape of the local tensor the rank at ``coords`` holds (padding included)."""
         return self._split(dims, coords)[1]
 
-    def _split(self, dims: ParallelDims, coords: dict[str, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def _split(
+        self, dims: ParallelDims, coords: dict[str, int]
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         offsets, lengths = [], []
         for d, (size, axes) in enumerate(zip(self.shape, self.dim_axes)):
             if d == 0 and self.pad_dim0_to:
@@ -109,7 +118,7 @@ class TensorSpec:
             start, length = 0, size
             for axis in axes:
                 if axis in FSDP_AXES[1:]:
-                    continue                                   # folded into FSDP_AXES[0]
+                    continue  # folded into FSDP_AXES[0]
                 parts, index = getattr(dims, axis), coords[axis]
                 if axis == FSDP_AXES[0]:
                     parts, index = dims.fsdp, dims.fsdp_index(coords)
@@ -152,7 +161,8 @@ def _param_shapes(model: ModelConfig) -> list[tuple[str, tuple[int, ...], int | 
     """(fqn, shape, layer index or None) of every parameter, in module order."""
     d, hd = model.hidden_size, model.head_dim
     out: list[tuple[str, tuple[int, ...], int | None]] = [
-        ("tok_embeddings.weight", (model.vocab_size, d), None)]
+        ("tok_embeddings.weight", (model.vocab_size, d), None)
+    ]
     for i in range(model.num_layers):
         p = f"layers.{i}."
         out += [
@@ -177,10 +187,18 @@ def _ffn_shapes(model: ModelConfig, i: int) -> list[tuple[str, tuple[int, ...], 
     d, p = model.hidden_size, f"layers.{i}.feed_forward."
     if not model.is_moe_layer(i):
         f = model.ffn_hidden_size
-        return [(p + "w1.weight", (f, d), i), (p + "w2.weight", (d, f), i), (p + "w3.weight", (f, d), i)]
+        return [
+            (p + "w1.weight", (f, d), i),
+            (p + "w2.weight", (d, f), i),
+            (p + "w3.weight", (f, d), i),
+        ]
     e, f = model.num_experts, model.expert_ffn_size
-    return [(p + "router.weight", (e, d), i), (p + "experts.w1", (e, f, d), i),
-            (p + "experts.w2", (e, d, f), i), (p + "experts.w3", (e, f, d), i)]
+    return [
+        (p + "router.weight", (e, d), i),
+        (p + "experts.w1", (e, f, d), i),
+        (p + "experts.w2", (e, d, f), i),
+        (p + "experts.w3", (e, f, d), i),
+    ]
 
 
 def _dim_axes(fqn: str, ndim: int) -> tuple[tuple[str, ...], ...]:
@@ -193,7 +211,9 @@ def _dim_axes(fqn: str, ndim: int) -> tuple[tuple[str, ...], ...]:
     return tuple(axes)
 
 
-def param_specs(model: ModelConfig, dims: ParallelDims, dtype: str = "F32") -> dict[str, TensorSpec]:
+def param_specs(
+    model: ModelConfig, dims: ParallelDims, dtype: str = "F32"
+) -> dict[str, TensorSpec]:
     """Specs of the model parameters under ``dims``.
 
     Raises:
@@ -213,9 +233,19 @@ def param_specs(model: ModelConfig, dims: ParallelDims, dtype: str = "F32") -> d
             holders = (0, last) if model.tie_embeddings and last > 0 else (0,)
         else:
             holders = (last,)
-        pad = vocab_pad if fqn in ("tok_embeddings.weight", "output.weight") and vocab_pad != shape[0] else 0
-        replicas = kv_replicas(model, dims) if fqn.endswith(("attention.wk.weight", "attention.wv.weight")) else 1
-        specs[fqn] = TensorSpec(fqn, shape, dtype, _dim_axes(fqn, len(shape)), holders, pad, replicas)
+        pad = (
+            vocab_pad
+            if fqn in ("tok_embeddings.weight", "output.weight") and vocab_pad != shape[0]
+            else 0
+        )
+        replicas = (
+            kv_replicas(model, dims)
+            if fqn.endswith(("attention.wk.weight", "attention.wv.weight"))
+            else 1
+        )
+        specs[fqn] = TensorSpec(
+            fqn, shape, dtype, _dim_axes(fqn, len(shape)), holders, pad, replicas
+        )
     return specs
 
 
@@ -225,16 +255,18 @@ def optimizer_specs(params: dict[str, TensorSpec]) -> dict[str, TensorSpec]:
     specs: dict[str, TensorSpec] = {}
     for fqn, p in params.items():
         for kind in ("exp_avg", "exp_avg_sq"):
-            name = f"optim.{kind}.{fqn}"                       # OPTIM_PREFIXES
-            specs[name] = TensorSpec(name, p.shape, p.dtype, p.dim_axes, p.stages, p.pad_dim0_to,
-                                     p.tp_replicas)
+            name = f"optim.{kind}.{fqn}"  # OPTIM_PREFIXES
+            specs[name] = TensorSpec(
+                name, p.shape, p.dtype, p.dim_axes, p.stages, p.pad_dim0_to, p.tp_replicas
+            )
         name = f"optim.step.{fqn}"
         specs[name] = TensorSpec(name, (), "F32", (), p.stages)
     return specs
 
 
-def checkpoint_specs(model: ModelConfig, dims: ParallelDims, *, with_optimizer: bool = True,
-                     dtype: str = "F32") -> dict[str, TensorSpec]:
+def checkpoint_specs(
+    model: ModelConfig, dims: ParallelDims, *, with_optimizer: bool = True, dtype: str = "F32"
+) -> dict[str, TensorSpec]:
     """Every logical tensor a checkpoint of this layout holds, by FQN."""
     params = param_specs(model, dims, dtype)
     return {**params, **optimizer_specs(params)} if with_optimizer else params

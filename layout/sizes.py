@@ -13,9 +13,18 @@ import re
 from decimal import Decimal, InvalidOperation
 
 #: Unit (upper case) -> bytes.
-UNITS: dict[str, int] = {"": 1, "B": 1,
-                         "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-                         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+UNITS: dict[str, int] = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 #: One line for ``--help`` texts.
 SIZE_HELP = "KB/MB/GB/TB = powers of 1000, KiB/MiB/GiB/TiB = powers of 1024"
@@ -38,16 +47,24 @@ def parse_nbytes(text: str | int) -> int:
     m = _SIZE.fullmatch(str(text))
     unit = m.group(2).upper() if m else ""
     if not m or unit not in UNITS:
-        hint = (f"; {m.group(2)!r} is ambiguous: write {m.group(2)}B (decimal) or "
-                f"{m.group(2)}iB (binary)" if m and unit in ("K", "M", "G", "T") else "")
-        raise ValueError(f"size {str(text)!r} is not a size{hint}; write a number with an optional "
-                         f"unit B, {SIZE_HELP}, e.g. 500MB or 2GiB")
+        hint = (
+            f"; {m.group(2)!r} is ambiguous: write {m.group(2)}B (decimal) or "
+            f"{m.group(2)}iB (binary)"
+            if m and unit in ("K", "M", "G", "T")
+            else ""
+        )
+        raise ValueError(
+            f"size {str(text)!r} is not a size{hint}; write a number with an optional "
+            f"unit B, {SIZE_HELP}, e.g. 500MB or 2GiB"
+        )
     try:
         value = Decimal(m.group(1)) * UNITS[unit]
     except InvalidOperation:  # pragma: no cover - the regex admits only decimal numbers
         raise ValueError(f"size {str(text)!r} is not a number") from None
     if value != value.to_integral_value() or value < 1:
-        raise ValueError(f"size {str(text)!r} = {value} bytes: must be a whole number of bytes >= 1")
+        raise ValueError(
+            f"size {str(text)!r} = {value} bytes: must be a whole number of bytes >= 1"
+        )
     return int(value)
 
 

@@ -36,10 +36,15 @@ from shardsmith.reshard.engine import execute
 from shardsmith.reshard.planner import ReshardOptions, ReshardPlan, plan_reshard
 from shardsmith.reshard.progress import ReshardReport
 from shardsmith.reshard.scaleout import Share, assign_files, publish_for_dead, spawn_local
-from shardsmith.storage import cycle_gc_paused
-from shardsmith.storage import read_manifest, resolve_checkpoint, resolve_target, split_step_url, step_dir
-from shardsmith.storage.manifest import check_model_record
-from shardsmith.storage.manifest import Manifest
+from shardsmith.storage import (
+    cycle_gc_paused,
+    read_manifest,
+    resolve_checkpoint,
+    resolve_target,
+    split_step_url,
+    step_dir,
+)
+from shardsmith.storage.manifest import Manifest, check_model_record
 from shardsmith.storage.store import Store
 
 #: The tensor format the streaming engine reads and writes (its planner encodes safetensors
@@ -79,13 +84,18 @@ class ReshardJob:
         """The tensors the result holds (all but ``optim.*`` with ``model_only``)."""
         if self.plan is not None:
             return list(self.plan.tensors)
-        return [f for f in self.manifest.tensors if not (self.options.model_only and f.startswith("optim."))]
+        return [
+            f
+            for f in self.manifest.tensors
+            if not (self.options.model_only and f.startswith("optim."))
+        ]
 
     def threads(self, processes: int = 1) -> int:
         """Read threads each of ``processes`` reshard processes on this node runs
         (:meth:`ReshardOptions.threads`; node-local source and target: a CPU-bound copy)."""
-        return self.options.threads(self.src.capabilities.node_local and self.dst_root.capabilities.node_local,
-                                    processes)
+        return self.options.threads(
+            self.src.capabilities.node_local and self.dst_root.capabilities.node_local, processes
+        )
 
     def with_threads(self, processes: int) -> "ReshardJob":
         """This job with ``options.workers`` (and its plan's) resolved for ``processes`` on this node."""
@@ -101,9 +111,16 @@ class ReshardJob:
         return sum(tf.nbytes for tf in assign_files(self.plan.files, share.world_size)[share.rank])
 
 
-def prepare(src: Store | str, dst_url: str, dims: ParallelDims, *, options: ReshardOptions | None = None,
-            tensor_format: str | None = None, codec: str = "",
-            storage_options: dict | None = None) -> ReshardJob:
+def prepare(
+    src: Store | str,
+    dst_url: str,
+    dims: ParallelDims,
+    *,
+    options: ReshardOptions | None = None,
+    tensor_format: str | None = None,
+    codec: str = "",
+    storage_options: dict | None = None,
+) -> ReshardJob:
     """Resolve, check and plan a reshard; writes nothing. Any process may call it (pure but for reads).
 
     Args:
@@ -124,14 +141,24 @@ def prepare(src: Store | str, dst_url: str, dims: ParallelDims, *, options: Resh
     """
     src = resolve_checkpoint(src, storage_options)[1] if isinstance(src, str) else src
     options = options or ReshardOptions()
-    with cycle_gc_paused():                             # a plan is a large tree of small objects
+    with cycle_gc_paused():  # a plan is a large tree of small objects
         manifest = read_manifest(src)
-        return _prepare(src, manifest, dst_url, dims, options, tensor_format, codec, storage_options)
+        return _prepare(
+            src, manifest, dst_url, dims, options, tensor_format, codec, storage_options
+        )
 
 
-def _prepare(src: Store, manifest: Manifest, dst_url: str, dims: ParallelDims, options: ReshardOptions,
-             tensor_format: str | None, codec: str, storage_options: dict | None) -> ReshardJob:
-    check_model_record(manifest, src.url)               # refuse before a byte is written
+def _prepare(
+    src: Store,
+    manifest: Manifest,
+    dst_url: str,
+    dims: ParallelDims,
+    options: ReshardOptions,
+    tensor_format: str | None,
+    codec: str,
+    storage_options: dict | None,
+) -> ReshardJob:
+    check_model_record(manifest, src.url)  # refuse before a byte is written
     tensor_format = tensor_format or manifest.tensor_format
     streams = manifest.tensor_format == tensor_format == STREAMED_FORMAT
     plan = None
@@ -143,9 +170,11 @@ def _prepare(src: Store, manifest: Manifest, dst_url: str, dims: ParallelDims, o
         from shardsmith.storage.formats import tensor_format as tensor_format_of
 
         if options.dtype:
-            raise ConfigError("--dtype is not supported when converting to or from zarr; convert the "
-                              "dtype in a safetensors reshard first")
-        tensor_format_of(tensor_format, codec)          # ConfigError: unknown format or codec
+            raise ConfigError(
+                "--dtype is not supported when converting to or from zarr; convert the "
+                "dtype in a safetensors reshard first"
+            )
+        tensor_format_of(tensor_format, codec)  # ConfigError: unknown format or codec
     dst_root = resolve_target(dst_url, manifest.step, storage_options)[0]
     refuse_source_as_target(split_step_url(src.url)[0], dst_root.url)
     return ReshardJob(src, manifest, dst_root, dst_url, dims, options, tensor_format, codec, plan)
@@ -159,43 +188,83 @@ def refuse_source_as_target(src_root_url: str, dst_root_url: str) -> None:
         ConfigError: DST is the source's checkpoint root (or its step directory).
     """
     if src_root_url.rstrip("/") == dst_root_url.rstrip("/"):
-        raise ConfigError(f"DST {dst_root_url} is the source's own checkpoint root: the result would "
-                          "replace the source step; choose another target directory")
+        raise ConfigError(
+            f"DST {dst_root_url} is the source's own checkpoint root: the result would "
+            "replace the source step; choose another target directory"
+        )
 
 
-def run(job: ReshardJob, *, verify: bool = False, nproc: int = 1, share: Share | None = None,
-        storage_options: dict | None = None, progress: Callable[[int], None] | None = None,
-        on_file_done: Callable[[str], None] | None = None,
-        on_tensor: Callable[[str, Any], None] | None = None) -> ReshardReport:
+def run(
+    job: ReshardJob,
+    *,
+    verify: bool = False,
+    nproc: int = 1,
+    share: Share | None = None,
+    storage_options: dict | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_file_done: Callable[[str], None] | None = None,
+    on_tensor: Callable[[str, Any], None] | None = None,
+) -> ReshardReport:
     """Write and commit the target of a prepared job (see :func:`reshard` for the arguments)."""
     scale_out = share is None and nproc > 1
     job = job.with_threads(processes_on_node(share, nproc))
     if job.plan is None:
         from shardsmith.reshard.zarr_convert import convert_format
 
-        report = convert_format(job.src, job.dst_url, job.dims, job.tensor_format, codec=job.codec,
-                                model_only=job.options.model_only, chunk_nbytes=job.options.chunk_nbytes,
-                                storage_options=storage_options)
+        report = convert_format(
+            job.src,
+            job.dst_url,
+            job.dims,
+            job.tensor_format,
+            codec=job.codec,
+            model_only=job.options.model_only,
+            chunk_nbytes=job.options.chunk_nbytes,
+            storage_options=storage_options,
+        )
     elif scale_out:
         report = _scale_out(job, nproc, storage_options, progress, on_file_done)
     else:
-        report = execute(job.plan, job.src, job.dst_root, share=share, progress=progress,
-                         on_file_done=on_file_done)
+        report = execute(
+            job.plan,
+            job.src,
+            job.dst_root,
+            share=share,
+            progress=progress,
+            on_file_done=on_file_done,
+        )
     if verify and report.committed:
         from shardsmith.reshard.diff import diff_checkpoints
 
         result = Store(report.target, storage_options)
-        report.verified = diff_checkpoints(job.src, job.manifest, result, read_manifest(result), atol=0.0,
-                                           cast_a=job.options.dtype, fqns=job.kept_tensors, on_tensor=on_tensor)
+        report.verified = diff_checkpoints(
+            job.src,
+            job.manifest,
+            result,
+            read_manifest(result),
+            atol=0.0,
+            cast_a=job.options.dtype,
+            fqns=job.kept_tensors,
+            on_tensor=on_tensor,
+        )
     return report
 
 
-def reshard(src: Store | str, dst_url: str, dims: ParallelDims, *, options: ReshardOptions | None = None,
-            tensor_format: str | None = None, codec: str = "", verify: bool = False, nproc: int = 1,
-            storage_options: dict | None = None, share: Share | None = None,
-            progress: Callable[[int], None] | None = None,
-            on_file_done: Callable[[str], None] | None = None,
-            on_tensor: Callable[[str, Any], None] | None = None) -> ReshardReport:
+def reshard(
+    src: Store | str,
+    dst_url: str,
+    dims: ParallelDims,
+    *,
+    options: ReshardOptions | None = None,
+    tensor_format: str | None = None,
+    codec: str = "",
+    verify: bool = False,
+    nproc: int = 1,
+    storage_options: dict | None = None,
+    share: Share | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_file_done: Callable[[str], None] | None = None,
+    on_tensor: Callable[[str, Any], None] | None = None,
+) -> ReshardReport:
     """Write the checkpoint ``src`` again under layout ``dims`` (and format, dtype) and commit it.
 
     Called by one process, by every process torchrun started (each with its ``share``; rank 0
@@ -224,10 +293,25 @@ def reshard(src: Store | str, dst_url: str, dims: ParallelDims, *, options: Resh
         already committed; CheckpointError: another process failed; IntegrityError: a bad
         source byte; StorageError / OSError: reading or writing failed (a rerun resumes).
     """
-    job = prepare(src, dst_url, dims, options=options, tensor_format=tensor_format, codec=codec,
-                  storage_options=storage_options)
-    return run(job, verify=verify, nproc=nproc, share=share, storage_options=storage_options,
-               progress=progress, on_file_done=on_file_done, on_tensor=on_tensor)
+    job = prepare(
+        src,
+        dst_url,
+        dims,
+        options=options,
+        tensor_format=tensor_format,
+        codec=codec,
+        storage_options=storage_options,
+    )
+    return run(
+        job,
+        verify=verify,
+        nproc=nproc,
+        share=share,
+        storage_options=storage_options,
+        progress=progress,
+        on_file_done=on_file_done,
+        on_tensor=on_tensor,
+    )
 
 
 def processes_on_node(share: Share | None, nproc: int = 1) -> int:
@@ -238,13 +322,24 @@ def processes_on_node(share: Share | None, nproc: int = 1) -> int:
 
 def _job_json(job: ReshardJob, storage_options: dict | None) -> str:
     """What a scale-out worker needs to prepare the same job (and so the same plan)."""
-    return json.dumps({"src": job.src.url, "dst": job.dst_url, "dims": job.dims.to_json(),
-                       "options": dataclasses.asdict(job.options), "storage_options": storage_options or {}})
+    return json.dumps(
+        {
+            "src": job.src.url,
+            "dst": job.dst_url,
+            "dims": job.dims.to_json(),
+            "options": dataclasses.asdict(job.options),
+            "storage_options": storage_options or {},
+        }
+    )
 
 
-def _scale_out(job: ReshardJob, nproc: int, storage_options: dict | None,
-               progress: Callable[[int], None] | None,
-               on_file_done: Callable[[str], None] | None) -> ReshardReport:
+def _scale_out(
+    job: ReshardJob,
+    nproc: int,
+    storage_options: dict | None,
+    progress: Callable[[int], None] | None,
+    on_file_done: Callable[[str], None] | None,
+) -> ReshardReport:
     """Rank 0 of ``nproc`` local processes: start ranks 1.., convert this share, commit.
 
     A worker that exits without publishing (killed, crashed) gets an error published for it,
@@ -252,17 +347,30 @@ def _scale_out(job: ReshardJob, nproc: int, storage_options: dict | None,
     """
     assert job.plan is not None
     share = Share(rank=0, world_size=nproc, attempt=uuid.uuid4().hex)
-    workers = spawn_local([sys.executable, "-m", "shardsmith.reshard.api"], share,
-                          {JOB_ENV: _job_json(job, storage_options)})
+    workers = spawn_local(
+        [sys.executable, "-m", "shardsmith.reshard.api"],
+        share,
+        {JOB_ENV: _job_json(job, storage_options)},
+    )
     done = threading.Event()
     dst = job.dst_root.child(step_dir(job.manifest.step))
-    watch = threading.Thread(target=publish_for_dead, args=(workers, dst, share, job.plan.plan_id, done),
-                             name="reshard-workers", daemon=True)
+    watch = threading.Thread(
+        target=publish_for_dead,
+        args=(workers, dst, share, job.plan.plan_id, done),
+        name="reshard-workers",
+        daemon=True,
+    )
     watch.start()
     ok = False
     try:
-        report = execute(job.plan, job.src, job.dst_root, share=share, progress=progress,
-                         on_file_done=on_file_done)
+        report = execute(
+            job.plan,
+            job.src,
+            job.dst_root,
+            share=share,
+            progress=progress,
+            on_file_done=on_file_done,
+        )
         ok = True
         return report
     finally:
@@ -276,15 +384,22 @@ def _scale_out(job: ReshardJob, nproc: int, storage_options: dict | None,
 
 def _worker_main() -> int:
     """A scale-out worker: prepare the job in ``SHARDSMITH_RESHARD_JOB``, convert this rank's share."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")       # as the command's (resuming: ...)
+    logging.basicConfig(
+        level=logging.INFO, format="%(message)s"
+    )  # as the command's (resuming: ...)
     try:
         spec = json.loads(os.environ[JOB_ENV])
         storage_options = spec["storage_options"] or None
-        reshard(Store(spec["src"], storage_options), spec["dst"], ParallelDims.from_json(spec["dims"]),
-                options=ReshardOptions(**spec["options"]), storage_options=storage_options,
-                share=Share.from_env())
+        reshard(
+            Store(spec["src"], storage_options),
+            spec["dst"],
+            ParallelDims.from_json(spec["dims"]),
+            options=ReshardOptions(**spec["options"]),
+            storage_options=storage_options,
+            share=Share.from_env(),
+        )
     except KeyboardInterrupt:
-        return 130                                  # rank 0 says what happened
+        return 130  # rank 0 says what happened
     except (ShardsmithError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -16,12 +16,10 @@ from typing import Callable, Iterable
 
 import torch
 
-from shardsmith.layout import DTYPE_NBYTES, FLOAT_DTYPES
-from shardsmith.layout import Box
-from shardsmith.storage.store import Store
+from shardsmith.layout import DTYPE_NBYTES, FLOAT_DTYPES, Box
+from shardsmith.storage.formats import TORCH_DTYPES, read_box
 from shardsmith.storage.manifest import Manifest
-from shardsmith.storage.formats import read_box
-from shardsmith.storage.formats import TORCH_DTYPES
+from shardsmith.storage.store import Store
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -69,8 +67,10 @@ def _slab_boxes(shape: tuple[int, ...], row_nbytes: int, slab_nbytes: int) -> li
     if not shape:
         return [Box((), ())]
     rows = max(1, slab_nbytes // max(1, row_nbytes))
-    return [Box((r,) + (0,) * (len(shape) - 1), (min(rows, shape[0] - r),) + shape[1:])
-            for r in range(0, shape[0], rows)] or [Box((0,) * len(shape), shape)]
+    return [
+        Box((r,) + (0,) * (len(shape) - 1), (min(rows, shape[0] - r),) + shape[1:])
+        for r in range(0, shape[0], rows)
+    ] or [Box((0,) * len(shape), shape)]
 
 
 def _compare(ta: torch.Tensor, tb: torch.Tensor, atol: float) -> tuple[int, float]:
@@ -93,8 +93,17 @@ def _compare(ta: torch.Tensor, tb: torch.Tensor, atol: float) -> tuple[int, floa
     return int(delta.numel()), worst
 
 
-def diff_tensor(a: Store, ma: Manifest, b: Store, mb: Manifest, fqn: str, *, atol: float = 0.0,
-                cast_a: str | None = None, slab_nbytes: int = 64 << 20) -> TensorDiff | None:
+def diff_tensor(
+    a: Store,
+    ma: Manifest,
+    b: Store,
+    mb: Manifest,
+    fqn: str,
+    *,
+    atol: float = 0.0,
+    cast_a: str | None = None,
+    slab_nbytes: int = 64 << 20,
+) -> TensorDiff | None:
     """Compare ``fqn`` in two checkpoints; ``None`` when equal.
 
     Args:
@@ -111,10 +120,15 @@ def diff_tensor(a: Store, ma: Manifest, b: Store, mb: Manifest, fqn: str, *, ato
     numel = prod(ra.shape)
     if ra.shape != rb.shape:
         return TensorDiff(fqn, math.nan, numel, numel, f"shape {ra.shape} vs {rb.shape}")
-    dtype_a = cast_a if cast_a and ra.dtype in FLOAT_DTYPES and not fqn.startswith("optim.step.") \
+    dtype_a = (
+        cast_a
+        if cast_a and ra.dtype in FLOAT_DTYPES and not fqn.startswith("optim.step.")
         else ra.dtype
+    )
     if atol == 0 and dtype_a != rb.dtype:
-        return TensorDiff(fqn, math.nan, numel, numel, f"dtype {dtype_a} vs {rb.dtype} (use --atol > 0)")
+        return TensorDiff(
+            fqn, math.nan, numel, numel, f"dtype {dtype_a} vs {rb.dtype} (use --atol > 0)"
+        )
     row = prod(ra.shape[1:]) * max(DTYPE_NBYTES[ra.dtype], DTYPE_NBYTES[rb.dtype])
     num_different, worst = 0, 0.0
     for box in _slab_boxes(tuple(ra.shape), row, slab_nbytes):
@@ -127,10 +141,18 @@ def diff_tensor(a: Store, ma: Manifest, b: Store, mb: Manifest, fqn: str, *, ato
     return TensorDiff(fqn, worst, num_different, numel) if num_different else None
 
 
-def diff_checkpoints(a: Store, ma: Manifest, b: Store, mb: Manifest, *, atol: float = 0.0,
-                     cast_a: str | None = None, fqns: Iterable[str] | None = None,
-                     slab_nbytes: int = 64 << 20,
-                     on_tensor: Callable[[str, TensorDiff | None], None] | None = None) -> DiffReport:
+def diff_checkpoints(
+    a: Store,
+    ma: Manifest,
+    b: Store,
+    mb: Manifest,
+    *,
+    atol: float = 0.0,
+    cast_a: str | None = None,
+    fqns: Iterable[str] | None = None,
+    slab_nbytes: int = 64 << 20,
+    on_tensor: Callable[[str, TensorDiff | None], None] | None = None,
+) -> DiffReport:
     """Compare every logical tensor of two checkpoints (any layouts), streaming.
 
     Args:
@@ -170,6 +192,9 @@ def diff_checkpoints(a: Store, ma: Manifest, b: Store, mb: Manifest, *, atol: fl
 def differing_keys(a: object, b: object, path: str = "state") -> list[str]:
     """Dotted paths of the leaves where two JSON values differ (``state.run.parent``)."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return [k for key in sorted(set(a) | set(b), key=str)
-                for k in differing_keys(a.get(key), b.get(key), f"{path}.{key}")]
+        return [
+            k
+            for key in sorted(set(a) | set(b), key=str)
+            for k in differing_keys(a.get(key), b.get(key), f"{path}.{key}")
+        ]
     return [] if a == b else [path]

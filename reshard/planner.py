@@ -24,18 +24,21 @@ import json
 from dataclasses import dataclass
 
 from shardsmith.errors import ConfigError, LayoutError
-from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout import checkpoint_specs, shard_file_name
-from shardsmith.layout import write_assignment
-from shardsmith.layout import Box
-from shardsmith.storage import DEFAULT_CHUNK_NBYTES
-from shardsmith.layout import DTYPE_NBYTES, FLOAT_DTYPES
+from shardsmith.layout import (
+    DTYPE_NBYTES,
+    FLOAT_DTYPES,
+    Box,
+    ModelConfig,
+    ParallelDims,
+    checkpoint_specs,
+    shard_file_name,
+    write_assignment,
+)
 from shardsmith.reshard.slabs import Slab, cut_slabs
-from shardsmith.storage.manifest import check_model_record
-from shardsmith.storage.manifest import Manifest
-from shardsmith.storage.store import usable_cores
+from shardsmith.storage import DEFAULT_CHUNK_NBYTES
 from shardsmith.storage.formats import encode_header, file_order
-
+from shardsmith.storage.manifest import Manifest, check_model_record
+from shardsmith.storage.store import usable_cores
 
 MiB = 1024 * 1024
 
@@ -106,7 +109,9 @@ class ReshardOptions:
             if getattr(self, name) < 1:
                 raise ConfigError(f"reshard {name}={getattr(self, name)}: must be >= 1")
         if self.workers < 0:
-            raise ConfigError(f"reshard workers={self.workers}: must be >= 1 (or 0: from the cores and the storage)")
+            raise ConfigError(
+                f"reshard workers={self.workers}: must be >= 1 (or 0: from the cores and the storage)"
+            )
         if self.slab_nbytes < 0:
             raise ConfigError(f"reshard slab_nbytes={self.slab_nbytes}: must be >= 0 (0 = auto)")
 
@@ -184,8 +189,9 @@ class ReshardPlan:
     def peak_buffer_nbytes(self) -> int:
         """Upper bound of the executor's buffer: ``max_buffer`` or one slab if larger."""
         largest = max((s.buffer_nbytes for s in self.slabs()), default=0)
-        return max(min(self.options.max_buffer_nbytes, sum(s.buffer_nbytes for s in self.slabs())),
-                   largest)
+        return max(
+            min(self.options.max_buffer_nbytes, sum(s.buffer_nbytes for s in self.slabs())), largest
+        )
 
     def slabs(self) -> list[Slab]:
         return [s for f in self.files for e in f.entries for s in e.slabs]
@@ -195,9 +201,16 @@ class ReshardPlan:
         """Hash naming what the target files will contain (source identity, layout,
         boxes, headers); a resumed run reuses files only when it is unchanged."""
         h = hashlib.sha256()
-        h.update(json.dumps({"step": self.source.step, "chunk": self.options.chunk_nbytes,
-                             "src": {n: [f.nbytes, f.crc32c] for n, f in sorted(self.source.files.items())}},
-                            sort_keys=True).encode())
+        h.update(
+            json.dumps(
+                {
+                    "step": self.source.step,
+                    "chunk": self.options.chunk_nbytes,
+                    "src": {n: [f.nbytes, f.crc32c] for n, f in sorted(self.source.files.items())},
+                },
+                sort_keys=True,
+            ).encode()
+        )
         for f in self.files:
             h.update(f.name.encode() + f.header)
             for e in f.entries:
@@ -217,15 +230,24 @@ def _check_source(manifest: Manifest, specs: dict, source_url: str) -> None:
     for fqn, spec in specs.items():
         rec = manifest.tensors.get(fqn)
         if rec is None or tuple(rec.shape) != spec.shape:
-            problems.append(f"{fqn} is {'missing' if rec is None else tuple(rec.shape)}, "
-                            f"the model config needs {spec.shape}")
+            problems.append(
+                f"{fqn} is {'missing' if rec is None else tuple(rec.shape)}, "
+                f"the model config needs {spec.shape}"
+            )
     if problems:
-        raise LayoutError(f"{source_url}: {len(problems)} tensors do not fit the model config: "
-                          + "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
+        raise LayoutError(
+            f"{source_url}: {len(problems)} tensors do not fit the model config: "
+            + "; ".join(problems[:5])
+            + (" ..." if len(problems) > 5 else "")
+        )
 
 
-def plan_reshard(manifest: Manifest, dims: ParallelDims, options: ReshardOptions | None = None,
-                 source_url: str = "source") -> ReshardPlan:
+def plan_reshard(
+    manifest: Manifest,
+    dims: ParallelDims,
+    options: ReshardOptions | None = None,
+    source_url: str = "source",
+) -> ReshardPlan:
     """Plan the conversion of a checkpoint to layout ``dims``. Pure; any process may call it.
 
     Target files, their entries and writers come from the sharding plan
@@ -249,13 +271,15 @@ def plan_reshard(manifest: Manifest, dims: ParallelDims, options: ReshardOptions
             fields behind each wrong shape).
     """
     options = options or ReshardOptions()
-    check_model_record(manifest, source_url)          # a record that lies names its field
+    check_model_record(manifest, source_url)  # a record that lies names its field
     model = ModelConfig.from_json(manifest.model)
     with_optim = not options.model_only and any(k.startswith("optim.") for k in manifest.tensors)
-    specs = checkpoint_specs(model, dims, with_optimizer=with_optim)     # validates the layout
+    specs = checkpoint_specs(model, dims, with_optimizer=with_optim)  # validates the layout
     _check_source(manifest, specs, source_url)
-    specs = {fqn: dataclasses.replace(s, dtype=target_dtype(fqn, manifest.tensors[fqn].dtype, options))
-             for fqn, s in specs.items()}
+    specs = {
+        fqn: dataclasses.replace(s, dtype=target_dtype(fqn, manifest.tensors[fqn].dtype, options))
+        for fqn, s in specs.items()
+    }
     files = []
     for rank, items in write_assignment(specs, dims).items():
         if items:
@@ -265,15 +289,30 @@ def plan_reshard(manifest: Manifest, dims: ParallelDims, options: ReshardOptions
     return ReshardPlan(manifest, dims, options, tensors, files, dropped)
 
 
-def _plan_file(manifest: Manifest, rank: int, items: list[tuple[str, Box]], specs: dict,
-               options: ReshardOptions) -> TargetFile:
+def _plan_file(
+    manifest: Manifest,
+    rank: int,
+    items: list[tuple[str, Box]],
+    specs: dict,
+    options: ReshardOptions,
+) -> TargetFile:
     """Header and entries of the file written by target ``rank``."""
     items = sorted(items, key=lambda it: file_order(it[0], specs[it[0]].dtype))
-    sizes = [(fqn, specs[fqn].dtype, box.lengths, box.numel * DTYPE_NBYTES[specs[fqn].dtype])
-             for fqn, box in items]
+    sizes = [
+        (fqn, specs[fqn].dtype, box.lengths, box.numel * DTYPE_NBYTES[specs[fqn].dtype])
+        for fqn, box in items
+    ]
     header, offsets = encode_header(sizes)
     entries = tuple(
-        PlanEntry(fqn, box, manifest.tensors[fqn].dtype, dtype, len(header) + off, nbytes,
-                  cut_slabs(manifest, fqn, box, dtype, options.slab_target_nbytes))
-        for (fqn, box), (_, dtype, _, nbytes), off in zip(items, sizes, offsets))
+        PlanEntry(
+            fqn,
+            box,
+            manifest.tensors[fqn].dtype,
+            dtype,
+            len(header) + off,
+            nbytes,
+            cut_slabs(manifest, fqn, box, dtype, options.slab_target_nbytes),
+        )
+        for (fqn, box), (_, dtype, _, nbytes), off in zip(items, sizes, offsets)
+    )
     return TargetFile(shard_file_name(rank), rank, header, entries)

@@ -22,21 +22,24 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from shardsmith.layout import Box, row_major_span, row_major_strides
-from shardsmith.layout import DTYPE_NBYTES
+from shardsmith.layout import DTYPE_NBYTES, Box, row_major_span, row_major_strides
 from shardsmith.reshard.planner import PlanEntry
 from shardsmith.reshard.slabs import ASSEMBLED_SLAB_NBYTES, Piece, Slab
 from shardsmith.reshard.stream import RAW_DTYPES, BufferPool, slab_crcs, slab_offset
 from shardsmith.storage import grid_crcs, require_full_read, verify_chunks, verify_chunks_split
-from shardsmith.storage.store import Store
-from shardsmith.storage.store import map_range, pwrite_all
-from shardsmith.storage.manifest import Manifest
-from shardsmith.storage.manifest import load_chunk_crcs
-from shardsmith.storage.manifest import check_file_once
+from shardsmith.storage.manifest import Manifest, check_file_once, load_chunk_crcs
+from shardsmith.storage.store import Store, map_range, pwrite_all
 
 
-def copy_slab_verified(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry, out: int,
-                       chunk_nbytes: int, lock: Any = contextlib.nullcontext()) -> list[tuple[int, int]] | None:
+def copy_slab_verified(
+    src: Store,
+    manifest: Manifest,
+    slab: Slab,
+    entry: PlanEntry,
+    out: int,
+    chunk_nbytes: int,
+    lock: Any = contextlib.nullcontext(),
+) -> list[tuple[int, int]] | None:
     """Copy a :attr:`~Slab.zero_copy` slab of a local source into the local target file open as
     descriptor ``out``, at its place: the slab's source range is mapped once (``mmap``, pages
     faulted in as it is read, :func:`~shardsmith.storage.store.posix.map_range`), then block by block (one
@@ -66,28 +69,41 @@ def copy_slab_verified(src: Store, manifest: Manifest, slab: Slab, entry: PlanEn
     mapped, url = _map_read_range(src, manifest, piece, path)
     view = mapped
     sub = chunk_nbytes if chunk_nbytes and size % chunk_nbytes == 0 else size
-    skip, end, pos = piece.first - piece.read_start, piece.last - piece.read_start, entry.byte_offset + start
-    use_known = sub == chunk_nbytes and start % chunk_nbytes == 0 and slab_crcs(piece, [0], sub) is not None
+    skip, end, pos = (
+        piece.first - piece.read_start,
+        piece.last - piece.read_start,
+        entry.byte_offset + start,
+    )
+    use_known = (
+        sub == chunk_nbytes and start % chunk_nbytes == 0 and slab_crcs(piece, [0], sub) is not None
+    )
     block = max(1, (1 << 20) // size) * size
     subs, pieces = [], []
     for b in range(0, piece.read_nbytes, block):
-        view = mapped[b:b + block]
+        view = mapped[b : b + block]
         subs += verify_chunks_split(shard, (piece.read_start + b) // size, view, size, sub, url)
         lo, hi = max(b, skip), min(b + len(view), end)
         if lo < hi:
             with lock:
-                pwrite_all(out, view[lo - b:hi - b], pos + lo - skip)
+                pwrite_all(out, view[lo - b : hi - b], pos + lo - skip)
             if not use_known:
-                pieces += grid_crcs(view[lo - b:hi - b], start + lo - skip, chunk_nbytes)
-    del view, mapped                            # unmapped here (no other reference)
+                pieces += grid_crcs(view[lo - b : hi - b], start + lo - skip, chunk_nbytes)
+    del view, mapped  # unmapped here (no other reference)
     if use_known:
         known = slab_crcs(piece, subs, sub) or []
         return [(c, min(chunk_nbytes, end - skip - k * chunk_nbytes)) for k, c in enumerate(known)]
     return pieces
 
 
-def write_slab_at(out: int, entry: PlanEntry, slab: Slab, data: np.ndarray, known: list[int] | None,
-                  chunk_nbytes: int, lock: Any = contextlib.nullcontext()) -> list[tuple[int, int]]:
+def write_slab_at(
+    out: int,
+    entry: PlanEntry,
+    slab: Slab,
+    data: np.ndarray,
+    known: list[int] | None,
+    chunk_nbytes: int,
+    lock: Any = contextlib.nullcontext(),
+) -> list[tuple[int, int]]:
     """Write a slab's bytes (from :func:`assemble_slab`) at their place in the local target file
     open as descriptor ``out`` (whose entry data starts at ``entry.byte_offset``) with
     ``pwrite``, holding ``lock``. Any thread, any slab.
@@ -105,9 +121,17 @@ def write_slab_at(out: int, entry: PlanEntry, slab: Slab, data: np.ndarray, know
     return grid_crcs(data, start, chunk_nbytes, known)
 
 
-def write_assembled_at(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry, out: int, chunk_nbytes: int,
-                       pool: BufferPool, lock: Any = contextlib.nullcontext(),
-                       unit_nbytes: int = ASSEMBLED_SLAB_NBYTES) -> list[tuple[int, int]] | None:
+def write_assembled_at(
+    src: Store,
+    manifest: Manifest,
+    slab: Slab,
+    entry: PlanEntry,
+    out: int,
+    chunk_nbytes: int,
+    pool: BufferPool,
+    lock: Any = contextlib.nullcontext(),
+    unit_nbytes: int = ASSEMBLED_SLAB_NBYTES,
+) -> list[tuple[int, int]] | None:
     """Gather a slab from several local sources into the local target file open as ``out``, at
     its place, ``unit_nbytes`` of rows at a time: each source's read range is mapped once
     (``mmap``); for each unit, the source chunks it needs that are not verified yet are
@@ -135,13 +159,19 @@ def write_assembled_at(src: Store, manifest: Manifest, slab: Slab, entry: PlanEn
         return None
     size, itemsize = manifest.chunk_nbytes, DTYPE_NBYTES[entry.src_dtype]
     raw = RAW_DTYPES[itemsize]
-    sources = [_map_source(src, manifest, piece, str(path), itemsize) for piece, path in zip(slab.pieces, paths)]
+    sources = [
+        _map_source(src, manifest, piece, str(path), itemsize)
+        for piece, path in zip(slab.pieces, paths)
+    ]
     row_nbytes, row0 = prod(slab.box.lengths[1:]) * itemsize, slab.box.offsets[0]
     rows = max(1, unit_nbytes // max(1, row_nbytes))
     buf, done = pool.take(min(slab.src_nbytes, rows * row_nbytes)), []
     try:
         for r in range(row0, row0 + slab.box.lengths[0], rows):
-            unit = Box((r,) + slab.box.offsets[1:], (min(rows, row0 + slab.box.lengths[0] - r),) + slab.box.lengths[1:])
+            unit = Box(
+                (r,) + slab.box.offsets[1:],
+                (min(rows, row0 + slab.box.lengths[0] - r),) + slab.box.lengths[1:],
+            )
             nbytes, pos = unit.numel * itemsize, slab_offset(entry, slab) + (r - row0) * row_nbytes
             target = buf[:nbytes].view(raw).reshape(unit.lengths)
             for piece, source in zip(slab.pieces, sources):
@@ -151,22 +181,31 @@ def write_assembled_at(src: Store, manifest: Manifest, slab: Slab, entry: PlanEn
                 first, last = (x * itemsize for x in row_major_span(piece.saved, common))
                 view, verified, url, strides = source
                 need = min(-(-last // size) * size, piece.read_end)
-                if need > verified:                   # the chunks up to this unit's last byte
-                    verify_chunks(piece.shard, verified // size,
-                                  [view[verified - piece.read_start:need - piece.read_start].data], size, url)
+                if need > verified:  # the chunks up to this unit's last byte
+                    verify_chunks(
+                        piece.shard,
+                        verified // size,
+                        [view[verified - piece.read_start : need - piece.read_start].data],
+                        size,
+                        url,
+                    )
                     source[1] = need
-                seg = view[first - piece.read_start:last - piece.read_start].view(raw)
-                target[common.relative_to(unit)] = as_strided(seg, common.lengths, strides, writeable=False)
+                seg = view[first - piece.read_start : last - piece.read_start].view(raw)
+                target[common.relative_to(unit)] = as_strided(
+                    seg, common.lengths, strides, writeable=False
+                )
             with lock:
                 pwrite_all(out, buf[:nbytes], entry.byte_offset + pos)
             done += grid_crcs(buf[:nbytes], pos, chunk_nbytes)
     finally:
         pool.give(buf)
-        sources.clear()                             # the mappings go with their last view
+        sources.clear()  # the mappings go with their last view
     return done
 
 
-def _map_read_range(src: Store, manifest: Manifest, piece: Piece, path: str) -> tuple[memoryview, str]:
+def _map_read_range(
+    src: Store, manifest: Manifest, piece: Piece, path: str
+) -> tuple[memoryview, str]:
     """(the piece's chunk-aligned read range of the local file ``path``, mapped; the file's URL),
     after the file's size and header are checked (once per file) and its chunk CRCs fetched.
 
@@ -181,8 +220,14 @@ def _map_read_range(src: Store, manifest: Manifest, piece: Piece, path: str) -> 
     return mapped, url
 
 
-def _map_source(src: Store, manifest: Manifest, piece: Piece, path: str, itemsize: int) -> list[Any]:
+def _map_source(
+    src: Store, manifest: Manifest, piece: Piece, path: str, itemsize: int
+) -> list[Any]:
     """[the piece's read range mapped as ``uint8``, verified up to (shard byte), url, byte strides]."""
     mapped, url = _map_read_range(src, manifest, piece, path)
-    return [np.frombuffer(mapped, np.uint8), piece.read_start, url,
-            [s * itemsize for s in row_major_strides(piece.saved.lengths)]]
+    return [
+        np.frombuffer(mapped, np.uint8),
+        piece.read_start,
+        url,
+        [s * itemsize for s in row_major_strides(piece.saved.lengths)],
+    ]

@@ -67,14 +67,23 @@ def load_progress(dst: Store, plan_id: str, mine: set[str]) -> dict[str, dict[st
         except (FileNotFoundError, ValueError):
             log.warning("%s is unreadable; its files will be written again", dst.url_of(name))
             continue
-        if not isinstance(data, dict) or data.get("plan_id") != plan_id or not isinstance(data.get("files"), dict):
-            log.warning("%s belongs to a different reshard (source, layout or options changed); "
-                        "its files will be written again", dst.url_of(name))
+        if (
+            not isinstance(data, dict)
+            or data.get("plan_id") != plan_id
+            or not isinstance(data.get("files"), dict)
+        ):
+            log.warning(
+                "%s belongs to a different reshard (source, layout or options changed); "
+                "its files will be written again",
+                dst.url_of(name),
+            )
             continue
         kept.update({k: v for k, v in data["files"].items() if isinstance(v, dict) and k in mine})
     if kept:
-        log.info("resuming: %s written by an interrupted run", "1 target file was" if len(kept) == 1
-                 else f"{len(kept)} target files were")
+        log.info(
+            "resuming: %s written by an interrupted run",
+            "1 target file was" if len(kept) == 1 else f"{len(kept)} target files were",
+        )
     return kept
 
 

@@ -24,8 +24,8 @@ from shardsmith.errors import CheckpointError, ConfigError
 from shardsmith.layout import lpt_assign
 from shardsmith.reshard.planner import ReshardPlan, TargetFile
 from shardsmith.reshard.stream import FileResult
-from shardsmith.storage.store import Store
 from shardsmith.storage.manifest import FileRecord, ShardRecord
+from shardsmith.storage.store import Store
 
 DONE_PREFIX = ".reshard-done-"
 
@@ -46,8 +46,10 @@ class Share:
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ConfigError(f"reshard rank {self.rank} of world size {self.world_size}: need "
-                              "0 <= rank < world_size (check RANK and WORLD_SIZE)")
+            raise ConfigError(
+                f"reshard rank {self.rank} of world size {self.world_size}: need "
+                "0 <= rank < world_size (check RANK and WORLD_SIZE)"
+            )
 
     @classmethod
     def launched(cls) -> "Share | None":
@@ -60,9 +62,13 @@ class Share:
         a single process when ``WORLD_SIZE`` is unset."""
         env = os.environ
         attempt = env.get("SHARDSMITH_RESHARD_ATTEMPT") or (
-            f"{env.get('TORCHELASTIC_RUN_ID', 'run')}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}")
-        return cls(rank=int(env.get("RANK", "0")), world_size=int(env.get("WORLD_SIZE", "1")),
-                   attempt=attempt)
+            f"{env.get('TORCHELASTIC_RUN_ID', 'run')}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        )
+        return cls(
+            rank=int(env.get("RANK", "0")),
+            world_size=int(env.get("WORLD_SIZE", "1")),
+            attempt=attempt,
+        )
 
 
 def assign_files(files: list[TargetFile], world_size: int) -> list[list[TargetFile]]:
@@ -80,14 +86,27 @@ def done_name(rank: int) -> str:
     return f"{DONE_PREFIX}{rank:05d}.json"
 
 
-def publish(dst: Store, share: Share, plan_id: str, results: list[FileResult], error: str = "") -> None:
+def publish(
+    dst: Store, share: Share, plan_id: str, results: list[FileResult], error: str = ""
+) -> None:
     """Write this rank's file records (or its error) for the coordinator."""
-    files = {r.name: {"nbytes": r.record.nbytes, "crc32c": r.record.crc32c,
-                      "sidecar": [r.sidecar.nbytes, r.sidecar.crc32c] if r.sidecar else None,
-                      "shards": {fqn: {**s.to_json(), "crc_index": s.crc_index} for fqn, s in r.shards.items()}}
-             for r in results}
-    dst.write(done_name(share.rank), json.dumps({"attempt": share.attempt, "plan_id": plan_id,
-                                                 "error": error, "files": files}).encode())
+    files = {
+        r.name: {
+            "nbytes": r.record.nbytes,
+            "crc32c": r.record.crc32c,
+            "sidecar": [r.sidecar.nbytes, r.sidecar.crc32c] if r.sidecar else None,
+            "shards": {
+                fqn: {**s.to_json(), "crc_index": s.crc_index} for fqn, s in r.shards.items()
+            },
+        }
+        for r in results
+    }
+    dst.write(
+        done_name(share.rank),
+        json.dumps(
+            {"attempt": share.attempt, "plan_id": plan_id, "error": error, "files": files}
+        ).encode(),
+    )
 
 
 def _parse_done(raw: bytes, plan: ReshardPlan, rank: int, url: str) -> list[FileResult]:
@@ -97,11 +116,25 @@ def _parse_done(raw: bytes, plan: ReshardPlan, rank: int, url: str) -> list[File
     for name, f in json.loads(raw)["files"].items():
         tf = expected.get(name)
         shards = {fqn: ShardRecord(**rec) for fqn, rec in f["shards"].items()}
-        if tf is None or f["nbytes"] != tf.nbytes or set(shards) != {e.fqn for e in tf.entries} or any(
-                (shards[e.fqn].offsets, shards[e.fqn].lengths, shards[e.fqn].byte_offset, shards[e.fqn].nbytes)
-                != (list(e.box.offsets), list(e.box.lengths), e.byte_offset, e.nbytes) for e in tf.entries):
-            raise CheckpointError(f"{url}: rank {rank}'s records of {name} do not match the plan; "
-                                  "were the ranks started with different options? Nothing was committed")
+        if (
+            tf is None
+            or f["nbytes"] != tf.nbytes
+            or set(shards) != {e.fqn for e in tf.entries}
+            or any(
+                (
+                    shards[e.fqn].offsets,
+                    shards[e.fqn].lengths,
+                    shards[e.fqn].byte_offset,
+                    shards[e.fqn].nbytes,
+                )
+                != (list(e.box.offsets), list(e.box.lengths), e.byte_offset, e.nbytes)
+                for e in tf.entries
+            )
+        ):
+            raise CheckpointError(
+                f"{url}: rank {rank}'s records of {name} do not match the plan; "
+                "were the ranks started with different options? Nothing was committed"
+            )
         side = FileRecord(*f["sidecar"]) if f.get("sidecar") else None
         out.append(FileResult(name, FileRecord(f["nbytes"], f["crc32c"]), shards, False, side))
     return out
@@ -126,17 +159,21 @@ def gather(dst: Store, share: Share, plan: ReshardPlan, timeout_s: float) -> lis
                 continue
             data = json.loads(raw)
             if data.get("attempt") != share.attempt or data.get("plan_id") != plan.plan_id:
-                continue                                     # left by an earlier attempt
+                continue  # left by an earlier attempt
             if data.get("error"):
-                raise CheckpointError(f"reshard rank {rank} failed: {data['error']}; nothing was "
-                                      "committed — run the same command again to resume")
+                raise CheckpointError(
+                    f"reshard rank {rank} failed: {data['error']}; nothing was "
+                    "committed — run the same command again to resume"
+                )
             found[rank] = _parse_done(raw, plan, rank, dst.url_of(done_name(rank)))
         if len(found) == share.world_size:
             return [r for rank in sorted(found) for r in found[rank]]
         if time.monotonic() > deadline:
             missing = sorted(set(range(share.world_size)) - set(found))
-            raise CheckpointError(f"{dst.url}: ranks {missing} did not finish within {timeout_s:.0f}s; "
-                                  "nothing was committed — run the same command again to resume")
+            raise CheckpointError(
+                f"{dst.url}: ranks {missing} did not finish within {timeout_s:.0f}s; "
+                "nothing was committed — run the same command again to resume"
+            )
         time.sleep(delay)
         delay = min(delay * 1.5, 2.0)
 
@@ -148,20 +185,35 @@ def cleanup(dst: Store) -> None:
             dst.delete(name)
 
 
-def spawn_local(command: list[str], share: Share, env: dict[str, str]) -> dict[int, subprocess.Popen]:
+def spawn_local(
+    command: list[str], share: Share, env: dict[str, str]
+) -> dict[int, subprocess.Popen]:
     """Start ranks ``1 .. share.world_size - 1`` of ``share``'s attempt as local processes running
     ``command`` (with ``env`` added); the caller is rank 0. Returns rank -> process.
 
     Called by :func:`shardsmith.reshard.api.reshard` with ``nproc > 1`` (not under torchrun).
     """
-    base = {**os.environ, **env, "WORLD_SIZE": str(share.world_size), "LOCAL_WORLD_SIZE": str(share.world_size),
-            "SHARDSMITH_RESHARD_ATTEMPT": share.attempt}
-    return {r: subprocess.Popen(command, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
-            for r in range(1, share.world_size)}
+    base = {
+        **os.environ,
+        **env,
+        "WORLD_SIZE": str(share.world_size),
+        "LOCAL_WORLD_SIZE": str(share.world_size),
+        "SHARDSMITH_RESHARD_ATTEMPT": share.attempt,
+    }
+    return {
+        r: subprocess.Popen(command, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+        for r in range(1, share.world_size)
+    }
 
 
-def publish_for_dead(procs: dict[int, subprocess.Popen], dst: Store, share: Share, plan_id: str,
-                     stop: threading.Event, poll_s: float = 0.1) -> None:
+def publish_for_dead(
+    procs: dict[int, subprocess.Popen],
+    dst: Store,
+    share: Share,
+    plan_id: str,
+    stop: threading.Event,
+    poll_s: float = 0.1,
+) -> None:
     """Until ``stop`` is set: publish an error for each process of ``procs`` that exits non-zero
     without having published for this attempt (killed, crashed before :func:`publish`), so the
     coordinator's :func:`gather` names it instead of waiting out its timeout.
@@ -175,8 +227,13 @@ def publish_for_dead(procs: dict[int, subprocess.Popen], dst: Store, share: Shar
                 continue
             del pending[rank]
             if code and not _published(dst, rank, share.attempt):
-                publish(dst, Share(rank, share.world_size, share.attempt), plan_id, [],
-                        error=f"the process exited with code {code}")
+                publish(
+                    dst,
+                    Share(rank, share.world_size, share.attempt),
+                    plan_id,
+                    [],
+                    error=f"the process exited with code {code}",
+                )
 
 
 def _published(dst: Store, rank: int, attempt: str) -> bool:

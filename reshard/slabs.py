@@ -13,8 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import gcd, prod
 
-from shardsmith.layout import Box, row_major_span
-from shardsmith.layout import DTYPE_NBYTES
+from shardsmith.layout import DTYPE_NBYTES, Box, row_major_span
 from shardsmith.storage.manifest import Manifest, ShardRecord
 from shardsmith.storage.reading import chunk_span, intersections
 
@@ -116,17 +115,17 @@ def _aligned_end(manifest: Manifest, fqn: str, box: Box, start: int, end: int) -
     rec = manifest.tensors[fqn]
     itemsize, chunk = DTYPE_NBYTES[rec.dtype], manifest.chunk_nbytes
     tail = Box(box.offsets[1:], box.lengths[1:])
-    shards = []                       # ((row0, width, f, l), stop row) of intersecting shards
+    shards = []  # ((row0, width, first, last), stop row) of intersecting shards
     for s in rec.shards:
         geometry = _cut_geometry(s, tail, itemsize)
         if geometry is not None:
             shards.append((geometry, s.offsets[0] + s.lengths[0]))
 
     def cut_ok(e: int) -> bool:
-        for (row0, width, f, l), stop in shards:
+        for (row0, width, first, last), stop in shards:
             if row0 < e < stop:
                 m = e - row0
-                if -(-((m - 1) * width + l) // chunk) > (m * width + f) // chunk:
+                if -(-((m - 1) * width + last) // chunk) > (m * width + first) // chunk:
                     return False
         return True
 
@@ -134,8 +133,8 @@ def _aligned_end(manifest: Manifest, fqn: str, box: Box, start: int, end: int) -
     cut = [g for g, stop in shards if g[0] < end < stop]
     if not cut:
         return end
-    row0, width, f, l = cut[0]
-    if f == 0 and l == width:         # whole rows: aligned cuts repeat every `period` rows
+    row0, width, first, last = cut[0]
+    if first == 0 and last == width:  # whole rows: aligned cuts repeat every `period` rows
         period = chunk // gcd(chunk, width)
         e = row0 + (end - row0) // period * period
         candidates: range = range(e, lowest - 1, -period) if period > 0 else range(0)
@@ -168,17 +167,21 @@ def _shard_row_cuts(manifest: Manifest, fqn: str, box: Box) -> list[int]:
 ASSEMBLED_SLAB_NBYTES = 4 << 20
 
 
-def cut_slabs(manifest: Manifest, fqn: str, box: Box, dtype: str, slab_nbytes: int) -> tuple[Slab, ...]:
+def cut_slabs(
+    manifest: Manifest, fqn: str, box: Box, dtype: str, slab_nbytes: int
+) -> tuple[Slab, ...]:
     """Cut ``box`` into dim-0 slabs of about ``slab_nbytes`` (at least one row each), also at
     every source shard's first and last row (:func:`_shard_row_cuts`), and, between those,
     where possible on the sources' checksum-chunk boundaries (:func:`_aligned_end`)."""
     src_dtype = manifest.tensors[fqn].dtype
     src_item, dst_item = DTYPE_NBYTES[src_dtype], DTYPE_NBYTES[dtype]
     converts = src_dtype != dtype
-    if not box.lengths:                               # 0-d: one slab
+    if not box.lengths:  # 0-d: one slab
         return (Slab(box, _pieces(manifest, fqn, box), src_item, dst_item, converts),)
-    widest = max([_row_bytes(box, src_item)] + [
-        prod(s.lengths[1:]) * src_item for s in manifest.tensors[fqn].shards])
+    widest = max(
+        [_row_bytes(box, src_item)]
+        + [prod(s.lengths[1:]) * src_item for s in manifest.tensors[fqn].shards]
+    )
     rows = max(1, slab_nbytes // max(1, widest))
     out, row, stop = [], box.offsets[0], box.offsets[0] + box.lengths[0]
     cuts = _shard_row_cuts(manifest, fqn, box)
@@ -190,7 +193,14 @@ def cut_slabs(manifest: Manifest, fqn: str, box: Box, dtype: str, slab_nbytes: i
         elif end < stop:
             end = _aligned_end(manifest, fqn, box, row, end)
         sub = Box((row,) + box.offsets[1:], (end - row,) + box.lengths[1:])
-        out.append(Slab(sub, _pieces(manifest, fqn, sub), sub.numel * src_item, sub.numel * dst_item,
-                        converts))
+        out.append(
+            Slab(
+                sub,
+                _pieces(manifest, fqn, sub),
+                sub.numel * src_item,
+                sub.numel * dst_item,
+                converts,
+            )
+        )
         row = end
     return tuple(out)

@@ -6,27 +6,32 @@ No torch here (``convert_dtype`` imports it only when a reshard converts dtypes)
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from math import prod
-from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from shardsmith.layout import row_major_strides
+from shardsmith.layout import DTYPE_NBYTES, row_major_strides
 from shardsmith.reshard.planner import PlanEntry
 from shardsmith.reshard.slabs import Piece, Slab
 from shardsmith.storage import chunk_crc32c, require_full_read, verify_chunks, verify_chunks_split
-from shardsmith.storage.store import Store
-from shardsmith.storage.store import map_range
-from shardsmith.layout import DTYPE_NBYTES
-from shardsmith.storage.manifest import FileRecord, Manifest, ShardRecord
-from shardsmith.storage.manifest import load_chunk_crcs
-from shardsmith.storage.manifest import check_file_once
+from shardsmith.storage.manifest import (
+    FileRecord,
+    Manifest,
+    ShardRecord,
+    check_file_once,
+    load_chunk_crcs,
+)
+from shardsmith.storage.store import Store, map_range
 
-RAW_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}   # element-size views: dtype-agnostic copies
+RAW_DTYPES = {
+    1: np.uint8,
+    2: np.uint16,
+    4: np.uint32,
+    8: np.uint64,
+}  # element-size views: dtype-agnostic copies
 
 
 @dataclass
@@ -89,12 +94,18 @@ class BufferPool:
     def take(self, nbytes: int) -> np.ndarray:
         """A 1-d ``uint8`` buffer of at least ``nbytes`` (only the first ``nbytes`` are yours)."""
         with self._lock:
-            fits = [i for i, b in enumerate(self.free) if nbytes <= b.nbytes <= nbytes + nbytes // 8 + (1 << 20)]
+            fits = [
+                i
+                for i, b in enumerate(self.free)
+                if nbytes <= b.nbytes <= nbytes + nbytes // 8 + (1 << 20)
+            ]
             if fits:
-                return self.free.pop(min(fits, key=lambda i: self.free[i].nbytes))   # (arrays: no ==)
+                return self.free.pop(
+                    min(fits, key=lambda i: self.free[i].nbytes)
+                )  # (arrays: no ==)
             size = -(-max(nbytes, 1) // (1 << 20)) * (1 << 20)
             while self.free and self.allocated + size > self.keep_nbytes:
-                self.allocated -= self.free.pop(0).nbytes             # make room: drop the oldest
+                self.allocated -= self.free.pop(0).nbytes  # make room: drop the oldest
             self.allocated += size
         return np.empty(size, dtype=np.uint8)
 
@@ -109,8 +120,9 @@ class BufferPool:
                 self.free.append(buf)
 
 
-def read_piece(src: Store, manifest: Manifest, piece: Piece, pool: BufferPool,
-               sub_nbytes: int = 0) -> tuple[np.ndarray, list[int] | None]:
+def read_piece(
+    src: Store, manifest: Manifest, piece: Piece, pool: BufferPool, sub_nbytes: int = 0
+) -> tuple[np.ndarray, list[int] | None]:
     """Read a piece's chunk-aligned range and verify every chunk against the manifest (and,
     the first time a file is touched, its size and header).
 
@@ -133,17 +145,27 @@ def read_piece(src: Store, manifest: Manifest, piece: Piece, pool: BufferPool,
     """
     shard, chunk_nbytes = piece.shard, manifest.chunk_nbytes
     check_file_once(src, manifest, shard.file)
-    load_chunk_crcs(src, chunk_nbytes, [shard])              # version 2: the shard's CRCs, from its sidecar
+    load_chunk_crcs(src, chunk_nbytes, [shard])  # version 2: the shard's CRCs, from its sidecar
     offset, first = shard.byte_offset + piece.read_start, piece.read_start // chunk_nbytes
     url = src.url_of(shard.file)
     path = src.local_path(shard.file)
     mapped = map_range(path, offset, piece.read_nbytes) if path is not None else None
-    buf = np.frombuffer(mapped, dtype=np.uint8) if mapped is not None else pool.take(piece.read_nbytes)
+    buf = (
+        np.frombuffer(mapped, dtype=np.uint8)
+        if mapped is not None
+        else pool.take(piece.read_nbytes)
+    )
     try:
-        got = len(mapped) if mapped is not None else src.read_into(shard.file, offset, [buf.data[:piece.read_nbytes]])
+        got = (
+            len(mapped)
+            if mapped is not None
+            else src.read_into(shard.file, offset, [buf.data[: piece.read_nbytes]])
+        )
         require_full_read(got, piece.read_nbytes, offset, url)
         if sub_nbytes and chunk_nbytes % sub_nbytes == 0:
-            return buf, verify_chunks_split(shard, first, buf.data[:got], chunk_nbytes, sub_nbytes, url)
+            return buf, verify_chunks_split(
+                shard, first, buf.data[:got], chunk_nbytes, sub_nbytes, url
+            )
         verify_chunks(shard, first, [buf.data[:got]], chunk_nbytes, url)
     except BaseException:
         pool.give(buf)
@@ -158,11 +180,17 @@ def slab_crcs(piece: Piece, subs: list[int] | None, sub_nbytes: int) -> list[int
     skip, end = piece.first - piece.read_start, piece.last - piece.read_start
     if subs is None or skip % sub_nbytes or (end % sub_nbytes and piece.last != piece.read_end):
         return None
-    return subs[skip // sub_nbytes:-(-end // sub_nbytes)]
+    return subs[skip // sub_nbytes : -(-end // sub_nbytes)]
 
 
-def assemble_slab(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry, pool: BufferPool,
-                  chunk_nbytes: int = 0) -> tuple[np.ndarray, np.ndarray | None, list[int] | None]:
+def assemble_slab(
+    src: Store,
+    manifest: Manifest,
+    slab: Slab,
+    entry: PlanEntry,
+    pool: BufferPool,
+    chunk_nbytes: int = 0,
+) -> tuple[np.ndarray, np.ndarray | None, list[int] | None]:
     """The slab's bytes in the target dtype, as a contiguous 1-d ``uint8`` array.
 
     Each piece is read, verified, and copied through a strided view of the source
@@ -178,24 +206,29 @@ def assemble_slab(src: Store, manifest: Manifest, slab: Slab, entry: PlanEntry, 
     if slab.zero_copy:
         piece = slab.pieces[0]
         buf, subs = read_piece(src, manifest, piece, pool, chunk_nbytes)
-        data = buf[piece.first - piece.read_start:piece.last - piece.read_start]
+        data = buf[piece.first - piece.read_start : piece.last - piece.read_start]
         return data, buf, slab_crcs(piece, subs, chunk_nbytes)
     itemsize = DTYPE_NBYTES[entry.src_dtype]
     raw = RAW_DTYPES[itemsize]
     held = pool.take(slab.src_nbytes)
     try:
-        out = held[:slab.src_nbytes].view(raw).reshape(slab.box.lengths)
+        out = held[: slab.src_nbytes].view(raw).reshape(slab.box.lengths)
         for piece in slab.pieces:
             buf, _ = read_piece(src, manifest, piece, pool)
             try:
-                seg = buf[piece.first - piece.read_start:piece.last - piece.read_start].view(raw)
+                seg = buf[piece.first - piece.read_start : piece.last - piece.read_start].view(raw)
                 strides = [s * itemsize for s in row_major_strides(piece.saved.lengths)]
-                out[piece.common.relative_to(slab.box)] = as_strided(seg, piece.common.lengths, strides,
-                                                                     writeable=False)
+                out[piece.common.relative_to(slab.box)] = as_strided(
+                    seg, piece.common.lengths, strides, writeable=False
+                )
             finally:
                 pool.give(buf)
         if entry.dtype == entry.src_dtype:
-            return held[:slab.src_nbytes], held, _assembled_crcs(held[:slab.src_nbytes], slab, entry, chunk_nbytes)
+            return (
+                held[: slab.src_nbytes],
+                held,
+                _assembled_crcs(held[: slab.src_nbytes], slab, entry, chunk_nbytes),
+            )
         converted = convert_dtype(out, entry.src_dtype, entry.dtype).reshape(-1).view(np.uint8)
     except BaseException:
         pool.give(held)
@@ -208,10 +241,16 @@ def slab_offset(entry: PlanEntry, slab: Slab) -> int:
     """Byte offset of ``slab`` in its entry's data (target dtype)."""
     if not slab.box.lengths:
         return 0
-    return (slab.box.offsets[0] - entry.box.offsets[0]) * prod(entry.box.lengths[1:]) * DTYPE_NBYTES[entry.dtype]
+    return (
+        (slab.box.offsets[0] - entry.box.offsets[0])
+        * prod(entry.box.lengths[1:])
+        * DTYPE_NBYTES[entry.dtype]
+    )
 
 
-def _assembled_crcs(data: np.ndarray, slab: Slab, entry: PlanEntry, chunk_nbytes: int) -> list[int] | None:
+def _assembled_crcs(
+    data: np.ndarray, slab: Slab, entry: PlanEntry, chunk_nbytes: int
+) -> list[int] | None:
     """The ``chunk_nbytes`` chunk CRCs of an assembled slab, computed here (on a read thread,
     while the bytes are in cache) when the slab starts a chunk of its entry; else ``None``
     (the writer checksums it)."""

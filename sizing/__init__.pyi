@@ -3,6 +3,13 @@
 
 from .estimate import FORMULAS as FORMULAS
 from .gpus import gpu as gpu
-from .presets import DEFAULT_PRESET as DEFAULT_PRESET, PRESETS as PRESETS, preset_of as preset_of, resolve_model as resolve_model
-from .search import plan as plan, plan_warnings as plan_warnings
-from .verdict import Job as Job, fixes as fixes, judge as judge, warnings as warnings
+from .presets import DEFAULT_PRESET as DEFAULT_PRESET
+from .presets import PRESETS as PRESETS
+from .presets import preset_of as preset_of
+from .presets import resolve_model as resolve_model
+from .search import plan as plan
+from .search import plan_warnings as plan_warnings
+from .verdict import Job as Job
+from .verdict import fixes as fixes
+from .verdict import judge as judge
+from .verdict import warnings as warnings

@@ -36,7 +36,9 @@ def compute_nbytes(mixed_precision: str) -> int:
     return 2 if mixed_precision == "bf16" else 4
 
 
-def layer_nbytes_per_token(model: ModelConfig, tp: int, c: int, *, sequence_parallel: bool = False) -> float:
+def layer_nbytes_per_token(
+    model: ModelConfig, tp: int, c: int, *, sequence_parallel: bool = False
+) -> float:
     """Bytes one transformer layer keeps for backward, per token of a microbatch (module doc)."""
     h, f = model.hidden_size, model.ffn_hidden_size
     q = model.num_attention_heads * model.head_dim
@@ -47,8 +49,9 @@ def layer_nbytes_per_token(model: ModelConfig, tp: int, c: int, *, sequence_para
     return 2 * norm + 5 * c * q / tp + 4 * c * f / tp
 
 
-def checkpointed_layer_nbytes_per_token(model: ModelConfig, tp: int, c: int, *,
-                                        sequence_parallel: bool = False) -> float:
+def checkpointed_layer_nbytes_per_token(
+    model: ModelConfig, tp: int, c: int, *, sequence_parallel: bool = False
+) -> float:
     """Bytes a layer under activation checkpointing keeps, per token: its input (module doc)."""
     return c * model.hidden_size / (tp if sequence_parallel and tp > 1 else 1)
 

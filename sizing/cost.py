@@ -31,12 +31,10 @@ MFU = model FLOPs of the step (no recomputation) / (GPUs x peak x step time) (Ch
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from math import prod
 
-from shardsmith.layout import ParallelDims
+from shardsmith.layout import ModelConfig, ParallelDims, stage_layers
 from shardsmith.sizing.gpus import Gpu
-from shardsmith.layout import ModelConfig, stage_layers
 from shardsmith.sizing.verdict import Job
 
 #: Best fraction of the dense bf16 peak a large bf16 GEMM reaches (cuBLAS on A100/H100).
@@ -86,7 +84,9 @@ def model_counts(model: ModelConfig) -> tuple[int, int, float]:
     return max(layers.values()), rest, flops_per_token(model)
 
 
-def step_cost(job: Job, gpu: Gpu, gpus_per_node: int, counts: tuple[int, int, float] | None = None) -> StepCost:
+def step_cost(
+    job: Job, gpu: Gpu, gpus_per_node: int, counts: tuple[int, int, float] | None = None
+) -> StepCost:
     """The step time of ``job`` on ``gpu`` (module doc). ``gpus_per_node`` decides which
     groups stay on NVLink: tp always (the planner keeps it in a node), data parallelism when
     ``tp * dp_shard <= gpus_per_node``. ``counts``: :func:`model_counts` of the job's model."""
@@ -103,11 +103,22 @@ def step_cost(job: Job, gpu: Gpu, gpus_per_node: int, counts: tuple[int, int, fl
     flops_mb = per_token * tokens_mb / (d.tp * d.pp) * slowest
     recompute = 4 / 3 if job.activation_checkpointing else 1.0
     compute = flops_mb * recompute / (gpu.peak_bf16_flops * matmul_efficiency(m, d.tp, mb))
-    nvlink, net = gpu.nvlink_bytes_per_s * LINK_EFFICIENCY, gpu.network_bytes_per_s * LINK_EFFICIENCY
+    nvlink, net = (
+        gpu.nvlink_bytes_per_s * LINK_EFFICIENCY,
+        gpu.network_bytes_per_s * LINK_EFFICIENCY,
+    )
     act_bytes = tokens_mb * m.hidden_size * c
     tp_comm = 0.0
     if d.tp > 1:
-        tp_comm = max(work) * (6 if job.activation_checkpointing else 4) * 2 * (d.tp - 1) / d.tp * act_bytes / nvlink
+        tp_comm = (
+            max(work)
+            * (6 if job.activation_checkpointing else 4)
+            * 2
+            * (d.tp - 1)
+            / d.tp
+            * act_bytes
+            / nvlink
+        )
     pp_comm = 2 * act_bytes / (d.tp if job.sequence_parallel else 1) / net if d.pp > 1 else 0.0
     stage_params = (max(len(ls) for ls in stage_layers(m, d)) * layer_params + root_params) / d.tp
     fsdp = 0.0
@@ -122,7 +133,14 @@ def step_cost(job: Job, gpu: Gpu, gpus_per_node: int, counts: tuple[int, int, fl
         dp_ar = 2 * (d.dp_replicate - 1) / d.dp_replicate * stage_params / d.dp_shard * 4 / net
     step = busy + bubble + dp_ar
     tokens = job.global_batch_size * m.seq_length
-    return StepCost(compute_s=num_mb * compute, tp_comm_s=num_mb * tp_comm, pp_comm_s=num_mb * pp_comm,
-                    fsdp_exposed_s=num_mb * max(0.0, fsdp - compute), dp_allreduce_s=dp_ar, bubble_s=bubble,
-                    step_s=step, mfu=per_token * tokens / (d.world_size * gpu.peak_bf16_flops * step),
-                    tokens_per_s=tokens / step)
+    return StepCost(
+        compute_s=num_mb * compute,
+        tp_comm_s=num_mb * tp_comm,
+        pp_comm_s=num_mb * pp_comm,
+        fsdp_exposed_s=num_mb * max(0.0, fsdp - compute),
+        dp_allreduce_s=dp_ar,
+        bubble_s=bubble,
+        step_s=step,
+        mfu=per_token * tokens / (d.world_size * gpu.peak_bf16_flops * step),
+        tokens_per_s=tokens / step,
+    )

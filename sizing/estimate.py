@@ -45,41 +45,47 @@ from dataclasses import asdict, dataclass, field
 from math import prod
 from typing import Any
 
+from shardsmith.layout import (
+    MESH_AXES,
+    ModelConfig,
+    ParallelDims,
+    TensorSpec,
+    flops_per_token,
+    padded_vocab_size,
+    param_specs,
+    stage_layers,
+)
 from shardsmith.sizing import activations as act
-from shardsmith.layout import MESH_AXES, ParallelDims
 from shardsmith.sizing.gpus import process_groups, process_overhead_nbytes
-from shardsmith.layout import ModelConfig, stage_layers
 from shardsmith.sizing.peak import stage_transient
-from shardsmith.layout import flops_per_token
-from shardsmith.layout import TensorSpec, padded_vocab_size, param_specs
 
 #: Bytes per parameter element: fp32 weight, fp32 gradient, AdamW's two fp32 moments.
 PARAM_NBYTES, GRAD_NBYTES, OPTIM_NBYTES = 4, 4, 8
 
 FORMULAS = {
     "activation": "per token, layer and microbatch 2*(4h + 2ch) + 5cq/t + 4cf/t bytes at c bytes per value "
-                  "(2 under bf16, 4 in fp32; q = heads*head_dim, f = ffn), the norms (4h + ch)/t + ch each with "
-                  "sequence parallelism (counted from shardsmith's block: fused attention keeps no s x s scores, "
-                  "no dropout; Korthikanti et al. 2022 eq. 2 counts sbh(34 + 5as/h) for GPT with both); with "
-                  "activation checkpointing c*h per layer (/t with SP) + one full layer (their sec. 4.1); off "
-                  "stage 0 the stage input; min(P - stage, M) microbatches in flight under 1F1B, x(1 + "
-                  "(P-1)/(P*V)) interleaved (sec. 4.2.3)",
+    "(2 under bf16, 4 in fp32; q = heads*head_dim, f = ffn), the norms (4h + ch)/t + ch each with "
+    "sequence parallelism (counted from shardsmith's block: fused attention keeps no s x s scores, "
+    "no dropout; Korthikanti et al. 2022 eq. 2 counts sbh(34 + 5as/h) for GPT with both); with "
+    "activation checkpointing c*h per layer (/t with SP) + one full layer (their sec. 4.1); off "
+    "stage 0 the stage input; min(P - stage, M) microbatches in flight under 1F1B, x(1 + "
+    "(P-1)/(P*V)) interleaved (sec. 4.2.3)",
     "loss": "last stage, per microbatch: s*b*V/t*(c + 4 + 4 + 4) bytes at c = 2 (bf16), s*b*V/t*(4 + 4 + 4) in "
-            "fp32: logits, their fp32 copy (bf16 only), log-softmax, its gradient",
+    "fp32: logits, their fp32 copy (bf16 only), log-softmax, its gradient",
     "peak": "weights + gradients + AdamW state + kept activations + gathered root parameters + the largest of: "
-            "a block's FSDP buffers (+ the last stage's output gradient), all root gradients (end of "
-            "backward), the loss",
+    "a block's FSDP buffers (+ the last stage's output gradient), all root gradients (end of "
+    "backward), the loss",
     "bubble": "(P - 1) / (V * M), V virtual stages per rank (Narayanan et al. 2021, sec. 2.2: 1F1B at "
-              "V = 1, interleaved 1F1B sec. 2.2.2)",
+    "V = 1, interleaved 1F1B sec. 2.2.2)",
     "flops": "(6*N + 12*L*H*Q*T) * tokens, N = matmul parameters (all but the input embedding) "
-             "(Chowdhery et al. 2022, PaLM, appendix B)",
+    "(Chowdhery et al. 2022, PaLM, appendix B)",
     "memory": "per parameter element: fp32 weight 4 + fp32 gradient 4 + AdamW moments 8 bytes",
     "context_parallel": "tokens per rank s/cp; activations of s/cp tokens without the 5as/h scores "
-                        "(flash / memory-efficient attention) plus the gathered K,V 2*s*b*k*d/t values per "
-                        "layer; K/V all-gather per layer and microbatch 2*s*b*k*d/t*(cp-1)/cp values "
-                        "received (forward), as many sent by the backward's reduce-scatter",
+    "(flash / memory-efficient attention) plus the gathered K,V 2*s*b*k*d/t values per "
+    "layer; K/V all-gather per layer and microbatch 2*s*b*k*d/t*(cp-1)/cp values "
+    "received (forward), as many sent by the backward's reduce-scatter",
     "moe": "experts per rank E/ep, expert hidden units per rank F/tp; all-to-all bytes sent per rank, "
-           "MoE layer and microbatch 4*s*b*K*h*(ep-1)/ep values (dispatch + combine, forward + backward)",
+    "MoE layer and microbatch 4*s*b*K*h*(ep-1)/ep values (dispatch + combine, forward + backward)",
 }
 
 
@@ -97,25 +103,54 @@ def _specs(model: ModelConfig, dims: ParallelDims) -> dict[str, TensorSpec]:
     return _SPECS[key]
 
 
-
-def activation_nbytes_per_layer(model: ModelConfig, micro_batch_size: int, tp: int, *,
-                                bytes_per_value: int = 2, recompute: bool = False,
-                                sequence_parallel: bool = False, cp: int = 1) -> int:
+def activation_nbytes_per_layer(
+    model: ModelConfig,
+    micro_batch_size: int,
+    tp: int,
+    *,
+    bytes_per_value: int = 2,
+    recompute: bool = False,
+    sequence_parallel: bool = False,
+    cp: int = 1,
+) -> int:
     """Activation bytes one transformer layer keeps for one microbatch: ``s/cp * b`` times the
     per-token counts of :mod:`shardsmith.sizing.activations` (``recompute``: only the layer
     input, ``c*h``, over t with sequence parallelism); ``cp`` > 1 adds the K/V of the whole
     sequence that the layer's all-gather brought in and backward keeps."""
     tokens = model.seq_length // cp * micro_batch_size
     if recompute:
-        return int(tokens * act.checkpointed_layer_nbytes_per_token(model, tp, bytes_per_value,
-                                                                    sequence_parallel=sequence_parallel))
-    kv = 0 if cp == 1 else (2 * model.seq_length * micro_batch_size * max(1, model.num_kv_heads // tp)
-                            * model.head_dim * bytes_per_value)
-    return int(tokens * act.layer_nbytes_per_token(model, tp, bytes_per_value, sequence_parallel=sequence_parallel)) + kv
+        return int(
+            tokens
+            * act.checkpointed_layer_nbytes_per_token(
+                model, tp, bytes_per_value, sequence_parallel=sequence_parallel
+            )
+        )
+    kv = (
+        0
+        if cp == 1
+        else (
+            2
+            * model.seq_length
+            * micro_batch_size
+            * max(1, model.num_kv_heads // tp)
+            * model.head_dim
+            * bytes_per_value
+        )
+    )
+    return (
+        int(
+            tokens
+            * act.layer_nbytes_per_token(
+                model, tp, bytes_per_value, sequence_parallel=sequence_parallel
+            )
+        )
+        + kv
+    )
 
 
-def context_parallel_estimate(model: ModelConfig, dims: ParallelDims, micro_batch_size: int,
-                              bytes_per_value: int) -> dict[str, Any]:
+def context_parallel_estimate(
+    model: ModelConfig, dims: ParallelDims, micro_batch_size: int, bytes_per_value: int
+) -> dict[str, Any]:
     """The dry run's context-parallel figures (module doc); {} without cp.
 
     Returns ``cp``, ``tokens_per_rank`` (s/cp), ``kv_gather_nbytes_per_layer_microbatch``
@@ -126,9 +161,12 @@ def context_parallel_estimate(model: ModelConfig, dims: ParallelDims, micro_batc
         return {}
     kv_local = max(1, model.num_kv_heads // dims.tp)
     whole = 2 * model.seq_length * micro_batch_size * kv_local * model.head_dim * bytes_per_value
-    return {"cp": dims.cp, "tokens_per_rank": model.seq_length // dims.cp,
-            "kv_gather_nbytes_per_layer_microbatch": whole * (dims.cp - 1) // dims.cp,
-            "rope_scaling": model.rope_scaling}
+    return {
+        "cp": dims.cp,
+        "tokens_per_rank": model.seq_length // dims.cp,
+        "kv_gather_nbytes_per_layer_microbatch": whole * (dims.cp - 1) // dims.cp,
+        "rope_scaling": model.rope_scaling,
+    }
 
 
 @dataclass(frozen=True)
@@ -161,8 +199,13 @@ class RankRole:
         """What PyTorch's allocator holds at the step's peak: weights + gradients + optimizer
         state + activations + the largest transient phase (:func:`transient_nbytes`: FSDP
         buffers, root gradients or the last stage's loss, which never coexist)."""
-        return (self.param_nbytes + self.grad_nbytes + self.optim_nbytes + self.activation_nbytes
-                + self.transient_nbytes)
+        return (
+            self.param_nbytes
+            + self.grad_nbytes
+            + self.optim_nbytes
+            + self.activation_nbytes
+            + self.transient_nbytes
+        )
 
     @property
     def tracked_peak_nbytes(self) -> int:
@@ -179,8 +222,12 @@ class RankRole:
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe dict, with ``total_nbytes`` and ``peak_nbytes``."""
-        return {**asdict(self), "layers": list(self.layers), "total_nbytes": self.total_nbytes,
-                "peak_bytes": self.peak_nbytes}
+        return {
+            **asdict(self),
+            "layers": list(self.layers),
+            "total_nbytes": self.total_nbytes,
+            "peak_bytes": self.peak_nbytes,
+        }
 
 
 @dataclass(frozen=True)
@@ -204,24 +251,36 @@ class Estimate:
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe dict: model config, layout, totals, formulas and one record per role."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("model", "dims", "roles", "moe",
-                                                                   "context_parallel")}
+        out = {
+            k: v
+            for k, v in asdict(self).items()
+            if k not in ("model", "dims", "roles", "moe", "context_parallel")
+        }
         if self.moe:
             out["moe"] = self.moe
         if self.context_parallel:
             out["context_parallel"] = self.context_parallel
-        return {"model": self.model.to_json(),
-                "parallel": {**self.dims.to_json(), "world_size": self.dims.world_size,
-                             "layout": self.dims.describe()},
-                **out, "flops_per_rank_per_step": self.flops_per_step / self.dims.world_size,
-                "formulas": FORMULAS, "roles": [r.to_json() for r in self.roles]}
+        return {
+            "model": self.model.to_json(),
+            "parallel": {
+                **self.dims.to_json(),
+                "world_size": self.dims.world_size,
+                "layout": self.dims.describe(),
+            },
+            **out,
+            "flops_per_rank_per_step": self.flops_per_step / self.dims.world_size,
+            "formulas": FORMULAS,
+            "roles": [r.to_json() for r in self.roles],
+        }
 
 
 def _class_key(spec: TensorSpec) -> tuple[Any, ...]:
     return (spec.shape, spec.dim_axes, spec.pad_dim0_to, spec.tp_replicas)
 
 
-def _local_numels(spec: TensorSpec, dims: ParallelDims, first_only: bool = False) -> list[list[int]]:
+def _local_numels(
+    spec: TensorSpec, dims: ParallelDims, first_only: bool = False
+) -> list[list[int]]:
     """``[tp index][FSDP index over dp_shard x cp]`` -> elements the rank holds (the plan's
     boxes); only ``[0][0]`` with ``first_only``."""
     coords = dict.fromkeys(MESH_AXES, 0)
@@ -235,8 +294,9 @@ def _local_numels(spec: TensorSpec, dims: ParallelDims, first_only: bool = False
     return out
 
 
-def _stage_numels(specs: dict[str, TensorSpec], dims: ParallelDims,
-                  first_only: bool = False) -> list[dict[tuple[int, int], int]]:
+def _stage_numels(
+    specs: dict[str, TensorSpec], dims: ParallelDims, first_only: bool = False
+) -> list[dict[tuple[int, int], int]]:
     """Per stage: (tp index, dp_shard index) -> parameter elements held (only (0, 0) with
     ``first_only``). Tensors of equal shape and placement are counted once and multiplied
     (the layers repeat)."""
@@ -258,9 +318,17 @@ def _stage_numels(specs: dict[str, TensorSpec], dims: ParallelDims,
     return out
 
 
-def _activation_nbytes(model: ModelConfig, dims: ParallelDims, stage: int, num_layers: int,
-                       micro_batch_size: int, num_microbatches: int, bytes_per_value: int,
-                       recompute: bool, sequence_parallel: bool = False) -> tuple[int, int]:
+def _activation_nbytes(
+    model: ModelConfig,
+    dims: ParallelDims,
+    stage: int,
+    num_layers: int,
+    micro_batch_size: int,
+    num_microbatches: int,
+    bytes_per_value: int,
+    recompute: bool,
+    sequence_parallel: bool = False,
+) -> tuple[int, int]:
     """(activation bytes, microbatches in flight) of one rank of ``stage``: its layers'
     saved activations times the 1F1B stage's ``min(P - stage, M)`` microbatches in flight
     (x ``1 + (P-1)/(P*V)`` interleaved; Korthikanti et al. sec. 4.2.3), the stage's input of
@@ -268,11 +336,15 @@ def _activation_nbytes(model: ModelConfig, dims: ParallelDims, stage: int, num_l
     backward rebuilds (:mod:`shardsmith.sizing.activations`)."""
     in_flight = min(dims.pp - stage, num_microbatches)
     kw = {"bytes_per_value": bytes_per_value, "sequence_parallel": sequence_parallel, "cp": dims.cp}
-    per_layer = activation_nbytes_per_layer(model, micro_batch_size, dims.tp, recompute=recompute, **kw)
+    per_layer = activation_nbytes_per_layer(
+        model, micro_batch_size, dims.tp, recompute=recompute, **kw
+    )
     total = num_layers * per_layer * in_flight
-    if stage > 0 and not recompute:                 # the received input (the first layer keeps only a copy)
-        total += in_flight * activation_nbytes_per_layer(model, micro_batch_size, dims.tp, recompute=True, **kw)
-    if dims.virtual_stages > 1:                     # interleaved 1F1B (Korthikanti et al. sec. 4.2.3)
+    if stage > 0 and not recompute:  # the received input (the first layer keeps only a copy)
+        total += in_flight * activation_nbytes_per_layer(
+            model, micro_batch_size, dims.tp, recompute=True, **kw
+        )
+    if dims.virtual_stages > 1:  # interleaved 1F1B (Korthikanti et al. sec. 4.2.3)
         total = int(total * (1 + (dims.pp - 1) / (dims.pp * dims.virtual_stages)))
     if recompute and num_layers:
         total += activation_nbytes_per_layer(model, micro_batch_size, dims.tp, **kw)
@@ -283,8 +355,12 @@ def unsharded_numels(model: ModelConfig, dims: ParallelDims) -> tuple[list[int],
     """Per stage: (largest transformer block's, root's) parameter elements one rank holds
     while FSDP has them all-gathered (its TP share; expert-parallel experts, never gathered,
     left out). The root is what is not in a block: embedding, final norm, output."""
-    one = ParallelDims(tp=dims.tp, pp=dims.pp, pipeline_split=dims.pipeline_split,
-                       virtual_stages=dims.virtual_stages)
+    one = ParallelDims(
+        tp=dims.tp,
+        pp=dims.pp,
+        pipeline_split=dims.pipeline_split,
+        virtual_stages=dims.virtual_stages,
+    )
     coords = dict.fromkeys(MESH_AXES, 0)
     blocks: list[Counter] = [Counter() for _ in range(dims.pp)]
     roots = [0] * dims.pp
@@ -318,8 +394,14 @@ def root_grad_numels(model: ModelConfig, dims: ParallelDims) -> list[int]:
     return out
 
 
-def _stage_roles(model: ModelConfig, dims: ParallelDims, specs: dict[str, TensorSpec], stage: int,
-                 cells: dict[tuple[int, int], int], extra: dict[str, int]) -> list[RankRole]:
+def _stage_roles(
+    model: ModelConfig,
+    dims: ParallelDims,
+    specs: dict[str, TensorSpec],
+    stage: int,
+    cells: dict[tuple[int, int], int],
+    extra: dict[str, int],
+) -> list[RankRole]:
     """The roles of one stage: its ranks grouped by the parameter elements they hold."""
     layers = stage_layers(model, dims)[stage]
     num_tensors = sum(1 for s in specs.values() if stage in s.stages)
@@ -329,18 +411,37 @@ def _stage_roles(model: ModelConfig, dims: ParallelDims, specs: dict[str, Tensor
     roles = []
     for numel, members in sorted(groups.items(), reverse=True):
         t, i = members[0]
-        rank = dims.rank_of({"pp": stage, "dp_replicate": 0, "dp_shard": i // dims.cp, "cp": i % dims.cp, "tp": t})
-        roles.append(RankRole(
-            stage=stage, layers=(layers[0], layers[-1]), num_ranks=len(members) * dims.dp_replicate,
-            example_rank=rank, num_params=numel, param_nbytes=PARAM_NBYTES * numel,
-            grad_nbytes=GRAD_NBYTES * numel, optim_nbytes=OPTIM_NBYTES * numel,
-            checkpoint_nbytes=(PARAM_NBYTES + OPTIM_NBYTES) * numel + 4 * num_tensors, **extra))
+        rank = dims.rank_of(
+            {"pp": stage, "dp_replicate": 0, "dp_shard": i // dims.cp, "cp": i % dims.cp, "tp": t}
+        )
+        roles.append(
+            RankRole(
+                stage=stage,
+                layers=(layers[0], layers[-1]),
+                num_ranks=len(members) * dims.dp_replicate,
+                example_rank=rank,
+                num_params=numel,
+                param_nbytes=PARAM_NBYTES * numel,
+                grad_nbytes=GRAD_NBYTES * numel,
+                optim_nbytes=OPTIM_NBYTES * numel,
+                checkpoint_nbytes=(PARAM_NBYTES + OPTIM_NBYTES) * numel + 4 * num_tensors,
+                **extra,
+            )
+        )
     return roles
 
 
-def estimate(model: ModelConfig, dims: ParallelDims, *, micro_batch_size: int, global_batch_size: int,
-             activation_checkpointing: bool = False, mixed_precision: str = "fp32",
-             sequence_parallel: bool = False, first_rank_only: bool = False) -> Estimate:
+def estimate(
+    model: ModelConfig,
+    dims: ParallelDims,
+    *,
+    micro_batch_size: int,
+    global_batch_size: int,
+    activation_checkpointing: bool = False,
+    mixed_precision: str = "fp32",
+    sequence_parallel: bool = False,
+    first_rank_only: bool = False,
+) -> Estimate:
     """Per-role memory, FLOPs and bubble of training ``model`` under ``dims`` (module doc).
 
     ``first_rank_only``: one role per stage, the rank with tp = dp_shard = 0, which holds the
@@ -356,9 +457,14 @@ def estimate(model: ModelConfig, dims: ParallelDims, *, micro_batch_size: int, g
     """
     from shardsmith.errors import ConfigError
 
-    if global_batch_size % (micro_batch_size * dims.dp) or global_batch_size < micro_batch_size * dims.dp:
-        raise ConfigError(f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size="
-                          f"{micro_batch_size} x dp={dims.dp}")
+    if (
+        global_batch_size % (micro_batch_size * dims.dp)
+        or global_batch_size < micro_batch_size * dims.dp
+    ):
+        raise ConfigError(
+            f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size="
+            f"{micro_batch_size} x dp={dims.dp}"
+        )
     num_microbatches = global_batch_size // (micro_batch_size * dims.dp)
     specs = _specs(model, dims)
     c = 2 if mixed_precision == "bf16" else 4
@@ -367,30 +473,59 @@ def estimate(model: ModelConfig, dims: ParallelDims, *, micro_batch_size: int, g
     groups = process_groups(dims)
     roles = []
     for stage, cells in enumerate(_stage_numels(specs, dims, first_rank_only)):
-        act_nbytes, in_flight = _activation_nbytes(model, dims, stage, len(stage_layers(model, dims)[stage]),
-                                                   micro_batch_size, num_microbatches, c,
-                                                   activation_checkpointing, sequence_parallel)
-        extra = {"activation_nbytes": act_nbytes, "microbatches_in_flight": in_flight,
-                 **stage_transient(model, dims, stage, blocks[stage], roots[stage], root_grads[stage], c,
-                                    micro_batch_size),
-                 "process_nbytes": process_overhead_nbytes(groups)}
+        act_nbytes, in_flight = _activation_nbytes(
+            model,
+            dims,
+            stage,
+            len(stage_layers(model, dims)[stage]),
+            micro_batch_size,
+            num_microbatches,
+            c,
+            activation_checkpointing,
+            sequence_parallel,
+        )
+        extra = {
+            "activation_nbytes": act_nbytes,
+            "microbatches_in_flight": in_flight,
+            **stage_transient(
+                model,
+                dims,
+                stage,
+                blocks[stage],
+                roots[stage],
+                root_grads[stage],
+                c,
+                micro_batch_size,
+            ),
+            "process_nbytes": process_overhead_nbytes(groups),
+        }
         roles.extend(_stage_roles(model, dims, specs, stage, cells, extra))
     total = sum(prod(s.shape) for s in specs.values())
     tokens = global_batch_size * model.seq_length
     per_token = flops_per_token(model)
-    return Estimate(model=model, dims=dims, total_params=total,
-                    checkpoint_nbytes=(PARAM_NBYTES + OPTIM_NBYTES) * total + 4 * len(specs),
-                    micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
-                    num_microbatches=num_microbatches, tokens_per_step=tokens,
-                    pipeline_bubble_fraction=(dims.pp - 1) / (dims.virtual_stages * num_microbatches),
-                    flops_per_token=per_token, flops_per_step=per_token * tokens, roles=roles,
-                    moe=moe_estimate(model, dims, micro_batch_size, 2 if mixed_precision == "bf16" else 4),
-                    context_parallel=context_parallel_estimate(model, dims, micro_batch_size,
-                                                               2 if mixed_precision == "bf16" else 4))
+    return Estimate(
+        model=model,
+        dims=dims,
+        total_params=total,
+        checkpoint_nbytes=(PARAM_NBYTES + OPTIM_NBYTES) * total + 4 * len(specs),
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        num_microbatches=num_microbatches,
+        tokens_per_step=tokens,
+        pipeline_bubble_fraction=(dims.pp - 1) / (dims.virtual_stages * num_microbatches),
+        flops_per_token=per_token,
+        flops_per_step=per_token * tokens,
+        roles=roles,
+        moe=moe_estimate(model, dims, micro_batch_size, 2 if mixed_precision == "bf16" else 4),
+        context_parallel=context_parallel_estimate(
+            model, dims, micro_batch_size, 2 if mixed_precision == "bf16" else 4
+        ),
+    )
 
 
-def moe_estimate(model: ModelConfig, dims: ParallelDims, micro_batch_size: int,
-                 bytes_per_value: int) -> dict[str, Any]:
+def moe_estimate(
+    model: ModelConfig, dims: ParallelDims, micro_batch_size: int, bytes_per_value: int
+) -> dict[str, Any]:
     """The dry run's MoE figures (module doc); {} for a dense model.
 
     Returns ``num_moe_layers``, ``experts_per_rank`` (E/ep), ``expert_ffn_per_rank`` (F/tp,
@@ -404,6 +539,11 @@ def moe_estimate(model: ModelConfig, dims: ParallelDims, micro_batch_size: int,
     layers = sum(1 for i in range(model.num_layers) if model.is_moe_layer(i))
     ep = dims.expert_parallel
     values = 4 * model.seq_length * micro_batch_size * k * h * (ep - 1) // ep
-    return {"num_moe_layers": layers, "experts_per_rank": e // ep, "expert_ffn_per_rank": -(-f // dims.tp),
-            "expert_params": layers * 3 * e * f * h, "active_expert_params_per_token": layers * 3 * k * f * h,
-            "dispatch_nbytes_per_layer_microbatch": values * bytes_per_value}
+    return {
+        "num_moe_layers": layers,
+        "experts_per_rank": e // ep,
+        "expert_ffn_per_rank": -(-f // dims.tp),
+        "expert_params": layers * 3 * e * f * h,
+        "active_expert_params_per_token": layers * 3 * k * f * h,
+        "dispatch_nbytes_per_layer_microbatch": values * bytes_per_value,
+    }

@@ -49,14 +49,23 @@ class Gpu:
     network_bytes_per_s: float
 
 
-GPUS: dict[str, Gpu] = {g.name: g for g in (
-    Gpu("a100-80gb", 81920 * MiB, 312e12, 300e9, 25e9),
-    Gpu("h100", 81559 * MiB, 989e12, 450e9, 50e9),
-    Gpu("h200", 143771 * MiB, 989e12, 450e9, 50e9),
-    Gpu("b200", 183359 * MiB, 2250e12, 900e9, 50e9),
-)}
-ALIASES = {"a100": "a100-80gb", "a100-sxm": "a100-80gb", "h100-sxm": "h100", "h100-80gb": "h100",
-           "h200-sxm": "h200", "b200-sxm": "b200"}
+GPUS: dict[str, Gpu] = {
+    g.name: g
+    for g in (
+        Gpu("a100-80gb", 81920 * MiB, 312e12, 300e9, 25e9),
+        Gpu("h100", 81559 * MiB, 989e12, 450e9, 50e9),
+        Gpu("h200", 143771 * MiB, 989e12, 450e9, 50e9),
+        Gpu("b200", 183359 * MiB, 2250e12, 900e9, 50e9),
+    )
+}
+ALIASES = {
+    "a100": "a100-80gb",
+    "a100-sxm": "a100-80gb",
+    "h100-sxm": "h100",
+    "h100-80gb": "h100",
+    "h200-sxm": "h200",
+    "b200-sxm": "b200",
+}
 
 
 def gpu(name: str) -> Gpu:
@@ -68,8 +77,10 @@ def gpu(name: str) -> Gpu:
     key = name.strip().lower()
     key = ALIASES.get(key, key)
     if key not in GPUS:
-        raise ConfigError(f"--gpu {name!r}: unknown accelerator; known: {', '.join(GPUS)} "
-                          "(or give --gpu-memory SIZE)")
+        raise ConfigError(
+            f"--gpu {name!r}: unknown accelerator; known: {', '.join(GPUS)} "
+            "(or give --gpu-memory SIZE)"
+        )
     return GPUS[key]
 
 

@@ -8,16 +8,21 @@ the real code on fake tensors.
 
 from __future__ import annotations
 
+from shardsmith.layout import ModelConfig, ParallelDims, padded_vocab_size
 from shardsmith.sizing import activations as act
-from shardsmith.layout import ParallelDims
-from shardsmith.layout import ModelConfig
-from shardsmith.layout import padded_vocab_size
 
 
-def loss_nbytes(model: ModelConfig, dims: ParallelDims, micro_batch_size: int, bytes_per_value: int) -> int:
+def loss_nbytes(
+    model: ModelConfig, dims: ParallelDims, micro_batch_size: int, bytes_per_value: int
+) -> int:
     """The last stage's logits and loss of one microbatch (:func:`activations.loss_nbytes_per_token`)."""
     vocab = padded_vocab_size(model.vocab_size, dims.tp) // dims.tp
-    return int(model.seq_length // dims.cp * micro_batch_size * act.loss_nbytes_per_token(vocab, bytes_per_value))
+    return int(
+        model.seq_length
+        // dims.cp
+        * micro_batch_size
+        * act.loss_nbytes_per_token(vocab, bytes_per_value)
+    )
 
 
 def fsdp_buffer_nbytes(block_numel: int, root_numel: int, dims: ParallelDims, bf16: bool) -> int:
@@ -33,8 +38,13 @@ def fsdp_buffer_nbytes(block_numel: int, root_numel: int, dims: ParallelDims, bf
     return root_numel * c + block_numel * (3 * c + (4 if bf16 else 0))
 
 
-def transient_nbytes(root_param_nbytes: int, block_buffer_nbytes: int, root_grad_nbytes: int,
-                     early_root_grad_nbytes: int, loss_nbytes: int) -> int:
+def transient_nbytes(
+    root_param_nbytes: int,
+    block_buffer_nbytes: int,
+    root_grad_nbytes: int,
+    early_root_grad_nbytes: int,
+    loss_nbytes: int,
+) -> int:
     """Bytes above the sharded state and the kept activations at the step's peak.
 
     The root's gathered parameters (``root_param_nbytes``; FSDP2 keeps the root unsharded from
@@ -46,16 +56,34 @@ def transient_nbytes(root_param_nbytes: int, block_buffer_nbytes: int, root_grad
     last, before the root's reduce-scatter) and the loss (``loss_nbytes``). Measured against
     the real code by ``bench/fake_scale.py``; the sum of the three overstated 70B's first and
     last stages by 13-19 %."""
-    return root_param_nbytes + max(block_buffer_nbytes + early_root_grad_nbytes, root_grad_nbytes, loss_nbytes)
+    return root_param_nbytes + max(
+        block_buffer_nbytes + early_root_grad_nbytes, root_grad_nbytes, loss_nbytes
+    )
 
 
-def stage_transient(model: ModelConfig, dims: ParallelDims, stage: int, block: int, root: int,
-                     root_grad: int, c: int, micro_batch_size: int) -> dict[str, int]:
+def stage_transient(
+    model: ModelConfig,
+    dims: ParallelDims,
+    stage: int,
+    block: int,
+    root: int,
+    root_grad: int,
+    c: int,
+    micro_batch_size: int,
+) -> dict[str, int]:
     """The FSDP, root-gradient and loss fields of one stage's roles (:func:`transient_nbytes`)."""
     buffers = fsdp_buffer_nbytes(block, root, dims, c == 2)
     root_param = c * root if buffers else 0
-    embedding = padded_vocab_size(model.vocab_size, dims.tp) * model.hidden_size if stage == 0 else 0
+    embedding = (
+        padded_vocab_size(model.vocab_size, dims.tp) * model.hidden_size if stage == 0 else 0
+    )
     loss = loss_nbytes(model, dims, micro_batch_size, c) if stage == dims.pp - 1 else 0
     early = c * max(0, root_grad - embedding) if stage == dims.pp - 1 else 0
-    return {"fsdp_buffer_nbytes": buffers, "root_grad_nbytes": c * root_grad, "loss_nbytes": loss,
-            "transient_nbytes": transient_nbytes(root_param, buffers - root_param, c * root_grad, early, loss)}
+    return {
+        "fsdp_buffer_nbytes": buffers,
+        "root_grad_nbytes": c * root_grad,
+        "loss_nbytes": loss,
+        "transient_nbytes": transient_nbytes(
+            root_param, buffers - root_param, c * root_grad, early, loss
+        ),
+    }

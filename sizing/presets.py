@@ -23,8 +23,9 @@ from shardsmith.layout import ModelConfig
 FFN_MULTIPLE_OF = 256
 
 
-def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = FFN_MULTIPLE_OF,
-                          ffn_dim_multiplier: float | None = None) -> int:
+def llama_ffn_hidden_size(
+    hidden_size: int, multiple_of: int = FFN_MULTIPLE_OF, ffn_dim_multiplier: float | None = None
+) -> int:
     """SwiGLU inner width for model width D, as Meta's Llama ``FeedForward`` computes it:
     ``int(2 * 4 * D / 3)`` (times ``ffn_dim_multiplier`` when given), rounded up to a
     multiple of ``multiple_of``. D = 4096 gives 11008 (Llama 2 7B); Llama 3 8B's 14336 is
@@ -36,12 +37,30 @@ def llama_ffn_hidden_size(hidden_size: int, multiple_of: int = FFN_MULTIPLE_OF,
     return multiple_of * -(-width // multiple_of)
 
 
-def _llama(layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, theta: float,
-           seq: int, rope_scaling_factor: float = 0.0) -> ModelConfig:
-    return ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                       num_kv_heads=kv, ffn_hidden_size=ffn, vocab_size=vocab, seq_length=seq,
-                       tie_embeddings=False, rope_theta=theta, norm_eps=1e-5,
-                       rope_scaling_factor=rope_scaling_factor)
+def _llama(
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv: int,
+    ffn: int,
+    vocab: int,
+    theta: float,
+    seq: int,
+    rope_scaling_factor: float = 0.0,
+) -> ModelConfig:
+    return ModelConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_kv_heads=kv,
+        ffn_hidden_size=ffn,
+        vocab_size=vocab,
+        seq_length=seq,
+        tie_embeddings=False,
+        rope_theta=theta,
+        norm_eps=1e-5,
+        rope_scaling_factor=rope_scaling_factor,
+    )
 
 
 #: ``--model`` name -> shape. seq_length is the pre-training context (8192 / 4096); Llama 3.1's
@@ -49,8 +68,15 @@ def _llama(layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, 
 #: (``rope_type "llama3"``, factor 8, low/high frequency factors 1 and 4, original 8192).
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),
-    "debug": ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
-                         ffn_hidden_size=192, vocab_size=256, seq_length=64),
+    "debug": ModelConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=192,
+        vocab_size=256,
+        seq_length=64,
+    ),
     "llama2-7b": _llama(32, 4096, 32, 32, 11008, 32000, 10000.0, 4096),
     "llama2-13b": _llama(40, 5120, 40, 40, 13824, 32000, 10000.0, 4096),
     "llama3-8b": _llama(32, 4096, 32, 8, 14336, 128256, 500000.0, 8192),

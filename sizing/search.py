@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from shardsmith.errors import ConfigError
+from shardsmith.layout import ModelConfig, ParallelDims, validate_layout
 from shardsmith.sizing.cost import StepCost, model_counts, step_cost
-from shardsmith.layout import ParallelDims
 from shardsmith.sizing.gpus import Gpu
-from shardsmith.layout import ModelConfig, validate_layout
 from shardsmith.sizing.verdict import Job, max_peak, warnings
 
 MAX_MEMORY_CHECKS = 400
@@ -38,13 +37,29 @@ class Candidate:
     def to_json(self, device_nbytes: int, model_flags: list[str]) -> dict[str, Any]:
         """``fits``, ``layout``, ``flags``, ``command``, memory, step time, MFU, tokens/s."""
         flags = model_flags + self.job.flags()
-        return {"fits": self.peak_nbytes <= device_nbytes, "layout": self.job.dims.describe(),
-                "flags": flags, "command": "shardsmith train " + " ".join(flags),
-                "peak_bytes": self.peak_nbytes, "headroom_bytes": device_nbytes - self.peak_nbytes,
-                "step_s": self.cost.step_s, "mfu": self.cost.mfu, "tokens_per_s": self.cost.tokens_per_s,
-                "bubble_fraction": self.cost.bubble_s / self.cost.step_s if self.cost.step_s else 0.0,
-                "cost_s": {k: getattr(self.cost, k) for k in ("compute_s", "tp_comm_s", "pp_comm_s",
-                                                              "fsdp_exposed_s", "dp_allreduce_s", "bubble_s")}}
+        return {
+            "fits": self.peak_nbytes <= device_nbytes,
+            "layout": self.job.dims.describe(),
+            "flags": flags,
+            "command": "shardsmith train " + " ".join(flags),
+            "peak_bytes": self.peak_nbytes,
+            "headroom_bytes": device_nbytes - self.peak_nbytes,
+            "step_s": self.cost.step_s,
+            "mfu": self.cost.mfu,
+            "tokens_per_s": self.cost.tokens_per_s,
+            "bubble_fraction": self.cost.bubble_s / self.cost.step_s if self.cost.step_s else 0.0,
+            "cost_s": {
+                k: getattr(self.cost, k)
+                for k in (
+                    "compute_s",
+                    "tp_comm_s",
+                    "pp_comm_s",
+                    "fsdp_exposed_s",
+                    "dp_allreduce_s",
+                    "bubble_s",
+                )
+            },
+        }
 
 
 def _divisors(n: int) -> list[int]:
@@ -65,11 +80,20 @@ def layouts(model: ModelConfig, gpus: int, gpus_per_node: int) -> Iterator[Paral
                 for v in (1, 2, 4) if pp > 1 else (1,):
                     if model.num_layers % (pp * v):
                         continue
-                    eps = (1, dp_shard) if model.num_experts and dp_shard > 1 and \
-                        model.num_experts % dp_shard == 0 else (1,)
+                    eps = (
+                        (1, dp_shard)
+                        if model.num_experts and dp_shard > 1 and model.num_experts % dp_shard == 0
+                        else (1,)
+                    )
                     for ep in eps:
-                        dims = ParallelDims(tp=tp, pp=pp, dp_shard=dp_shard, dp_replicate=dp // dp_shard,
-                                            virtual_stages=v, expert_parallel=ep)
+                        dims = ParallelDims(
+                            tp=tp,
+                            pp=pp,
+                            dp_shard=dp_shard,
+                            dp_replicate=dp // dp_shard,
+                            virtual_stages=v,
+                            expert_parallel=ep,
+                        )
                         try:
                             validate_layout(model, dims)
                         except (ValueError, ArithmeticError):
@@ -77,19 +101,35 @@ def layouts(model: ModelConfig, gpus: int, gpus_per_node: int) -> Iterator[Paral
                         yield dims
 
 
-def jobs(model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_size: int) -> Iterator[Job]:
+def jobs(
+    model: ModelConfig, gpus: int, gpus_per_node: int, global_batch_size: int
+) -> Iterator[Job]:
     """Every job of the search space whose batch divides (module doc)."""
     for dims in layouts(model, gpus, gpus_per_node):
         for mb in (1, 2, 4):
             if global_batch_size % (mb * dims.dp):
                 continue
             for ac in (False, True):
-                yield Job(model, dims, micro_batch_size=mb, global_batch_size=global_batch_size,
-                          activation_checkpointing=ac, mixed_precision="bf16", sequence_parallel=dims.tp > 1)
+                yield Job(
+                    model,
+                    dims,
+                    micro_batch_size=mb,
+                    global_batch_size=global_batch_size,
+                    activation_checkpointing=ac,
+                    mixed_precision="bf16",
+                    sequence_parallel=dims.tp > 1,
+                )
 
 
-def plan(model: ModelConfig, gpus: int, gpus_per_node: int, gpu: Gpu, global_batch_size: int,
-         device_nbytes: int | None = None, top: int = 5) -> list[Candidate]:
+def plan(
+    model: ModelConfig,
+    gpus: int,
+    gpus_per_node: int,
+    gpu: Gpu,
+    global_batch_size: int,
+    device_nbytes: int | None = None,
+    top: int = 5,
+) -> list[Candidate]:
     """The ``top`` fastest jobs that fit ``device_nbytes`` (default: the GPU's memory) per GPU,
     fastest first (module doc).
 
@@ -98,16 +138,20 @@ def plan(model: ModelConfig, gpus: int, gpus_per_node: int, gpu: Gpu, global_bat
     """
     device = device_nbytes or gpu.memory_nbytes
     counts = model_counts(model)
-    ranked = [(step_cost(job, gpu, gpus_per_node, counts), job)
-              for job in jobs(model, gpus, gpus_per_node, global_batch_size)]
+    ranked = [
+        (step_cost(job, gpu, gpus_per_node, counts), job)
+        for job in jobs(model, gpus, gpus_per_node, global_batch_size)
+    ]
     if not ranked:
-        raise ConfigError(f"no layout of {gpus} GPUs ({gpus_per_node} per node) divides the global batch "
-                          f"{global_batch_size} and the model; try a multiple of {gpus} for --global-batch-size")
+        raise ConfigError(
+            f"no layout of {gpus} GPUs ({gpus_per_node} per node) divides the global batch "
+            f"{global_batch_size} and the model; try a multiple of {gpus} for --global-batch-size"
+        )
     ranked.sort(key=lambda x: (round(x[0].step_s, 3), x[1].micro_batch_size))
     found: list[Candidate] = []
     seen: set[str] = set()
     for cost, job in ranked[:MAX_MEMORY_CHECKS]:
-        if repr(job.dims) in seen:                  # one (the fastest, then smallest) job per layout
+        if repr(job.dims) in seen:  # one (the fastest, then smallest) job per layout
             continue
         peak = max_peak(job.estimate(first_rank_only=True))
         if peak <= device:
@@ -116,8 +160,10 @@ def plan(model: ModelConfig, gpus: int, gpus_per_node: int, gpu: Gpu, global_bat
         if len(found) == top:
             break
     if not found:
-        raise ConfigError(f"no layout of {model.num_layers} layers on {gpus} GPUs fits {device / 2**30:.1f} GiB "
-                          "per GPU among the fastest candidates; use more GPUs or a GPU with more memory")
+        raise ConfigError(
+            f"no layout of {model.num_layers} layers on {gpus} GPUs fits {device / 2**30:.1f} GiB "
+            "per GPU among the fastest candidates; use more GPUs or a GPU with more memory"
+        )
     return found
 
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from shardsmith.layout import ParallelDims
+from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.sizing.estimate import Estimate, estimate
-from shardsmith.layout import ModelConfig
 
 #: A pipeline bubble above this fraction of the step is worth a warning (Narayanan et al. 2021
 #: aim for under ~20-25 % by choosing M >= 4P).
@@ -37,11 +36,16 @@ class Job:
 
     def estimate(self, first_rank_only: bool = False) -> Estimate:
         """:func:`shardsmith.sizing.estimate.estimate` of this job (raises as it does)."""
-        return estimate(self.model, self.dims, micro_batch_size=self.micro_batch_size,
-                        global_batch_size=self.global_batch_size,
-                        activation_checkpointing=self.activation_checkpointing,
-                        mixed_precision=self.mixed_precision, sequence_parallel=self.sequence_parallel,
-                        first_rank_only=first_rank_only)
+        return estimate(
+            self.model,
+            self.dims,
+            micro_batch_size=self.micro_batch_size,
+            global_batch_size=self.global_batch_size,
+            activation_checkpointing=self.activation_checkpointing,
+            mixed_precision=self.mixed_precision,
+            sequence_parallel=self.sequence_parallel,
+            first_rank_only=first_rank_only,
+        )
 
     def flags(self) -> list[str]:
         """The ``shardsmith train`` flags of the layout and settings (not the model's)."""
@@ -59,16 +63,28 @@ class Job:
             out.append("--activation-checkpointing")
         if self.sequence_parallel:
             out.append("--sequence-parallel")
-        return out + ["--global-batch-size", str(self.global_batch_size),
-                      "--micro-batch-size", str(self.micro_batch_size)]
+        return out + [
+            "--global-batch-size",
+            str(self.global_batch_size),
+            "--micro-batch-size",
+            str(self.micro_batch_size),
+        ]
 
 
 def judge(est: Estimate, device_nbytes: int) -> list[dict[str, Any]]:
     """Per rank group: ``fits``, ``headroom_bytes`` (negative: short by that much),
     ``peak_bytes`` and the group's stage and example rank."""
-    return [{"stage": r.stage, "example_rank": r.example_rank, "num_ranks": r.num_ranks,
-             "fits": r.peak_nbytes <= device_nbytes, "headroom_bytes": device_nbytes - r.peak_nbytes,
-             "peak_bytes": r.peak_nbytes} for r in est.roles]
+    return [
+        {
+            "stage": r.stage,
+            "example_rank": r.example_rank,
+            "num_ranks": r.num_ranks,
+            "fits": r.peak_nbytes <= device_nbytes,
+            "headroom_bytes": device_nbytes - r.peak_nbytes,
+            "peak_bytes": r.peak_nbytes,
+        }
+        for r in est.roles
+    ]
 
 
 def max_peak(est: Estimate) -> int:
@@ -85,22 +101,32 @@ def _candidates(job: Job) -> list[tuple[str, Job]]:
     if d.tp > 1 and not job.sequence_parallel:
         out.append(("--sequence-parallel", replace(job, sequence_parallel=True)))
     if job.micro_batch_size > 1:
-        out.append((f"--micro-batch-size {job.micro_batch_size // 2}",
-                    replace(job, micro_batch_size=job.micro_batch_size // 2)))
+        out.append(
+            (
+                f"--micro-batch-size {job.micro_batch_size // 2}",
+                replace(job, micro_batch_size=job.micro_batch_size // 2),
+            )
+        )
     if not job.activation_checkpointing:
         out.append(("--activation-checkpointing", replace(job, activation_checkpointing=True)))
     for axis, flag in (("tp", "--tp"), ("pp", "--pp")):
         if d.dp_shard % 2 == 0:
-            bigger = replace(d, **{axis: getattr(d, axis) * 2, "dp_shard": d.dp_shard // 2,
-                                   "pipeline_split": ()})
-            out.append((f"{flag} {getattr(bigger, axis)} --dp-shard {bigger.dp_shard}", replace(job, dims=bigger)))
+            bigger = replace(
+                d, **{axis: getattr(d, axis) * 2, "dp_shard": d.dp_shard // 2, "pipeline_split": ()}
+            )
+            out.append(
+                (
+                    f"{flag} {getattr(bigger, axis)} --dp-shard {bigger.dp_shard}",
+                    replace(job, dims=bigger),
+                )
+            )
     return out
 
 
 def _fits(job: Job, device_nbytes: int) -> tuple[bool, int]:
     try:
         peak = max_peak(job.estimate())
-    except (ValueError, ArithmeticError):          # LayoutError / ConfigError: not a valid change here
+    except (ValueError, ArithmeticError):  # LayoutError / ConfigError: not a valid change here
         return False, 0
     return peak <= device_nbytes, peak
 
@@ -114,7 +140,9 @@ def merge_flags(changes: list[str]) -> list[str]:
         words = change.split()
         for i, word in enumerate(words):
             if word.startswith("--"):
-                value = words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else ""
+                value = (
+                    words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else ""
+                )
                 flags[word] = value
     return [f"{flag} {value}".strip() for flag, value in flags.items()]
 
@@ -130,7 +158,9 @@ def fixes(job: Job, device_nbytes: int, limit: int = 4) -> list[dict[str, Any]]:
     for change, changed in _candidates(job):
         ok, peak = _fits(changed, device_nbytes)
         if ok:
-            found.append({"changes": [change], "peak_bytes": peak, "headroom_bytes": device_nbytes - peak})
+            found.append(
+                {"changes": [change], "peak_bytes": peak, "headroom_bytes": device_nbytes - peak}
+            )
     steps: list[str] = []
     current = job
     for _ in range(8):
@@ -142,8 +172,13 @@ def fixes(job: Job, device_nbytes: int, limit: int = 4) -> list[dict[str, Any]]:
         ok, peak = _fits(current, device_nbytes)
         if ok:
             if len(steps) > 1:
-                found.append({"changes": merge_flags(steps), "peak_bytes": peak,
-                              "headroom_bytes": device_nbytes - peak})
+                found.append(
+                    {
+                        "changes": merge_flags(steps),
+                        "peak_bytes": peak,
+                        "headroom_bytes": device_nbytes - peak,
+                    }
+                )
             break
     return found[:limit]
 
@@ -167,12 +202,16 @@ def warnings(est: Estimate) -> list[str]:
     d = est.dims
     if est.pipeline_bubble_fraction > BUBBLE_WARNING:
         need = -(-4 * d.pp // d.virtual_stages) * est.micro_batch_size * d.dp
-        out.append(f"pipeline bubble {est.pipeline_bubble_fraction:.0%} of the step (> {BUBBLE_WARNING:.0%}): "
-                   f"{est.num_microbatches} microbatches for {d.pp} stages; use --global-batch-size >= {need} "
-                   "(M >= 4P), --virtual-stages, or a smaller --pp")
+        out.append(
+            f"pipeline bubble {est.pipeline_bubble_fraction:.0%} of the step (> {BUBBLE_WARNING:.0%}): "
+            f"{est.num_microbatches} microbatches for {d.pp} stages; use --global-batch-size >= {need} "
+            "(M >= 4P), --virtual-stages, or a smaller --pp"
+        )
     work = stage_work(est) if d.pp > 1 else []
     if work and max(work) > IMBALANCE_WARNING * min(work):
-        out.append(f"pipeline stages unbalanced: {max(work):.1f} vs {min(work):.1f} layer-equivalents of work "
-                   "(the output layer counts on the last stage); set --pipeline-split to give the last stage "
-                   "fewer layers")
+        out.append(
+            f"pipeline stages unbalanced: {max(work):.1f} vs {min(work):.1f} layer-equivalents of work "
+            "(the output layer counts on the last stage); set --pipeline-split to give the last stage "
+            "fewer layers"
+        )
     return out

@@ -1,11 +1,40 @@
 # The face of shardsmith.storage: the names other packages import. Read at import time by lazy_loader
 # (attach_stub), so a name's module is imported on first use; type checkers read it as is.
 
-from .checksum import ChunkedCrc as ChunkedCrc, DEFAULT_CHUNK_NBYTES as DEFAULT_CHUNK_NBYTES, chunk_crc32c as chunk_crc32c, crc32c as crc32c, crc32c_update as crc32c_update, grid_crcs as grid_crcs, require_full_read as require_full_read, verify_chunks as verify_chunks, verify_chunks_split as verify_chunks_split
-from .commit import ensure_not_committed as ensure_not_committed, find_latest_committed as find_latest_committed, no_checkpoint_message as no_checkpoint_message, open_manifest as open_manifest, read_manifest as read_manifest, resolve_checkpoint as resolve_checkpoint, resolve_target as resolve_target, split_step_url as split_step_url
+from .checksum import DEFAULT_CHUNK_NBYTES as DEFAULT_CHUNK_NBYTES
+from .checksum import ChunkedCrc as ChunkedCrc
+from .checksum import chunk_crc32c as chunk_crc32c
+from .checksum import crc32c as crc32c
+from .checksum import crc32c_update as crc32c_update
+from .checksum import grid_crcs as grid_crcs
+from .checksum import require_full_read as require_full_read
+from .checksum import verify_chunks as verify_chunks
+from .checksum import verify_chunks_split as verify_chunks_split
+from .commit import ensure_not_committed as ensure_not_committed
+from .commit import find_latest_committed as find_latest_committed
+from .commit import no_checkpoint_message as no_checkpoint_message
+from .commit import open_manifest as open_manifest
+from .commit import read_manifest as read_manifest
+from .commit import resolve_checkpoint as resolve_checkpoint
+from .commit import resolve_target as resolve_target
+from .commit import split_step_url as split_step_url
 from .crashpoints import crash_point as crash_point
 from .cycle_gc import cycle_gc_paused as cycle_gc_paused
-from .gc import describe_steps as describe_steps, gc_after_commit as gc_after_commit
-from .lineage import CORRUPT_NAME as CORRUPT_NAME, UNNAMED as UNNAMED, check_new_run_root as check_new_run_root, committed_runs as committed_runs, corrupt_mark as corrupt_mark, loadable_steps as loadable_steps, mark_corrupt as mark_corrupt, remove_runs_except as remove_runs_except, rewritten_state as rewritten_state, run_id_of as run_id_of, run_record as run_record
-from .steps import list_steps as list_steps, parse_step_dir as parse_step_dir, read_latest_hint as read_latest_hint, step_dir as step_dir
+from .gc import describe_steps as describe_steps
+from .gc import gc_after_commit as gc_after_commit
+from .lineage import CORRUPT_NAME as CORRUPT_NAME
+from .lineage import UNNAMED as UNNAMED
+from .lineage import check_new_run_root as check_new_run_root
+from .lineage import committed_runs as committed_runs
+from .lineage import corrupt_mark as corrupt_mark
+from .lineage import loadable_steps as loadable_steps
+from .lineage import mark_corrupt as mark_corrupt
+from .lineage import remove_runs_except as remove_runs_except
+from .lineage import rewritten_state as rewritten_state
+from .lineage import run_id_of as run_id_of
+from .lineage import run_record as run_record
+from .steps import list_steps as list_steps
+from .steps import parse_step_dir as parse_step_dir
+from .steps import read_latest_hint as read_latest_hint
+from .steps import step_dir as step_dir
 from .verify import verify_checkpoint as verify_checkpoint

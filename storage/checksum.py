@@ -17,10 +17,11 @@ from typing import Any, Protocol, Sequence
 
 import crc32c as _crc32c_sse42
 
-try:                                  # optional, faster; same function (RFC 3720 CRC-32C)
+try:  # optional, faster; same function (RFC 3720 CRC-32C)
     from crc32c_rs import crc32c as _crc32c_impl
+
     CRC32C_BACKEND = "crc32c-rs"
-except ImportError:                   # pragma: no cover - platforms without its wheels
+except ImportError:  # pragma: no cover - platforms without its wheels
     _crc32c_impl = _crc32c_sse42.crc32c
     CRC32C_BACKEND = "crc32c"
 
@@ -60,13 +61,15 @@ def crc32c(data: bytes | bytearray | memoryview) -> int:
     return int(_crc32c_impl(data))
 
 
-def chunk_crc32c(data: bytes | bytearray | memoryview, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> list[int]:
+def chunk_crc32c(
+    data: bytes | bytearray | memoryview, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES
+) -> list[int]:
     """CRC-32C of each consecutive ``chunk_nbytes`` piece of ``data`` (the last may be short).
 
     An empty ``data`` gives ``[]``.
     """
     view = memoryview(data)
-    return [crc32c(view[i:i + chunk_nbytes]) for i in range(0, len(view), chunk_nbytes)]
+    return [crc32c(view[i : i + chunk_nbytes]) for i in range(0, len(view), chunk_nbytes)]
 
 
 def crc32c_update(data: Any, value: int) -> int:
@@ -74,8 +77,9 @@ def crc32c_update(data: Any, value: int) -> int:
     return int(_crc32c_impl(data, value))
 
 
-def grid_crcs(data: Any, start: int, chunk_nbytes: int,
-              known: Sequence[int] | None = None) -> list[tuple[int, int]]:
+def grid_crcs(
+    data: Any, start: int, chunk_nbytes: int, known: Sequence[int] | None = None
+) -> list[tuple[int, int]]:
     """``(CRC-32C, length)`` of ``data`` (any buffer) cut on a ``chunk_nbytes`` grid, for bytes
     that start at stream position ``start``: the first piece ends at the next multiple of
     ``chunk_nbytes``, then whole chunks, the last may be short. Feed them to
@@ -92,7 +96,7 @@ def grid_crcs(data: Any, start: int, chunk_nbytes: int,
     out, pos = [], 0
     while pos < size:
         n = min(size - pos, chunk_nbytes - (start + pos) % chunk_nbytes)
-        out.append((crc32c(view[pos:pos + n]), n))
+        out.append((crc32c(view[pos : pos + n]), n))
         pos += n
     return out
 
@@ -129,8 +133,10 @@ class ChunkedCrc:
         """
         for crc, n in pieces:
             if self._fill + n > self.chunk_nbytes:
-                raise ValueError(f"a {n}-byte piece at stream byte {self.nbytes} crosses a "
-                                 f"{self.chunk_nbytes}-byte chunk boundary")
+                raise ValueError(
+                    f"a {n}-byte piece at stream byte {self.nbytes} crosses a "
+                    f"{self.chunk_nbytes}-byte chunk boundary"
+                )
             self._crc = crc32c_combine(self._crc, crc, n) if self._fill else crc
             self._fill += n
             self.nbytes += n
@@ -150,6 +156,7 @@ class ChunkedCrc:
 
 # ---- verifying what a ranged read returned: one home for the check and its messages ----
 
+
 def require_full_read(got: int, expected: int, offset: int, url: str) -> None:
     """Raise when a ranged read of ``expected`` bytes at byte ``offset`` of ``url`` returned ``got``.
 
@@ -157,12 +164,15 @@ def require_full_read(got: int, expected: int, offset: int, url: str) -> None:
         IntegrityError: ``got != expected`` (the object ends early: it is truncated).
     """
     if got != expected:
-        raise IntegrityError(f"{url}: truncated — expected {expected} bytes at offset {offset}, got {got}; "
-                             "the file is damaged: restore it, or load or reshard another step")
+        raise IntegrityError(
+            f"{url}: truncated — expected {expected} bytes at offset {offset}, got {got}; "
+            "the file is damaged: restore it, or load or reshard another step"
+        )
 
 
-def verify_chunks(shard: ChecksummedShard, first_chunk: int, views: Sequence[Any], chunk_nbytes: int,
-                  url: str) -> None:
+def verify_chunks(
+    shard: ChecksummedShard, first_chunk: int, views: Sequence[Any], chunk_nbytes: int, url: str
+) -> None:
     """Check bytes read from a shard against the manifest's per-chunk CRC-32Cs.
 
     Args:
@@ -180,34 +190,48 @@ def verify_chunks(shard: ChecksummedShard, first_chunk: int, views: Sequence[Any
     """
     c, value, filled = first_chunk, 0, 0
     need = min(chunk_nbytes, shard.nbytes - c * chunk_nbytes)
-    for v in views:             # one CRC call per view while it fits in the chunk (row segments)
-        view = v if isinstance(v, memoryview) and v.format == "B" and v.ndim == 1 else memoryview(v).cast("B")
+    for v in views:  # one CRC call per view while it fits in the chunk (row segments)
+        view = (
+            v
+            if isinstance(v, memoryview) and v.format == "B" and v.ndim == 1
+            else memoryview(v).cast("B")
+        )
         size, pos = len(view), 0
         while pos < size:
             if need <= 0:
-                _check_chunk(shard, c, value, need, chunk_nbytes, url)          # bytes past the shard
+                _check_chunk(shard, c, value, need, chunk_nbytes, url)  # bytes past the shard
             take = min(size - pos, need - filled)
-            value = _crc32c_impl(view if take == size else view[pos:pos + take], value)
+            value = _crc32c_impl(view if take == size else view[pos : pos + take], value)
             filled += take
             pos += take
             if filled == need:
                 _check_chunk(shard, c, int(value), need, chunk_nbytes, url)
                 c, value, filled = c + 1, 0, 0
                 need = min(chunk_nbytes, shard.nbytes - c * chunk_nbytes)
-    if filled:                  # the bytes end inside a chunk: only its CRC over all of it can match
+    if filled:  # the bytes end inside a chunk: only its CRC over all of it can match
         _check_chunk(shard, c, int(value), filled, chunk_nbytes, url)
 
 
-def _check_chunk(shard: ChecksummedShard, c: int, value: int, need: int, chunk_nbytes: int, url: str) -> None:
+def _check_chunk(
+    shard: ChecksummedShard, c: int, value: int, need: int, chunk_nbytes: int, url: str
+) -> None:
     if c >= len(shard.crc32c) or value != shard.crc32c[c] or need <= 0:
-        start = shard.byte_offset + c * chunk_nbytes          # file offsets, as `shardsmith verify` gives
-        raise IntegrityError(f"{url}: checksum mismatch in {shard.key!r} at bytes [{start}, "
-                             f"{start + max(need, 0)}) of the file — the file is corrupt; restore it, or load "
-                             "or reshard another step")
+        start = shard.byte_offset + c * chunk_nbytes  # file offsets, as `shardsmith verify` gives
+        raise IntegrityError(
+            f"{url}: checksum mismatch in {shard.key!r} at bytes [{start}, "
+            f"{start + max(need, 0)}) of the file — the file is corrupt; restore it, or load "
+            "or reshard another step"
+        )
 
 
-def verify_chunks_split(shard: ChecksummedShard, first_chunk: int, data: Any, chunk_nbytes: int, sub_nbytes: int,
-                        url: str) -> list[int]:
+def verify_chunks_split(
+    shard: ChecksummedShard,
+    first_chunk: int,
+    data: Any,
+    chunk_nbytes: int,
+    sub_nbytes: int,
+    url: str,
+) -> list[int]:
     """:func:`verify_chunks` of one contiguous buffer that also returns the CRC-32Cs of its
     ``sub_nbytes`` pieces (from its first byte; the last may be short), in the same pass:
     each saved chunk's CRC is combined from its pieces' (:func:`crc32c_combine`).
@@ -226,7 +250,7 @@ def verify_chunks_split(shard: ChecksummedShard, first_chunk: int, data: Any, ch
         need = min(chunk_nbytes, shard.nbytes - c * chunk_nbytes, len(view) - pos)
         value = 0
         for start in range(pos, pos + max(need, 0), sub_nbytes):
-            piece = view[start:min(start + sub_nbytes, pos + need)]
+            piece = view[start : min(start + sub_nbytes, pos + need)]
             subs.append(crc32c(piece))
             value = crc32c_combine(value, subs[-1], len(piece))
         _check_chunk(shard, c, value, need, chunk_nbytes, url)
@@ -260,7 +284,7 @@ def _gf2_square(matrix: list[int]) -> list[int]:
 @functools.lru_cache(maxsize=256)
 def _zeros_operator(nbytes: int) -> tuple[int, ...]:
     """The matrix that maps CRC(A) to CRC(A || nbytes zero bytes), conditioning aside."""
-    power = [_CASTAGNOLI_REFLECTED] + [1 << i for i in range(31)]   # one zero bit
+    power = [_CASTAGNOLI_REFLECTED] + [1 << i for i in range(31)]  # one zero bit
     result: list[int] | None = None
     bits = nbytes * 8
     while bits:
@@ -280,7 +304,7 @@ def _zeros_tables(nbytes: int) -> tuple[tuple[int, ...], ...]:
     matrix = _zeros_operator(nbytes)
     tables = []
     for k in range(4):
-        cols = matrix[8 * k:8 * k + 8]
+        cols = matrix[8 * k : 8 * k + 8]
         table = [0] * 256
         for b in range(1, 256):
             low = b & -b
@@ -299,7 +323,13 @@ def crc32c_combine(crc_a: int, crc_b: int, nbytes_b: int) -> int:
     if nbytes_b == 0:
         return crc_a
     t0, t1, t2, t3 = _zeros_tables(nbytes_b)
-    return t0[crc_a & 0xFF] ^ t1[(crc_a >> 8) & 0xFF] ^ t2[(crc_a >> 16) & 0xFF] ^ t3[crc_a >> 24] ^ crc_b
+    return (
+        t0[crc_a & 0xFF]
+        ^ t1[(crc_a >> 8) & 0xFF]
+        ^ t2[(crc_a >> 16) & 0xFF]
+        ^ t3[crc_a >> 24]
+        ^ crc_b
+    )
 
 
 def crc32c_extend(crc: int, chunk_crcs: Sequence[int], nbytes: int, chunk_nbytes: int) -> int:

@@ -14,18 +14,33 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
-from shardsmith.errors import BucketNotFound, CheckpointNotFound, LayoutError, ManifestError, SaveError, TargetCommitted
+from shardsmith.errors import (
+    BucketNotFound,
+    CheckpointNotFound,
+    LayoutError,
+    ManifestError,
+    SaveError,
+    TargetCommitted,
+)
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.cycle_gc import cycle_gc_paused
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.manifest.records import MANIFEST_NAME, Manifest
+from shardsmith.storage.lineage import committed_runs, run_id_of
 from shardsmith.storage.manifest.parse import parse_manifest
 from shardsmith.storage.manifest.read import ManifestReader
+from shardsmith.storage.manifest.records import MANIFEST_NAME, Manifest
 from shardsmith.storage.manifest.v2 import dumps_manifest
-from shardsmith.storage.lineage import committed_runs, run_id_of
-from shardsmith.storage.steps import LATEST_NAME, StepInfo, list_steps, parse_step_dir, read_latest_hint, step_dir  # noqa: F401 (re-exported)
+from shardsmith.storage.steps import (  # noqa: F401 (re-exported)
+    LATEST_NAME,
+    StepInfo,
+    list_steps,
+    parse_step_dir,
+    read_latest_hint,
+    step_dir,
+)
+from shardsmith.storage.store.fs import Store
 
 log = logging.getLogger(__name__)
+
 
 def find_latest_committed(root: Store, runs: set[str] | None = None) -> int | None:
     """The newest committed step under ``root`` of one lineage, or ``None`` when there is none.
@@ -56,10 +71,14 @@ def find_latest_committed(root: Store, runs: set[str] | None = None) -> int | No
         return None
     newest = steps[-1]
     said = (root.url, hint, newest)
-    if hinted != newest and said not in _LATEST_WARNED:        # once per process: callers ask again
+    if hinted != newest and said not in _LATEST_WARNED:  # once per process: callers ask again
         _LATEST_WARNED.add(said)
-        log.warning("%s/latest is %s; using newest committed step %s instead",
-                    root.url, "missing" if hint is None else repr(hint), step_dir(newest))
+        log.warning(
+            "%s/latest is %s; using newest committed step %s instead",
+            root.url,
+            "missing" if hint is None else repr(hint),
+            step_dir(newest),
+        )
     return newest
 
 
@@ -83,13 +102,16 @@ def open_manifest(step_store: Store) -> ManifestReader:
     except FileNotFoundError as exc:
         raise CheckpointNotFound(
             f"{step_store.url} is not a committed checkpoint (no {MANIFEST_NAME}); "
-            "`shardsmith ls` on its parent lists committed steps") from exc
+            "`shardsmith ls` on its parent lists committed steps"
+        ) from exc
     step = reader.whole.step if reader.whole is not None else reader.head.data["step"]  # type: ignore[union-attr]
     name = step_store.url.rstrip("/").rsplit("/", 1)[-1]
     dir_step = parse_step_dir(name)
     if dir_step is not None and dir_step != step:
-        raise ManifestError(f"{reader.source}: step: the manifest says step {step} but its directory is "
-                            f"{name}; the checkpoint was tampered with or copied wrongly — do not load it")
+        raise ManifestError(
+            f"{reader.source}: step: the manifest says step {step} but its directory is "
+            f"{name}; the checkpoint was tampered with or copied wrongly — do not load it"
+        )
     return reader
 
 
@@ -112,14 +134,17 @@ def read_manifest(step_store: Store, fqns: Iterable[str] | None = None) -> Manif
     except FileNotFoundError as exc:
         raise CheckpointNotFound(
             f"{step_store.url} is not a committed checkpoint (no {MANIFEST_NAME}); "
-            "`shardsmith ls` on its parent lists committed steps") from exc
+            "`shardsmith ls` on its parent lists committed steps"
+        ) from exc
     url = step_store.url_of(MANIFEST_NAME)
     manifest = parse_manifest(raw, url)
     name = step_store.url.rstrip("/").rsplit("/", 1)[-1]
     dir_step = parse_step_dir(name)
     if dir_step is not None and dir_step != manifest.step:
-        raise ManifestError(f"{url}: step: the manifest says step {manifest.step} but its directory is "
-                            f"{name}; the checkpoint was tampered with or copied wrongly — do not load it")
+        raise ManifestError(
+            f"{url}: step: the manifest says step {manifest.step} but its directory is "
+            f"{name}; the checkpoint was tampered with or copied wrongly — do not load it"
+        )
     return manifest
 
 
@@ -132,21 +157,29 @@ def check_files_written(step_store: Store, manifest: Manifest, max_workers: int 
     Raises:
         SaveError: naming each missing or wrongly sized file; nothing was committed.
     """
+
     def problem(item: tuple[str, int]) -> str:
         name, nbytes = item
         try:
             size = step_store.size(name)
         except FileNotFoundError:
             return f"{step_store.url_of(name)} is missing"
-        return "" if size == nbytes else f"{step_store.url_of(name)} has {size} bytes, expected {nbytes}"
+        return (
+            ""
+            if size == nbytes
+            else f"{step_store.url_of(name)} has {size} bytes, expected {nbytes}"
+        )
 
     items = [(name, f.nbytes) for name, f in sorted(manifest.files.items())]
     with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(items)))) as pool:
         problems = [p for p in pool.map(problem, items) if p]
     if problems:
-        raise SaveError(f"step {manifest.step} not committed: " + "; ".join(problems[:20])
-                        + "; the data files were not fully written — the previous committed step "
-                        "is untouched")
+        raise SaveError(
+            f"step {manifest.step} not committed: "
+            + "; ".join(problems[:20])
+            + "; the data files were not fully written — the previous committed step "
+            "is untouched"
+        )
 
 
 def commit(root: Store, manifest: Manifest, *, check_files: bool = True) -> None:
@@ -164,26 +197,36 @@ def commit(root: Store, manifest: Manifest, *, check_files: bool = True) -> None
     """
     name = step_dir(manifest.step)
     step_store = root.child(name)
-    with cycle_gc_paused():                 # CPU only: no storage call while the collector waits
+    with cycle_gc_paused():  # CPU only: no storage call while the collector waits
         raw = dumps_manifest(manifest)
         parse_manifest(raw, step_store.url_of(MANIFEST_NAME))
-    crash_point("commit.before_check", step=manifest.step)          # test hooks; inert normally
+    crash_point("commit.before_check", step=manifest.step)  # test hooks; inert normally
     if check_files:
         check_files_written(step_store, manifest)
     crash_point("commit.before_manifest")
     root.write(f"{name}/{MANIFEST_NAME}", raw)
     crash_point("commit.after_manifest")
-    try:    # `latest` is only a hint: once the manifest is written the step is committed
+    try:  # `latest` is only a hint: once the manifest is written the step is committed
         hint = read_latest_hint(root)
         hinted = parse_step_dir(hint) if hint else None
-        if hinted is not None and hinted > manifest.step and root.exists(f"{hint}/{MANIFEST_NAME}") \
-                and _same_run(root, hinted, manifest):
+        if (
+            hinted is not None
+            and hinted > manifest.step
+            and root.exists(f"{hint}/{MANIFEST_NAME}")
+            and _same_run(root, hinted, manifest)
+        ):
             log.info("committed %s; %s/latest stays at the newer %s", name, root.url, hint)
             return
         root.write(LATEST_NAME, (name + "\n").encode())
     except Exception as exc:  # noqa: BLE001 — readers fall back to the newest committed step
-        log.warning("committed %s but could not update %s/latest (%s: %s); readers fall back to "
-                    "the newest committed step", name, root.url, type(exc).__name__, exc)
+        log.warning(
+            "committed %s but could not update %s/latest (%s: %s); readers fall back to "
+            "the newest committed step",
+            name,
+            root.url,
+            type(exc).__name__,
+            exc,
+        )
         return
     crash_point("commit.after_latest")
 
@@ -238,11 +281,15 @@ def no_checkpoint_message(store: Store, storage_options: dict | None) -> str:
     if not steps:
         return what
     shown = ", ".join(str(s) for s in steps[-5:])
-    return (f"{what}; {parent_url} holds committed steps {'..., ' if len(steps) > 5 else ''}{shown}: "
-            f"name one as {parent_url}/{step_dir(steps[-1])}, or give {parent_url} for its newest")
+    return (
+        f"{what}; {parent_url} holds committed steps {'..., ' if len(steps) > 5 else ''}{shown}: "
+        f"name one as {parent_url}/{step_dir(steps[-1])}, or give {parent_url} for its newest"
+    )
 
 
-def resolve_target(url: str, step: int | None = None, storage_options: dict | None = None) -> tuple[Store, int]:
+def resolve_target(
+    url: str, step: int | None = None, storage_options: dict | None = None
+) -> tuple[Store, int]:
     """The root store and step of a write target given as a root or as ``.../step-NNNNNNNNN``.
 
     Args:
@@ -254,8 +301,10 @@ def resolve_target(url: str, step: int | None = None, storage_options: dict | No
     """
     root_url, named = split_step_url(url)
     if named is not None and step is not None and named != step:
-        raise LayoutError(f"target {url} names step {named} but step {step} is being written; name the "
-                          f"target {step_dir(step)} or give its root")
+        raise LayoutError(
+            f"target {url} names step {named} but step {step} is being written; name the "
+            f"target {step_dir(step)} or give its root"
+        )
     return Store(root_url, storage_options), named if named is not None else (step or 0)
 
 
@@ -266,5 +315,7 @@ def ensure_not_committed(step_store: Store) -> None:
         TargetCommitted: ``step_store`` holds a manifest.
     """
     if step_store.exists(MANIFEST_NAME):
-        raise TargetCommitted(f"{step_store.url} is already a committed checkpoint; delete it or choose "
-                              "another target")
+        raise TargetCommitted(
+            f"{step_store.url} is already a committed checkpoint; delete it or choose "
+            "another target"
+        )

@@ -73,7 +73,9 @@ def configure(spec: str | None = None, rank: int | None = None) -> None:
         try:
             item_rank, step = int(parts[0]), int(parts[2]) if len(parts) == 3 else None
         except ValueError:
-            raise ValueError(f"{ENV_VAR}={spec!r}: item {item!r}: RANK and STEP must be integers") from None
+            raise ValueError(
+                f"{ENV_VAR}={spec!r}: item {item!r}: RANK and STEP must be integers"
+            ) from None
         if item_rank == rank:
             specs.append((parts[1], step))
     _SPECS[:] = specs

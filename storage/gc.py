@@ -26,13 +26,20 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any, Callable
 
-from shardsmith.layout import ParallelDims
 from shardsmith.errors import ManifestError
+from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import read_manifest
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.lineage import CORRUPT_NAME, committed_runs, corrupt_mark, current_run, describe_run, run_id_of
-from shardsmith.storage.steps import delete_step, parse_step_dir  # noqa: F401 (delete_step re-exported)
+from shardsmith.storage.lineage import (
+    CORRUPT_NAME,
+    committed_runs,
+    corrupt_mark,
+    current_run,
+    describe_run,
+    run_id_of,
+)
 from shardsmith.storage.manifest.records import MANIFEST_NAME
+from shardsmith.storage.steps import delete_step, parse_step_dir  # noqa: F401 (delete_step re-exported)
+from shardsmith.storage.store.fs import Store
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +122,14 @@ def describe_steps(root: Store, *, read_manifests: bool = True) -> list[StepSumm
     for name in sorted(names, key=lambda n: parse_step_dir(n) or 0):
         entries = by_step.get(name, {})
         times = [t for t in (_mtime(i) for i in entries.values()) if t is not None]
-        summary = StepSummary(step=parse_step_dir(name) or 0, name=name,
-                              status=COMMITTED if MANIFEST_NAME in entries else INCOMPLETE,
-                              nbytes=sum(int(i.get("size") or 0) for i in entries.values()),
-                              num_files=len(entries), mtime=max(times) if times else None)
+        summary = StepSummary(
+            step=parse_step_dir(name) or 0,
+            name=name,
+            status=COMMITTED if MANIFEST_NAME in entries else INCOMPLETE,
+            nbytes=sum(int(i.get("size") or 0) for i in entries.values()),
+            num_files=len(entries),
+            mtime=max(times) if times else None,
+        )
         if summary.status == COMMITTED and read_manifests:
             try:
                 manifest = read_manifest(root.child(name))
@@ -128,7 +139,10 @@ def describe_steps(root: Store, *, read_manifests: bool = True) -> list[StepSumm
                 summary.status, summary.error = INVALID, str(exc)
         if summary.status == COMMITTED and CORRUPT_NAME in entries:
             mark = corrupt_mark(root.child(name)) or {}
-            summary.status, summary.error = CORRUPT, f"found by a {mark.get('found_by', 'load')}: {mark.get('error', '')}"
+            summary.status, summary.error = (
+                CORRUPT,
+                f"found by a {mark.get('found_by', 'load')}: {mark.get('error', '')}",
+            )
         out.append(summary)
     with_manifest = [s for s in out if s.status not in (INCOMPLETE, CORRUPT)]
     if with_manifest:
@@ -153,15 +167,18 @@ class GcDecision:
 
 def _check_args(keep_last: int | None, keep_every: int | None, grace_seconds: float) -> None:
     if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last={keep_last}: must be >= 1 (the newest committed step is always kept)")
+        raise ValueError(
+            f"keep_last={keep_last}: must be >= 1 (the newest committed step is always kept)"
+        )
     if keep_every is not None and keep_every < 1:
         raise ValueError(f"keep_every={keep_every}: must be >= 1")
     if grace_seconds < 0:
         raise ValueError(f"grace_seconds={grace_seconds}: must be >= 0")
 
 
-def _committed_decision(step: int, newest: int, last: set[int], keep_last: int | None,
-                        keep_every: int | None) -> tuple[bool, str]:
+def _committed_decision(
+    step: int, newest: int, last: set[int], keep_last: int | None, keep_every: int | None
+) -> tuple[bool, str]:
     if step == newest:
         return False, "newest committed step"
     if keep_last is None and keep_every is None:
@@ -173,8 +190,9 @@ def _committed_decision(step: int, newest: int, last: set[int], keep_last: int |
     return True, "committed, outside the retention"
 
 
-def _incomplete_decision(step: int, newest: int | None, mtime: float | None, now: float,
-                         grace_seconds: float) -> tuple[bool, str]:
+def _incomplete_decision(
+    step: int, newest: int | None, mtime: float | None, now: float, grace_seconds: float
+) -> tuple[bool, str]:
     if newest is None or step > newest:
         return False, "incomplete, newer than every committed step: may be a save in progress"
     if mtime is not None and now - mtime < grace_seconds:
@@ -182,8 +200,9 @@ def _incomplete_decision(step: int, newest: int | None, mtime: float | None, now
     return True, "incomplete (no manifest), older than the newest committed step"
 
 
-def _lineage(root: Store, committed: list[int], runs: set[str] | None,
-             retention: bool) -> tuple[set[int], str]:
+def _lineage(
+    root: Store, committed: list[int], runs: set[str] | None, retention: bool
+) -> tuple[set[int], str]:
     """Committed steps retention may act on (one lineage) and a note on the others."""
     if not retention or not committed:
         return set(committed), ""
@@ -192,12 +211,21 @@ def _lineage(root: Store, committed: list[int], runs: set[str] | None,
     if runs is None:
         runs = {current_run(root) or ""}
     mine = {s for s in committed if by_run.get(s, "") in runs}
-    return mine, f"another run's step; retention acts on {', '.join(describe_run(r) for r in sorted(runs))}"
+    return (
+        mine,
+        f"another run's step; retention acts on {', '.join(describe_run(r) for r in sorted(runs))}",
+    )
 
 
-def plan_gc(root: Store, keep_last: int | None = None, keep_every: int | None = None, *,
-            grace_seconds: float = DEFAULT_GRACE_SECONDS, now: float | None = None,
-            runs: set[str] | None = None) -> list[GcDecision]:
+def plan_gc(
+    root: Store,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    *,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    now: float | None = None,
+    runs: set[str] | None = None,
+) -> list[GcDecision]:
     """Decide, for every step under ``root``, whether :func:`gc` deletes it (pure apart
     from listing the root). See the module docstring for the rules.
 
@@ -220,7 +248,9 @@ def plan_gc(root: Store, keep_last: int | None = None, keep_every: int | None = 
     steps = describe_steps(root, read_manifests=False)
     committed = [s.step for s in steps if s.status != INCOMPLETE]
     newest_any = committed[-1] if committed else None
-    mine, other_reason = _lineage(root, committed, runs, keep_last is not None or keep_every is not None)
+    mine, other_reason = _lineage(
+        root, committed, runs, keep_last is not None or keep_every is not None
+    )
     lineage = [s for s in committed if s in mine]
     newest = lineage[-1] if lineage else None
     last = set(lineage[-keep_last:]) if keep_last else set()
@@ -236,10 +266,17 @@ def plan_gc(root: Store, keep_last: int | None = None, keep_every: int | None = 
     return out
 
 
-def gc(root: Store, keep_last: int | None = None, keep_every: int | None = None, *,
-       grace_seconds: float = DEFAULT_GRACE_SECONDS, dry_run: bool = False,
-       now: float | None = None, on_decision: Callable[[GcDecision], None] | None = None,
-       runs: set[str] | None = None) -> list[int]:
+def gc(
+    root: Store,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    *,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    dry_run: bool = False,
+    now: float | None = None,
+    on_decision: Callable[[GcDecision], None] | None = None,
+    runs: set[str] | None = None,
+) -> list[int]:
     """Delete incomplete steps and committed steps outside the retention.
 
     Single process (the coordinator, or the CLI). Arguments as :func:`plan_gc`;
@@ -257,7 +294,7 @@ def gc(root: Store, keep_last: int | None = None, keep_every: int | None = None,
     for d in plan_gc(root, keep_last, keep_every, grace_seconds=grace_seconds, now=now, runs=runs):
         if d.delete:
             if not dry_run:
-                if on_decision is None:                       # a caller with one reports it itself
+                if on_decision is None:  # a caller with one reports it itself
                     log.info("gc: deleting %s (%s)", root.url_of(d.name), d.reason)
                 delete_step(root, d.name)
             deleted.append(d.step)
@@ -266,8 +303,14 @@ def gc(root: Store, keep_last: int | None = None, keep_every: int | None = None,
     return deleted
 
 
-def gc_after_commit(root: Store, *, keep_last: int | None = None, keep_every: int | None = None,
-                    grace_seconds: float = DEFAULT_GRACE_SECONDS, runs: set[str] | None = None) -> list[int]:
+def gc_after_commit(
+    root: Store,
+    *,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    runs: set[str] | None = None,
+) -> list[int]:
     """Retention after a commit, for the trainer: call on the coordinator (rank 0) only,
     after :func:`~shardsmith.storage.commit.commit` returned.
 
@@ -285,6 +328,10 @@ def gc_after_commit(root: Store, *, keep_last: int | None = None, keep_every: in
     try:
         return gc(root, keep_last, keep_every, grace_seconds=grace_seconds, runs=runs)
     except Exception as exc:  # noqa: BLE001 — housekeeping must not stop training
-        log.warning("gc of %s after commit failed (%s: %s); will retry after the next commit",
-                    root.url, type(exc).__name__, exc)
+        log.warning(
+            "gc of %s after commit failed (%s: %s); will retry after the next commit",
+            root.url,
+            type(exc).__name__,
+            exc,
+        )
         return []

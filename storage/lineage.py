@@ -22,9 +22,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shardsmith.errors import CheckpointMismatch, ManifestError
-from shardsmith.storage.store.fs import Store
 from shardsmith.storage.manifest.records import MANIFEST_NAME
-from shardsmith.storage.steps import LATEST_NAME, delete_step, list_steps, parse_step_dir, read_latest_hint, step_dir
+from shardsmith.storage.steps import (
+    LATEST_NAME,
+    delete_step,
+    list_steps,
+    parse_step_dir,
+    read_latest_hint,
+    step_dir,
+)
+from shardsmith.storage.store.fs import Store
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +98,9 @@ def current_run(root: Store) -> str | None:
     return committed_runs(root, [anchor]).get(anchor, UNNAMED)
 
 
-def check_new_run_root(root: Store, resume_mode: str, overwrite: bool, *, restarts: int = 0) -> None:
+def check_new_run_root(
+    root: Store, resume_mode: str, overwrite: bool, *, restarts: int = 0
+) -> None:
     """Refuse to start a new run in a root that holds committed steps (of another run).
 
     A job starts a *new* run when ``resume_mode`` is ``none`` (and it is not an elastic
@@ -115,11 +124,14 @@ def check_new_run_root(root: Store, resume_mode: str, overwrite: bool, *, restar
     if not committed:
         return
     runs = sorted(set(committed_runs(root, committed).values()))
-    shown = ", ".join(str(s) for s in committed[:8]) + (f" and {len(committed) - 8} more" if len(committed) > 8 else "")
+    shown = ", ".join(str(s) for s in committed[:8]) + (
+        f" and {len(committed) - 8} more" if len(committed) > 8 else ""
+    )
     raise CheckpointMismatch(
         f"{root.url} holds committed steps {shown} of {', '.join(describe_run(r) for r in runs) or 'another run'}; "
         "a new run (--resume none) would mix with them: pass --resume auto to continue that run, choose a "
-        "new --ckpt root, or pass --overwrite to remove its steps before this run's first save")
+        "new --ckpt root, or pass --overwrite to remove its steps before this run's first save"
+    )
 
 
 def remove_runs_except(root: Store, keep: str | None) -> list[int]:
@@ -133,8 +145,11 @@ def remove_runs_except(root: Store, keep: str | None) -> list[int]:
     for s in infos:
         if keep is not None and s.committed and runs.get(s.step) == keep:
             continue
-        log.warning("--overwrite: deleting %s (%s)", root.url_of(s.name),
-                    describe_run(runs.get(s.step, UNNAMED)) if s.committed else "incomplete")
+        log.warning(
+            "--overwrite: deleting %s (%s)",
+            root.url_of(s.name),
+            describe_run(runs.get(s.step, UNNAMED)) if s.committed else "incomplete",
+        )
         delete_step(root, s.name)
         deleted.append(s.step)
     if deleted and root.exists(LATEST_NAME):
@@ -142,7 +157,9 @@ def remove_runs_except(root: Store, keep: str | None) -> list[int]:
     return deleted
 
 
-def rewritten_state(state: Mapping[str, Any], source_url: str, step: int, how: str) -> dict[str, Any]:
+def rewritten_state(
+    state: Mapping[str, Any], source_url: str, step: int, how: str
+) -> dict[str, Any]:
     """The ``state`` of a checkpoint rewritten offline (reshard, conversion): the same run
     (its id is kept, so ``--resume auto`` continues it), with ``parent`` naming the source."""
     rec = run_record(state)
@@ -176,8 +193,13 @@ def mark_corrupt(step_store: Store, *, step: int, error: str, found_by: str) -> 
     import json
     import time
 
-    record = {"step": step, "error": error, "found_by": found_by, "time": round(time.time(), 3),
-              "note": f"delete {CORRUPT_NAME} after restoring the files to load this step with --resume auto"}
+    record = {
+        "step": step,
+        "error": error,
+        "found_by": found_by,
+        "time": round(time.time(), 3),
+        "note": f"delete {CORRUPT_NAME} after restoring the files to load this step with --resume auto",
+    }
     step_store.write(CORRUPT_NAME, json.dumps(record, indent=1).encode())
 
 

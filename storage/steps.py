@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from shardsmith.storage.store.fs import Store
 from shardsmith.storage.manifest.records import MANIFEST_NAME
+from shardsmith.storage.store.fs import Store
 
 LATEST_NAME = "latest"
 _STEP_RE = re.compile(r"^step-(\d{9,})$")

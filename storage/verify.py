@@ -24,16 +24,27 @@ from typing import Any
 
 from shardsmith.errors import CheckpointNotFound, ManifestError
 from shardsmith.storage.commit import open_manifest
-from shardsmith.storage.manifest.file_checks import (DEFAULT_BLOCK_NBYTES, FileShard, check_file_once, file_problems,
-                                            shards_in_file)
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.manifest.records import MANIFEST_NAME, Manifest, TensorRecord
-from shardsmith.storage.manifest.read import ManifestReader
-from shardsmith.storage.manifest.v2 import check_files
+from shardsmith.storage.manifest.file_checks import (
+    DEFAULT_BLOCK_NBYTES,
+    FileShard,
+    check_file_once,
+    file_problems,
+    shards_in_file,
+)
 from shardsmith.storage.manifest.model_record import model_record_problems
+from shardsmith.storage.manifest.read import ManifestReader
+from shardsmith.storage.manifest.records import MANIFEST_NAME, Manifest, TensorRecord
+from shardsmith.storage.manifest.v2 import check_files
+from shardsmith.storage.store.fs import Store
 
-__all__ = ["Problem", "VerifyReport", "verify_checkpoint", "check_file_once", "shards_in_file",
-           "DEFAULT_BLOCK_NBYTES"]
+__all__ = [
+    "Problem",
+    "VerifyReport",
+    "verify_checkpoint",
+    "check_file_once",
+    "shards_in_file",
+    "DEFAULT_BLOCK_NBYTES",
+]
 #: Files whose shard records one pass of a version-2 verify holds at once (bounds memory).
 FILES_PER_PASS = 256
 
@@ -86,11 +97,17 @@ class VerifyReport:
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe summary (what ``shardsmith verify --json`` prints)."""
-        return {"url": self.url, "step": self.step, "ok": self.ok, "num_files": self.num_files,
-                "num_tensors": self.num_tensors, "nbytes_checked": self.nbytes_checked,
-                "bad_files": self.bad_files,
-                "problems": [{"file": p.file, "what": p.what} for p in self.problems],
-                "extra_files": self.extra_files}
+        return {
+            "url": self.url,
+            "step": self.step,
+            "ok": self.ok,
+            "num_files": self.num_files,
+            "num_tensors": self.num_tensors,
+            "nbytes_checked": self.nbytes_checked,
+            "bad_files": self.bad_files,
+            "problems": [{"file": p.file, "what": p.what} for p in self.problems],
+            "extra_files": self.extra_files,
+        }
 
 
 # ---- one worker: a list of files, a few at a time ------------------------------------------
@@ -105,7 +122,9 @@ def _by_file(tensors: dict[str, TensorRecord], files: set[str]) -> dict[str, lis
     return out
 
 
-def _check_pass(reader: ManifestReader, files: list[str], block_nbytes: int) -> list[tuple[str, str, int]]:
+def _check_pass(
+    reader: ManifestReader, files: list[str], block_nbytes: int
+) -> list[tuple[str, str, int]]:
     """One pass of a version-2 verify: stream every tensor, keep the shards of ``files``,
     check them across tensors (shared bytes, sidecar ranges), then each file's bytes."""
     assert reader.head is not None
@@ -126,22 +145,31 @@ def _check_pass(reader: ManifestReader, files: list[str], block_nbytes: int) -> 
     return out
 
 
-def _check_files(store: Store, files: list[str], block_nbytes: int, files_per_pass: int) -> list[tuple[str, str, int]]:
+def _check_files(
+    store: Store, files: list[str], block_nbytes: int, files_per_pass: int
+) -> list[tuple[str, str, int]]:
     """One worker's files: (file, problem, 0) of each problem and ("", "", bytes read) of each file."""
     reader = ManifestReader(store)
     out = []
     for i in range(0, len(files), files_per_pass):
-        out += _check_pass(reader, files[i:i + files_per_pass], block_nbytes)
+        out += _check_pass(reader, files[i : i + files_per_pass], block_nbytes)
     return out
 
 
-def _check_files_at(url: str, storage_options: dict[str, Any], files: list[str], block_nbytes: int,
-                    files_per_pass: int) -> list[tuple[str, str, int]]:
+def _check_files_at(
+    url: str,
+    storage_options: dict[str, Any],
+    files: list[str],
+    block_nbytes: int,
+    files_per_pass: int,
+) -> list[tuple[str, str, int]]:
     """:func:`_check_files` in a worker process (the store rebuilt from its URL)."""
     return _check_files(Store(url, storage_options), files, block_nbytes, files_per_pass)
 
 
-def _check_v1(step_store: Store, manifest: Manifest, block_nbytes: int) -> list[tuple[str, str, int]]:
+def _check_v1(
+    step_store: Store, manifest: Manifest, block_nbytes: int
+) -> list[tuple[str, str, int]]:
     """Every file of a version-1 manifest (already parsed whole)."""
     by_file = _by_file(manifest.tensors, set(manifest.files))
     out = []
@@ -162,8 +190,13 @@ def _split(files: dict[str, Any], workers: int) -> list[list[str]]:
     return [sorted(g) for g in groups if g]
 
 
-def verify_checkpoint(step_store: Store, *, block_nbytes: int = DEFAULT_BLOCK_NBYTES, workers: int = 1,
-                      files_per_pass: int = FILES_PER_PASS) -> VerifyReport:
+def verify_checkpoint(
+    step_store: Store,
+    *,
+    block_nbytes: int = DEFAULT_BLOCK_NBYTES,
+    workers: int = 1,
+    files_per_pass: int = FILES_PER_PASS,
+) -> VerifyReport:
     """Check a whole checkpoint step against its manifest; collects every problem.
 
     Checks the manifest (schema; every logical tensor's boxes inside its shape and
@@ -189,7 +222,11 @@ def verify_checkpoint(step_store: Store, *, block_nbytes: int = DEFAULT_BLOCK_NB
         reader = open_manifest(step_store)
         if reader.whole is not None:
             manifest = reader.whole
-            report.step, report.num_tensors, files = manifest.step, len(manifest.tensors), manifest.files
+            report.step, report.num_tensors, files = (
+                manifest.step,
+                len(manifest.tensors),
+                manifest.files,
+            )
             found = _check_v1(step_store, manifest, block_nbytes)
         else:
             assert reader.head is not None
@@ -197,9 +234,16 @@ def verify_checkpoint(step_store: Store, *, block_nbytes: int = DEFAULT_BLOCK_NB
             files = reader.head.files
             groups = _split(files, workers)
             if len(groups) <= 1:
-                found = [r for g in groups for r in _check_files(step_store, g, block_nbytes, files_per_pass)]
+                found = [
+                    r
+                    for g in groups
+                    for r in _check_files(step_store, g, block_nbytes, files_per_pass)
+                ]
             else:
-                args = [(step_store.url, step_store.storage_options, g, block_nbytes, files_per_pass) for g in groups]
+                args = [
+                    (step_store.url, step_store.storage_options, g, block_nbytes, files_per_pass)
+                    for g in groups
+                ]
                 with ProcessPoolExecutor(len(groups)) as pool:
                     found = [r for part in pool.map(_check_files_at, *zip(*args)) for r in part]
         report.problems += [Problem(MANIFEST_NAME, what) for what in _model_problems(reader)]
@@ -221,7 +265,9 @@ def _model_problems(reader: ManifestReader) -> list[str]:
     if reader.whole is not None:
         return model_record_problems(reader.whole)
     assert reader.head is not None
-    shapes = {fqn: TensorRecord(shape=rec.shape, dtype=rec.dtype) for fqn, rec in reader.iter_tensors()}
+    shapes = {
+        fqn: TensorRecord(shape=rec.shape, dtype=rec.dtype) for fqn, rec in reader.iter_tensors()
+    }
     return model_record_problems(reader.head.manifest(shapes, partial=False))
 
 

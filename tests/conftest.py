@@ -25,8 +25,8 @@ import torch.distributed as dist
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
-from shardsmith.storage.manifest.records import Manifest
 from shardsmith.storage.formats.registry import read_box
+from shardsmith.storage.manifest.records import Manifest
 from shardsmith.trainer.config import DataConfig, OptimConfig, TrainConfig
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -50,8 +50,15 @@ SCENARIOS = helper_script("dist_scenarios")
 
 #: Small enough that start-up, not compute, dominates a launch; big enough that every
 #: layout below shards something (4 heads, 2 kv heads, 4 layers).
-TINY_MODEL = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
-                         ffn_hidden_size=64, vocab_size=256, seq_length=16)
+TINY_MODEL = ModelConfig(
+    num_layers=4,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=64,
+    vocab_size=256,
+    seq_length=16,
+)
 
 #: Layouts of the save/load matrix, named ``pp·dp_replicate·dp_shard·tp``.
 LAYOUTS: dict[str, ParallelDims] = {
@@ -69,18 +76,49 @@ def tiny_train_config(dims: ParallelDims, data_path: str) -> TrainConfig:
     """The config every distributed test trains with: warmup then cosine decay over a fixed
     6 steps (``decay_steps``), so runs of different lengths share one LR schedule. The
     values equal the ``shardsmith train`` flags of :data:`TINY_TRAIN_FLAGS`."""
-    return TrainConfig(model=TINY_MODEL, parallel=dims,
-                       optim=OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=6),
-                       data=DataConfig(sources=(data_path,), seed=1234),
-                       global_batch_size=8, micro_batch_size=2, seed=1234, log_interval=1)
+    return TrainConfig(
+        model=TINY_MODEL,
+        parallel=dims,
+        optim=OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=6),
+        data=DataConfig(sources=(data_path,), seed=1234),
+        global_batch_size=8,
+        micro_batch_size=2,
+        seed=1234,
+        log_interval=1,
+    )
 
 
 #: ``shardsmith train`` flags giving :func:`tiny_train_config` (add --data and the layout).
 TINY_TRAIN_FLAGS: list[str] = [
-    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--num-kv-heads", "2",
-    "--ffn-hidden-size", "64", "--vocab-size", "256", "--seq-length", "16", "--lr", "3e-3",
-    "--warmup-steps", "2", "--lr-decay-steps", "6", "--global-batch-size", "8",
-    "--micro-batch-size", "2", "--seed", "1234", "--log-interval", "1"]
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--num-kv-heads",
+    "2",
+    "--ffn-hidden-size",
+    "64",
+    "--vocab-size",
+    "256",
+    "--seq-length",
+    "16",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "2",
+    "--lr-decay-steps",
+    "6",
+    "--global-batch-size",
+    "8",
+    "--micro-batch-size",
+    "2",
+    "--seed",
+    "1234",
+    "--log-interval",
+    "1",
+]
 
 
 @dataclass
@@ -91,21 +129,36 @@ class LaunchResult:
     output: str
 
     def check(self) -> "LaunchResult":
-        assert self.returncode == 0, f"launch failed (exit {self.returncode}):\n{self.output[-6000:]}"
+        assert self.returncode == 0, (
+            f"launch failed (exit {self.returncode}):\n{self.output[-6000:]}"
+        )
         return self
 
 
-def run_torchrun(spec: dict[str, Any], nproc: int, workdir: Path, name: str,
-                 timeout: float = 600) -> LaunchResult:
+def run_torchrun(
+    spec: dict[str, Any], nproc: int, workdir: Path, name: str, timeout: float = 600
+) -> LaunchResult:
     """Run ``dist_scenarios.py`` on ``nproc`` gloo processes with ``spec`` (see its docstring)."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         str(SCENARIOS), str(spec_path)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(SCENARIOS),
+            str(spec_path),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
     (workdir / f"{name}.log").write_text(proc.stdout)
     return LaunchResult(proc.returncode, proc.stdout)
 
@@ -132,15 +185,22 @@ def open_checkpoint(url: str) -> tuple[Any, Manifest]:
 def read_full_tensors(url: str) -> dict[str, torch.Tensor]:
     """Every logical tensor of a checkpoint, assembled whole from its shards (checksummed reads)."""
     store, manifest = open_checkpoint(url)
-    return {fqn: read_box(store, manifest, fqn, Box((0,) * len(rec.shape), tuple(rec.shape)))
-            for fqn, rec in manifest.tensors.items()}
+    return {
+        fqn: read_box(store, manifest, fqn, Box((0,) * len(rec.shape), tuple(rec.shape)))
+        for fqn, rec in manifest.tensors.items()
+    }
 
 
-def assert_tensors_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
-                                 where: str) -> None:
+def assert_tensors_bitwise_equal(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], where: str
+) -> None:
     """Same FQNs, dtypes, shapes and bits."""
     assert sorted(got) == sorted(want), f"{where}: FQNs differ: {sorted(set(got) ^ set(want))[:8]}"
-    bad = [fqn for fqn in want if got[fqn].dtype != want[fqn].dtype or not torch.equal(got[fqn], want[fqn])]
+    bad = [
+        fqn
+        for fqn in want
+        if got[fqn].dtype != want[fqn].dtype or not torch.equal(got[fqn], want[fqn])
+    ]
     assert not bad, f"{where}: {len(bad)} tensors differ, e.g. {bad[:5]}"
 
 

@@ -54,7 +54,7 @@ def gather_json_to_root(obj: Any, group: dist.ProcessGroup | None = None) -> lis
     buf = torch.zeros(8 + int(longest.item()), dtype=torch.uint8)
     buf[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
     if data:
-        buf[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     root = dist.get_global_rank(group, 0) if group is not None else 0
     if dist.get_rank(group) != 0:
         dist.gather(buf, None, dst=root, group=group)
@@ -62,8 +62,8 @@ def gather_json_to_root(obj: Any, group: dist.ProcessGroup | None = None) -> lis
     out = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
     dist.gather(buf, out, dst=root, group=group)
     raw = [bytes(t.numpy()) for t in out]
-    with cycle_gc_paused():                     # one object tree per rank (their shard records)
-        return [json.loads(r[8:8 + int.from_bytes(r[:8], "little")]) for r in raw]
+    with cycle_gc_paused():  # one object tree per rank (their shard records)
+        return [json.loads(r[8 : 8 + int.from_bytes(r[:8], "little")]) for r in raw]
 
 
 def broadcast_text(text: str, group: dist.ProcessGroup | None = None) -> str:
@@ -75,8 +75,11 @@ def broadcast_text(text: str, group: dist.ProcessGroup | None = None) -> str:
     dist.broadcast(size, src=src, group=group)
     if int(size.item()) == 0:
         return ""
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size.item()),
-                                                                                          dtype=torch.uint8)
+    buf = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.empty(int(size.item()), dtype=torch.uint8)
+    )
     dist.broadcast(buf, src=src, group=group)
     return bytes(buf.tolist()).decode()
 

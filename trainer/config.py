@@ -18,13 +18,27 @@ from shardsmith.trainer.detect import DetectConfig
 from shardsmith.trainer.fault import FaultConfig
 from shardsmith.trainer.optim import OptimConfig
 
-__all__ = ["ModelConfig", "ParallelDims", "DataConfig", "OptimConfig", "CheckpointConfig",
-           "FaultConfig", "DetectConfig", "TrainConfig"]
+__all__ = [
+    "ModelConfig",
+    "ParallelDims",
+    "DataConfig",
+    "OptimConfig",
+    "CheckpointConfig",
+    "FaultConfig",
+    "DetectConfig",
+    "TrainConfig",
+]
 
 
 #: Pipeline schedules (``--pipeline-schedule``; torch classes in
 #: :data:`shardsmith.trainer.pipeline.SCHEDULES`); the last three run several chunks per rank.
-PIPELINE_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved-1f1b", "looped-bfs", "interleaved-zb")
+PIPELINE_SCHEDULES: tuple[str, ...] = (
+    "1f1b",
+    "gpipe",
+    "interleaved-1f1b",
+    "looped-bfs",
+    "interleaved-zb",
+)
 SINGLE_STAGE_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
 
 
@@ -82,20 +96,28 @@ class TrainConfig:
         if self.steps < 0:
             raise ConfigError(f"steps={self.steps}: must be >= 0")
         if self.micro_batch_size < 1 or self.global_batch_size < 1:
-            raise ConfigError(f"global_batch_size={self.global_batch_size}, micro_batch_size="
-                              f"{self.micro_batch_size}: both must be >= 1")
+            raise ConfigError(
+                f"global_batch_size={self.global_batch_size}, micro_batch_size="
+                f"{self.micro_batch_size}: both must be >= 1"
+            )
         if self.mixed_precision not in ("fp32", "bf16"):
             raise ConfigError(f"mixed_precision={self.mixed_precision!r}: use 'fp32' or 'bf16'")
         tp = self.parallel.tp
         if self.sequence_parallel and tp > 1 and self.model.seq_length % tp:
-            raise ConfigError(f"--sequence-parallel: seq_length={self.model.seq_length} must be a multiple "
-                              f"of tp={tp} (the sequence is split over the TP group)")
+            raise ConfigError(
+                f"--sequence-parallel: seq_length={self.model.seq_length} must be a multiple "
+                f"of tp={tp} (the sequence is split over the TP group)"
+            )
         schedule = self.pipeline_schedule
         if schedule and schedule not in PIPELINE_SCHEDULES:
-            raise ConfigError(f"pipeline_schedule={schedule!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
+            raise ConfigError(
+                f"pipeline_schedule={schedule!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}"
+            )
         if schedule in SINGLE_STAGE_SCHEDULES and self.parallel.virtual_stages > 1:
-            raise ConfigError(f"pipeline_schedule={schedule!r} runs one stage per rank; with virtual_stages="
-                              f"{self.parallel.virtual_stages} use interleaved-1f1b, looped-bfs or interleaved-zb")
+            raise ConfigError(
+                f"pipeline_schedule={schedule!r} runs one stage per rank; with virtual_stages="
+                f"{self.parallel.virtual_stages} use interleaved-1f1b, looped-bfs or interleaved-zb"
+            )
         if self.log_interval < 0:
             raise ConfigError(f"log_interval={self.log_interval}: must be >= 0 (0 = never print)")
 
@@ -104,12 +126,15 @@ class TrainConfig:
         dp = self.parallel.dp
         per_rank = self.global_batch_size * 1.0 / (self.micro_batch_size * dp)
         if per_rank != int(per_rank) or per_rank < 1:
-            unit = self.micro_batch_size * dp               # the valid sizes: multiples of this
+            unit = self.micro_batch_size * dp  # the valid sizes: multiples of this
             below = self.global_batch_size // unit * unit
-            good = [g for g in (below - unit, below, below + unit, below + 2 * unit) if g >= unit][:3]
+            good = [g for g in (below - unit, below, below + unit, below + 2 * unit) if g >= unit][
+                :3
+            ]
             raise ConfigError(
                 f"global_batch_size={self.global_batch_size} is not a multiple of micro_batch_size"
-                f"={self.micro_batch_size} x dp={dp} = {unit}; the nearest valid sizes are {good}")
+                f"={self.micro_batch_size} x dp={dp} = {unit}; the nearest valid sizes are {good}"
+            )
         return int(per_rank)
 
     def to_json(self) -> dict[str, Any]:
@@ -120,15 +145,27 @@ class TrainConfig:
         out["parallel"] = self.parallel.to_json()
         out["data"]["sources"] = list(self.data.sources)
         out["checkpoint"]["storage_options"] = {}
-        del out["checkpoint"]["resume_step"]        # the launcher's, for its workers only (launch.config_payload)
-        local_defaults: dict[str, Any] = {"local_ckpt": "", "local_save_interval": 1, "local_replicas": 0,
-                                          "simulate_nodes": 0, "data_change": ""}
+        del out["checkpoint"][
+            "resume_step"
+        ]  # the launcher's, for its workers only (launch.config_payload)
+        local_defaults: dict[str, Any] = {
+            "local_ckpt": "",
+            "local_save_interval": 1,
+            "local_replicas": 0,
+            "simulate_nodes": 0,
+            "data_change": "",
+        }
         for name, value in local_defaults.items():
-            if out["checkpoint"][name] == value:      # manifests of runs without a local tier unchanged
+            if out["checkpoint"][name] == value:  # manifests of runs without a local tier unchanged
                 del out["checkpoint"][name]
-        for name, default in (("sequence_parallel", False), ("pipeline_schedule", ""), ("compile", False),
-                              ("profile_steps", ()), ("wandb", False)):
-            if out[name] == default:        # runs without them write the bytes they always wrote
+        for name, default in (
+            ("sequence_parallel", False),
+            ("pipeline_schedule", ""),
+            ("compile", False),
+            ("profile_steps", ()),
+            ("wandb", False),
+        ):
+            if out[name] == default:  # runs without them write the bytes they always wrote
                 del out[name]
         if out["detect"] == dataclasses.asdict(DetectConfig()):
             del out["detect"]
@@ -138,10 +175,13 @@ class TrainConfig:
     def from_json(cls, data: dict[str, Any]) -> "TrainConfig":
         """Inverse of :meth:`to_json`."""
         data = dict(data)
-        return cls(model=ModelConfig.from_json(data.pop("model")),
-                   parallel=ParallelDims.from_json(data.pop("parallel")),
-                   optim=OptimConfig(**data.pop("optim")),
-                   data=DataConfig(**{**data.pop("data")}),
-                   checkpoint=CheckpointConfig(**data.pop("checkpoint")),
-                   fault=FaultConfig(**data.pop("fault", {})),
-                   detect=DetectConfig(**data.pop("detect", {})), **data)
+        return cls(
+            model=ModelConfig.from_json(data.pop("model")),
+            parallel=ParallelDims.from_json(data.pop("parallel")),
+            optim=OptimConfig(**data.pop("optim")),
+            data=DataConfig(**{**data.pop("data")}),
+            checkpoint=CheckpointConfig(**data.pop("checkpoint")),
+            fault=FaultConfig(**data.pop("fault", {})),
+            detect=DetectConfig(**data.pop("detect", {})),
+            **data,
+        )

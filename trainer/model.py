@@ -24,8 +24,9 @@ from shardsmith.layout import ModelConfig
 from shardsmith.trainer.moe import MoEFeedForward
 
 
-def rope_tables(head_dim: int, seq_length: int, theta: float,
-                cfg: ModelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    head_dim: int, seq_length: int, theta: float, cfg: ModelConfig | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables of shape (T, Dh/2) for rotary embeddings (RoFormer eq. 34), the
     frequencies scaled as Llama 3.1 does when ``cfg.rope_scaling_factor`` is set."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -91,21 +92,22 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        bsz, seqlen, _ = x.shape                                    # x: (B, T, D)
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)         # (B, T, H, Dh)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)         # (B, T, K, Dh)
+        bsz, seqlen, _ = x.shape  # x: (B, T, D)
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, H, Dh)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, K, Dh)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.cp is not None:                                     # (B, T, K, Dh): the whole sequence
+        if self.cp is not None:  # (B, T, K, Dh): the whole sequence
             k, v = self.cp.gather(k), self.cp.gather(v)
-        repeats = q.shape[2] // k.shape[2]                          # query heads per kv head
+        repeats = q.shape[2] // k.shape[2]  # query heads per kv head
         k = k.repeat_interleave(repeats, dim=2)
         v = v.repeat_interleave(repeats, dim=2)
         if self.cp is not None:
             out = self.cp.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         else:
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=True)    # (B, H, T, Dh)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            )  # (B, H, T, Dh)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -161,23 +163,38 @@ class Transformer(nn.Module):
     minimum, so they never take probability mass. ``kv_copies``: see :class:`Attention`.
     """
 
-    rope_cos: torch.Tensor      # (T, Dh/2), buffers registered in __init__
+    rope_cos: torch.Tensor  # (T, Dh/2), buffers registered in __init__
     rope_sin: torch.Tensor
-    cp: Any = None              # context parallelism: inputs hold this rank's T / cp tokens
+    cp: Any = None  # context parallelism: inputs hold this rank's T / cp tokens
 
-    def __init__(self, cfg: ModelConfig, layer_ids: range | None = None, *, first: bool = True,
-                 last: bool = True, padded_vocab: int = 0, kv_copies: int = 1) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_ids: range | None = None,
+        *,
+        first: bool = True,
+        last: bool = True,
+        padded_vocab: int = 0,
+        kv_copies: int = 1,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.padded_vocab = padded_vocab or cfg.vocab_size
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
-        self.tok_embeddings = nn.Embedding(self.padded_vocab, cfg.hidden_size) if first or (
-            last and cfg.tie_embeddings) else None
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, kv_copies, cfg.is_moe_layer(i))
-                                     for i in layer_ids})
+        self.tok_embeddings = (
+            nn.Embedding(self.padded_vocab, cfg.hidden_size)
+            if first or (last and cfg.tie_embeddings)
+            else None
+        )
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(cfg, kv_copies, cfg.is_moe_layer(i)) for i in layer_ids}
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if last else None
-        self.output = nn.Linear(cfg.hidden_size, self.padded_vocab, bias=False) if (
-            last and not cfg.tie_embeddings) else None
+        self.output = (
+            nn.Linear(cfg.hidden_size, self.padded_vocab, bias=False)
+            if (last and not cfg.tie_embeddings)
+            else None
+        )
         self.first, self.last = first, last
         cos, sin = rope_tables(cfg.head_dim, cfg.seq_length, cfg.rope_theta, cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -186,18 +203,20 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def reset_buffers(self) -> None:
         """Recompute the rope tables (T, Dh/2) in place, e.g. after ``to_empty`` off ``meta``."""
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.seq_length, self.cfg.rope_theta, self.cfg)
+        cos, sin = rope_tables(
+            self.cfg.head_dim, self.cfg.seq_length, self.cfg.rope_theta, self.cfg
+        )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
             assert self.tok_embeddings is not None
-            h = self.tok_embeddings(x)                              # (B, T, D)
+            h = self.tok_embeddings(x)  # (B, T, D)
         else:
             h = x
         cos, sin = self.rope_cos, self.rope_sin
-        if self.cp is not None:                                     # angles at this rank's positions
+        if self.cp is not None:  # angles at this rank's positions
             seq = x.shape[1] * self.cp.size if self.first else self.cfg.seq_length
             pos = self.cp.positions(seq, cos.device)
             cos, sin = cos[pos], sin[pos]
@@ -208,7 +227,7 @@ class Transformer(nn.Module):
         assert self.norm is not None
         h = self.norm(h)
         if self.output is not None:
-            logits = self.output(h)                                 # (B, T, Vp)
+            logits = self.output(h)  # (B, T, Vp)
         else:
             assert self.tok_embeddings is not None
             logits = tied_logits(h, self.tok_embeddings.weight)
@@ -230,8 +249,13 @@ def mask_vocab_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         start = logits.device_mesh.get_local_rank() * local.shape[-1]
         ids = torch.arange(start, start + local.shape[-1], device=local.device)
         masked = local.masked_fill(ids >= vocab_size, torch.finfo(local.dtype).min)
-        return DTensor.from_local(masked, logits.device_mesh, logits.placements,
-                                  shape=logits.shape, stride=logits.stride())
+        return DTensor.from_local(
+            masked,
+            logits.device_mesh,
+            logits.placements,
+            shape=logits.shape,
+            stride=logits.stride(),
+        )
     ids = torch.arange(logits.shape[-1], device=logits.device)
     return logits.masked_fill(ids >= vocab_size, torch.finfo(logits.dtype).min)
 
@@ -242,7 +266,6 @@ def tied_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     if isinstance(weight, DTensor) and not isinstance(h, DTensor):
         h = DTensor.from_local(h, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim)
-    elif isinstance(h, DTensor):                                    # sequence-sharded under SP
+    elif isinstance(h, DTensor):  # sequence-sharded under SP
         h = h.redistribute(h.device_mesh, [Replicate()] * h.device_mesh.ndim)
     return F.linear(h, weight)
-

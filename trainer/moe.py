@@ -47,8 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from shardsmith.layout import ModelConfig
-from shardsmith.layout import chunk_range
+from shardsmith.layout import ModelConfig, chunk_range
 
 #: Expert weight -> the dim tensor parallelism splits (w1/w3 column-, w2 row-parallel over F).
 EXPERT_TP_DIMS: dict[str, int] = {"w1": 1, "w2": 2, "w3": 1}
@@ -60,8 +59,8 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
         super().__init__()
-        self.ep_size = 1                                                # > 1: these are E / ep experts
-        self.tp_size = 1                                                # > 1: F split over tp
+        self.ep_size = 1  # > 1: these are E / ep experts
+        self.tp_size = 1  # > 1: F split over tp
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
@@ -71,8 +70,10 @@ class GroupedExperts(nn.Module):
 
         Every expert runs, also on zero rows, so each expert weight gets a gradient (zeros
         when unused), as the whole ``[E, ...]`` tensor of one process does."""
-        outs = [F.linear(F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e]), self.w2[e])
-                for e, rows in enumerate(x.split(counts))]
+        outs = [
+            F.linear(F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e]), self.w2[e])
+            for e, rows in enumerate(x.split(counts))
+        ]
         return torch.cat(outs)
 
 
@@ -85,26 +86,26 @@ class MoEFeedForward(nn.Module):
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden_size, cfg.expert_ffn_size)
         self.aux_loss: torch.Tensor | None = None
-        self.aux_loss_scale = 0.0                   # training: d(step loss) / d(aux loss), see module doc
+        self.aux_loss_scale = 0.0  # training: d(step loss) / d(aux loss), see module doc
         self.ep_group: dist.ProcessGroup | None = None
         self.tp_group: dist.ProcessGroup | None = None
-        self.load: torch.Tensor | None = None       # (E,) routed slots per expert since reset_stats
-        self.aux_sum: torch.Tensor | float = 0.0    # sum of the aux losses since reset_stats
+        self.load: torch.Tensor | None = None  # (E,) routed slots per expert since reset_stats
+        self.aux_sum: torch.Tensor | float = 0.0  # sum of the aux losses since reset_stats
         self.num_forwards = 0
-        self.counting = True                        # False inside :func:`uncounted`
+        self.counting = True  # False inside :func:`uncounted`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        h = x.reshape(-1, shape[-1])                                    # (N, D)
-        logits = self.router(h)                                         # (N, E)
-        top, idx = logits.topk(self.topk, dim=-1)                       # (N, K)
-        weights = F.softmax(top.float(), dim=-1).type_as(h)             # (N, K)
+        h = x.reshape(-1, shape[-1])  # (N, D)
+        logits = self.router(h)  # (N, E)
+        top, idx = logits.topk(self.topk, dim=-1)  # (N, K)
+        weights = F.softmax(top.float(), dim=-1).type_as(h)  # (N, K)
         self.aux_loss = load_balancing_loss(logits, idx, self.num_experts)
-        flat = idx.flatten()                                            # (N*K,) expert of each slot
-        order = flat.argsort(stable=True)                               # slots grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)       # (E,)
+        flat = idx.flatten()  # (N*K,) expert of each slot
+        order = flat.argsort(stable=True)  # slots grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)  # (E,)
         self._record(counts)
-        token = order // self.topk                                      # (N*K,) token of each sorted slot
+        token = order // self.topk  # (N*K,) token of each sorted slot
         y = self._dispatch(h[token], counts) * weights.flatten()[order, None]
         out = torch.zeros_like(h).index_add(0, token, y)
         if self.aux_loss_scale and torch.is_grad_enabled():
@@ -120,12 +121,12 @@ class MoEFeedForward(nn.Module):
         ep = dist.get_world_size(g)
         per = self.num_experts // ep
         recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=g)                   # recv[s*per + e]: from rank s, expert e
+        dist.all_to_all_single(recv, counts, group=g)  # recv[s*per + e]: from rank s, expert e
         send_splits = counts.view(ep, per).sum(1).tolist()
         recv_splits = recv.view(ep, per).sum(1).tolist()
-        x = all_to_all_single_autograd(rows, recv_splits, send_splits, g)    # grouped by source rank
+        x = all_to_all_single_autograd(rows, recv_splits, send_splits, g)  # grouped by source rank
         expert_of_row = torch.arange(per, device=counts.device).repeat(ep).repeat_interleave(recv)
-        perm = expert_of_row.argsort(stable=True)                       # source-major -> expert-major
+        perm = expert_of_row.argsort(stable=True)  # source-major -> expert-major
         y = self._experts(x[perm], recv.view(ep, per).sum(0).tolist())
         y = y[perm.argsort()]
         return all_to_all_single_autograd(y, send_splits, recv_splits, g)
@@ -205,8 +206,9 @@ def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> 
     return torch.cat(parts, dim)
 
 
-def shard_experts(moe: MoEFeedForward, ep_group: dist.ProcessGroup | None,
-                  tp_group: dist.ProcessGroup | None) -> list[nn.Parameter]:
+def shard_experts(
+    moe: MoEFeedForward, ep_group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup | None
+) -> list[nn.Parameter]:
     """Keep only this rank's experts (``E / ep`` of them, each with its ``F / tp`` slice under
     expert TP), on ``meta`` before materialization, and route through the groups. Returns the
     expert parameters when they are expert-parallel (FSDP must ignore them), else []."""
@@ -227,8 +229,12 @@ def shard_experts(moe: MoEFeedForward, ep_group: dist.ProcessGroup | None,
 def expert_params(model: nn.Module) -> dict[str, tuple[nn.Parameter, GroupedExperts, str]]:
     """FQN -> (parameter, its experts module, weight name) of every expert tensor of ``model``."""
     ids = {id(p): fqn for fqn, p in model.named_parameters()}
-    return {ids[id(getattr(m, n))]: (getattr(m, n), m, n) for m in model.modules()
-            if isinstance(m, GroupedExperts) for n in EXPERT_TP_DIMS}
+    return {
+        ids[id(getattr(m, n))]: (getattr(m, n), m, n)
+        for m in model.modules()
+        if isinstance(m, GroupedExperts)
+        for n in EXPERT_TP_DIMS
+    }
 
 
 def expert_parallel_params(model: nn.Module) -> dict[str, tuple[nn.Parameter, int]]:
@@ -238,14 +244,18 @@ def expert_parallel_params(model: nn.Module) -> dict[str, tuple[nn.Parameter, in
 
 def load_balancing_loss(logits: torch.Tensor, idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Switch loss ``E * sum_e f_e * P_e`` of router logits (N, E) and top-K choices (N, K)."""
-    probs = F.softmax(logits.float(), dim=-1).mean(0)                   # P_e
+    probs = F.softmax(logits.float(), dim=-1).mean(0)  # P_e
     counts = torch.bincount(idx.flatten(), minlength=num_experts).float()
     return num_experts * (counts / idx.numel() * probs).sum()
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor | None:
     """Sum of the last forward's load-balancing losses of ``model``'s MoE layers (None if none)."""
-    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoEFeedForward) and m.aux_loss is not None]
+    losses = [
+        m.aux_loss
+        for m in model.modules()
+        if isinstance(m, MoEFeedForward) and m.aux_loss is not None
+    ]
     return torch.stack(losses).sum() if losses else None
 
 
@@ -296,7 +306,9 @@ def router_stats(model: nn.Module, cfg: ModelConfig) -> dict[str, object]:
     if not cfg.num_experts:
         return {}
     layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
-    table = torch.zeros(len(layers), cfg.num_experts + 2, dtype=torch.float64)     # load..., aux sum, forwards
+    table = torch.zeros(
+        len(layers), cfg.num_experts + 2, dtype=torch.float64
+    )  # load..., aux sum, forwards
     mine = moe_layers(model)
     for row, i in enumerate(layers):
         m = mine.get(i)
@@ -306,5 +318,7 @@ def router_stats(model: nn.Module, cfg: ModelConfig) -> dict[str, object]:
     dist.all_reduce(table)
     load, aux, forwards = table[:, :-2], table[:, -2], table[:, -1].clamp(min=1)
     imbalance = (load.max(1).values / load.mean(1).clamp(min=1e-9)).tolist()
-    return {"moe_load_imbalance": [round(x, 4) for x in imbalance],
-            "moe_aux_loss": round(float((aux / forwards).sum()), 6)}
+    return {
+        "moe_load_imbalance": [round(x, 4) for x in imbalance],
+        "moe_aux_loss": round(float((aux / forwards).sum()), 6),
+    }

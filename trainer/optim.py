@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 from shardsmith.errors import ConfigError
 
-if TYPE_CHECKING:                      # the config is read before torch is imported (the launcher)
+if TYPE_CHECKING:  # the config is read before torch is imported (the launcher)
     import torch
 
 
@@ -74,7 +74,14 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Ada
 
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr,
-                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        foreach=False,
+    )

@@ -20,16 +20,43 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
-                                               PrepareModuleInputOutput, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
-from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims, chunk_layers, stage_layers
-from shardsmith.layout import FSDP_AXES, FSDP_MESH_DIM
-from shardsmith.layout import COLWISE, ROWWISE, VOCAB_PARALLEL, TensorSpec, grad_sum_groups, kv_replicas, padded_vocab_size, param_specs, tp_module_key
+from shardsmith.layout import (
+    COLWISE,
+    FSDP_AXES,
+    FSDP_MESH_DIM,
+    MESH_AXES,
+    ROWWISE,
+    VOCAB_PARALLEL,
+    ModelConfig,
+    ParallelDims,
+    TensorSpec,
+    chunk_layers,
+    grad_sum_groups,
+    kv_replicas,
+    padded_vocab_size,
+    param_specs,
+    stage_layers,
+    tp_module_key,
+)
 from shardsmith.trainer.context_parallel import attach, context_parallel, fsdp_mesh
 from shardsmith.trainer.model import Transformer
-from shardsmith.trainer.moe import EXPERT_TP_DIMS, MoEFeedForward, expert_params, expert_parallel_params, shard_experts
+from shardsmith.trainer.moe import (
+    EXPERT_TP_DIMS,
+    MoEFeedForward,
+    expert_parallel_params,
+    expert_params,
+    shard_experts,
+)
 from shardsmith.trainer.pipeline import ChunkedStage
 from shardsmith.trainer.weight_init import materialize_local_shards
 
@@ -52,8 +79,13 @@ def device_type() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _warn_too_few_gpus(gpus: int, local: int) -> None:
-    log.warning("%d processes on this node but %d GPU(s) visible: running on the CPU (gloo); "
-                "launch at most %d processes per node to train on the GPUs", local, gpus, gpus)
+    log.warning(
+        "%d processes on this node but %d GPU(s) visible: running on the CPU (gloo); "
+        "launch at most %d processes per node to train on the GPUs",
+        local,
+        gpus,
+        gpus,
+    )
 
 
 def init_distributed() -> None:
@@ -80,8 +112,9 @@ def build_mesh(dims: ParallelDims, device: str = "") -> DeviceMesh:
     """
     world = dist.get_world_size()
     if world != dims.world_size:
-        raise ValueError(f"layout {dims.describe()} needs {dims.world_size} processes, "
-                         f"but the job has {world}")
+        raise ValueError(
+            f"layout {dims.describe()} needs {dims.world_size} processes, but the job has {world}"
+        )
     return init_device_mesh(device or device_type(), dims.shape, mesh_dim_names=MESH_AXES)
 
 
@@ -102,10 +135,17 @@ class StageInfo:
         return self.index == self.num_stages - 1
 
 
-def build_stage_model(cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, *, seed: int,
-                      bf16: bool = False, activation_checkpointing: bool = False,
-                      sequence_parallel: bool = False,
-                      compile: bool = False) -> tuple[Transformer | ChunkedStage, StageInfo]:
+def build_stage_model(
+    cfg: ModelConfig,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    *,
+    seed: int,
+    bf16: bool = False,
+    activation_checkpointing: bool = False,
+    sequence_parallel: bool = False,
+    compile: bool = False,
+) -> tuple[Transformer | ChunkedStage, StageInfo]:
     """Build this rank's pipeline stage without ever holding more than its own shards.
 
     The stage (only its layers; embedding on the first stage, norm and output on the last,
@@ -130,11 +170,23 @@ def build_stage_model(cfg: ModelConfig, dims: ParallelDims, mesh: DeviceMesh, *,
     chunks = []
     for c in dims.chunk_ids(coords["pp"]):
         with torch.device("meta"):
-            chunk = Transformer(cfg, layers[c], first=c == 0, last=c == dims.num_chunks - 1,
-                                padded_vocab=padded_vocab_size(cfg.vocab_size, dims.tp),
-                                kv_copies=kv_replicas(cfg, dims))
-        parallelize(chunk, mesh, dims, bf16=bf16, activation_checkpointing=activation_checkpointing,
-                    sequence_parallel=sequence_parallel, compile=compile)
+            chunk = Transformer(
+                cfg,
+                layers[c],
+                first=c == 0,
+                last=c == dims.num_chunks - 1,
+                padded_vocab=padded_vocab_size(cfg.vocab_size, dims.tp),
+                kv_copies=kv_replicas(cfg, dims),
+            )
+        parallelize(
+            chunk,
+            mesh,
+            dims,
+            bf16=bf16,
+            activation_checkpointing=activation_checkpointing,
+            sequence_parallel=sequence_parallel,
+            compile=compile,
+        )
         check_placements(chunk, specs, dims)
         chunk.to_empty(device=device_type())
         chunk.reset_buffers()
@@ -171,20 +223,26 @@ def tp_plan(model: Transformer, *, sequence_parallel: bool = False) -> dict[str,
         elif key in VOCAB_PARALLEL and isinstance(module, nn.Embedding):
             plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
         elif key in VOCAB_PARALLEL:
-            plan[name] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
-                                         use_local_output=False)
+            plan[name] = ColwiseParallel(
+                input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
+            )
         elif sequence_parallel and key in ("attention_norm", "ffn_norm", "norm"):
             plan[name] = SequenceParallel()
         elif sequence_parallel and isinstance(module, MoEFeedForward):
             # the experts run on the whole sequence (split over tp inside each expert) and
             # keep their rank's sequence shard of the TP-reduced output
-            plan[name] = PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
-                                                  use_local_input=True, output_layouts=Replicate(),
-                                                  desired_output_layouts=Shard(1))
+            plan[name] = PrepareModuleInputOutput(
+                input_layouts=Shard(1),
+                desired_input_layouts=Replicate(),
+                use_local_input=True,
+                output_layouts=Replicate(),
+                desired_output_layouts=Shard(1),
+            )
         elif sequence_parallel and key in ("attention", "feed_forward"):
-            extra = (None, None) if key == "attention" else ()           # rope cos, sin
-            plan[name] = PrepareModuleInput(input_layouts=(Shard(1), *extra),
-                                            desired_input_layouts=(Replicate(), *extra))
+            extra = (None, None) if key == "attention" else ()  # rope cos, sin
+            plan[name] = PrepareModuleInput(
+                input_layouts=(Shard(1), *extra), desired_input_layouts=(Replicate(), *extra)
+            )
     return plan
 
 
@@ -193,7 +251,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool
     parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel=sequence_parallel))
 
 
-def placement_axes(p: torch.Tensor, ndim: int, expert: tuple[int, int] | None = None) -> tuple[tuple[str, ...], ...]:
+def placement_axes(
+    p: torch.Tensor, ndim: int, expert: tuple[int, int] | None = None
+) -> tuple[tuple[str, ...], ...]:
     """Per tensor dim, the mesh axes a parameter's DTensor placements split it by, major to
     minor (the plan's ``dim_axes`` convention). FSDP2 over a TP-sharded dim records the
     dp_shard split as ``_StridedShard``: applied after (minor to) the plain ``Shard``.
@@ -221,18 +281,23 @@ def placement_axes(p: torch.Tensor, ndim: int, expert: tuple[int, int] | None = 
 def check_placements(model: Transformer, specs: dict[str, TensorSpec], dims: ParallelDims) -> None:
     """Assert every parameter is split exactly as the plan's ``dim_axes`` says (axes of
     degree 1 split nothing and are left out). Local to the rank; run at every build."""
-    experts = {fqn: (m.ep_size, EXPERT_TP_DIMS[name] if m.tp_size > 1 else -1)
-               for fqn, (_, m, name) in expert_params(model).items()}
+    experts = {
+        fqn: (m.ep_size, EXPERT_TP_DIMS[name] if m.tp_size > 1 else -1)
+        for fqn, (_, m, name) in expert_params(model).items()
+    }
     for fqn, p in model.named_parameters():
         spec = specs[fqn]
         want = tuple(tuple(a for a in axes if getattr(dims, a) > 1) for axes in spec.dim_axes)
-        got = tuple(tuple(a for a in axes if getattr(dims, a) > 1)
-                    for axes in placement_axes(p, len(spec.shape), experts.get(fqn)))
+        got = tuple(
+            tuple(a for a in axes if getattr(dims, a) > 1)
+            for axes in placement_axes(p, len(spec.shape), experts.get(fqn))
+        )
         assert got == want, f"{fqn}: DTensor placements split dims by {got}, the plan says {want}"
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, *, bf16: bool,
-               ignored: set[nn.Parameter] | None = None) -> None:
+def apply_fsdp(
+    model: Transformer, dp_mesh: DeviceMesh, *, bf16: bool, ignored: set[nn.Parameter] | None = None
+) -> None:
     """FSDP2 (ZeRO-3) over ``dp_shard``, HSDP replication over ``dp_replicate`` when the mesh is 2-D.
 
     Each block is its own FSDP unit, then the root; parameters are resharded after every
@@ -240,11 +305,18 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, *, bf16: bool,
     unsharded parameters and gradients exist at a time, not the whole stage's). ``ignored``
     parameters (expert-parallel experts, already split over dp_shard) are left alone.
     """
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
         else MixedPrecisionPolicy()
+    )
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True, ignored_params=ignored)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True, ignored_params=ignored)
+        fully_shard(
+            block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True, ignored_params=ignored
+        )
+    fully_shard(
+        model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True, ignored_params=ignored
+    )
 
 
 def apply_compile(model: Transformer, backend: str = "inductor") -> None:
@@ -255,9 +327,16 @@ def apply_compile(model: Transformer, backend: str = "inductor") -> None:
         block.compile(backend=backend)
 
 
-def parallelize(model: Transformer, mesh: DeviceMesh, dims: ParallelDims, *, bf16: bool,
-                activation_checkpointing: bool, sequence_parallel: bool = False,
-                compile: bool = False) -> Transformer:
+def parallelize(
+    model: Transformer,
+    mesh: DeviceMesh,
+    dims: ParallelDims,
+    *,
+    bf16: bool,
+    activation_checkpointing: bool,
+    sequence_parallel: bool = False,
+    compile: bool = False,
+) -> Transformer:
     """Apply activation checkpointing, TP (with sequence parallelism when asked), per-block
     ``torch.compile`` and FSDP2 to one stage's model, in place (torchtitan's order)."""
     for block in model.layers.values():
@@ -316,13 +395,16 @@ def finalize_grads(model: torch.nn.Module, groups: dict[str, dist.ProcessGroup])
     from torch.distributed.tensor import DTensor
 
     for p, ep in expert_parallel_params(model).values():
-        if p.grad is not None:                      # expert-parallel: summed over the group's batches
+        if p.grad is not None:  # expert-parallel: summed over the group's batches
             p.grad.div_(ep)
     for fqn, p in model.named_parameters():
         if p.grad is None:
             continue
-        if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and \
-                tuple(p.grad.placements) != tuple(p.placements):
+        if (
+            isinstance(p.grad, DTensor)
+            and isinstance(p, DTensor)
+            and tuple(p.grad.placements) != tuple(p.placements)
+        ):
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         group = groups.get(fqn)
         if group is not None:

@@ -16,9 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
-                                          ScheduleLoopedBFS)
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+)
 from torch.distributed.pipelining._backward import stage_backward
 
 from shardsmith.errors import ConfigError
@@ -44,8 +49,10 @@ def check_schedule(name: str, virtual_stages: int) -> None:
     if name not in SCHEDULES:
         raise ConfigError(f"pipeline schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
     if virtual_stages > 1 and not SCHEDULES[name][1]:
-        raise ConfigError(f"pipeline schedule {name!r} runs one stage per rank; with virtual_stages="
-                          f"{virtual_stages} use interleaved-1f1b, looped-bfs or interleaved-zb")
+        raise ConfigError(
+            f"pipeline schedule {name!r} runs one stage per rank; with virtual_stages="
+            f"{virtual_stages} use interleaved-1f1b, looped-bfs or interleaved-zb"
+        )
 
 
 class ChunkedStage(nn.Module):
@@ -61,13 +68,16 @@ class ChunkedStage(nn.Module):
         self.chunks = nn.ModuleList(chunks)
         self.chunk_ids = chunk_ids
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
         for chunk in self.chunks:
             yield from chunk.named_parameters(prefix, recurse, remove_duplicate)
 
     def forward(self, *args: Any) -> torch.Tensor:
-        raise RuntimeError("a ChunkedStage runs only under its pipeline schedule (or chunk by chunk)")
+        raise RuntimeError(
+            "a ChunkedStage runs only under its pipeline schedule (or chunk by chunk)"
+        )
 
 
 def chunks_of(model: nn.Module) -> list[tuple[int, nn.Module]]:
@@ -99,19 +109,30 @@ class ShardedGradPipelineStage(PipelineStage):
         with uncounted(self.submod):
             return super()._forward_metadata_inference(*args, **kwargs)
 
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+    def backward_maybe_with_nosync(
+        self, backward_type, bwd_kwargs: dict, last_backward: bool = False
+    ):
         if backward_type != "full" or not isinstance(self.submod, FSDPModule):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        self.submod.set_is_last_backward(False)         # the schedule's final reduce step finishes
+        self.submod.set_is_last_backward(False)  # the schedule's final reduce step finishes
         self.submod.set_reshard_after_backward(True)
         self.submod.set_requires_gradient_sync(True)
-        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
-                               bwd_kwargs["input_values"])
+        grads = stage_backward(
+            bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
+        )
         return grads, None
 
 
-def build_schedule(model: nn.Module, pp_rank: int, num_chunks: int, pp_group: dist.ProcessGroup,
-                   num_microbatches: int, loss_fn: Any, device: torch.device, name: str = "") -> Any:
+def build_schedule(
+    model: nn.Module,
+    pp_rank: int,
+    num_chunks: int,
+    pp_group: dist.ProcessGroup,
+    num_microbatches: int,
+    loss_fn: Any,
+    device: torch.device,
+    name: str = "",
+) -> Any:
     """The pipeline schedule of this rank's stage (or chunks): ``name`` from :data:`SCHEDULES`
     (default :func:`default_schedule`). Every rank of the pipeline group builds its own, with
     the same ``num_microbatches``; chunk ``c`` is pipeline stage ``c`` of ``num_chunks``."""

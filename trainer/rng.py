@@ -18,7 +18,6 @@ says ``"rng": "rederived"``.
 from __future__ import annotations
 
 import base64
-
 import hashlib
 from collections.abc import Mapping
 from typing import Any
@@ -76,10 +75,14 @@ def _encode(state: torch.Tensor) -> str:
 
 def _decode(value: str | list[int]) -> torch.Tensor:
     if isinstance(value, str):
-        return torch.frombuffer(bytearray(base64.b64decode(value, validate=True)), dtype=torch.uint8)
+        return torch.frombuffer(
+            bytearray(base64.b64decode(value, validate=True)), dtype=torch.uint8
+        )
     if isinstance(value, list):
         return torch.tensor(value, dtype=torch.uint8)
-    raise ValueError(f"rng state entry is a {type(value).__name__}; expected base64 text or a byte list")
+    raise ValueError(
+        f"rng state entry is a {type(value).__name__}; expected base64 text or a byte list"
+    )
 
 
 def pack_rng_states(gathered: list[dict[str, Any]], parallel: ParallelDims) -> dict[str, Any]:
@@ -95,8 +98,9 @@ def pack_rng_states(gathered: list[dict[str, Any]], parallel: ParallelDims) -> d
     return {"layout": parallel.to_json(), "roles": roles, "ranks": ranks}
 
 
-def select_rng_state(saved: dict[str, Any] | None, parallel: ParallelDims, rank: int,
-                     coords: dict[str, int]) -> dict[str, list[int]] | None:
+def select_rng_state(
+    saved: dict[str, Any] | None, parallel: ParallelDims, rank: int, coords: dict[str, int]
+) -> dict[str, list[int]] | None:
     """This rank's saved state in layout ``parallel``, or None when it must be re-derived
     (see the module docstring). The decision is the same on every rank."""
     if not saved or "roles" not in saved:
@@ -109,7 +113,7 @@ def select_rng_state(saved: dict[str, Any] | None, parallel: ParallelDims, rank:
     if layout == current:
         return saved.get("ranks", {}).get(str(rank)) or saved["roles"].get(rng_role(coords))
     if saved.get("ranks"):
-        return None                       # per-rank states have no rank to go to
+        return None  # per-rank states have no rank to go to
     return saved["roles"].get(rng_role(coords))
 
 
@@ -120,8 +124,14 @@ def gather_rng(rank: int, coords: dict[str, int], parallel: ParallelDims) -> dic
     return pack_rng_states(states, parallel)
 
 
-def apply_rng(saved: dict[str, Any] | None, parallel: ParallelDims, rank: int, coords: dict[str, int],
-              seed: int, step: int) -> str:
+def apply_rng(
+    saved: dict[str, Any] | None,
+    parallel: ParallelDims,
+    rank: int,
+    coords: dict[str, int],
+    seed: int,
+    step: int,
+) -> str:
     """Restore this rank's saved state, or re-derive it from ``(seed, step, role)``.
 
     Returns:

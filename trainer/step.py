@@ -17,8 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims
-from shardsmith.layout import param_specs
+from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims, param_specs
 from shardsmith.trainer import pipeline
 from shardsmith.trainer.moe import set_aux_loss_scale
 from shardsmith.trainer.parallel import device_type
@@ -30,12 +29,26 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
-def schedule_for(model: torch.nn.Module, pp_rank: int, parallel: ParallelDims, pp_group: dist.ProcessGroup,
-                   num_microbatches: int, name: str = "") -> Any:
+def schedule_for(
+    model: torch.nn.Module,
+    pp_rank: int,
+    parallel: ParallelDims,
+    pp_group: dist.ProcessGroup,
+    num_microbatches: int,
+    name: str = "",
+) -> Any:
     """This rank's pipeline schedule (see :func:`shardsmith.trainer.pipeline.build_schedule`)
     with :func:`loss_fn`."""
-    return pipeline.build_schedule(model, pp_rank, parallel.num_chunks, pp_group, num_microbatches, loss_fn,
-                                   torch.device(device_type()), name)
+    return pipeline.build_schedule(
+        model,
+        pp_rank,
+        parallel.num_chunks,
+        pp_group,
+        num_microbatches,
+        loss_fn,
+        torch.device(device_type()),
+        name,
+    )
 
 
 @dataclass
@@ -108,11 +121,13 @@ class StepMath:
         microbatch losses (1 / microbatches here; the pipeline schedule divides its
         gradients by the microbatches itself); the returned loss is the LM loss alone."""
         dev = device_type()
-        if self.cp is not None:                                     # (B, T) -> this rank's (B, T / cp)
+        if self.cp is not None:  # (B, T) -> this rank's (B, T / cp)
             inputs, targets = self.cp.shard(inputs), self.cp.shard(targets)
         inputs, targets = inputs.to(dev), targets.to(dev)
         coeff = self.model_cfg.moe_aux_loss_coeff
-        set_aux_loss_scale(self.model, coeff if self.schedule is not None else coeff / self.num_microbatches)
+        set_aux_loss_scale(
+            self.model, coeff if self.schedule is not None else coeff / self.num_microbatches
+        )
         if self.schedule is not None:
             return self._pipelined(inputs, targets)
         total: torch.Tensor | float = 0.0
@@ -122,7 +137,7 @@ class StepMath:
                     logits = self.model(x)
                 loss = loss_fn(logits, y) / self.num_microbatches
                 loss.backward()
-            total = total + _plain(loss.detach()).float()           # on the device: no sync per microbatch
+            total = total + _plain(loss.detach()).float()  # on the device: no sync per microbatch
         return torch.as_tensor(total, dtype=torch.float32).cpu()
 
     def _pipelined(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -136,7 +151,7 @@ class StepMath:
                 self.schedule.step()
         if not losses:
             return torch.zeros(())
-        return torch.stack([_plain(l).float() for l in losses]).mean()
+        return torch.stack([_plain(loss).float() for loss in losses]).mean()
 
     def grad_norm_and_clip(self) -> float:
         """Global L2 norm of all gradients, then clip to :attr:`grad_clip` (collective).
@@ -156,9 +171,11 @@ class StepMath:
             grads.append(g)
             used = {a for axes in specs[fqn].dim_axes for a in axes}
             replicas = prod(getattr(parallel, a) for a in MESH_AXES if a != "pp" and a not in used)
-            replicas *= specs[fqn].tp_replicas * len(specs[fqn].stages)   # tied copies
-            total = total + g.double().pow(2).sum() / replicas       # stays on the device
-        total = torch.as_tensor(total, dtype=torch.float64).cpu()   # one host sync, not one per tensor
+            replicas *= specs[fqn].tp_replicas * len(specs[fqn].stages)  # tied copies
+            total = total + g.double().pow(2).sum() / replicas  # stays on the device
+        total = torch.as_tensor(
+            total, dtype=torch.float64
+        ).cpu()  # one host sync, not one per tensor
         dist.all_reduce(total)
         norm = float(total.sqrt())
         clip = self.grad_clip
@@ -173,7 +190,9 @@ class StepMath:
         """Mean loss over the global batch: last-stage, tp-rank-0 ranks contribute, divided by
         dp * cp (collective; every cp rank's mean is over the same number of tokens)."""
         contributes = self.coords["pp"] == self.parallel.pp - 1 and self.coords["tp"] == 0
-        t = (local.double().cpu() if contributes else torch.zeros((), dtype=torch.float64)).reshape(1)
+        t = (local.double().cpu() if contributes else torch.zeros((), dtype=torch.float64)).reshape(
+            1
+        )
         dist.all_reduce(t)
         return float(t.item() / (self.parallel.dp * self.parallel.cp))
 

@@ -22,33 +22,53 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardsmith.layout import validate_layout
+from shardsmith.layout import flops_per_token, validate_layout
 from shardsmith.trainer.checkpoint.policy import CheckpointPolicy, TrainState
+from shardsmith.trainer.checkpoint.resume import schedule_change
 from shardsmith.trainer.config import TrainConfig
-from shardsmith.trainer.detect import DetectConfig
+from shardsmith.trainer.context_parallel import context_parallel
 from shardsmith.trainer.data import GlobalBatchSampler, build_dataset
+from shardsmith.trainer.detect import DetectConfig
 from shardsmith.trainer.detect.goodput import breakdown, goodput_line, launch_time
 from shardsmith.trainer.detect.watch import Detectors
 from shardsmith.trainer.fault.bad_steps import BadStepPolicy
-from shardsmith.trainer.fault.elastic import elastic_restart_count, fit_world_size, warn_if_restarts_unsafe
+from shardsmith.trainer.fault.elastic import (
+    elastic_restart_count,
+    fit_world_size,
+    warn_if_restarts_unsafe,
+)
 from shardsmith.trainer.fault.guard import FaultGuard
-from shardsmith.trainer.fault.watchdog import apply_collective_timeout, set_group_timeouts
 from shardsmith.trainer.fault.hooks import FaultHooks
-from shardsmith.trainer.observe.console import EtaClock, duration, known_peak_flops, peak_memory_nbytes
+from shardsmith.trainer.fault.watchdog import apply_collective_timeout, set_group_timeouts
 from shardsmith.trainer.moe import router_stats
-from shardsmith.layout import flops_per_token
-from shardsmith.trainer.observe.metrics import (EventLog, MetricsWriter,
-                                        iter_json_lines, run_dir, step_line, step_record)
-from shardsmith.trainer.checkpoint.resume import schedule_change
-from shardsmith.trainer.optim import build_optimizer, lr_lambda
+from shardsmith.trainer.observe.console import (
+    EtaClock,
+    duration,
+    known_peak_flops,
+    peak_memory_nbytes,
+)
+from shardsmith.trainer.observe.metrics import (
+    EventLog,
+    MetricsWriter,
+    iter_json_lines,
+    run_dir,
+    step_line,
+    step_record,
+)
 from shardsmith.trainer.observe.profiling import profile_step
-from shardsmith.trainer.context_parallel import context_parallel
-from shardsmith.trainer.parallel import (build_grad_sum_groups, build_mesh, build_stage_model, device_type,
-                                        finalize_grads, init_distributed)
+from shardsmith.trainer.optim import build_optimizer, lr_lambda
+from shardsmith.trainer.parallel import (
+    build_grad_sum_groups,
+    build_mesh,
+    build_stage_model,
+    device_type,
+    finalize_grads,
+    init_distributed,
+)
 from shardsmith.trainer.rng import seed_rng
 from shardsmith.trainer.step import StepMath, StepMetrics, schedule_for
 
-__all__ = ["Trainer", "run_training", "iter_json_lines"]   # iter_json_lines: trainer/demo.py
+__all__ = ["Trainer", "run_training"]
 
 log = logging.getLogger("shardsmith.train")
 
@@ -82,8 +102,10 @@ class Trainer:
     mesh: Any = field(default=None, repr=False)
     guard: FaultGuard | None = field(default=None, repr=False)
     eta: EtaClock = field(default_factory=EtaClock, repr=False)
-    detect: Detectors = field(default_factory=lambda: Detectors(DetectConfig(straggler_every=0), lambda r: None),
-                              repr=False)
+    detect: Detectors = field(
+        default_factory=lambda: Detectors(DetectConfig(straggler_every=0), lambda r: None),
+        repr=False,
+    )
 
     @classmethod
     def create(cls, cfg: TrainConfig) -> "Trainer":
@@ -97,34 +119,81 @@ class Trainer:
         rank = dist.get_rank()
         coords = parallel.coords(rank)
         sampler = _build_sampler(cfg, coords)
-        model, stage = build_stage_model(cfg.model, parallel, mesh, seed=cfg.seed,
-                                         bf16=cfg.mixed_precision == "bf16",
-                                         activation_checkpointing=cfg.activation_checkpointing,
-                                         sequence_parallel=cfg.sequence_parallel, compile=cfg.compile)
+        model, stage = build_stage_model(
+            cfg.model,
+            parallel,
+            mesh,
+            seed=cfg.seed,
+            bf16=cfg.mixed_precision == "bf16",
+            activation_checkpointing=cfg.activation_checkpointing,
+            sequence_parallel=cfg.sequence_parallel,
+            compile=cfg.compile,
+        )
         seed_rng(cfg.seed, 0, coords)
         optimizer = build_optimizer(model, cfg.optim)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.optim.decay_steps or cfg.steps))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(cfg.optim, cfg.optim.decay_steps or cfg.steps)
+        )
         schedule = None
         if parallel.pp > 1:
-            schedule = schedule_for(model, stage.index, parallel, mesh["pp"].get_group(), num_mb,
-                                      cfg.pipeline_schedule)
-        state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
-                           bad_steps=BadStepPolicy(max_bad_steps=cfg.fault.max_bad_steps))
-        step_math = StepMath(model, schedule, cfg.model, parallel, coords, num_mb,
-                             bf16=cfg.mixed_precision == "bf16", grad_clip=cfg.optim.grad_clip,
-                             cp=context_parallel(mesh, parallel))
-        events = EventLog(MetricsWriter(run_dir(cfg) if rank == 0 else "", wandb=cfg.wandb,
-                                        config=cfg.to_json() if cfg.wandb else None), rank=rank)
+            schedule = schedule_for(
+                model, stage.index, parallel, mesh["pp"].get_group(), num_mb, cfg.pipeline_schedule
+            )
+        state = TrainState(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            sampler=sampler,
+            bad_steps=BadStepPolicy(max_bad_steps=cfg.fault.max_bad_steps),
+        )
+        step_math = StepMath(
+            model,
+            schedule,
+            cfg.model,
+            parallel,
+            coords,
+            num_mb,
+            bf16=cfg.mixed_precision == "bf16",
+            grad_clip=cfg.optim.grad_clip,
+            cp=context_parallel(mesh, parallel),
+        )
+        events = EventLog(
+            MetricsWriter(
+                run_dir(cfg) if rank == 0 else "",
+                wandb=cfg.wandb,
+                config=cfg.to_json() if cfg.wandb else None,
+            ),
+            rank=rank,
+        )
         grad_sum_groups = build_grad_sum_groups(cfg.model, parallel)
         restarts = elastic_restart_count()
         replicas = mesh["dp_replicate"].get_group() if parallel.dp_replicate > 1 else None
         siblings = mesh["tp"].get_group() if parallel.tp > 1 else None
-        checkpointing = CheckpointPolicy(cfg, state, rank=rank, coords=coords, restarts=restarts, event=events,
-                                         replica_group=replicas, sibling_group=siblings)
-        return cls(cfg=cfg, rank=rank, coords=coords, state=state, step_math=step_math,
-                   checkpointing=checkpointing, events=events, grad_sum_groups=grad_sum_groups,
-                   hooks=FaultHooks(rank), flops_token=flops_per_token(cfg.model), restarts=restarts,
-                   mesh=mesh, detect=Detectors(cfg.detect, events, torch.device(device_type())))
+        checkpointing = CheckpointPolicy(
+            cfg,
+            state,
+            rank=rank,
+            coords=coords,
+            restarts=restarts,
+            event=events,
+            replica_group=replicas,
+            sibling_group=siblings,
+        )
+        return cls(
+            cfg=cfg,
+            rank=rank,
+            coords=coords,
+            state=state,
+            step_math=step_math,
+            checkpointing=checkpointing,
+            events=events,
+            grad_sum_groups=grad_sum_groups,
+            hooks=FaultHooks(rank),
+            flops_token=flops_per_token(cfg.model),
+            restarts=restarts,
+            mesh=mesh,
+            detect=Detectors(cfg.detect, events, torch.device(device_type())),
+        )
 
     # ---- what tests and callers read ---------------------------------------------------------
 
@@ -173,11 +242,18 @@ class Trainer:
         self.hooks.slow_down()
         compute_s = time.perf_counter() - t_compute
         moe = router_stats(state.model, self.cfg.model)
-        sdc = self.detect.check_replay(step, state.model, lambda: step_math.forward_backward(inputs, targets), rng,
-                                       lambda model: self.hooks.flip_bit(step, model))
+        sdc = self.detect.check_replay(
+            step,
+            state.model,
+            lambda: step_math.forward_backward(inputs, targets),
+            rng,
+            lambda model: self.hooks.flip_bit(step, model),
+        )
         t_wait = time.perf_counter()
         finalize_grads(state.model, self.grad_sum_groups)
-        local_loss = self.hooks.corrupt(start // self.cfg.global_batch_size, state.model, local_loss)
+        local_loss = self.hooks.corrupt(
+            start // self.cfg.global_batch_size, state.model, local_loss
+        )
         self.hooks.in_step(step)
         loss = step_math.global_loss(local_loss)
         grad_norm = step_math.grad_norm_and_clip()
@@ -195,8 +271,17 @@ class Trainer:
             state.optimizer.zero_grad(set_to_none=True)
         state.step = step
         detect = self.detect.timed(step, compute_s, wait_s)
-        metrics = StepMetrics(step, loss, grad_norm, lr, time.perf_counter() - t0, tokens,
-                              skipped=verdict != "ok" or sdc != "ok", moe=moe, detect=detect)
+        metrics = StepMetrics(
+            step,
+            loss,
+            grad_norm,
+            lr,
+            time.perf_counter() - t0,
+            tokens,
+            skipped=verdict != "ok" or sdc != "ok",
+            moe=moe,
+            detect=detect,
+        )
         self.history.append(metrics)
         return metrics
 
@@ -205,27 +290,55 @@ class Trainer:
         sampler = self.state.sampler
         index = self.state.bad_steps.next_sample(sampler.sample_index)
         if index != sampler.sample_index:
-            self.events({"event": "data_skip", "step": self.step, "from_sample": sampler.sample_index,
-                         "to_sample": index})
+            self.events(
+                {
+                    "event": "data_skip",
+                    "step": self.step,
+                    "from_sample": sampler.sample_index,
+                    "to_sample": index,
+                }
+            )
             sampler.load_state_dict({"sample_index": index})
 
     def _log_step(self, m: StepMetrics) -> None:
         bad_steps = self.state.bad_steps
-        record = step_record(step=m.step, loss=m.loss, lr=m.lr, grad_norm=m.grad_norm, duration_s=m.duration_s,
-                             tokens=m.tokens, skipped=m.skipped, flops_token=self.flops_token,
-                             peak_flops=self.cfg.fault.peak_flops or known_peak_flops(),
-                             world_size=self.cfg.parallel.world_size,
-                             counters={"skipped_steps": bad_steps.skipped_steps,
-                                       "rollbacks": bad_steps.rollbacks, "restarts": self.restarts})
+        record = step_record(
+            step=m.step,
+            loss=m.loss,
+            lr=m.lr,
+            grad_norm=m.grad_norm,
+            duration_s=m.duration_s,
+            tokens=m.tokens,
+            skipped=m.skipped,
+            flops_token=self.flops_token,
+            peak_flops=self.cfg.fault.peak_flops or known_peak_flops(),
+            world_size=self.cfg.parallel.world_size,
+            counters={
+                "skipped_steps": bad_steps.skipped_steps,
+                "rollbacks": bad_steps.rollbacks,
+                "restarts": self.restarts,
+            },
+        )
         record.update(m.moe)
         record.update(m.detect)
-        record.update(steps=self.cfg.steps, tokens_seen=self.state.tokens_seen,
-                      peak_mem_nbytes=peak_memory_nbytes(),
-                      eta_s=round(self.eta.eta_s(m.duration_s, self.cfg.steps - m.step), 1))
+        record.update(
+            steps=self.cfg.steps,
+            tokens_seen=self.state.tokens_seen,
+            peak_mem_nbytes=peak_memory_nbytes(),
+            eta_s=round(self.eta.eta_s(m.duration_s, self.cfg.steps - m.step), 1),
+        )
         self.events(record)
         if m.skipped:
-            self.events({"event": "bad_step", "step": m.step, "loss": repr(m.loss), "grad_norm": repr(m.grad_norm),
-                         "consecutive": bad_steps.consecutive, "skipped_steps": bad_steps.skipped_steps})
+            self.events(
+                {
+                    "event": "bad_step",
+                    "step": m.step,
+                    "loss": repr(m.loss),
+                    "grad_norm": repr(m.grad_norm),
+                    "consecutive": bad_steps.consecutive,
+                    "skipped_steps": bad_steps.skipped_steps,
+                }
+            )
         if self.rank == 0 and self.cfg.log_interval and m.step % self.cfg.log_interval == 0:
             print(step_line(record), flush=True)
 
@@ -255,8 +368,12 @@ class Trainer:
         finally:
             self._disarm()
         if self.rank == 0 and not self.preempted:
-            print(f"done: step {self.step}/{self.cfg.steps}, {len(self.history)} steps in "
-                  f"{duration(time.perf_counter() - t0)}{accounted}", file=sys.stderr, flush=True)
+            print(
+                f"done: step {self.step}/{self.cfg.steps}, {len(self.history)} steps in "
+                f"{duration(time.perf_counter() - t0)}{accounted}",
+                file=sys.stderr,
+                flush=True,
+            )
         return self.history
 
     def _goodput(self) -> str:
@@ -276,8 +393,11 @@ class Trainer:
             return
         src = self.checkpointing.resumed_from
         if self.step >= self.cfg.steps and self.rank == 0:
-            print(f"step {self.step} is at or past --steps {self.cfg.steps}: nothing to train",
-                  file=sys.stderr, flush=True)
+            print(
+                f"step {self.step} is at or past --steps {self.cfg.steps}: nothing to train",
+                file=sys.stderr,
+                flush=True,
+            )
         from shardsmith.storage import read_manifest
 
         if self.rank == 0:
@@ -293,7 +413,7 @@ class Trainer:
         with profile_step(self.step + 1, self.cfg.profile_steps, run_dir(self.cfg), self.rank):
             m = self.train_step()
         preempt = self.guard.end()
-        if len(self.history) == 1:            # start-up is over: training timeouts from now on
+        if len(self.history) == 1:  # start-up is over: training timeouts from now on
             groups = [None, *self.grad_sum_groups.values()]
             groups += self.mesh.get_all_groups() if self.mesh is not None else []
             set_group_timeouts(self.cfg.fault.collective_timeout, groups)
@@ -301,7 +421,7 @@ class Trainer:
         bad_steps = self.state.bad_steps
         if bad_steps.consecutive >= bad_steps.max_bad_steps:
             self.checkpointing.roll_back()
-        elif self.checkpointing.interval_due(m.step):          # either tier (local: every N steps)
+        elif self.checkpointing.interval_due(m.step):  # either tier (local: every N steps)
             self.checkpointing.save(persistent=self.checkpointing.persistent_due(m.step))
         if preempt:
             self._preempt()
@@ -313,14 +433,23 @@ class Trainer:
         t0 = time.perf_counter()
         has_root = self.checkpointing.root is not None
         if not has_root:
-            log.warning("preempted with no checkpoint root (--ckpt): progress since the start is lost")
+            log.warning(
+                "preempted with no checkpoint root (--ckpt): progress since the start is lost"
+            )
         elif self.step != self.checkpointing.last_saved_step:
             self.save()
         self.wait_for_save()
         self.guard.preemption.done()
         self.preempted = True
-        self.events({"event": "preempt", "step": self.step, "seconds": round(time.perf_counter() - t0, 4),
-                     "signal": self.guard.signal_name(), "checkpoint": has_root})
+        self.events(
+            {
+                "event": "preempt",
+                "step": self.step,
+                "seconds": round(time.perf_counter() - t0, 4),
+                "signal": self.guard.signal_name(),
+                "checkpoint": has_root,
+            }
+        )
         if self.rank == 0:
             how = "interrupted" if self.guard.signal_name() == "SIGINT" else "preempted"
             saved = "checkpoint committed" if has_root else "nothing saved (no --ckpt)"
@@ -329,10 +458,20 @@ class Trainer:
     def _arm(self) -> None:
         """Start the watchdog and the signal handlers; log the start."""
         directory = run_dir(self.cfg)
-        dump = os.path.join(directory, "hang-stacks", f"rank-{self.rank:05d}.txt") if directory else ""
+        dump = (
+            os.path.join(directory, "hang-stacks", f"rank-{self.rank:05d}.txt") if directory else ""
+        )
         self.guard = FaultGuard(self.cfg.fault, dump_path=dump, on_hang=self._on_hang)
-        self.events({"event": "start", "launch_time": round(launch_time(), 3), "restart_count": self.restarts, "world_size": self.cfg.parallel.world_size,
-                     "layout": self.cfg.parallel.to_json(), "steps": self.cfg.steps})
+        self.events(
+            {
+                "event": "start",
+                "launch_time": round(launch_time(), 3),
+                "restart_count": self.restarts,
+                "world_size": self.cfg.parallel.world_size,
+                "layout": self.cfg.parallel.to_json(),
+                "steps": self.cfg.steps,
+            }
+        )
 
     def _disarm(self) -> None:
         if self.guard is not None:
@@ -340,16 +479,26 @@ class Trainer:
         self.events.close()
 
     def _on_hang(self, step: int, duration_s: float, threshold_s: float) -> None:
-        self.events({"event": "hang_suspected", "step": step, "seconds": round(duration_s, 3),
-                     "threshold": round(threshold_s, 3)})
+        self.events(
+            {
+                "event": "hang_suspected",
+                "step": step,
+                "seconds": round(duration_s, 3),
+                "threshold": round(threshold_s, 3),
+            }
+        )
 
 
 def _build_sampler(cfg: TrainConfig, coords: dict[str, int]) -> GlobalBatchSampler:
     """This rank's view of the global batches (its DP rank's slice of each)."""
     dataset = build_dataset(cfg.data, cfg.model.seq_length, cfg.model.vocab_size)
     parallel = cfg.parallel
-    return GlobalBatchSampler(dataset, global_batch_size=cfg.global_batch_size,
-                              dp_degree=parallel.dp, dp_rank=parallel.dp_rank(coords))
+    return GlobalBatchSampler(
+        dataset,
+        global_batch_size=cfg.global_batch_size,
+        dp_degree=parallel.dp,
+        dp_rank=parallel.dp_rank(coords),
+    )
 
 
 def run_training(cfg: TrainConfig) -> list[StepMetrics]:

@@ -23,9 +23,7 @@ from math import prod
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout import Box
-from shardsmith.layout import TensorSpec, param_specs
+from shardsmith.layout import Box, ModelConfig, ParallelDims, TensorSpec, param_specs
 
 #: Elements drawn per generation block (4 MiB in fp32). Part of the init's definition:
 #: changing it changes every initial weight.
@@ -48,11 +46,13 @@ def init_std(fqn: str, cfg: ModelConfig) -> float | None:
     if fqn.endswith("norm.weight"):
         return None
     if fqn.endswith(("wo.weight", "w2.weight", "experts.w2")):
-        return 0.02 / (2 * cfg.num_layers) ** 0.5                   # GPT-2 scaled residual init
+        return 0.02 / (2 * cfg.num_layers) ** 0.5  # GPT-2 scaled residual init
     return 0.02
 
 
-def init_box(fqn: str, shape: tuple[int, ...], box: Box, seed: int, cfg: ModelConfig) -> torch.Tensor:
+def init_box(
+    fqn: str, shape: tuple[int, ...], box: Box, seed: int, cfg: ModelConfig
+) -> torch.Tensor:
     """The initial values of ``box`` of the global tensor ``fqn`` of ``shape`` (elements).
 
     Returns:
@@ -73,7 +73,7 @@ def init_box(fqn: str, shape: tuple[int, ...], box: Box, seed: int, cfg: ModelCo
         gen = torch.Generator().manual_seed(block_seed(seed, fqn, b))
         block = torch.randn((hi - lo, *shape[1:]), generator=gen).mul_(std)
         take_lo, take_hi = max(lo, start), min(hi, stop)
-        out[take_lo - start:take_hi - start] = block[(slice(take_lo - lo, take_hi - lo), *inner)]
+        out[take_lo - start : take_hi - start] = block[(slice(take_lo - lo, take_hi - lo), *inner)]
     return out
 
 
@@ -83,9 +83,14 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def materialize_local_shards(model: torch.nn.Module, cfg: ModelConfig, dims: ParallelDims,
-                             coords: dict[str, int], seed: int,
-                             specs: dict[str, TensorSpec] | None = None) -> None:
+def materialize_local_shards(
+    model: torch.nn.Module,
+    cfg: ModelConfig,
+    dims: ParallelDims,
+    coords: dict[str, int],
+    seed: int,
+    specs: dict[str, TensorSpec] | None = None,
+) -> None:
     """Write the initial values into every parameter shard this rank holds, in place.
 
     ``model`` is one stage, already parallelized and moved off ``meta`` (``to_empty``);
@@ -100,11 +105,13 @@ def materialize_local_shards(model: torch.nn.Module, cfg: ModelConfig, dims: Par
         spec = specs[fqn]
         local = local_tensor(p)
         want = spec.local_lengths(dims, coords)
-        assert tuple(local.shape) == want, f"{fqn}: local shard {tuple(local.shape)}, plan says {want}"
+        assert tuple(local.shape) == want, (
+            f"{fqn}: local shard {tuple(local.shape)}, plan says {want}"
+        )
         box = spec.box(dims, coords)
         values = init_box(fqn, spec.shape, box, seed, cfg)
         if tuple(box.lengths) != tuple(local.shape):
-            local.zero_()                                           # vocab padding rows
+            local.zero_()  # vocab padding rows
         local[tuple(slice(0, n) for n in box.lengths)].copy_(values)
 
 

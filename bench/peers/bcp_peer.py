@@ -48,7 +48,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+sys.path[:0] = [
+    os.path.dirname(os.path.abspath(__file__)),
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+]
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -69,7 +72,10 @@ def start_peer(cfg: Any, args: Any, tmp: str) -> tuple[Any, str]:
 
     py = bcp_python()
     if not os.path.exists(py):
-        return None, f"no bytecheckpoint interpreter at {py} (bash bench/peers/setup.sh bcp, or set SHARDSMITH_BCP_PYTHON)"
+        return (
+            None,
+            f"no bytecheckpoint interpreter at {py} (bash bench/peers/setup.sh bcp, or set SHARDSMITH_BCP_PYTHON)",
+        )
     try:
         spec = describe_state(cfg, args.save_layout, args.load_layouts.split(","), args.nproc)
     except ValueError as e:
@@ -77,10 +83,18 @@ def start_peer(cfg: Any, args: Any, tmp: str) -> tuple[Any, str]:
     spec.update(nproc=args.nproc, model=cfg.to_json())
     with open(os.path.join(tmp, "bcp-spec.json"), "w") as f:
         json.dump(spec, f)
-    peer = PeerProcess([py, os.path.abspath(__file__), os.path.join(tmp, "bcp-spec.json"),
-                        os.path.join(tmp, "bcp-run"), os.path.join(tmp, "bcp-ctrl")],
-                       os.path.join(tmp, "bcp-ctrl"), {**os.environ, "OMP_NUM_THREADS": "1"},
-                       os.path.join(tmp, "bcp.log"))
+    peer = PeerProcess(
+        [
+            py,
+            os.path.abspath(__file__),
+            os.path.join(tmp, "bcp-spec.json"),
+            os.path.join(tmp, "bcp-run"),
+            os.path.join(tmp, "bcp-ctrl"),
+        ],
+        os.path.join(tmp, "bcp-ctrl"),
+        {**os.environ, "OMP_NUM_THREADS": "1"},
+        os.path.join(tmp, "bcp.log"),
+    )
     return peer, ""
 
 
@@ -97,21 +111,29 @@ class _Patches:
         from bytecheckpoint.checkpointer.fsdp2_checkpointer import FSDP2Checkpointer
 
         self.base, self.cls = base, FSDP2Checkpointer
-        self.orig_save, self.own = base.save_state_dict, FSDP2Checkpointer.__dict__.get("_load_optimizer")
+        self.orig_save, self.own = (
+            base.save_state_dict,
+            FSDP2Checkpointer.__dict__.get("_load_optimizer"),
+        )
         orig_save, orig_load = self.orig_save, FSDP2Checkpointer._load_optimizer.__func__
 
-        def save_state_dict(**kw: Any) -> Any:               # fix 1: the plan cache can hit
-            kw["planner"].set_up_planner(kw["state_dict"], dist.get_rank() == kw.get("coordinator_rank", 0))
+        def save_state_dict(**kw: Any) -> Any:  # fix 1: the plan cache can hit
+            kw["planner"].set_up_planner(
+                kw["state_dict"], dist.get_rank() == kw.get("coordinator_rank", 0)
+            )
             kw["state_path"] = pathlib.Path(kw["state_path"])
             return orig_save(**kw)
 
-        def load_optimizer(cls: Any, *a: Any, **kw: Any) -> Any:   # fix 2: keep the local params lists
+        def load_optimizer(
+            cls: Any, *a: Any, **kw: Any
+        ) -> Any:  # fix 2: keep the local params lists
             state = kw.get("optimizer_state", a[1] if len(a) > 1 else None)
             local = [list(g["params"]) for g in state["param_groups"]]
             out = orig_load(cls, *a, **kw)
             for group, params in zip(out["param_groups"], local):
                 group["params"] = params
             return out
+
         self.save_fn, self.load_fn = save_state_dict, classmethod(load_optimizer)
 
     def apply(self, on: bool) -> None:
@@ -152,8 +174,14 @@ class _Ops:
         self.step += 1
         done = threading.Event()
         t0 = time.perf_counter()
-        self.bcp.save(os.path.join(self.base, name), self.src["state"], framework="fsdp2", fast_saving=fast,
-                      global_steps=self.step, callback=done.set)
+        self.bcp.save(
+            os.path.join(self.base, name),
+            self.src["state"],
+            framework="fsdp2",
+            fast_saving=fast,
+            global_steps=self.step,
+            callback=done.set,
+        )
         blocked = time.perf_counter() - t0
         if dist.get_rank() == 0 and not done.wait(600):
             raise RuntimeError("bytecheckpoint save not committed after 600 s")
@@ -162,8 +190,12 @@ class _Ops:
 
     def load(self, name: str, target: str) -> None:
         dst = self.dst[target]
-        self.bcp.load(os.path.join(self.base, name, f"global_step_{self.step_of[name]}"), dst["state"],
-                      framework="fsdp2", fast_loading=True)
+        self.bcp.load(
+            os.path.join(self.base, name, f"global_step_{self.step_of[name]}"),
+            dst["state"],
+            framework="fsdp2",
+            fast_loading=True,
+        )
 
     step_of: dict[str, int] = {}
 
@@ -183,16 +215,23 @@ def _build(cfg: Any, layout: str, fill: bool) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     params = dict(model.named_parameters())
     for fqn, p in params.items():
-        opt.state[p] = {"step": torch.tensor(7.0), "exp_avg": torch.zeros_like(p.detach()),
-                        "exp_avg_sq": torch.zeros_like(p.detach())}
+        opt.state[p] = {
+            "step": torch.tensor(7.0),
+            "exp_avg": torch.zeros_like(p.detach()),
+            "exp_avg_sq": torch.zeros_like(p.detach()),
+        }
 
     def local_tensors() -> dict[str, torch.Tensor]:
         out = {}
         for fqn, p in params.items():
-            for key, t in ((fqn, p.detach()), (f"optim.exp_avg.{fqn}", opt.state[p]["exp_avg"]),
-                           (f"optim.exp_avg_sq.{fqn}", opt.state[p]["exp_avg_sq"])):
+            for key, t in (
+                (fqn, p.detach()),
+                (f"optim.exp_avg.{fqn}", opt.state[p]["exp_avg"]),
+                (f"optim.exp_avg_sq.{fqn}", opt.state[p]["exp_avg_sq"]),
+            ):
                 out[key] = t.to_local() if hasattr(t, "to_local") else t
         return out
+
     if fill:
         with torch.no_grad():
             for key, t in local_tensors().items():
@@ -205,18 +244,21 @@ def _worker(rank: int, spec: dict[str, Any], base: str, ctrl: str, port: int) ->
     import lockstep
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=spec["nproc"])
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=spec["nproc"]
+    )
     try:
         ops, patches = _Ops(spec, base), _Patches()
-        ops.save("warmup", False)                  # starts its gRPC coordinator
+        ops.save("warmup", False)  # starts its gRPC coordinator
         checked: set[str] = set()
         lockstep.serve_rounds(ctrl, lambda r: _round(ops, patches, spec, base, checked))
     finally:
         dist.destroy_process_group()
 
 
-def _round(ops: _Ops, patches: _Patches, spec: dict[str, Any], base: str, checked: set[str]) -> dict[str, Any]:
+def _round(
+    ops: _Ops, patches: _Patches, spec: dict[str, Any], base: str, checked: set[str]
+) -> dict[str, Any]:
     """One round: as shipped, then patched: sync save, async save, a load into each layout (a
     failure is recorded in ``errors``; loaded values are checked once per mode and layout)."""
     from peer_state import _loaded_ok, _measure
@@ -226,13 +268,14 @@ def _round(ops: _Ops, patches: _Patches, spec: dict[str, Any], base: str, checke
     def run(key: str, fn: Callable[[], Any]) -> None:
         try:
             results[key] = [_measure(base, fn)]
-        except Exception as e:                     # a peer's failure is a result: record it, go on
+        except Exception as e:  # a peer's failure is a result: record it, go on
             results["errors"][key] = f"{type(e).__name__}: {str(e)[:200]}"
             dist.barrier()
+
     for mode in ("shipped", "patched"):
         patches.apply(mode == "patched")
         if mode == "patched":
-            ops.save(f"{mode}-async", True)        # the patched cache hits from the second save on
+            ops.save(f"{mode}-async", True)  # the patched cache hits from the second save on
         run(f"{mode}.save", lambda: ops.save(f"{mode}-sync", False))
         ops.step_of[f"{mode}-sync"] = ops.step
         run(f"{mode}.async", lambda: ops.save(f"{mode}-async", True))
@@ -242,8 +285,10 @@ def _round(ops: _Ops, patches: _Patches, spec: dict[str, Any], base: str, checke
             run(key, lambda: ops.load(f"{mode}-sync", target))
             if key in results and key not in checked:
                 checked.add(key)
-                results["loads_identical"][f"{mode}.{target}"] = _loaded_ok(spec, target, ops.dst[target]["locals"]())
-    with open("/proc/self/status") as f:             # peak RSS since the rank started (its HWM)
+                results["loads_identical"][f"{mode}.{target}"] = _loaded_ok(
+                    spec, target, ops.dst[target]["locals"]()
+                )
+    with open("/proc/self/status") as f:  # peak RSS since the rank started (its HWM)
         hwm = torch.tensor([int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024])
     dist.all_reduce(hwm, op=dist.ReduceOp.MAX)
     results["peak_rss_mib"] = float(hwm[0])

@@ -14,14 +14,17 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))      # bench/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 
 
-def describe_state(cfg: Any, save_layout: str, load_layouts: list[str], nproc: int) -> dict[str, Any]:
+def describe_state(
+    cfg: Any, save_layout: str, load_layouts: list[str], nproc: int
+) -> dict[str, Any]:
     """The bench's state per layout and rank: ``[fqn, global_shape, offsets, lengths, replica_id,
     seed]`` rows (non-empty boxes only), plus the scalar ``step`` FQNs. Raises ValueError if a
     box is not on a regular grid (Megatron's ``ShardedTensor`` needs one)."""
     from ckpt_state import parse_layout
+
     from shardsmith.layout.sharding import checkpoint_specs, rank_boxes
 
     layouts: dict[str, list[list[list[Any]]]] = {}
@@ -47,15 +50,26 @@ def describe_state(cfg: Any, save_layout: str, load_layouts: list[str], nproc: i
                     continue
                 if any(g % n or o % n for g, o, n in zip(shape, box.offsets, box.lengths)):
                     raise ValueError(f"{fqn} box {box} of {shape} is not on a regular grid")
-                mine.append([fqn, list(shape), list(box.offsets), list(box.lengths),
-                             holders[(fqn, str(box))].index(r), zlib.crc32(f"{fqn}{box}".encode())])
+                mine.append(
+                    [
+                        fqn,
+                        list(shape),
+                        list(box.offsets),
+                        list(box.lengths),
+                        holders[(fqn, str(box))].index(r),
+                        zlib.crc32(f"{fqn}{box}".encode()),
+                    ]
+                )
             rows.append(mine)
         layouts[name] = rows
     return {"save": save_layout, "loads": load_layouts, "layouts": layouts, "steps": steps}
 
 
 def _cpu_seconds() -> float:
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
@@ -99,7 +113,9 @@ def _loaded_ok(spec: dict[str, Any], target: str, dst: dict[str, Any]) -> bool:
                 continue
             src = torch.zeros(s_len).uniform_(-1, 1, generator=torch.Generator().manual_seed(seed))
             mine = got[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
-            ok &= torch.equal(mine, src[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, s_off))])
+            ok &= torch.equal(
+                mine, src[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, s_off))]
+            )
             covered += mine.numel()
         ok &= covered == got.numel()
         if not ok and os.environ.get("MEGATRON_PEER_DEBUG"):
@@ -107,4 +123,3 @@ def _loaded_ok(spec: dict[str, Any], target: str, dst: dict[str, Any]) -> bool:
     flag = torch.tensor([0 if ok else 1])
     dist.all_reduce(flag)
     return not int(flag)
-

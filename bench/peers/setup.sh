@@ -31,7 +31,7 @@ bcp() {  # declares torch<=2.5 (pip would fetch a CUDA torch 2.5): --no-deps, th
         typing-extensions grpcio==1.69.0 protobuf==3.20.3
     .venv-bcp/bin/pip install -q --no-deps -e .   # its ranks build the bench's model with shardsmith's code
 }
-titan() {  # trains on CPU with the shim in bench/peers/titan_run.py; triton is imported unconditionally
+titan() {  # trains on CPU with the shim in bench/peers/titan_ranks.py; triton is imported unconditionally
     mkvenv .venv-titan
     .venv-titan/bin/pip install -q --no-deps torchtitan==0.3.0
     .venv-titan/bin/pip install -q triton tyro tomli tokenizers datasets psutil einops tensorboard

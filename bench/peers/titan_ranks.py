@@ -42,13 +42,21 @@ def shim() -> None:
 
     torch._utils._get_available_device_type = lambda: "cpu"
     cpu = torch.cpu
-    for name, value in (("set_device", lambda *a, **k: None), ("current_device", lambda: 0),
-                        ("device_count", lambda: 1), ("empty_cache", lambda: None),
-                        ("reset_peak_memory_stats", lambda *a, **k: None), ("memory_stats", lambda *a, **k: {}),
-                        ("max_memory_allocated", lambda *a, **k: 0), ("max_memory_reserved", lambda *a, **k: 0),
-                        ("memory_allocated", lambda *a, **k: 0), ("memory_reserved", lambda *a, **k: 0),
-                        ("get_device_name", lambda *a, **k: "cpu"), ("get_device_properties", _props),
-                        ("mem_get_info", lambda *a, **k: (0, 1))):
+    for name, value in (
+        ("set_device", lambda *a, **k: None),
+        ("current_device", lambda: 0),
+        ("device_count", lambda: 1),
+        ("empty_cache", lambda: None),
+        ("reset_peak_memory_stats", lambda *a, **k: None),
+        ("memory_stats", lambda *a, **k: {}),
+        ("max_memory_allocated", lambda *a, **k: 0),
+        ("max_memory_reserved", lambda *a, **k: 0),
+        ("memory_allocated", lambda *a, **k: 0),
+        ("memory_reserved", lambda *a, **k: 0),
+        ("get_device_name", lambda *a, **k: "cpu"),
+        ("get_device_properties", _props),
+        ("mem_get_info", lambda *a, **k: (0, 1)),
+    ):
         if not hasattr(cpu, name) or name in ("set_device", "current_device", "device_count"):
             setattr(cpu, name, value)
     barrier = dist.barrier
@@ -56,8 +64,9 @@ def shim() -> None:
     def barrier_no_ids(*a: Any, **k: Any) -> Any:
         k.pop("device_ids", None)
         return barrier(*a, **k)
+
     dist.barrier = barrier_no_ids
-    if not hasattr(dist, "set_timeout"):                  # torchtitan calls it after step 1; torch 2.13 lacks it
+    if not hasattr(dist, "set_timeout"):  # torchtitan calls it after step 1; torch 2.13 lacks it
         dist.set_timeout = lambda *a, **k: None
     _premul_sum_as_sum()
 
@@ -80,21 +89,38 @@ def _premul_sum_as_sum() -> None:
     def factors(*a: Any, **k: Any) -> Any:
         k["force_sum_reduction_for_comms"] = True
         return orig(*a[:5], **k)
+
     fc._get_gradient_divide_factors = factors
 
 
 def sdpa_attention() -> None:
     """FlexAttention -> causal SDPA; no block masks built."""
     import torch.nn.functional as F
-    from torchtitan.models.common import attention
-    from torchtitan.models.common import decoder
+    from torchtitan.models.common import attention, decoder
 
-    def forward(self: Any, q_BLNH: torch.Tensor, k_BLNH: torch.Tensor, v_BLNH: torch.Tensor, *,
-                attention_masks: Any = None, score_mod: Any = None, scale: float | None = None,
-                enable_gqa: bool = False, out_transform: Any = None, **kw: Any) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2),
-                                             is_causal=True, scale=scale, enable_gqa=enable_gqa)
+    def forward(
+        self: Any,
+        q_BLNH: torch.Tensor,
+        k_BLNH: torch.Tensor,
+        v_BLNH: torch.Tensor,
+        *,
+        attention_masks: Any = None,
+        score_mod: Any = None,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        out_transform: Any = None,
+        **kw: Any,
+    ) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q_BLNH.transpose(1, 2),
+            k_BLNH.transpose(1, 2),
+            v_BLNH.transpose(1, 2),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
         return out.transpose(1, 2)
+
     attention.FlexAttention.forward = forward
     decoder.Decoder.get_attention_masks = lambda self, positions: None
 
@@ -115,13 +141,24 @@ def byte_tokenizer(folder: str) -> None:
     os.makedirs(folder, exist_ok=True)
     tok.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
-                   "add_bos_token": True, "add_eos_token": True}, f)
+        json.dump(
+            {
+                "bos_token": "<|begin_of_text|>",
+                "eos_token": "<|end_of_text|>",
+                "add_bos_token": True,
+                "add_eos_token": True,
+            },
+            f,
+        )
 
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable unicode map (openai/gpt-2 encoder.py)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:
@@ -134,8 +171,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 def register(spec: dict[str, Any]) -> Any:
     """The bench's model as llama3 flavor ``bench``, the corpus as dataset ``bench``; returns
     the Trainer.Config for the spec."""
-    from torchtitan.hf_datasets import DatasetConfig
-    from torchtitan.hf_datasets import text_datasets
+    from torchtitan.hf_datasets import DatasetConfig, text_datasets
     from torchtitan.models import llama3
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
@@ -145,19 +181,36 @@ def register(spec: dict[str, Any]) -> Any:
     def flavor(attn_backend: str, tp_gemm_backend: str = "default") -> Any:
         dim = m["hidden"]
         return llama3.Llama3Model.Config(
-            dim=dim, vocab_size=m["vocab"],
-            tok_embeddings=Embedding.Config(num_embeddings=m["vocab"], embedding_dim=dim,
-                                            param_init=llama3._EMBEDDING_INIT),
+            dim=dim,
+            vocab_size=m["vocab"],
+            tok_embeddings=Embedding.Config(
+                num_embeddings=m["vocab"], embedding_dim=dim, param_init=llama3._EMBEDDING_INIT
+            ),
             norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
-            lm_head=Linear.Config(in_features=dim, out_features=m["vocab"], param_init=llama3._output_linear_init(dim)),
+            lm_head=Linear.Config(
+                in_features=dim, out_features=m["vocab"], param_init=llama3._output_linear_init(dim)
+            ),
             layers=llama3._build_llama3_layers(
-                fuse_qkv=False, n_layers=m["layers"], dim=dim, n_heads=m["heads"], n_kv_heads=m["kv_heads"],
-                hidden_dim=m["ffn"], attn_backend=attn_backend, tp_gemm_backend=tp_gemm_backend,
-                rope=ComplexRoPE.Config(dim=dim // m["heads"], max_seq_len=m["seq"], theta=10000, scaling="none")))
+                fuse_qkv=False,
+                n_layers=m["layers"],
+                dim=dim,
+                n_heads=m["heads"],
+                n_kv_heads=m["kv_heads"],
+                hidden_dim=m["ffn"],
+                attn_backend=attn_backend,
+                tp_gemm_backend=tp_gemm_backend,
+                rope=ComplexRoPE.Config(
+                    dim=dim // m["heads"], max_seq_len=m["seq"], theta=10000, scaling="none"
+                ),
+            ),
+        )
+
     llama3.llama3_configs["bench"] = flavor
     text_datasets.DATASETS["bench"] = DatasetConfig(
-        path=spec["data"], loader=lambda path: text_datasets.load_dataset("json", data_files=path, split="train"),
-        sample_processor=lambda sample: sample["text"])
+        path=spec["data"],
+        loader=lambda path: text_datasets.load_dataset("json", data_files=path, split="train"),
+        sample_processor=lambda sample: sample["text"],
+    )
     return llama3_debugmodel, llama3.model_registry
 
 
@@ -169,13 +222,25 @@ def split_microbatches(schedule: Any) -> None:
     import inspect
 
     if "arg_mbs" in inspect.signature(schedule.step).parameters:
-        return                                            # a torch that has the list API already
+        return  # a torch that has the list API already
 
-    def step(*, arg_mbs: Any = None, kwarg_mbs: Any = None, target_mbs: Any = None, losses: Any = None,
-             loss_kwargs: Any = None, return_outputs: bool = True) -> Any:
-        schedule._stage.has_backward = schedule._has_backward    # what torch 2.13's step() does first:
-        schedule._stage.clear_runtime_states()                   # without it no stage runs a backward
-        schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+    def step(
+        *,
+        arg_mbs: Any = None,
+        kwarg_mbs: Any = None,
+        target_mbs: Any = None,
+        losses: Any = None,
+        loss_kwargs: Any = None,
+        return_outputs: bool = True,
+    ) -> Any:
+        schedule._stage.has_backward = (
+            schedule._has_backward
+        )  # what torch 2.13's step() does first:
+        schedule._stage.clear_runtime_states()  # without it no stage runs a backward
+        schedule._step_microbatches(
+            arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
+        )
+
     schedule.step = step
 
 
@@ -193,34 +258,47 @@ def build_config(spec: dict[str, Any]) -> Any:
     byte_tokenizer(tokdir)
     cfg = debugmodel()
     cfg.model_spec = registry("bench")
-    cfg.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=spec["model"]["vocab"]))
+    cfg.loss = ChunkedLossWrapper.Config(
+        loss_fn=CrossEntropyLoss.Config(global_vocab_size=spec["model"]["vocab"])
+    )
     cfg.hf_assets_path = tokdir
     cfg.dump_folder = work
     cfg.training.local_batch_size = spec["batch"] // (dpr * dps)
     cfg.training.global_batch_size = spec["batch"]
     cfg.training.seq_len = spec["model"]["seq"]
     cfg.training.steps = spec["steps"]
-    cfg.training.mixed_precision_param = "float32"  # the bench trains fp32 (its default, bf16, is FSDP's param dtype)
-    cfg.training.disable_cuda_graphs = True        # none on CPU; torchtitan refuses pp with them on
+    cfg.training.mixed_precision_param = (
+        "float32"  # the bench trains fp32 (its default, bf16, is FSDP's param dtype)
+    )
+    cfg.training.disable_cuda_graphs = True  # none on CPU; torchtitan refuses pp with them on
     cfg.dataloader = HuggingFaceTextDataLoader.Config(dataset="bench")
     par = cfg.parallelism
     par.data_parallel_replicate_degree, par.data_parallel_shard_degree = dpr, dps
     par.tensor_parallel_degree, par.pipeline_parallel_degree = tp, pp
-    par.pipeline_parallel_schedule, par.pipeline_parallel_microbatch_size = "1F1B", spec["micro_batch"]
+    par.pipeline_parallel_schedule, par.pipeline_parallel_microbatch_size = (
+        "1F1B",
+        spec["micro_batch"],
+    )
     par.enable_sequence_parallel = False
     par.spmd_backend = "partial_dtensor"
     cfg.activation_checkpoint = None
     cfg.validator.enable = False
     cfg.metrics.log_freq = 10**6
-    cfg.checkpoint = CheckpointManager.Config(enable=True, folder="checkpoint", interval=10**6,
-                                              async_mode="async", last_save_model_only=False)
+    cfg.checkpoint = CheckpointManager.Config(
+        enable=True,
+        folder="checkpoint",
+        interval=10**6,
+        async_mode="async",
+        last_save_model_only=False,
+    )
     return cfg
 
 
 def run_titan(spec: dict[str, Any]) -> dict[str, Any]:
     """One rank: train ``spec["steps"]`` steps, then an async and a sync checkpoint."""
-    if os.environ.get("TITAN_DUMP_AFTER"):                # debugging a hang: every thread's stack
+    if os.environ.get("TITAN_DUMP_AFTER"):  # debugging a hang: every thread's stack
         import faulthandler
+
         faulthandler.dump_traceback_later(float(os.environ["TITAN_DUMP_AFTER"]), exit=True)
     shim()
     sdpa_attention()
@@ -240,14 +318,16 @@ def run_titan(spec: dict[str, Any]) -> dict[str, Any]:
         steps.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
         return out
+
     trainer.train_step = timed
     grads = {"with_grad": 0, "params": 0}
     optimizer_step = trainer.optimizers.step
 
-    def counted_step(*a: Any, **k: Any) -> Any:         # the bench's check that this rank trains
+    def counted_step(*a: Any, **k: Any) -> Any:  # the bench's check that this rank trains
         params = [p for m in trainer.model_parts for p in m.parameters()]
         grads.update(with_grad=sum(p.grad is not None for p in params), params=len(params))
         return optimizer_step(*a, **k)
+
     trainer.optimizers.step = counted_step
     ckpt = trainer.checkpointer
     ckpt._should_save = lambda *a, **k: False
@@ -267,7 +347,12 @@ def run_titan(spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         ckpt.save(trainer.step + 2)
         sync = time.perf_counter() - t0
-        return {"step_s": steps, "cpu_s": cpu, "grads": grads, "ckpt": {"async_blocked": blocked, "async_s": total, "sync_s": sync}}
+        return {
+            "step_s": steps,
+            "cpu_s": cpu,
+            "grads": grads,
+            "ckpt": {"async_blocked": blocked, "async_s": total, "sync_s": sync},
+        }
     finally:
         trainer.close()
         if dist.is_initialized():

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shardsmith.errors import ConfigError
-from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout import param_specs
+from shardsmith.layout import ModelConfig, ParallelDims, param_specs
 
 if TYPE_CHECKING:
     from shardsmith.reshard.foreign.write import WriteReport
@@ -50,10 +49,14 @@ class ModelHints:
         rec = recorded or {}
         heads = self.num_attention_heads or rec.get("num_attention_heads")
         if not heads:
-            raise ConfigError(f"{source}: the checkpoint does not record the model's query head count; "
-                              "pass --num-attention-heads")
-        values = {k: getattr(self, k) if getattr(self, k) is not None else rec.get(k, default)
-                  for k, default in _HINT_DEFAULTS.items()}
+            raise ConfigError(
+                f"{source}: the checkpoint does not record the model's query head count; "
+                "pass --num-attention-heads"
+            )
+        values = {
+            k: getattr(self, k) if getattr(self, k) is not None else rec.get(k, default)
+            for k, default in _HINT_DEFAULTS.items()
+        }
         return ModelHints(num_attention_heads=int(heads), **values)
 
 
@@ -80,46 +83,82 @@ class ImportReport:
     dropped: list[str] = field(default_factory=list)
 
     @classmethod
-    def of(cls, written: WriteReport, *, source: str, model: ModelConfig, with_optimizer: bool,
-           started: float, dropped: list[str] | None = None) -> "ImportReport":
+    def of(
+        cls,
+        written: WriteReport,
+        *,
+        source: str,
+        model: ModelConfig,
+        with_optimizer: bool,
+        started: float,
+        dropped: list[str] | None = None,
+    ) -> "ImportReport":
         """The report of an import that committed ``written`` and began at ``started``
         (a :func:`time.perf_counter` reading)."""
-        return cls(source=source, target=written.target, step=written.step, model=model,
-                   with_optimizer=with_optimizer, num_files=written.num_files,
-                   nbytes_written=written.nbytes_written, seconds=time.perf_counter() - started,
-                   dropped=dropped or [])
+        return cls(
+            source=source,
+            target=written.target,
+            step=written.step,
+            model=model,
+            with_optimizer=with_optimizer,
+            num_files=written.num_files,
+            nbytes_written=written.nbytes_written,
+            seconds=time.perf_counter() - started,
+            dropped=dropped or [],
+        )
 
 
-def infer_model_config(shapes: dict[str, tuple[int, ...]], hints: ModelHints, source: str) -> ModelConfig:
+def infer_model_config(
+    shapes: dict[str, tuple[int, ...]], hints: ModelHints, source: str
+) -> ModelConfig:
     """Our :class:`ModelConfig` of a Llama whose parameters (our FQNs) have ``shapes``.
 
     Raises:
         ConfigError: a tensor is missing, unknown or misshapen for the inferred model
             (names the tensor), or the heads do not divide the widths.
     """
-    for name in ("tok_embeddings.weight", "layers.0.attention.wk.weight", "layers.0.feed_forward.w1.weight"):
+    for name in (
+        "tok_embeddings.weight",
+        "layers.0.attention.wk.weight",
+        "layers.0.feed_forward.w1.weight",
+    ):
         if name not in shapes:
-            raise ConfigError(f"{source}: no tensor {name}; not a Llama checkpoint shardsmith can import")
+            raise ConfigError(
+                f"{source}: no tensor {name}; not a Llama checkpoint shardsmith can import"
+            )
     vocab, hidden = shapes["tok_embeddings.weight"]
     heads = hints.num_attention_heads
     assert heads is not None and hints.seq_length is not None, "call ModelHints.completed first"
     if hidden % heads:
-        raise ConfigError(f"{source}: hidden size {hidden} is not divisible by "
-                          f"--num-attention-heads {heads}; pass the model's query head count")
+        raise ConfigError(
+            f"{source}: hidden size {hidden} is not divisible by "
+            f"--num-attention-heads {heads}; pass the model's query head count"
+        )
     layers = {int(m.group(1)) for m in map(_LAYER.match, shapes) if m}
-    model = ModelConfig(num_layers=len(layers), hidden_size=hidden, num_attention_heads=heads,
-                        num_kv_heads=shapes["layers.0.attention.wk.weight"][0] // (hidden // heads),
-                        ffn_hidden_size=shapes["layers.0.feed_forward.w1.weight"][0], vocab_size=vocab,
-                        seq_length=hints.seq_length, tie_embeddings="output.weight" not in shapes,
-                        rope_theta=float(hints.rope_theta or 0), norm_eps=float(hints.norm_eps or 0))
+    model = ModelConfig(
+        num_layers=len(layers),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_kv_heads=shapes["layers.0.attention.wk.weight"][0] // (hidden // heads),
+        ffn_hidden_size=shapes["layers.0.feed_forward.w1.weight"][0],
+        vocab_size=vocab,
+        seq_length=hints.seq_length,
+        tie_embeddings="output.weight" not in shapes,
+        rope_theta=float(hints.rope_theta or 0),
+        norm_eps=float(hints.norm_eps or 0),
+    )
     specs = param_specs(model, ParallelDims())
     for fqn, spec in specs.items():
         if fqn not in shapes or tuple(shapes[fqn]) != spec.shape:
             found = "missing" if fqn not in shapes else f"of shape {tuple(shapes[fqn])}"
-            raise ConfigError(f"{source}: tensor {fqn} is {found}, but the model the other shapes "
-                              f"imply ({model}) needs {spec.shape}")
+            raise ConfigError(
+                f"{source}: tensor {fqn} is {found}, but the model the other shapes "
+                f"imply ({model}) needs {spec.shape}"
+            )
     extra = sorted(set(shapes) - set(specs))
     if extra:
-        raise ConfigError(f"{source}: tensors {extra[:5]} have no place in shardsmith's Llama "
-                          "(biases and extra modules are not supported); nothing was imported")
+        raise ConfigError(
+            f"{source}: tensors {extra[:5]} have no place in shardsmith's Llama "
+            "(biases and extra modules are not supported); nothing was imported"
+        )
     return model

@@ -40,25 +40,34 @@ from typing import Any, Callable
 import torch
 
 from shardsmith.errors import CheckpointError, ConfigError
-from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout import Box
-from shardsmith.layout import param_specs
-from shardsmith.reshard.foreign.common import MODEL_RECORD_KEY, ImportReport, ModelHints, infer_model_config
+from shardsmith.layout import Box, ModelConfig, ParallelDims, param_specs
+from shardsmith.reshard.foreign.common import (
+    MODEL_RECORD_KEY,
+    ImportReport,
+    ModelHints,
+    infer_model_config,
+)
 from shardsmith.reshard.foreign.dcp_reader import METADATA_NAME, DCPCheckpoint
 from shardsmith.reshard.foreign.write import write_checkpoint
 from shardsmith.storage import read_manifest, resolve_checkpoint
 from shardsmith.storage.formats import read_box
 
 #: AdamW state kinds: DCP name (after ``optimizer.state.<fqn>.``) -> our prefix.
-OPTIM_KINDS = {"exp_avg": "optim.exp_avg.", "exp_avg_sq": "optim.exp_avg_sq.", "step": "optim.step."}
+OPTIM_KINDS = {
+    "exp_avg": "optim.exp_avg.",
+    "exp_avg_sq": "optim.exp_avg_sq.",
+    "step": "optim.step.",
+}
 
 
 def _model_prefix(ck: DCPCheckpoint) -> str:
     for prefix in ("", "model."):
         if prefix + "tok_embeddings.weight" in ck.chunks:
             return prefix
-    raise ConfigError(f"{ck.dir}: no tok_embeddings.weight (or model.tok_embeddings.weight); not a "
-                      "torchtitan Llama checkpoint")
+    raise ConfigError(
+        f"{ck.dir}: no tok_embeddings.weight (or model.tok_embeddings.weight); not a "
+        "torchtitan Llama checkpoint"
+    )
 
 
 def _scalar(ck: DCPCheckpoint, key: str) -> int | None:
@@ -74,8 +83,10 @@ def _scalar(ck: DCPCheckpoint, key: str) -> int | None:
     return int(value)
 
 
-_WHY = {"optimizer.param_groups": "hyperparameters come from the train flags",
-        "dataloader": "another data loader's position: data restarts at sample 0"}
+_WHY = {
+    "optimizer.param_groups": "hyperparameters come from the train flags",
+    "dataloader": "another data loader's position: data restarts at sample 0",
+}
 
 
 def _dropped(keys: list[str]) -> list[str]:
@@ -97,13 +108,18 @@ def _dropped(keys: list[str]) -> list[str]:
 def _source_map(ck: DCPCheckpoint, model: ModelConfig, prefix: str) -> tuple[dict[str, str], bool]:
     """Our FQN -> DCP key, and whether AdamW state is present (all of it, or refuse)."""
     names = {fqn: prefix + fqn for fqn in param_specs(model, ParallelDims())}
-    optim = {ours + fqn: f"optimizer.state.{fqn}.{kind}" for fqn in list(names)
-             for kind, ours in OPTIM_KINDS.items()}
+    optim = {
+        ours + fqn: f"optimizer.state.{fqn}.{kind}"
+        for fqn in list(names)
+        for kind, ours in OPTIM_KINDS.items()
+    }
     present = [k for k in optim.values() if k in ck.chunks]
     if present and len(present) != len(optim):
         missing = sorted(set(optim.values()) - set(present))
-        raise ConfigError(f"{ck.dir}: optimizer state is partial ({len(missing)} of {len(optim)} "
-                          f"AdamW tensors missing, e.g. {missing[:3]}); only AdamW is supported")
+        raise ConfigError(
+            f"{ck.dir}: optimizer state is partial ({len(missing)} of {len(optim)} "
+            f"AdamW tensors missing, e.g. {missing[:3]}); only AdamW is supported"
+        )
     return ({**names, **optim} if present else names), bool(present)
 
 
@@ -111,13 +127,19 @@ def _state(ck: DCPCheckpoint, step: int | None) -> tuple[dict[str, Any], set[str
     """Our manifest state from torchtitan's train_state / lr_scheduler, and the keys used."""
     saved = _scalar(ck, "train_state.step")
     step = step if step is not None else (saved or 0)
-    state: dict[str, Any] = {"step": step, "tokens_seen": _scalar(ck, "train_state.ntokens_seen") or 0,
-                             "data": {"sample_index": 0},
-                             "source": {"format": "dcp", "path": ck.dir, "step": saved}}
+    state: dict[str, Any] = {
+        "step": step,
+        "tokens_seen": _scalar(ck, "train_state.ntokens_seen") or 0,
+        "data": {"sample_index": 0},
+        "source": {"format": "dcp", "path": ck.dir, "step": saved},
+    }
     last_epoch = _scalar(ck, "lr_scheduler.last_epoch")
     if last_epoch is not None:
-        state["lr_scheduler"] = {"last_epoch": last_epoch, "_step_count": last_epoch + 1,
-                                 "lr_lambdas": [None]}
+        state["lr_scheduler"] = {
+            "last_epoch": last_epoch,
+            "_step_count": last_epoch + 1,
+            "lr_lambdas": [None],
+        }
     return state, {"train_state.step", "train_state.ntokens_seen", "lr_scheduler.last_epoch"}
 
 
@@ -131,8 +153,10 @@ def _recorded_model(ck: DCPCheckpoint) -> dict | None:
     except json.JSONDecodeError:
         record = None
     if not isinstance(record, dict):
-        raise ConfigError(f"{ck.dir}: {MODEL_RECORD_KEY} is not a JSON model config; pass the model "
-                          "flags (--num-attention-heads ...) and remove the item, or re-export")
+        raise ConfigError(
+            f"{ck.dir}: {MODEL_RECORD_KEY} is not a JSON model config; pass the model "
+            "flags (--num-attention-heads ...) and remove the item, or re-export"
+        )
     return record
 
 
@@ -153,9 +177,16 @@ def _tied_output(ck: DCPCheckpoint, prefix: str, rows_per_read: int = 4096) -> b
     return True
 
 
-def import_dcp(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: ModelHints, *,
-               step: int | None = None, make_config: Callable[[ModelConfig], dict] | None = None,
-               storage_options: dict | None = None) -> ImportReport:
+def import_dcp(
+    src_dir: str,
+    ckpt_url: str,
+    dims: ParallelDims,
+    hints: ModelHints,
+    *,
+    step: int | None = None,
+    make_config: Callable[[ModelConfig], dict] | None = None,
+    storage_options: dict | None = None,
+) -> ImportReport:
     """Write the torchtitan-style DCP checkpoint in ``src_dir`` as a shardsmith checkpoint.
 
     Tensors are stored in float32 whatever the source dtype. Each target box is read from
@@ -178,8 +209,11 @@ def import_dcp(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: ModelHint
     ck = DCPCheckpoint(src_dir)
     try:
         prefix = _model_prefix(ck)
-        shapes = {k[len(prefix):]: ck.shape(k) for k in ck.chunks
-                  if k.startswith(prefix) and not k.startswith("optimizer.")}
+        shapes = {
+            k[len(prefix) :]: ck.shape(k)
+            for k in ck.chunks
+            if k.startswith(prefix) and not k.startswith("optimizer.")
+        }
         hints = hints.completed(_recorded_model(ck), ck.dir)
         tied = _tied_output(ck, prefix)
         if tied:
@@ -187,21 +221,50 @@ def import_dcp(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: ModelHint
         model = infer_model_config(shapes, hints, ck.dir)
         source_of, with_optim = _source_map(ck, model, prefix)
         state, used = _state(ck, step)
-        config = make_config(model) if make_config else {"model": model.to_json(), "parallel": dims.to_json()}
-        written = write_checkpoint(ckpt_url, model, dims, lambda fqn, box: ck.read(source_of[fqn], box),
-                                   state=state, config=config, with_optimizer=with_optim,
-                                   storage_options=storage_options)
+        config = (
+            make_config(model)
+            if make_config
+            else {"model": model.to_json(), "parallel": dims.to_json()}
+        )
+        written = write_checkpoint(
+            ckpt_url,
+            model,
+            dims,
+            lambda fqn, box: ck.read(source_of[fqn], box),
+            state=state,
+            config=config,
+            with_optimizer=with_optim,
+            storage_options=storage_options,
+        )
     finally:
         ck.close()
-    taken = set(source_of.values()) | used | {MODEL_RECORD_KEY} | ({prefix + "output.weight"} if tied else set())
+    taken = (
+        set(source_of.values())
+        | used
+        | {MODEL_RECORD_KEY}
+        | ({prefix + "output.weight"} if tied else set())
+    )
     rest = sorted(k for k in (*ck.chunks, *ck.values) if k not in taken)
-    return ImportReport.of(written, source=ck.dir, model=model, with_optimizer=with_optim, started=t0,
-                           dropped=_dropped(rest) + (["output.weight (equal to tok_embeddings.weight and without "
-                                                      "optimizer state of its own: imported as tied embeddings)"]
-                                                     if tied else []))
+    return ImportReport.of(
+        written,
+        source=ck.dir,
+        model=model,
+        with_optimizer=with_optim,
+        started=t0,
+        dropped=_dropped(rest)
+        + (
+            [
+                "output.weight (equal to tok_embeddings.weight and without "
+                "optimizer state of its own: imported as tied embeddings)"
+            ]
+            if tied
+            else []
+        ),
+    )
 
 
 # ---- export -------------------------------------------------------------------------------------
+
 
 @dataclass
 class DCPExportReport:
@@ -220,8 +283,13 @@ def _param_groups(manifest_config: dict[str, Any], state: dict[str, Any]) -> dic
     optim = manifest_config.get("optim", {})
     base_lr = float(optim.get("lr", 1e-3))
     p = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.AdamW([p], lr=base_lr, betas=(optim.get("beta1", 0.9), optim.get("beta2", 0.999)),
-                            eps=optim.get("eps", 1e-8), weight_decay=optim.get("weight_decay", 1e-2))
+    opt = torch.optim.AdamW(
+        [p],
+        lr=base_lr,
+        betas=(optim.get("beta1", 0.9), optim.get("beta2", 0.999)),
+        eps=optim.get("eps", 1e-8),
+        weight_decay=optim.get("weight_decay", 1e-2),
+    )
     torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
     last_lr = state.get("lr_scheduler", {}).get("_last_lr")
@@ -230,12 +298,14 @@ def _param_groups(manifest_config: dict[str, Any], state: dict[str, Any]) -> dic
     return group
 
 
-def _dcp_state_dict(manifest: Any, model: ModelConfig) -> tuple[dict[str, Any], dict[str, str], bool]:
+def _dcp_state_dict(
+    manifest: Any, model: ModelConfig
+) -> tuple[dict[str, Any], dict[str, str], bool]:
     """(state dict of placeholders and values, DCP key -> our FQN, with optimizer)."""
     fqns = list(param_specs(model, ParallelDims()))
     with_optim = all(f"optim.exp_avg.{fqn}" in manifest.tensors for fqn in fqns)
     ours = {fqn: fqn for fqn in fqns}
-    if model.tie_embeddings:        # torchtitan's tied state dict names the shared weight twice
+    if model.tie_embeddings:  # torchtitan's tied state dict names the shared weight twice
         ours["output.weight"] = "tok_embeddings.weight"
     optimizer: dict[str, Any] = {}
     if with_optim:
@@ -244,16 +314,28 @@ def _dcp_state_dict(manifest: Any, model: ModelConfig) -> tuple[dict[str, Any], 
             for kind, prefix in OPTIM_KINDS.items():
                 ours[f"optimizer.state.{fqn}.{kind}"] = prefix + fqn
             optimizer.update({f"param_groups.{fqn}.{k}": v for k, v in group.items()})
-    placeholders = {key: torch.empty((), dtype=torch.float32).expand(manifest.tensors[fqn].shape)
-                    for key, fqn in ours.items()}
+    placeholders = {
+        key: torch.empty((), dtype=torch.float32).expand(manifest.tensors[fqn].shape)
+        for key, fqn in ours.items()
+    }
     sd: dict[str, Any] = {k: v for k, v in placeholders.items() if not k.startswith("optimizer.")}
     if with_optim:
-        optimizer.update({k[len("optimizer."):]: v for k, v in placeholders.items() if k.startswith("optimizer.")})
+        optimizer.update(
+            {
+                k[len("optimizer.") :]: v
+                for k, v in placeholders.items()
+                if k.startswith("optimizer.")
+            }
+        )
         sd["optimizer"] = optimizer
     state = manifest.state
-    sd["train_state"] = {"step": int(state.get("step", manifest.step)),
-                         "ntokens_seen": int(state.get("tokens_seen", 0))}
-    sd["lr_scheduler"] = {"last_epoch": int(state.get("lr_scheduler", {}).get("last_epoch", manifest.step))}
+    sd["train_state"] = {
+        "step": int(state.get("step", manifest.step)),
+        "ntokens_seen": int(state.get("tokens_seen", 0)),
+    }
+    sd["lr_scheduler"] = {
+        "last_epoch": int(state.get("lr_scheduler", {}).get("last_epoch", manifest.step))
+    }
     sd[MODEL_RECORD_KEY] = json.dumps(model.to_json(), sort_keys=True)
     return sd, ours, with_optim
 
@@ -264,11 +346,15 @@ def save_one_process(state_dict: dict[str, Any], writer: Any, planner: Any) -> N
     import torch.distributed.checkpoint as dcp
 
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled", category=UserWarning
+        )
         dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=True)
 
 
-def lazy_planner(read: Callable[[str], torch.Tensor], lazy: set[str], *, flatten: bool = True) -> Any:
+def lazy_planner(
+    read: Callable[[str], torch.Tensor], lazy: set[str], *, flatten: bool = True
+) -> Any:
     """A ``DefaultSavePlanner`` that asks ``read(key)`` for each key in ``lazy`` only when DCP
     writes it (the state dict holds zero-byte ``expand`` placeholders of the right shape)."""
     from torch.distributed.checkpoint import DefaultSavePlanner
@@ -284,8 +370,9 @@ def lazy_planner(read: Callable[[str], torch.Tensor], lazy: set[str], *, flatten
     return LazySavePlanner(flatten_state_dict=flatten)
 
 
-def export_dcp(ckpt_url: str, out_dir: str, *, overwrite: bool = False,
-               storage_options: dict | None = None) -> DCPExportReport:
+def export_dcp(
+    ckpt_url: str, out_dir: str, *, overwrite: bool = False, storage_options: dict | None = None
+) -> DCPExportReport:
     """Write checkpoint ``ckpt_url`` as a torchtitan-style DCP directory ``out_dir`` (float32).
 
     Raises:
@@ -302,20 +389,33 @@ def export_dcp(ckpt_url: str, out_dir: str, *, overwrite: bool = False,
     for fqn, spec in param_specs(model, ParallelDims()).items():
         rec = manifest.tensors.get(fqn)
         if rec is None or tuple(rec.shape) != spec.shape:
-            raise CheckpointError(f"{step_store.url}: tensor {fqn} is missing or misshapen; the "
-                                  "checkpoint is incomplete or not a shardsmith Llama")
+            raise CheckpointError(
+                f"{step_store.url}: tensor {fqn} is missing or misshapen; the "
+                "checkpoint is incomplete or not a shardsmith Llama"
+            )
     if os.path.exists(os.path.join(out_dir, METADATA_NAME)) and not overwrite:
-        raise FileExistsError(f"{out_dir} already holds a DCP checkpoint ({METADATA_NAME}); choose an "
-                              "empty directory or pass --overwrite")
+        raise FileExistsError(
+            f"{out_dir} already holds a DCP checkpoint ({METADATA_NAME}); choose an "
+            "empty directory or pass --overwrite"
+        )
     sd, ours, with_optim = _dcp_state_dict(manifest, model)
 
     def read(key: str) -> torch.Tensor:
         shape = tuple(manifest.tensors[ours[key]].shape)
-        return read_box(step_store, manifest, ours[key], Box((0,) * len(shape), shape)).to(torch.float32)
+        return read_box(step_store, manifest, ours[key], Box((0,) * len(shape), shape)).to(
+            torch.float32
+        )
 
     os.makedirs(out_dir, exist_ok=True)
-    writer = dcp.FileSystemWriter(out_dir, single_file_per_rank=False, thread_count=1, sync_files=False)
+    writer = dcp.FileSystemWriter(
+        out_dir, single_file_per_rank=False, thread_count=1, sync_files=False
+    )
     save_one_process(sd, writer, lazy_planner(read, set(ours)))
-    return DCPExportReport(source=step_store.url, out_dir=os.path.abspath(out_dir), step=step,
-                           num_tensors=len(ours), with_optimizer=with_optim,
-                           seconds=time.perf_counter() - t0)
+    return DCPExportReport(
+        source=step_store.url,
+        out_dir=os.path.abspath(out_dir),
+        step=step,
+        num_tensors=len(ours),
+        with_optimizer=with_optim,
+        seconds=time.perf_counter() - t0,
+    )

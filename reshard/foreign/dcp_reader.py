@@ -25,12 +25,16 @@ import torch
 
 from shardsmith.errors import CheckpointNotFound, IntegrityError
 from shardsmith.layout import Box
-from shardsmith.reshard.foreign.unpickler import (TensorRecord, load_dcp_metadata, load_inert_value,
-                                                  load_plain_value,
-                                                  load_tensor_record)
+from shardsmith.reshard.foreign.unpickler import (
+    TensorRecord,
+    load_dcp_metadata,
+    load_inert_value,
+    load_plain_value,
+    load_tensor_record,
+)
 
 METADATA_NAME = ".metadata"
-_LOCAL_HEADER = struct.Struct("<4s22xHH")       # signature, ..., name length, extra length
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ class _FileSlice(io.RawIOBase):
     def readinto(self, b: Any) -> int:
         n = max(0, min(len(b), self.length - self.pos))
         data = os.pread(self.f.fileno(), n, self.start + self.pos) if n else b""
-        b[:len(data)] = data
+        b[: len(data)] = data
         self.pos += len(data)
         return len(data)
 
@@ -86,8 +90,10 @@ class DCPCheckpoint:
         self.dir = os.path.abspath(path)
         meta_path = os.path.join(self.dir, METADATA_NAME)
         if not os.path.isfile(meta_path):
-            raise CheckpointNotFound(f"{self.dir}: no {METADATA_NAME}; is this a "
-                                     "torch.distributed.checkpoint (DCP) directory?")
+            raise CheckpointNotFound(
+                f"{self.dir}: no {METADATA_NAME}; is this a "
+                "torch.distributed.checkpoint (DCP) directory?"
+            )
         self.metadata = load_dcp_metadata(meta_path)
         self.chunks: dict[str, list[Chunk]] = {}
         self.values: dict[str, Chunk] = {}
@@ -95,23 +101,34 @@ class DCPCheckpoint:
         self._files: dict[str, Any] = {}
 
     def _index(self, source: str) -> None:
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            TensorStorageMetadata,
+        )
 
         where: dict[tuple[str, tuple[int, ...] | None], Any] = {}
         for index, info in self.metadata.storage_data.items():
             path = info.relative_path
-            if (not isinstance(path, str) or os.path.basename(path) != path or path in ("", ".", "..")
-                    or getattr(info, "transform_descriptors", None)):
-                raise IntegrityError(f"{source}: {index.fqn} is stored in {path!r} with transforms "
-                                     f"{getattr(info, 'transform_descriptors', None)}; shardsmith reads "
-                                     "only plain files of this directory")
+            if (
+                not isinstance(path, str)
+                or os.path.basename(path) != path
+                or path in ("", ".", "..")
+                or getattr(info, "transform_descriptors", None)
+            ):
+                raise IntegrityError(
+                    f"{source}: {index.fqn} is stored in {path!r} with transforms "
+                    f"{getattr(info, 'transform_descriptors', None)}; shardsmith reads "
+                    "only plain files of this directory"
+                )
             offsets = None if index.offset is None else tuple(index.offset)
             where[(index.fqn, offsets)] = info
         for key, md in self.metadata.state_dict_metadata.items():
             if isinstance(md, BytesStorageMetadata):
                 info = where.get((key, None))
                 if info is not None:
-                    self.values[key] = Chunk(Box((), ()), info.relative_path, info.offset, info.length)
+                    self.values[key] = Chunk(
+                        Box((), ()), info.relative_path, info.offset, info.length
+                    )
                 continue
             if not isinstance(md, TensorStorageMetadata):
                 raise IntegrityError(f"{source}: {key} has metadata of type {type(md).__name__}")
@@ -119,7 +136,9 @@ class DCPCheckpoint:
             for c in md.chunks:
                 info = where.get((key, tuple(c.offsets)))
                 if info is None:
-                    raise IntegrityError(f"{source}: chunk {tuple(c.offsets)} of {key} has no storage entry")
+                    raise IntegrityError(
+                        f"{source}: chunk {tuple(c.offsets)} of {key} has no storage entry"
+                    )
                 box = Box(tuple(c.offsets), tuple(c.sizes))
                 self.chunks[key].append(Chunk(box, info.relative_path, info.offset, info.length))
 
@@ -137,8 +156,10 @@ class DCPCheckpoint:
             try:
                 self._files[name] = open(path, "rb")
             except FileNotFoundError:
-                raise CheckpointNotFound(f"{path}: named by {METADATA_NAME} but missing; the DCP "
-                                         "checkpoint is incomplete") from None
+                raise CheckpointNotFound(
+                    f"{path}: named by {METADATA_NAME} but missing; the DCP "
+                    "checkpoint is incomplete"
+                ) from None
         return self._files[name]
 
     def close(self) -> None:
@@ -151,8 +172,10 @@ class DCPCheckpoint:
         f = self._open(chunk.file)
         source = f"{self.dir}/{chunk.file}@{chunk.offset} ({what})"
         if os.pread(f.fileno(), 4, chunk.offset) != b"PK\x03\x04":
-            raise IntegrityError(f"{source}: not a torch.save archive (DCP serialization other than "
-                                 "torch_save is not supported)")
+            raise IntegrityError(
+                f"{source}: not a torch.save archive (DCP serialization other than "
+                "torch_save is not supported)"
+            )
         try:
             archive = zipfile.ZipFile(_FileSlice(f, chunk.offset, chunk.length))
         except zipfile.BadZipFile as exc:
@@ -160,7 +183,7 @@ class DCPCheckpoint:
         pkl = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pkl) != 1:
             raise IntegrityError(f"{source}: no single data.pkl in the archive")
-        return archive, f, pkl[0][:-len("data.pkl")]
+        return archive, f, pkl[0][: -len("data.pkl")]
 
     def read_value(self, key: str, *, inert: bool = False) -> Any:
         """A bytes item (``int``, ``float``, lists ...) through the plain allow-list; with
@@ -179,9 +202,14 @@ class DCPCheckpoint:
         _check_record(rec, chunk.box.lengths, self.dtype(key), source)
         info = archive.getinfo(prefix + "data/" + rec.storage.key)
         itemsize = torch.empty((), dtype=rec.storage.dtype).element_size()
-        if info.compress_type != zipfile.ZIP_STORED or info.file_size != rec.storage.numel * itemsize:
-            raise IntegrityError(f"{source}: storage entry is compressed or of {info.file_size} bytes, "
-                                 f"not {rec.storage.numel * itemsize}")
+        if (
+            info.compress_type != zipfile.ZIP_STORED
+            or info.file_size != rec.storage.numel * itemsize
+        ):
+            raise IntegrityError(
+                f"{source}: storage entry is compressed or of {info.file_size} bytes, "
+                f"not {rec.storage.numel * itemsize}"
+            )
         header = os.pread(f.fileno(), _LOCAL_HEADER.size, chunk.offset + info.header_offset)
         sig, name_len, extra_len = _LOCAL_HEADER.unpack(header)
         data_start = chunk.offset + info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
@@ -190,17 +218,21 @@ class DCPCheckpoint:
             row = prod(size[1:])
             first, count = (rec.storage_offset + rows[0] * row), (rows[1] - rows[0]) * row
             shape = (rows[1] - rows[0],) + size[1:]
-        else:           # 0-d or strided: the whole storage, viewed as saved
+        else:  # 0-d or strided: the whole storage, viewed as saved
             first, count, shape = 0, rec.storage.numel, None
         buf = bytearray(count * itemsize)
         got = os.preadv(f.fileno(), [buf], data_start + first * itemsize) if buf else 0
         if sig != b"PK\x03\x04" or got != len(buf):
             raise IntegrityError(f"{source}: storage bytes cut short ({got} of {len(buf)})")
-        flat = torch.frombuffer(buf, dtype=rec.storage.dtype) if buf else torch.empty(0, dtype=rec.storage.dtype)
+        flat = (
+            torch.frombuffer(buf, dtype=rec.storage.dtype)
+            if buf
+            else torch.empty(0, dtype=rec.storage.dtype)
+        )
         if shape is not None:
             return flat.reshape(shape)
         whole = flat.as_strided(size, rec.stride, rec.storage_offset)
-        return whole[rows[0]:rows[1]] if size else whole
+        return whole[rows[0] : rows[1]] if size else whole
 
     def read(self, key: str, box: Box, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Box ``box`` (global elements) of tensor ``key``, assembled from the chunks it overlaps.
@@ -221,13 +253,17 @@ class DCPCheckpoint:
             rows = (local[0], local[0] + common.lengths[0]) if local else (0, 0)
             piece = self._chunk_tensor(key, chunk, rows)
             if local:
-                piece = piece[(slice(None),) + tuple(slice(o, o + n) for o, n in
-                                                     zip(local[1:], common.lengths[1:]))]
+                piece = piece[
+                    (slice(None),)
+                    + tuple(slice(o, o + n) for o, n in zip(local[1:], common.lengths[1:]))
+                ]
             out[common.relative_to(box)] = piece
             covered += common.numel
         if covered != box.numel:
-            raise IntegrityError(f"{self.dir}: the saved chunks of {key} cover {covered} of the "
-                                 f"{box.numel} elements of box {box}; the DCP checkpoint is incomplete")
+            raise IntegrityError(
+                f"{self.dir}: the saved chunks of {key} cover {covered} of the "
+                f"{box.numel} elements of box {box}; the DCP checkpoint is incomplete"
+            )
         return out
 
 
@@ -239,11 +275,22 @@ def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _check_record(rec: TensorRecord, lengths: tuple[int, ...], dtype: torch.dtype, source: str) -> None:
+def _check_record(
+    rec: TensorRecord, lengths: tuple[int, ...], dtype: torch.dtype, source: str
+) -> None:
     if rec.size != tuple(lengths) or rec.storage.dtype != dtype:
-        raise IntegrityError(f"{source}: archive holds {rec.storage.dtype} {rec.size}, metadata says "
-                             f"{dtype} {tuple(lengths)}")
-    last = rec.storage_offset + sum((n - 1) * s for n, s in zip(rec.size, rec.stride)) if prod(rec.size) else 0
-    if rec.storage_offset < 0 or min(rec.stride, default=0) < 0 or last >= max(rec.storage.numel, 1):
+        raise IntegrityError(
+            f"{source}: archive holds {rec.storage.dtype} {rec.size}, metadata says "
+            f"{dtype} {tuple(lengths)}"
+        )
+    last = (
+        rec.storage_offset + sum((n - 1) * s for n, s in zip(rec.size, rec.stride))
+        if prod(rec.size)
+        else 0
+    )
+    if (
+        rec.storage_offset < 0
+        or min(rec.stride, default=0) < 0
+        or last >= max(rec.storage.numel, 1)
+    ):
         raise IntegrityError(f"{source}: tensor view reaches outside its storage")
-

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from shardsmith.errors import ConfigError
 from shardsmith.layout import ModelConfig
 
-if TYPE_CHECKING:                      # `export-hf --help` reads the defaults below without torch
+if TYPE_CHECKING:  # `export-hf --help` reads the defaults below without torch
     import torch
 
 
@@ -97,8 +97,9 @@ def _translate(name: str, table: list[tuple[re.Pattern[str], str]], what: str) -
         m = pattern.match(name)
         if m:
             return target.replace("{i}", m.group(1)) if m.groups() else target
-    raise KeyError(f"{what} {name!r} has no counterpart; known patterns: "
-                   f"{[p.pattern for p, _ in table]}")
+    raise KeyError(
+        f"{what} {name!r} has no counterpart; known patterns: {[p.pattern for p, _ in table]}"
+    )
 
 
 def to_hf_name(fqn: str) -> str:
@@ -182,7 +183,10 @@ def hf_config(model: ModelConfig, torch_dtype: str) -> dict[str, Any]:
         "max_position_embeddings": model.seq_length,
         "rms_norm_eps": model.norm_eps,
         "rope_theta": model.rope_theta,
-        "rope_parameters": {**(model.rope_scaling or {"rope_type": "default"}), "rope_theta": model.rope_theta},
+        "rope_parameters": {
+            **(model.rope_scaling or {"rope_type": "default"}),
+            "rope_theta": model.rope_theta,
+        },
         "rope_scaling": model.rope_scaling,
         "tie_word_embeddings": model.tie_embeddings,
         "hidden_act": "silu",
@@ -197,26 +201,40 @@ def hf_config(model: ModelConfig, torch_dtype: str) -> dict[str, Any]:
     }
     if model.num_experts:
         if model.moe_layer_freq != 1:
-            raise ConfigError(f"moe_layer_freq={model.moe_layer_freq}: Mixtral has experts in every layer; "
-                              "only models with --moe-layer-freq 1 export to Hugging Face")
-        out.update(architectures=[HF_MOE_ARCHITECTURE], model_type=HF_MOE_MODEL_TYPE,
-                   intermediate_size=model.expert_ffn_size, num_local_experts=model.num_experts,
-                   num_experts_per_tok=model.moe_router_topk, router_aux_loss_coef=model.moe_aux_loss_coeff,
-                   output_router_logits=False, sliding_window=None, router_jitter_noise=0.0)
+            raise ConfigError(
+                f"moe_layer_freq={model.moe_layer_freq}: Mixtral has experts in every layer; "
+                "only models with --moe-layer-freq 1 export to Hugging Face"
+            )
+        out.update(
+            architectures=[HF_MOE_ARCHITECTURE],
+            model_type=HF_MOE_MODEL_TYPE,
+            intermediate_size=model.expert_ffn_size,
+            num_local_experts=model.num_experts,
+            num_experts_per_tok=model.moe_router_topk,
+            router_aux_loss_coef=model.moe_aux_loss_coeff,
+            output_router_logits=False,
+            sliding_window=None,
+            router_jitter_noise=0.0,
+        )
         for key in ("mlp_bias", "attention_bias"):
             del out[key]
     return out
 
 
 def _field_error(source: str, name: str, value: Any, why: str) -> ConfigError:
-    return ConfigError(f"{source}: {name}={value!r}: {why}; shardsmith's Llama cannot represent "
-                       "this model, so it was not imported")
+    return ConfigError(
+        f"{source}: {name}={value!r}: {why}; shardsmith's Llama cannot represent "
+        "this model, so it was not imported"
+    )
 
 
 #: Hugging Face ``rope_scaling`` key of "llama3" RoPE -> our ModelConfig field.
-_LLAMA3_ROPE = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
-                "high_freq_factor": "rope_high_freq_factor",
-                "original_max_position_embeddings": "rope_original_seq_length"}
+_LLAMA3_ROPE = {
+    "factor": "rope_scaling_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_seq_length",
+}
 
 
 def _rope_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
@@ -231,8 +249,12 @@ def _rope_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
             raise _field_error(source, key, params, "expected an object or null")
         kind = params.get("rope_type", params.get("type", "default"))
         if kind not in ("default", "llama3"):
-            raise _field_error(source, f"{key}.rope_type", kind,
-                               "only plain RoPE ('default') and Llama 3.1's 'llama3' scaling are supported")
+            raise _field_error(
+                source,
+                f"{key}.rope_type",
+                kind,
+                "only plain RoPE ('default') and Llama 3.1's 'llama3' scaling are supported",
+            )
         known = {"rope_type", "type", "rope_theta", *(_LLAMA3_ROPE if kind == "llama3" else ())}
         extra = sorted(set(params) - known)
         if extra and (key == "rope_parameters" or kind == "llama3"):
@@ -241,8 +263,13 @@ def _rope_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
             missing = sorted(set(_LLAMA3_ROPE) - set(params))
             if missing:
                 raise _field_error(source, key, params, f"llama3 RoPE scaling without {missing}")
-            out.update({ours: type_(params[theirs]) for theirs, ours in _LLAMA3_ROPE.items()
-                        for type_ in [int if ours == "rope_original_seq_length" else float]})
+            out.update(
+                {
+                    ours: type_(params[theirs])
+                    for theirs, ours in _LLAMA3_ROPE.items()
+                    for type_ in [int if ours == "rope_original_seq_length" else float]
+                }
+            )
         out["rope_theta"] = float(params.get("rope_theta", out["rope_theta"]))
     return out
 
@@ -261,31 +288,54 @@ def model_config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> Mo
     """
     model_type = cfg.get("model_type")
     if model_type not in (HF_MODEL_TYPE, HF_MOE_MODEL_TYPE):
-        raise _field_error(source, "model_type", model_type, "only 'llama' and 'mixtral' checkpoints are supported")
+        raise _field_error(
+            source, "model_type", model_type, "only 'llama' and 'mixtral' checkpoints are supported"
+        )
     if model_type == HF_MOE_MODEL_TYPE and cfg.get("sliding_window") is not None:
-        raise _field_error(source, "sliding_window", cfg["sliding_window"], "only full attention is supported")
+        raise _field_error(
+            source, "sliding_window", cfg["sliding_window"], "only full attention is supported"
+        )
     for key, allowed in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
         if cfg.get(key, allowed) != allowed:
             raise _field_error(source, key, cfg[key], f"only {allowed!r} is supported")
     sizes = {}
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
-                "vocab_size", "max_position_embeddings"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_hidden_layers",
+        "vocab_size",
+        "max_position_embeddings",
+    ):
         if not isinstance(cfg.get(key), int):
             raise _field_error(source, key, cfg.get(key), "missing or not an integer")
         sizes[key] = cfg[key]
     heads = sizes["num_attention_heads"]
     head_dim = cfg.get("head_dim")
     if head_dim is not None and head_dim * heads != sizes["hidden_size"]:
-        raise _field_error(source, "head_dim", head_dim,
-                           f"must equal hidden_size / num_attention_heads = {sizes['hidden_size'] / heads}")
+        raise _field_error(
+            source,
+            "head_dim",
+            head_dim,
+            f"must equal hidden_size / num_attention_heads = {sizes['hidden_size'] / heads}",
+        )
     moe = {}
     if model_type == HF_MOE_MODEL_TYPE:
-        moe = {"num_experts": int(cfg.get("num_local_experts", 8)), "moe_router_topk": int(cfg.get("num_experts_per_tok", 2)),
-               "moe_aux_loss_coeff": float(cfg.get("router_aux_loss_coef", 0.0))}
+        moe = {
+            "num_experts": int(cfg.get("num_local_experts", 8)),
+            "moe_router_topk": int(cfg.get("num_experts_per_tok", 2)),
+            "moe_aux_loss_coeff": float(cfg.get("router_aux_loss_coef", 0.0)),
+        }
     return ModelConfig(
-        **moe, num_layers=sizes["num_hidden_layers"], hidden_size=sizes["hidden_size"],
-        num_attention_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        ffn_hidden_size=sizes["intermediate_size"], vocab_size=sizes["vocab_size"],
+        **moe,
+        num_layers=sizes["num_hidden_layers"],
+        hidden_size=sizes["hidden_size"],
+        num_attention_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        ffn_hidden_size=sizes["intermediate_size"],
+        vocab_size=sizes["vocab_size"],
         seq_length=sizes["max_position_embeddings"],
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        **_rope_fields(cfg, source), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)))
+        **_rope_fields(cfg, source),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+    )

@@ -40,7 +40,11 @@ def recorded_tokenizer(config: Mapping[str, Any]) -> tuple[str, str, str]:
     data = config.get("data") if isinstance(config.get("data"), Mapping) else {}
     assert isinstance(data, Mapping)
     path = str(data.get("tokenizer") or "")
-    return path, str(data.get("tokenizer_kind") or ("" if path else "bytes")), str(data.get("tokenizer_sha256") or "")
+    return (
+        path,
+        str(data.get("tokenizer_kind") or ("" if path else "bytes")),
+        str(data.get("tokenizer_sha256") or ""),
+    )
 
 
 def hf_tokenizer_file(path: str) -> str:
@@ -57,22 +61,30 @@ def copy_tokenizer(config: Mapping[str, Any], out: Store) -> TokenizerCopy:
     """
     path, kind, sha256 = recorded_tokenizer(config)
     if not path:
-        return TokenizerCopy(note="the run used the byte tokenizer (no --tokenizer): no tokenizer files")
+        return TokenizerCopy(
+            note="the run used the byte tokenizer (no --tokenizer): no tokenizer files"
+        )
     file = hf_tokenizer_file(path) if kind == "hf" else path
     try:
         with open(file, "rb") as f:
             raw = f.read()
     except OSError as exc:
-        return TokenizerCopy(note=f"tokenizer {file} recorded in the checkpoint is not readable here "
-                                  f"({exc.strerror}); copy it into the export yourself")
+        return TokenizerCopy(
+            note=f"tokenizer {file} recorded in the checkpoint is not readable here "
+            f"({exc.strerror}); copy it into the export yourself"
+        )
     if sha256 and hashlib.sha256(raw).hexdigest() != sha256:
-        return TokenizerCopy(note=f"tokenizer {file} changed since training (sha256 is not the recorded "
-                                  f"{sha256[:16]}…); not copied")
+        return TokenizerCopy(
+            note=f"tokenizer {file} changed since training (sha256 is not the recorded "
+            f"{sha256[:16]}…); not copied"
+        )
     if kind != "hf":
         name = os.path.basename(file)
         out.write(name, raw)
-        return TokenizerCopy(files=[name], note=f"{kind} BPE file copied as {name}; transformers does not "
-                                                "load it as a tokenizer")
+        return TokenizerCopy(
+            files=[name],
+            note=f"{kind} BPE file copied as {name}; transformers does not load it as a tokenizer",
+        )
     copy = TokenizerCopy(files=[TOKENIZER_JSON])
     out.write(TOKENIZER_JSON, raw)
     for name in SIBLINGS:
@@ -82,8 +94,11 @@ def copy_tokenizer(config: Mapping[str, Any], out: Store) -> TokenizerCopy:
                 out.write(name, f.read())
             copy.files.append(name)
     if SIBLINGS[0] not in copy.files:
-        tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
-                            "add_eos_token": False}
+        tokenizer_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": False,
+            "add_eos_token": False,
+        }
         out.write(SIBLINGS[0], json.dumps(tokenizer_config, indent=2).encode())
         copy.files.append(SIBLINGS[0])
     return copy

@@ -35,14 +35,19 @@ from typing import Any, Callable
 import torch
 
 from shardsmith.errors import ConfigError
-from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout import Box
+from shardsmith.layout import Box, ModelConfig, ParallelDims
 from shardsmith.reshard.foreign.common import ImportReport, ModelHints, infer_model_config
 from shardsmith.reshard.foreign.dcp_reader import DCPCheckpoint
-from shardsmith.reshard.foreign.megatron_optim import (BUCKET_SPACE, KINDS, STATE, MegatronOptim,
-                                                       optimizer_layout, step_tensor)
-from shardsmith.reshard.foreign.write import write_checkpoint
 from shardsmith.reshard.foreign.hf import permute_from_hf, permute_to_hf
+from shardsmith.reshard.foreign.megatron_optim import (
+    BUCKET_SPACE,
+    KINDS,
+    STATE,
+    MegatronOptim,
+    optimizer_layout,
+    step_tensor,
+)
+from shardsmith.reshard.foreign.write import write_checkpoint
 
 LAYERS = "decoder.layers."
 QKV = "self_attention.linear_qkv.weight"
@@ -60,13 +65,22 @@ LAYER_MAP: dict[str, tuple[str, str]] = {
     "feed_forward.w2.weight": ("mlp.linear_fc2.weight", ""),
 }
 #: Local-spec (non-Transformer-Engine) names of the two norms.
-LOCAL_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-               "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
-GLOBAL_MAP = {"tok_embeddings.weight": "embedding.word_embeddings.weight",
-              "norm.weight": "decoder.final_layernorm.weight", "output.weight": "output_layer.weight"}
+LOCAL_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+GLOBAL_MAP = {
+    "tok_embeddings.weight": "embedding.word_embeddings.weight",
+    "norm.weight": "decoder.final_layernorm.weight",
+    "output.weight": "output_layer.weight",
+}
 #: Modules whose ``_extra_state`` ShardedObjects Megatron saves per layer.
-EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
-                       "mlp.linear_fc2")
+EXTRA_STATE_MODULES = (
+    "self_attention.linear_proj",
+    "self_attention.linear_qkv",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
 BACKEND_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 
 
@@ -77,7 +91,11 @@ def split_qkv(qkv: torch.Tensor, model: ModelConfig) -> dict[str, torch.Tensor]:
     groups = qkv.reshape(k, h // k + 2, hd, -1)
     q = groups[:, : h // k].reshape(h * hd, -1)
     key = groups[:, h // k].reshape(k * hd, -1)
-    return {"q": permute_from_hf(q, h), "k": permute_from_hf(key, k), "v": groups[:, -1].reshape(k * hd, -1)}
+    return {
+        "q": permute_from_hf(q, h),
+        "k": permute_from_hf(key, k),
+        "v": groups[:, -1].reshape(k * hd, -1),
+    }
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelConfig) -> torch.Tensor:
@@ -117,8 +135,10 @@ class MegatronSource:
     def _layer(self, name: str, i: int) -> torch.Tensor:
         found = self.key(name, i)
         if found is None:
-            raise ConfigError(f"{self.ck.dir}: no {self.prefix}{LAYERS}{name} for layer {i}; not a Megatron-Core "
-                              "GPT checkpoint shardsmith can import (SwiGLU, RMSNorm, no biases)")
+            raise ConfigError(
+                f"{self.ck.dir}: no {self.prefix}{LAYERS}{name} for layer {i}; not a Megatron-Core "
+                "GPT checkpoint shardsmith can import (SwiGLU, RMSNorm, no biases)"
+            )
         key, stacked = found
         shape = self.ck.shape(key)
         if not stacked:
@@ -141,10 +161,14 @@ def _num_layers(ck: DCPCheckpoint) -> int:
     stacked = LAYERS + QKV
     if stacked in ck.chunks:
         return ck.shape(stacked)[0]
-    return len({k.split(".")[2] for k in ck.chunks if k.startswith(LAYERS) and k.split(".")[2].isdigit()})
+    return len(
+        {k.split(".")[2] for k in ck.chunks if k.startswith(LAYERS) and k.split(".")[2].isdigit()}
+    )
 
 
-def infer_megatron_model(src: MegatronSource, hints: ModelHints, vocab_size: int | None) -> ModelConfig:
+def infer_megatron_model(
+    src: MegatronSource, hints: ModelHints, vocab_size: int | None
+) -> ModelConfig:
     """Our model config from the Megatron shapes (``vocab_size``: unpadded; default all rows).
 
     Raises:
@@ -152,7 +176,9 @@ def infer_megatron_model(src: MegatronSource, hints: ModelHints, vocab_size: int
     """
     ck = src.ck
     if GLOBAL_MAP["tok_embeddings.weight"] not in ck.chunks:
-        raise ConfigError(f"{ck.dir}: no embedding.word_embeddings.weight; not a Megatron-Core GPT checkpoint")
+        raise ConfigError(
+            f"{ck.dir}: no embedding.word_embeddings.weight; not a Megatron-Core GPT checkpoint"
+        )
     padded, hidden = ck.shape(GLOBAL_MAP["tok_embeddings.weight"])
     vocab = vocab_size or padded
     if vocab > padded:
@@ -165,9 +191,13 @@ def infer_megatron_model(src: MegatronSource, hints: ModelHints, vocab_size: int
     for fqn, shape in shapes.items():
         if fqn.endswith(".attention.wq.weight"):
             kv = (shape[0] // hd - hints.num_attention_heads) // 2
-            fused.update({fqn: (hints.num_attention_heads * hd, shape[1]),
-                          fqn.replace(".wq.", ".wk."): (kv * hd, shape[1]),
-                          fqn.replace(".wq.", ".wv."): (kv * hd, shape[1])})
+            fused.update(
+                {
+                    fqn: (hints.num_attention_heads * hd, shape[1]),
+                    fqn.replace(".wq.", ".wk."): (kv * hd, shape[1]),
+                    fqn.replace(".wq.", ".wv."): (kv * hd, shape[1]),
+                }
+            )
         elif fqn.endswith((".w1.weight", ".w3.weight")):
             fused[fqn] = (shape[0] // 2, shape[1])
         elif not fqn.endswith((".wk.weight", ".wv.weight")):
@@ -180,15 +210,19 @@ def infer_megatron_model(src: MegatronSource, hints: ModelHints, vocab_size: int
     return infer_model_config(fused, hints, ck.dir)
 
 
-def _reader(sources: dict[str, MegatronSource], model: ModelConfig, step: int | None
-            ) -> Callable[[str, Box], torch.Tensor]:
+def _reader(
+    sources: dict[str, MegatronSource], model: ModelConfig, step: int | None
+) -> Callable[[str, Box], torch.Tensor]:
     """``read(fqn, box)`` over our FQNs; ``sources`` by our prefix (``""``, ``"optim.exp_avg."`` ...)."""
+
     def read(fqn: str, box: Box) -> torch.Tensor:
         if fqn.startswith("optim.step."):
             assert step is not None and box.lengths == ()
             return step_tensor(step)
-        ours = next(p for p in sources if p and fqn.startswith(p)) if fqn.startswith("optim.") else ""
-        src, fqn = sources[ours], fqn[len(ours):]
+        ours = (
+            next(p for p in sources if p and fqn.startswith(p)) if fqn.startswith("optim.") else ""
+        )
+        src, fqn = sources[ours], fqn[len(ours) :]
         if fqn in GLOBAL_MAP:
             return src.global_tensor(fqn, box)
         _, i, rest = fqn.split(".", 2)
@@ -197,8 +231,11 @@ def _reader(sources: dict[str, MegatronSource], model: ModelConfig, step: int | 
         if part in ("q", "k", "v"):
             whole = split_qkv(whole, model)[part]
         elif part in ("gate", "up"):
-            whole = whole[: model.ffn_hidden_size] if part == "gate" else whole[model.ffn_hidden_size:]
+            whole = (
+                whole[: model.ffn_hidden_size] if part == "gate" else whole[model.ffn_hidden_size :]
+            )
         return whole[box.relative_to(Box((0,) * whole.dim(), tuple(whole.shape)))].to(torch.float32)
+
     return read
 
 
@@ -208,8 +245,8 @@ def _is_model_key(key: str) -> bool:
         return True
     if not key.startswith(LAYERS):
         return False
-    head, _, tail = key[len(LAYERS):].partition(".")
-    name = tail if head.isdigit() else key[len(LAYERS):]
+    head, _, tail = key[len(LAYERS) :].partition(".")
+    name = tail if head.isdigit() else key[len(LAYERS) :]
     return name in {n for n, _ in LAYER_MAP.values()} | set(LOCAL_NORMS.values())
 
 
@@ -220,20 +257,38 @@ def _common_state(ck: DCPCheckpoint) -> tuple[Any, list[str]]:
         return None, []
     common = ck.read_value("common_state/shard_0_1", inert=True)
     first = common[0] if isinstance(common, list) and common and isinstance(common[0], dict) else {}
-    skipped = sorted(k for k, v in first.items() if k not in ("iteration", "checkpoint_version", "optimizer",
-                                                                 "content_metadata"))
-    return common, ([f"common_state: {', '.join(map(str, skipped))} (Megatron-LM run state; the run's "
-                     "flags and schedule come from the train flags)"] if skipped else [])
+    skipped = sorted(
+        k
+        for k, v in first.items()
+        if k not in ("iteration", "checkpoint_version", "optimizer", "content_metadata")
+    )
+    return common, (
+        [
+            f"common_state: {', '.join(map(str, skipped))} (Megatron-LM run state; the run's "
+            "flags and schedule come from the train flags)"
+        ]
+        if skipped
+        else []
+    )
 
 
-def _megatron_state(ck: DCPCheckpoint, common: Any, step: int | None, optim: MegatronOptim | None
-                    ) -> dict[str, Any]:
+def _megatron_state(
+    ck: DCPCheckpoint, common: Any, step: int | None, optim: MegatronOptim | None
+) -> dict[str, Any]:
     """Manifest state: step from ``iteration`` (else the Adam step, else 0), LR position with it."""
     first = common[0] if isinstance(common, list) and common and isinstance(common[0], dict) else {}
     saved = first.get("iteration")
-    step = step if step is not None else int(saved if saved is not None else (optim.step if optim else 0))
-    state: dict[str, Any] = {"step": step, "tokens_seen": 0, "data": {"sample_index": 0},
-                             "source": {"format": "megatron_torch_dist", "path": ck.dir, "iteration": saved}}
+    step = (
+        step
+        if step is not None
+        else int(saved if saved is not None else (optim.step if optim else 0))
+    )
+    state: dict[str, Any] = {
+        "step": step,
+        "tokens_seen": 0,
+        "data": {"sample_index": 0},
+        "source": {"format": "megatron_torch_dist", "path": ck.dir, "iteration": saved},
+    }
     if optim is not None:
         state["lr_scheduler"] = {"last_epoch": step, "_step_count": step + 1, "lr_lambdas": [None]}
     return state
@@ -249,14 +304,23 @@ def _sources(ck: DCPCheckpoint, optim: MegatronOptim | None) -> dict[str, Megatr
     weights = f"{STATE}param." if optim is not None and optim.main_params and narrow else ""
     sources = {"": MegatronSource(ck, weights)}
     if optim is not None:
-        sources.update({ours: MegatronSource(ck, f"{STATE}{kind}.") for ours, kind in KINDS.items()})
+        sources.update(
+            {ours: MegatronSource(ck, f"{STATE}{kind}.") for ours, kind in KINDS.items()}
+        )
     return sources
 
 
-def import_megatron(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: ModelHints, *,
-                    vocab_size: int | None = None, step: int | None = None,
-                    make_config: Callable[[ModelConfig], dict] | None = None,
-                    storage_options: dict | None = None) -> ImportReport:
+def import_megatron(
+    src_dir: str,
+    ckpt_url: str,
+    dims: ParallelDims,
+    hints: ModelHints,
+    *,
+    vocab_size: int | None = None,
+    step: int | None = None,
+    make_config: Callable[[ModelConfig], dict] | None = None,
+    storage_options: dict | None = None,
+) -> ImportReport:
     """Write a Megatron-Core GPT ``torch_dist`` checkpoint as shardsmith's: the weights, and
     the Adam state (moments and step) when it is stored in model space (see
     :mod:`.megatron_optim`; what is not converted is listed in the report's ``dropped``).
@@ -280,18 +344,39 @@ def import_megatron(src_dir: str, ckpt_url: str, dims: ParallelDims, hints: Mode
         common, notes = _common_state(ck)
         optim, optim_notes = optimizer_layout(set(ck.chunks), _model_keys(ck), common, ck.dir)
         state = _megatron_state(ck, common, step, optim)
-        config = make_config(model) if make_config else {"model": model.to_json(), "parallel": dims.to_json()}
+        config = (
+            make_config(model)
+            if make_config
+            else {"model": model.to_json(), "parallel": dims.to_json()}
+        )
         read = _reader(_sources(ck, optim), model, optim.step if optim else None)
-        written = write_checkpoint(ckpt_url, model, dims, read, state=state, config=config,
-                                   with_optimizer=optim is not None, storage_options=storage_options)
+        written = write_checkpoint(
+            ckpt_url,
+            model,
+            dims,
+            read,
+            state=state,
+            config=config,
+            with_optimizer=optim is not None,
+            storage_options=storage_options,
+        )
     finally:
         ck.close()
     used = tuple(STATE + k for k in ("exp_avg.", "exp_avg_sq.", "param.")) if optim else ()
-    rest = sorted(k for k in ck.chunks if not _is_model_key(k) and not k.startswith(used)
-                  and not k.startswith(BUCKET_SPACE))
+    rest = sorted(
+        k
+        for k in ck.chunks
+        if not _is_model_key(k) and not k.startswith(used) and not k.startswith(BUCKET_SPACE)
+    )
     dropped = [f"{k} (not a parameter or Adam state shardsmith has)" for k in rest]
     extra = [k for k in ck.values if "_extra_state" in k]
     if extra:
         dropped.append(f"*._extra_state ({len(extra)} entries; Transformer Engine bookkeeping)")
-    return ImportReport.of(written, source=ck.dir, model=model, with_optimizer=optim is not None,
-                           started=t0, dropped=dropped + notes + optim_notes)
+    return ImportReport.of(
+        written,
+        source=ck.dir,
+        model=model,
+        with_optimizer=optim is not None,
+        started=t0,
+        dropped=dropped + notes + optim_notes,
+    )

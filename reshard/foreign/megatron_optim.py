@@ -49,7 +49,7 @@ class MegatronOptim:
     """What of a Megatron optimizer state an import carries over."""
 
     step: int
-    main_params: bool          # fp32 ``optimizer.state.param.*`` present
+    main_params: bool  # fp32 ``optimizer.state.param.*`` present
 
 
 def find_param_groups(common: Any) -> list[dict[str, Any]] | None:
@@ -70,8 +70,9 @@ def find_param_groups(common: Any) -> list[dict[str, Any]] | None:
     return None
 
 
-def optimizer_layout(keys: set[str], model_keys: list[str], common: Any, source: str
-                     ) -> tuple[MegatronOptim | None, list[str]]:
+def optimizer_layout(
+    keys: set[str], model_keys: list[str], common: Any, source: str
+) -> tuple[MegatronOptim | None, list[str]]:
     """Which optimizer state of a checkpoint can be imported, and notes on what cannot.
 
     Args:
@@ -88,25 +89,36 @@ def optimizer_layout(keys: set[str], model_keys: list[str], common: Any, source:
     """
     notes: list[str] = []
     if any(k.startswith(BUCKET_SPACE) for k in keys):
-        notes.append("optimizer.distributed.* (Megatron distributed-optimizer state in the "
-                     "dp_reshardable bucket layout, which depends on the saving run's DDP buckets; "
-                     "not converted: re-save with Megatron-LM --dist-ckpt-optim-fully-reshardable "
-                     "to import it, or start from these weights with `train --init-from`)")
+        notes.append(
+            "optimizer.distributed.* (Megatron distributed-optimizer state in the "
+            "dp_reshardable bucket layout, which depends on the saving run's DDP buckets; "
+            "not converted: re-save with Megatron-LM --dist-ckpt-optim-fully-reshardable "
+            "to import it, or start from these weights with `train --init-from`)"
+        )
     wanted = [f"{STATE}{kind}.{k}" for k in model_keys for kind in KINDS.values()]
     present = [k for k in wanted if k in keys]
     if not present:
         return None, notes
     if len(present) != len(wanted):
         missing = sorted(set(wanted) - set(present))
-        raise ConfigError(f"{source}: Adam state is partial ({len(missing)} of {len(wanted)} moment "
-                          f"tensors missing, e.g. {missing[:2]}); nothing was imported")
+        raise ConfigError(
+            f"{source}: Adam state is partial ({len(missing)} of {len(wanted)} moment "
+            f"tensors missing, e.g. {missing[:2]}); nothing was imported"
+        )
     groups = find_param_groups(common)
-    steps: set[float] = {float(g["step"]) for g in groups or [] if isinstance(g.get("step"), (int, float))}
+    steps: set[float] = {
+        float(g["step"]) for g in groups or [] if isinstance(g.get("step"), (int, float))
+    }
     if len(steps) != 1:
-        why = ("the checkpoint's common state is unreadable or has no optimizer param_groups"
-               if not steps else f"its param groups are at different steps {sorted(steps)}")
-        notes.append(f"optimizer.state.* (Adam moments not converted: {why}, and Adam cannot resume "
-                     "without its step; start from these weights with `train --init-from`)")
+        why = (
+            "the checkpoint's common state is unreadable or has no optimizer param_groups"
+            if not steps
+            else f"its param groups are at different steps {sorted(steps)}"
+        )
+        notes.append(
+            f"optimizer.state.* (Adam moments not converted: {why}, and Adam cannot resume "
+            "without its step; start from these weights with `train --init-from`)"
+        )
         return None, notes
     main = all(f"{STATE}param.{k}" in keys for k in model_keys)
     return MegatronOptim(step=int(next(iter(steps))), main_params=main), notes
@@ -116,33 +128,59 @@ def megatron_param_groups(config: dict[str, Any], step: int) -> list[dict[str, A
     """Megatron's two default param groups (weight decay, then none) for a shardsmith config."""
     optim = config.get("optim", {})
     lr = float(optim.get("lr", 3e-3))
-    group = {"is_expert_parallel": False, "default_config": True, "lr_mult": 1.0,
-             "is_decoupled_lr": False, "max_lr": lr, "min_lr": lr * float(optim.get("min_lr_ratio", 0.1)),
-             "lr": lr, "betas": (float(optim.get("beta1", 0.9)), float(optim.get("beta2", 0.95))),
-             "eps": float(optim.get("eps", 1e-8)), "weight_decay": float(optim.get("weight_decay", 0.1)),
-             "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
-             "differentiable": False, "fused": None, "decoupled_weight_decay": True, "step": float(step)}
+    group = {
+        "is_expert_parallel": False,
+        "default_config": True,
+        "lr_mult": 1.0,
+        "is_decoupled_lr": False,
+        "max_lr": lr,
+        "min_lr": lr * float(optim.get("min_lr_ratio", 0.1)),
+        "lr": lr,
+        "betas": (float(optim.get("beta1", 0.9)), float(optim.get("beta2", 0.95))),
+        "eps": float(optim.get("eps", 1e-8)),
+        "weight_decay": float(optim.get("weight_decay", 0.1)),
+        "amsgrad": False,
+        "maximize": False,
+        "foreach": None,
+        "capturable": False,
+        "differentiable": False,
+        "fused": None,
+        "decoupled_weight_decay": True,
+        "step": float(step),
+    }
     return [{**group, "wd_mult": 1.0}, {**group, "wd_mult": 0.0}]
 
 
 def optimizer_common(config: dict[str, Any], step: int) -> dict[str, Any]:
     """The ``optimizer`` entry and ``content_metadata`` of an exported common state."""
-    return {"optimizer": {"optimizer": {"param_groups": megatron_param_groups(config, step)},
-                          "param_state_sharding_type": SHARDING_TYPE},
-            "content_metadata": {"distrib_optim_sharding_type": SHARDING_TYPE}}
+    return {
+        "optimizer": {
+            "optimizer": {"param_groups": megatron_param_groups(config, step)},
+            "param_state_sharding_type": SHARDING_TYPE,
+        },
+        "content_metadata": {"distrib_optim_sharding_type": SHARDING_TYPE},
+    }
 
 
-def common_steps(manifest_tensors: dict[str, Any], read_step: Any, fqns: list[str], source: str) -> int:
+def common_steps(
+    manifest_tensors: dict[str, Any], read_step: Any, fqns: list[str], source: str
+) -> int:
     """The one Adam step of a shardsmith checkpoint's ``optim.step.*`` tensors.
 
     Raises:
         ConfigError: the parameters are at different steps (Megatron keeps one per group).
     """
-    steps = {float(read_step(f"optim.step.{fqn}")) for fqn in fqns if f"optim.step.{fqn}" in manifest_tensors}
+    steps = {
+        float(read_step(f"optim.step.{fqn}"))
+        for fqn in fqns
+        if f"optim.step.{fqn}" in manifest_tensors
+    }
     if len(steps) != 1:
-        raise ConfigError(f"{source}: parameters are at Adam steps {sorted(steps)[:4]}; Megatron keeps "
-                          "one step per param group. Export without optimizer state is not offered "
-                          "silently: fix the checkpoint or export its weights with --no-optimizer")
+        raise ConfigError(
+            f"{source}: parameters are at Adam steps {sorted(steps)[:4]}; Megatron keeps "
+            "one step per param group. Export without optimizer state is not offered "
+            "silently: fix the checkpoint or export its weights with --no-optimizer"
+        )
     return int(steps.pop())
 
 

@@ -44,16 +44,27 @@ import torch
 
 from shardsmith.errors import IntegrityError
 
-_DCP_METADATA_CLASSES = ("BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex",
-                         "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                         "_MEM_FORMAT_ENCODING")
+_DCP_METADATA_CLASSES = (
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "Metadata",
+    "MetadataIndex",
+    "StorageMeta",
+    "TensorProperties",
+    "TensorStorageMetadata",
+    "_MEM_FORMAT_ENCODING",
+)
 #: ``torch.<name>`` dtypes, read from the module dict (no ``getattr``: torch's module
 #: ``__getattr__`` would import submodules for other names).
 _DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 #: Megatron-Core's planner caches its save plans in the metadata (``mcore_data``).
 _DCP_PLANNER_CLASSES = ("SavePlan", "TensorWriteData", "WriteItem", "WriteItemType")
-_PATHS = {"PosixPath": pathlib.PosixPath, "PurePosixPath": pathlib.PurePosixPath,
-          "WindowsPath": pathlib.PureWindowsPath, "PureWindowsPath": pathlib.PureWindowsPath}
+_PATHS = {
+    "PosixPath": pathlib.PosixPath,
+    "PurePosixPath": pathlib.PurePosixPath,
+    "WindowsPath": pathlib.PureWindowsPath,
+    "PureWindowsPath": pathlib.PureWindowsPath,
+}
 
 
 def _metadata_global(module: str, name: str) -> Any:
@@ -121,7 +132,7 @@ class Opaque:
     items: dict[Any, Any]
     elements: list[Any]
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "Opaque":     # NEWOBJ calls only this
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Opaque":  # NEWOBJ calls only this
         obj = super().__new__(cls)
         obj.args, obj.kwargs, obj.state, obj.items, obj.elements = args, kwargs, None, {}, []
         return obj
@@ -132,10 +143,10 @@ class Opaque:
     def __setstate__(self, state: Any) -> None:
         self.state = state
 
-    def __setitem__(self, key: Any, value: Any) -> None:     # SETITEMS of a dict subclass
+    def __setitem__(self, key: Any, value: Any) -> None:  # SETITEMS of a dict subclass
         self.items[key] = value
 
-    def append(self, value: Any) -> None:                      # APPENDS of a list subclass
+    def append(self, value: Any) -> None:  # APPENDS of a list subclass
         self.elements.append(value)
 
     def extend(self, values: Any) -> None:
@@ -149,10 +160,16 @@ def _opaque(module: str, name: str) -> type:
     return type(f"Opaque_{name}", (Opaque,), {"global_name": f"{module}.{name}"})
 
 
-def _tensor_record(storage: Any, storage_offset: Any, size: Any, stride: Any, *_: Any) -> TensorRecord:
+def _tensor_record(
+    storage: Any, storage_offset: Any, size: Any, stride: Any, *_: Any
+) -> TensorRecord:
     if not isinstance(storage, StorageRef) or not isinstance(storage_offset, int):
-        raise pickle.UnpicklingError("tensor rebuild arguments are not (storage, offset, size, stride)")
-    return TensorRecord(storage, storage_offset, tuple(int(n) for n in size), tuple(int(n) for n in stride))
+        raise pickle.UnpicklingError(
+            "tensor rebuild arguments are not (storage, offset, size, stride)"
+        )
+    return TensorRecord(
+        storage, storage_offset, tuple(int(n) for n in size), tuple(int(n) for n in stride)
+    )
 
 
 class RestrictedUnpickler(pickle.Unpickler):
@@ -181,21 +198,32 @@ class RestrictedUnpickler(pickle.Unpickler):
             elif module == "torch" and name in self._storage_dtypes:
                 found = name
         elif self.kind == "inert":
-            found = dict if (module, name) == ("collections", "OrderedDict") else _opaque(module, name)
+            found = (
+                dict if (module, name) == ("collections", "OrderedDict") else _opaque(module, name)
+            )
         if found is None:
             raise IntegrityError(
                 f"{self.source}: the pickle names {module}.{name}, which is not one of the DCP "
                 f"{self.kind} classes shardsmith admits; refused without running it. The file was "
-                "not written by torch.distributed.checkpoint: do not load it")
+                "not written by torch.distributed.checkpoint: do not load it"
+            )
         return found
 
     def persistent_load(self, pid: Any) -> Any:
         if self.kind == "inert":
             return _opaque("persistent", str(pid[0]) if isinstance(pid, tuple) and pid else "id")()
-        if (self.kind != "tensor" or not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
-                or pid[1] not in self._storage_dtypes or not isinstance(pid[4], int)):
-            raise IntegrityError(f"{self.source}: unexpected persistent id {pid!r:.80} in a "
-                                 f"{self.kind} pickle; refused")
+        if (
+            self.kind != "tensor"
+            or not isinstance(pid, tuple)
+            or len(pid) != 5
+            or pid[0] != "storage"
+            or pid[1] not in self._storage_dtypes
+            or not isinstance(pid[4], int)
+        ):
+            raise IntegrityError(
+                f"{self.source}: unexpected persistent id {pid!r:.80} in a "
+                f"{self.kind} pickle; refused"
+            )
         return StorageRef(str(pid[2]), self._storage_dtypes[pid[1]], pid[4])
 
 
@@ -204,10 +232,12 @@ def _load(data: bytes, source: str, kind: str) -> Any:
         return RestrictedUnpickler(io.BytesIO(data), source, kind).load()
     except IntegrityError:
         raise
-    except Exception as exc:   # any malformed pickle: EOFError, UnpicklingError, TypeError ...
-        raise IntegrityError(f"{source}: not a readable DCP {kind} pickle ({type(exc).__name__}: "
-                             f"{exc}); the file is damaged or not written by torch.distributed."
-                             "checkpoint") from None
+    except Exception as exc:  # any malformed pickle: EOFError, UnpicklingError, TypeError ...
+        raise IntegrityError(
+            f"{source}: not a readable DCP {kind} pickle ({type(exc).__name__}: "
+            f"{exc}); the file is damaged or not written by torch.distributed."
+            "checkpoint"
+        ) from None
 
 
 def load_dcp_metadata(path: str) -> Any:

@@ -14,18 +14,23 @@ from typing import Any, Callable
 
 import torch
 
-from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout import Box
-from shardsmith.layout import checkpoint_specs, shard_file_name
-from shardsmith.layout import write_assignment
-from shardsmith.storage import DEFAULT_CHUNK_NBYTES
+from shardsmith.layout import (
+    Box,
+    ModelConfig,
+    ParallelDims,
+    checkpoint_specs,
+    shard_file_name,
+    write_assignment,
+)
+from shardsmith.storage import DEFAULT_CHUNK_NBYTES, ensure_not_committed, resolve_target, step_dir
 from shardsmith.storage.commit import commit
-from shardsmith.storage import ensure_not_committed, resolve_target, step_dir
-from shardsmith.storage.manifest import MANIFEST_NAME, ManifestBuilder
-from shardsmith.storage.manifest import parse_manifest
-from shardsmith.storage.formats import file_order
-from shardsmith.storage.formats import write_shard_file
-from shardsmith.storage.manifest import dumps_manifest
+from shardsmith.storage.formats import file_order, write_shard_file
+from shardsmith.storage.manifest import (
+    MANIFEST_NAME,
+    ManifestBuilder,
+    dumps_manifest,
+    parse_manifest,
+)
 
 #: ``read(fqn, box)``: the box (global elements) of logical tensor ``fqn``, float32, contiguous.
 BoxReader = Callable[[str, Box], torch.Tensor]
@@ -41,10 +46,19 @@ class WriteReport:
     nbytes_written: int = 0
 
 
-def write_checkpoint(ckpt_url: str, model: ModelConfig, dims: ParallelDims, read: BoxReader, *,
-                     state: dict[str, Any], config: dict[str, Any], with_optimizer: bool,
-                     step: int | None = None, storage_options: dict | None = None,
-                     chunk_nbytes: int = DEFAULT_CHUNK_NBYTES) -> WriteReport:
+def write_checkpoint(
+    ckpt_url: str,
+    model: ModelConfig,
+    dims: ParallelDims,
+    read: BoxReader,
+    *,
+    state: dict[str, Any],
+    config: dict[str, Any],
+    with_optimizer: bool,
+    step: int | None = None,
+    storage_options: dict | None = None,
+    chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+) -> WriteReport:
     """Write and commit one shardsmith checkpoint step in layout ``dims``.
 
     One shard file per rank of ``dims`` (the plan's :func:`write_assignment`), written one
@@ -65,14 +79,21 @@ def write_checkpoint(ckpt_url: str, model: ModelConfig, dims: ParallelDims, read
         FileExistsError: the target step is already committed.
         ManifestError: the manifest does not cover every tensor (a bug, checked before commit).
     """
-    root, step = resolve_target(ckpt_url, step if step is not None else state.get("step"), storage_options)
+    root, step = resolve_target(
+        ckpt_url, step if step is not None else state.get("step"), storage_options
+    )
     dst = root.child(step_dir(step))
     ensure_not_committed(dst)
     specs = checkpoint_specs(model, dims, with_optimizer=with_optimizer)
-    builder = ManifestBuilder(step=step, dims=dims, model=model.to_json(), config=config,
-                              state={**state, "step": step},
-                              tensors={fqn: (s.shape, s.dtype) for fqn, s in specs.items()},
-                              chunk_nbytes=chunk_nbytes)
+    builder = ManifestBuilder(
+        step=step,
+        dims=dims,
+        model=model.to_json(),
+        config=config,
+        state={**state, "step": step},
+        tensors={fqn: (s.shape, s.dtype) for fqn, s in specs.items()},
+        chunk_nbytes=chunk_nbytes,
+    )
     report = WriteReport(target=dst.url, step=step)
     for rank, items in write_assignment(specs, dims).items():
         if not items:
@@ -86,6 +107,8 @@ def write_checkpoint(ckpt_url: str, model: ModelConfig, dims: ParallelDims, read
         report.num_files += 1
         report.nbytes_written += record.nbytes
     manifest = builder.build()
-    parse_manifest(dumps_manifest(manifest), dst.url_of(MANIFEST_NAME))     # coverage check before commit
+    parse_manifest(
+        dumps_manifest(manifest), dst.url_of(MANIFEST_NAME)
+    )  # coverage check before commit
     commit(root, manifest)
     return report

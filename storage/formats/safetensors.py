@@ -18,13 +18,12 @@ import struct
 from typing import Any, Iterable, Iterator, Sequence
 
 from shardsmith.errors import IntegrityError
-from shardsmith.layout import Box
-from shardsmith.layout import SAFETENSORS_DTYPE_ORDER
+from shardsmith.layout import SAFETENSORS_DTYPE_ORDER, Box
 from shardsmith.storage.checksum import ChunkedCrc, chunk_crc32c, crc32c, crc32c_extend
 from shardsmith.storage.crashpoints import crash_point
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.manifest.records import FileRecord, ShardRecord
 from shardsmith.storage.manifest.parse import reject_duplicate_keys
+from shardsmith.storage.manifest.records import FileRecord, ShardRecord
+from shardsmith.storage.store.fs import Store
 
 #: safetensors refuses headers larger than this (100 MB); so do we.
 MAX_HEADER_NBYTES = 100_000_000
@@ -42,7 +41,9 @@ def file_order(key: str, dtype: str) -> tuple[int, str]:
     return SAFETENSORS_DTYPE_ORDER.index(dtype), key
 
 
-def encode_header(entries: Sequence[HeaderEntry], metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
+def encode_header(
+    entries: Sequence[HeaderEntry], metadata: dict[str, str] | None = None
+) -> tuple[bytes, list[int]]:
     """The header bytes of a file holding ``entries`` back to back, in the given order.
 
     Args:
@@ -70,11 +71,15 @@ def parse_header(prefix: bytes, url: str, file_nbytes: int) -> tuple[int, int]:
         IntegrityError: fewer than 8 bytes, or a length running past the file.
     """
     if len(prefix) < 8:
-        raise IntegrityError(f"{url}: truncated: {len(prefix)} bytes, too short for a safetensors header")
+        raise IntegrityError(
+            f"{url}: truncated: {len(prefix)} bytes, too short for a safetensors header"
+        )
     (header_len,) = struct.unpack("<Q", prefix[:8])
     if header_len > min(MAX_HEADER_NBYTES, file_nbytes - 8):
-        raise IntegrityError(f"{url}: safetensors header length {header_len} runs past the file "
-                             f"({file_nbytes} bytes per the manifest): the header is corrupt")
+        raise IntegrityError(
+            f"{url}: safetensors header length {header_len} runs past the file "
+            f"({file_nbytes} bytes per the manifest): the header is corrupt"
+        )
     return header_len, 8 + header_len
 
 
@@ -101,8 +106,10 @@ def read_header(store: Store, file: str, file_nbytes: int) -> tuple[int, dict[st
     if len(raw) < header_len:
         raw += store.read_range(file, len(prefix), data_start)
     if len(raw) != header_len:
-        raise IntegrityError(f"{url}: truncated: the safetensors header needs {header_len} bytes, "
-                             f"the file has {len(raw)} after the length prefix")
+        raise IntegrityError(
+            f"{url}: truncated: the safetensors header needs {header_len} bytes, "
+            f"the file has {len(raw)} after the length prefix"
+        )
     try:
         header = json.loads(raw, object_pairs_hook=reject_duplicate_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -112,13 +119,15 @@ def read_header(store: Store, file: str, file_nbytes: int) -> tuple[int, dict[st
     return data_start, header
 
 
-def shard_records(file: str, entries: Sequence[tuple[str, Box, int]], data_start: int,
-                  crcs: Sequence[list[int]]) -> dict[str, ShardRecord]:
+def shard_records(
+    file: str, entries: Sequence[tuple[str, Box, int]], data_start: int, crcs: Sequence[list[int]]
+) -> dict[str, ShardRecord]:
     """Manifest records of a file's entries ``(fqn, box, nbytes)`` laid out from ``data_start``."""
     records, pos = {}, data_start
     for (fqn, box, nbytes), chunk_crcs in zip(entries, crcs):
-        records[fqn] = ShardRecord.from_box(box, file=file, key=fqn, byte_offset=pos, nbytes=nbytes,
-                                            crc32c=chunk_crcs)
+        records[fqn] = ShardRecord.from_box(
+            box, file=file, key=fqn, byte_offset=pos, nbytes=nbytes, crc32c=chunk_crcs
+        )
         pos += nbytes
     return records
 
@@ -128,8 +137,13 @@ def shard_records(file: str, entries: Sequence[tuple[str, Box, int]], data_start
 _HOT_PIECE_NBYTES = 4 << 20
 
 
-def write_buffers(store: Store, key: str, entries: Sequence[tuple[str, str, Sequence[int], memoryview]],
-                  chunk_nbytes: int, metadata: dict[str, str] | None = None) -> tuple[FileRecord, list[list[int]]]:
+def write_buffers(
+    store: Store,
+    key: str,
+    entries: Sequence[tuple[str, str, Sequence[int], memoryview]],
+    chunk_nbytes: int,
+    metadata: dict[str, str] | None = None,
+) -> tuple[FileRecord, list[list[int]]]:
     """Write a file whose entries are all in memory, as one atomic ``write_parts`` (no joined
     copy), each piece of a few MiB checksummed just before it is written, so the write's copy
     reads it from cache on a local store (one pass over memory instead of two; the file CRC is
@@ -151,8 +165,8 @@ def write_buffers(store: Store, key: str, entries: Sequence[tuple[str, str, Sequ
     parts = _HotParts(memoryview(prefix), chunk_nbytes)
     for i, (*_, view) in enumerate(entries):
         for start in range(0, len(view), step):
-            parts.add(memoryview(view)[start:start + step], i)
-    crash_point("shard.before_write")                           # test hook; inert normally
+            parts.add(memoryview(view)[start : start + step], i)
+    crash_point("shard.before_write")  # test hook; inert normally
     store.write_parts(key, parts)
     crash_point("shard.after_write")
     chunk_crcs: list[list[int]] = [[] for _ in entries]
@@ -161,7 +175,9 @@ def write_buffers(store: Store, key: str, entries: Sequence[tuple[str, str, Sequ
     file_crc = crc32c(prefix)
     for view, crcs in zip((v for *_, v in entries), chunk_crcs):
         file_crc = crc32c_extend(file_crc, crcs, len(view), chunk_nbytes)
-    return FileRecord(nbytes=len(prefix) + sum(len(v) for *_, v in entries), crc32c=file_crc), chunk_crcs
+    return FileRecord(
+        nbytes=len(prefix) + sum(len(v) for *_, v in entries), crc32c=file_crc
+    ), chunk_crcs
 
 
 class _HotParts(Sequence[memoryview]):
@@ -196,8 +212,15 @@ class _HotParts(Sequence[memoryview]):
         return self.crcs[i]
 
 
-def write_stream(store: Store, key: str, header: bytes, data: Iterable[tuple[Any, ...]], num_entries: int,
-                 chunk_nbytes: int, nbytes_hint: int | None = None) -> tuple[FileRecord, list[list[int]]]:
+def write_stream(
+    store: Store,
+    key: str,
+    header: bytes,
+    data: Iterable[tuple[Any, ...]],
+    num_entries: int,
+    chunk_nbytes: int,
+    nbytes_hint: int | None = None,
+) -> tuple[FileRecord, list[list[int]]]:
     """Stream a file front to back: ``header`` (from :func:`encode_header`), then each
     ``(entry index, bytes)`` of ``data`` in file order (entry indices never decrease),
     checksummed as it goes: one CRC pass per byte, the file's CRC combined from the chunks'.
@@ -218,11 +241,15 @@ def write_stream(store: Store, key: str, header: bytes, data: Iterable[tuple[Any
         f.write(header)
         for i, chunk, *known in data:
             if i < last:
-                raise ValueError(f"write_stream {key}: entry {i} after entry {last}; feed entries in file order")
+                raise ValueError(
+                    f"write_stream {key}: entry {i} after entry {last}; feed entries in file order"
+                )
             last = i
             f.write(chunk)
             crcs[i].update(chunk, known[0] if known else None)
     file_crc = crc32c(header)
     for c in crcs:
         file_crc = c.extend_crc(file_crc)
-    return FileRecord(nbytes=len(header) + sum(c.nbytes for c in crcs), crc32c=file_crc), [c.finish() for c in crcs]
+    return FileRecord(nbytes=len(header) + sum(c.nbytes for c in crcs), crc32c=file_crc), [
+        c.finish() for c in crcs
+    ]

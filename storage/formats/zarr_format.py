@@ -60,11 +60,10 @@ from zarr.codecs import GzipCodec, ZstdCodec
 from zarr.storage import MemoryStore
 
 from shardsmith.errors import ConfigError, IntegrityError
-from shardsmith.layout import Box
-from shardsmith.layout import ZARR_DTYPES
+from shardsmith.layout import ZARR_DTYPES, Box
 from shardsmith.storage.checksum import chunk_crc32c, crc32c
-from shardsmith.storage.store.fs import Store
 from shardsmith.storage.manifest.records import FileRecord, ShardRecord, TensorRecord
+from shardsmith.storage.store.fs import Store
 
 ZARR_DIR = "zarr"
 #: Compression codecs a checkpoint may use, with their default levels.
@@ -85,8 +84,10 @@ def parse_codec(spec: str) -> tuple[str, int]:
         return "", 0
     name, _, level = spec.partition(":")
     if name not in CODEC_LEVELS:
-        raise ConfigError(f"zarr codec {spec!r}: choose one of {sorted(CODEC_LEVELS)} (optionally "
-                          "with a level, e.g. zstd:5), or '' for none")
+        raise ConfigError(
+            f"zarr codec {spec!r}: choose one of {sorted(CODEC_LEVELS)} (optionally "
+            "with a level, e.g. zstd:5), or '' for none"
+        )
     try:
         return name, int(level) if level else CODEC_LEVELS[name]
     except ValueError:
@@ -148,9 +149,14 @@ class ZarrArray:
         attrs: dict[str, Any] = {"dtype": self.dtype}
         if self.dtype == "BF16":
             attrs["note"] = "uint16 bit patterns of bfloat16 values; view the data as bfloat16"
-        return {"shape": self.shape, "chunks": self.chunks, "dtype": ZARR_DTYPES[self.dtype],
-                "fill_value": False if self.dtype == "BOOL" else 0, "compressors": compressors,
-                "attributes": {"shardsmith": attrs}}
+        return {
+            "shape": self.shape,
+            "chunks": self.chunks,
+            "dtype": ZARR_DTYPES[self.dtype],
+            "fill_value": False if self.dtype == "BOOL" else 0,
+            "compressors": compressors,
+            "attributes": {"shardsmith": attrs},
+        }
 
     def chunk_key(self, chunk: Box) -> str:
         """Step-relative path of the chunk whose (clipped) region is ``chunk``."""
@@ -160,7 +166,9 @@ class ZarrArray:
     def chunk_region(self, index: Sequence[int]) -> Box:
         """The region of chunk ``index``, clipped to the shape."""
         offsets = tuple(i * c for i, c in zip(index, self.chunks))
-        return Box(offsets, tuple(min(c, n - o) for o, c, n in zip(offsets, self.chunks, self.shape)))
+        return Box(
+            offsets, tuple(min(c, n - o) for o, c, n in zip(offsets, self.chunks, self.shape))
+        )
 
     def chunks_of(self, box: Box) -> list[Box]:
         """Regions of the chunks tiling ``box`` (a union of whole chunks), row-major order.
@@ -171,15 +179,23 @@ class ZarrArray:
         """
         for o, n, c, s in zip(box.offsets, box.lengths, self.chunks, self.shape):
             if o % c or ((o + n) % c and o + n != s):
-                raise ValueError(f"{self.fqn}: box {box} does not lie on the chunk grid {self.chunks}")
-        ranges = [range(o // c, -(-(o + n) // c)) for o, n, c in zip(box.offsets, box.lengths, self.chunks)]
+                raise ValueError(
+                    f"{self.fqn}: box {box} does not lie on the chunk grid {self.chunks}"
+                )
+        ranges = [
+            range(o // c, -(-(o + n) // c))
+            for o, n, c in zip(box.offsets, box.lengths, self.chunks)
+        ]
         return [self.chunk_region(index) for index in product(*ranges)]
 
     def in_memory(self, chunks: dict[str, Any] | None = None) -> zarr.Array:
         """A zarr array over a dict (key relative to the array -> zarr Buffer): zarr's own
         encoder and decoder, no I/O. Empty chunks are written too (no sparse chunks)."""
-        return zarr.create_array(store=MemoryStore({} if chunks is None else chunks),
-                                 config={"write_empty_chunks": True}, **self.create_kwargs())
+        return zarr.create_array(
+            store=MemoryStore({} if chunks is None else chunks),
+            config={"write_empty_chunks": True},
+            **self.create_kwargs(),
+        )
 
 
 # ---- torch <-> numpy (zero copy) ------------------------------------------------------------
@@ -222,7 +238,7 @@ def encode_box(array: ZarrArray, tensor: torch.Tensor, box: Box) -> list[tuple[B
     out = []
     for region in array.chunks_of(box):
         key = array.chunk_key(region)
-        out.append((region, key, store[key[len(array.path) + 1:]].to_bytes()))
+        out.append((region, key, store[key[len(array.path) + 1 :]].to_bytes()))
     return out
 
 
@@ -235,8 +251,12 @@ def _write_all(store: Store, items: list[tuple[str, bytes]], workers: int = IO_W
         list(pool.map(lambda kv: store.write(*kv), items))
 
 
-def write_chunks(step_store: Store, arrays: dict[str, ZarrArray], entries: Iterable[tuple[str, torch.Tensor, Box]],
-                 chunk_nbytes: int) -> tuple[dict[str, FileRecord], dict[str, list[ShardRecord]]]:
+def write_chunks(
+    step_store: Store,
+    arrays: dict[str, ZarrArray],
+    entries: Iterable[tuple[str, torch.Tensor, Box]],
+    chunk_nbytes: int,
+) -> tuple[dict[str, FileRecord], dict[str, list[ShardRecord]]]:
     """Encode and write the chunks of this writer's boxes; return their manifest records.
 
     Every writer calls it for the boxes it is assigned (``layout.sharding.write_assignment``),
@@ -266,9 +286,17 @@ def write_chunks(step_store: Store, arrays: dict[str, ZarrArray], entries: Itera
         array = arrays[fqn]
         for region, key, data in encode_box(array, tensor, box):
             files[key] = FileRecord(nbytes=len(data), crc32c=crc32c(data))
-            shards.setdefault(fqn, []).append(ShardRecord(
-                offsets=list(region.offsets), lengths=list(region.lengths), file=key, key=fqn,
-                byte_offset=0, nbytes=len(data), crc32c=chunk_crc32c(data, chunk_nbytes)))
+            shards.setdefault(fqn, []).append(
+                ShardRecord(
+                    offsets=list(region.offsets),
+                    lengths=list(region.lengths),
+                    file=key,
+                    key=fqn,
+                    byte_offset=0,
+                    nbytes=len(data),
+                    crc32c=chunk_crc32c(data, chunk_nbytes),
+                )
+            )
             pending.append((key, data))
             pending_nbytes += len(data)
         if pending_nbytes > MAX_PENDING_NBYTES:
@@ -281,9 +309,17 @@ def write_chunks(step_store: Store, arrays: dict[str, ZarrArray], entries: Itera
 def metadata_files(arrays: Iterable[ZarrArray]) -> dict[str, bytes]:
     """Step-relative path -> bytes of the group's and every array's ``zarr.json`` (zarr's own)."""
     store: dict[str, Any] = {}
-    group = zarr.open_group(store=MemoryStore(store), mode="w", zarr_format=3, attributes={
-        "shardsmith": {"note": "a shardsmith checkpoint; ../manifest.json holds boxes, checksums "
-                               "and training state; BF16 arrays hold uint16 bit patterns"}})
+    group = zarr.open_group(
+        store=MemoryStore(store),
+        mode="w",
+        zarr_format=3,
+        attributes={
+            "shardsmith": {
+                "note": "a shardsmith checkpoint; ../manifest.json holds boxes, checksums "
+                "and training state; BF16 arrays hold uint16 bit patterns"
+            }
+        },
+    )
     for array in arrays:
         group.create_array(array.fqn, **array.create_kwargs())
     return {f"{ZARR_DIR}/{key}": buf.to_bytes() for key, buf in sorted(store.items())}
@@ -305,24 +341,36 @@ def write_metadata(step_store: Store, arrays: Iterable[ZarrArray]) -> dict[str, 
 
 def damaged(url: str, what: str) -> IntegrityError:
     """An IntegrityError naming ``url``, saying what is wrong and what to do."""
-    return IntegrityError(f"{url}: {what} — the checkpoint is damaged or was not written by "
-                          "shardsmith; resume from another step or restore the file")
+    return IntegrityError(
+        f"{url}: {what} — the checkpoint is damaged or was not written by "
+        "shardsmith; resume from another step or restore the file"
+    )
 
 
 def _codec_of(codecs: Any, url: str) -> str:
     """The codec spec of a stored ``codecs`` list: ``bytes`` then at most one whitelisted codec."""
-    if not isinstance(codecs, list) or not codecs or not isinstance(codecs[0], dict) \
-            or codecs[0].get("name") != "bytes" \
-            or (codecs[0].get("configuration") or {}).get("endian", "little") != "little" or len(codecs) > 2:
-        raise damaged(url, f"unsupported codecs {json.dumps(codecs)[:200]} (expected bytes/little, "
-                      f"optionally followed by one of {sorted(CODEC_LEVELS)})")
+    if (
+        not isinstance(codecs, list)
+        or not codecs
+        or not isinstance(codecs[0], dict)
+        or codecs[0].get("name") != "bytes"
+        or (codecs[0].get("configuration") or {}).get("endian", "little") != "little"
+        or len(codecs) > 2
+    ):
+        raise damaged(
+            url,
+            f"unsupported codecs {json.dumps(codecs)[:200]} (expected bytes/little, "
+            f"optionally followed by one of {sorted(CODEC_LEVELS)})",
+        )
     if len(codecs) == 1:
         return ""
     extra = codecs[1]
     name = extra.get("name") if isinstance(extra, dict) else None
     level = (extra.get("configuration") or {}).get("level") if isinstance(extra, dict) else None
     if name not in CODEC_LEVELS or type(level) is not int:
-        raise damaged(url, f"unsupported codec {json.dumps(extra)[:200]} (allowed: {sorted(CODEC_LEVELS)})")
+        raise damaged(
+            url, f"unsupported codec {json.dumps(extra)[:200]} (allowed: {sorted(CODEC_LEVELS)})"
+        )
     return f"{name}:{level}"
 
 
@@ -338,18 +386,37 @@ def parse_array_metadata(raw: bytes, fqn: str, rec: TensorRecord, url: str) -> Z
         meta = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise damaged(url, f"not valid JSON ({str(exc)[:100]})") from exc
-    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+    if (
+        not isinstance(meta, dict)
+        or meta.get("zarr_format") != 3
+        or meta.get("node_type") != "array"
+    ):
         raise damaged(url, "not zarr v3 array metadata")
     if meta.get("shape") != rec.shape or meta.get("data_type") != ZARR_DTYPES[rec.dtype]:
-        raise damaged(url, f"array is {meta.get('data_type')!r:.20} {meta.get('shape')!r:.80}, the manifest "
-                      f"says {fqn} is {rec.dtype} {rec.shape}")
+        raise damaged(
+            url,
+            f"array is {meta.get('data_type')!r:.20} {meta.get('shape')!r:.80}, the manifest "
+            f"says {fqn} is {rec.dtype} {rec.shape}",
+        )
     grid = meta.get("chunk_grid")
-    chunks = (grid.get("configuration") or {}).get("chunk_shape") if isinstance(grid, dict) else None
-    if not isinstance(grid, dict) or grid.get("name") != "regular" or not isinstance(chunks, list) \
-            or len(chunks) != len(rec.shape) or any(type(c) is not int or c < 1 for c in chunks):
+    chunks = (
+        (grid.get("configuration") or {}).get("chunk_shape") if isinstance(grid, dict) else None
+    )
+    if (
+        not isinstance(grid, dict)
+        or grid.get("name") != "regular"
+        or not isinstance(chunks, list)
+        or len(chunks) != len(rec.shape)
+        or any(type(c) is not int or c < 1 for c in chunks)
+    ):
         raise damaged(url, f"unsupported chunk grid {json.dumps(grid)[:200]}")
     if meta.get("chunk_key_encoding") != {"name": "default", "configuration": {"separator": "/"}}:
-        raise damaged(url, f"unsupported chunk key encoding {json.dumps(meta.get('chunk_key_encoding'))[:120]}")
+        raise damaged(
+            url,
+            f"unsupported chunk key encoding {json.dumps(meta.get('chunk_key_encoding'))[:120]}",
+        )
     if meta.get("storage_transformers") not in (None, []):
         raise damaged(url, "storage transformers are not supported")
-    return ZarrArray(fqn, tuple(rec.shape), rec.dtype, tuple(chunks), _codec_of(meta.get("codecs"), url))
+    return ZarrArray(
+        fqn, tuple(rec.shape), rec.dtype, tuple(chunks), _codec_of(meta.get("codecs"), url)
+    )

@@ -19,19 +19,27 @@ import torch
 from zarr.core.buffer import default_buffer_prototype
 
 from shardsmith.errors import IntegrityError
-from shardsmith.layout import Box, row_major_span, row_major_strides
+from shardsmith.layout import DTYPE_NBYTES, Box, row_major_span, row_major_strides
 from shardsmith.storage.checksum import crc32c, require_full_read, verify_chunks
-from shardsmith.storage.store.fs import Store
-from shardsmith.layout import DTYPE_NBYTES
+from shardsmith.storage.formats.zarr_format import (
+    IO_WORKERS,
+    MAX_PENDING_NBYTES,
+    ZARR_DIR,
+    ZarrArray,
+    damaged,
+    numpy_to_torch,
+    parse_array_metadata,
+)
 from shardsmith.storage.manifest.records import Manifest, ShardRecord, TensorRecord
 from shardsmith.storage.reading.execute import destination
 from shardsmith.storage.reading.spans import chunk_span, intersections
+from shardsmith.storage.store.fs import Store
 from shardsmith.storage.verify import check_file_once
-from shardsmith.storage.formats.zarr_format import (IO_WORKERS, MAX_PENDING_NBYTES, ZARR_DIR, ZarrArray, damaged, numpy_to_torch,
-                                            parse_array_metadata)
 
 
-def _load_array(store: Store, manifest: Manifest, fqn: str, rec: TensorRecord, source: str) -> tuple[ZarrArray, int]:
+def _load_array(
+    store: Store, manifest: Manifest, fqn: str, rec: TensorRecord, source: str
+) -> tuple[ZarrArray, int]:
     """The array description of ``fqn`` from its verified ``zarr.json``; (array, bytes read)."""
     key = f"{ZARR_DIR}/{fqn}/zarr.json"
     url = f"{source}/{key}"
@@ -41,24 +49,37 @@ def _load_array(store: Store, manifest: Manifest, fqn: str, rec: TensorRecord, s
     try:
         raw = store.read(key)
     except FileNotFoundError as exc:
-        raise IntegrityError(f"{url}: missing, but the manifest lists it; the checkpoint is incomplete — "
-                             "resume from another step or restore the file") from exc
+        raise IntegrityError(
+            f"{url}: missing, but the manifest lists it; the checkpoint is incomplete — "
+            "resume from another step or restore the file"
+        ) from exc
     if len(raw) != record.nbytes or crc32c(raw) != record.crc32c:
-        raise damaged(url, f"{len(raw)} bytes with CRC-32C {crc32c(raw):#010x}, the manifest records "
-                      f"{record.nbytes} bytes with {record.crc32c:#010x}")
+        raise damaged(
+            url,
+            f"{len(raw)} bytes with CRC-32C {crc32c(raw):#010x}, the manifest records "
+            f"{record.nbytes} bytes with {record.crc32c:#010x}",
+        )
     return parse_array_metadata(raw, fqn, rec, url), len(raw)
 
 
-def _check_chunk_record(array: ZarrArray, shard: ShardRecord, manifest: Manifest, source: str) -> None:
+def _check_chunk_record(
+    array: ZarrArray, shard: ShardRecord, manifest: Manifest, source: str
+) -> None:
     """A shard record must name the chunk file its box is, whole (byte offset 0, file size)."""
     saved = shard.box
     index = [o // c for o, c in zip(saved.offsets, array.chunks)]
     if array.chunk_region(index) != saved or array.chunk_key(saved) != shard.file:
-        raise damaged(f"{source}/manifest.json", f"shard {saved} of {array.fqn} in {shard.file} is not a "
-                      f"chunk of the grid {array.chunks} (expected {array.chunk_key(saved)})")
+        raise damaged(
+            f"{source}/manifest.json",
+            f"shard {saved} of {array.fqn} in {shard.file} is not a "
+            f"chunk of the grid {array.chunks} (expected {array.chunk_key(saved)})",
+        )
     if shard.byte_offset != 0 or shard.nbytes != manifest.files[shard.file].nbytes:
-        raise damaged(f"{source}/manifest.json", f"shard of {array.fqn} in {shard.file} must span the whole "
-                      f"chunk file (byte offset 0, {manifest.files[shard.file].nbytes} bytes)")
+        raise damaged(
+            f"{source}/manifest.json",
+            f"shard of {array.fqn} in {shard.file} must span the whole "
+            f"chunk file (byte offset 0, {manifest.files[shard.file].nbytes} bytes)",
+        )
 
 
 def _read_chunk(store: Store, manifest: Manifest, shard: ShardRecord, source: str) -> bytes:
@@ -72,7 +93,12 @@ def _read_chunk(store: Store, manifest: Manifest, shard: ShardRecord, source: st
     return data
 
 
-_INTS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}     # element-size views: dtype-agnostic copies
+_INTS = {
+    1: np.int8,
+    2: np.int16,
+    4: np.int32,
+    8: np.int64,
+}  # element-size views: dtype-agnostic copies
 
 
 @dataclass
@@ -104,8 +130,11 @@ def _read_piece(store: Store, manifest: Manifest, piece: _Piece, source: str) ->
     itemsize = DTYPE_NBYTES[array.dtype]
     url = f"{source}/{shard.file}"
     if shard.nbytes != prod(array.chunks) * itemsize:
-        raise damaged(url, f"{shard.nbytes} bytes, but an uncompressed chunk of {array.chunks} {array.dtype} "
-                      f"holds {prod(array.chunks) * itemsize}")
+        raise damaged(
+            url,
+            f"{shard.nbytes} bytes, but an uncompressed chunk of {array.chunks} {array.dtype} "
+            f"holds {prod(array.chunks) * itemsize}",
+        )
     check_file_once(store, manifest, shard.file, source)
     a, b, lo, hi = piece.span(chunk)
     data = store.read_range(shard.file, lo, hi)
@@ -130,16 +159,23 @@ def _decode(request: _Request, chunk_bytes: dict[str, bytes]) -> None:
     """Decode the request's chunks with zarr and copy its box into ``out``."""
     array = request.array
     prototype = default_buffer_prototype()
-    store = {s.file[len(array.path) + 1:]: prototype.buffer.from_bytes(chunk_bytes[s.file])
-             for s in request.shards}
+    store = {
+        s.file[len(array.path) + 1 :]: prototype.buffer.from_bytes(chunk_bytes[s.file])
+        for s in request.shards
+    }
     arr = array.in_memory(store)
     box = request.box
     data = arr[box.relative_to(Box((0,) * len(box.lengths), array.shape)) if box.lengths else ()]
     request.out.copy_(numpy_to_torch(np.asarray(data), array.dtype).reshape(box.lengths))
 
 
-def read_zarr_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, Box, torch.Tensor | None]],
-                    stats: Any = None, source: str = "") -> list[torch.Tensor]:
+def read_zarr_boxes(
+    store: Store,
+    manifest: Manifest,
+    requests: Sequence[tuple[str, Box, torch.Tensor | None]],
+    stats: Any = None,
+    source: str = "",
+) -> list[torch.Tensor]:
     """:func:`shardsmith.storage.reading.execute.read_safetensors_boxes` for zarr checkpoints (same contract).
 
     Reads the ``zarr.json`` of each tensor touched (checked against the manifest), then
@@ -181,8 +217,10 @@ def read_zarr_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[s
                 pieces.append(_Piece(len(batch), request.array, shard, common))
                 pending += common.numel * DTYPE_NBYTES[rec.dtype]
         if filled != box.numel:
-            raise IntegrityError(f"{source}: saved chunks of {fqn!r} cover {filled} of the "
-                                 f"{box.numel} elements of box {box}")
+            raise IntegrityError(
+                f"{source}: saved chunks of {fqn!r} cover {filled} of the "
+                f"{box.numel} elements of box {box}"
+            )
         if stats is not None:
             stats.nbytes_needed += box.numel * DTYPE_NBYTES[rec.dtype]
         batch.append(request)
@@ -193,8 +231,14 @@ def read_zarr_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[s
     return outs
 
 
-def _run_batch(store: Store, manifest: Manifest, batch: list[_Request], pieces: list[_Piece], stats: Any,
-               source: str) -> None:
+def _run_batch(
+    store: Store,
+    manifest: Manifest,
+    batch: list[_Request],
+    pieces: list[_Piece],
+    stats: Any,
+    source: str,
+) -> None:
     """Read the batch's pieces and compressed chunk files concurrently, then fill every request."""
     compressed = {s.file: s for r in batch for s in r.shards}
     jobs: list[Any] = [lambda p=p: _read_piece(store, manifest, p, source) for p in pieces]
@@ -203,15 +247,22 @@ def _run_batch(store: Store, manifest: Manifest, batch: list[_Request], pieces: 
         return
     with ThreadPoolExecutor(max(1, min(IO_WORKERS, len(jobs)))) as pool:
         results = list(pool.map(lambda job: job(), jobs))
-    chunk_bytes = dict(zip(compressed, results[len(pieces):]))
+    chunk_bytes = dict(zip(compressed, results[len(pieces) :]))
     if stats is not None:
-        stats.nbytes_read += sum(p.span(manifest.chunk_nbytes)[3] - p.span(manifest.chunk_nbytes)[2]
-                                 for p in pieces) + sum(len(d) for d in chunk_bytes.values())
+        stats.nbytes_read += sum(
+            p.span(manifest.chunk_nbytes)[3] - p.span(manifest.chunk_nbytes)[2] for p in pieces
+        ) + sum(len(d) for d in chunk_bytes.values())
     with torch.no_grad():
         for piece, data in zip(pieces, results):
             request = batch[piece.index]
-            dest = request.out[piece.common.relative_to(request.box)] if request.box.lengths else request.out
-            dest.copy_(torch.from_numpy(data.copy()).view(request.out.dtype))   # copy: C order, 0-d kept
+            dest = (
+                request.out[piece.common.relative_to(request.box)]
+                if request.box.lengths
+                else request.out
+            )
+            dest.copy_(
+                torch.from_numpy(data.copy()).view(request.out.dtype)
+            )  # copy: C order, 0-d kept
         for request in batch:
             if request.shards:
                 _decode(request, chunk_bytes)

@@ -16,10 +16,10 @@ from typing import Any, Sequence
 
 from shardsmith.errors import IntegrityError
 from shardsmith.storage.checksum import crc32c_update
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.manifest.records import SIDECAR_SUFFIX, FileRecord, Manifest, ShardRecord
 from shardsmith.storage.formats.safetensors import read_header
+from shardsmith.storage.manifest.records import SIDECAR_SUFFIX, FileRecord, Manifest, ShardRecord
 from shardsmith.storage.manifest.sidecar import load_chunk_crcs
+from shardsmith.storage.store.fs import Store
 
 #: Bytes read per request when streaming a file for its checksums (bounds memory).
 DEFAULT_BLOCK_NBYTES = 8 * 1024 * 1024
@@ -47,8 +47,14 @@ def shards_in_file(manifest: Manifest, file: str) -> list[FileShard]:
     return manifest.file_shards.get(file, [])
 
 
-def header_problems(shards: Sequence[FileShard], file_nbytes: int, data_start: int, header: dict[str, Any], *,
-                    complete: bool = True) -> list[str]:
+def header_problems(
+    shards: Sequence[FileShard],
+    file_nbytes: int,
+    data_start: int,
+    header: dict[str, Any],
+    *,
+    complete: bool = True,
+) -> list[str]:
     """Where a parsed safetensors header disagrees with the manifest (pure).
 
     Checks, for every shard the manifest places in the file (``shards``): the entry exists
@@ -66,25 +72,39 @@ def header_problems(shards: Sequence[FileShard], file_nbytes: int, data_start: i
             problems.append(f"header has no entry {s.key!r} (tensor {fqn})")
             continue
         if entry.get("dtype") != dtype:
-            problems.append(f"header says {s.key!r} is {entry.get('dtype')!r:.20}, the manifest {dtype}")
+            problems.append(
+                f"header says {s.key!r} is {entry.get('dtype')!r:.20}, the manifest {dtype}"
+            )
         if not _same_ints(entry.get("shape"), s.lengths):
-            problems.append(f"header says {s.key!r} has shape {entry.get('shape')!r:.60}, the manifest "
-                            f"box lengths {s.lengths}")
+            problems.append(
+                f"header says {s.key!r} has shape {entry.get('shape')!r:.60}, the manifest "
+                f"box lengths {s.lengths}"
+            )
         want = [s.byte_offset - data_start, s.byte_offset - data_start + s.nbytes]
         if not _same_ints(entry.get("data_offsets"), want):
-            problems.append(f"header says {s.key!r} lies at data_offsets {entry.get('data_offsets')!r:.60}, "
-                            f"the manifest at {want} (bytes [{s.byte_offset}, {s.byte_offset + s.nbytes}))")
+            problems.append(
+                f"header says {s.key!r} lies at data_offsets {entry.get('data_offsets')!r:.60}, "
+                f"the manifest at {want} (bytes [{s.byte_offset}, {s.byte_offset + s.nbytes}))"
+            )
     if not complete:
         return problems
     extra = sorted(set(header) - keys - {"__metadata__"})
     if extra:
         problems.append(f"header lists entries the manifest does not: {extra[:5]}")
-    ends = [e["data_offsets"][1] for k, e in header.items() if k in keys and isinstance(e, dict)
-            and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
-            and type(e["data_offsets"][1]) is int]
+    ends = [
+        e["data_offsets"][1]
+        for k, e in header.items()
+        if k in keys
+        and isinstance(e, dict)
+        and isinstance(e.get("data_offsets"), list)
+        and len(e["data_offsets"]) == 2
+        and type(e["data_offsets"][1]) is int
+    ]
     if ends and not problems and data_start + max(ends) != file_nbytes:
-        problems.append(f"header's data ends at byte {data_start + max(ends)} but the manifest "
-                        f"records {file_nbytes} bytes")
+        problems.append(
+            f"header's data ends at byte {data_start + max(ends)} but the manifest "
+            f"records {file_nbytes} bytes"
+        )
     return problems
 
 
@@ -112,20 +132,28 @@ def check_file_once(store: Store, manifest: Manifest, file: str, source: str = "
     try:
         size = store.size(file)
     except FileNotFoundError as exc:
-        raise IntegrityError(f"{url}: missing, but the manifest lists it ({want} bytes); the checkpoint "
-                             "is incomplete — resume from another step (`shardsmith ls`) or restore "
-                             "the file") from exc
+        raise IntegrityError(
+            f"{url}: missing, but the manifest lists it ({want} bytes); the checkpoint "
+            "is incomplete — resume from another step (`shardsmith ls`) or restore "
+            "the file"
+        ) from exc
     if size != want:
-        raise IntegrityError(f"{url}: {_size_problem(size, want)}; the file is damaged — resume from "
-                             "another step (`shardsmith ls`) or restore it")
+        raise IntegrityError(
+            f"{url}: {_size_problem(size, want)}; the file is damaged — resume from "
+            "another step (`shardsmith ls`) or restore it"
+        )
     if manifest.traits.file_headers and not file.endswith(SIDECAR_SUFFIX):
         data_start, header = read_header(store, file, want)
-        problems = header_problems(shards_in_file(manifest, file), want, data_start, header,
-                                   complete=not manifest.partial)
+        problems = header_problems(
+            shards_in_file(manifest, file), want, data_start, header, complete=not manifest.partial
+        )
         if problems:
-            raise IntegrityError(f"{url}: safetensors header disagrees with the manifest: "
-                                 + "; ".join(problems[:10]) + " — the file is damaged or was replaced; "
-                                 "resume from another step or restore it")
+            raise IntegrityError(
+                f"{url}: safetensors header disagrees with the manifest: "
+                + "; ".join(problems[:10])
+                + " — the file is damaged or was replaced; "
+                "resume from another step or restore it"
+            )
     manifest.checked_files.add(file)
 
 
@@ -134,10 +162,10 @@ def check_file_once(store: Store, manifest: Manifest, file: str, source: str = "
 
 @dataclass
 class _Chunk:
-    start: int          # absolute byte range in the file
+    start: int  # absolute byte range in the file
     end: int
     expected: int
-    shard: int          # index into the file's shard list
+    shard: int  # index into the file's shard list
     crc: int = 0
 
 
@@ -146,12 +174,21 @@ def _file_chunks(chunk_nbytes: int, shards: Sequence[FileShard]) -> list[_Chunk]
     for i, (_, _, s) in enumerate(shards):
         for c, expected in enumerate(s.crc32c):
             begin = s.byte_offset + c * chunk_nbytes
-            chunks.append(_Chunk(begin, min(begin + chunk_nbytes, s.byte_offset + s.nbytes), expected, i))
+            chunks.append(
+                _Chunk(begin, min(begin + chunk_nbytes, s.byte_offset + s.nbytes), expected, i)
+            )
     return sorted(chunks, key=lambda ch: ch.start)
 
 
-def _stream_problems(store: Store, file: str, record: FileRecord, shards: Sequence[FileShard], chunk_nbytes: int,
-                     size: int, block_nbytes: int) -> tuple[list[str], int]:
+def _stream_problems(
+    store: Store,
+    file: str,
+    record: FileRecord,
+    shards: Sequence[FileShard],
+    chunk_nbytes: int,
+    size: int,
+    block_nbytes: int,
+) -> tuple[list[str], int]:
     """Whole-file CRC-32C and every shard chunk's CRC-32C in one streaming pass.
 
     Returns (problems, bytes read). Memory: one block (and the file's chunk list).
@@ -170,7 +207,7 @@ def _stream_problems(store: Store, file: str, record: FileRecord, shards: Sequen
             ch = chunks[nxt]
             lo, hi = max(ch.start, pos), min(ch.end, end)
             if hi > lo:
-                ch.crc = crc32c_update(view[lo - pos:hi - pos], ch.crc)
+                ch.crc = crc32c_update(view[lo - pos : hi - pos], ch.crc)
             if ch.end > end:
                 break
             if ch.crc != ch.expected:
@@ -179,21 +216,34 @@ def _stream_problems(store: Store, file: str, record: FileRecord, shards: Sequen
         pos = end
     problems = []
     if pos == record.nbytes and int(file_crc) != record.crc32c:
-        problems.append(f"whole-file CRC-32C is {int(file_crc):#010x}, the manifest records {record.crc32c:#010x}")
+        problems.append(
+            f"whole-file CRC-32C is {int(file_crc):#010x}, the manifest records {record.crc32c:#010x}"
+        )
     for ch in chunks[nxt:]:
         bad.setdefault(ch.shard, []).append(ch)
     for i, chs in sorted(bad.items()):
         fqn, _, s = shards[i]
         past_end = sum(ch.end > pos for ch in chs)
-        what = (f"{past_end} of them past the end of the file" if past_end
-                else "checksum mismatch" + (" (the data or its sidecar is damaged)" if s.crc_index >= 0 else ""))
-        problems.append(f"tensor {fqn} (key {s.key!r}): {len(chs)} of {len(s.crc32c)} checksum chunks "
-                        f"bad ({what}), first at bytes [{chs[0].start}, {chs[0].end})")
+        what = (
+            f"{past_end} of them past the end of the file"
+            if past_end
+            else "checksum mismatch"
+            + (" (the data or its sidecar is damaged)" if s.crc_index >= 0 else "")
+        )
+        problems.append(
+            f"tensor {fqn} (key {s.key!r}): {len(chs)} of {len(s.crc32c)} checksum chunks "
+            f"bad ({what}), first at bytes [{chs[0].start}, {chs[0].end})"
+        )
     return problems, pos
 
 
-def file_problems(store: Store, manifest: Manifest, file: str, shards: Sequence[FileShard],
-                  block_nbytes: int = DEFAULT_BLOCK_NBYTES) -> tuple[list[str], int]:
+def file_problems(
+    store: Store,
+    manifest: Manifest,
+    file: str,
+    shards: Sequence[FileShard],
+    block_nbytes: int = DEFAULT_BLOCK_NBYTES,
+) -> tuple[list[str], int]:
     """Everything wrong with one file of ``manifest`` (``shards``: every shard stored in it):
     presence, size, safetensors header, whole-file CRC-32C, chunk CRC-32Cs (fetched from
     its sidecar when they are there). Memory: the file's metadata and one block.
@@ -216,6 +266,13 @@ def file_problems(store: Store, manifest: Manifest, file: str, shards: Sequence[
         load_chunk_crcs(store, manifest.chunk_nbytes, [s for _, _, s in shards])
     except IntegrityError as exc:
         return problems + [f"its checksum sidecar cannot be read: {str(exc).split(': ', 1)[-1]}"], 0
-    streamed, nbytes = _stream_problems(store, file, manifest.files[file], shards, manifest.chunk_nbytes,
-                                        min(size, want), block_nbytes)
+    streamed, nbytes = _stream_problems(
+        store,
+        file,
+        manifest.files[file],
+        shards,
+        manifest.chunk_nbytes,
+        min(size, want),
+        block_nbytes,
+    )
     return problems + streamed, nbytes

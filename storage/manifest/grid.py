@@ -33,10 +33,16 @@ from itertools import product
 from math import prod
 from typing import Any, Callable
 
-from shardsmith.layout import Box
-from shardsmith.layout import DTYPE_NBYTES
+from shardsmith.layout import DTYPE_NBYTES, Box
+from shardsmith.storage.manifest.checks import (
+    Problems,
+    check_type,
+    err,
+    int_list,
+    load_json,
+    parse_tensor,
+)
 from shardsmith.storage.manifest.records import ShardRecord, TensorRecord
-from shardsmith.storage.manifest.checks import Problems, check_type, err, int_list, load_json, parse_tensor
 
 #: Tensors with fewer shards are read whole (their entry is small); a grid costs ~100 bytes.
 GRID_MIN_SHARDS = 16
@@ -55,8 +61,10 @@ def grid_bounds(shape: list[int], shards: list[ShardRecord]) -> list[list[int]] 
     if prod(len(b) - 1 for b in bounds) != len(shards):
         return None
     for s, cell in zip(shards, product(*(range(len(b) - 1) for b in bounds))):
-        if any(s.offsets[d] != bounds[d][c] or s.lengths[d] != bounds[d][c + 1] - bounds[d][c]
-               for d, c in enumerate(cell)):
+        if any(
+            s.offsets[d] != bounds[d][c] or s.lengths[d] != bounds[d][c + 1] - bounds[d][c]
+            for d, c in enumerate(cell)
+        ):
             return None
     return bounds
 
@@ -71,8 +79,15 @@ def encode_entry(fqn: str, t: TensorRecord, bounds: list[list[int]]) -> tuple[by
     """The tensor's entry in ``"tensors"`` (the same JSON as version 2's) and its grid entry."""
     itemsize = DTYPE_NBYTES[t.dtype]
     fqn_json = json.dumps(fqn)
-    head = (fqn_json + ":" + json.dumps({"shape": t.shape, "dtype": t.dtype}, separators=_SEPARATORS)[:-1] + ',"shards":[').encode()
-    records = [json.dumps(s.to_v2_json(itemsize), separators=_SEPARATORS).encode() for s in t.shards]
+    head = (
+        fqn_json
+        + ":"
+        + json.dumps({"shape": t.shape, "dtype": t.dtype}, separators=_SEPARATORS)[:-1]
+        + ',"shards":['
+    ).encode()
+    records = [
+        json.dumps(s.to_v2_json(itemsize), separators=_SEPARATORS).encode() for s in t.shards
+    ]
     at, pos = [], len(head)
     for i, rec in enumerate(records):
         if i % GRID_BLOCK == 0:
@@ -80,7 +95,9 @@ def encode_entry(fqn: str, t: TensorRecord, bounds: list[list[int]]) -> tuple[by
         pos += len(rec) + 1
     at.append(pos - 1)
     grid = {"shape": t.shape, "dtype": t.dtype, "split": [_split_json(b) for b in bounds], "at": at}
-    return head + b",".join(records) + b"]}", (fqn_json + ":" + json.dumps(grid, separators=_SEPARATORS)).encode()
+    return head + b",".join(records) + b"]}", (
+        fqn_json + ":" + json.dumps(grid, separators=_SEPARATORS)
+    ).encode()
 
 
 @dataclass
@@ -109,11 +126,20 @@ class Grid:
 def _bounds(split: Any, size: int, where: str, source: str, max_cells: int) -> list[int]:
     if type(split) is int:
         if not 1 <= split or -(-size // split) > max_cells:
-            raise err(where, f"a regular split of {size} into pieces of {split} is not a split of this grid", source)
+            raise err(
+                where,
+                f"a regular split of {size} into pieces of {split} is not a split of this grid",
+                source,
+            )
         return list(range(0, size, split)) + [size]
     cuts = int_list(split, where, source)
-    if len(cuts) < 2 or len(cuts) > max_cells + 1 or cuts[0] != 0 or cuts[-1] != size \
-            or any(a >= b for a, b in zip(cuts, cuts[1:])):
+    if (
+        len(cuts) < 2
+        or len(cuts) > max_cells + 1
+        or cuts[0] != 0
+        or cuts[-1] != size
+        or any(a >= b for a, b in zip(cuts, cuts[1:]))
+    ):
         raise err(where, f"cut points must rise strictly from 0 to the dim's size {size}", source)
     return cuts
 
@@ -128,22 +154,36 @@ def parse_grid(raw: bytes, fqn: str, entry_nbytes: int, source: str) -> Grid:
     where = f"grids[{fqn!r:.120}]"
     data = load_json(b"{" + raw + b"}", source)
     if list(data) != [fqn]:
-        raise err(where, f"points at the grid of {list(data)[:1]!r:.120}, not of this tensor", source)
+        raise err(
+            where, f"points at the grid of {list(data)[:1]!r:.120}, not of this tensor", source
+        )
     g = check_type(data[fqn], dict, where, source)
     if sorted(g) != ["at", "dtype", "shape", "split"]:
         raise err(where, f"expected fields shape, dtype, split, at; got {sorted(g)!r:.80}", source)
-    t = parse_tensor(fqn, {"shape": g["shape"], "dtype": g["dtype"], "shards": []}, source, lambda d, w: d)
+    t = parse_tensor(
+        fqn, {"shape": g["shape"], "dtype": g["dtype"], "shards": []}, source, lambda d, w: d
+    )
     at = int_list(g["at"], where + ".at", source)
     split = check_type(g["split"], list, where + ".split", source)
     if len(split) != len(t.shape) or not t.shape:
         raise err(where + ".split", f"{len(split)} dims for shape {t.shape}", source)
     cells = GRID_BLOCK * max(len(at) - 1, 1)
-    bounds = [_bounds(s, n, f"{where}.split[{d}]", source, cells) for d, (s, n) in enumerate(zip(split, t.shape))]
+    bounds = [
+        _bounds(s, n, f"{where}.split[{d}]", source, cells)
+        for d, (s, n) in enumerate(zip(split, t.shape))
+    ]
     grid = Grid(t.shape, t.dtype, bounds, at)
-    if len(at) != -(-grid.num_records // GRID_BLOCK) + 1 or any(a >= b for a, b in zip(at, at[1:])) \
-            or at[-1] > entry_nbytes - 2:
-        raise err(where + ".at", f"expected one rising start per {GRID_BLOCK} of the {grid.num_records} records "
-                  f"and the end, inside the entry's {entry_nbytes} bytes", source)
+    if (
+        len(at) != -(-grid.num_records // GRID_BLOCK) + 1
+        or any(a >= b for a, b in zip(at, at[1:]))
+        or at[-1] > entry_nbytes - 2
+    ):
+        raise err(
+            where + ".at",
+            f"expected one rising start per {GRID_BLOCK} of the {grid.num_records} records "
+            f"and the end, inside the entry's {entry_nbytes} bytes",
+            source,
+        )
     return grid
 
 
@@ -169,8 +209,13 @@ def block_span(grid: Grid, block: int) -> tuple[int, int]:
     return grid.at[block], grid.at[block + 1]
 
 
-def parse_blocks(pieces: dict[int, bytes], grid: Grid, fqn: str, parse_shard: Callable[[Any, str], ShardRecord],
-                 source: str) -> dict[int, ShardRecord]:
+def parse_blocks(
+    pieces: dict[int, bytes],
+    grid: Grid,
+    fqn: str,
+    parse_shard: Callable[[Any, str], ShardRecord],
+    source: str,
+) -> dict[int, ShardRecord]:
     """Records of the blocks ``pieces`` (block -> its bytes, see :func:`block_span`), by record
     index; each record's box must be its cell.
 
@@ -192,14 +237,19 @@ def parse_blocks(pieces: dict[int, bytes], grid: Grid, fqn: str, parse_shard: Ca
             rec = parse_shard(item, f"tensors[{fqn!r:.120}].shards[{first + k}]")
             offsets, lengths = grid.cell_box(first + k)
             if list(rec.offsets) != offsets or list(rec.lengths) != lengths:
-                raise err(f"tensors[{fqn!r:.120}].shards[{first + k}]", f"box offsets={rec.offsets} "
-                          f"lengths={rec.lengths} is not its grid cell offsets={offsets} lengths={lengths}", source)
+                raise err(
+                    f"tensors[{fqn!r:.120}].shards[{first + k}]",
+                    f"box offsets={rec.offsets} "
+                    f"lengths={rec.lengths} is not its grid cell offsets={offsets} lengths={lengths}",
+                    source,
+                )
             out[first + k] = rec
     return out
 
 
-def parse_gridded_entry(raw: bytes, fqn: str, grid: Grid, parse_shard: Callable[[Any, str], ShardRecord],
-                        source: str) -> TensorRecord:
+def parse_gridded_entry(
+    raw: bytes, fqn: str, grid: Grid, parse_shard: Callable[[Any, str], ShardRecord], source: str
+) -> TensorRecord:
     """A whole gridded entry, read block by block as a partial reader would, so both see the
     same records: the prefix ``"fqn":{"shape":..,"dtype":..,"shards":[``, each block, ``]}``.
 
@@ -207,15 +257,27 @@ def parse_gridded_entry(raw: bytes, fqn: str, grid: Grid, parse_shard: Callable[
         ManifestError: the pieces do not make up the entry, or disagree with the grid.
     """
     where = f"tensors[{fqn!r:.120}]"
-    prefix = load_json(b"{" + raw[:grid.at[0]] + b"]}}", source)
+    prefix = load_json(b"{" + raw[: grid.at[0]] + b"]}}", source)
     t = prefix.get(fqn) if list(prefix) == [fqn] else None
-    if not isinstance(t, dict) or sorted(t) != ["dtype", "shape", "shards"] or t["shards"] != [] \
-            or t["shape"] != grid.shape or t["dtype"] != grid.dtype or raw[grid.at[-1]:] != b"]}":
-        raise err(where, "the entry is not the grid's tensor: expected shape, dtype as in its grid, then the "
-                  "shard records the grid's 'at' points at, then ']}'", source)
+    if (
+        not isinstance(t, dict)
+        or sorted(t) != ["dtype", "shape", "shards"]
+        or t["shards"] != []
+        or t["shape"] != grid.shape
+        or t["dtype"] != grid.dtype
+        or raw[grid.at[-1] :] != b"]}"
+    ):
+        raise err(
+            where,
+            "the entry is not the grid's tensor: expected shape, dtype as in its grid, then the "
+            "shard records the grid's 'at' points at, then ']}'",
+            source,
+        )
     pieces = {b: raw[s:e] for b in range(len(grid.at) - 1) for s, e in [block_span(grid, b)]}
     records = parse_blocks(pieces, grid, fqn, parse_shard, source)
-    return TensorRecord(shape=grid.shape, dtype=grid.dtype, shards=[records[i] for i in range(len(records))])
+    return TensorRecord(
+        shape=grid.shape, dtype=grid.dtype, shards=[records[i] for i in range(len(records))]
+    )
 
 
 def check_cell_nbytes(fqn: str, rec: TensorRecord, problems: Problems, *, raw_nbytes: bool) -> None:
@@ -226,4 +288,6 @@ def check_cell_nbytes(fqn: str, rec: TensorRecord, problems: Problems, *, raw_nb
     for i, s in enumerate(rec.shards):
         want = prod(s.lengths) * DTYPE_NBYTES[rec.dtype]
         if s.nbytes != want:
-            problems.add(f"tensors[{fqn!r}].shards[{i}].nbytes", f"{s.nbytes} but the box holds {want} bytes")
+            problems.add(
+                f"tensors[{fqn!r}].shards[{i}].nbytes", f"{s.nbytes} but the box holds {want} bytes"
+            )

@@ -10,10 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardsmith.errors import CheckpointMismatch
-from shardsmith.layout import SHAPE_FIELDS
-from shardsmith.layout import ParallelDims
-from shardsmith.layout import ModelConfig
-from shardsmith.layout import checkpoint_specs
+from shardsmith.layout import SHAPE_FIELDS, ModelConfig, ParallelDims, checkpoint_specs
 from shardsmith.storage.manifest.records import Manifest
 
 OPTIM_PREFIX = "optim."
@@ -39,23 +36,31 @@ def model_record_problems(manifest: Manifest) -> list[str]:
     for fqn, spec in sorted(specs.items(), key=lambda kv: (kv[0].startswith(OPTIM_PREFIX), kv[0])):
         rec = manifest.tensors.get(fqn)
         if fqn.startswith(OPTIM_PREFIX) and fqn.split(".", 2)[-1] in bad:
-            continue                                   # its parameter is reported already
+            continue  # its parameter is reported already
         if rec is None or tuple(rec.shape) != tuple(spec.shape):
             bad.add(fqn)
         if rec is None:
-            problems.append(f"model record implies tensor {fqn} {tuple(spec.shape)}, which the manifest lacks")
+            problems.append(
+                f"model record implies tensor {fqn} {tuple(spec.shape)}, which the manifest lacks"
+            )
         elif tuple(rec.shape) != tuple(spec.shape):
             fields = fields_behind(model, fqn, tuple(spec.shape), tuple(rec.shape))
-            problems.append(f"tensor {fqn} has shape {tuple(rec.shape)} but the model record"
-                            f"{' (' + ', '.join(fields) + ')' if fields else ''} implies {tuple(spec.shape)}")
+            problems.append(
+                f"tensor {fqn} has shape {tuple(rec.shape)} but the model record"
+                f"{' (' + ', '.join(fields) + ')' if fields else ''} implies {tuple(spec.shape)}"
+            )
     extra = sorted(set(manifest.tensors) - set(specs))
     if extra:
-        problems.append(f"tensors the model record does not imply: {', '.join(extra[:5])}"
-                        + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""))
+        problems.append(
+            f"tensors the model record does not imply: {', '.join(extra[:5])}"
+            + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        )
     return problems
 
 
-def fields_behind(model: ModelConfig, fqn: str, want: tuple[int, ...], got: tuple[int, ...]) -> list[str]:
+def fields_behind(
+    model: ModelConfig, fqn: str, want: tuple[int, ...], got: tuple[int, ...]
+) -> list[str]:
     """The model fields whose recorded value explains why tensor ``fqn`` is ``got`` and not
     the ``want`` the record implies, each as ``"name=recorded where the tensor implies v"``.
 
@@ -78,15 +83,19 @@ def fields_behind(model: ModelConfig, fqn: str, want: tuple[int, ...], got: tupl
                 break
     if named:
         return named
-    return [f"{n}={getattr(model, n)}" for n in SHAPE_FIELDS
-            if any(getattr(model, n) == w != g for w, g in zip(want, got))]
+    return [
+        f"{n}={getattr(model, n)}"
+        for n in SHAPE_FIELDS
+        if any(getattr(model, n) == w != g for w, g in zip(want, got))
+    ]
 
 
 def _shape_with(model: ModelConfig, name: str, value: int, fqn: str) -> tuple[int, ...] | None:
     """``fqn``'s shape under ``model`` with field ``name`` set to ``value`` (None: invalid)."""
     try:
-        spec = checkpoint_specs(dataclasses.replace(model, **{name: value}), ParallelDims(),
-                                with_optimizer=False).get(fqn)
+        spec = checkpoint_specs(
+            dataclasses.replace(model, **{name: value}), ParallelDims(), with_optimizer=False
+        ).get(fqn)
     except (ValueError, TypeError, KeyError, ZeroDivisionError):
         return None
     return None if spec is None else tuple(spec.shape)
@@ -97,5 +106,7 @@ def check_model_record(manifest: Manifest, source: str) -> None:
     problems = model_record_problems(manifest)
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise CheckpointMismatch(f"{source}: the manifest's model record contradicts its tensors: "
-                                 f"{'; '.join(problems[:3])}{more}; the checkpoint is damaged or hand-edited")
+        raise CheckpointMismatch(
+            f"{source}: the manifest's model record contradicts its tensors: "
+            f"{'; '.join(problems[:3])}{more}; the checkpoint is damaged or hand-edited"
+        )

@@ -11,16 +11,35 @@ from __future__ import annotations
 from typing import Any
 
 from shardsmith.storage.cycle_gc import cycle_gc_paused
+from shardsmith.storage.manifest.checks import (
+    MAX_INT,
+    Problems,
+    check_bytes,
+    check_coverage,
+    check_files_disjoint,
+    err,
+    fields,
+    int_list,
+    load_json,
+    parse_header,
+    parse_tensor,
+    reject_duplicate_keys,
+    safe_relpath,
+    to_int,
+    to_str,
+)
 from shardsmith.storage.manifest.records import FORMAT_TRAITS, FileRecord, Manifest, ShardRecord
-from shardsmith.storage.manifest.checks import (MAX_INT, Problems, check_bytes, check_coverage, check_files_disjoint,
-                                                err, fields, int_list, load_json, parse_header, parse_tensor,
-                                                reject_duplicate_keys, safe_relpath, to_int, to_str)
 
 __all__ = ["parse_manifest", "reject_duplicate_keys", "MAX_INT"]
 
 
 def _parse_shard(data: Any, where: str, source: str) -> ShardRecord:
-    fields(data, ("offsets", "lengths", "file", "key", "byte_offset", "nbytes", "crc32c"), where, source)
+    fields(
+        data,
+        ("offsets", "lengths", "file", "key", "byte_offset", "nbytes", "crc32c"),
+        where,
+        source,
+    )
     return ShardRecord(
         offsets=int_list(data["offsets"], where + ".offsets", source),
         lengths=int_list(data["lengths"], where + ".lengths", source),
@@ -38,8 +57,10 @@ def _parse_files(data: dict[str, Any], source: str) -> dict[str, FileRecord]:
         where = f"files[{name!r:.80}]"
         safe_relpath(name, where, source)
         fields(f, ("nbytes", "crc32c"), where, source)
-        files[name] = FileRecord(nbytes=to_int(f["nbytes"], where + ".nbytes", source),
-                                 crc32c=to_int(f["crc32c"], where + ".crc32c", source, max_value=2**32 - 1))
+        files[name] = FileRecord(
+            nbytes=to_int(f["nbytes"], where + ".nbytes", source),
+            crc32c=to_int(f["crc32c"], where + ".crc32c", source, max_value=2**32 - 1),
+        )
     return files
 
 
@@ -65,25 +86,45 @@ def parse_manifest(raw: bytes, source: str = "manifest.json") -> Manifest:
             count that does not match its box, a shard outside its file or in a file not
             listed, two shards sharing a key or bytes of one file, a wrong checksum count.
     """
-    from shardsmith.storage.manifest.v2 import indexed_version, parse_whole   # manifest_v2 imports this module
+    from shardsmith.storage.manifest.v2 import (  # manifest_v2 imports this module
+        indexed_version,
+        parse_whole,
+    )
 
     if indexed_version(raw):
         return parse_whole(raw, source)
     data = load_json(raw, source)
     if data.get("version") in (2, 3):
-        raise err("version", f"a version-{data['version']} manifest must begin with its head (format, version, "
-                  "head_nbytes); this one does not", source)
+        raise err(
+            "version",
+            f"a version-{data['version']} manifest must begin with its head (format, version, "
+            "head_nbytes); this one does not",
+            source,
+        )
     version, chunk = parse_header(data, source, (1,), (("tensors", dict), ("files", dict)))
     files = _parse_files(data["files"], source)
-    tensors = {fqn: parse_tensor(fqn, t, source, lambda d, w: _parse_shard(d, w, source))
-               for fqn, t in data["tensors"].items()}
+    tensors = {
+        fqn: parse_tensor(fqn, t, source, lambda d, w: _parse_shard(d, w, source))
+        for fqn, t in data["tensors"].items()
+    }
     problems = Problems(source)
     for fqn, rec in tensors.items():
-        check_coverage(fqn, rec, problems, raw_nbytes=FORMAT_TRAITS[data["tensor_format"]].raw_shards)
+        check_coverage(
+            fqn, rec, problems, raw_nbytes=FORMAT_TRAITS[data["tensor_format"]].raw_shards
+        )
         check_bytes(fqn, rec, files, chunk, problems)
     check_files_disjoint(tensors, problems)
     problems.raise_if_any()
-    return Manifest(step=data["step"], layout=data["layout"], model=data["model"],
-                    config=data["config"], state=data["state"], tensors=tensors, files=files,
-                    tensor_format=data["tensor_format"], chunk_nbytes=chunk,
-                    created=str(data.get("created", "")), version=version)
+    return Manifest(
+        step=data["step"],
+        layout=data["layout"],
+        model=data["model"],
+        config=data["config"],
+        state=data["state"],
+        tensors=tensors,
+        files=files,
+        tensor_format=data["tensor_format"],
+        chunk_nbytes=chunk,
+        created=str(data.get("created", "")),
+        version=version,
+    )

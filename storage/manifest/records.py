@@ -8,15 +8,12 @@ inconsistent or pointing outside the checkpoint before any byte of data is touch
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from math import prod
 from typing import Any, Iterable, Mapping, Sequence
 
-from shardsmith.layout import Box
-from shardsmith.layout import ParallelDims
-from shardsmith.layout import DTYPE_NBYTES
+from shardsmith.layout import DTYPE_NBYTES, Box, ParallelDims
 from shardsmith.storage.checksum import DEFAULT_CHUNK_NBYTES
 
 FORMAT_NAME = "shardsmith.checkpoint"
@@ -48,8 +45,10 @@ class FormatTraits:
 
 
 #: Tensor formats a manifest may name, and their traits.
-FORMAT_TRAITS = {"safetensors": FormatTraits(raw_shards=True, file_headers=True),
-                 "zarr": FormatTraits(raw_shards=False, file_headers=False)}
+FORMAT_TRAITS = {
+    "safetensors": FormatTraits(raw_shards=True, file_headers=True),
+    "zarr": FormatTraits(raw_shards=False, file_headers=False),
+}
 TENSOR_FORMATS = tuple(FORMAT_TRAITS)
 #: Suffix of a data file's chunk-checksum sidecar (:mod:`shardsmith.storage.manifest.sidecar`).
 SIDECAR_SUFFIX = ".crc32c"
@@ -87,11 +86,19 @@ class ShardRecord:
     crc_index: int = -1
 
     @classmethod
-    def from_box(cls, box: Box, *, file: str, key: str, byte_offset: int, nbytes: int,
-                 crc32c: list[int]) -> "ShardRecord":
+    def from_box(
+        cls, box: Box, *, file: str, key: str, byte_offset: int, nbytes: int, crc32c: list[int]
+    ) -> "ShardRecord":
         """The record of ``box`` (global elements) stored at ``byte_offset`` of ``file``."""
-        return cls(offsets=list(box.offsets), lengths=list(box.lengths), file=file, key=key,
-                   byte_offset=byte_offset, nbytes=nbytes, crc32c=crc32c)
+        return cls(
+            offsets=list(box.offsets),
+            lengths=list(box.lengths),
+            file=file,
+            key=key,
+            byte_offset=byte_offset,
+            nbytes=nbytes,
+            crc32c=crc32c,
+        )
 
     @property
     def box(self) -> Box:
@@ -104,16 +111,28 @@ class ShardRecord:
 
     def to_json(self) -> dict[str, Any]:
         """The version-1 record (inline CRCs)."""
-        return {"offsets": self.offsets, "lengths": self.lengths, "file": self.file, "key": self.key,
-                "byte_offset": self.byte_offset, "nbytes": self.nbytes, "crc32c": self.crc32c}
+        return {
+            "offsets": self.offsets,
+            "lengths": self.lengths,
+            "file": self.file,
+            "key": self.key,
+            "byte_offset": self.byte_offset,
+            "nbytes": self.nbytes,
+            "crc32c": self.crc32c,
+        }
 
     def to_v2_json(self, itemsize: int) -> dict[str, Any]:
         """The version-2 record: the version-1 fields, with ``crc`` (the index of the
         shard's first chunk CRC in its file's sidecar) in place of ``crc32c`` when the CRCs
         live in a sidecar, and ``nbytes`` left out when it is the box's raw size (elements x
         ``itemsize`` bytes), as it always is for safetensors."""
-        out: dict[str, Any] = {"file": self.file, "key": self.key, "offsets": self.offsets,
-                               "lengths": self.lengths, "byte_offset": self.byte_offset}
+        out: dict[str, Any] = {
+            "file": self.file,
+            "key": self.key,
+            "offsets": self.offsets,
+            "lengths": self.lengths,
+            "byte_offset": self.byte_offset,
+        }
         if self.nbytes != prod(self.lengths) * itemsize:
             out["nbytes"] = self.nbytes
         if self.crc_index >= 0:
@@ -167,8 +186,9 @@ class Manifest:
     checked_files: set[str] = field(default_factory=set, repr=False, compare=False)
     #: file -> (fqn, dtype, shard) of its non-empty shards, built on first use
     #: (:func:`shardsmith.storage.manifest.file_checks.shards_in_file`); not serialized.
-    file_shards: dict[str, list[tuple[str, str, "ShardRecord"]]] | None = field(default=None, repr=False,
-                                                                                 compare=False)
+    file_shards: dict[str, list[tuple[str, str, "ShardRecord"]]] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def partial(self) -> bool:
@@ -183,15 +203,24 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         """The version-1 document (every chunk CRC inline); kept for reading tests and tools."""
         return {
-            "format": FORMAT_NAME, "version": self.version, "step": self.step,
-            "created": self.created, "tensor_format": self.tensor_format,
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "step": self.step,
+            "created": self.created,
+            "tensor_format": self.tensor_format,
             "checksum": {"algorithm": "crc32c", "chunk_nbytes": self.chunk_nbytes},
-            "layout": self.layout, "model": self.model, "config": self.config, "state": self.state,
-            "tensors": {fqn: {"shape": t.shape, "dtype": t.dtype,
-                              "shards": [s.to_json() for s in t.shards]}
-                        for fqn, t in sorted(self.tensors.items())},
-            "files": {name: {"nbytes": f.nbytes, "crc32c": f.crc32c}
-                      for name, f in sorted(self.files.items())},
+            "layout": self.layout,
+            "model": self.model,
+            "config": self.config,
+            "state": self.state,
+            "tensors": {
+                fqn: {"shape": t.shape, "dtype": t.dtype, "shards": [s.to_json() for s in t.shards]}
+                for fqn, t in sorted(self.tensors.items())
+            },
+            "files": {
+                name: {"nbytes": f.nbytes, "crc32c": f.crc32c}
+                for name, f in sorted(self.files.items())
+            },
         }
 
     @property
@@ -227,30 +256,68 @@ class ManifestBuilder:
         created: timestamp (default: now, UTC).
     """
 
-    def __init__(self, *, step: int, dims: ParallelDims, model: dict[str, Any], config: dict[str, Any],
-                 state: dict[str, Any], tensors: Mapping[str, tuple[Sequence[int], str]],
-                 chunk_nbytes: int = DEFAULT_CHUNK_NBYTES, tensor_format: str = "safetensors",
-                 created: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        step: int,
+        dims: ParallelDims,
+        model: dict[str, Any],
+        config: dict[str, Any],
+        state: dict[str, Any],
+        tensors: Mapping[str, tuple[Sequence[int], str]],
+        chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+        tensor_format: str = "safetensors",
+        created: str | None = None,
+    ) -> None:
         self.manifest = Manifest(
-            step=step, layout={**dims.to_json(), "world_size": dims.world_size}, model=model, config=config,
-            state=state, tensors={fqn: TensorRecord(shape=list(shape), dtype=dtype)
-                                  for fqn, (shape, dtype) in tensors.items()},
-            files={}, tensor_format=tensor_format, chunk_nbytes=chunk_nbytes,
-            created=now_iso() if created is None else created)
+            step=step,
+            layout={**dims.to_json(), "world_size": dims.world_size},
+            model=model,
+            config=config,
+            state=state,
+            tensors={
+                fqn: TensorRecord(shape=list(shape), dtype=dtype)
+                for fqn, (shape, dtype) in tensors.items()
+            },
+            files={},
+            tensor_format=tensor_format,
+            chunk_nbytes=chunk_nbytes,
+            created=now_iso() if created is None else created,
+        )
 
     @classmethod
-    def relayout(cls, source: Manifest, dims: ParallelDims, tensors: Mapping[str, tuple[Sequence[int], str]], *,
-                 chunk_nbytes: int, tensor_format: str = "safetensors") -> "ManifestBuilder":
+    def relayout(
+        cls,
+        source: Manifest,
+        dims: ParallelDims,
+        tensors: Mapping[str, tuple[Sequence[int], str]],
+        *,
+        chunk_nbytes: int,
+        tensor_format: str = "safetensors",
+    ) -> "ManifestBuilder":
         """A builder for ``source``'s step rewritten in layout ``dims`` (reshard, conversion):
         same model, state and config, with the config's ``parallel`` section set to ``dims``."""
         config = dict(source.config)
         if "parallel" in config:
             config["parallel"] = dims.to_json()
-        return cls(step=source.step, dims=dims, model=source.model, config=config, state=source.state,
-                   tensors=tensors, chunk_nbytes=chunk_nbytes, tensor_format=tensor_format)
+        return cls(
+            step=source.step,
+            dims=dims,
+            model=source.model,
+            config=config,
+            state=source.state,
+            tensors=tensors,
+            chunk_nbytes=chunk_nbytes,
+            tensor_format=tensor_format,
+        )
 
-    def add_file(self, name: str, record: FileRecord, shards: Mapping[str, ShardRecord] | Iterable[ShardRecord] = (),
-                 sidecar: FileRecord | None = None) -> None:
+    def add_file(
+        self,
+        name: str,
+        record: FileRecord,
+        shards: Mapping[str, ShardRecord] | Iterable[ShardRecord] = (),
+        sidecar: FileRecord | None = None,
+    ) -> None:
         """A data file and the shards it holds (``fqn -> record``, or records keyed by ``key``),
         and its chunk-CRC sidecar when the shards' CRCs are there (``crc_index >= 0``)."""
         self.manifest.files[name] = record
@@ -269,4 +336,3 @@ class ManifestBuilder:
         for t in self.manifest.tensors.values():
             t.shards.sort(key=lambda s: s.offsets)
         return self.manifest
-

@@ -21,8 +21,8 @@ from typing import Iterable, Mapping
 
 from shardsmith.errors import IntegrityError
 from shardsmith.storage.checksum import crc32c, require_full_read
-from shardsmith.storage.store.fs import Store
 from shardsmith.storage.manifest.records import FileRecord, ShardRecord, sidecar_name
+from shardsmith.storage.store.fs import Store
 
 #: Bytes of one chunk CRC in a sidecar.
 CRC_NBYTES = 4
@@ -51,7 +51,9 @@ def decode_crcs(data: bytes) -> list[int]:
     return out.tolist()
 
 
-def write_sidecar(store: Store, data_file: str, shards: Mapping[str, ShardRecord] | Iterable[ShardRecord]) -> FileRecord:
+def write_sidecar(
+    store: Store, data_file: str, shards: Mapping[str, ShardRecord] | Iterable[ShardRecord]
+) -> FileRecord:
     """Write the sidecar of ``data_file`` from its shards' chunk CRCs and set each shard's
     ``crc_index`` (its CRCs are then read from the sidecar, not the manifest). Called by the
     rank that wrote ``data_file``, right after it; atomic like every store write.
@@ -87,7 +89,9 @@ def _runs(wanted: list[ShardRecord], chunk_nbytes: int) -> list[tuple[int, int, 
     return runs
 
 
-def load_chunk_crcs(store: Store, chunk_nbytes: int, shards: Iterable[ShardRecord], source: str = "") -> int:
+def load_chunk_crcs(
+    store: Store, chunk_nbytes: int, shards: Iterable[ShardRecord], source: str = ""
+) -> int:
     """Fetch the chunk CRCs (``chunk_nbytes`` chunks) of ``shards`` from their sidecars (those
     whose CRCs are not in memory yet; version-1 shards carry them inline) into each record's
     ``crc32c``.
@@ -105,8 +109,11 @@ def load_chunk_crcs(store: Store, chunk_nbytes: int, shards: Iterable[ShardRecor
     for s in shards:
         if s.crc_index >= 0 and not s.crc32c and s.nbytes:
             by_sidecar.setdefault(sidecar_name(s.file), {})[id(s)] = s
-    jobs = [(name, run) for name, found in sorted(by_sidecar.items())
-            for run in _runs(list(found.values()), chunk_nbytes)]
+    jobs = [
+        (name, run)
+        for name, found in sorted(by_sidecar.items())
+        for run in _runs(list(found.values()), chunk_nbytes)
+    ]
     if not jobs:
         return 0
 
@@ -116,15 +123,19 @@ def load_chunk_crcs(store: Store, chunk_nbytes: int, shards: Iterable[ShardRecor
         try:
             data = store.read_range(name, start, end)
         except FileNotFoundError as exc:
-            raise IntegrityError(f"{url}: missing, but the manifest lists it; the checkpoint is incomplete — "
-                                 "resume from another step (`shardsmith ls`) or restore the file") from exc
+            raise IntegrityError(
+                f"{url}: missing, but the manifest lists it; the checkpoint is incomplete — "
+                "resume from another step (`shardsmith ls`) or restore the file"
+            ) from exc
         require_full_read(len(data), end - start, start, url)
         for s in members:
             lo = s.crc_index * CRC_NBYTES - start
-            s.crc32c = decode_crcs(data[lo:lo + s.num_chunks(chunk_nbytes) * CRC_NBYTES])
+            s.crc32c = decode_crcs(data[lo : lo + s.num_chunks(chunk_nbytes) * CRC_NBYTES])
         return len(data)
 
     if len(jobs) == 1:
         return one(jobs[0])
-    with ThreadPoolExecutor(min(_READ_WORKERS, len(jobs)), thread_name_prefix="shardsmith-crc") as pool:
+    with ThreadPoolExecutor(
+        min(_READ_WORKERS, len(jobs)), thread_name_prefix="shardsmith-crc"
+    ) as pool:
         return sum(pool.map(one, jobs))

@@ -47,19 +47,49 @@ from math import prod
 from typing import Any, Callable, Collection
 
 from shardsmith.layout import DTYPE_NBYTES
-from shardsmith.storage.manifest.records import FORMAT_NAME, FORMAT_TRAITS, FileRecord, Manifest, ShardRecord, TensorRecord
-from shardsmith.storage.manifest.checks import (Problems, check_bytes, check_coverage, check_files_disjoint,
-                                                check_sidecars, check_type, err, fields, int_list, int_ok, ints_ok,
-                                                load_json, parse_header, parse_tensor, relpath_ok, safe_relpath,
-                                                to_int, to_str)
-from shardsmith.storage.manifest.grid import (check_cell_nbytes, encode_entry, grid_bounds, parse_grid,
-                                              parse_gridded_entry)
+from shardsmith.storage.manifest.checks import (
+    Problems,
+    check_bytes,
+    check_coverage,
+    check_files_disjoint,
+    check_sidecars,
+    check_type,
+    err,
+    fields,
+    int_list,
+    int_ok,
+    ints_ok,
+    load_json,
+    parse_header,
+    parse_tensor,
+    relpath_ok,
+    safe_relpath,
+    to_int,
+    to_str,
+)
+from shardsmith.storage.manifest.grid import (
+    check_cell_nbytes,
+    encode_entry,
+    grid_bounds,
+    parse_grid,
+    parse_gridded_entry,
+)
+from shardsmith.storage.manifest.records import (
+    FORMAT_NAME,
+    FORMAT_TRAITS,
+    FileRecord,
+    Manifest,
+    ShardRecord,
+    TensorRecord,
+)
 
 #: The version written: 3 (version 2 plus the shard grids of :mod:`shardsmith.storage.manifest.grid`).
 VERSION = 3
 #: Versions laid out as head + body (both read).
 INDEXED_VERSIONS = (2, 3)
-PREFIXES = {v: f'{{"format":"{FORMAT_NAME}","version":{v},"head_nbytes":'.encode() for v in INDEXED_VERSIONS}
+PREFIXES = {
+    v: f'{{"format":"{FORMAT_NAME}","version":{v},"head_nbytes":'.encode() for v in INDEXED_VERSIONS
+}
 PREFIX = PREFIXES[VERSION]
 _WIDTH = 16
 #: Bytes that say how long the head is (the prefix, the fixed-width number and a comma).
@@ -72,7 +102,7 @@ GRIDS_START = b'},"grids":{'
 
 def indexed_version(raw: bytes) -> int:
     """2 or 3 when ``raw`` begins like a head + body manifest of that version, else 0."""
-    return next((v for v, p in PREFIXES.items() if raw[:len(p)] == p), 0)
+    return next((v for v, p in PREFIXES.items() if raw[: len(p)] == p), 0)
 
 
 def natural_key(fqn: str) -> list[Any]:
@@ -88,8 +118,11 @@ def encode(manifest: Manifest) -> bytes:
         t = manifest.tensors[fqn]
         bounds = grid_bounds(t.shape, t.shards)
         if bounds is None:
-            value = {"shape": t.shape, "dtype": t.dtype,
-                     "shards": [s.to_v2_json(DTYPE_NBYTES[t.dtype]) for s in t.shards]}
+            value = {
+                "shape": t.shape,
+                "dtype": t.dtype,
+                "shards": [s.to_v2_json(DTYPE_NBYTES[t.dtype]) for s in t.shards],
+            }
             entry = (json.dumps(fqn) + ":" + json.dumps(value, separators=(",", ":"))).encode()
         else:
             entry, grid = encode_entry(fqn, t, bounds)
@@ -101,11 +134,23 @@ def encode(manifest: Manifest) -> bytes:
     for fqn, grid in grids:
         index[fqn] += [pos, pos + len(grid)]
         pos += len(grid) + 1
-    readable = {"step": manifest.step, "created": manifest.created, "tensor_format": manifest.tensor_format,
-                "checksum": {"algorithm": "crc32c", "chunk_nbytes": manifest.chunk_nbytes},
-                "layout": manifest.layout, "model": manifest.model, "config": manifest.config, "state": manifest.state}
-    compact = {"files": [[n, manifest.files[n].nbytes, manifest.files[n].crc32c] for n in names], "index": index}
-    tail = (json.dumps(readable)[1:-1] + "," + json.dumps(compact, separators=(",", ":"))[1:-1]).encode() + _HEAD_END
+    readable = {
+        "step": manifest.step,
+        "created": manifest.created,
+        "tensor_format": manifest.tensor_format,
+        "checksum": {"algorithm": "crc32c", "chunk_nbytes": manifest.chunk_nbytes},
+        "layout": manifest.layout,
+        "model": manifest.model,
+        "config": manifest.config,
+        "state": manifest.state,
+    }
+    compact = {
+        "files": [[n, manifest.files[n].nbytes, manifest.files[n].crc32c] for n in names],
+        "index": index,
+    }
+    tail = (
+        json.dumps(readable)[1:-1] + "," + json.dumps(compact, separators=(",", ":"))[1:-1]
+    ).encode() + _HEAD_END
     head_nbytes = PREFIX_NBYTES + len(tail)
     head = PREFIX + f"{head_nbytes:>{_WIDTH}},".encode() + tail
     return head + b",".join(entries) + GRIDS_START + b",".join(g for _, g in grids) + _BODY_END
@@ -121,9 +166,13 @@ def dumps_manifest(manifest: Manifest) -> bytes:
 
 def head_nbytes_of(prefix: bytes, source: str) -> int:
     """The head's length from the first :data:`PREFIX_NBYTES` bytes of a version-2 or -3 manifest."""
-    field = prefix[len(PREFIX):PREFIX_NBYTES - 1]
-    if not indexed_version(prefix) or len(prefix) < PREFIX_NBYTES or prefix[PREFIX_NBYTES - 1:PREFIX_NBYTES] != b"," \
-            or not field.strip().isdigit():
+    field = prefix[len(PREFIX) : PREFIX_NBYTES - 1]
+    if (
+        not indexed_version(prefix)
+        or len(prefix) < PREFIX_NBYTES
+        or prefix[PREFIX_NBYTES - 1 : PREFIX_NBYTES] != b","
+        or not field.strip().isdigit()
+    ):
         raise err("head_nbytes", "the document does not begin with a version-2 head", source)
     return to_int(int(field), "head_nbytes", source, min_value=PREFIX_NBYTES + len(_HEAD_END))
 
@@ -144,10 +193,20 @@ class Head:
     def manifest(self, tensors: dict[str, TensorRecord], *, partial: bool) -> Manifest:
         """A :class:`Manifest` of this head and ``tensors`` (a partial one knows every FQN)."""
         d = self.data
-        return Manifest(step=d["step"], layout=d["layout"], model=d["model"], config=d["config"], state=d["state"],
-                        tensors=tensors, files=self.files, tensor_format=d["tensor_format"],
-                        chunk_nbytes=self.chunk_nbytes, created=str(d.get("created", "")), version=self.version,
-                        all_tensors=tuple(self.index) if partial else None)
+        return Manifest(
+            step=d["step"],
+            layout=d["layout"],
+            model=d["model"],
+            config=d["config"],
+            state=d["state"],
+            tensors=tensors,
+            files=self.files,
+            tensor_format=d["tensor_format"],
+            chunk_nbytes=self.chunk_nbytes,
+            created=str(d.get("created", "")),
+            version=self.version,
+            all_tensors=tuple(self.index) if partial else None,
+        )
 
 
 def _parse_files(data: Any, source: str) -> tuple[list[str], dict[str, FileRecord]]:
@@ -160,8 +219,10 @@ def _parse_files(data: Any, source: str) -> tuple[list[str], dict[str, FileRecor
         if name in files:
             raise err(where, f"{name!r:.80} is listed twice", source)
         names.append(name)
-        files[name] = FileRecord(nbytes=to_int(f[1], where + ".nbytes", source),
-                                 crc32c=to_int(f[2], where + ".crc32c", source, max_value=2**32 - 1))
+        files[name] = FileRecord(
+            nbytes=to_int(f[1], where + ".nbytes", source),
+            crc32c=to_int(f[2], where + ".crc32c", source, max_value=2**32 - 1),
+        )
     return names, files
 
 
@@ -175,15 +236,30 @@ def _parse_index(data: Any, version: int, source: str) -> dict[str, tuple[int, .
         if not fqn:
             raise err(where, "empty tensor name", source)
         if not isinstance(span, list) or len(span) not in ((2, 4) if version >= 3 else (2,)):
-            raise err(where, f"expected a byte range [start, end){' (and its grid entry)' if version >= 3 else ''}, "
-                      f"got {span!r:.60}", source)
-        pairs = [(to_int(span[k], where, source), to_int(span[k + 1], where, source)) for k in range(0, len(span), 2)]
+            raise err(
+                where,
+                f"expected a byte range [start, end){' (and its grid entry)' if version >= 3 else ''}, "
+                f"got {span!r:.60}",
+                source,
+            )
+        pairs = [
+            (to_int(span[k], where, source), to_int(span[k + 1], where, source))
+            for k in range(0, len(span), 2)
+        ]
         for k, (start, end) in enumerate(pairs):
             if end <= start:
-                raise err(where, f"expected a byte range [start, end) with start < end, got {span!r:.60}", source)
+                raise err(
+                    where,
+                    f"expected a byte range [start, end) with start < end, got {span!r:.60}",
+                    source,
+                )
             if start <= last[k]:
-                raise err(where, f"bytes [{start}, {end}) overlap or precede the previous tensor's (ending "
-                          f"at {last[k]})", source)
+                raise err(
+                    where,
+                    f"bytes [{start}, {end}) overlap or precede the previous tensor's (ending "
+                    f"at {last[k]})",
+                    source,
+                )
             last[k] = end
         index[fqn] = tuple(span)
     return index
@@ -199,37 +275,58 @@ def parse_head(raw: bytes, source: str) -> Head:
     """
     nbytes = head_nbytes_of(raw[:PREFIX_NBYTES], source)
     if len(raw) != nbytes or not raw.endswith(_HEAD_END):
-        raise err("head_nbytes", f"{nbytes} bytes of head, but the head read has {len(raw)} bytes or does not "
-                  "end where the tensors begin", source)
-    data = load_json(raw[:-len(_HEAD_END)] + b"}", source)
-    version, chunk = parse_header(data, source, INDEXED_VERSIONS, (("files", list), ("index", dict)))
+        raise err(
+            "head_nbytes",
+            f"{nbytes} bytes of head, but the head read has {len(raw)} bytes or does not "
+            "end where the tensors begin",
+            source,
+        )
+    data = load_json(raw[: -len(_HEAD_END)] + b"}", source)
+    version, chunk = parse_header(
+        data, source, INDEXED_VERSIONS, (("files", list), ("index", dict))
+    )
     names, files = _parse_files(data["files"], source)
-    return Head(nbytes, data, chunk, files, names, _parse_index(data["index"], version, source), version)
+    return Head(
+        nbytes, data, chunk, files, names, _parse_index(data["index"], version, source), version
+    )
 
 
 _SHARD_FIELDS = ("file", "key", "offsets", "lengths", "byte_offset")
 
 
-def _parse_shard(data: Any, fqn: str, itemsize: int, head: Head, where: str, source: str) -> ShardRecord:
+def _parse_shard(
+    data: Any, fqn: str, itemsize: int, head: Head, where: str, source: str
+) -> ShardRecord:
     """A named record; a missing ``nbytes`` is the box's raw size (elements x ``itemsize``)."""
     if isinstance(data, list):
         return _parse_positional_shard(data, fqn, head, where, source)
     record = _valid_shard(data, itemsize)
     if record is not None:
         return record
-    fields(data, _SHARD_FIELDS, where, source)        # not valid: find the field to name
+    fields(data, _SHARD_FIELDS, where, source)  # not valid: find the field to name
     if ("crc" in data) == ("crc32c" in data):
-        raise err(where, "expected exactly one of crc (index into the sidecar) and crc32c (inline CRC list)", source)
+        raise err(
+            where,
+            "expected exactly one of crc (index into the sidecar) and crc32c (inline CRC list)",
+            source,
+        )
     file = safe_relpath(data["file"], where + ".file", source)
     inline = "crc32c" in data
     lengths = int_list(data["lengths"], where + ".lengths", source)
     return ShardRecord(
-        offsets=int_list(data["offsets"], where + ".offsets", source), lengths=lengths,
-        file=file, key=to_str(data["key"], where + ".key", source),
+        offsets=int_list(data["offsets"], where + ".offsets", source),
+        lengths=lengths,
+        file=file,
+        key=to_str(data["key"], where + ".key", source),
         byte_offset=to_int(data["byte_offset"], where + ".byte_offset", source),
-        nbytes=to_int(data["nbytes"], where + ".nbytes", source) if "nbytes" in data else prod(lengths) * itemsize,
-        crc32c=int_list(data["crc32c"], where + ".crc32c", source, max_value=2**32 - 1) if inline else [],
-        crc_index=-1 if inline else to_int(data["crc"], where + ".crc", source))
+        nbytes=to_int(data["nbytes"], where + ".nbytes", source)
+        if "nbytes" in data
+        else prod(lengths) * itemsize,
+        crc32c=int_list(data["crc32c"], where + ".crc32c", source, max_value=2**32 - 1)
+        if inline
+        else [],
+        crc_index=-1 if inline else to_int(data["crc"], where + ".crc", source),
+    )
 
 
 def _valid_shard(data: Any, itemsize: int) -> ShardRecord | None:
@@ -243,32 +340,58 @@ def _valid_shard(data: Any, itemsize: int) -> ShardRecord | None:
     file, key, byte_offset = data.get("file"), data.get("key"), data.get("byte_offset")
     offsets, crcs, crc = data.get("offsets"), data.get("crc32c"), data.get("crc")
     inline = "crc32c" in data
-    if not (inline != ("crc" in data) and type(file) is str and file and relpath_ok(file)
-            and type(key) is str and key and ints_ok(offsets) and ints_ok(lengths) and int_ok(byte_offset)
-            and (ints_ok(crcs, 2**32 - 1) if inline else int_ok(crc))):
+    if not (
+        inline != ("crc" in data)
+        and type(file) is str
+        and file
+        and relpath_ok(file)
+        and type(key) is str
+        and key
+        and ints_ok(offsets)
+        and ints_ok(lengths)
+        and int_ok(byte_offset)
+        and (ints_ok(crcs, 2**32 - 1) if inline else int_ok(crc))
+    ):
         return None
     nbytes = data["nbytes"] if "nbytes" in data else prod(lengths) * itemsize
     if not int_ok(nbytes):
         return None
-    return ShardRecord(offsets=offsets, lengths=lengths, file=file, key=key, byte_offset=byte_offset, nbytes=nbytes,
-                       crc32c=crcs if inline else [], crc_index=-1 if inline else crc)
+    return ShardRecord(
+        offsets=offsets,
+        lengths=lengths,
+        file=file,
+        key=key,
+        byte_offset=byte_offset,
+        nbytes=nbytes,
+        crc32c=crcs if inline else [],
+        crc_index=-1 if inline else crc,
+    )
 
 
-def _parse_positional_shard(data: list[Any], fqn: str, head: Head, where: str, source: str) -> ShardRecord:
+def _parse_positional_shard(
+    data: list[Any], fqn: str, head: Head, where: str, source: str
+) -> ShardRecord:
     """A record of the first version-2 writers: ``[file index, byte_offset, nbytes, crcs,
     offsets, lengths(, key)]``."""
     if len(data) not in (6, 7):
-        raise err(where, f"expected [file, byte_offset, nbytes, crcs, offsets, lengths(, key)], got {data!r:.80}",
-                  source)
+        raise err(
+            where,
+            f"expected [file, byte_offset, nbytes, crcs, offsets, lengths(, key)], got {data!r:.80}",
+            source,
+        )
     f = to_int(data[0], where + "[0]", source, max_value=len(head.file_names) - 1)
     crcs = data[3]
     inline = isinstance(crcs, list)
     return ShardRecord(
-        offsets=int_list(data[4], where + ".offsets", source), lengths=int_list(data[5], where + ".lengths", source),
-        file=head.file_names[f], key=to_str(data[6], where + ".key", source) if len(data) == 7 else fqn,
-        byte_offset=to_int(data[1], where + ".byte_offset", source), nbytes=to_int(data[2], where + ".nbytes", source),
+        offsets=int_list(data[4], where + ".offsets", source),
+        lengths=int_list(data[5], where + ".lengths", source),
+        file=head.file_names[f],
+        key=to_str(data[6], where + ".key", source) if len(data) == 7 else fqn,
+        byte_offset=to_int(data[1], where + ".byte_offset", source),
+        nbytes=to_int(data[2], where + ".nbytes", source),
         crc32c=int_list(crcs, where + ".crc32c", source, max_value=2**32 - 1) if inline else [],
-        crc_index=-1 if inline else to_int(crcs, where + ".crc32c", source))
+        crc_index=-1 if inline else to_int(crcs, where + ".crc32c", source),
+    )
 
 
 def parse_entry(raw: bytes, fqn: str, head: Head, source: str) -> TensorRecord:
@@ -276,17 +399,28 @@ def parse_entry(raw: bytes, fqn: str, head: Head, source: str) -> TensorRecord:
     where = f"tensors[{fqn!r:.120}]"
     data = load_json(b"{" + raw + b"}", source)
     if list(data) != [fqn]:
-        raise err(f"index[{fqn!r:.120}]", f"points at the entry of {list(data)[:1]!r:.120}, not of this tensor",
-                  source)
+        raise err(
+            f"index[{fqn!r:.120}]",
+            f"points at the entry of {list(data)[:1]!r:.120}, not of this tensor",
+            source,
+        )
     t = check_type(data[fqn], dict, where, source)
     if sorted(t) != ["dtype", "shape", "shards"]:
         raise err(where, f"expected fields shape, dtype, shards; got {sorted(t)!r:.80}", source)
     itemsize = DTYPE_NBYTES.get(t["dtype"], 0) if isinstance(t.get("dtype"), str) else 0
-    return parse_tensor(fqn, t, source, lambda d, w: _parse_shard(d, fqn, itemsize, head, w, source))
+    return parse_tensor(
+        fqn, t, source, lambda d, w: _parse_shard(d, fqn, itemsize, head, w, source)
+    )
 
 
-def check_tensors(head: Head, tensors: dict[str, TensorRecord], source: str, *, whole: bool,
-                  partial: Collection[str] = ()) -> None:
+def check_tensors(
+    head: Head,
+    tensors: dict[str, TensorRecord],
+    source: str,
+    *,
+    whole: bool,
+    partial: Collection[str] = (),
+) -> None:
     """Consistency of the tensors read (all of them with ``whole``): coverage, byte ranges
     inside listed files, checksum counts and sidecar ranges, no two shards sharing bytes.
     Tensors in ``partial`` hold only the grid cells a reader asked for (their boxes were
@@ -321,18 +455,24 @@ def check_files(head: Head, tensors: dict[str, TensorRecord], source: str) -> No
     problems.raise_if_any()
 
 
-def parse_tensor_at(body: Any, fqn: str, span: tuple[int, ...], head: Head, source: str) -> TensorRecord:
+def parse_tensor_at(
+    body: Any, fqn: str, span: tuple[int, ...], head: Head, source: str
+) -> TensorRecord:
     """The tensor whose index entry is ``span``, from ``body`` (the document's BODY, or any
     object whose slices at ``span``'s ranges are those bytes): a gridded entry (version 3)
     block by block against its grid, any other whole."""
-    entry = bytes(body[span[0]:span[1]])
+    entry = bytes(body[span[0] : span[1]])
     if len(span) == 2:
         return parse_entry(entry, fqn, head, source)
-    grid = parse_grid(bytes(body[span[2]:span[3]]), fqn, span[1] - span[0], source)
-    return parse_gridded_entry(entry, fqn, grid, shard_parser(fqn, grid.dtype, head, source), source)
+    grid = parse_grid(bytes(body[span[2] : span[3]]), fqn, span[1] - span[0], source)
+    return parse_gridded_entry(
+        entry, fqn, grid, shard_parser(fqn, grid.dtype, head, source), source
+    )
 
 
-def shard_parser(fqn: str, dtype: str, head: Head, source: str) -> Callable[[Any, str], ShardRecord]:
+def shard_parser(
+    fqn: str, dtype: str, head: Head, source: str
+) -> Callable[[Any, str], ShardRecord]:
     """``parse_shard(data, where)`` for the records of tensor ``fqn`` of ``dtype``."""
     itemsize = DTYPE_NBYTES.get(dtype, 0)
     return lambda d, w: _parse_shard(d, fqn, itemsize, head, w, source)
@@ -357,30 +497,43 @@ def parse_whole(raw: bytes, source: str) -> Manifest:
     one block by block, as a partial reader reads it), and that the index ranges tile the
     body exactly (so the document is the one JSON object a partial reader sees). Linear in
     the document's size."""
-    head = parse_head(raw[:head_nbytes_of(raw[:PREFIX_NBYTES], source)], source)
-    body = memoryview(raw)[head.nbytes:]
+    head = parse_head(raw[: head_nbytes_of(raw[:PREFIX_NBYTES], source)], source)
+    body = memoryview(raw)[head.nbytes :]
     pos, tensors = 0, {}
     for n, (fqn, span) in enumerate(head.index.items()):
         start, end = span[0], span[1]
         if start != pos or end > len(body) - len(_BODY_END):
-            raise err(f"index[{fqn!r:.120}]", f"bytes [{start}, {end}) of the tensors: expected an entry starting "
-                      f"at {pos} inside the document; the index does not tile the tensors", source)
+            raise err(
+                f"index[{fqn!r:.120}]",
+                f"bytes [{start}, {end}) of the tensors: expected an entry starting "
+                f"at {pos} inside the document; the index does not tile the tensors",
+                source,
+            )
         tensors[fqn] = parse_tensor_at(body, fqn, span, head, source)
-        if n + 1 < len(head.index) and body[end:end + 1] != b",":
+        if n + 1 < len(head.index) and body[end : end + 1] != b",":
             raise err(f"index[{fqn!r:.120}]", "the tensor's entry is not followed by ','", source)
         pos = end + 1
     tensors_end = max(pos - 1, 0)
     problem = grids_tiling_problem(head, tensors_end)
     if head.version >= 3 and not problem:
         gridded = [span for span in head.index.values() if len(span) == 4]
-        seps = [bytes(body[s[3]:s[3] + 1]) for s in gridded[:-1]]
+        seps = [bytes(body[s[3] : s[3] + 1]) for s in gridded[:-1]]
         tail = gridded[-1][3] if gridded else tensors_end + len(GRIDS_START)
-        if bytes(body[tensors_end:tensors_end + len(GRIDS_START)]) != GRIDS_START or any(c != b"," for c in seps):
-            problem = ("expected '},\"grids\":{' right after the last indexed tensor (every tensor must be in "
-                       "the index) and ',' between grid entries")
+        if bytes(body[tensors_end : tensors_end + len(GRIDS_START)]) != GRIDS_START or any(
+            c != b"," for c in seps
+        ):
+            problem = (
+                "expected '},\"grids\":{' right after the last indexed tensor (every tensor must be in "
+                "the index) and ',' between grid entries"
+            )
         tensors_end = tail
     if problem or bytes(body[tensors_end:]) != _BODY_END:
-        raise err("tensors", problem or "the document does not end right after the last indexed tensor (or grid): "
-                  "every tensor must be in the index", source)
+        raise err(
+            "tensors",
+            problem
+            or "the document does not end right after the last indexed tensor (or grid): "
+            "every tensor must be in the index",
+            source,
+        )
     check_tensors(head, tensors, source, whole=True)
     return head.manifest(tensors, partial=False)

@@ -3,4 +3,5 @@
 
 from .execute import ReadStats as ReadStats
 from .ranges import planned_read_nbytes as planned_read_nbytes
-from .spans import chunk_span as chunk_span, intersections as intersections
+from .spans import chunk_span as chunk_span
+from .spans import intersections as intersections

@@ -17,16 +17,15 @@ from typing import Sequence
 import torch
 
 from shardsmith.errors import IntegrityError
-from shardsmith.layout import Box, row_major_strides
-from shardsmith.layout import DTYPE_NBYTES
+from shardsmith.layout import DTYPE_NBYTES, Box, row_major_strides
 from shardsmith.storage.checksum import require_full_read, verify_chunks
-from shardsmith.storage.store.fs import Store
-from shardsmith.storage.manifest.records import Manifest
-from shardsmith.storage.reading.ranges import ReadPart, ScratchPiece, coalesce, plan_piece
-from shardsmith.storage.reading.spans import intersections
 from shardsmith.storage.formats.tensor_files import TORCH_DTYPES
 from shardsmith.storage.manifest.file_checks import check_file_once
+from shardsmith.storage.manifest.records import Manifest
 from shardsmith.storage.manifest.sidecar import load_chunk_crcs
+from shardsmith.storage.reading.ranges import ReadPart, ScratchPiece, coalesce, plan_piece
+from shardsmith.storage.reading.spans import intersections
+from shardsmith.storage.store.fs import Store
 
 # How many reads run at once, whether reads of one file may overlap and how much scratch a
 # call holds all come from the store's capabilities
@@ -49,19 +48,23 @@ class ReadStats:
 def _fill_from_scratch(piece: ScratchPiece) -> None:
     """Copy a verified scratch piece into its place in ``out``."""
     dtype = piece.out.dtype
-    raw = piece.scratch[piece.first:piece.last]
+    raw = piece.scratch[piece.first : piece.last]
     if piece.first % torch.empty((), dtype=dtype).element_size():
-        raw = raw.clone()                                     # realign (odd chunk sizes only)
+        raw = raw.clone()  # realign (odd chunk sizes only)
     elems = raw.view(dtype)
     # elems covers the saved box's row-major storage from the intersection's first element:
     # view it through the saved box's strides.
-    src = elems.as_strided(piece.common.lengths, row_major_strides(piece.saved.lengths)) if piece.common.lengths \
+    src = (
+        elems.as_strided(piece.common.lengths, row_major_strides(piece.saved.lengths))
+        if piece.common.lengths
         else elems.view(())
+    )
     piece.out[piece.common.relative_to(piece.box)] = src
 
 
 def _run_reads(store: Store, parts: list[ReadPart], chunk: int, source: str) -> int:
     """Read and verify all parts, concurrently; returns bytes read."""
+
     def one(read: list[ReadPart]) -> int:
         start, end = read[0].start, read[-1].end
         url = f"{source}/{read[0].shard.file}"
@@ -75,8 +78,10 @@ def _run_reads(store: Store, parts: list[ReadPart], chunk: int, source: str) -> 
     caps = store.capabilities
     if caps.concurrent_reads_per_file:
         tasks = [[r] for r in reads]
-    else:                       # one task per file, its reads in file order
-        tasks = [list(g) for _, g in groupby(reads, key=lambda r: r[0].shard.file)]   # coalesce sorts by file
+    else:  # one task per file, its reads in file order
+        tasks = [
+            list(g) for _, g in groupby(reads, key=lambda r: r[0].shard.file)
+        ]  # coalesce sorts by file
     if len(tasks) <= 1:
         return sum(one(r) for t in tasks for r in t)
     with ThreadPoolExecutor(min(caps.read_workers, len(tasks))) as pool:
@@ -93,8 +98,10 @@ def destination(fqn: str, box: Box, dtype_name: str, out: torch.Tensor | None) -
     if out is None:
         return torch.empty(box.lengths, dtype=dtype)
     if tuple(out.shape) != box.lengths or out.dtype != dtype:
-        raise ValueError(f"read_box({fqn!r}): destination is {out.dtype} {tuple(out.shape)}, the box "
-                         f"needs {dtype} {box.lengths}")
+        raise ValueError(
+            f"read_box({fqn!r}): destination is {out.dtype} {tuple(out.shape)}, the box "
+            f"needs {dtype} {box.lengths}"
+        )
     return out
 
 
@@ -109,7 +116,7 @@ class _Batch:
     parts: list[ReadPart] = field(default_factory=list)
     pieces: list[ScratchPiece] = field(default_factory=list)
     scratch_nbytes: int = 0
-    free: list[torch.Tensor] = field(default_factory=list)      # scratch of flushed pieces
+    free: list[torch.Tensor] = field(default_factory=list)  # scratch of flushed pieces
 
     @property
     def scratch_limit(self) -> int:
@@ -138,7 +145,7 @@ class _Batch:
         for piece in self.pieces:
             _fill_from_scratch(piece)
         kept = sum(b.numel() for b in self.free)
-        for piece in self.pieces:                                 # reused by the next pieces
+        for piece in self.pieces:  # reused by the next pieces
             whole = piece.scratch if piece.scratch._base is None else piece.scratch._base
             if kept + whole.numel() <= self.scratch_limit:
                 self.free.append(whole)
@@ -148,8 +155,13 @@ class _Batch:
         self.parts, self.pieces, self.scratch_nbytes = [], [], 0
 
 
-def read_safetensors_boxes(store: Store, manifest: Manifest, requests: Sequence[tuple[str, Box, torch.Tensor | None]],
-                           stats: ReadStats | None = None, source: str = "") -> list[torch.Tensor]:
+def read_safetensors_boxes(
+    store: Store,
+    manifest: Manifest,
+    requests: Sequence[tuple[str, Box, torch.Tensor | None]],
+    stats: ReadStats | None = None,
+    source: str = "",
+) -> list[torch.Tensor]:
     """Assemble several boxes of logical tensors from a safetensors checkpoint's shards in one go.
 
     For every (request, saved shard) intersection only the checksum chunks holding needed
@@ -185,16 +197,22 @@ def read_safetensors_boxes(store: Store, manifest: Manifest, requests: Sequence[
         itemsize = DTYPE_NBYTES[rec.dtype]
         out = destination(fqn, box, rec.dtype, out)
         outs.append(out)
-        out = out.detach()                                    # same memory; writable under autograd
+        out = out.detach()  # same memory; writable under autograd
         filled = 0
         for shard, saved, common in intersections(rec, box):
-            check_file_once(store, manifest, shard.file, source)   # size + header, once per file
-            batch.add(*plan_piece(shard, saved, common, box, out, itemsize, manifest.chunk_nbytes, batch.scratch))
+            check_file_once(store, manifest, shard.file, source)  # size + header, once per file
+            batch.add(
+                *plan_piece(
+                    shard, saved, common, box, out, itemsize, manifest.chunk_nbytes, batch.scratch
+                )
+            )
             filled += common.numel
             if stats is not None:
                 stats.nbytes_needed += common.numel * itemsize
         if filled != box.numel:
-            raise IntegrityError(f"{source}: saved shards of {fqn!r} cover {filled} of the "
-                                 f"{box.numel} elements of box {box}")
+            raise IntegrityError(
+                f"{source}: saved shards of {fqn!r} cover {filled} of the "
+                f"{box.numel} elements of box {box}"
+            )
     batch.flush()
     return outs

@@ -19,11 +19,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from shardsmith.layout import Box, row_major_span, row_major_strides
-from shardsmith.layout import DTYPE_NBYTES
+from shardsmith.layout import DTYPE_NBYTES, Box, row_major_span, row_major_strides
+from shardsmith.storage.formats.tensor_files import byte_view
 from shardsmith.storage.manifest.records import ShardRecord, TensorRecord
 from shardsmith.storage.reading.spans import chunk_span, intersections
-from shardsmith.storage.formats.tensor_files import byte_view
 
 #: Ranges of one file that touch are merged into one request up to this many bytes.
 MAX_MERGED_READ_NBYTES = 32 * 2**20
@@ -66,7 +65,9 @@ class ScratchPiece:
     last: int
 
 
-def _chunk_groups(saved: Box, common: Box, itemsize: int, chunk: int, a: int, b: int) -> list[tuple[int, int]]:
+def _chunk_groups(
+    saved: Box, common: Box, itemsize: int, chunk: int, a: int, b: int
+) -> list[tuple[int, int]]:
     """Runs ``[c0, c1)`` of consecutive checksum chunks of ``saved`` holding bytes of ``common``.
 
     ``[a, b)`` is the byte span of ``common`` in the saved shard. When the gaps between the
@@ -79,14 +80,14 @@ def _chunk_groups(saved: Box, common: Box, itemsize: int, chunk: int, a: int, b:
     while j > 0 and common.lengths[j] == saved.lengths[j]:
         j -= 1
     if j == 0:
-        return whole                                          # contiguous in the shard
-    run = common.lengths[j] * strides[j] * itemsize           # bytes of one row segment
+        return whole  # contiguous in the shard
+    run = common.lengths[j] * strides[j] * itemsize  # bytes of one row segment
     if strides[j - 1] * itemsize - run < chunk or prod(common.lengths[:j]) > _MAX_RUNS:
-        return whole                                          # every chunk of the span is touched
+        return whole  # every chunk of the span is touched
     rel = [c - s for c, s in zip(common.offsets, saved.offsets)]
-    begin = run_starts(rel, strides, common.lengths, j) * itemsize       # increasing
+    begin = run_starts(rel, strides, common.lengths, j) * itemsize  # increasing
     c0, c1 = begin // chunk, -(-(begin + run) // chunk)
-    cuts = np.flatnonzero(c0[1:] > c1[:-1]) + 1                         # a row past the group so far
+    cuts = np.flatnonzero(c0[1:] > c1[:-1]) + 1  # a row past the group so far
     heads, tails = np.concatenate(([0], cuts)), np.concatenate((cuts - 1, [len(c0) - 1]))
     return list(zip(c0[heads].tolist(), c1[tails].tolist()))
 
@@ -102,7 +103,9 @@ def run_starts(rel: list[int], strides: list[int], lengths: tuple[int, ...], j: 
     return starts
 
 
-def _scatter_views(box: Box, common: Box, out: torch.Tensor, itemsize: int) -> list[memoryview] | None:
+def _scatter_views(
+    box: Box, common: Box, out: torch.Tensor, itemsize: int
+) -> list[memoryview] | None:
     """The bytes of ``out`` (contiguous, holding ``box``) that hold ``common``, as runs in
     row-major order (one run when ``common`` is contiguous in ``out``, else one per row
     segment, e.g. a TP column slice); ``None`` when the runs are too many or too short to
@@ -114,22 +117,32 @@ def _scatter_views(box: Box, common: Box, out: torch.Tensor, itemsize: int) -> l
     j = len(box.lengths) - 1
     while j > 0 and common.lengths[j] == box.lengths[j]:
         j -= 1
-    run = common.lengths[j] * strides[j]                      # elements per run
+    run = common.lengths[j] * strides[j]  # elements per run
     count = prod(common.lengths[:j])
     if count > 1 and (count > _MAX_SCATTER_RUNS or run * itemsize < _MIN_SCATTER_NBYTES):
         return None
     rel = [c - o for c, o in zip(common.offsets, box.offsets)]
     nbytes = run * itemsize
-    return [view[s:s + nbytes] for s in (run_starts(rel, strides, common.lengths, j) * itemsize).tolist()]
+    return [
+        view[s : s + nbytes]
+        for s in (run_starts(rel, strides, common.lengths, j) * itemsize).tolist()
+    ]
 
 
 def _new_scratch(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-def plan_piece(shard: ShardRecord, saved: Box, common: Box, box: Box, out: torch.Tensor, itemsize: int,
-               chunk: int, scratch_of: Callable[[int], torch.Tensor] = _new_scratch,
-               ) -> tuple[ScratchPiece | None, list[ReadPart]]:
+def plan_piece(
+    shard: ShardRecord,
+    saved: Box,
+    common: Box,
+    box: Box,
+    out: torch.Tensor,
+    itemsize: int,
+    chunk: int,
+    scratch_of: Callable[[int], torch.Tensor] = _new_scratch,
+) -> tuple[ScratchPiece | None, list[ReadPart]]:
     """Plan the reads of ``common`` (the part of ``box`` in ``saved``), widened to whole
     checksum chunks. When ``common`` is contiguous in the shard its bytes are read straight
     into ``out`` (scattered over its rows when it is a column slice there of few, long
@@ -138,8 +151,11 @@ def plan_piece(shard: ShardRecord, saved: Box, common: Box, box: Box, out: torch
     verification (the returned ``ScratchPiece``)."""
     first, last = row_major_span(saved, common)
     a, b = first * itemsize, last * itemsize
-    views = _scatter_views(box, common, out, itemsize) \
-        if last - first == common.numel and out.is_contiguous() else None
+    views = (
+        _scatter_views(box, common, out, itemsize)
+        if last - first == common.numel and out.is_contiguous()
+        else None
+    )
     if views is not None:
         lo, hi = chunk_span(a, b, chunk, shard.nbytes)
         c0, c1 = lo // chunk, -(-b // chunk)
@@ -147,7 +163,9 @@ def plan_piece(shard: ShardRecord, saved: Box, common: Box, box: Box, out: torch
         dests += views
         if hi > b:
             dests.append(memoryview(bytearray(hi - b)))
-        return None, [ReadPart(shard, c0, c1, shard.byte_offset + lo, shard.byte_offset + hi, dests)]
+        return None, [
+            ReadPart(shard, c0, c1, shard.byte_offset + lo, shard.byte_offset + hi, dests)
+        ]
     groups = _chunk_groups(saved, common, itemsize, chunk, a, b)
     base, top = groups[0][0] * chunk, min(groups[-1][1] * chunk, shard.nbytes)
     scratch = scratch_of(top - base)
@@ -155,7 +173,16 @@ def plan_piece(shard: ShardRecord, saved: Box, common: Box, box: Box, out: torch
     parts = []
     for c0, c1 in groups:
         lo, hi = c0 * chunk, min(c1 * chunk, shard.nbytes)
-        parts.append(ReadPart(shard, c0, c1, shard.byte_offset + lo, shard.byte_offset + hi, [view[lo - base:hi - base]]))
+        parts.append(
+            ReadPart(
+                shard,
+                c0,
+                c1,
+                shard.byte_offset + lo,
+                shard.byte_offset + hi,
+                [view[lo - base : hi - base]],
+            )
+        )
     return ScratchPiece(out, box, saved, common, scratch, a - base, b - base), parts
 
 
@@ -165,8 +192,12 @@ def coalesce(parts: list[ReadPart]) -> list[list[ReadPart]]:
     reads: list[list[ReadPart]] = []
     for p in sorted(parts, key=lambda p: (p.shard.file, p.start)):
         last = reads[-1] if reads else None
-        if (last and last[-1].shard.file == p.shard.file and last[-1].end == p.start
-                and p.end - last[0].start <= MAX_MERGED_READ_NBYTES):
+        if (
+            last
+            and last[-1].shard.file == p.shard.file
+            and last[-1].end == p.start
+            and p.end - last[0].start <= MAX_MERGED_READ_NBYTES
+        ):
             last.append(p)
         else:
             reads.append([p])
@@ -187,6 +218,8 @@ def planned_read_nbytes(rec: TensorRecord, box: Box, chunk: int) -> int:
             lo, hi = chunk_span(a, b, chunk, shard.nbytes)
             total += hi - lo
         else:
-            total += sum(min(c1 * chunk, shard.nbytes) - c0 * chunk
-                         for c0, c1 in _chunk_groups(saved, common, itemsize, chunk, a, b))
+            total += sum(
+                min(c1 * chunk, shard.nbytes) - c0 * chunk
+                for c0, c1 in _chunk_groups(saved, common, itemsize, chunk, a, b)
+            )
     return total

@@ -26,4 +26,6 @@ def intersections(rec: TensorRecord, box: Box) -> Iterator[tuple[ShardRecord, Bo
 def chunk_span(first: int, last: int, chunk_nbytes: int, shard_nbytes: int) -> tuple[int, int]:
     """The byte range ``[first, last)`` of a shard's data widened to whole checksum chunks
     (the last chunk of the shard may be short); offsets relative to the shard's data."""
-    return first // chunk_nbytes * chunk_nbytes, min(-(-last // chunk_nbytes) * chunk_nbytes, shard_nbytes)
+    return first // chunk_nbytes * chunk_nbytes, min(
+        -(-last // chunk_nbytes) * chunk_nbytes, shard_nbytes
+    )

@@ -61,13 +61,17 @@ def _views(buf: torch.Tensor, batch: list[Request]) -> list[torch.Tensor]:
     out, off = [], 0
     for _, box, d in batch:
         n = box.numel * d.element_size()
-        out.append(buf[off:off + n].view(d.dtype).view(box.lengths))
+        out.append(buf[off : off + n].view(d.dtype).view(box.lengths))
         off += _padded(n)
     return out
 
 
-def read_staged(read: HostRead, requests: Sequence[Request], budget: int = STAGING_NBYTES,
-                split_rows: bool = True) -> None:
+def read_staged(
+    read: HostRead,
+    requests: Sequence[Request],
+    budget: int = STAGING_NBYTES,
+    split_rows: bool = True,
+) -> None:
     """Fill destinations that are not in CPU memory (e.g. CUDA tensors) through host staging.
 
     Args:
@@ -84,8 +88,11 @@ def read_staged(read: HostRead, requests: Sequence[Request], budget: int = STAGI
         Whatever ``read`` raises (``IntegrityError``, ``ValueError``, ``KeyError``); the
         destinations of batches before the failing one are already filled.
     """
-    runs = [run for fqn, box, dest in requests
-            for run in (_row_runs(fqn, box, dest.detach(), budget if split_rows else -1))]
+    runs = [
+        run
+        for fqn, box, dest in requests
+        for run in (_row_runs(fqn, box, dest.detach(), budget if split_rows else -1))
+    ]
     batches: list[list[Request]] = []
     held = largest = 0
     for run in runs:
@@ -97,7 +104,7 @@ def read_staged(read: HostRead, requests: Sequence[Request], budget: int = STAGI
         held += nbytes
         largest = max(largest, held)
     pinned = torch.cuda.is_available() and any(d.device.type == "cuda" for _, _, d in runs)
-    buf = torch.empty(largest, dtype=torch.uint8, pin_memory=pinned)      # allocated once
+    buf = torch.empty(largest, dtype=torch.uint8, pin_memory=pinned)  # allocated once
     for batch in batches:
         _flush(read, buf, batch, pinned)
 
@@ -109,4 +116,4 @@ def _flush(read: HostRead, buf: torch.Tensor, batch: list[Request], pinned: bool
     for (_, _, dest), host in zip(batch, hosts):
         dest.copy_(host, non_blocking=pinned)
     for device in {dest.device for _, _, dest in batch if dest.device.type == "cuda"}:
-        torch.cuda.synchronize(device)                        # the buffer is reused next batch
+        torch.cuda.synchronize(device)  # the buffer is reused next batch

@@ -4,5 +4,10 @@
 from .backends import usable_cores as usable_cores
 from .fs import Store as Store
 from .options import parse_storage_options as parse_storage_options
-from .posix import map_range as map_range, preallocate as preallocate, pwrite_all as pwrite_all, sweep_stale_tmp as sweep_stale_tmp
-from .uploads import abort_stale_uploads as abort_stale_uploads, has_uploads as has_uploads, list_uploads as list_uploads
+from .posix import map_range as map_range
+from .posix import preallocate as preallocate
+from .posix import pwrite_all as pwrite_all
+from .posix import sweep_stale_tmp as sweep_stale_tmp
+from .uploads import abort_stale_uploads as abort_stale_uploads
+from .uploads import has_uploads as has_uploads
+from .uploads import list_uploads as list_uploads

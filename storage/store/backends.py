@@ -21,7 +21,7 @@ BeeGFS, WekaFS, CephFS ...), read from ``/proc/self/mounts``; ``SHARDSMITH_STORA
 
 A new backend (a GCS or parallel-filesystem fast path) is one subclass of
 :class:`FsspecBackend` here and one line in :func:`backend_for`; it passes
-``tests/storage/test_storage_conformance.py``.
+``tests/storage/test_store_conformance.py``.
 """
 
 from __future__ import annotations
@@ -46,10 +46,32 @@ Call = Callable[[Callable[[], Any]], Any]
 KIND_ENV = "SHARDSMITH_STORAGE_KIND"
 #: Filesystem types (``/proc/self/mounts``) whose files other nodes share: network and
 #: parallel filesystems, where one read stream per file cannot fill the link.
-SHARED_FS_TYPES = frozenset({
-    "lustre", "gpfs", "nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "fuse.ceph", "beegfs", "wekafs",
-    "panfs", "fuse.juicefs", "fuse.gcsfuse", "fuse.s3fs", "fuse.mountpoint-s3", "9p", "glusterfs",
-    "fuse.glusterfs", "orangefs", "pvfs2", "virtiofs"})
+SHARED_FS_TYPES = frozenset(
+    {
+        "lustre",
+        "gpfs",
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "ceph",
+        "fuse.ceph",
+        "beegfs",
+        "wekafs",
+        "panfs",
+        "fuse.juicefs",
+        "fuse.gcsfuse",
+        "fuse.s3fs",
+        "fuse.mountpoint-s3",
+        "9p",
+        "glusterfs",
+        "fuse.glusterfs",
+        "orangefs",
+        "pvfs2",
+        "virtiofs",
+    }
+)
 
 
 class StorageKind(enum.Enum):
@@ -158,7 +180,9 @@ def kind_override() -> StorageKind | None:
     try:
         return StorageKind(value)
     except ValueError:
-        raise ValueError(f"{KIND_ENV}={value!r}: choose one of {[k.value for k in StorageKind]}") from None
+        raise ValueError(
+            f"{KIND_ENV}={value!r}: choose one of {[k.value for k in StorageKind]}"
+        ) from None
 
 
 class FsspecBackend:
@@ -185,15 +209,21 @@ class FsspecBackend:
         """Bytes ``[start, end)``; fewer when the object ends first."""
         return bytes(self.fs.cat_file(path, start=start, end=end))
 
-    def read_into(self, path: str, start: int, dests: Sequence[memoryview], call: Call,
-                  get_range: Callable[[int, int], bytes | memoryview]) -> int:
+    def read_into(
+        self,
+        path: str,
+        start: int,
+        dests: Sequence[memoryview],
+        call: Call,
+        get_range: Callable[[int, int], bytes | memoryview],
+    ) -> int:
         """Fill ``dests`` in order from byte ``start`` with one ranged read (``get_range``,
         already retried); returns the bytes copied."""
         data = memoryview(get_range(start, start + sum(len(d) for d in dests))).cast("B")
         pos = 0
         for d in dests:
             take = min(len(d), len(data) - pos)
-            d[:take] = data[pos:pos + take]
+            d[:take] = data[pos : pos + take]
             pos += take
         return pos
 
@@ -201,8 +231,9 @@ class FsspecBackend:
         """The filesystem path of ``path`` where the backend has one (mapped reads)."""
         return None
 
-    def write_parts(self, path: str, parts: Sequence[Bytes], call: Call, part_nbytes: int,
-                    max_concurrency: int) -> None:
+    def write_parts(
+        self, path: str, parts: Sequence[Bytes], call: Call, part_nbytes: int, max_concurrency: int
+    ) -> None:
         """Create or replace ``path`` with the concatenation of ``parts``, atomically."""
         total = sum(memoryview(p).nbytes for p in parts)
         if len(parts) == 1 or total <= part_nbytes:
@@ -217,8 +248,15 @@ class FsspecBackend:
                 f.write(part)
 
     @contextlib.contextmanager
-    def open_writer(self, path: str, call: Call, call_once: Call, nbytes_hint: int | None, part_nbytes: int,
-                    max_concurrency: int) -> Iterator[Any]:
+    def open_writer(
+        self,
+        path: str,
+        call: Call,
+        call_once: Call,
+        nbytes_hint: int | None,
+        part_nbytes: int,
+        max_concurrency: int,
+    ) -> Iterator[Any]:
         """A stream whose object appears only when the block exits cleanly: fsspec's file with
         ``autocommit=False``, committed on exit (``call_once``: a commit is not idempotent)."""
         f = call(lambda: self.fs.open(path, "wb", autocommit=False))
@@ -236,22 +274,36 @@ class PosixBackend(FsspecBackend):
 
     posix = True
 
-    def read_into(self, path: str, start: int, dests: Sequence[memoryview], call: Call,
-                  get_range: Callable[[int, int], bytes | memoryview]) -> int:
+    def read_into(
+        self,
+        path: str,
+        start: int,
+        dests: Sequence[memoryview],
+        call: Call,
+        get_range: Callable[[int, int], bytes | memoryview],
+    ) -> int:
         """One ``preadv`` straight into ``dests``."""
         return int(call(lambda: posix.preadv_into(path, start, dests)))
 
     def local_path(self, path: str) -> str | None:
         return path
 
-    def write_parts(self, path: str, parts: Sequence[Bytes], call: Call, part_nbytes: int,
-                    max_concurrency: int) -> None:
+    def write_parts(
+        self, path: str, parts: Sequence[Bytes], call: Call, part_nbytes: int, max_concurrency: int
+    ) -> None:
         """The parts in one pass of ``iter(parts)`` into a temporary file, renamed into place."""
         call(lambda: posix.write_parts(path, parts))
 
     @contextlib.contextmanager
-    def open_writer(self, path: str, call: Call, call_once: Call, nbytes_hint: int | None, part_nbytes: int,
-                    max_concurrency: int) -> Iterator[Any]:
+    def open_writer(
+        self,
+        path: str,
+        call: Call,
+        call_once: Call,
+        nbytes_hint: int | None,
+        part_nbytes: int,
+        max_concurrency: int,
+    ) -> Iterator[Any]:
         """A hidden temporary file renamed into place on a clean exit (the ``fs.mid_write``
         crash point fires after its first write)."""
         with contextlib.ExitStack() as stack:
@@ -283,19 +335,29 @@ class S3Backend(FsspecBackend):
         fast = self._fast()
         return fast.read_range(path, start, end) if fast else super().read_range(path, start, end)
 
-    def write_parts(self, path: str, parts: Sequence[Bytes], call: Call, part_nbytes: int,
-                    max_concurrency: int) -> None:
+    def write_parts(
+        self, path: str, parts: Sequence[Bytes], call: Call, part_nbytes: int, max_concurrency: int
+    ) -> None:
         total = sum(memoryview(p).nbytes for p in parts)
         with self.open_writer(path, call, call, total, part_nbytes, max_concurrency) as f:
             for part in parts:
                 f.write(part)
 
     @contextlib.contextmanager
-    def open_writer(self, path: str, call: Call, call_once: Call, nbytes_hint: int | None, part_nbytes: int,
-                    max_concurrency: int) -> Iterator[Any]:
+    def open_writer(
+        self,
+        path: str,
+        call: Call,
+        call_once: Call,
+        nbytes_hint: int | None,
+        part_nbytes: int,
+        max_concurrency: int,
+    ) -> Iterator[Any]:
         """A multipart upload whose parts go up in parallel, each retried; completed on a
         clean exit, aborted otherwise."""
-        writer = MultipartWriter(self.fs, path, call, part_size(part_nbytes, nbytes_hint), max_concurrency)
+        writer = MultipartWriter(
+            self.fs, path, call, part_size(part_nbytes, nbytes_hint), max_concurrency
+        )
         try:
             yield writer
             writer.finish()

@@ -31,13 +31,18 @@ from typing import Any
 
 import fsspec
 from fsspec import AbstractFileSystem
-from fsspec.implementations.chained import ChainedFileSystem   # fsspec >= 2025.10: URL chaining
+from fsspec.implementations.chained import ChainedFileSystem  # fsspec >= 2025.10: URL chaining
 from fsspec.implementations.local import LocalFileSystem
 
 PROTOCOL = "faulty"
 #: Operation groups a fault can target.
 OPS = ("write", "read", "stat", "list", "delete")
-_S3_WRITE_CALLS = {"put_object", "create_multipart_upload", "upload_part", "complete_multipart_upload"}
+_S3_WRITE_CALLS = {
+    "put_object",
+    "create_multipart_upload",
+    "upload_part",
+    "complete_multipart_upload",
+}
 _EREMOTEIO = getattr(errno, "EREMOTEIO", errno.EIO)
 #: tag -> Counter of ``calls:<op>`` and ``injected:<op>`` over every instance with that tag
 #: (stores build their own filesystem instances, so tests read the totals here).
@@ -46,7 +51,9 @@ STATS: defaultdict[str, Counter[str]] = defaultdict(Counter)
 
 def _transient_error(kind: int, what: str) -> Exception:
     if kind == 0:
-        return ConnectionResetError(errno.ECONNRESET, f"Connection reset by peer (injected, {what})")
+        return ConnectionResetError(
+            errno.ECONNRESET, f"Connection reset by peer (injected, {what})"
+        )
     if kind == 1:
         return TimeoutError(f"Read timed out (injected, {what})")
     if kind == 2:
@@ -57,8 +64,13 @@ def _transient_error(kind: int, what: str) -> Exception:
         from botocore.exceptions import ClientError
     except ImportError:
         return OSError(errno.EBUSY, f"ServiceUnavailable (injected, {what})")
-    return ClientError({"Error": {"Code": "ServiceUnavailable", "Message": f"injected, {what}"},
-                        "ResponseMetadata": {"HTTPStatusCode": 503}}, "PutObject")
+    return ClientError(
+        {
+            "Error": {"Code": "ServiceUnavailable", "Message": f"injected, {what}"},
+            "ResponseMetadata": {"HTTPStatusCode": 503},
+        },
+        "PutObject",
+    )
 
 
 class FaultyFileSystem(ChainedFileSystem):
@@ -83,11 +95,22 @@ class FaultyFileSystem(ChainedFileSystem):
     protocol = PROTOCOL
     cachable = False
 
-    def __init__(self, *, fail_rate: float = 0.3, seed: int = 0, mode: str = "transient",
-                 ops: tuple[str, ...] | list[str] = ("write", "read"), match: str = "*",
-                 max_consecutive: int = 2, tag: str = "", target_protocol: str | None = None,
-                 target_options: dict[str, Any] | None = None, fo: str | None = None,
-                 fs: AbstractFileSystem | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        fail_rate: float = 0.3,
+        seed: int = 0,
+        mode: str = "transient",
+        ops: tuple[str, ...] | list[str] = ("write", "read"),
+        match: str = "*",
+        max_consecutive: int = 2,
+        tag: str = "",
+        target_protocol: str | None = None,
+        target_options: dict[str, Any] | None = None,
+        fo: str | None = None,
+        fs: AbstractFileSystem | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         if not 0.0 <= fail_rate <= 1.0:
             raise ValueError(f"fail_rate={fail_rate!r}: must be in [0, 1]")
@@ -96,8 +119,11 @@ class FaultyFileSystem(ChainedFileSystem):
         unknown = set(ops) - set(OPS)
         if unknown:
             raise ValueError(f"ops={list(ops)!r}: unknown {sorted(unknown)}; allowed {OPS}")
-        self.fs = fs if fs is not None else fsspec.filesystem(target_protocol or "file",
-                                                              **(target_options or {}))
+        self.fs = (
+            fs
+            if fs is not None
+            else fsspec.filesystem(target_protocol or "file", **(target_options or {}))
+        )
         self.fail_rate, self.seed, self.mode = fail_rate, seed, mode
         self.ops, self.match, self.max_consecutive = tuple(ops), match, max_consecutive
         self.stats = STATS[tag]
@@ -131,10 +157,12 @@ class FaultyFileSystem(ChainedFileSystem):
             self._streak[key] += 1
             self.stats[f"injected:{op}"] += 1
         if op == "write" and bits & 1:
-            return True               # let the write happen, then lose the reply
+            return True  # let the write happen, then lose the reply
         raise _transient_error((bits >> 1) % 5, f"{op} {path}")
 
-    def _run(self, op: str, path: str, fn: Any, *args: Any, call_id: str = "", **kwargs: Any) -> Any:
+    def _run(
+        self, op: str, path: str, fn: Any, *args: Any, call_id: str = "", **kwargs: Any
+    ) -> Any:
         after = self._maybe_fail(op, path, call_id)
         out = fn(*args, **kwargs)
         if after:
@@ -150,10 +178,20 @@ class FaultyFileSystem(ChainedFileSystem):
         if isinstance(self.fs, LocalFileSystem):
             self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
 
-    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kw: Any) -> Any:
+    def cat_file(
+        self, path: str, start: int | None = None, end: int | None = None, **kw: Any
+    ) -> Any:
         path = self._strip(path)
-        return self._run("read", path, self.fs.cat_file, path, start=start, end=end, call_id=f"{start}:{end}",
-                         **kw)
+        return self._run(
+            "read",
+            path,
+            self.fs.cat_file,
+            path,
+            start=start,
+            end=end,
+            call_id=f"{start}:{end}",
+            **kw,
+        )
 
     def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kw: Any) -> Any:
         path = self._strip(path)
@@ -164,7 +202,7 @@ class FaultyFileSystem(ChainedFileSystem):
         path = self._strip(path)
         if "w" in mode or "a" in mode:
             self._mkdir_parent(path)
-            if self._maybe_fail("write", path):      # nothing written yet: fail now
+            if self._maybe_fail("write", path):  # nothing written yet: fail now
                 raise _transient_error(0, f"write {path}")
         else:
             self._maybe_fail("read", path)
@@ -184,7 +222,9 @@ class FaultyFileSystem(ChainedFileSystem):
 
     def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> Any:
         stripped = self._strip(path)
-        return self._run("delete", stripped, self.fs.rm, stripped, recursive=recursive, maxdepth=maxdepth)
+        return self._run(
+            "delete", stripped, self.fs.rm, stripped, recursive=recursive, maxdepth=maxdepth
+        )
 
     def makedirs(self, path: str, exist_ok: bool = False) -> Any:
         return self.fs.makedirs(self._strip(path), exist_ok=exist_ok)
@@ -198,8 +238,15 @@ class FaultyFileSystem(ChainedFileSystem):
         if method not in _S3_WRITE_CALLS:
             return inner(method, *args, **kwargs)
         path = f"{kwargs.get('Bucket')}/{kwargs.get('Key')}"
-        return self._run("write", path, inner, method, *args,
-                         call_id=f"{method}:{kwargs.get('PartNumber')}", **kwargs)
+        return self._run(
+            "write",
+            path,
+            inner,
+            method,
+            *args,
+            call_id=f"{method}:{kwargs.get('PartNumber')}",
+            **kwargs,
+        )
 
     def __getattr__(self, name: str) -> Any:
         # Backend-specific helpers (s3fs's split_path, call_s3 ...) exist only when the

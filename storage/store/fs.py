@@ -35,8 +35,15 @@ from fsspec.core import url_to_fs
 
 from shardsmith.errors import BucketNotFound, StorageAccessDenied, StorageError, StorageNotFound
 from shardsmith.storage.store.backends import Bytes, Capabilities, FsspecBackend, backend_for
-from shardsmith.storage.store.retry import (RetryPolicy, Verdict, bounded_s3_options, brief, call_with_retries,
-                                      client_error_info, storage_timeout_s)
+from shardsmith.storage.store.retry import (
+    RetryPolicy,
+    Verdict,
+    bounded_s3_options,
+    brief,
+    call_with_retries,
+    client_error_info,
+    storage_timeout_s,
+)
 from shardsmith.storage.store.s3_reads import obstore_reads
 
 log = logging.getLogger(__name__)
@@ -47,8 +54,9 @@ DEFAULT_PART_NBYTES = 8 * 2**20
 #: Parts uploaded at once per object.
 DEFAULT_MAX_CONCURRENCY = 8
 _MIN_PART_NBYTES = 5 * 2**20
-_TMP_RE = re.compile(r"^\..+\.tmp-(.+-\d+-)?[0-9a-f]{12}$")    # local.tmp_name (and the older form without writer)
-
+_TMP_RE = re.compile(
+    r"^\..+\.tmp-(.+-\d+-)?[0-9a-f]{12}$"
+)  # local.tmp_name (and the older form without writer)
 
 
 def _describe(exc: BaseException) -> str:
@@ -82,35 +90,49 @@ class Store:
         max_concurrency: parts of one object uploaded at once (>= 1).
     """
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *,
-                 max_attempts: int | None = None, backoff_s: float | None = None,
-                 retry: RetryPolicy | None = None, part_nbytes: int = DEFAULT_PART_NBYTES,
-                 max_concurrency: int = DEFAULT_MAX_CONCURRENCY) -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        max_attempts: int | None = None,
+        backoff_s: float | None = None,
+        retry: RetryPolicy | None = None,
+        part_nbytes: int = DEFAULT_PART_NBYTES,
+        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+    ) -> None:
         if part_nbytes < _MIN_PART_NBYTES:
-            raise ValueError(f"part_nbytes={part_nbytes}: S3 needs parts of at least {_MIN_PART_NBYTES}")
+            raise ValueError(
+                f"part_nbytes={part_nbytes}: S3 needs parts of at least {_MIN_PART_NBYTES}"
+            )
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency}: must be >= 1")
         self.url = url.rstrip("/") or url
         policy = retry or RetryPolicy.from_env()
         self.storage_options = dict(storage_options or {})
-        fast_reads = None                                  # s3:// reads: storage/store/s3_reads.py
+        fast_reads = None  # s3:// reads: storage/store/s3_reads.py
         if self.url.startswith(("s3://", "s3a://")):
-            attempt_s = storage_timeout_s() / (policy.max_attempts if max_attempts is None else max_attempts)
+            attempt_s = storage_timeout_s() / (
+                policy.max_attempts if max_attempts is None else max_attempts
+            )
             fast_reads = obstore_reads(self.url, self.storage_options, attempt_s)
             self.storage_options = bounded_s3_options(self.storage_options, attempt_s)
         try:
             self.fs, root = url_to_fs(self.url, **self.storage_options)
         except (ImportError, ValueError, TypeError) as exc:
-            raise StorageError(f"cannot open {self.url}: {type(exc).__name__}: {exc} (check the URL's "
-                               "protocol, that its fsspec backend is installed, and --storage-option "
-                               "names)") from exc
+            raise StorageError(
+                f"cannot open {self.url}: {type(exc).__name__}: {exc} (check the URL's "
+                "protocol, that its fsspec backend is installed, and --storage-option "
+                "names)"
+            ) from exc
         self.root = root.rstrip("/") if root not in ("/", "") else root
-        if hasattr(self.fs, "retries"):        # s3fs retries 5 times by itself; ours bound the total
+        if hasattr(self.fs, "retries"):  # s3fs retries 5 times by itself; ours bound the total
             self.fs.retries = 1
         self.retry = RetryPolicy(
             max_attempts=policy.max_attempts if max_attempts is None else max_attempts,
             backoff_s=policy.backoff_s if backoff_s is None else backoff_s,
-            max_backoff_s=max(policy.max_backoff_s, backoff_s or 0.0))
+            max_backoff_s=max(policy.max_backoff_s, backoff_s or 0.0),
+        )
         self.part_nbytes = part_nbytes
         self.max_concurrency = max_concurrency
         try:
@@ -156,16 +178,21 @@ class Store:
             cause = _describe(exc)
             if verdict is Verdict.NOT_FOUND:
                 if _no_bucket(exc):
-                    return BucketNotFound(f"{what} {url}: the bucket does not exist ({cause}); "
-                                           "create it or fix the URL")
+                    return BucketNotFound(
+                        f"{what} {url}: the bucket does not exist ({cause}); "
+                        "create it or fix the URL"
+                    )
                 return StorageNotFound(f"{url} does not exist ({what}: {cause})")
             if verdict is Verdict.DENIED:
                 return StorageAccessDenied(
                     f"{what} {url}: access denied ({cause}); check the credentials (AWS_* environment "
-                    "or --storage-option key=/secret=) and the permissions on the bucket")
+                    "or --storage-option key=/secret=) and the permissions on the bucket"
+                )
             if verdict is Verdict.TRANSIENT:
-                return StorageError(f"{what} {url} failed after {attempts} attempts: {cause}; the "
-                                    "storage is unreachable or overloaded: check the endpoint, retry later")
+                return StorageError(
+                    f"{what} {url} failed after {attempts} attempts: {cause}; the "
+                    "storage is unreachable or overloaded: check the endpoint, retry later"
+                )
             return StorageError(f"{what} {url} failed: {cause} (a permanent error: not retried)")
 
         policy = self.retry if retry else RetryPolicy(max_attempts=1)
@@ -200,7 +227,7 @@ class Store:
             except Exception as exc:
                 info = client_error_info(exc)
                 if info is not None and (info[0] == "InvalidRange" or info[1] == 416):
-                    return b""          # S3: the range starts at or past the end (local gives b"")
+                    return b""  # S3: the range starts at or past the end (local gives b"")
                 raise
 
         return self._call("read", key, get)
@@ -218,8 +245,13 @@ class Store:
         Raises:
             StorageNotFound: absent. StorageError: other failures, after retries.
         """
-        return self.backend.read_into(self._path(key), start, dests, lambda fn: self._call("read", key, fn),
-                                      lambda s, e: self._get_range(key, s, e))
+        return self.backend.read_into(
+            self._path(key),
+            start,
+            dests,
+            lambda fn: self._call("read", key, fn),
+            lambda s, e: self._get_range(key, s, e),
+        )
 
     def local_path(self, key: str) -> str | None:
         """The filesystem path of ``key`` on a local store (for mapped reads and kernel copies,
@@ -263,7 +295,7 @@ class Store:
             try:
                 return [str(e) for e in self.fs.ls(path, detail=False)]
             except FileNotFoundError as exc:
-                if _no_bucket(exc):             # never an empty listing
+                if _no_bucket(exc):  # never an empty listing
                     raise
                 return []
 
@@ -280,13 +312,16 @@ class Store:
             try:
                 return dict(self.fs.find(path, detail=True, withdirs=False))
             except FileNotFoundError as exc:
-                if _no_bucket(exc):             # never an empty listing
+                if _no_bucket(exc):  # never an empty listing
                     raise
                 return {}
 
         prefix = path.rstrip("/") + "/"
-        return {str(p)[len(prefix):]: info for p, info in self._call("list", key, find).items()
-                if str(p).startswith(prefix) and not _TMP_RE.match(posixpath.basename(str(p)))}
+        return {
+            str(p)[len(prefix) :]: info
+            for p, info in self._call("list", key, find).items()
+            if str(p).startswith(prefix) and not _TMP_RE.match(posixpath.basename(str(p)))
+        }
 
     # -- writes ------------------------------------------------------------------------
 
@@ -306,8 +341,13 @@ class Store:
         in one pass of ``iter(parts)``, each written as it is yielded."""
         path = self._path(key)
         try:
-            self.backend.write_parts(path, parts, lambda fn: self._call("write", key, fn), self.part_nbytes,
-                                     self.max_concurrency)
+            self.backend.write_parts(
+                path,
+                parts,
+                lambda fn: self._call("write", key, fn),
+                self.part_nbytes,
+                self.max_concurrency,
+            )
         finally:
             self.fs.invalidate_cache(path)
 
@@ -329,9 +369,14 @@ class Store:
         """
         path = self._path(key)
         try:
-            with self.backend.open_writer(path, lambda fn: self._call("write", key, fn),
-                                          lambda fn: self._call("write", key, fn, retry=False), nbytes_hint,
-                                          self.part_nbytes, self.max_concurrency) as f:
+            with self.backend.open_writer(
+                path,
+                lambda fn: self._call("write", key, fn),
+                lambda fn: self._call("write", key, fn, retry=False),
+                nbytes_hint,
+                self.part_nbytes,
+                self.max_concurrency,
+            ) as f:
                 yield f
         finally:
             self.fs.invalidate_cache(path)
@@ -350,5 +395,4 @@ class Store:
         self._call("delete", key, rm)
 
 
-__all__ = ["Store", "fsspec", "RetryPolicy",
-           "DEFAULT_PART_NBYTES", "DEFAULT_MAX_CONCURRENCY"]
+__all__ = ["Store", "fsspec", "RetryPolicy", "DEFAULT_PART_NBYTES", "DEFAULT_MAX_CONCURRENCY"]

@@ -48,9 +48,13 @@ class MultipartWriter:
         max_concurrency: parts uploaded at once (>= 1).
     """
 
-    def __init__(self, fs: Any, path: str, retry: Retry, part_nbytes: int, max_concurrency: int) -> None:
+    def __init__(
+        self, fs: Any, path: str, retry: Retry, part_nbytes: int, max_concurrency: int
+    ) -> None:
         if part_nbytes < MIN_PART_NBYTES:
-            raise ValueError(f"part_nbytes={part_nbytes}: S3 parts must be at least {MIN_PART_NBYTES} bytes")
+            raise ValueError(
+                f"part_nbytes={part_nbytes}: S3 parts must be at least {MIN_PART_NBYTES} bytes"
+            )
         self.fs, self.path, self.retry = fs, path, retry
         self.bucket, self.key, _ = fs.split_path(path)
         self.part_nbytes = part_nbytes
@@ -70,12 +74,12 @@ class MultipartWriter:
         self.nbytes += count
         while len(view):
             if not self.buffer and len(view) >= self.part_nbytes:
-                self._submit(bytes(view[:self.part_nbytes]))
-                view = view[self.part_nbytes:]
+                self._submit(bytes(view[: self.part_nbytes]))
+                view = view[self.part_nbytes :]
                 continue
-            take = view[:self.part_nbytes - len(self.buffer)]
+            take = view[: self.part_nbytes - len(self.buffer)]
             self.buffer += take
-            view = view[len(take):]
+            view = view[len(take) :]
             if len(self.buffer) == self.part_nbytes:
                 self._submit(bytes(self.buffer))
                 self.buffer = bytearray()
@@ -85,13 +89,13 @@ class MultipartWriter:
         return self.fs.call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs)
 
     def _submit(self, body: bytes) -> None:
-        for fut in self.parts:                  # surface a failed part early
+        for fut in self.parts:  # surface a failed part early
             if fut.done() and fut.exception() is not None:
                 fut.result()
         if self.upload_id is None:
             self.upload_id = self.retry(lambda: self._call("create_multipart_upload"))["UploadId"]
         number = len(self.parts) + 1
-        self._slots.acquire()                   # bounds the parts held in memory
+        self._slots.acquire()  # bounds the parts held in memory
         try:
             self.parts.append(self._pool.submit(self._upload_part, number, body))
         except BaseException:
@@ -100,9 +104,12 @@ class MultipartWriter:
 
     def _upload_part(self, number: int, body: bytes) -> dict[str, Any]:
         try:
-            out = self.retry(lambda: self._call("upload_part", UploadId=self.upload_id, PartNumber=number,
-                                                Body=body))
-            crash_point("fs.mid_write", key=self.path)              # test hook; inert normally
+            out = self.retry(
+                lambda: self._call(
+                    "upload_part", UploadId=self.upload_id, PartNumber=number, Body=body
+                )
+            )
+            crash_point("fs.mid_write", key=self.path)  # test hook; inert normally
             return {"PartNumber": number, "ETag": out["ETag"]}
         finally:
             self._slots.release()
@@ -118,7 +125,7 @@ class MultipartWriter:
                     self._submit(bytes(self.buffer))
                 self.buffer = bytearray()
                 etags = [fut.result() for fut in self.parts]
-                crash_point("fs.before_publish", key=self.path)     # test hook; inert normally
+                crash_point("fs.before_publish", key=self.path)  # test hook; inert normally
                 self.retry(lambda: self._complete(etags))
             self._done = True
         finally:
@@ -127,7 +134,11 @@ class MultipartWriter:
 
     def _complete(self, etags: list[dict[str, Any]]) -> None:
         try:
-            self._call("complete_multipart_upload", UploadId=self.upload_id, MultipartUpload={"Parts": etags})
+            self._call(
+                "complete_multipart_upload",
+                UploadId=self.upload_id,
+                MultipartUpload={"Parts": etags},
+            )
         except FileNotFoundError:
             # NoSuchUpload on a retry: the earlier attempt completed but its reply was lost.
             self.fs.invalidate_cache(self.path)

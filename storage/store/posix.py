@@ -41,7 +41,9 @@ def tmp_name(path: str) -> str:
     """The hidden temporary sibling a write of ``path`` goes to before its rename; it names
     the writer's host and process, so :func:`sweep_stale_tmp` can tell a dead writer's."""
     directory, name = os.path.split(path)
-    return os.path.join(directory, f".{name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    return os.path.join(
+        directory, f".{name}.tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    )
 
 
 def _writer_dead(host: str, pid: int) -> bool:
@@ -81,7 +83,7 @@ def sweep_stale_tmp(directory: str, grace_s: float = TMP_GRACE_S) -> list[str]:
                     os.unlink(path)
                     removed.append(path)
             except OSError:
-                continue                                # gone meanwhile, or not ours to remove
+                continue  # gone meanwhile, or not ours to remove
     return removed
 
 
@@ -96,7 +98,7 @@ class _MidWriteHook:
         n = self._f.write(data)
         if not self._fired:
             self._fired = True
-            crash_point("fs.mid_write", key=self._path)      # test hook; inert normally
+            crash_point("fs.mid_write", key=self._path)  # test hook; inert normally
         return n
 
     def __getattr__(self, name: str) -> Any:
@@ -126,7 +128,7 @@ def atomic_file(path: str) -> Iterator[BinaryIO]:
     try:
         with open(tmp, "wb") as f:
             yield f
-        crash_point("fs.before_publish", key=path)              # test hook; inert normally
+        crash_point("fs.before_publish", key=path)  # test hook; inert normally
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -149,11 +151,11 @@ def write_parts(path: str, parts: Sequence[bytes | bytearray | memoryview]) -> N
         for i, part in enumerate(parts):
             view = memoryview(part).cast("B")
             for start in range(0, len(view), WRITE_PIECE_NBYTES):
-                f.write(view[start:start + WRITE_PIECE_NBYTES])
+                f.write(view[start : start + WRITE_PIECE_NBYTES])
             if i == 0:
-                crash_point("fs.mid_write", key=path)           # test hook; inert normally
+                crash_point("fs.mid_write", key=path)  # test hook; inert normally
         f.flush()
-        if f.tell() != os.fstat(f.fileno()).st_size:          # parts indexed longer than iterated
+        if f.tell() != os.fstat(f.fileno()).st_size:  # parts indexed longer than iterated
             os.ftruncate(f.fileno(), f.tell())
 
 
@@ -171,7 +173,7 @@ def preadv_into(path: str, offset: int, views: Sequence[memoryview]) -> int:
     try:
         total, i = 0, 0
         while i < len(pending):
-            n = os.preadv(fd, pending[i:i + _IOV_MAX], offset + total)
+            n = os.preadv(fd, pending[i : i + _IOV_MAX], offset + total)
             if n == 0:
                 break
             total += n
@@ -185,7 +187,7 @@ def preadv_into(path: str, offset: int, views: Sequence[memoryview]) -> int:
         os.close(fd)
 
 
-_FALLOCATE: Any = None          # libc's fallocate(2) wrapper, looked up once (False: none)
+_FALLOCATE: Any = None  # libc's fallocate(2) wrapper, looked up once (False: none)
 
 
 def preallocate(fd: int, nbytes: int, name: str = "") -> bool:
@@ -217,8 +219,11 @@ def preallocate(fd: int, nbytes: int, name: str = "") -> bool:
     err = ctypes.get_errno()
     if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV):
         return False
-    raise OSError(err, f"{name or 'a file'}: cannot allocate {nbytes} bytes: {os.strerror(err)}"
-                  + (" (free space, or write elsewhere)" if err == errno.ENOSPC else ""))
+    raise OSError(
+        err,
+        f"{name or 'a file'}: cannot allocate {nbytes} bytes: {os.strerror(err)}"
+        + (" (free space, or write elsewhere)" if err == errno.ENOSPC else ""),
+    )
 
 
 def map_range(path: str, offset: int, nbytes: int) -> memoryview:
@@ -241,10 +246,12 @@ def map_range(path: str, offset: int, nbytes: int) -> memoryview:
         if nbytes == 0:
             return memoryview(b"")
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        mapped = mmap.mmap(fd, offset + nbytes - start, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
+        mapped = mmap.mmap(
+            fd, offset + nbytes - start, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start
+        )
     finally:
         os.close(fd)
-    return memoryview(mapped)[offset - start:]
+    return memoryview(mapped)[offset - start :]
 
 
 def pwrite_all(out: int, data: Any, pos: int) -> None:

@@ -34,43 +34,93 @@ T = TypeVar("T")
 class Verdict(enum.Enum):
     """What a storage error means for the caller."""
 
-    TRANSIENT = "transient"      # retry: 5xx, throttling, timeouts, dropped connections
-    NOT_FOUND = "not found"      # permanent: no such key / prefix / bucket
-    DENIED = "access denied"     # permanent: credentials or permissions
-    PERMANENT = "permanent"      # permanent: the request itself is wrong
+    TRANSIENT = "transient"  # retry: 5xx, throttling, timeouts, dropped connections
+    NOT_FOUND = "not found"  # permanent: no such key / prefix / bucket
+    DENIED = "access denied"  # permanent: credentials or permissions
+    PERMANENT = "permanent"  # permanent: the request itself is wrong
 
 
 #: S3 error codes retried (botocore standard mode: throttled + transient codes).
-TRANSIENT_CODES = frozenset({
-    "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottledException",
-    "TooManyRequestsException", "ProvisionedThroughputExceededException",
-    "TransactionInProgressException", "RequestLimitExceeded", "BandwidthLimitExceeded",
-    "LimitExceededException", "RequestThrottled", "SlowDown", "PriorRequestNotComplete",
-    "EC2ThrottledException", "RequestTimeout", "RequestTimeoutException", "InternalError",
-    "InternalServerError", "ServiceUnavailable", "OperationAborted", "XAmzContentSHA256Mismatch",
-})
+TRANSIENT_CODES = frozenset(
+    {
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "ProvisionedThroughputExceededException",
+        "TransactionInProgressException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "LimitExceededException",
+        "RequestThrottled",
+        "SlowDown",
+        "PriorRequestNotComplete",
+        "EC2ThrottledException",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "InternalServerError",
+        "ServiceUnavailable",
+        "OperationAborted",
+        "XAmzContentSHA256Mismatch",
+    }
+)
 #: HTTP statuses retried whatever the code says.
 TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
 NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "NotFound", "404"})
-DENIED_CODES = frozenset({
-    "AccessDenied", "403", "AccountProblem", "AllAccessDisabled", "InvalidAccessKeyId",
-    "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "InvalidSecurity", "NotSignedUp",
-    "RequestTimeTooSkewed", "InvalidObjectState", "InvalidPayer", "CrossLocationLoggingProhibited",
-})
+DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "403",
+        "AccountProblem",
+        "AllAccessDisabled",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "InvalidSecurity",
+        "NotSignedUp",
+        "RequestTimeTooSkewed",
+        "InvalidObjectState",
+        "InvalidPayer",
+        "CrossLocationLoggingProhibited",
+    }
+)
 #: errno values of a dropped connection, a busy server or a timeout (s3fs maps SlowDown/503
 #: to EBUSY and InternalError/500 to EREMOTEIO).
-TRANSIENT_ERRNOS = frozenset(getattr(errno, name) for name in (
-    "EIO", "EBUSY", "EAGAIN", "EINTR", "ETIMEDOUT", "ECONNRESET", "ECONNREFUSED", "ECONNABORTED",
-    "EPIPE", "ENETDOWN", "ENETUNREACH", "ENETRESET", "EHOSTUNREACH", "EHOSTDOWN", "EREMOTEIO")
-    if hasattr(errno, name))
+TRANSIENT_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in (
+        "EIO",
+        "EBUSY",
+        "EAGAIN",
+        "EINTR",
+        "ETIMEDOUT",
+        "ECONNRESET",
+        "ECONNREFUSED",
+        "ECONNABORTED",
+        "EPIPE",
+        "ENETDOWN",
+        "ENETUNREACH",
+        "ENETRESET",
+        "EHOSTUNREACH",
+        "EHOSTDOWN",
+        "EREMOTEIO",
+    )
+    if hasattr(errno, name)
+)
 
 
 #: Modules whose exception classes :func:`classify` knows (botocore, aiohttp, obstore).
 _LIBRARY_MODULES = ("botocore", "aiohttp", "obstore")
 
 
-def _library_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...],
-                              tuple[type[BaseException], ...]]:
+def _library_types() -> tuple[
+    tuple[type[BaseException], ...],
+    tuple[type[BaseException], ...],
+    tuple[type[BaseException], ...],
+]:
     """(transient, denied, not found) exception classes of the HTTP stacks our stores use,
     from those already imported: a library that is not imported cannot have raised, so a
     process that never opens an object store never imports botocore or aiohttp for this
@@ -79,27 +129,40 @@ def _library_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseEx
 
 
 @functools.lru_cache(maxsize=16)
-def _types_of(loaded: tuple[bool, ...]) -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...],
-                                                  tuple[type[BaseException], ...]]:
+def _types_of(
+    loaded: tuple[bool, ...],
+) -> tuple[
+    tuple[type[BaseException], ...],
+    tuple[type[BaseException], ...],
+    tuple[type[BaseException], ...],
+]:
     has_botocore, has_aiohttp, has_obstore = loaded
     transient: list[type[BaseException]] = []
     denied: list[type[BaseException]] = []
     not_found: list[type[BaseException]] = []
-    with contextlib.suppress(ImportError):               # (a half-installed library: classify without it)
+    with contextlib.suppress(ImportError):  # (a half-installed library: classify without it)
         if has_botocore:
             from botocore import exceptions as bc
-            from botocore.parsers import ResponseParserError    # throttling replies can be bad XML
+            from botocore.parsers import ResponseParserError  # throttling replies can be bad XML
 
-            transient += [getattr(bc, name) for name in (
-                "HTTPClientError", "ConnectionError", "IncompleteReadError", "ResponseStreamingError")
-                if hasattr(bc, name)] + [ResponseParserError]
+            transient += [
+                getattr(bc, name)
+                for name in (
+                    "HTTPClientError",
+                    "ConnectionError",
+                    "IncompleteReadError",
+                    "ResponseStreamingError",
+                )
+                if hasattr(bc, name)
+            ] + [ResponseParserError]
             denied += [bc.NoCredentialsError, bc.PartialCredentialsError]
     with contextlib.suppress(ImportError):
         if has_aiohttp:
             import aiohttp
+
             transient += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
     with contextlib.suppress(ImportError):
-        if has_obstore:         # obstore (s3:// reads): errors without an HTTP status are the
+        if has_obstore:  # obstore (s3:// reads): errors without an HTTP status are the
             from obstore import exceptions as ox  # transport's (connect, timeout, dropped body)
 
             transient += [ox.GenericError, ox.JoinError]
@@ -179,14 +242,14 @@ def classify(exc: BaseException) -> Verdict:
     info = client_error_info(exc)
     if info is not None:
         return _classify_code(*info)
-    status = getattr(exc, "status", None)        # aiohttp.ClientResponseError (http, gcsfs)
+    status = getattr(exc, "status", None)  # aiohttp.ClientResponseError (http, gcsfs)
     if isinstance(status, int) and status >= 400:
         return _classify_code("", status)
     library_transient, library_denied, library_not_found = _library_types()
     if isinstance(exc, (FileNotFoundError,) + library_not_found):
         return Verdict.NOT_FOUND
     if isinstance(exc, library_transient) and "redirect" in brief(exc).lower():
-        return Verdict.PERMANENT            # obstore: S3's redirect to the bucket's region
+        return Verdict.PERMANENT  # obstore: S3's redirect to the bucket's region
     if isinstance(exc, (PermissionError,) + library_denied):
         return Verdict.DENIED
     if isinstance(exc, (TimeoutError, ConnectionError) + library_transient):
@@ -233,8 +296,10 @@ class RetryPolicy:
             raise ValueError(f"max_attempts={self.max_attempts!r}: must be an integer >= 1")
         self.max_attempts = int(self.max_attempts)
         if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
-            raise ValueError(f"backoff_s={self.backoff_s!r}, max_backoff_s={self.max_backoff_s!r}: "
-                             "need 0 <= backoff_s <= max_backoff_s")
+            raise ValueError(
+                f"backoff_s={self.backoff_s!r}, max_backoff_s={self.max_backoff_s!r}: "
+                "need 0 <= backoff_s <= max_backoff_s"
+            )
 
     @classmethod
     def from_env(cls) -> "RetryPolicy":
@@ -242,9 +307,11 @@ class RetryPolicy:
         ``SHARDSMITH_STORAGE_BACKOFF_S`` and ``SHARDSMITH_STORAGE_MAX_BACKOFF_S``
         (inherited by torchrun workers)."""
         d = cls()
-        return cls(max_attempts=int(_env_number("SHARDSMITH_STORAGE_MAX_ATTEMPTS", d.max_attempts)),
-                   backoff_s=_env_number("SHARDSMITH_STORAGE_BACKOFF_S", d.backoff_s),
-                   max_backoff_s=_env_number("SHARDSMITH_STORAGE_MAX_BACKOFF_S", d.max_backoff_s))
+        return cls(
+            max_attempts=int(_env_number("SHARDSMITH_STORAGE_MAX_ATTEMPTS", d.max_attempts)),
+            backoff_s=_env_number("SHARDSMITH_STORAGE_BACKOFF_S", d.backoff_s),
+            max_backoff_s=_env_number("SHARDSMITH_STORAGE_MAX_BACKOFF_S", d.max_backoff_s),
+        )
 
     def delay_s(self, attempt: int, rng: random.Random) -> float:
         """Seconds to sleep after failed attempt ``attempt`` (1-based)."""
@@ -254,9 +321,12 @@ class RetryPolicy:
 _RNG = random.Random()
 
 
-def call_with_retries(fn: Callable[[], T], policy: RetryPolicy,
-                      on_fail: Callable[[BaseException, Verdict, int], BaseException],
-                      describe: str = "storage call") -> T:
+def call_with_retries(
+    fn: Callable[[], T],
+    policy: RetryPolicy,
+    on_fail: Callable[[BaseException, Verdict, int], BaseException],
+    describe: str = "storage call",
+) -> T:
     """Run ``fn``, retrying transient failures under ``policy``.
 
     Args:
@@ -277,8 +347,15 @@ def call_with_retries(fn: Callable[[], T], policy: RetryPolicy,
             if verdict is not Verdict.TRANSIENT or attempt == policy.max_attempts:
                 raise on_fail(exc, verdict, attempt) from exc
             delay = policy.delay_s(attempt, _RNG)
-            log.warning("%s failed (%s: %s); retry %d/%d in %.2fs", describe, type(exc).__name__,
-                        brief(exc), attempt, policy.max_attempts - 1, delay)
+            log.warning(
+                "%s failed (%s: %s); retry %d/%d in %.2fs",
+                describe,
+                type(exc).__name__,
+                brief(exc),
+                attempt,
+                policy.max_attempts - 1,
+                delay,
+            )
             time.sleep(delay)
     raise AssertionError("unreachable")
 

@@ -41,7 +41,9 @@ class Upload:
 def _s3_parts(store: Store) -> tuple[Any, str, str] | None:
     """``(s3fs, bucket, prefix)`` of an S3 store, or None for other backends."""
     protocol = store.fs.protocol
-    if not (("s3" in protocol) if isinstance(protocol, (tuple, list)) else protocol in ("s3", "s3a")):
+    if not (
+        ("s3" in protocol) if isinstance(protocol, (tuple, list)) else protocol in ("s3", "s3a")
+    ):
         return None
     bucket, prefix, _ = store.fs.split_path(store.root)
     return store.fs, bucket, (prefix.rstrip("/") + "/") if prefix else ""
@@ -69,8 +71,11 @@ def list_uploads(store: Store) -> list[Upload]:
     uploads: list[Upload] = []
     marker: dict[str, str] = {}
     while True:
-        page = store._call("list uploads", "", lambda: fs.call_s3(
-            "list_multipart_uploads", Bucket=bucket, Prefix=prefix, **marker))
+        page = store._call(
+            "list uploads",
+            "",
+            lambda: fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **marker),
+        )
         for item in page.get("Uploads", []):
             age = (now - item["Initiated"]).total_seconds()
             uploads.append(Upload(key=item["Key"], upload_id=item["UploadId"], age_s=max(age, 0.0)))
@@ -80,8 +85,9 @@ def list_uploads(store: Store) -> list[Upload]:
     return sorted(uploads, key=lambda u: -u.age_s)
 
 
-def abort_stale_uploads(store: Store, *, grace_s: float = DEFAULT_GRACE_S,
-                        dry_run: bool = False) -> list[Upload]:
+def abort_stale_uploads(
+    store: Store, *, grace_s: float = DEFAULT_GRACE_S, dry_run: bool = False
+) -> list[Upload]:
     """Abort the unfinished uploads under ``store`` older than ``grace_s`` seconds.
 
     Called by one process (``shardsmith gc``, or rank 0 after a commit). An upload that
@@ -98,8 +104,13 @@ def abort_stale_uploads(store: Store, *, grace_s: float = DEFAULT_GRACE_S,
     done: list[Upload] = []
     for upload in stale:
         try:
-            store._call("abort upload", upload.key, lambda u=upload: fs.call_s3(
-                "abort_multipart_upload", Bucket=bucket, Key=u.key, UploadId=u.upload_id))
+            store._call(
+                "abort upload",
+                upload.key,
+                lambda u=upload: fs.call_s3(
+                    "abort_multipart_upload", Bucket=bucket, Key=u.key, UploadId=u.upload_id
+                ),
+            )
         except FileNotFoundError:
             continue
         done.append(upload)

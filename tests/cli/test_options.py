@@ -15,21 +15,46 @@ from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.sizes import format_nbytes, parse_nbytes, short_nbytes
 
 
-@pytest.mark.parametrize("text, nbytes", [
-    ("4096", 4096), (4096, 4096), ("1B", 1), ("1 b", 1),
-    ("1KB", 10**3), ("500MB", 500 * 10**6), ("5GB", 5 * 10**9), ("2TB", 2 * 10**12),
-    ("1KiB", 2**10), ("256MiB", 256 * 2**20), ("2GiB", 2 * 2**30), ("1TiB", 2**40),
-    ("500mb", 500 * 10**6), ("2gib", 2 * 2**30), (" 1.5KB ", 1500), ("1.5KiB", 1536), ("0.5GB", 5 * 10**8),
-])
+@pytest.mark.parametrize(
+    "text, nbytes",
+    [
+        ("4096", 4096),
+        (4096, 4096),
+        ("1B", 1),
+        ("1 b", 1),
+        ("1KB", 10**3),
+        ("500MB", 500 * 10**6),
+        ("5GB", 5 * 10**9),
+        ("2TB", 2 * 10**12),
+        ("1KiB", 2**10),
+        ("256MiB", 256 * 2**20),
+        ("2GiB", 2 * 2**30),
+        ("1TiB", 2**40),
+        ("500mb", 500 * 10**6),
+        ("2gib", 2 * 2**30),
+        (" 1.5KB ", 1500),
+        ("1.5KiB", 1536),
+        ("0.5GB", 5 * 10**8),
+    ],
+)
 def test_size_rule_decimal_and_binary(text, nbytes) -> None:
     assert parse_nbytes(text) == nbytes
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("5 parsecs", "not a size"), ("1G", "ambiguous"), ("2m", "ambiguous"), ("", "not a size"),
-    ("-1MB", "not a size"), ("0", ">= 1"), ("0.5B", "whole number"), ("1.0001KB", "whole number"),
-    ("1e9", "not a size"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("5 parsecs", "not a size"),
+        ("1G", "ambiguous"),
+        ("2m", "ambiguous"),
+        ("", "not a size"),
+        ("-1MB", "not a size"),
+        ("0", ">= 1"),
+        ("0.5B", "whole number"),
+        ("1.0001KB", "whole number"),
+        ("1e9", "not a size"),
+    ],
+)
 def test_size_rule_refuses_garbage_with_one_line(text, needle) -> None:
     with pytest.raises(ValueError, match=needle) as err:
         parse_nbytes(text)
@@ -48,8 +73,12 @@ def test_max_buffer_and_max_shard_size_agree_on_units(tmp_path) -> None:
     from shardsmith.cli.hf_commands import export_hf
     from shardsmith.cli.reshard_commands import reshard
 
-    a = reshard.make_context("reshard", ["a", "b", "--max-buffer", "500MB"]).params["max_buffer_nbytes"]
-    b = export_hf.make_context("export-hf", ["a", "b", "--max-shard-size", "500MB"]).params["max_shard_nbytes"]
+    a = reshard.make_context("reshard", ["a", "b", "--max-buffer", "500MB"]).params[
+        "max_buffer_nbytes"
+    ]
+    b = export_hf.make_context("export-hf", ["a", "b", "--max-shard-size", "500MB"]).params[
+        "max_shard_nbytes"
+    ]
     assert a == b == 500_000_000
     result = CliRunner().invoke(cli, ["reshard", "a", "b", "--max-buffer", "lots"])
     assert result.exit_code == 2 and "not a size" in result.output
@@ -94,14 +123,20 @@ def test_dtype_and_format_choices_are_one_set() -> None:
         return list(next(p for p in command.params if p.name == name).type.choices)
 
     assert choices(reshard, "dtype") == choices(export_hf, "dtype")
-    assert choices(reshard, "tensor_format") == choices(train, "tensor_format") == ["safetensors", "zarr"]
+    assert (
+        choices(reshard, "tensor_format")
+        == choices(train, "tensor_format")
+        == ["safetensors", "zarr"]
+    )
 
 
 def test_make_dims_derives_dp_shard_from_the_world_size() -> None:
     assert make_dims(2, 1, -1, 1, (), 8) == ParallelDims(tp=2, dp_shard=4)
     assert make_dims(2, 2, -1, 1, (3, 1), None) == ParallelDims(tp=2, pp=2, pipeline_split=(3, 1))
     assert ParallelDims.for_world_size(16, pp=2, tp=2) == ParallelDims(pp=2, tp=2, dp_shard=4)
-    with pytest.raises(LayoutError, match=r"world size 6 is not a multiple of pp\*dp_replicate\*tp=4"):
+    with pytest.raises(
+        LayoutError, match=r"world size 6 is not a multiple of pp\*dp_replicate\*tp=4"
+    ):
         make_dims(2, 2, -1, 1, (), 6)
     with pytest.raises(LayoutError, match="needs 4 processes but 2"):
         make_dims(2, 1, 2, 1, (), 2)
@@ -144,5 +179,8 @@ def test_inspect_shows_the_model_config(tmp_path) -> None:
     from shardsmith.layout.sharding import param_specs
 
     num_params = sum(prod(s.shape) for s in param_specs(MODEL, ParallelDims()).values())
-    assert "model custom: 2 layers, hidden 32, 4 heads (2 kv), ffn 64, vocab 256, seq 16" in result.output
+    assert (
+        "model custom: 2 layers, hidden 32, 4 heads (2 kv), ffn 64, vocab 256, seq 16"
+        in result.output
+    )
     assert f"; {num_params:,} parameters" in result.output

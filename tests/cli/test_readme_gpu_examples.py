@@ -14,8 +14,17 @@ from shardsmith.cli.main import cli
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 #: Flags that matter to a real run but not to the dry run's memory (the dry run refuses none of them).
-_RUN_ONLY = {"--ckpt": 1, "--resume": 1, "--steps": 1, "--save-interval": 1, "--async-save": 0, "--dry-run": 0,
-             "--gpu": 1, "--gpu-memory": 1, "--json": 0}
+_RUN_ONLY = {
+    "--ckpt": 1,
+    "--resume": 1,
+    "--steps": 1,
+    "--save-interval": 1,
+    "--async-save": 0,
+    "--dry-run": 0,
+    "--gpu": 1,
+    "--gpu-memory": 1,
+    "--json": 0,
+}
 
 
 def readme_train_examples() -> list[tuple[list[str], int | None]]:
@@ -57,12 +66,18 @@ def _with_world(flags: list[str], world: int | None) -> list[str]:
 def test_readme_preset_examples_fit_an_h100() -> None:
     examples = readme_train_examples()
     names = [" ".join(f) for f, _ in examples]
-    assert any("llama3-70b" in n and "--virtual-stages 4" in n for n in names), names      # the SLURM script
-    assert sum("llama3-70b" in n for n in names) >= 3 and any("llama3.1-405b" in n for n in names), names
+    assert any("llama3-70b" in n and "--virtual-stages 4" in n for n in names), (
+        names
+    )  # the SLURM script
+    assert sum("llama3-70b" in n for n in names) >= 3 and any(
+        "llama3.1-405b" in n for n in names
+    ), names
     for flags, world in examples:
         args = ["train", *_with_world(flags, world), "--dry-run", "--gpu", "h100", "--json"]
         out = CliRunner().invoke(cli, args)
         assert out.exit_code == 0, (args, out.output[-2000:])
         report = json.loads(out.output)
-        assert report["fits"] is True, (args, [(g.get("stage"), g.get("headroom_bytes")) for g in
-                                               report.get("rank_groups", [])])
+        assert report["fits"] is True, (
+            args,
+            [(g.get("stage"), g.get("headroom_bytes")) for g in report.get("rank_groups", [])],
+        )

@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ckpt_factory import full_tensors, save_offline
 from click.testing import CliRunner
 
-from ckpt_factory import full_tensors, save_offline
 from shardsmith.cli.main import cli
 from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import commit
@@ -20,22 +20,28 @@ from shardsmith.storage.store.fs import Store
 
 def _root_with_steps(tmp_path: Path, *steps: int) -> Path:
     root = tmp_path / "runs" / "a"
-    for step in steps:             # model-shaped (reshard checks the tensors against the model record)
-        commit(Store(str(root)), save_offline(Store(str(root)), step, ParallelDims(dp_shard=2), full_tensors()))
+    for step in steps:  # model-shaped (reshard checks the tensors against the model record)
+        commit(
+            Store(str(root)),
+            save_offline(Store(str(root)), step, ParallelDims(dp_shard=2), full_tensors()),
+        )
     return root
 
 
 def test_a_mistyped_step_name_lists_the_steps_the_root_holds(tmp_path: Path) -> None:
     root = _root_with_steps(tmp_path, 10, 20)
     for command in ("verify", "inspect"):
-        result = CliRunner().invoke(cli, [command, f"{root}/step-00000020"])     # one zero short
+        result = CliRunner().invoke(cli, [command, f"{root}/step-00000020"])  # one zero short
         assert result.exit_code == 1, result.output
-        assert (f"no committed checkpoint under {root}/step-00000020 (it does not exist); {root} holds "
-                f"committed steps 10, 20: name one as {root}/step-000000020, or give {root} for its newest"
-                ) in result.output
+        assert (
+            f"no committed checkpoint under {root}/step-00000020 (it does not exist); {root} holds "
+            f"committed steps 10, 20: name one as {root}/step-000000020, or give {root} for its newest"
+        ) in result.output
 
 
-def test_verify_of_a_step_that_is_not_there_says_so_instead_of_counting_problems(tmp_path: Path) -> None:
+def test_verify_of_a_step_that_is_not_there_says_so_instead_of_counting_problems(
+    tmp_path: Path,
+) -> None:
     root = _root_with_steps(tmp_path, 10)
     result = CliRunner().invoke(cli, ["verify", f"{root}/step-000000099"])
     assert result.exit_code == 1, result.output
@@ -50,7 +56,9 @@ def test_an_empty_or_missing_root_names_which(tmp_path: Path) -> None:
     assert empty.exit_code == 1
     assert f"no committed checkpoint under {tmp_path / 'empty'}\n" in empty.output
     missing = CliRunner().invoke(cli, ["verify", str(tmp_path / "nope")])
-    assert f"no committed checkpoint under {tmp_path / 'nope'} (it does not exist)" in missing.output
+    assert (
+        f"no committed checkpoint under {tmp_path / 'nope'} (it does not exist)" in missing.output
+    )
 
 
 def test_one_file_is_not_one_files(tmp_path: Path) -> None:
@@ -66,14 +74,21 @@ def test_one_file_is_not_one_files(tmp_path: Path) -> None:
 def test_gc_of_a_local_root_says_each_deletion_once_and_nothing_of_uploads(tmp_path: Path) -> None:
     root = _root_with_steps(tmp_path, 10, 20)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "shardsmith", "gc", str(root), "--keep-last", "1"],
-                         capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "shardsmith", "gc", str(root), "--keep-last", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["deleted      step-000000010  committed  committed, outside the retention",
-                                       "kept         step-000000020  committed  newest committed step",
-                                       "deleted 1 of 2 steps"]
-    assert "step-000000010" not in out.stderr                  # the log line that repeated the decision
-    uploads = CliRunner().invoke(cli, ["gc", "--uploads", str(root)])      # asked for: answered
+    assert out.stdout.splitlines() == [
+        "deleted      step-000000010  committed  committed, outside the retention",
+        "kept         step-000000020  committed  newest committed step",
+        "deleted 1 of 2 steps",
+    ]
+    assert "step-000000010" not in out.stderr  # the log line that repeated the decision
+    uploads = CliRunner().invoke(cli, ["gc", "--uploads", str(root)])  # asked for: answered
     assert uploads.output == "aborted 0 unfinished uploads older than 3600s\n"
 
 
@@ -82,48 +97,68 @@ def test_a_dry_run_without_a_world_size_says_what_dp_shard_minus_one_became() ->
     unsized = CliRunner().invoke(cli, flags)
     assert unsized.exit_code == 0, unsized.output
     lines = unsized.output.splitlines()
-    layout = next(i for i, line in enumerate(lines) if line.startswith("  layout pp2·dpr1·dps1·tp1 = 2 ranks"))
-    assert lines[layout + 1].startswith("  note: --dp-shard -1 (the default) takes the rest of the world size, "
-                                        "which a dry run does not know: dp_shard 1 here; pass --dp-shard N")
+    layout = next(
+        i for i, line in enumerate(lines) if line.startswith("  layout pp2·dpr1·dps1·tp1 = 2 ranks")
+    )
+    assert lines[layout + 1].startswith(
+        "  note: --dp-shard -1 (the default) takes the rest of the world size, "
+        "which a dry run does not know: dp_shard 1 here; pass --dp-shard N"
+    )
     assert "(1 rank, e.g. rank 0)" in unsized.output and "1 ranks" not in unsized.output
     for sized in (["--dp-shard", "4"], ["--nproc-per-node", "8"], ["--json"]):
         result = CliRunner().invoke(cli, flags + sized)
-        assert result.exit_code == 0 and "note: --dp-shard -1" not in result.output, (sized, result.output)
+        assert result.exit_code == 0 and "note: --dp-shard -1" not in result.output, (
+            sized,
+            result.output,
+        )
 
 
 def test_a_run_without_ckpt_says_it_saves_nothing(tmp_path: Path, monkeypatch) -> None:
     import shardsmith.trainer.runtime.launch as launch_module
     from shardsmith.trainer.checkpoint.resume import COMMAND_ENV
 
-    for name in (COMMAND_ENV, "SHARDSMITH_LAUNCH_TIME"):        # the launcher sets them: restored after
+    for name in (COMMAND_ENV, "SHARDSMITH_LAUNCH_TIME"):  # the launcher sets them: restored after
         monkeypatch.delenv(name, raising=False)
     launched: list[tuple] = []
-    monkeypatch.setattr(launch_module, "launch", lambda cfg, world, **kw: launched.append((cfg, world)) or 0)
+    monkeypatch.setattr(
+        launch_module, "launch", lambda cfg, world, **kw: launched.append((cfg, world)) or 0
+    )
     monkeypatch.chdir(tmp_path)
     bare = CliRunner().invoke(cli, ["train", "--steps", "1", "--nproc-per-node", "2"])
     assert bare.exit_code == 0 and len(launched) == 1, bare.output
-    assert "training pp1·dpr1·dps2·tp1 on 2 processes to step 1 (no --ckpt: no checkpoint will be saved)" \
+    assert (
+        "training pp1·dpr1·dps2·tp1 on 2 processes to step 1 (no --ckpt: no checkpoint will be saved)"
         in bare.output
-    saved = CliRunner().invoke(cli, ["train", "--steps", "1", "--nproc-per-node", "2", "--ckpt", "c"])
+    )
+    saved = CliRunner().invoke(
+        cli, ["train", "--steps", "1", "--nproc-per-node", "2", "--ckpt", "c"]
+    )
     assert saved.exit_code == 0 and len(launched) == 2, saved.output
     assert "no --ckpt" not in saved.output
 
 
-def test_a_mistyped_data_glob_is_refused_before_any_worker_starts(tmp_path: Path, monkeypatch) -> None:
+def test_a_mistyped_data_glob_is_refused_before_any_worker_starts(
+    tmp_path: Path, monkeypatch
+) -> None:
     import shardsmith.trainer.runtime.launch as launch_module
     from shardsmith.trainer.checkpoint.resume import COMMAND_ENV
 
     for name in (COMMAND_ENV, "SHARDSMITH_LAUNCH_TIME"):
         monkeypatch.delenv(name, raising=False)
     launched: list[int] = []
-    monkeypatch.setattr(launch_module, "launch", lambda cfg, world, **kw: launched.append(world) or 0)
+    monkeypatch.setattr(
+        launch_module, "launch", lambda cfg, world, **kw: launched.append(world) or 0
+    )
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "a.txt").write_text("some text " * 100)
     base = ["train", "--steps", "1", "--nproc-per-node", "2", "--ckpt", str(tmp_path / "c")]
     typo = CliRunner().invoke(cli, base + ["--data", f"{tmp_path}/corpus/*.txtx"])
     assert typo.exit_code == 1 and launched == [], typo.output
-    assert f"error: --data source '{tmp_path}/corpus/*.txtx' matched no file; check the path or glob" in typo.output
-    assert not (tmp_path / "c").exists()                        # the refused job created no root
+    assert (
+        f"error: --data source '{tmp_path}/corpus/*.txtx' matched no file; check the path or glob"
+        in typo.output
+    )
+    assert not (tmp_path / "c").exists()  # the refused job created no root
     ok = CliRunner().invoke(cli, base + ["--data", f"{tmp_path}/corpus/*.txt"])
     assert ok.exit_code == 0 and launched == [2], ok.output
 
@@ -134,5 +169,7 @@ def test_ls_keeps_a_long_layout_apart_from_the_run_id(tmp_path: Path) -> None:
     listing = CliRunner().invoke(cli, ["ls", root.url])
     assert listing.exit_code == 0, listing.output
     header, row = listing.output.splitlines()[:2]
-    assert "pp1·dpr1·dps2·cp2·tp2  " in row                   # was "...cp2·tp2 69e71fa6cab6": one space
-    assert header.index("run") == row.index("pp1·dpr1·dps2·cp2·tp2") + len("pp1·dpr1·dps2·cp2·tp2") + 2
+    assert "pp1·dpr1·dps2·cp2·tp2  " in row  # was "...cp2·tp2 69e71fa6cab6": one space
+    assert (
+        header.index("run") == row.index("pp1·dpr1·dps2·cp2·tp2") + len("pp1·dpr1·dps2·cp2·tp2") + 2
+    )

@@ -17,19 +17,18 @@ import json
 import sys
 from pathlib import Path
 
-
 from shardsmith.layout import ParallelDims
 from shardsmith.reshard.api import reshard
 from shardsmith.reshard.foreign.hf_io import export_hf
 from shardsmith.reshard.planner import ReshardOptions
 from shardsmith.reshard.zarr_convert import convert_format
 from shardsmith.storage.commit import read_manifest, step_dir
-from shardsmith.storage.store.fs import Store
 from shardsmith.storage.manifest.records import SIDECAR_SUFFIX
 from shardsmith.storage.manifest.sidecar import load_chunk_crcs
+from shardsmith.storage.store.fs import Store
 
 TESTS_DIR = next(p for p in Path(__file__).resolve().parents if p.name == "tests")
-sys.path[:0] = [str(TESTS_DIR / "helpers"), str(TESTS_DIR)]     # also when run as a script
+sys.path[:0] = [str(TESTS_DIR / "helpers"), str(TESTS_DIR)]  # also when run as a script
 from ckpt_factory import full_tensors, save_offline  # noqa: E402
 
 FIXTURE = TESTS_DIR / "fixtures" / "byte_identity.json"
@@ -42,13 +41,15 @@ def _version1_view(step: Path) -> bytes:
     version 2; the content must not have changed)."""
     store = Store(str(step))
     manifest = read_manifest(store)
-    load_chunk_crcs(store, manifest.chunk_nbytes, [s for t in manifest.tensors.values() for s in t.shards])
+    load_chunk_crcs(
+        store, manifest.chunk_nbytes, [s for t in manifest.tensors.values() for s in t.shards]
+    )
     manifest.files = {k: v for k, v in manifest.files.items() if not k.endswith(SIDECAR_SUFFIX)}
     manifest.version = 1
     doc = manifest.to_json()
     doc.pop("created", None)
     parent = doc.get("state", {}).get("run", {}).get("parent") or {}
-    parent.pop("url", None)         # a reshard's source URL: the machine's temp path
+    parent.pop("url", None)  # a reshard's source URL: the machine's temp path
     return json.dumps(doc, sort_keys=True).encode()
 
 
@@ -59,8 +60,11 @@ def _digest(path: Path) -> str:
 
 def _tree(root: Path) -> dict[str, str]:
     """path -> digest of every file but the chunk-CRC sidecars (``verify`` covers those)."""
-    return {str(p.relative_to(root)): _digest(p) for p in sorted(root.rglob("*"))
-            if p.is_file() and not p.name.startswith(".") and not p.name.endswith(SIDECAR_SUFFIX)}
+    return {
+        str(p.relative_to(root)): _digest(p)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.name.startswith(".") and not p.name.endswith(SIDECAR_SUFFIX)
+    }
 
 
 def run_pipeline(tmp: Path) -> dict[str, str]:
@@ -70,12 +74,24 @@ def run_pipeline(tmp: Path) -> dict[str, str]:
     src = Store(str(tmp / "save")).child(step_dir(STEP))
     opts = ReshardOptions(chunk_nbytes=256, slab_nbytes=512, max_buffer_nbytes=4096, workers=2)
     reshard(src, str(tmp / "reshard"), ParallelDims(tp=1, dp_shard=2), options=opts)
-    reshard(src, str(tmp / "reshard_bf16"), ParallelDims(tp=4),
-            options=ReshardOptions(dtype="BF16", model_only=True, chunk_nbytes=128, workers=1))
-    convert_format(src, str(tmp / "zarr"), ParallelDims(tp=2, dp_shard=2), "zarr", codec="zstd",
-                   chunk_nbytes=256)
+    reshard(
+        src,
+        str(tmp / "reshard_bf16"),
+        ParallelDims(tp=4),
+        options=ReshardOptions(dtype="BF16", model_only=True, chunk_nbytes=128, workers=1),
+    )
+    convert_format(
+        src,
+        str(tmp / "zarr"),
+        ParallelDims(tp=2, dp_shard=2),
+        "zarr",
+        codec="zstd",
+        chunk_nbytes=256,
+    )
     zsrc = Store(str(tmp / "zarr")).child(step_dir(STEP))
-    convert_format(zsrc, str(tmp / "zarr_back"), ParallelDims(pp=2), "safetensors", chunk_nbytes=256)
+    convert_format(
+        zsrc, str(tmp / "zarr_back"), ParallelDims(pp=2), "safetensors", chunk_nbytes=256
+    )
     export_hf(str(tmp / "save"), str(tmp / "hf"), dtype="bf16")
     export_hf(str(tmp / "save"), str(tmp / "hf_sharded"), dtype="fp32", max_shard_nbytes=40_000)
     return _tree(tmp)

@@ -48,14 +48,19 @@ from typing import Any
 
 import pytest
 import torch
-
 from conftest import assert_tensors_bitwise_equal
-from shardsmith.storage import crashpoints
+
 from shardsmith.layout.box import Box
-from shardsmith.storage.commit import (find_latest_committed, list_steps, read_latest_hint, read_manifest,
-                                       step_dir)
-from shardsmith.storage.store.fs import Store
+from shardsmith.storage import crashpoints
+from shardsmith.storage.commit import (
+    find_latest_committed,
+    list_steps,
+    read_latest_hint,
+    read_manifest,
+    step_dir,
+)
 from shardsmith.storage.formats.registry import read_boxes
+from shardsmith.storage.store.fs import Store
 from shardsmith.storage.verify import verify_checkpoint
 from shardsmith.trainer.observe.metrics import iter_json_lines
 
@@ -64,22 +69,60 @@ CRASH_STEP = 2
 FINAL_STEP = CRASH_STEP + 1
 #: ``shardsmith train`` flags of every run here (model size, --ckpt, --steps ... added).
 #: A fixed LR schedule (decay over 6 steps) so runs of different lengths train alike.
-COMMON_FLAGS = ["--dp-shard", "2", "--num-layers", "2", "--num-attention-heads", "4", "--num-kv-heads", "2",
-                "--vocab-size", "256", "--seq-length", "16", "--global-batch-size", "4",
-                "--micro-batch-size", "2", "--lr", "3e-3", "--warmup-steps", "1", "--lr-decay-steps", "6",
-                "--seed", "1234", "--save-interval", "1", "--preempt-deadline", "3",
-                "--collective-timeout", "60", "--init-timeout", "60", "--resume", "auto"]
+COMMON_FLAGS = [
+    "--dp-shard",
+    "2",
+    "--num-layers",
+    "2",
+    "--num-attention-heads",
+    "4",
+    "--num-kv-heads",
+    "2",
+    "--vocab-size",
+    "256",
+    "--seq-length",
+    "16",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--lr",
+    "3e-3",
+    "--warmup-steps",
+    "1",
+    "--lr-decay-steps",
+    "6",
+    "--seed",
+    "1234",
+    "--save-interval",
+    "1",
+    "--preempt-deadline",
+    "3",
+    "--collective-timeout",
+    "60",
+    "--init-timeout",
+    "60",
+    "--resume",
+    "auto",
+]
 #: Model widths: tiny on local disk; on S3 big enough that each rank's shard file (~12.6 MB)
 #: goes up as a multipart upload of two parts (``storage.fs.DEFAULT_PART_NBYTES``: 8 MiB).
-MODEL_FLAGS = {"local": ["--hidden-size", "32", "--ffn-hidden-size", "64"],
-               "s3": ["--hidden-size", "256", "--ffn-hidden-size", "1024"]}
+MODEL_FLAGS = {
+    "local": ["--hidden-size", "32", "--ffn-hidden-size", "64"],
+    "s3": ["--hidden-size", "256", "--ffn-hidden-size", "1024"],
+}
 #: A group whose first process died gets this long before the rest are killed (a safety
 #: bound: survivors normally fail at once on the closed gloo connections).
 GRACE_S = 20.0
 GROUP_TIMEOUT_S = 180.0
 
-COORDINATOR_COMMITTED = {"commit.after_manifest", "fs.before_publish@latest", "commit.after_latest",
-                         "save.end", "async.after_commit"}
+COORDINATOR_COMMITTED = {
+    "commit.after_manifest",
+    "fs.before_publish@latest",
+    "commit.after_latest",
+    "save.end",
+    "async.after_commit",
+}
 LATEST_MOVED = {"commit.after_latest", "save.end", "async.after_commit"}
 
 
@@ -127,25 +170,67 @@ class Case:
         also a temp file), and not committed it?"""
         if self.may_commit:
             return False
-        published = self.point in ("shard.after_write", "save.after_gather", "commit.before_check",
-                                   "commit.before_manifest") or self.point.endswith("@manifest.json")
+        published = self.point in (
+            "shard.after_write",
+            "save.after_gather",
+            "commit.before_check",
+            "commit.before_manifest",
+        ) or self.point.endswith("@manifest.json")
         return published or (self.backend == "local" and bool(self.in_flight_file))
 
 
-SYNC_R0 = ["save.begin", "shard.before_write", f"fs.mid_write@{_shard(0)}", f"fs.before_publish@{_shard(0)}",
-           "shard.after_write", "save.after_gather", "commit.before_check", "commit.before_manifest",
-           "fs.before_publish@manifest.json", "commit.after_manifest", "fs.before_publish@latest",
-           "commit.after_latest", "save.end"]
-SYNC_R1 = ["save.begin", "shard.before_write", f"fs.mid_write@{_shard(1)}", f"fs.before_publish@{_shard(1)}",
-           "shard.after_write", "save.after_gather", "save.end"]
-ASYNC_R0 = ["async.before_snapshot", "async.after_snapshot", f"fs.before_publish@{_shard(0)}",
-            "commit.after_manifest", "commit.after_latest", "async.after_commit"]
-ASYNC_R1 = ["async.before_snapshot", "async.after_snapshot", f"fs.mid_write@{_shard(1)}",
-            "save.after_gather", "async.after_commit"]
-S3_CASES = [Case(0, f"fs.mid_write@{_shard(0)}", False, "s3"), Case(0, f"fs.before_publish@{_shard(0)}", True, "s3"),
-            Case(1, f"fs.mid_write@{_shard(1)}", True, "s3"), Case(0, "commit.after_manifest", False, "s3")]
-CASES = ([Case(0, p, False) for p in SYNC_R0] + [Case(1, p, False) for p in SYNC_R1]
-         + [Case(0, p, True) for p in ASYNC_R0] + [Case(1, p, True) for p in ASYNC_R1] + S3_CASES)
+SYNC_R0 = [
+    "save.begin",
+    "shard.before_write",
+    f"fs.mid_write@{_shard(0)}",
+    f"fs.before_publish@{_shard(0)}",
+    "shard.after_write",
+    "save.after_gather",
+    "commit.before_check",
+    "commit.before_manifest",
+    "fs.before_publish@manifest.json",
+    "commit.after_manifest",
+    "fs.before_publish@latest",
+    "commit.after_latest",
+    "save.end",
+]
+SYNC_R1 = [
+    "save.begin",
+    "shard.before_write",
+    f"fs.mid_write@{_shard(1)}",
+    f"fs.before_publish@{_shard(1)}",
+    "shard.after_write",
+    "save.after_gather",
+    "save.end",
+]
+ASYNC_R0 = [
+    "async.before_snapshot",
+    "async.after_snapshot",
+    f"fs.before_publish@{_shard(0)}",
+    "commit.after_manifest",
+    "commit.after_latest",
+    "async.after_commit",
+]
+ASYNC_R1 = [
+    "async.before_snapshot",
+    "async.after_snapshot",
+    f"fs.mid_write@{_shard(1)}",
+    "save.after_gather",
+    "async.after_commit",
+]
+S3_CASES = [
+    Case(0, f"fs.mid_write@{_shard(0)}", False, "s3"),
+    Case(0, f"fs.before_publish@{_shard(0)}", True, "s3"),
+    Case(1, f"fs.mid_write@{_shard(1)}", True, "s3"),
+    Case(0, "commit.after_manifest", False, "s3"),
+]
+CASES = (
+    [Case(0, p, False) for p in SYNC_R0]
+    + [Case(1, p, False) for p in SYNC_R1]
+    + [Case(0, p, True) for p in ASYNC_R0]
+    + [Case(1, p, True) for p in ASYNC_R1]
+    + S3_CASES
+)
 #: The case resumed by a real ``shardsmith train --resume auto`` launch (the rest: forked workers):
 #: the coordinator died mid-write, leaving an incomplete step 2 with a temp file in it.
 CLI_RESUMED = Case(0, f"fs.mid_write@{_shard(0)}", False).name
@@ -162,19 +247,25 @@ def test_crash_spec_is_checked() -> None:
 
 
 def test_crash_point_fires_only_for_its_rank_point_file_and_step() -> None:
-    code = ("from shardsmith.storage.crashpoints import crash_point as c\n"
-            "c('save.begin', step=1); c('fs.mid_write', key='s/shards/rank-00001.safetensors')\n"
-            "c('save.begin', step=3); c('commit.after_manifest'); c('fs.mid_write', key='s/manifest.json')\n"
-            "print('alive', flush=True)\n"
-            "c('fs.mid_write', key='s/shards/rank-00000.safetensors'); print('not reached', flush=True)\n")
+    code = (
+        "from shardsmith.storage.crashpoints import crash_point as c\n"
+        "c('save.begin', step=1); c('fs.mid_write', key='s/shards/rank-00001.safetensors')\n"
+        "c('save.begin', step=3); c('commit.after_manifest'); c('fs.mid_write', key='s/manifest.json')\n"
+        "print('alive', flush=True)\n"
+        "c('fs.mid_write', key='s/shards/rank-00000.safetensors'); print('not reached', flush=True)\n"
+    )
     spec = "1:commit.after_manifest,0:save.begin:2,0:fs.mid_write@rank-00000.safetensors:3"
     env = {**os.environ, crashpoints.ENV_VAR: spec, "RANK": "0"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == -9, proc.stderr
     assert proc.stdout.split() == ["alive"]
     assert "crash point fs.mid_write@rank-00000.safetensors (rank 0, step 3)" in proc.stderr
     env.pop(crashpoints.ENV_VAR)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0 and proc.stdout.split() == ["alive", "not", "reached"], proc.stderr
 
 
@@ -192,10 +283,19 @@ def _rank_main(cfg_path: str, rank: int, port: int, crash: str, log_path: str) -
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(NPROC),
-                       "LOCAL_WORLD_SIZE": str(NPROC), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                       crashpoints.ENV_VAR: crash})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(NPROC),
+            "LOCAL_WORLD_SIZE": str(NPROC),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            crashpoints.ENV_VAR: crash,
+        }
+    )
     crashpoints.configure()
     torch.set_num_threads(1)
     from shardsmith.trainer.runtime import worker
@@ -227,9 +327,11 @@ class Group:
     timed_out: bool = False
 
     def describe(self) -> str:
-        return (f"{self.name}: exit codes {self.exitcodes} after {self.seconds:.1f} s"
-                f"{' (timed out)' if self.timed_out else ''}\n"
-                + "\n".join(f"--- rank {r} ---\n{log[-3000:]}" for r, log in enumerate(self.logs)))
+        return (
+            f"{self.name}: exit codes {self.exitcodes} after {self.seconds:.1f} s"
+            f"{' (timed out)' if self.timed_out else ''}\n"
+            + "\n".join(f"--- rank {r} ---\n{log[-3000:]}" for r, log in enumerate(self.logs))
+        )
 
     def records(self) -> list[dict[str, Any]]:
         path = self.run_dir / "metrics.jsonl"
@@ -243,8 +345,14 @@ class Launcher:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.ctx = multiprocessing.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["shardsmith.trainer.train", "shardsmith.trainer.runtime.worker", "s3fs",
-                                         "test_crash_consistency"])
+        self.ctx.set_forkserver_preload(
+            [
+                "shardsmith.trainer.train",
+                "shardsmith.trainer.runtime.worker",
+                "s3fs",
+                "test_crash_consistency",
+            ]
+        )
 
     def _config_file(self, name: str, flags: list[str]) -> str:
         """The config ``shardsmith train FLAGS`` runs, as the launcher hands it to workers."""
@@ -264,14 +372,26 @@ class Launcher:
         t0 = time.monotonic()
         logs = [self.workdir / f"{name}.rank{r}.log" for r in range(NPROC)]
         with _MP_LOCK:
-            procs = [self.ctx.Process(target=_rank_main, args=(cfg, r, port, crash, str(logs[r])),
-                                      name=f"{name}-rank{r}") for r in range(NPROC)]
+            procs = [
+                self.ctx.Process(
+                    target=_rank_main,
+                    args=(cfg, r, port, crash, str(logs[r])),
+                    name=f"{name}-rank{r}",
+                )
+                for r in range(NPROC)
+            ]
             for p in procs:
                 p.start()
         timed_out = _wait(procs)
-        return Group(name, root, run_dir, [_exitcode(p) for p in procs],
-                     [path.read_text(errors="replace") if path.exists() else "" for path in logs],
-                     time.monotonic() - t0, timed_out)
+        return Group(
+            name,
+            root,
+            run_dir,
+            [_exitcode(p) for p in procs],
+            [path.read_text(errors="replace") if path.exists() else "" for path in logs],
+            time.monotonic() - t0,
+            timed_out,
+        )
 
 
 def _exitcode(proc: Any) -> int | None:
@@ -295,7 +415,7 @@ def _wait(procs: list[Any]) -> bool:
         failed = any(_exitcode(p) not in (None, 0) for p in procs)
         limit = min(deadline, time.monotonic() + GRACE_S) if failed else deadline
         alive = [p.sentinel for p in procs if _exitcode(p) is None]
-        if not alive:               # the last one ended since the loop's test: wait([]) would sleep to the limit
+        if not alive:  # the last one ended since the loop's test: wait([]) would sleep to the limit
             break
         multiprocessing.connection.wait(alive, timeout=max(0.0, limit - time.monotonic()))
         if time.monotonic() >= limit:
@@ -310,15 +430,36 @@ def _wait(procs: list[Any]) -> bool:
 
 def _run_cli(name: str, root: Store, flags: list[str], workdir: Path) -> Group:
     """A real ``shardsmith train`` launch (torchrun's agent), for a local root."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "PYTHONWARNINGS": "ignore"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
     env.pop(crashpoints.ENV_VAR, None)
     run_dir = workdir / f"{name}.run"
-    cmd = [sys.executable, "-m", "shardsmith", "train", "--nproc-per-node", str(NPROC), *flags,
-           "--ckpt", root.url, "--run-dir", str(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardsmith",
+        "train",
+        "--nproc-per-node",
+        str(NPROC),
+        *flags,
+        "--ckpt",
+        root.url,
+        "--run-dir",
+        str(run_dir),
+    ]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=GROUP_TIMEOUT_S)
+    proc = subprocess.run(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=GROUP_TIMEOUT_S,
+    )
     return Group(name, root, run_dir, [proc.returncode], [proc.stdout], time.monotonic() - t0)
 
 
@@ -335,8 +476,12 @@ def _read_step(step_store: Store) -> dict[str, torch.Tensor]:
     """Every logical tensor of a committed step, whole (checksummed reads)."""
     manifest = read_manifest(step_store)
     fqns = sorted(manifest.tensors)
-    boxes = [Box((0,) * len(manifest.tensors[f].shape), tuple(manifest.tensors[f].shape)) for f in fqns]
-    return dict(zip(fqns, read_boxes(step_store, manifest, [(f, b, None) for f, b in zip(fqns, boxes)])))
+    boxes = [
+        Box((0,) * len(manifest.tensors[f].shape), tuple(manifest.tensors[f].shape)) for f in fqns
+    ]
+    return dict(
+        zip(fqns, read_boxes(step_store, manifest, [(f, b, None) for f, b in zip(fqns, boxes)]))
+    )
 
 
 # ---- the runs (once per module) ------------------------------------------------------------
@@ -352,13 +497,23 @@ class Runs:
 
 
 def _flags(backend: str, steps: int, async_save: bool, s3: Any) -> list[str]:
-    out = [*COMMON_FLAGS, *MODEL_FLAGS[backend], "--steps", str(steps),
-           "--async-save" if async_save else "--no-async-save"]
+    out = [
+        *COMMON_FLAGS,
+        *MODEL_FLAGS[backend],
+        "--steps",
+        str(steps),
+        "--async-save" if async_save else "--no-async-save",
+    ]
     if backend == "s3":
-        out += [f"--storage-option={k}={v}" for k, v in
-                (("key", s3.storage_options["key"]), ("secret", s3.storage_options["secret"]),
-                 ("client_kwargs.endpoint_url", s3.endpoint_url),
-                 ("client_kwargs.region_name", s3.storage_options["client_kwargs"]["region_name"]))]
+        out += [
+            f"--storage-option={k}={v}"
+            for k, v in (
+                ("key", s3.storage_options["key"]),
+                ("secret", s3.storage_options["secret"]),
+                ("client_kwargs.endpoint_url", s3.endpoint_url),
+                ("client_kwargs.region_name", s3.storage_options["client_kwargs"]["region_name"]),
+            )
+        ]
     return out
 
 
@@ -387,9 +542,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory, data_path: str) -> Runs:
         return {s: _read_step(ref_root.child(step_dir(s))) for s in range(1, FINAL_STEP + 1)}
 
     def crash(case: Case) -> Group:
-        return launcher.run(case.name, root(case.backend, case.name),
-                            flags(case.backend, CRASH_STEP, case.async_save),
-                            crash=f"{case.rank}:{case.point}:{CRASH_STEP}")
+        return launcher.run(
+            case.name,
+            root(case.backend, case.name),
+            flags(case.backend, CRASH_STEP, case.async_save),
+            crash=f"{case.rank}:{case.point}:{CRASH_STEP}",
+        )
 
     def resume(case: Case) -> Group:
         name = f"{case.name}.resumed"
@@ -425,23 +583,36 @@ def test_kill_leaves_newest_committed_step_verified_and_loadable(runs: Runs, cas
     want = {2} if case.must_commit else {1, 2} if case.may_commit else {1}
     assert newest in want, f"newest committed step {newest}, expected one of {want}: {steps}"
     if case.leaves_partial_step:
-        assert steps.get(CRASH_STEP) is False, f"the interrupted step 2 must be listed as incomplete: {steps}"
+        assert steps.get(CRASH_STEP) is False, (
+            f"the interrupted step 2 must be listed as incomplete: {steps}"
+        )
     if case.in_flight_file:
-        assert not root.exists(case.in_flight_file), f"{case.in_flight_file} appeared before it was complete"
+        assert not root.exists(case.in_flight_file), (
+            f"{case.in_flight_file} appeared before it was complete"
+        )
     if case.rank == 0:
         assert read_latest_hint(root) == step_dir(2 if case.point in LATEST_MOVED else 1)
-    if newest == CRASH_STEP:                       # survivors must not call a committed step uncommitted
-        told = [log for r, log in enumerate(group.logs) if r != case.rank and "not committed" in log]
-        assert not told, f"a survivor was told step {newest} is not committed, but it is:\n{told[0][-2000:]}"
+    if newest == CRASH_STEP:  # survivors must not call a committed step uncommitted
+        told = [
+            log for r, log in enumerate(group.logs) if r != case.rank and "not committed" in log
+        ]
+        assert not told, (
+            f"a survivor was told step {newest} is not committed, but it is:\n{told[0][-2000:]}"
+        )
     report = verify_checkpoint(root.child(step_dir(newest)))
     assert report.ok and report.step == newest, report.to_json()
-    assert_tensors_bitwise_equal(_read_step(root.child(step_dir(newest))), runs.reference[case.backend][newest],
-                                 f"{case.name}: step {newest}")
+    assert_tensors_bitwise_equal(
+        _read_step(root.child(step_dir(newest))),
+        runs.reference[case.backend][newest],
+        f"{case.name}: step {newest}",
+    )
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_resume_auto_after_kill_continues_from_newest_committed_step(runs: Runs, case: Case) -> None:
+def test_resume_auto_after_kill_continues_from_newest_committed_step(
+    runs: Runs, case: Case
+) -> None:
     crashed, group = runs.crashed[case.name], runs.resumed[case.name]
     assert all(code == 0 for code in group.exitcodes), group.describe()
     newest = find_latest_committed(crashed.root)
@@ -456,5 +627,8 @@ def test_resume_auto_after_kill_continues_from_newest_committed_step(runs: Runs,
         step_store = group.root.child(step_dir(step))
         report = verify_checkpoint(step_store)
         assert report.ok, report.to_json()
-        assert_tensors_bitwise_equal(_read_step(step_store), runs.reference[case.backend][step],
-                                     f"{case.name} resumed: step {step}")
+        assert_tensors_bitwise_equal(
+            _read_step(step_store),
+            runs.reference[case.backend][step],
+            f"{case.name} resumed: step {step}",
+        )

@@ -15,33 +15,83 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+from hf_models import save_hf_llama
 
 from shardsmith.cli.main import cli
 from shardsmith.storage.commit import list_steps
 from shardsmith.storage.store.fs import Store
 from shardsmith.trainer.data import TokenDataset
-from hf_models import save_hf_llama
 
 pytestmark = pytest.mark.distributed
 
-FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-kv-heads", "2",
-         "--ffn-hidden-size", "64", "--vocab-size", "256", "--seq-length", "16", "--rope-theta", "500000",
-         "--norm-eps", "1e-5", "--global-batch-size", "4", "--micro-batch-size", "1", "--seed", "5"]
+FLAGS = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--num-kv-heads",
+    "2",
+    "--ffn-hidden-size",
+    "64",
+    "--vocab-size",
+    "256",
+    "--seq-length",
+    "16",
+    "--rope-theta",
+    "500000",
+    "--norm-eps",
+    "1e-5",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "1",
+    "--seed",
+    "5",
+]
 
 
 def test_init_from_imported_hf_model_and_keep_last(tmp_path: Path, data_path: str) -> None:
     hf = save_hf_llama(tmp_path / "hf", tied=False)
     imported = tmp_path / "imported"
-    result = CliRunner().invoke(cli, ["import-hf", str(tmp_path / "hf"), str(imported), "--tp", "2"])
+    result = CliRunner().invoke(
+        cli, ["import-hf", str(tmp_path / "hf"), str(imported), "--tp", "2"]
+    )
     assert result.exit_code == 0, result.output
 
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
-        [sys.executable, "-m", "shardsmith", "train", "--nproc-per-node", "2", "--dp-shard", "2", *FLAGS,
-         "--data", data_path, "--steps", "3", "--save-interval", "1", "--keep-last", "1",
-         "--init-from", str(imported), "--ckpt", str(run)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "shardsmith",
+            "train",
+            "--nproc-per-node",
+            "2",
+            "--dp-shard",
+            "2",
+            *FLAGS,
+            "--data",
+            data_path,
+            "--steps",
+            "3",
+            "--save-interval",
+            "1",
+            "--keep-last",
+            "1",
+            "--init-from",
+            str(imported),
+            "--ckpt",
+            str(run),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:]
 
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

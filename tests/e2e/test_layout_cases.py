@@ -25,21 +25,36 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import assert_tensors_bitwise_equal, open_checkpoint, read_full_tensors, run_torchrun
 from safetensors import safe_open
 
-from conftest import assert_tensors_bitwise_equal, open_checkpoint, read_full_tensors, run_torchrun
-from shardsmith.reshard.api import reshard
 from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.reshard.api import reshard
 from shardsmith.storage.commit import step_dir
 from shardsmith.storage.store.fs import Store
 from shardsmith.trainer.config import DataConfig, OptimConfig, TrainConfig
 
 pytestmark = pytest.mark.distributed
 
-AWKWARD = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_kv_heads=1,
-                      ffn_hidden_size=64, vocab_size=257, seq_length=16, tie_embeddings=True)
-UNEVEN = ModelConfig(num_layers=2, hidden_size=12, num_attention_heads=2, num_kv_heads=1,
-                     ffn_hidden_size=18, vocab_size=256, seq_length=16)
+AWKWARD = ModelConfig(
+    num_layers=4,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_kv_heads=1,
+    ffn_hidden_size=64,
+    vocab_size=257,
+    seq_length=16,
+    tie_embeddings=True,
+)
+UNEVEN = ModelConfig(
+    num_layers=2,
+    hidden_size=12,
+    num_attention_heads=2,
+    num_kv_heads=1,
+    ffn_hidden_size=18,
+    vocab_size=256,
+    seq_length=16,
+)
 
 #: (case name, model, target layout, processes)
 CASES = [
@@ -52,14 +67,24 @@ SAVE_STEP = 2
 #: Step-0 saves: 1 process, then pp2·tp2 (padded vocab, tied embedding on both
 #: stages, one kv head on two TP ranks), dp_shard2, and dp_shard2·tp2 (FSDP2 ``_StridedShard``
 #: rows inside TP rows); each runs in the launch of its process count.
-STEP0_LAYOUTS = {"1.1.1.1": ParallelDims(), "2.1.1.2": ParallelDims(pp=2, tp=2),
-                 "1.1.2.1": ParallelDims(dp_shard=2), "1.1.2.2": ParallelDims(dp_shard=2, tp=2)}
+STEP0_LAYOUTS = {
+    "1.1.1.1": ParallelDims(),
+    "2.1.1.2": ParallelDims(pp=2, tp=2),
+    "1.1.2.1": ParallelDims(dp_shard=2),
+    "1.1.2.2": ParallelDims(dp_shard=2, tp=2),
+}
 
 
 def _config(model: ModelConfig, dims: ParallelDims, data_path: str) -> TrainConfig:
-    return TrainConfig(model=model, parallel=dims, optim=OptimConfig(lr=3e-3, warmup_steps=1, decay_steps=4),
-                       data=DataConfig(sources=(data_path,), seed=7), global_batch_size=8,
-                       micro_batch_size=2, seed=7)
+    return TrainConfig(
+        model=model,
+        parallel=dims,
+        optim=OptimConfig(lr=3e-3, warmup_steps=1, decay_steps=4),
+        data=DataConfig(sources=(data_path,), seed=7),
+        global_batch_size=8,
+        micro_batch_size=2,
+        seed=7,
+    )
 
 
 def _set(model: ModelConfig, dims: ParallelDims) -> dict:
@@ -69,9 +94,17 @@ def _set(model: ModelConfig, dims: ParallelDims) -> dict:
 
 def _step0_tasks(work: Path, nproc: int) -> list[dict]:
     """A step-0 save into ``work/step0/<layout>`` for each of :data:`STEP0_LAYOUTS` of ``nproc`` ranks."""
-    return [{"kind": "train", "steps": 0, "ckpt": str(work / "step0" / name),
-             "out": str(work / "step0" / f"{name}.json"), "set": _set(AWKWARD, dims)}
-            for name, dims in STEP0_LAYOUTS.items() if dims.world_size == nproc]
+    return [
+        {
+            "kind": "train",
+            "steps": 0,
+            "ckpt": str(work / "step0" / name),
+            "out": str(work / "step0" / f"{name}.json"),
+            "set": _set(AWKWARD, dims),
+        }
+        for name, dims in STEP0_LAYOUTS.items()
+        if dims.world_size == nproc
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +117,29 @@ def sources(work: Path, data_path: str) -> dict[str, tuple[str, list]]:
     """model name -> (root of a 1-process checkpoint saved at step 2, losses of steps 1..3);
     both models, and the 1-process step-0 save, in one launch."""
     models = {"awkward": AWKWARD, "uneven": UNEVEN}
-    tasks = [{"kind": "train", "steps": SAVE_STEP + 1, "ckpt": str(work / f"src-{name}"), "save_interval": SAVE_STEP,
-              "resume": "none", "out": str(work / f"src-{name}.json"), "set": _set(model, ParallelDims())}
-             for name, model in models.items()] + _step0_tasks(work, 1)
+    tasks = [
+        {
+            "kind": "train",
+            "steps": SAVE_STEP + 1,
+            "ckpt": str(work / f"src-{name}"),
+            "save_interval": SAVE_STEP,
+            "resume": "none",
+            "out": str(work / f"src-{name}.json"),
+            "set": _set(model, ParallelDims()),
+        }
+        for name, model in models.items()
+    ] + _step0_tasks(work, 1)
     (work / "step0").mkdir()
-    run_torchrun({"config": _config(AWKWARD, ParallelDims(), data_path).to_json(), "tasks": tasks}, 1,
-                 work, "sources").check()
-    return {name: (str(work / f"src-{name}"), json.loads((work / f"src-{name}.json").read_text()))
-            for name in models}
+    run_torchrun(
+        {"config": _config(AWKWARD, ParallelDims(), data_path).to_json(), "tasks": tasks},
+        1,
+        work,
+        "sources",
+    ).check()
+    return {
+        name: (str(work / f"src-{name}"), json.loads((work / f"src-{name}.json").read_text()))
+        for name in models
+    }
 
 
 def _source_step(sources: dict[str, tuple[str, list]], model: ModelConfig) -> str:
@@ -110,13 +158,29 @@ def jobs(work: Path, sources: dict[str, tuple[str, list]], data_path: str) -> di
         for name, model, dims, _ in (c for c in CASES if c[3] == nproc):
             src_step = _source_step(sources, model)
             (work / name).mkdir()
-            tasks += [{"kind": "reload", "src": src_step, "dst": str(work / name / "job"), "set": _set(model, dims)},
-                      {"kind": "train", "steps": SAVE_STEP + 1, "resume": src_step,
-                       "out": str(work / name / "job.json"), "set": _set(model, dims)}]
+            tasks += [
+                {
+                    "kind": "reload",
+                    "src": src_step,
+                    "dst": str(work / name / "job"),
+                    "set": _set(model, dims),
+                },
+                {
+                    "kind": "train",
+                    "steps": SAVE_STEP + 1,
+                    "resume": src_step,
+                    "out": str(work / name / "job.json"),
+                    "set": _set(model, dims),
+                },
+            ]
         tasks += _step0_tasks(work, nproc)
         first = next(c for c in CASES if c[3] == nproc)
-        result = run_torchrun({"config": _config(first[1], first[2], data_path).to_json(), "tasks": tasks}, nproc,
-                              work, f"jobs-{nproc}")
+        result = run_torchrun(
+            {"config": _config(first[1], first[2], data_path).to_json(), "tasks": tasks},
+            nproc,
+            work,
+            f"jobs-{nproc}",
+        )
         out[nproc] = "" if result.returncode == 0 else result.output[-8000:]
     return out
 
@@ -129,8 +193,12 @@ def _file_layout(url: str) -> dict[str, dict[str, tuple]]:
         for s in rec.shards:
             files.setdefault(s.file, {})[s.key] = (tuple(s.offsets), tuple(s.lengths))
     for name, keys in files.items():
-        with safe_open(store.fs.unstrip_protocol(store._path(name)) if not store.is_posix
-                       else store._path(name), framework="pt") as f:
+        with safe_open(
+            store.fs.unstrip_protocol(store._path(name))
+            if not store.is_posix
+            else store._path(name),
+            framework="pt",
+        ) as f:
             assert sorted(f.keys()) == sorted(keys), f"{name}: file keys differ from the manifest"
     return files
 
@@ -161,7 +229,9 @@ def test_layout_case(case, sources, jobs, work: Path, tmp_path: Path) -> None:
     assert abs(loss - ref) <= 1e-4 * abs(ref), (name, loss, ref)
 
 
-def test_step0_checkpoints_of_every_layout_are_bitwise_equal(sources, jobs, work: Path, data_path: str) -> None:
+def test_step0_checkpoints_of_every_layout_are_bitwise_equal(
+    sources, jobs, work: Path, data_path: str
+) -> None:
     """A job's step-0 save (its freshly materialized local shards) is the same in every
     layout, and equals the single-process init; ``shardsmith diff`` against tp1's agrees."""
     from click.testing import CliRunner
@@ -173,14 +243,20 @@ def test_step0_checkpoints_of_every_layout_are_bitwise_equal(sources, jobs, work
 
     assert not any(jobs.values()), f"a launch failed:\n{[e for e in jobs.values() if e][0]}"
     step0 = work / "step0"
-    saved = {name: {f: t for f, t in read_full_tensors(str(step0 / name / step_dir(0))).items()
-                    if not f.startswith(OPTIM_PREFIXES)} for name in STEP0_LAYOUTS}
+    saved = {
+        name: {
+            f: t
+            for f, t in read_full_tensors(str(step0 / name / step_dir(0))).items()
+            if not f.startswith(OPTIM_PREFIXES)
+        }
+        for name in STEP0_LAYOUTS
+    }
     model = Transformer(AWKWARD)
     init_weights(model, _config(AWKWARD, ParallelDims(), data_path).seed)
     want = {f: p.detach() for f, p in model.named_parameters()}
     for name, got in saved.items():
         assert_tensors_bitwise_equal(got, want, f"step-0 save in {name}")
     tp1 = str(step0 / "1.1.1.1" / step_dir(0))
-    for name in STEP0_LAYOUTS:                       # `shardsmith diff`: every tensor, optimizer too
+    for name in STEP0_LAYOUTS:  # `shardsmith diff`: every tensor, optimizer too
         result = CliRunner().invoke(cli, ["diff", tp1, str(step0 / name / step_dir(0))])
         assert result.exit_code == 0, f"shardsmith diff 1.1.1.1 {name}:\n{result.output}"

@@ -32,16 +32,16 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY_TRAIN_FLAGS
+
 from shardsmith.storage.commit import list_steps
 from shardsmith.storage.store.fs import Store
 from shardsmith.trainer.observe.metrics import iter_json_lines
 
 STEPS = 6
 SAVE_EVERY = 2
-KILL_STEP = 5             # after the save of step 4: the survivor resumes step 4 on 2 processes
-HUNG_RANK = 3             # a rank of node B (torchrun orders nodes by (host, agent pid): A started first)
+KILL_STEP = 5  # after the save of step 4: the survivor resumes step 4 on 2 processes
+HUNG_RANK = 3  # a rank of node B (torchrun orders nodes by (host, agent pid): A started first)
 TIMEOUT = 600
 
 
@@ -52,21 +52,65 @@ def _free_port() -> int:
 
 
 def _train_flags(root: Path, data_path: str) -> list[str]:
-    return ["train", "--tp", "2", "--dp-shard", "-1", *TINY_TRAIN_FLAGS, "--data", data_path,
-            "--steps", str(STEPS), "--save-interval", str(SAVE_EVERY), "--no-async-save", "--ckpt", str(root)]
+    return [
+        "train",
+        "--tp",
+        "2",
+        "--dp-shard",
+        "-1",
+        *TINY_TRAIN_FLAGS,
+        "--data",
+        data_path,
+        "--steps",
+        str(STEPS),
+        "--save-interval",
+        str(SAVE_EVERY),
+        "--no-async-save",
+        "--ckpt",
+        str(root),
+    ]
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **extra}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        **extra,
+    }
 
 
-def _agent(port: int, is_host: bool, flags: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    conf = f"is_host={int(is_host)},keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=5"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
-           "--rdzv-conf", conf, "--max-restarts", "1", "--monitor-interval", "0.5",
-           "-m", "shardsmith", *flags]
+def _agent(
+    port: int, is_host: bool, flags: list[str], env: dict[str, str], log: Path
+) -> subprocess.Popen:
+    conf = (
+        f"is_host={int(is_host)},keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=5"
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "two-nodes",
+        "--rdzv-conf",
+        conf,
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.5",
+        "-m",
+        "shardsmith",
+        *flags,
+    ]
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
 
@@ -102,7 +146,9 @@ def _wait_for(path: Path, procs: list[subprocess.Popen], timeout: float) -> None
     deadline = time.monotonic() + timeout
     while not path.exists():
         if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-            raise AssertionError(f"{path.name} never appeared (exit codes {[p.poll() for p in procs]})")
+            raise AssertionError(
+                f"{path.name} never appeared (exit codes {[p.poll() for p in procs]})"
+            )
         time.sleep(0.2)
 
 
@@ -114,15 +160,26 @@ def _wait_for_store(port: int, host: subprocess.Popen, timeout: float) -> None:
     import torch.distributed as dist
 
     try:
-        dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout),
-                      wait_for_workers=False)
+        dist.TCPStore(
+            "127.0.0.1",
+            port,
+            is_master=False,
+            timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
     except (RuntimeError, TimeoutError) as e:
-        raise AssertionError(f"node A's rendezvous store never came up on port {port} "
-                             f"(its exit code: {host.poll()}): {e}") from e
+        raise AssertionError(
+            f"node A's rendezvous store never came up on port {port} "
+            f"(its exit code: {host.poll()}): {e}"
+        ) from e
 
 
 def _losses(root: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in iter_json_lines(str(root / "metrics.jsonl")) if "event" not in r}
+    return {
+        r["step"]: r["loss"]
+        for r in iter_json_lines(str(root / "metrics.jsonl"))
+        if "event" not in r
+    }
 
 
 @pytest.fixture(scope="module")
@@ -134,15 +191,18 @@ def reference(tp2_reference) -> dict[int, float]:
 
 
 @pytest.mark.distributed
-def test_losing_a_node_reshards_onto_the_survivor(tmp_path: Path, data_path: str,
-                                                  reference: dict[int, float]) -> None:
+def test_losing_a_node_reshards_onto_the_survivor(
+    tmp_path: Path, data_path: str, reference: dict[int, float]
+) -> None:
     root, markers = tmp_path / "ckpt", tmp_path / "markers"
-    env = _env(SHARDSMITH_TEST_HANG_AT=f"{HUNG_RANK}:{KILL_STEP}", SHARDSMITH_TEST_MARKER_DIR=str(markers))
+    env = _env(
+        SHARDSMITH_TEST_HANG_AT=f"{HUNG_RANK}:{KILL_STEP}", SHARDSMITH_TEST_MARKER_DIR=str(markers)
+    )
     # a short --preempt-deadline: if A held rank 3 (pid wrap-around), its hung rank would wait
     # that long for a checkpoint when A's agent stops its group, then exit
     port, flags = _free_port(), [*_train_flags(root, data_path), "--preempt-deadline", "10"]
     node_a = _agent(port, True, flags, env, tmp_path / "node-a.log")
-    _wait_for_store(port, node_a, TIMEOUT)           # A hosts the rendezvous store: B joins it
+    _wait_for_store(port, node_a, TIMEOUT)  # A hosts the rendezvous store: B joins it
     node_b = _agent(port, False, flags, env, tmp_path / "node-b.log")
     try:
         _wait_for(markers / f"hang-rank{HUNG_RANK}-step{KILL_STEP}", [node_a, node_b], TIMEOUT)
@@ -159,10 +219,12 @@ def test_losing_a_node_reshards_onto_the_survivor(tmp_path: Path, data_path: str
     assert [(s["restart_count"], s["world_size"]) for s in starts] == [(0, 4), (1, 2)], starts
     [resume] = [r for r in records if r.get("event") == "resume"]
     assert resume["step"] == KILL_STEP - 1 and resume["resharded"], resume
-    assert (resume["saved_layout"]["world_size"], resume["saved_layout"]["dp_shard"]) == (4, 2), resume
-    assert (resume["layout"]["dp_shard"], resume["layout"]["tp"]) == (1, 2), resume      # re-derived
+    assert (resume["saved_layout"]["world_size"], resume["saved_layout"]["dp_shard"]) == (4, 2), (
+        resume
+    )
+    assert (resume["layout"]["dp_shard"], resume["layout"]["tp"]) == (1, 2), resume  # re-derived
     losses = _losses(root)
     assert sorted(reference) == list(range(1, STEPS + 1))
-    for step in range(1, STEPS + 1):                 # before the kill exact, after it within 1e-4
+    for step in range(1, STEPS + 1):  # before the kill exact, after it within 1e-4
         assert losses[step] == pytest.approx(reference[step], rel=1e-4, abs=0), step
     assert max(s.step for s in list_steps(Store(str(root))) if s.committed) == STEPS

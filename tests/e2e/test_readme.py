@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
 
 from shardsmith.trainer.observe.metrics import iter_json_lines
@@ -25,8 +24,11 @@ def main_job_commands() -> list[list[str]]:
     text = README.read_text()
     block = re.search(r"## The main job, step by step\s+```bash\n(.*?)```", text, re.S)
     assert block, "README.md has no 'The main job, step by step' bash block"
-    return [shlex.split(line) for line in block.group(1).splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]
+    return [
+        shlex.split(line)
+        for line in block.group(1).splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
 
 
 def test_the_block_is_parsed() -> None:
@@ -41,8 +43,12 @@ def test_readme_main_job_runs_and_keeps_one_lr_schedule(tmp_path: Path) -> None:
     bindir = os.path.dirname(sys.executable)
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     for command in main_job_commands():
-        proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"{shlex.join(command)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        proc = subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, (
+            f"{shlex.join(command)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
         assert "Traceback" not in proc.stderr and '{"time"' not in proc.stdout + proc.stderr
     steps = {}
     for run in ("a", "b"):
@@ -53,6 +59,6 @@ def test_readme_main_job_runs_and_keeps_one_lr_schedule(tmp_path: Path) -> None:
     optim = OptimConfig(decay_steps=decay)
     factor = lr_lambda(optim, decay)
     assert sorted(steps) == list(range(1, max(steps) + 1))
-    for step, lr in steps.items():                  # the LR of step s is the schedule's at s - 1
+    for step, lr in steps.items():  # the LR of step s is the schedule's at s - 1
         assert lr == pytest.approx(optim.lr * factor(step - 1), rel=1e-6), step
     assert (tmp_path / "runs" / "b" / "loss.png").exists()

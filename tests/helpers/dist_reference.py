@@ -6,9 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-
 from conftest import TINY_MODEL
+from safetensors.torch import load_file
 
 
 def fixed_batch() -> tuple[list[list[int]], list[list[int]]]:
@@ -33,8 +32,9 @@ def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], wh
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-5, msg=f"{where}: {key}")
 
 
-def single_process_reference(tokens: list[list[int]], targets: list[list[int]], num_microbatches: int,
-                              model_cfg=TINY_MODEL) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def single_process_reference(
+    tokens: list[list[int]], targets: list[list[int]], num_microbatches: int, model_cfg=TINY_MODEL
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Logits and first-step gradients of the whole model in this process (no parallelism)."""
     from shardsmith.trainer.model import Transformer
     from shardsmith.trainer.moe import aux_loss

@@ -60,9 +60,9 @@ def task_logits(cfg: TrainConfig, task: dict[str, Any]) -> None:
     trainer = Trainer.create(_with_checkpoint(cfg, resume="none"))
     dims, coords = cfg.parallel, trainer.coords
     mine = {coords["pp"] if c < 0 else c: m for c, m in chunks_of(trainer.model)}
-    tokens = torch.tensor(task["tokens"], dtype=torch.int64)                    # (B, T)
+    tokens = torch.tensor(task["tokens"], dtype=torch.int64)  # (B, T)
     cp = trainer.step_math.cp
-    if cp is not None:                                                          # this rank's (B, T / cp)
+    if cp is not None:  # this rank's (B, T / cp)
         tokens = cp.shard(tokens)
     batch, seq = tokens.shape
     out = None
@@ -73,22 +73,25 @@ def task_logits(cfg: TrainConfig, task: dict[str, Any]) -> None:
             if c == 0:
                 h = tokens
             else:
-                h = torch.empty(batch, seq, cfg.model.hidden_size)              # (B, T, D)
+                h = torch.empty(batch, seq, cfg.model.hidden_size)  # (B, T, D)
                 dist.recv(h, src=dims.rank_of({**coords, "pp": (c - 1) % dims.pp}))
             out = mine[c](h)
-            if isinstance(out, DTensor):                                        # vocab-sharded logits
+            if isinstance(out, DTensor):  # vocab-sharded logits
                 out = out.full_tensor()
             if c < dims.num_chunks - 1:
                 dist.send(out.contiguous(), dst=dims.rank_of({**coords, "pp": (c + 1) % dims.pp}))
-        if dims.num_chunks - 1 in mine and cp is not None:                      # the whole sequence again
+        if dims.num_chunks - 1 in mine and cp is not None:  # the whole sequence again
             from shardsmith.trainer.context_parallel import unshard_sequence
+
             parts = [torch.empty_like(out) for _ in range(cp.size)]
             dist.all_gather(parts, out.contiguous(), group=cp.group)
             out = unshard_sequence(parts)
         if dims.num_chunks - 1 in mine:
             os.makedirs(task["out"], exist_ok=True)
-            save_file({"logits": out.contiguous()},
-                      os.path.join(task["out"], f"logits-rank-{trainer.rank:05d}.safetensors"))
+            save_file(
+                {"logits": out.contiguous()},
+                os.path.join(task["out"], f"logits-rank-{trainer.rank:05d}.safetensors"),
+            )
     dist.barrier()
 
 
@@ -108,10 +111,12 @@ def task_grads(cfg: TrainConfig, task: dict[str, Any]) -> None:
     for fqn, p in trainer.model.named_parameters():
         if p.grad is not None:
             g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            if fqn in experts and experts[fqn][1].ep_size > 1:                  # E / ep experts per rank
+            if fqn in experts and experts[fqn][1].ep_size > 1:  # E / ep experts per rank
                 g = all_gather_rows(g, trainer.mesh["dp_shard"].get_group())
-            if fqn in experts and experts[fqn][1].tp_size > 1:                  # F / tp per expert
-                g = all_gather_rows(g, trainer.mesh["tp"].get_group(), EXPERT_TP_DIMS[experts[fqn][2]])
+            if fqn in experts and experts[fqn][1].tp_size > 1:  # F / tp per expert
+                g = all_gather_rows(
+                    g, trainer.mesh["tp"].get_group(), EXPERT_TP_DIMS[experts[fqn][2]]
+                )
             grads[fqn] = g.detach().contiguous()
     os.makedirs(task["out"], exist_ok=True)
     save_file(grads, os.path.join(task["out"], f"grads-rank-{trainer.rank:05d}.safetensors"))
@@ -130,15 +135,25 @@ def task_reload(cfg: TrainConfig, task: dict[str, Any]) -> None:
 def task_train(cfg: TrainConfig, task: dict[str, Any]) -> None:
     """Train to ``task["steps"]``; rank 0 writes the metrics of the steps this run took."""
     run_cfg = dataclasses.replace(
-        _with_checkpoint(cfg, url=task.get("ckpt", ""), resume=task.get("resume", "none"),
-                         save_interval=task.get("save_interval", 0)),
-        steps=task["steps"])
+        _with_checkpoint(
+            cfg,
+            url=task.get("ckpt", ""),
+            resume=task.get("resume", "none"),
+            save_interval=task.get("save_interval", 0),
+        ),
+        steps=task["steps"],
+    )
     trainer = Trainer.create(run_cfg)
     history = trainer.run()
     if trainer.rank == 0:
         with open(task["out"], "w") as f:
-            json.dump([{"step": m.step, "loss": m.loss, "grad_norm": m.grad_norm, "lr": m.lr}
-                       for m in history], f)
+            json.dump(
+                [
+                    {"step": m.step, "loss": m.loss, "grad_norm": m.grad_norm, "lr": m.lr}
+                    for m in history
+                ],
+                f,
+            )
 
 
 def task_reshard(cfg: TrainConfig, task: dict[str, Any]) -> None:
@@ -152,8 +167,13 @@ def task_reshard(cfg: TrainConfig, task: dict[str, Any]) -> None:
     dist.barrier()
 
 
-TASKS = {"logits": task_logits, "grads": task_grads, "reload": task_reload, "train": task_train,
-         "reshard": task_reshard}
+TASKS = {
+    "logits": task_logits,
+    "grads": task_grads,
+    "reload": task_reload,
+    "train": task_train,
+    "reshard": task_reshard,
+}
 
 
 def _task_config(cfg: TrainConfig, task: dict[str, Any]) -> TrainConfig:
@@ -180,8 +200,11 @@ def main(argv: list[str]) -> int:
             TASKS[task["kind"]](_task_config(cfg, task), task)
             gc.collect()
             if dist.get_rank() == 0:
-                print(f"[scenario] {task['kind']} {task.get('src', '')} took "
-                      f"{time.perf_counter() - t0:.2f}s", flush=True)
+                print(
+                    f"[scenario] {task['kind']} {task.get('src', '')} took "
+                    f"{time.perf_counter() - t0:.2f}s",
+                    flush=True,
+                )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -18,15 +18,25 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.trainer.parallel import build_mesh, build_stage_model, init_distributed
 
-MODEL = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
-                    ffn_hidden_size=64, vocab_size=256, seq_length=16)
+MODEL = ModelConfig(
+    num_layers=4,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=64,
+    vocab_size=256,
+    seq_length=16,
+)
 
 
 def main(out: str) -> None:
@@ -36,17 +46,33 @@ def main(out: str) -> None:
     dims = ParallelDims(dp_shard=2, tp=2)
     model, _ = build_stage_model(MODEL, dims, build_mesh(dims), seed=7)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    logits = model(torch.randint(0, MODEL.vocab_size, (2, MODEL.seq_length), generator=torch.Generator().manual_seed(0)))
+    logits = model(
+        torch.randint(
+            0, MODEL.vocab_size, (2, MODEL.seq_length), generator=torch.Generator().manual_seed(0)
+        )
+    )
     (logits.full_tensor() if isinstance(logits, DTensor) else logits).square().mean().backward()
     opt.step()
     model_sd = get_model_state_dict(model)
-    optim_sd = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
-    state = {**model_sd, "optimizer": optim_sd, "train_state": {"step": 1, "ntokens_seen": 64},
-             "lr_scheduler": {"last_epoch": 1}, "dataloader": {f"dp_rank_{dist.get_rank()}": b"opaque"}}
+    optim_sd = get_optimizer_state_dict(
+        model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
+    state = {
+        **model_sd,
+        "optimizer": optim_sd,
+        "train_state": {"step": 1, "ntokens_seen": 64},
+        "lr_scheduler": {"last_epoch": 1},
+        "dataloader": {f"dp_rank_{dist.get_rank()}": b"opaque"},
+    }
     dcp.save(state, checkpoint_id=f"{out}/dcp")
     full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model_sd.items()}
-    full.update({f"optimizer.{k}": v.full_tensor() if isinstance(v, DTensor) else v
-                 for k, v in optim_sd.items() if isinstance(v, torch.Tensor)})
+    full.update(
+        {
+            f"optimizer.{k}": v.full_tensor() if isinstance(v, DTensor) else v
+            for k, v in optim_sd.items()
+            if isinstance(v, torch.Tensor)
+        }
+    )
     if dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in full.items()}, f"{out}/reference.safetensors")
     dist.barrier()

@@ -16,8 +16,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-             b"<Message>Please reduce your request rate.</Message></Error>")
+SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
 
 
 class ThrottlingProxy:
@@ -51,18 +53,23 @@ class ThrottlingProxy:
                         self.end_headers()
                         self.wfile.write(SLOW_DOWN)
                         return
-                conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=30)
+                conn = http.client.HTTPConnection(
+                    proxy.upstream.hostname, proxy.upstream.port, timeout=30
+                )
                 try:
-                    conn.request(self.command, self.path, body=body or None, headers=dict(self.headers))
+                    conn.request(
+                        self.command, self.path, body=body or None, headers=dict(self.headers)
+                    )
                     reply = conn.getresponse()
                     data = reply.read()
                 finally:
                     conn.close()
                 self.send_response(reply.status)
-                head = self.command == "HEAD"          # keeps the upstream's Content-Length
+                head = self.command == "HEAD"  # keeps the upstream's Content-Length
                 for name, value in reply.getheaders():
                     if name.lower() not in ("transfer-encoding", "connection") and (
-                            head or name.lower() != "content-length"):
+                        head or name.lower() != "content-length"
+                    ):
                         self.send_header(name, value)
                 if not head:
                     self.send_header("Content-Length", str(len(data)))

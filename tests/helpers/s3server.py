@@ -40,15 +40,22 @@ class S3Server:
     @property
     def storage_options(self) -> dict[str, Any]:
         """fsspec/s3fs options reaching this server (what ``--storage-option`` would give)."""
-        return {"key": ACCESS_KEY, "secret": SECRET_KEY,
-                "client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": REGION}}
+        return {
+            "key": ACCESS_KEY,
+            "secret": SECRET_KEY,
+            "client_kwargs": {"endpoint_url": self.endpoint_url, "region_name": REGION},
+        }
 
     @property
     def env(self) -> dict[str, str]:
         """The standard AWS environment reaching this server (for subprocesses; botocore
         reads ``AWS_ENDPOINT_URL`` itself)."""
-        return {"AWS_ENDPOINT_URL": self.endpoint_url, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-                "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_DEFAULT_REGION": REGION}
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_DEFAULT_REGION": REGION,
+        }
 
     def url(self, prefix: str = "") -> str:
         """``s3://<bucket>/<prefix>``."""
@@ -75,8 +82,13 @@ def create_bucket(endpoint_url: str, bucket: str) -> None:
     """Create ``bucket`` on the server (no LocationConstraint: us-east-1 refuses one)."""
     import fsspec
 
-    fs = fsspec.filesystem("s3", key=ACCESS_KEY, secret=SECRET_KEY, skip_instance_cache=True,
-                           client_kwargs={"endpoint_url": endpoint_url, "region_name": REGION})
+    fs = fsspec.filesystem(
+        "s3",
+        key=ACCESS_KEY,
+        secret=SECRET_KEY,
+        skip_instance_cache=True,
+        client_kwargs={"endpoint_url": endpoint_url, "region_name": REGION},
+    )
     fs.call_s3("create_bucket", Bucket=bucket)
 
 
@@ -88,7 +100,7 @@ def start_server(bucket: str = "shardsmith-test") -> tuple[Any, S3Server]:
     """
     from moto.server import ThreadedMotoServer
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)   # no access log on stderr
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no access log on stderr
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

@@ -14,7 +14,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_ranks(worker: Callable[..., None], nprocs: int, *args: Any, timeout: float = 240) -> dict[int, Any]:
+def run_ranks(
+    worker: Callable[..., None], nprocs: int, *args: Any, timeout: float = 240
+) -> dict[int, Any]:
     """Call ``worker(rank, port, *args, results)`` in ``nprocs`` spawned processes; each puts
     ``(rank, payload)`` on ``results`` once. Returns rank -> payload after every process
     exited 0 (asserted)."""
@@ -31,7 +33,9 @@ def run_ranks(worker: Callable[..., None], nprocs: int, *args: Any, timeout: flo
     return got
 
 
-def saved_tiny_run(rank: int, port: int, dims: Any, data_path: str, ckpt: str) -> tuple[Any, Any, Any]:
+def saved_tiny_run(
+    rank: int, port: int, dims: Any, data_path: str, ckpt: str
+) -> tuple[Any, Any, Any]:
     """A two-rank trainer worker's start: its torchrun environment, then one step of the tiny
     model in layout ``dims`` saved (synchronously) to ``ckpt`` with one rank per simulated
     node. Returns (the model config before the checkpoint settings, the run's config, the trainer)."""
@@ -39,14 +43,22 @@ def saved_tiny_run(rank: int, port: int, dims: Any, data_path: str, ckpt: str) -
     import os
 
     from conftest import tiny_train_config
+
     from shardsmith.trainer.config import CheckpointConfig
     from shardsmith.trainer.train import Trainer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+    )
     base = tiny_train_config(dims, data_path)
-    cfg = dataclasses.replace(base, steps=1, checkpoint=CheckpointConfig(url=ckpt, async_save=False,
-                                                                         simulate_nodes=2))
+    cfg = dataclasses.replace(
+        base, steps=1, checkpoint=CheckpointConfig(url=ckpt, async_save=False, simulate_nodes=2)
+    )
     first = Trainer.create(cfg)
     first.train_step()
     first.save()

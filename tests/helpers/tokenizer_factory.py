@@ -25,9 +25,12 @@ def train_hf_bpe(path: Path, text: str, vocab_size: int = 400) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(text.split("\n\n"), trainer)
     tok.save(str(path))
     return path
@@ -39,7 +42,9 @@ def train_tiktoken(path: Path, text: str, vocab_size: int = 300) -> Path:
     from tiktoken._educational import bpe_train
 
     ranks = bpe_train(text, vocab_size, CL100K_PATTERN, visualise=None)
-    lines = [base64.b64encode(tok) + b" %d\n" % rank
-             for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
+    lines = [
+        base64.b64encode(tok) + b" %d\n" % rank
+        for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])
+    ]
     path.write_bytes(b"".join(lines))
     return path

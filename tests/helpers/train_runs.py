@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import TINY_TRAIN_FLAGS
+
 from shardsmith.storage.commit import list_steps
 from shardsmith.storage.store.fs import Store
 from shardsmith.trainer.observe.metrics import iter_json_lines
@@ -39,7 +40,9 @@ class Run:
     records: list[dict[str, Any]]
 
     def check(self) -> "Run":
-        assert self.returncode == 0, f"launch failed (exit {self.returncode}):\n{self.output[-8000:]}"
+        assert self.returncode == 0, (
+            f"launch failed (exit {self.returncode}):\n{self.output[-8000:]}"
+        )
         return self
 
     def losses(self) -> dict[int, float]:
@@ -57,16 +60,38 @@ class Run:
         return [(int(s), src) for s, src in RECOVERED.findall(self.output)]
 
 
-def train_tp2(root: Path, nproc: int, data_path: str, *flags: str, env: dict[str, str] | None = None) -> Run:
+def train_tp2(
+    root: Path, nproc: int, data_path: str, *flags: str, env: dict[str, str] | None = None
+) -> Run:
     """``shardsmith train`` of the tiny model on ``nproc`` processes (tp=2, dp_shard from the
     world size) with checkpoints in ``root``; ``flags`` add ``--steps`` and the rest. The
     output goes to ``root``-N.log beside ``root`` (N counts the launches into ``root``)."""
     metrics = root / "metrics.jsonl"
     before = len(list(iter_json_lines(str(metrics)))) if metrics.exists() else 0
-    cmd = [sys.executable, "-m", "shardsmith", "train", "--nproc-per-node", str(nproc), "--tp", "2",
-           *TINY_TRAIN_FLAGS, "--data", data_path, "--ckpt", str(root), *flags]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})})
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardsmith",
+        "train",
+        "--nproc-per-node",
+        str(nproc),
+        "--tp",
+        "2",
+        *TINY_TRAIN_FLAGS,
+        "--data",
+        data_path,
+        "--ckpt",
+        str(root),
+        *flags,
+    ]
+    proc = subprocess.run(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})},
+    )
     root.parent.mkdir(parents=True, exist_ok=True)
     launches = len(list(root.parent.glob(f"{root.name}-*.log")))
     (root.parent / f"{root.name}-{launches}.log").write_text(proc.stdout)
@@ -77,5 +102,12 @@ def train_tp2(root: Path, nproc: int, data_path: str, *flags: str, env: dict[str
 def reference_run(root: Path, data_path: str) -> Run:
     """The uninterrupted reference: 4 processes (tp2·dp_shard2), :data:`REFERENCE_STEPS` steps,
     a checkpoint every :data:`REFERENCE_SAVE_EVERY`."""
-    return train_tp2(root, 4, data_path, "--steps", str(REFERENCE_STEPS),
-                     "--save-interval", str(REFERENCE_SAVE_EVERY)).check()
+    return train_tp2(
+        root,
+        4,
+        data_path,
+        "--steps",
+        str(REFERENCE_STEPS),
+        "--save-interval",
+        str(REFERENCE_SAVE_EVERY),
+    ).check()

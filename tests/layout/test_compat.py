@@ -8,13 +8,23 @@ import pytest
 
 from shardsmith.errors import CheckpointMismatch
 from shardsmith.layout import ModelConfig
-from shardsmith.layout.compat import (check_has_optimizer_state, check_model_compatible,
-                                      check_tensor_names, model_differences)
-from shardsmith.layout.sharding import checkpoint_specs
+from shardsmith.layout.compat import (
+    check_has_optimizer_state,
+    check_model_compatible,
+    check_tensor_names,
+    model_differences,
+)
 from shardsmith.layout.dims import ParallelDims
+from shardsmith.layout.sharding import checkpoint_specs
 
-BASE = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
-                   ffn_hidden_size=128, seq_length=64)
+BASE = ModelConfig(
+    num_layers=4,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=128,
+    seq_length=64,
+)
 
 
 def _saved(**changes):
@@ -26,9 +36,18 @@ def test_same_model_has_no_difference():
     assert check_model_compatible(_saved(), BASE, source="runs/a") == []
 
 
-@pytest.mark.parametrize("field,value", [("num_layers", 2), ("hidden_size", 128), ("num_kv_heads", 4),
-                                         ("ffn_hidden_size", 256), ("vocab_size", 512),
-                                         ("tie_embeddings", True), ("num_attention_heads", 8)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("num_layers", 2),
+        ("hidden_size", 128),
+        ("num_kv_heads", 4),
+        ("ffn_hidden_size", 256),
+        ("vocab_size", 512),
+        ("tie_embeddings", True),
+        ("num_attention_heads", 8),
+    ],
+)
 def test_shape_field_refused_naming_both_values(field, value):
     with pytest.raises(CheckpointMismatch) as err:
         check_model_compatible(_saved(**{field: value}), BASE, source="runs/a/step-000000008")
@@ -39,7 +58,9 @@ def test_shape_field_refused_naming_both_values(field, value):
 
 def test_every_differing_shape_field_is_named():
     with pytest.raises(CheckpointMismatch) as err:
-        check_model_compatible(_saved(num_layers=2, vocab_size=300, seq_length=32), BASE, source="x")
+        check_model_compatible(
+            _saved(num_layers=2, vocab_size=300, seq_length=32), BASE, source="x"
+        )
     assert "num_layers" in str(err.value) and "vocab_size" in str(err.value)
     assert "seq_length" not in str(err.value)
 
@@ -75,5 +96,7 @@ def test_tensor_names_missing_and_unexpected():
 def test_resume_without_optimizer_state_refused():
     check_has_optimizer_state(set(checkpoint_specs(BASE, ParallelDims())), source="x")
     with pytest.raises(CheckpointMismatch, match="--init-from.*--reset-optimizer"):
-        check_has_optimizer_state(set(checkpoint_specs(BASE, ParallelDims(), with_optimizer=False)),
-                                  source="runs/mo/step-000000004")
+        check_has_optimizer_state(
+            set(checkpoint_specs(BASE, ParallelDims(), with_optimizer=False)),
+            source="runs/mo/step-000000004",
+        )

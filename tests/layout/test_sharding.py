@@ -8,20 +8,21 @@ from math import prod
 
 import pytest
 import torch
+from plan_cases import GQA_MODEL, MODEL, ODD_MODEL, PLAN_CASES
 
 from shardsmith.errors import LayoutError
 from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims, stage_layers, validate_layout
 from shardsmith.layout.assignment import box_holders, write_assignment
-from shardsmith.layout.sharding import checkpoint_specs, param_specs, rank_boxes, shard_file_name
 from shardsmith.layout.box import Box, chunk_range, row_major_span
 from shardsmith.layout.dtypes import DTYPE_NBYTES
-
-from plan_cases import GQA_MODEL, MODEL, ODD_MODEL, PLAN_CASES
+from shardsmith.layout.sharding import checkpoint_specs, param_specs, rank_boxes, shard_file_name
 
 
 def _ids(cases):
     names = {id(MODEL): "tiny", id(ODD_MODEL): "odd", id(GQA_MODEL): "gqa"}
-    return [f"{names[id(m)]}-{d.describe()}{'-split' if d.pipeline_split else ''}" for m, d in cases]
+    return [
+        f"{names[id(m)]}-{d.describe()}{'-split' if d.pipeline_split else ''}" for m, d in cases
+    ]
 
 
 # ---- boxes -----------------------------------------------------------------------------------
@@ -35,7 +36,7 @@ def test_chunk_range_six_over_four() -> None:
 @pytest.mark.parametrize("num_chunks", [1, 2, 3, 4, 7])
 def test_chunk_range_matches_torch_chunk(length: int, num_chunks: int) -> None:
     pieces = list(torch.arange(length).chunk(num_chunks)) if length else []
-    pieces += [torch.arange(0)] * (num_chunks - len(pieces))       # torch.chunk drops empty tails
+    pieces += [torch.arange(0)] * (num_chunks - len(pieces))  # torch.chunk drops empty tails
     for i, piece in enumerate(pieces):
         start, n = chunk_range(length, num_chunks, i)
         assert n == piece.numel()
@@ -44,21 +45,21 @@ def test_chunk_range_matches_torch_chunk(length: int, num_chunks: int) -> None:
 
 
 def test_box_intersect() -> None:
-    a = Box((0, 4), (4, 8))                                          # rows 0..3, cols 4..11
+    a = Box((0, 4), (4, 8))  # rows 0..3, cols 4..11
     assert a.intersect(Box((2, 0), (4, 6))) == Box((2, 4), (2, 2))
     assert Box((2, 0), (4, 6)).intersect(a) == Box((2, 4), (2, 2))
     assert a.intersect(a) == a
-    assert a.intersect(Box((4, 4), (2, 2))) is None                  # touching is disjoint
+    assert a.intersect(Box((4, 4), (2, 2))) is None  # touching is disjoint
     assert a.intersect(Box((0, 12), (4, 1))) is None
-    assert a.intersect(Box((1, 5), (0, 3))) is None                  # empty box
-    assert Box((), ()).intersect(Box((), ())) == Box((), ())         # 0-d tensors
+    assert a.intersect(Box((1, 5), (0, 3))) is None  # empty box
+    assert Box((), ()).intersect(Box((), ())) == Box((), ())  # 0-d tensors
     assert Box((), ()).numel == 1 and not Box((), ()).is_empty
 
 
 def test_row_major_span_examples() -> None:
-    outer = Box((10, 0), (4, 6))                                     # (4, 6) block at row 10
-    assert row_major_span(outer, Box((11, 2), (2, 3))) == (8, 17)   # gaps included
-    assert row_major_span(outer, Box((11, 0), (2, 6))) == (6, 18)   # whole rows: exact
+    outer = Box((10, 0), (4, 6))  # (4, 6) block at row 10
+    assert row_major_span(outer, Box((11, 2), (2, 3))) == (8, 17)  # gaps included
+    assert row_major_span(outer, Box((11, 0), (2, 6))) == (6, 18)  # whole rows: exact
     assert row_major_span(outer, outer) == (0, 24)
     assert row_major_span(outer, Box((12, 3), (0, 2))) == (0, 0)
 
@@ -80,9 +81,16 @@ def test_row_major_span_brute_force() -> None:
 # ---- mesh coordinates ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dims", [ParallelDims(), ParallelDims(tp=2), ParallelDims(pp=2, tp=2),
-                                  ParallelDims(pp=3, dp_replicate=2, dp_shard=2, tp=2)],
-                         ids=lambda d: d.describe())
+@pytest.mark.parametrize(
+    "dims",
+    [
+        ParallelDims(),
+        ParallelDims(tp=2),
+        ParallelDims(pp=2, tp=2),
+        ParallelDims(pp=3, dp_replicate=2, dp_shard=2, tp=2),
+    ],
+    ids=lambda d: d.describe(),
+)
 def test_coords_rank_of_round_trip(dims: ParallelDims) -> None:
     seen = set()
     for rank in range(dims.world_size):
@@ -96,14 +104,20 @@ def test_coords_rank_of_round_trip(dims: ParallelDims) -> None:
         dims.coords(dims.world_size)
 
 
-@pytest.mark.parametrize("dims", [ParallelDims(), ParallelDims(pp=2, tp=2),
-                                  ParallelDims(pp=3, dp_replicate=2, dp_shard=4, tp=8)],
-                         ids=lambda d: d.describe())
+@pytest.mark.parametrize(
+    "dims",
+    [
+        ParallelDims(),
+        ParallelDims(pp=2, tp=2),
+        ParallelDims(pp=3, dp_replicate=2, dp_shard=4, tp=8),
+    ],
+    ids=lambda d: d.describe(),
+)
 def test_layout_name_round_trips(dims: ParallelDims) -> None:
     name = dims.describe()
     assert name == f"pp{dims.pp}·dpr{dims.dp_replicate}·dps{dims.dp_shard}·tp{dims.tp}"
     assert ParallelDims.parse(name) == dims
-    assert ParallelDims.parse(".".join(map(str, dims.shape))) == dims       # short form pp.dpr.dps.tp
+    assert ParallelDims.parse(".".join(map(str, dims.shape))) == dims  # short form pp.dpr.dps.tp
 
 
 @pytest.mark.parametrize("name", ["", "1.1.2", "pp2·dps1·dpr1·tp2", "pp2·dpr1·dps1·tpx", "a.b.c.d"])
@@ -115,9 +129,12 @@ def test_layout_name_parse_refuses_other_spellings(name: str) -> None:
 def test_for_world_size_is_the_one_dp_shard_rule() -> None:
     assert ParallelDims.for_world_size(8, tp=2) == ParallelDims(tp=2, dp_shard=4)
     assert ParallelDims.for_world_size(12, tp=2, pp=3, dp_replicate=2) == ParallelDims(
-        tp=2, pp=3, dp_replicate=2, dp_shard=1)
+        tp=2, pp=3, dp_replicate=2, dp_shard=1
+    )
     assert ParallelDims.for_world_size(4, tp=2, dp_shard=2) == ParallelDims(tp=2, dp_shard=2)
-    with pytest.raises(LayoutError, match="world size 6 is not a multiple of pp\\*dp_replicate\\*tp=4"):
+    with pytest.raises(
+        LayoutError, match="world size 6 is not a multiple of pp\\*dp_replicate\\*tp=4"
+    ):
         ParallelDims.for_world_size(6, tp=2, pp=2)
     with pytest.raises(LayoutError, match="needs 4 processes but the job has 8"):
         ParallelDims.for_world_size(8, tp=2, dp_shard=2)
@@ -128,10 +145,16 @@ def test_for_world_size_is_the_one_dp_shard_rule() -> None:
 
 def test_tp_is_innermost() -> None:
     dims = ParallelDims(pp=2, dp_replicate=2, dp_shard=2, tp=2)
-    assert [dims.coords(r)["tp"] for r in range(4)] == [0, 1, 0, 1]   # TP groups: neighbours
+    assert [dims.coords(r)["tp"] for r in range(4)] == [0, 1, 0, 1]  # TP groups: neighbours
     assert dims.coords(2) == {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "cp": 0, "tp": 0}
     assert dims.coords(4) == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "cp": 0, "tp": 0}
-    assert dims.coords(8) == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0}  # pp outermost
+    assert dims.coords(8) == {
+        "pp": 1,
+        "dp_replicate": 0,
+        "dp_shard": 0,
+        "cp": 0,
+        "tp": 0,
+    }  # pp outermost
 
 
 # ---- the sharding plan -----------------------------------------------------------------------
@@ -161,7 +184,7 @@ def test_boxes_tile_every_tensor_once_per_stage(model: ModelConfig, dims: Parall
     held = {r: rank_boxes(specs, dims, r) for r in range(dims.world_size)}
     for fqn, spec in specs.items():
         stages = _holding_stages(spec)
-        for r in range(dims.world_size):                      # exactly the holding stages hold it
+        for r in range(dims.world_size):  # exactly the holding stages hold it
             assert (fqn in held[r]) == (dims.coords(r)["pp"] in stages), (fqn, r)
         parts = prod(_num_parts(spec, dims, a) for axes in spec.dim_axes for a in axes)
         for stage in stages:
@@ -176,7 +199,9 @@ def test_boxes_tile_every_tensor_once_per_stage(model: ModelConfig, dims: Parall
                     distinct.add(box)
             replicas = len(ranks) // parts
             assert bool((count == replicas).all()), f"{fqn} stage {stage}: not covered {replicas}x"
-            assert sum(b.numel for b in distinct) == prod(spec.shape), f"{fqn}: distinct boxes overlap"
+            assert sum(b.numel for b in distinct) == prod(spec.shape), (
+                f"{fqn}: distinct boxes overlap"
+            )
     # layers follow stage_layers; the embedding is on the first stage, norm and head on the last
     for s, layers in enumerate(stage_layers(model, dims)):
         for i in layers:
@@ -217,7 +242,12 @@ def test_optimizer_specs_follow_parameters() -> None:
     for fqn, p in params.items():
         for kind in ("exp_avg", "exp_avg_sq"):
             s = specs[f"optim.{kind}.{fqn}"]
-            assert (s.shape, s.dim_axes, s.stage, s.dtype) == (p.shape, p.dim_axes, p.stage, p.dtype)
+            assert (s.shape, s.dim_axes, s.stage, s.dtype) == (
+                p.shape,
+                p.dim_axes,
+                p.stage,
+                p.dtype,
+            )
         step = specs[f"optim.step.{fqn}"]
         assert (step.shape, step.dim_axes, step.stage, step.dtype) == ((), (), p.stage, "F32")
 
@@ -231,30 +261,40 @@ def test_write_assignment_writes_each_box_once(model: ModelConfig, dims: Paralle
     assignment = write_assignment(specs, dims)
     assert sorted(assignment) == list(range(dims.world_size))
     held = {r: rank_boxes(specs, dims, r) for r in range(dims.world_size)}
-    distinct = {(fqn, box) for boxes in held.values() for fqn, box in boxes.items() if not box.is_empty}
+    distinct = {
+        (fqn, box) for boxes in held.values() for fqn, box in boxes.items() if not box.is_empty
+    }
     written = [item for items in assignment.values() for item in items]
     assert len(written) == len(set(written)) == len(distinct)
     assert set(written) == distinct
     for rank, items in assignment.items():
         assert [fqn for fqn, _ in items] == sorted(fqn for fqn, _ in items)
         for fqn, box in items:
-            assert held[rank][fqn] == box                          # a rank writes what it holds
-    assert write_assignment(specs, dims) == assignment             # deterministic
+            assert held[rank][fqn] == box  # a rank writes what it holds
+    assert write_assignment(specs, dims) == assignment  # deterministic
 
 
-@pytest.mark.parametrize("dims", [ParallelDims(dp_replicate=4), ParallelDims(dp_replicate=2, tp=2),
-                                  ParallelDims(dp_replicate=3, dp_shard=2),
-                                  ParallelDims(dp_replicate=2, dp_shard=2, tp=2)],
-                         ids=lambda d: d.describe())
+@pytest.mark.parametrize(
+    "dims",
+    [
+        ParallelDims(dp_replicate=4),
+        ParallelDims(dp_replicate=2, tp=2),
+        ParallelDims(dp_replicate=3, dp_shard=2),
+        ParallelDims(dp_replicate=2, dp_shard=2, tp=2),
+    ],
+    ids=lambda d: d.describe(),
+)
 def test_write_assignment_balances_bytes_over_replicas(dims: ParallelDims) -> None:
     specs = checkpoint_specs(MODEL, dims)
     assignment = write_assignment(specs, dims)
-    nbytes = [sum(box.numel * DTYPE_NBYTES[specs[fqn].dtype] for fqn, box in assignment[r])
-              for r in range(dims.world_size)]
+    nbytes = [
+        sum(box.numel * DTYPE_NBYTES[specs[fqn].dtype] for fqn, box in assignment[r])
+        for r in range(dims.world_size)
+    ]
     assert min(nbytes) > 0
     assert max(nbytes) / min(nbytes) < 1.05, nbytes
     total = sum(s.nbytes for s in specs.values())
-    assert sum(nbytes) == total                                     # replicas written once
+    assert sum(nbytes) == total  # replicas written once
 
 
 def test_tiny_boxes_with_the_same_holders_share_one_file() -> None:
@@ -262,8 +302,15 @@ def test_tiny_boxes_with_the_same_holders_share_one_file() -> None:
     matrices) go to one writer per group of ranks holding them: a rank loading a stage in
     another layout then opens one file for the stage's step counters and one per dp_shard
     index for its norms, not every file of the stage, and the bytes stay balanced."""
-    model = ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16, num_kv_heads=8,
-                        ffn_hidden_size=2816, vocab_size=32000, seq_length=16)
+    model = ModelConfig(
+        num_layers=8,
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_kv_heads=8,
+        ffn_hidden_size=2816,
+        vocab_size=32000,
+        seq_length=16,
+    )
     dims = ParallelDims(pp=2, dp_shard=4, tp=4)
     specs = checkpoint_specs(model, dims)
     assignment = write_assignment(specs, dims)
@@ -278,11 +325,13 @@ def test_tiny_boxes_with_the_same_holders_share_one_file() -> None:
             step_files[specs[fqn].stages].add(rank)
         elif "norm" in fqn:
             norm_files.setdefault((specs[fqn].stages[0], box.offsets), set()).add(rank)
-    assert sorted(map(len, step_files.values())) == [1, 1]           # one file per stage
+    assert sorted(map(len, step_files.values())) == [1, 1]  # one file per stage
     assert len(norm_files) == 2 * 4 and all(len(r) == 1 for r in norm_files.values())
     assert len({r for ranks in norm_files.values() for r in ranks}) == 8
-    nbytes = [sum(box.numel * DTYPE_NBYTES[specs[fqn].dtype] for fqn, box in assignment[r])
-              for r in range(dims.world_size)]
+    nbytes = [
+        sum(box.numel * DTYPE_NBYTES[specs[fqn].dtype] for fqn, box in assignment[r])
+        for r in range(dims.world_size)
+    ]
     assert max(nbytes) / min(nbytes) < 1.05, nbytes
 
 
@@ -301,13 +350,35 @@ def _works(model: ModelConfig, dims: ParallelDims) -> bool:
     return True
 
 
-@pytest.mark.parametrize("model, dims, needles", [
-    (MODEL, ParallelDims(tp=3), ["tp=3", "num_attention_heads=4"]),
-    (ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=4, ffn_hidden_size=66),
-     ParallelDims(tp=4), ["tp=4", "ffn_hidden_size=66"]),
-    (ModelConfig(num_layers=2, hidden_size=48, num_attention_heads=6, num_kv_heads=2, ffn_hidden_size=96),
-     ParallelDims(tp=3), ["tp=3", "num_kv_heads=2"]),
-], ids=["heads", "ffn", "kv_heads"])
+@pytest.mark.parametrize(
+    "model, dims, needles",
+    [
+        (MODEL, ParallelDims(tp=3), ["tp=3", "num_attention_heads=4"]),
+        (
+            ModelConfig(
+                num_layers=2,
+                hidden_size=32,
+                num_attention_heads=4,
+                num_kv_heads=4,
+                ffn_hidden_size=66,
+            ),
+            ParallelDims(tp=4),
+            ["tp=4", "ffn_hidden_size=66"],
+        ),
+        (
+            ModelConfig(
+                num_layers=2,
+                hidden_size=48,
+                num_attention_heads=6,
+                num_kv_heads=2,
+                ffn_hidden_size=96,
+            ),
+            ParallelDims(tp=3),
+            ["tp=3", "num_kv_heads=2"],
+        ),
+    ],
+    ids=["heads", "ffn", "kv_heads"],
+)
 def test_validate_layout_names_the_dimension_and_what_works(model, dims, needles) -> None:
     with pytest.raises(LayoutError) as info:
         validate_layout(model, dims)
@@ -317,10 +388,12 @@ def test_validate_layout_names_the_dimension_and_what_works(model, dims, needles
         assert needle in message
     listed = re.findall(r"\[([\d, ]+)\]", message)
     assert listed, f"no list of working tp degrees in {message!r}"
-    working = [d for d in range(1, 2 * model.num_attention_heads + 1) if _works(model, ParallelDims(tp=d))]
+    working = [
+        d for d in range(1, 2 * model.num_attention_heads + 1) if _works(model, ParallelDims(tp=d))
+    ]
     assert [int(x) for x in listed[-1].split(",")] == working
     with pytest.raises(LayoutError):
-        param_specs(model, dims)                                   # the plan refuses it too
+        param_specs(model, dims)  # the plan refuses it too
 
 
 def test_validate_layout_pp_beyond_layers() -> None:

@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 from ckpt_factory import MODEL, full_tensors, save_offline
+
 from shardsmith.layout import ParallelDims
 from shardsmith.reshard.foreign.dcp import export_dcp
 from shardsmith.reshard.foreign.megatron_export import export_megatron
@@ -18,7 +19,9 @@ from shardsmith.storage.store.fs import Store
 
 def test_exports_emit_no_warning(tmp_path: Path) -> None:
     root = Store(str(tmp_path / "ck"))
-    commit(root, save_offline(root, 3, ParallelDims(tp=2), full_tensors(MODEL, with_optimizer=True)))
+    commit(
+        root, save_offline(root, 3, ParallelDims(tp=2), full_tensors(MODEL, with_optimizer=True))
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dcp_report = export_dcp(str(tmp_path / "ck"), str(tmp_path / "dcp"))

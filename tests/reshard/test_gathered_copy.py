@@ -9,6 +9,9 @@ from collections import Counter
 from math import prod
 
 import pytest
+from ckpt_factory import RESHARD_SRC_DIMS as SRC_DIMS
+from ckpt_factory import RESHARD_STEP as STEP
+from ckpt_factory import assert_same_as_direct_save, full_state, save_direct
 
 import shardsmith.reshard.engine as engine
 import shardsmith.reshard.posix_copy as local_copy
@@ -21,11 +24,7 @@ from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.store.fs import Store
 from shardsmith.storage.verify import verify_checkpoint
 
-from ckpt_factory import RESHARD_SRC_DIMS as SRC_DIMS
-from ckpt_factory import RESHARD_STEP as STEP
-from ckpt_factory import assert_same_as_direct_save, full_state, save_direct
-
-SRC_CHUNK = 96                  # not a multiple of the 64-byte half-rows: slab cuts split chunks
+SRC_CHUNK = 96  # not a multiple of the 64-byte half-rows: slab cuts split chunks
 OPTIONS = ReshardOptions(chunk_nbytes=64, slab_nbytes=1 << 20, max_buffer_nbytes=1 << 22, workers=2)
 
 
@@ -53,7 +52,9 @@ def _spy(monkeypatch, unit_nbytes: int) -> tuple[list[int], list[tuple[str, int,
     return units, verified
 
 
-def test_gathered_slabs_are_written_in_units_verifying_each_source_chunk_once(tmp_path, monkeypatch) -> None:
+def test_gathered_slabs_are_written_in_units_verifying_each_source_chunk_once(
+    tmp_path, monkeypatch
+) -> None:
     """tp2·pp2 -> tp1 with one slab per tensor and 200-byte units: every gathered slab takes
     several units, no source chunk is verified twice, every chunk of every read is verified,
     and the files and manifest equal a direct save in the target layout."""
@@ -65,12 +66,22 @@ def test_gathered_slabs_are_written_in_units_verifying_each_source_chunk_once(tm
 
     plan = plan_reshard(read_manifest(step), ParallelDims(), OPTIONS)
     gathered = [s for s in plan.slabs() if not s.zero_copy and len(s.pieces) > 1]
-    assert len(units) == len(gathered) > 0 and max(units) > 1       # every gathered slab, in several units
-    chunks = Counter((f, off, c) for f, off, first, n in verified for c in range(first, first + -(-n // SRC_CHUNK)))
-    assert chunks and max(chunks.values()) == 1                       # no chunk verified twice
-    wanted = {(p.shard.file, p.shard.byte_offset, c) for s in gathered for p in s.pieces
-              for c in range(p.read_start // SRC_CHUNK, -(-p.read_end // SRC_CHUNK))}
-    assert set(chunks) == wanted                                      # and none left unverified
+    assert (
+        len(units) == len(gathered) > 0 and max(units) > 1
+    )  # every gathered slab, in several units
+    chunks = Counter(
+        (f, off, c)
+        for f, off, first, n in verified
+        for c in range(first, first + -(-n // SRC_CHUNK))
+    )
+    assert chunks and max(chunks.values()) == 1  # no chunk verified twice
+    wanted = {
+        (p.shard.file, p.shard.byte_offset, c)
+        for s in gathered
+        for p in s.pieces
+        for c in range(p.read_start // SRC_CHUNK, -(-p.read_end // SRC_CHUNK))
+    }
+    assert set(chunks) == wanted  # and none left unverified
 
     got = Store(str(tmp_path / "out")).child(step_dir(STEP))
     assert_same_as_direct_save(got, Store(str(tmp_path / "want")), full, ParallelDims(), 64)
@@ -85,15 +96,21 @@ def test_large_slabs_read_fewer_bytes_than_small_ones(tmp_path) -> None:
     manifest = read_manifest(Store(str(tmp_path / "src")).child(step_dir(STEP)))
 
     def read_over_needed(slab_nbytes: int) -> float:
-        plan = plan_reshard(manifest, ParallelDims(), ReshardOptions(chunk_nbytes=64, slab_nbytes=slab_nbytes))
+        plan = plan_reshard(
+            manifest, ParallelDims(), ReshardOptions(chunk_nbytes=64, slab_nbytes=slab_nbytes)
+        )
         slabs = [s for s in plan.slabs() if not s.zero_copy and len(s.pieces) > 1]
-        return sum(p.read_nbytes for s in slabs for p in s.pieces) / sum(s.src_nbytes for s in slabs)
+        return sum(p.read_nbytes for s in slabs for p in s.pieces) / sum(
+            s.src_nbytes for s in slabs
+        )
 
     assert read_over_needed(1 << 20) == 1.0
     assert read_over_needed(300) > 1.2
 
 
-def test_a_corrupt_chunk_mid_slab_fails_naming_the_file_and_commits_nothing(tmp_path, monkeypatch) -> None:
+def test_a_corrupt_chunk_mid_slab_fails_naming_the_file_and_commits_nothing(
+    tmp_path, monkeypatch
+) -> None:
     """A flipped byte in the last rows of a row-parallel source shard: the gather has written
     earlier units when it meets the chunk; the reshard raises ``IntegrityError`` naming the
     file, and no target file or manifest appears."""
@@ -109,4 +126,3 @@ def test_a_corrupt_chunk_mid_slab_fails_naming_the_file_and_commits_nothing(tmp_
         reshard(root.child(step_dir(STEP)), str(tmp_path / "out"), ParallelDims(), options=OPTIONS)
     assert not (tmp_path / "out" / step_dir(STEP) / "manifest.json").exists()
     assert not list((tmp_path / "out" / step_dir(STEP)).rglob("*.safetensors*"))
-

@@ -17,19 +17,24 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors import safe_open
-
 from hf_models import save_hf_llama
+from safetensors import safe_open
 
 from shardsmith.cli.main import cli
 from shardsmith.errors import ConfigError
-from shardsmith.reshard.foreign.hf import (from_hf_name, hf_config, model_config_from_hf, permute_from_hf,
-                                   permute_to_hf, to_hf_name)
-from shardsmith.layout.sizes import parse_nbytes
-from shardsmith.reshard.foreign.hf_io import plan_weight_files, WeightEntry
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout.sharding import param_specs, rank_boxes
 from shardsmith.layout.box import Box
+from shardsmith.layout.sharding import param_specs, rank_boxes
+from shardsmith.layout.sizes import parse_nbytes
+from shardsmith.reshard.foreign.hf import (
+    from_hf_name,
+    hf_config,
+    model_config_from_hf,
+    permute_from_hf,
+    permute_to_hf,
+    to_hf_name,
+)
+from shardsmith.reshard.foreign.hf_io import WeightEntry, plan_weight_files
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
 from shardsmith.storage.formats.registry import read_box
 from shardsmith.trainer.checkpoint.save_load import load_into
@@ -39,8 +44,15 @@ from shardsmith.trainer.model import Transformer, apply_rope, rope_tables
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2, ffn_hidden_size=64,
-            vocab_size=256, seq_length=16)
+TINY = dict(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=64,
+    vocab_size=256,
+    seq_length=16,
+)
 TOL = dict(atol=1e-4, rtol=1e-4)
 
 
@@ -50,17 +62,22 @@ def _tokens() -> torch.Tensor:
 
 # ---- pure -------------------------------------------------------------------------------------
 
+
 def test_names_map_both_ways_and_match_transformers() -> None:
     transformers = pytest.importorskip("transformers")
     for tied in (False, True):
         model = ModelConfig(**TINY, tie_embeddings=tied)
         ours = list(param_specs(model, ParallelDims()))
         assert [from_hf_name(to_hf_name(f)) for f in ours] == ours
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(hf_config(model, "float32")))
-        hf_names = {n for n, _ in hf.named_parameters()}     # tied lm_head is not listed twice
+        hf = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig.from_dict(hf_config(model, "float32"))
+        )
+        hf_names = {n for n, _ in hf.named_parameters()}  # tied lm_head is not listed twice
         assert {to_hf_name(f) for f in ours} == hf_names
     assert to_hf_name("layers.1.feed_forward.w1.weight") == "model.layers.1.mlp.gate_proj.weight"
-    assert to_hf_name("layers.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert (
+        to_hf_name("layers.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    )
     with pytest.raises(KeyError, match="q_proj.bias"):
         from_hf_name("model.layers.0.self_attn.q_proj.bias")
 
@@ -82,13 +99,16 @@ def test_rope_scores_agree_with_transformers_rotate_half() -> None:
     llama = pytest.importorskip("transformers.models.llama.modeling_llama")
     heads, hd, d, t = 2, 8, 16, 6
     gen = torch.Generator().manual_seed(0)
-    wq, wk, x = (torch.randn(heads * hd, d, generator=gen), torch.randn(heads * hd, d, generator=gen),
-                 torch.randn(1, t, d, generator=gen))
+    wq, wk, x = (
+        torch.randn(heads * hd, d, generator=gen),
+        torch.randn(heads * hd, d, generator=gen),
+        torch.randn(1, t, d, generator=gen),
+    )
     cos, sin = rope_tables(hd, t, 10000.0)
     q = apply_rope((x @ wq.T).view(1, t, heads, hd), cos, sin)
     k = apply_rope((x @ wk.T).view(1, t, heads, hd), cos, sin)
     ours = torch.einsum("bqhd,bkhd->bhqk", q, k)
-    hcos, hsin = torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None]   # (1, T, Dh)
+    hcos, hsin = torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None]  # (1, T, Dh)
     hq = (x @ permute_to_hf(wq, heads).T).view(1, t, heads, hd).transpose(1, 2)
     hk = (x @ permute_to_hf(wk, heads).T).view(1, t, heads, hd).transpose(1, 2)
     hq, hk = llama.apply_rotary_pos_emb(hq, hk, hcos, hsin)
@@ -100,15 +120,22 @@ def test_config_round_trip() -> None:
     assert model_config_from_hf(hf_config(model, "bfloat16")) == model
 
 
-@pytest.mark.parametrize("field,value,named", [
-    ("attention_bias", True, "attention_bias"),
-    ("mlp_bias", True, "mlp_bias"),
-    ("hidden_act", "gelu", "hidden_act"),
-    ("head_dim", 16, "head_dim"),
-    ("model_type", "mistral", "model_type"),
-    ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling"),
-    ("rope_parameters", {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}, "rope_parameters"),
-])
+@pytest.mark.parametrize(
+    "field,value,named",
+    [
+        ("attention_bias", True, "attention_bias"),
+        ("mlp_bias", True, "mlp_bias"),
+        ("hidden_act", "gelu", "hidden_act"),
+        ("head_dim", 16, "head_dim"),
+        ("model_type", "mistral", "model_type"),
+        ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling"),
+        (
+            "rope_parameters",
+            {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5},
+            "rope_parameters",
+        ),
+    ],
+)
 def test_unrepresentable_config_names_the_field(field: str, value: object, named: str) -> None:
     cfg = hf_config(ModelConfig(**TINY), "float32")
     cfg[field] = value
@@ -128,11 +155,15 @@ def test_sizes_and_file_split() -> None:
 
 # ---- integration with transformers ------------------------------------------------------------
 
+
 def _full_params(ckpt: str) -> dict[str, torch.Tensor]:
     _, step_store, _ = resolve_checkpoint(ckpt)
     m = read_manifest(step_store)
-    return {f: read_box(step_store, m, f, Box((0,) * len(r.shape), tuple(r.shape)))
-            for f, r in m.tensors.items() if not f.startswith("optim.")}
+    return {
+        f: read_box(step_store, m, f, Box((0,) * len(r.shape), tuple(r.shape)))
+        for f, r in m.tensors.items()
+        if not f.startswith("optim.")
+    }
 
 
 def _shardsmith_logits(model: ModelConfig, params: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -162,10 +193,34 @@ def trained_tp2_pp2(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A checkpoint trained 3 steps with TP2·PP2 on 4 processes (one torchrun launch)."""
     root = tmp_path_factory.mktemp("trained") / "ckpt"
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
-    subprocess.run([sys.executable, "-m", "shardsmith", "train", "--nproc-per-node", "4", "--tp", "2",
-                    "--pp", "2", "--dp-shard", "1", *flags, "--global-batch-size", "8",
-                    "--micro-batch-size", "2", "--steps", "3", "--ckpt", str(root)],
-                   check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardsmith",
+            "train",
+            "--nproc-per-node",
+            "4",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--dp-shard",
+            "1",
+            *flags,
+            "--global-batch-size",
+            "8",
+            "--micro-batch-size",
+            "2",
+            "--steps",
+            "3",
+            "--ckpt",
+            str(root),
+        ],
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+    )
     return str(root)
 
 
@@ -173,7 +228,9 @@ def trained_tp2_pp2(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_trained_tp2_pp2_export_loads_in_transformers(trained_tp2_pp2: str, tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out = tmp_path / "hf"
-    result = CliRunner().invoke(cli, ["export-hf", trained_tp2_pp2, str(out), "--max-shard-size", "20KB"])
+    result = CliRunner().invoke(
+        cli, ["export-hf", trained_tp2_pp2, str(out), "--max-shard-size", "20KB"]
+    )
     assert result.exit_code == 0, result.output
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(p.name for p in out.glob("*.safetensors"))
@@ -188,8 +245,9 @@ def test_trained_tp2_pp2_export_loads_in_transformers(trained_tp2_pp2: str, tmp_
 
     again = CliRunner().invoke(cli, ["export-hf", trained_tp2_pp2, str(out), "--dtype", "bf16"])
     assert again.exit_code == 1 and "--overwrite" in again.output
-    again = CliRunner().invoke(cli, ["export-hf", trained_tp2_pp2, str(out), "--dtype", "bf16",
-                                     "--overwrite"])
+    again = CliRunner().invoke(
+        cli, ["export-hf", trained_tp2_pp2, str(out), "--dtype", "bf16", "--overwrite"]
+    )
     assert again.exit_code == 0, again.output
     assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]
     config = json.loads((out / "config.json").read_text())
@@ -203,10 +261,14 @@ def test_transformers_model_imported_tp2_pp2_gives_same_logits(tmp_path: Path) -
     src = tmp_path / "hf"
     save_hf_llama(src, tied=False)
     ckpt = tmp_path / "ckpt"
-    result = CliRunner().invoke(cli, ["import-hf", str(src), str(ckpt), "--tp", "2", "--pp", "2",
-                                      "--dp-shard", "1"])
+    result = CliRunner().invoke(
+        cli, ["import-hf", str(src), str(ckpt), "--tp", "2", "--pp", "2", "--dp-shard", "1"]
+    )
     assert result.exit_code == 0, result.output
-    assert f"imported {src} as step 0 in pp2·dpr1·dps1·tp2 (model weights only): 4 files" in result.output
+    assert (
+        f"imported {src} as step 0 in pp2·dpr1·dps1·tp2 (model weights only): 4 files"
+        in result.output
+    )
     _, step_store, step = resolve_checkpoint(str(ckpt))
     manifest = read_manifest(step_store)
     assert step == 0 and manifest.state["step"] == 0
@@ -232,7 +294,9 @@ def test_transformers_model_imported_tp2_pp2_gives_same_logits(tmp_path: Path) -
 
     # boxes that cut heads (dp_shard=3 over 16-row TP halves of 8-row heads) read the same values
     other = tmp_path / "dps3"
-    result = CliRunner().invoke(cli, ["import-hf", str(src), str(other), "--tp", "2", "--dp-shard", "3"])
+    result = CliRunner().invoke(
+        cli, ["import-hf", str(src), str(other), "--tp", "2", "--dp-shard", "3"]
+    )
     assert result.exit_code == 0, result.output
     cut = _full_params(str(other))
     assert set(cut) == set(full) and all(torch.equal(cut[f], full[f]) for f in full)
@@ -262,7 +326,9 @@ def test_tied_embeddings_round_trip(tmp_path: Path) -> None:
     assert all(torch.equal(original[k], back[k]) for k in back)
     torch.testing.assert_close(_hf_logits(out), _hf_logits(src), atol=0, rtol=0)
     model = ModelConfig(**TINY, tie_embeddings=True, rope_theta=500000.0, norm_eps=1e-5)
-    torch.testing.assert_close(_shardsmith_logits(model, _full_params(str(ckpt))), _hf_logits(src), **TOL)
+    torch.testing.assert_close(
+        _shardsmith_logits(model, _full_params(str(ckpt))), _hf_logits(src), **TOL
+    )
 
 
 def test_import_refuses_what_shardsmith_cannot_represent(tmp_path: Path) -> None:
@@ -289,6 +355,7 @@ def test_import_refuses_what_shardsmith_cannot_represent(tmp_path: Path) -> None
     tensors = _hf_tensors(scaled)
     tensors["model.layers.1.self_attn.q_proj.bias"] = torch.zeros(32)
     from safetensors.torch import save_file
+
     save_file(tensors, str(extra / "model.safetensors"), metadata={"format": "pt"})
     result = CliRunner().invoke(cli, ["import-hf", str(extra), str(tmp_path / "c3")])
     assert result.exit_code == 1 and "model.layers.1.self_attn.q_proj.bias" in result.output

@@ -8,8 +8,15 @@ from shardsmith.sizing import activations as act
 from shardsmith.sizing.estimate import FORMULAS, estimate
 from shardsmith.sizing.peak import fsdp_buffer_nbytes, transient_nbytes
 
-TINY = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
-                   ffn_hidden_size=128, vocab_size=256, seq_length=64)
+TINY = ModelConfig(
+    num_layers=8,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=128,
+    vocab_size=256,
+    seq_length=64,
+)
 
 
 def test_transient_is_root_plus_the_largest_phase() -> None:
@@ -25,15 +32,22 @@ def test_last_stage_does_not_add_loss_to_block_buffers() -> None:
     est = estimate(TINY, dims, micro_batch_size=1, global_batch_size=4, mixed_precision="bf16")
     last = [r for r in est.roles if r.stage == 1][0]
     root = 64 + 256 * 64 // 2
-    block = 18560                                   # one block's TP share (test_gpu_plan)
-    loss = 64 * act.loss_nbytes_per_token(128, 2)           # s * V/t * 14
+    block = 18560  # one block's TP share (test_gpu_plan)
+    loss = 64 * act.loss_nbytes_per_token(128, 2)  # s * V/t * 14
     assert last.loss_nbytes == loss == 64 * 128 * 14
     assert last.fsdp_buffer_nbytes == 2 * root + 10 * block
     # phases: block 10*18560 + output/norm grads 2*root = 202,176; root grads 2*root; loss 114,688
     assert last.transient_nbytes == 2 * root + max(10 * block + 2 * root, 2 * root, loss)
-    assert last.total_nbytes == 16 * last.num_params + last.activation_nbytes + last.transient_nbytes
-    assert last.total_nbytes < (16 * last.num_params + last.activation_nbytes + last.fsdp_buffer_nbytes
-                                + last.root_grad_nbytes + last.loss_nbytes)
+    assert (
+        last.total_nbytes == 16 * last.num_params + last.activation_nbytes + last.transient_nbytes
+    )
+    assert last.total_nbytes < (
+        16 * last.num_params
+        + last.activation_nbytes
+        + last.fsdp_buffer_nbytes
+        + last.root_grad_nbytes
+        + last.loss_nbytes
+    )
 
 
 def test_fsdp_buffers_under_context_parallel_without_dp() -> None:
@@ -46,8 +60,13 @@ def test_printed_formulas_match_the_loss_term() -> None:
     text = " ".join(FORMULAS.values())
     assert "4*s*b*V/t" not in text
     # bf16: c + fp32 copy + log-softmax + gradient = 2 + 4 + 4 + 4 (activations.loss_nbytes_per_token)
-    assert "s*b*V/t*(c + 4 + 4 + 4)" in FORMULAS["loss"] and act.loss_nbytes_per_token(1, 2) == 2 + 4 + 4 + 4
-    assert "s*b*V/t*(4 + 4 + 4)" in FORMULAS["loss"] and act.loss_nbytes_per_token(1, 4) == 4 + 4 + 4
+    assert (
+        "s*b*V/t*(c + 4 + 4 + 4)" in FORMULAS["loss"]
+        and act.loss_nbytes_per_token(1, 2) == 2 + 4 + 4 + 4
+    )
+    assert (
+        "s*b*V/t*(4 + 4 + 4)" in FORMULAS["loss"] and act.loss_nbytes_per_token(1, 4) == 4 + 4 + 4
+    )
     assert "largest" in FORMULAS["peak"]
 
 
@@ -56,7 +75,10 @@ def test_printed_activation_formula_is_the_one_computed() -> None:
     text = FORMULAS["activation"]
     assert "2*(4h + 2ch) + 5cq/t + 4cf/t" in text and "10 + 24/t" not in text
     h, q, f, c, t = 64, 64, 128, 2, 2
-    assert act.layer_nbytes_per_token(TINY, t, c) == 2 * (4 * h + 2 * c * h) + 5 * c * q / t + 4 * c * f / t
+    assert (
+        act.layer_nbytes_per_token(TINY, t, c)
+        == 2 * (4 * h + 2 * c * h) + 5 * c * q / t + 4 * c * f / t
+    )
 
 
 def test_dry_run_prints_the_loss_and_peak_formulas() -> None:

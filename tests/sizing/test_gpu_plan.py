@@ -16,16 +16,29 @@ from shardsmith.layout import ModelConfig, ParallelDims, validate_layout
 from shardsmith.sizing import activations as act
 from shardsmith.sizing.cost import MAX_MATMUL_EFFICIENCY, matmul_efficiency
 from shardsmith.sizing.estimate import root_grad_numels, unsharded_numels
+from shardsmith.sizing.gpus import (
+    ALLOCATOR_MARGIN,
+    CUDA_CONTEXT_NBYTES,
+    NCCL_COMM_NBYTES,
+    gpu,
+    process_groups,
+    process_overhead_nbytes,
+)
 from shardsmith.sizing.peak import fsdp_buffer_nbytes, loss_nbytes
-from shardsmith.sizing.gpus import (ALLOCATOR_MARGIN, CUDA_CONTEXT_NBYTES, NCCL_COMM_NBYTES, gpu, process_groups,
-                                   process_overhead_nbytes)
-from shardsmith.sizing.search import plan
 from shardsmith.sizing.presets import resolve_model
+from shardsmith.sizing.search import plan
 from shardsmith.sizing.verdict import Job, fixes, judge, max_peak, merge_flags, warnings
 
-TINY = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, num_kv_heads=2,
-                   ffn_hidden_size=128, vocab_size=256, seq_length=64)
-GiB = 2 ** 30
+TINY = ModelConfig(
+    num_layers=8,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=128,
+    vocab_size=256,
+    seq_length=64,
+)
+GiB = 2**30
 
 
 def test_activation_terms_by_hand() -> None:
@@ -62,8 +75,12 @@ def test_fsdp_buffer_and_process_terms_by_hand() -> None:
     assert process_overhead_nbytes(3) == CUDA_CONTEXT_NBYTES + 3 * NCCL_COMM_NBYTES
     est = Job(TINY, dims, micro_batch_size=1, global_batch_size=8).estimate()
     role = est.roles[0]
-    assert role.peak_nbytes == int(role.total_nbytes * (1 + ALLOCATOR_MARGIN)) + process_overhead_nbytes(2)
-    assert role.total_nbytes == 16 * role.num_params + role.activation_nbytes + role.transient_nbytes
+    assert role.peak_nbytes == int(
+        role.total_nbytes * (1 + ALLOCATOR_MARGIN)
+    ) + process_overhead_nbytes(2)
+    assert (
+        role.total_nbytes == 16 * role.num_params + role.activation_nbytes + role.transient_nbytes
+    )
 
 
 def test_gpu_table_and_matmul_efficiency() -> None:
@@ -77,31 +94,69 @@ def test_gpu_table_and_matmul_efficiency() -> None:
 
 def test_verdict_and_fixes_are_computed() -> None:
     m = resolve_model("llama3-70b", {})
-    device = 80 * 10 ** 9
-    toy = Job(m, ParallelDims(tp=8, pp=4, dp_shard=8), micro_batch_size=2, global_batch_size=16)  # train defaults
+    device = 80 * 10**9
+    toy = Job(
+        m, ParallelDims(tp=8, pp=4, dp_shard=8), micro_batch_size=2, global_batch_size=16
+    )  # train defaults
     est = toy.estimate()
     assert not any(v["fits"] for v in judge(est, device))
     found = fixes(toy, device)
     assert found
-    for fix in found:                   # each fix re-estimated: it fits by the estimator
+    for fix in found:  # each fix re-estimated: it fits by the estimator
         assert fix["peak_bytes"] <= device and fix["headroom_bytes"] == device - fix["peak_bytes"]
     assert any("bubble" in w for w in warnings(est))
-    good = Job(m, ParallelDims(tp=8, pp=4, dp_shard=8), micro_batch_size=1, global_batch_size=512,
-               activation_checkpointing=True, mixed_precision="bf16", sequence_parallel=True)
+    good = Job(
+        m,
+        ParallelDims(tp=8, pp=4, dp_shard=8),
+        micro_batch_size=1,
+        global_batch_size=512,
+        activation_checkpointing=True,
+        mixed_precision="bf16",
+        sequence_parallel=True,
+    )
     verdicts = judge(good.estimate(), device)
     assert all(v["fits"] and v["headroom_bytes"] > 0 for v in verdicts)
     assert not any("bubble" in w for w in warnings(good.estimate()))
 
 
 def test_dry_run_json_carries_the_verdict() -> None:
-    args = ["train", "--model", "llama3-70b", "--tp", "8", "--pp", "4", "--dp-shard", "8", "--dry-run",
-            "--json", "--gpu-memory", "80GB"]
+    args = [
+        "train",
+        "--model",
+        "llama3-70b",
+        "--tp",
+        "8",
+        "--pp",
+        "4",
+        "--dp-shard",
+        "8",
+        "--dry-run",
+        "--json",
+        "--gpu-memory",
+        "80GB",
+    ]
     no = json.loads(CliRunner().invoke(cli, args).output)
     assert no["fits"] is False and no["fixes"] and all(not g["fits"] for g in no["rank_groups"])
-    yes = CliRunner().invoke(cli, args + ["--mixed-precision", "bf16", "--activation-checkpointing",
-                                          "--sequence-parallel", "--global-batch-size", "512", "--gpu", "h100"])
+    yes = CliRunner().invoke(
+        cli,
+        args
+        + [
+            "--mixed-precision",
+            "bf16",
+            "--activation-checkpointing",
+            "--sequence-parallel",
+            "--global-batch-size",
+            "512",
+            "--gpu",
+            "h100",
+        ],
+    )
     d = json.loads(yes.output)
-    assert d["fits"] is True and d["fixes"] == [] and d["peak_bytes"] == max(r["peak_bytes"] for r in d["roles"])
+    assert (
+        d["fits"] is True
+        and d["fixes"] == []
+        and d["peak_bytes"] == max(r["peak_bytes"] for r in d["roles"])
+    )
     text = CliRunner().invoke(cli, [a for a in args if a != "--json"]).output
     assert "does not fit by" in text and "to fit: " in text and "warning: pipeline bubble" in text
 
@@ -114,28 +169,88 @@ def test_plan_recommends_valid_fitting_layouts() -> None:
     for c in found:
         validate_layout(m, c.job.dims)
         assert c.job.dims.world_size == 256 and c.job.dims.tp <= 8
-        assert max_peak(c.job.estimate()) <= h100.memory_nbytes       # every rank group, full estimate
+        assert max_peak(c.job.estimate()) <= h100.memory_nbytes  # every rank group, full estimate
         assert 0 < c.cost.mfu < MAX_MATMUL_EFFICIENCY
-    out = CliRunner().invoke(cli, ["plan", "--model", "llama3-405b", "--gpus", "16384", "--gpu", "h100",
-                                   "--global-batch-size", "2048", "--json"])
+    out = CliRunner().invoke(
+        cli,
+        [
+            "plan",
+            "--model",
+            "llama3-405b",
+            "--gpus",
+            "16384",
+            "--gpu",
+            "h100",
+            "--global-batch-size",
+            "2048",
+            "--json",
+        ],
+    )
     assert out.exit_code == 0, out.output
     cands = json.loads(out.output)["candidates"]
-    assert cands and all(c["fits"] and c["command"].startswith("shardsmith train --model llama3-405b")
-                         for c in cands)
+    assert cands and all(
+        c["fits"] and c["command"].startswith("shardsmith train --model llama3-405b") for c in cands
+    )
 
 
 @pytest.mark.distributed
 def test_planner_flags_start_a_real_run(tmp_path: Path, data_path: str) -> None:
-    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--num-kv-heads", "1",
-             "--ffn-hidden-size", "64", "--vocab-size", "256", "--seq-length", "32"]
-    out = CliRunner().invoke(cli, ["plan", *model, "--gpus", "2", "--gpus-per-node", "2", "--gpu", "h100",
-                                   "--global-batch-size", "4", "--json"])
+    model = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "2",
+        "--num-kv-heads",
+        "1",
+        "--ffn-hidden-size",
+        "64",
+        "--vocab-size",
+        "256",
+        "--seq-length",
+        "32",
+    ]
+    out = CliRunner().invoke(
+        cli,
+        [
+            "plan",
+            *model,
+            "--gpus",
+            "2",
+            "--gpus-per-node",
+            "2",
+            "--gpu",
+            "h100",
+            "--global-batch-size",
+            "4",
+            "--json",
+        ],
+    )
     assert out.exit_code == 0, out.output
     flags = json.loads(out.output)["candidates"][0]["flags"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "shardsmith", "train", *flags, "--nproc-per-node", "2",
-                          "--steps", "2", "--data", data_path, "--ckpt", str(tmp_path / "c")],
-                         capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardsmith",
+            "train",
+            *flags,
+            "--nproc-per-node",
+            "2",
+            "--steps",
+            "2",
+            "--data",
+            data_path,
+            "--ckpt",
+            str(tmp_path / "c"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "step" in run.stdout + run.stderr
 
@@ -143,11 +258,16 @@ def test_planner_flags_start_a_real_run(tmp_path: Path, data_path: str) -> None:
 def test_a_series_of_fixes_names_each_flag_once() -> None:
     """The cumulative fix of a config no single change fits (70B tp1·pp2·dps8 on 80 GB) names
     every flag once, with its last value: ``--tp 8 --dp-shard 1``, not ``--tp 2 ... --tp 4 ... --tp 8``."""
-    assert merge_flags(["--micro-batch-size 1", "--tp 2 --dp-shard 4", "--sequence-parallel",
-                        "--tp 4 --dp-shard 2"]) == ["--micro-batch-size 1", "--tp 4", "--dp-shard 2",
-                                                    "--sequence-parallel"]
+    assert merge_flags(
+        [
+            "--micro-batch-size 1",
+            "--tp 2 --dp-shard 4",
+            "--sequence-parallel",
+            "--tp 4 --dp-shard 2",
+        ]
+    ) == ["--micro-batch-size 1", "--tp 4", "--dp-shard 2", "--sequence-parallel"]
     m = resolve_model("llama3-70b", {})
     job = Job(m, ParallelDims(pp=2, dp_shard=8), micro_batch_size=2, global_batch_size=16)
-    for fix in fixes(job, 80 * 10 ** 9):
+    for fix in fixes(job, 80 * 10**9):
         names = [c.split()[0] for c in fix["changes"]]
         assert len(names) == len(set(names)), fix["changes"]

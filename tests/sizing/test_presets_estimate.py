@@ -12,15 +12,22 @@ from shardsmith.cli.main import cli
 from shardsmith.errors import ConfigError
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.layout.flops import flops_per_token
-from shardsmith.sizing.estimate import activation_nbytes_per_layer, estimate
 from shardsmith.layout.sharding import param_specs
+from shardsmith.sizing.estimate import activation_nbytes_per_layer, estimate
 from shardsmith.sizing.presets import PRESETS, llama_ffn_hidden_size, preset_of, resolve_model
 
 
-@pytest.mark.parametrize("name, num_params", [
-    ("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496), ("llama3-405b", 405_853_388_800),
-    ("llama2-7b", 6_738_415_616), ("llama2-13b", 13_015_864_320), ("tiny", 803_968),
-])
+@pytest.mark.parametrize(
+    "name, num_params",
+    [
+        ("llama3-8b", 8_030_261_248),
+        ("llama3-70b", 70_553_706_496),
+        ("llama3-405b", 405_853_388_800),
+        ("llama2-7b", 6_738_415_616),
+        ("llama2-13b", 13_015_864_320),
+        ("tiny", 803_968),
+    ],
+)
 def test_preset_parameter_counts_match_the_published_models(name, num_params) -> None:
     """Counts as the models' safetensors index files report them (8.03B, 70.6B, 406B, 6.74B, 13.0B)."""
     specs = param_specs(PRESETS[name], ParallelDims())
@@ -28,8 +35,8 @@ def test_preset_parameter_counts_match_the_published_models(name, num_params) ->
 
 
 def test_llama_ffn_rule_reproduces_the_published_widths() -> None:
-    assert llama_ffn_hidden_size(4096) == 11008                     # Llama 2 7B
-    assert llama_ffn_hidden_size(5120) == 13824                     # Llama 2 13B
+    assert llama_ffn_hidden_size(4096) == 11008  # Llama 2 7B
+    assert llama_ffn_hidden_size(5120) == 13824  # Llama 2 13B
     assert llama_ffn_hidden_size(4096, 1024, 1.3) == PRESETS["llama3-8b"].ffn_hidden_size
     assert llama_ffn_hidden_size(8192, 1024, 1.3) == PRESETS["llama3-70b"].ffn_hidden_size
     assert llama_ffn_hidden_size(16384, 4096, 1.2) == PRESETS["llama3-405b"].ffn_hidden_size
@@ -39,9 +46,11 @@ def test_resolve_model_rules() -> None:
     assert resolve_model(None, {}) == ModelConfig() == PRESETS["tiny"]
     m = resolve_model(None, {"hidden_size": 4096, "num_attention_heads": 32, "num_layers": 2})
     assert (m.ffn_hidden_size, m.num_kv_heads, m.num_layers) == (11008, 32, 2)
-    m = resolve_model(None, {"hidden_size": 256, "ffn_hidden_size": 100, "num_attention_heads": 8,
-                             "num_kv_heads": 2})
-    assert (m.ffn_hidden_size, m.num_kv_heads) == (100, 2)           # explicit flags win
+    m = resolve_model(
+        None,
+        {"hidden_size": 256, "ffn_hidden_size": 100, "num_attention_heads": 8, "num_kv_heads": 2},
+    )
+    assert (m.ffn_hidden_size, m.num_kv_heads) == (100, 2)  # explicit flags win
     assert resolve_model(None, {"num_layers": 2}) == ModelConfig(num_layers=2)
     m = resolve_model("llama3-8b", {"num_layers": 2, "hidden_size": 2048})
     assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_kv_heads) == (2, 2048, 14336, 8)
@@ -56,10 +65,14 @@ def test_estimate_rank_roles_add_up_to_the_model() -> None:
     est = estimate(model, dims, micro_batch_size=1, global_batch_size=64)
     assert sum(r.num_ranks for r in est.roles) == dims.world_size
     # every element is held by dp_replicate ranks (TP-replicated norms by tp of them as well)
-    norms = sum(prod(s.shape) for f, s in param_specs(model, dims).items() if f.endswith("norm.weight"))
+    norms = sum(
+        prod(s.shape) for f, s in param_specs(model, dims).items() if f.endswith("norm.weight")
+    )
     held = sum(r.num_params * r.num_ranks for r in est.roles)
     assert held == dims.dp_replicate * (est.total_params + (dims.tp - 1) * norms)
-    assert est.num_microbatches == 8 and est.pipeline_bubble_fraction == pytest.approx(1 / 8)  # 64/(1*dp 8)
+    assert est.num_microbatches == 8 and est.pipeline_bubble_fraction == pytest.approx(
+        1 / 8
+    )  # 64/(1*dp 8)
     assert est.flops_per_step == flops_per_token(model) * 64 * model.seq_length
     first = est.roles[0]
     assert first.param_nbytes == 4 * first.num_params and first.optim_nbytes == 8 * first.num_params
@@ -73,8 +86,12 @@ def test_estimate_rank_roles_add_up_to_the_model() -> None:
 def test_estimate_groups_16384_ranks_into_few_roles() -> None:
     """Ranks with the same share are one role (the estimate's cost grows with the roles, not
     the ranks; ~0.2 s here on an idle core — speed is not asserted in tests)."""
-    est = estimate(PRESETS["llama3-405b"], ParallelDims(tp=8, pp=16, dp_shard=128), micro_batch_size=1,
-                   global_batch_size=2048)
+    est = estimate(
+        PRESETS["llama3-405b"],
+        ParallelDims(tp=8, pp=16, dp_shard=128),
+        micro_batch_size=1,
+        global_batch_size=2048,
+    )
     assert sum(r.num_ranks for r in est.roles) == 16384 and len(est.roles) < 64
 
 
@@ -100,10 +117,14 @@ def test_dry_run_llama_defaults_for_a_partial_shape() -> None:
 
 
 def test_dry_run_explicit_flag_overrides_preset_and_text_output() -> None:
-    result = CliRunner().invoke(cli, ["train", "--model", "llama2-7b", "--num-layers", "4", "--pp", "2",
-                                      "--dry-run"])
+    result = CliRunner().invoke(
+        cli, ["train", "--model", "llama2-7b", "--num-layers", "4", "--pp", "2", "--dry-run"]
+    )
     assert result.exit_code == 0, result.output
-    assert "4 layers, hidden 4096" in result.output and "pipeline bubble (P-1)/(V*M) = 1/(1*8)" in result.output
+    assert (
+        "4 layers, hidden 4096" in result.output
+        and "pipeline bubble (P-1)/(V*M) = 1/(1*8)" in result.output
+    )
     assert "Korthikanti" in result.output
 
 

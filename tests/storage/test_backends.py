@@ -6,8 +6,14 @@ from __future__ import annotations
 import pytest
 
 from shardsmith.errors import StorageError
-from shardsmith.storage.store.backends import (FsspecBackend, PosixBackend, StorageKind, capabilities_of,
-                                               mount_fstype, posix_kind)
+from shardsmith.storage.store.backends import (
+    FsspecBackend,
+    PosixBackend,
+    StorageKind,
+    capabilities_of,
+    mount_fstype,
+    posix_kind,
+)
 from shardsmith.storage.store.fs import Store
 
 MOUNTS = """\
@@ -19,10 +25,20 @@ server:/export /mnt/nfs nfs4 rw 0 0
 """
 
 
-@pytest.mark.parametrize("path,fstype", [
-    ("/scratch/ckpt/step-1", "ext4"), ("/lustre/proj/run", "lustre"), ("/lustre/home/x y/run", "gpfs"),
-    ("/mnt/nfs", "nfs4"), ("/mnt/nfsother", "overlay"), ("/home/u", "overlay")])
-def test_the_longest_mount_point_that_holds_a_path_names_its_filesystem(path: str, fstype: str) -> None:
+@pytest.mark.parametrize(
+    "path,fstype",
+    [
+        ("/scratch/ckpt/step-1", "ext4"),
+        ("/lustre/proj/run", "lustre"),
+        ("/lustre/home/x y/run", "gpfs"),
+        ("/mnt/nfs", "nfs4"),
+        ("/mnt/nfsother", "overlay"),
+        ("/home/u", "overlay"),
+    ],
+)
+def test_the_longest_mount_point_that_holds_a_path_names_its_filesystem(
+    path: str, fstype: str
+) -> None:
     assert mount_fstype(path, MOUNTS) == fstype
 
 
@@ -30,13 +46,25 @@ def test_capabilities_follow_the_storage_kind_and_the_cores() -> None:
     """Node-local: one stream per file, at most 2 reads per core and 8 in all; shared
     filesystems: several reads per file, 4 per core within 8..32; object stores: 32 GETs in
     flight on any node, the largest scratch."""
-    local1, local64 = capabilities_of(StorageKind.NODE_LOCAL, True, 1), capabilities_of(StorageKind.NODE_LOCAL, True, 64)
+    local1, local64 = (
+        capabilities_of(StorageKind.NODE_LOCAL, True, 1),
+        capabilities_of(StorageKind.NODE_LOCAL, True, 64),
+    )
     assert (local1.read_workers, local64.read_workers) == (2, 8)
     assert not local1.concurrent_reads_per_file
-    shared2, shared64 = capabilities_of(StorageKind.SHARED_FS, True, 2), capabilities_of(StorageKind.SHARED_FS, True, 64)
-    assert (shared2.read_workers, shared64.read_workers) == (8, 32) and shared2.concurrent_reads_per_file
+    shared2, shared64 = (
+        capabilities_of(StorageKind.SHARED_FS, True, 2),
+        capabilities_of(StorageKind.SHARED_FS, True, 64),
+    )
+    assert (shared2.read_workers, shared64.read_workers) == (
+        8,
+        32,
+    ) and shared2.concurrent_reads_per_file
     obj = capabilities_of(StorageKind.OBJECT_STORE, False, 2)
-    assert obj.read_workers == 32 and obj.scratch_nbytes > shared2.scratch_nbytes > local1.scratch_nbytes
+    assert (
+        obj.read_workers == 32
+        and obj.scratch_nbytes > shared2.scratch_nbytes > local1.scratch_nbytes
+    )
 
 
 def test_a_store_picks_its_backend_and_kind(tmp_path, monkeypatch) -> None:
@@ -51,11 +79,13 @@ def test_a_store_picks_its_backend_and_kind(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SHARDSMITH_STORAGE_KIND", "shared-fs")
     shared = Store(str(tmp_path))
     assert shared.capabilities.kind is StorageKind.SHARED_FS and shared.capabilities.posix
-    shared.write("x/y", b"abc")                      # the POSIX mechanics do not change with the kind
+    shared.write("x/y", b"abc")  # the POSIX mechanics do not change with the kind
     assert local.read("x/y") == b"abc"
 
 
 def test_an_unknown_storage_kind_is_refused_naming_the_choices(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SHARDSMITH_STORAGE_KIND", "lustre")
-    with pytest.raises(StorageError, match="SHARDSMITH_STORAGE_KIND='lustre'.*node-local.*shared-fs.*object-store"):
+    with pytest.raises(
+        StorageError, match="SHARDSMITH_STORAGE_KIND='lustre'.*node-local.*shared-fs.*object-store"
+    ):
         Store(str(tmp_path))

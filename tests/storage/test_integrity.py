@@ -10,18 +10,32 @@ import socket
 
 import pytest
 import torch
+from ckpt_factory import (
+    FILE0,
+    FILE1,
+    build_manifest,
+    data_start,
+    flip_byte,
+    make_checkpoint,
+    memory_root,
+)
 from click.testing import CliRunner
 
-from ckpt_factory import (FILE0, FILE1, build_manifest, data_start, flip_byte, make_checkpoint,
-                          memory_root)
 from shardsmith.errors import CheckpointNotFound, IntegrityError, ManifestError, SaveError
 from shardsmith.layout.box import Box
-from shardsmith.storage.commit import (LATEST_NAME, commit, find_latest_committed, list_steps,
-                                       read_manifest, resolve_checkpoint, step_dir)
-from shardsmith.storage.store.fs import Store
+from shardsmith.storage.commit import (
+    LATEST_NAME,
+    commit,
+    find_latest_committed,
+    list_steps,
+    read_manifest,
+    resolve_checkpoint,
+    step_dir,
+)
+from shardsmith.storage.formats.registry import read_box
 from shardsmith.storage.lineage import CORRUPT_NAME
 from shardsmith.storage.manifest.records import MANIFEST_NAME, ShardRecord
-from shardsmith.storage.formats.registry import read_box
+from shardsmith.storage.store.fs import Store
 from shardsmith.storage.verify import check_file_once, verify_checkpoint
 from shardsmith.trainer.checkpoint.save_load import load_into
 
@@ -38,8 +52,10 @@ def ckpt() -> tuple[Store, Store, dict[str, torch.Tensor]]:
 
 def read_all(step_store: Store) -> dict[str, torch.Tensor]:
     manifest = read_manifest(step_store)
-    return {fqn: read_box(step_store, manifest, fqn, Box((0,) * len(r.shape), tuple(r.shape)))
-            for fqn, r in manifest.tensors.items()}
+    return {
+        fqn: read_box(step_store, manifest, fqn, Box((0,) * len(r.shape), tuple(r.shape)))
+        for fqn, r in manifest.tensors.items()
+    }
 
 
 def load_all(step_store: Store, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -60,8 +76,14 @@ def test_intact_checkpoint_loads_and_verifies(ckpt) -> None:
         assert all(got[f].dtype == full[f].dtype and torch.equal(got[f], full[f]) for f in full)
     report = verify_checkpoint(step_store)
     assert report.ok, report.problems
-    assert (report.step, report.num_files, report.num_tensors) == (STEP, 4, 4)      # 2 data files + sidecars
-    assert report.nbytes_checked == sum(step_store.size(f) for f in (FILE0, FILE1, FILE0 + ".crc32c", FILE1 + ".crc32c"))
+    assert (report.step, report.num_files, report.num_tensors) == (
+        STEP,
+        4,
+        4,
+    )  # 2 data files + sidecars
+    assert report.nbytes_checked == sum(
+        step_store.size(f) for f in (FILE0, FILE1, FILE0 + ".crc32c", FILE1 + ".crc32c")
+    )
     assert report.extra_files == []
 
 
@@ -72,12 +94,16 @@ def test_verify_streams_in_bounded_blocks(tmp_path) -> None:
     big = torch.arange(256 * 1024, dtype=torch.float32)
     from shardsmith.storage.formats.tensor_files import encode_and_record
 
-    encoded, records = encode_and_record({"big": (big, Box((0,), (big.numel(),)))}, "shards/big.safetensors", 4096)
+    encoded, records = encode_and_record(
+        {"big": (big, Box((0,), (big.numel(),)))}, "shards/big.safetensors", 4096
+    )
     root.child(step_dir(1)).write("shards/big.safetensors", encoded.data)
     manifest.files["shards/big.safetensors"] = encoded.record
     from shardsmith.storage.manifest.records import TensorRecord
 
-    manifest.tensors["big"] = TensorRecord(shape=[big.numel()], dtype="F32", shards=[records["big"]])
+    manifest.tensors["big"] = TensorRecord(
+        shape=[big.numel()], dtype="F32", shards=[records["big"]]
+    )
     commit(root, manifest)
     step_store = root.child(step_dir(1))
     sizes: list[int] = []
@@ -107,7 +133,7 @@ def test_verify_streams_in_bounded_blocks(tmp_path) -> None:
 @pytest.mark.parametrize("block", [7, 8 * 1024 * 1024])
 def test_flipped_data_byte(ckpt, block) -> None:
     root, step_store, full = ckpt
-    flip_byte(step_store, FILE1, -3)               # inside the last entry's data
+    flip_byte(step_store, FILE1, -3)  # inside the last entry's data
     with pytest.raises(IntegrityError, match=f"{FILE1}: checksum mismatch"):
         read_all(step_store)
     with pytest.raises(IntegrityError, match=FILE1):
@@ -126,14 +152,18 @@ def test_every_flipped_header_byte_is_detected(ckpt) -> None:
     end = data_start(step_store, FILE0)
     for offset in range(end):
         for mask in (0x01, 0x20, 0x80):
-            step_store.write(FILE0, original[:offset] + bytes([original[offset] ^ mask]) + original[offset + 1:])
+            step_store.write(
+                FILE0, original[:offset] + bytes([original[offset] ^ mask]) + original[offset + 1 :]
+            )
             manifest = read_manifest(step_store)
             with pytest.raises(IntegrityError, match=FILE0):
                 check_file_once(step_store, manifest, FILE0)
             assert FILE0 not in manifest.checked_files
     step_store.write(FILE0, original)
     flip_byte(step_store, FILE0, 20)
-    with pytest.raises(IntegrityError, match=f"{FILE0}: (corrupt safetensors header|safetensors header disagrees)"):
+    with pytest.raises(
+        IntegrityError, match=f"{FILE0}: (corrupt safetensors header|safetensors header disagrees)"
+    ):
         load_all(step_store, full)
     report = verify_checkpoint(step_store)
     assert report.bad_files == [FILE0]
@@ -144,8 +174,11 @@ def test_truncated_shard_file(ckpt) -> None:
     root, step_store, full = ckpt
     data = step_store.read(FILE0)
     step_store.write(FILE0, data[:-10])
-    with pytest.raises(IntegrityError, match=f"{FILE0}: truncated: {len(data) - 10} bytes on storage, "
-                                             f"the manifest records {len(data)}"):
+    with pytest.raises(
+        IntegrityError,
+        match=f"{FILE0}: truncated: {len(data) - 10} bytes on storage, "
+        f"the manifest records {len(data)}",
+    ):
         read_all(step_store)
     with pytest.raises(IntegrityError, match=f"{FILE0}: truncated"):
         load_all(step_store, full)
@@ -217,7 +250,9 @@ def test_deleted_manifest_means_not_committed(ckpt) -> None:
     assert find_latest_committed(root) == STEP
     _, resolved, step = resolve_checkpoint(root.url)
     assert (resolved.url, step) == (step_store.url, STEP)
-    with pytest.raises(CheckpointNotFound, match=f"{step_dir(STEP + 1)} is not a committed checkpoint"):
+    with pytest.raises(
+        CheckpointNotFound, match=f"{step_dir(STEP + 1)} is not a committed checkpoint"
+    ):
         read_manifest(root.child(step_dir(STEP + 1)))
     report = verify_checkpoint(root.child(step_dir(STEP + 1)))
     assert report.bad_files == [MANIFEST_NAME] and "not committed" in report.problems[0].what
@@ -232,7 +267,7 @@ def test_deleted_manifest_means_not_committed(ckpt) -> None:
 def test_commit_refuses_bad_coverage_and_commits_nothing(ckpt) -> None:
     root, _, _ = ckpt
     manifest, _ = build_manifest(root, STEP + 1)
-    manifest.tensors["w"].shards.pop()                           # half of w not covered
+    manifest.tensors["w"].shards.pop()  # half of w not covered
     with pytest.raises(ManifestError, match=r"tensors\['w'\].shards: .*missing coverage"):
         commit(root, manifest)
     assert not root.exists(f"{step_dir(STEP + 1)}/{MANIFEST_NAME}")
@@ -261,22 +296,26 @@ def test_commit_of_older_step_keeps_latest(ckpt) -> None:
     assert root.read(LATEST_NAME).decode().strip() == step_dir(STEP + 5)
 
 
-@pytest.mark.parametrize("hint", [None, "", "step-000000001", "step-000000009", "step-000000007",
-                                  "garbage\n", "../../etc"])
+@pytest.mark.parametrize(
+    "hint",
+    [None, "", "step-000000001", "step-000000009", "step-000000007", "garbage\n", "../../etc"],
+)
 def test_latest_hint_fallback(hint, caplog) -> None:
     """Missing, empty, stale, incomplete, nonexistent or garbage hints -> newest committed
     step, with a warning naming the hint."""
     root = memory_root()
     make_checkpoint(root, 1)
     make_checkpoint(root, 5)
-    build_manifest(root, 7)                        # incomplete: data, no manifest
+    build_manifest(root, 7)  # incomplete: data, no manifest
     if hint is None:
         root.delete(LATEST_NAME)
     else:
         root.write(LATEST_NAME, hint.encode())
     with caplog.at_level(logging.WARNING, logger="shardsmith.storage.commit"):
         assert find_latest_committed(root) == 5
-    assert any("using newest committed step step-000000005" in r.getMessage() for r in caplog.records)
+    assert any(
+        "using newest committed step step-000000005" in r.getMessage() for r in caplog.records
+    )
     assert [(s.step, s.committed) for s in list_steps(root)] == [(1, True), (5, True), (7, False)]
 
 
@@ -293,7 +332,9 @@ def test_manifest_step_must_match_directory(ckpt) -> None:
     other = root.child(step_dir(STEP + 1))
     for name in (FILE0, FILE1, MANIFEST_NAME):
         other.write(name, step_store.read(name))
-    with pytest.raises(ManifestError, match=rf"{other.url}/manifest.json: step: the manifest says step {STEP}"):
+    with pytest.raises(
+        ManifestError, match=rf"{other.url}/manifest.json: step: the manifest says step {STEP}"
+    ):
         read_manifest(other)
 
 
@@ -305,7 +346,9 @@ def test_cli_verify(ckpt) -> None:
 
     root, step_store, _ = ckpt
     ok = CliRunner().invoke(cli, ["verify", root.url])
-    assert ok.exit_code == 0 and f"ok: {step_store.url} step {STEP}: 4 files" in ok.output, ok.output
+    assert ok.exit_code == 0 and f"ok: {step_store.url} step {STEP}: 4 files" in ok.output, (
+        ok.output
+    )
     flip_byte(step_store, FILE0, -2)
     step_store.delete(FILE1)
     bad = CliRunner().invoke(cli, ["verify", step_store.url])
@@ -331,13 +374,17 @@ def _free_port() -> int:
 def gloo_group():
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
     yield
     dist.destroy_process_group()
 
 
 @pytest.mark.distributed
-def test_trainer_resume_detects_corruption_and_falls_back(tmp_path, data_path, gloo_group, monkeypatch) -> None:
+def test_trainer_resume_detects_corruption_and_falls_back(
+    tmp_path, data_path, gloo_group, monkeypatch
+) -> None:
     from conftest import tiny_train_config
 
     from shardsmith.layout import ParallelDims
@@ -345,8 +392,9 @@ def test_trainer_resume_detects_corruption_and_falls_back(tmp_path, data_path, g
     from shardsmith.trainer.train import Trainer
 
     base = tiny_train_config(ParallelDims(), data_path)
-    cfg = dataclasses.replace(base, steps=2, checkpoint=CheckpointConfig(url=str(tmp_path / "ckpt"),
-                                                                         async_save=False))
+    cfg = dataclasses.replace(
+        base, steps=2, checkpoint=CheckpointConfig(url=str(tmp_path / "ckpt"), async_save=False)
+    )
     trainer = Trainer.create(cfg)
     for _ in range(2):
         trainer.train_step()
@@ -358,11 +406,13 @@ def test_trainer_resume_detects_corruption_and_falls_back(tmp_path, data_path, g
     manifest = read_manifest(step2)
     shard: ShardRecord = manifest.tensors["norm.weight"].shards[0]
     flip_byte(step2, shard.file, shard.byte_offset + 1)
-    explicit = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=step2.url))
+    explicit = dataclasses.replace(
+        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=step2.url)
+    )
     with pytest.raises(IntegrityError, match=shard.file):
-        Trainer.create(explicit).resume()                 # an explicit step never falls back
-    assert step2.exists(CORRUPT_NAME)                     # ... but the load marked it
-    resumed = Trainer.create(cfg)                         # --resume auto: the run's previous step
+        Trainer.create(explicit).resume()  # an explicit step never falls back
+    assert step2.exists(CORRUPT_NAME)  # ... but the load marked it
+    resumed = Trainer.create(cfg)  # --resume auto: the run's previous step
     monkeypatch.setattr(pickle, "loads", _pickle_trap)
     monkeypatch.setattr(pickle, "load", _pickle_trap)
     monkeypatch.setattr(torch, "load", _pickle_trap)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from ckpt_factory import MODEL, full_tensors, save_offline
+
 from shardsmith.errors import IntegrityError
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.box import Box
@@ -24,7 +24,7 @@ def test_a_load_and_verify_name_the_same_file_bytes(tmp_path) -> None:
     manifest = read_manifest(step)
     fqn = "layers.1.feed_forward.w2.weight"
     shard = manifest.tensors[fqn].shards[0]
-    assert shard.byte_offset > 0                       # a file offset differs from the entry's
+    assert shard.byte_offset > 0  # a file offset differs from the entry's
     path = tmp_path / "r" / step_dir(3) / shard.file
     data = bytearray(path.read_bytes())
     data[shard.byte_offset + shard.nbytes - 1] ^= 0x01  # the entry's last byte

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from ckpt_factory import make_checkpoint, memory_root
+
 from shardsmith.errors import IntegrityError
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import read_manifest, step_dir
@@ -37,7 +37,7 @@ def _whole(t: torch.Tensor) -> Box:
 
 def test_read_staged_cuts_rows_and_batches_within_the_budget(ckpt) -> None:
     step_store, manifest, full = ckpt
-    budget = 40                                               # bytes: w (6x4 fp32) is 96
+    budget = 40  # bytes: w (6x4 fp32) is 96
     calls: list[list[tuple[str, Box, int]]] = []
 
     def read(batch):
@@ -50,9 +50,9 @@ def test_read_staged_cuts_rows_and_batches_within_the_budget(ckpt) -> None:
     for fqn, t in full.items():
         assert torch.equal(dest[fqn], t), fqn
     w_runs = [box for call in calls for fqn, box, _ in call if fqn == "w"]
-    assert [b.lengths for b in w_runs] == [(2, 4), (2, 4), (2, 4)]          # 32-byte runs of whole rows
+    assert [b.lengths for b in w_runs] == [(2, 4), (2, 4), (2, 4)]  # 32-byte runs of whole rows
     assert [b.offsets[0] for b in w_runs] == [0, 2, 4]
-    for call in calls:                                        # each batch fits the budget, 64-byte aligned
+    for call in calls:  # each batch fits the budget, 64-byte aligned
         assert sum(-(-n // 64) * 64 for _, _, n in call) <= max(budget, 64) or len(call) == 1
 
 
@@ -65,12 +65,16 @@ def test_read_staged_keeps_a_row_larger_than_the_budget_whole(ckpt) -> None:
         return read_boxes(step_store, manifest, batch)
 
     out = torch.zeros(6, 4)
-    read_staged(read, [("w", _whole(full["w"]), out)], budget=8)            # a row is 16 bytes
+    read_staged(read, [("w", _whole(full["w"]), out)], budget=8)  # a row is 16 bytes
     assert seen == [(1, 4)] * 6 and torch.equal(out, full["w"])
     seen.clear()
     out = torch.zeros(6, 4)
-    read_staged(read, [("w", _whole(full["w"]), out), ("b", _whole(full["b"]), torch.zeros(5))], budget=8,
-                split_rows=False)                                           # zarr: boxes whole
+    read_staged(
+        read,
+        [("w", _whole(full["w"]), out), ("b", _whole(full["b"]), torch.zeros(5))],
+        budget=8,
+        split_rows=False,
+    )  # zarr: boxes whole
     assert seen == [(6, 4), (5,)] and torch.equal(out, full["w"])
 
 
@@ -80,7 +84,7 @@ def test_read_boxes_routes_off_cpu_destinations_through_staging(ckpt, monkeypatc
     real = staging.read_staged
 
     def spy(read, requests, budget=staging.STAGING_NBYTES, split_rows=True):
-        assert split_rows                                     # safetensors: boxes may be cut
+        assert split_rows  # safetensors: boxes may be cut
         staged.extend(fqn for fqn, _, _ in requests)
         return real(read, requests, budget, split_rows)
 
@@ -88,14 +92,26 @@ def test_read_boxes_routes_off_cpu_destinations_through_staging(ckpt, monkeypatc
     cpu = torch.zeros(6, 4)
     meta = torch.empty(4, 4, dtype=torch.bfloat16, device="meta")
     stats = ReadStats()
-    outs = read_boxes(step_store, manifest, [("w", _whole(full["w"]), cpu), ("h", _whole(full["h"]), meta),
-                                            ("b", _whole(full["b"]), None)], stats=stats)
+    outs = read_boxes(
+        step_store,
+        manifest,
+        [
+            ("w", _whole(full["w"]), cpu),
+            ("h", _whole(full["h"]), meta),
+            ("b", _whole(full["b"]), None),
+        ],
+        stats=stats,
+    )
     assert staged == ["h"]
     assert outs[0] is cpu and outs[1] is meta and torch.equal(outs[2], full["b"])
     assert torch.equal(cpu, full["w"])
-    assert stats.nbytes_needed == (24 * 4 + 16 * 2 + 5 * 4)   # the staged box is read and counted too
+    assert stats.nbytes_needed == (
+        24 * 4 + 16 * 2 + 5 * 4
+    )  # the staged box is read and counted too
     with pytest.raises(ValueError, match="destination is"):
-        read_boxes(step_store, manifest, [("h", _whole(full["h"]), torch.empty(4, 4, device="meta"))])
+        read_boxes(
+            step_store, manifest, [("h", _whole(full["h"]), torch.empty(4, 4, device="meta"))]
+        )
 
 
 def test_staged_reads_are_verified(ckpt) -> None:
@@ -105,14 +121,22 @@ def test_staged_reads_are_verified(ckpt) -> None:
     data[shard.byte_offset] ^= 0x40
     step_store.write(shard.file, bytes(data))
     with pytest.raises(IntegrityError, match="checksum mismatch"):
-        read_staged(lambda batch: read_boxes(step_store, manifest, batch),
-                    [("w", _whole(full["w"]), torch.zeros(6, 4))], budget=32)
+        read_staged(
+            lambda batch: read_boxes(step_store, manifest, batch),
+            [("w", _whole(full["w"]), torch.zeros(6, 4))],
+            budget=32,
+        )
 
 
 def test_trainer_load_into_meta_tensors_reads_everything(ckpt) -> None:
     step_store, manifest, full = ckpt
     dest = {fqn: torch.empty_like(t, device="meta") for fqn, t in full.items()}
-    stats = load_into(step_store, manifest, dest, {f: _whole(t) for f, t in full.items()},
-                      {f: tuple(t.shape) for f, t in full.items()})
+    stats = load_into(
+        step_store,
+        manifest,
+        dest,
+        {f: _whole(t) for f, t in full.items()},
+        {f: tuple(t.shape) for f, t in full.items()},
+    )
     assert stats.nbytes_needed == sum(t.numel() * t.element_size() for t in full.values())
     assert stats.nbytes_read >= stats.nbytes_needed

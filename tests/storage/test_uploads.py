@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 from s3server import s3_server, s3_url  # noqa: F401  (pytest fixtures)
+
 from shardsmith.storage.store.fs import Store
 from shardsmith.storage.store.multipart import MultipartWriter
 from shardsmith.storage.store.uploads import abort_stale_uploads, list_uploads
@@ -55,15 +54,24 @@ def test_ls_counts_and_gc_aborts_orphaned_uploads(s3_url):
     from shardsmith.cli.main import cli
 
     store = Store(s3_url.url, s3_url.storage_options)
-    store.write("step-000000002/shards/x", b"x")            # the root exists
+    store.write("step-000000002/shards/x", b"x")  # the root exists
     upload_id = _orphan(store, "step-000000004/shards/rank-00000.safetensors")
-    opts = [arg for k, v in s3_url.storage_options.items() if isinstance(v, (str, int, bool))
-            for arg in ("--storage-option", f"{k}={v}")]
-    opts += [arg for k, v in s3_url.storage_options.get("client_kwargs", {}).items()
-             for arg in ("--storage-option", f"client_kwargs.{k}={v}")]
+    opts = [
+        arg
+        for k, v in s3_url.storage_options.items()
+        if isinstance(v, (str, int, bool))
+        for arg in ("--storage-option", f"{k}={v}")
+    ]
+    opts += [
+        arg
+        for k, v in s3_url.storage_options.get("client_kwargs", {}).items()
+        for arg in ("--storage-option", f"client_kwargs.{k}={v}")
+    ]
     run = CliRunner().invoke
     result = run(cli, ["ls", s3_url.url, *opts])
-    assert result.exit_code == 0 and "1 unfinished multipart uploads" in result.output, result.output
+    assert result.exit_code == 0 and "1 unfinished multipart uploads" in result.output, (
+        result.output
+    )
     result = run(cli, ["gc", "--uploads", "--dry-run", s3_url.url, *opts])
     assert result.exit_code == 0 and "would abort upload" in result.output, result.output
     assert [u.upload_id for u in list_uploads(store)] == [upload_id]
@@ -71,4 +79,4 @@ def test_ls_counts_and_gc_aborts_orphaned_uploads(s3_url):
     result = run(cli, ["gc", s3_url.url, *opts])
     assert result.exit_code == 0 and "aborted 1 unfinished uploads" in result.output, result.output
     assert list_uploads(store) == []
-    assert store.exists("step-000000002/shards/x")          # no committed step: may be a save in progress
+    assert store.exists("step-000000002/shards/x")  # no committed step: may be a save in progress

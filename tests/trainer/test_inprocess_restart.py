@@ -27,17 +27,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import TINY_TRAIN_FLAGS, assert_tensors_bitwise_equal, read_full_tensors
-from train_runs import Run     # a finished launch: exit code, output, root, records
+from train_runs import Run  # a finished launch: exit code, output, root, records
+
 from shardsmith.errors import SaveError
 from shardsmith.storage.commit import step_dir
 from shardsmith.trainer.runtime.inprocess import peer_lost, sever_connections
 
 STEPS = 12
 KINDS = ("rank", "node", "local-save", "replicate")
-GLOO_RESET = ("[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1234: "
-              "Connection reset by peer. This is typically caused by a remote worker hanging")
+GLOO_RESET = (
+    "[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1234: "
+    "Connection reset by peer. This is typically caused by a remote worker hanging"
+)
 
 
 # ---- unit tests ------------------------------------------------------------------------------
@@ -48,8 +50,8 @@ def test_peer_lost_knows_gloo_and_store_failures_and_nothing_else() -> None:
     assert peer_lost(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:5"))
     wrapped = SaveError("background checkpoint save failed")
     wrapped.__cause__ = RuntimeError(GLOO_RESET)
-    assert peer_lost(wrapped)                                  # a save that failed on its group
-    assert not peer_lost(ValueError("Connection reset by peer"))   # not a collective's error
+    assert peer_lost(wrapped)  # a save that failed on its group
+    assert not peer_lost(ValueError("Connection reset by peer"))  # not a collective's error
     assert not peer_lost(RuntimeError("CUDA out of memory"))
     assert not peer_lost(SaveError("disk full"))
 
@@ -73,7 +75,7 @@ def test_sever_connections_closes_peers_but_keeps_the_supervisor() -> None:
         kept = socket.create_connection(("127.0.0.1", keep_port))
         cut = socket.create_connection(("127.0.0.1", cut_port))
         assert sever_connections(keep_port=keep_port) >= 1
-        assert far.stdout.readline().strip() == "cut: True"     # the far end saw EOF at once
+        assert far.stdout.readline().strip() == "cut: True"  # the far end saw EOF at once
         kept.settimeout(10)
         assert kept.recv(1) == b"x"
         kept.close()
@@ -86,17 +88,51 @@ def test_sever_connections_closes_peers_but_keeps_the_supervisor() -> None:
 
 
 def train(root: Path, data_path: str, env: dict[str, str], max_restarts: int, spares: int) -> Run:
-    cmd = [sys.executable, "-m", "shardsmith", "train", "--nproc-per-node", "4", "--tp", "2", *TINY_TRAIN_FLAGS,
-           "--data", data_path, "--steps", str(STEPS), "--ckpt", str(root), "--save-interval", "5",
-           "--local-ckpt", str(root.parent / f"{root.name}-local"), "--local-replicas", "1",
-           "--simulate-nodes", "2", "--restart", "in-process", "--spares", str(spares),
-           "--max-restarts", str(max_restarts)]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **env})
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardsmith",
+        "train",
+        "--nproc-per-node",
+        "4",
+        "--tp",
+        "2",
+        *TINY_TRAIN_FLAGS,
+        "--data",
+        data_path,
+        "--steps",
+        str(STEPS),
+        "--ckpt",
+        str(root),
+        "--save-interval",
+        "5",
+        "--local-ckpt",
+        str(root.parent / f"{root.name}-local"),
+        "--local-replicas",
+        "1",
+        "--simulate-nodes",
+        "2",
+        "--restart",
+        "in-process",
+        "--spares",
+        str(spares),
+        "--max-restarts",
+        str(max_restarts),
+    ]
+    proc = subprocess.run(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=1200,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **env},
+    )
     (root.parent / f"{root.name}.log").write_text(proc.stdout)
     metrics = root / "metrics.jsonl"
     lines = metrics.read_text().splitlines() if metrics.exists() else []
-    return Run(proc.returncode, proc.stdout, root, [json.loads(line) for line in lines if line.strip()])
+    return Run(
+        proc.returncode, proc.stdout, root, [json.loads(line) for line in lines if line.strip()]
+    )
 
 
 def chaos_env(seed: int, markers: Path) -> tuple[dict[str, str], list[tuple[str, int, Any]]]:
@@ -105,7 +141,13 @@ def chaos_env(seed: int, markers: Path) -> tuple[dict[str, str], list[tuple[str,
     (inside a save) fire in the one generation the fault is reached in (``..._GEN{G}``, G = its
     index); kills fire once (marker files)."""
     rng = random.Random(seed)
-    steps = [3, 5, 7, 9, 11]   # 2 apart: a crash in the save of step s happens before step s + 2 starts
+    steps = [
+        3,
+        5,
+        7,
+        9,
+        11,
+    ]  # 2 apart: a crash in the save of step s happens before step s + 2 starts
     kinds = [*KINDS, rng.choice(KINDS)]
     rng.shuffle(kinds)
     env: dict[str, str] = {"SHARDSMITH_TEST_MARKER_DIR": str(markers)}
@@ -120,7 +162,9 @@ def chaos_env(seed: int, markers: Path) -> tuple[dict[str, str], list[tuple[str,
         else:
             who = rng.randrange(4)
             point = "local.before_write" if kind == "local-save" else "local.before_replicate"
-            env["SHARDSMITH_TEST_CRASH_AT" + (f"_GEN{gen}" if gen else "")] = f"{who}:{point}:{step}"
+            env["SHARDSMITH_TEST_CRASH_AT" + (f"_GEN{gen}" if gen else "")] = (
+                f"{who}:{point}:{step}"
+            )
         plan.append((kind, step, who))
     env["SHARDSMITH_TEST_KILL_AT"] = ",".join(kills)
     env["SHARDSMITH_TEST_LOSE_NODE_AT"] = ",".join(lose)
@@ -154,29 +198,51 @@ def reference(work: Path, data_path: str) -> Run:
 
 
 @pytest.mark.distributed
-def test_chaos_in_process_restarts_end_bitwise_equal_to_an_uninterrupted_run(work: Path, data_path: str,
-                                                                             reference: Run) -> None:
+def test_chaos_in_process_restarts_end_bitwise_equal_to_an_uninterrupted_run(
+    work: Path, data_path: str, reference: Run
+) -> None:
     seed = int(os.environ.get("SHARDSMITH_CHAOS_SEED", random.randrange(2**31)))
     env, plan = chaos_env(seed, work / "markers")
     where = f"chaos seed {seed} (SHARDSMITH_CHAOS_SEED={seed} replays it), faults {plan}"
-    print(where)                                                  # shown with -s, and on failure
+    print(where)  # shown with -s, and on failure
     chaos = train(work / "chaos", data_path, env, len(plan), spares=2)
     assert chaos.returncode == 0, f"{where}:\n{chaos.output[-8000:]}"
     kinds = [kind for kind, _, _ in plan]
-    assert chaos.output.count("test hook: SIGKILL") == len(plan) - kinds.count("node"), where   # kills, crashes
-    assert chaos.output.count("test hook: node lost") == 2 * kinds.count("node"), where         # both ranks
-    restarts = [line for line in chaos.output.splitlines() if line.startswith("restart ") and "in place" in line]
+    assert chaos.output.count("test hook: SIGKILL") == len(plan) - kinds.count("node"), (
+        where
+    )  # kills, crashes
+    assert chaos.output.count("test hook: node lost") == 2 * kinds.count("node"), (
+        where
+    )  # both ranks
+    restarts = [
+        line
+        for line in chaos.output.splitlines()
+        if line.startswith("restart ") and "in place" in line
+    ]
     assert len(restarts) == len(plan), f"{where}: {restarts}"
     assert [e["restart_count"] for e in chaos.events("start")] == list(range(len(plan) + 1)), where
     lost = lost_steps(chaos.records)
     assert len(lost) == len(plan) and max(lost) <= 1, f"{where}: steps lost per restart {lost}"
     ref = reference.losses()
     assert sorted(ref) == list(range(1, STEPS + 1))
-    for r in chaos.records:                                       # every step, each time it ran
+    for r in chaos.records:  # every step, each time it ran
         if "event" not in r:
             assert r["loss"] == ref[r["step"]], f"{where}: step {r['step']}"
-    assert_tensors_bitwise_equal(read_full_tensors(str(chaos.root / step_dir(STEPS))),
-                                 read_full_tensors(str(reference.root / step_dir(STEPS))), where)
-    diff = subprocess.run([sys.executable, "-m", "shardsmith", "diff", str(chaos.root / step_dir(STEPS)),
-                           str(reference.root / step_dir(STEPS))], capture_output=True, text=True)
+    assert_tensors_bitwise_equal(
+        read_full_tensors(str(chaos.root / step_dir(STEPS))),
+        read_full_tensors(str(reference.root / step_dir(STEPS))),
+        where,
+    )
+    diff = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardsmith",
+            "diff",
+            str(chaos.root / step_dir(STEPS)),
+            str(reference.root / step_dir(STEPS)),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert diff.returncode == 0, f"{where}: shardsmith diff:\n{diff.stdout}{diff.stderr}"

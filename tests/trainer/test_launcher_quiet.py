@@ -10,8 +10,8 @@ import sys
 import types
 
 import pytest
-
 from conftest import tiny_train_config
+
 from shardsmith.layout import ParallelDims
 from shardsmith.trainer.runtime import launch as launcher
 from shardsmith.trainer.runtime import worker
@@ -19,8 +19,11 @@ from shardsmith.trainer.runtime import worker
 
 def test_the_agents_own_loggers_are_quieted_too(monkeypatch) -> None:
     monkeypatch.delenv("SHARDSMITH_DEBUG", raising=False)
-    names = ["torch.distributed.elastic", "torch.distributed.elastic.agent.server.api",
-             "torch.distributed.elastic.multiprocessing.errors"]
+    names = [
+        "torch.distributed.elastic",
+        "torch.distributed.elastic.agent.server.api",
+        "torch.distributed.elastic.multiprocessing.errors",
+    ]
     before = {n: logging.getLogger(n).level for n in names}
     try:
         launcher._quiet_elastic_logs()
@@ -35,7 +38,7 @@ class _InterruptedImport(types.ModuleType):
     """A ``shardsmith.trainer.train`` whose import is cut short by Ctrl-C."""
 
     def __getattr__(self, name: str):
-        if name == "run_training":                  # other lookups (inspect, pytest) stay harmless
+        if name == "run_training":  # other lookups (inspect, pytest) stay harmless
             raise KeyboardInterrupt
         raise AttributeError(name)
 
@@ -43,8 +46,10 @@ class _InterruptedImport(types.ModuleType):
 def test_a_ctrl_c_while_the_worker_imports_torch_is_one_line(tmp_path, monkeypatch, capsys) -> None:
     cfg_path = tmp_path / "config.json"
     cfg_path.write_text(json.dumps(tiny_train_config(ParallelDims(), "unused").to_json()))
-    monkeypatch.setattr(worker, "setup_process", lambda: None)           # no global logging changes
-    monkeypatch.setitem(sys.modules, "shardsmith.trainer.train", _InterruptedImport("shardsmith.trainer.train"))
+    monkeypatch.setattr(worker, "setup_process", lambda: None)  # no global logging changes
+    monkeypatch.setitem(
+        sys.modules, "shardsmith.trainer.train", _InterruptedImport("shardsmith.trainer.train")
+    )
     monkeypatch.setenv("RANK", "0")
     try:
         code = worker.main([str(cfg_path)])
@@ -52,4 +57,3 @@ def test_a_ctrl_c_while_the_worker_imports_torch_is_one_line(tmp_path, monkeypat
         pytest.fail("the Ctrl-C escaped main(): each worker printed a KeyboardInterrupt traceback")
     assert code == 130
     assert capsys.readouterr().err == "interrupted before the first step: nothing saved\n"
-

@@ -31,18 +31,18 @@ from typing import Any
 
 import pytest
 import torch
-
 from conftest import TINY_MODEL, assert_tensors_bitwise_equal, read_full_tensors
 from train_runs import RECOVERED, REFERENCE_STEPS, Run, train_tp2
+
 from shardsmith.errors import ConfigError
 from shardsmith.layout import ParallelDims
 from shardsmith.layout.sharding import checkpoint_specs
 from shardsmith.storage.commit import step_dir
 from shardsmith.storage.formats.tensor_files import TORCH_DTYPES
 from shardsmith.trainer.checkpoint.config import CheckpointConfig
-from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.checkpoint.local_tier import Lineage, LocalTier, rank_manifest_name
 from shardsmith.trainer.checkpoint.recovery import agree
+from shardsmith.trainer.config import TrainConfig
 
 RUN = "a" * 32
 
@@ -57,20 +57,30 @@ def test_agree_takes_the_newest_step_every_rank_has_never_a_mixed_one() -> None:
     lost = [{"own": [6, 5], "held": [6, 5]}, {"own": [], "held": [6]}]
     assert agree(lost, per_node=1, replicas=True) == (6, ["local", "buddy"])
     assert agree(lost, per_node=1, replicas=False) == (None, [])
-    four = [{"own": [3], "held": [3]}, {"own": [3], "held": [3]}, {"own": [], "held": []}, {"own": [], "held": []}]
+    four = [
+        {"own": [3], "held": [3]},
+        {"own": [3], "held": [3]},
+        {"own": [], "held": []},
+        {"own": [], "held": []},
+    ]
     assert agree(four, per_node=2, replicas=True) == (3, ["local", "local", "buddy", "buddy"])
 
 
 def _tier(tmp_path: Path) -> LocalTier:
-    cfg = TrainConfig(model=TINY_MODEL, parallel=ParallelDims(),
-                      checkpoint=CheckpointConfig(url=str(tmp_path / "ckpt"), local_ckpt=str(tmp_path / "local")))
+    cfg = TrainConfig(
+        model=TINY_MODEL,
+        parallel=ParallelDims(),
+        checkpoint=CheckpointConfig(url=str(tmp_path / "ckpt"), local_ckpt=str(tmp_path / "local")),
+    )
     return LocalTier(cfg, 0)
 
 
 def _write(tier: LocalTier, step: int, run: str = RUN) -> None:
     specs = checkpoint_specs(tier.model_cfg, tier.dims, with_optimizer=True)
     gen = torch.Generator().manual_seed(step)
-    tensors = {f: torch.randn(s.shape, generator=gen).to(TORCH_DTYPES[s.dtype]) for f, s in specs.items()}
+    tensors = {
+        f: torch.randn(s.shape, generator=gen).to(TORCH_DTYPES[s.dtype]) for f, s in specs.items()
+    }
     doc = tier.rank_doc(step, state={"step": step, "run": {"id": run}}, config={})
     tier.write(tier.plan(step, tensors), doc)
 
@@ -84,14 +94,21 @@ def test_scan_skips_corrupt_partial_and_foreign_copies_naming_each(tmp_path: Pat
     step_path = tmp_path / "local" / "node-00000"
     data = step_path / step_dir(3) / "shards" / "rank-00000.safetensors"
     raw = bytearray(data.read_bytes())
-    raw[-3] ^= 0xFF                                            # one flipped bit of tensor data
+    raw[-3] ^= 0xFF  # one flipped bit of tensor data
     data.write_bytes(bytes(raw))
-    (step_path / step_dir(2) / rank_manifest_name(0)).unlink()                  # the commit marker
+    (step_path / step_dir(2) / rank_manifest_name(0)).unlink()  # the commit marker
     (step_path / step_dir(1) / "shards" / "rank-00000.safetensors.crc32c").unlink()
     found, skipped = tier.scan(tier.root, 0, Lineage(run=RUN))
     assert found == []
-    assert [s.split(" (rank 0): ")[0].rsplit("/", 1)[-1] for s in skipped] == [step_dir(3), step_dir(2), step_dir(1)]
-    assert "corrupt: CRC-32C of shards/rank-00000.safetensors" in skipped[0] and str(step_path) in skipped[0]
+    assert [s.split(" (rank 0): ")[0].rsplit("/", 1)[-1] for s in skipped] == [
+        step_dir(3),
+        step_dir(2),
+        step_dir(1),
+    ]
+    assert (
+        "corrupt: CRC-32C of shards/rank-00000.safetensors" in skipped[0]
+        and str(step_path) in skipped[0]
+    )
     assert "partial: no commit marker rank-00000.json" in skipped[1]
     assert "partial: shards/rank-00000.safetensors.crc32c is missing" in skipped[2]
     _write(tier, 4, run="b" * 32)
@@ -107,37 +124,49 @@ def test_retention_keeps_two_committed_steps_below_the_one_written(tmp_path: Pat
         _write(tier, step)
     node = tmp_path / "local" / "node-00000"
     assert sorted(p.name for p in node.iterdir()) == [step_dir(3), step_dir(4), step_dir(5)]
-    tier.forget_after(4)                     # a rollback to step 4: step 5 is of the abandoned trajectory
+    tier.forget_after(4)  # a rollback to step 4: step 5 is of the abandoned trajectory
     assert sorted(p.name for p in node.iterdir()) == [step_dir(3), step_dir(4)]
-    _write(tier, 2)                          # sent back (an older resume): newer ones go
+    _write(tier, 2)  # sent back (an older resume): newer ones go
     assert sorted(p.parent.name for p in node.glob("*/rank-*.json")) == [step_dir(2)]
-    assert not list((node / step_dir(3)).rglob("*.*"))   # emptied; the directory next to the step
-    assert not (node / step_dir(4)).exists()            # written stays (another rank may write it)
+    assert not list((node / step_dir(3)).rglob("*.*"))  # emptied; the directory next to the step
+    assert not (node / step_dir(4)).exists()  # written stays (another rank may write it)
 
 
 def test_two_ranks_copies_merge_into_one_manifest_that_reshards_bitwise(tmp_path: Path) -> None:
     """tp=2 copies (norms replicated in both files) read back whole by a 1-rank layout."""
     from shardsmith.layout.sharding import rank_boxes
-    from shardsmith.trainer.checkpoint.save_load import load_into
     from shardsmith.trainer.checkpoint.recovery import build_manifest, reachable_steps
+    from shardsmith.trainer.checkpoint.save_load import load_into
 
     dims = ParallelDims(tp=2)
     ckpt = CheckpointConfig(url=str(tmp_path / "ckpt"), local_ckpt=str(tmp_path / "local"))
     specs = checkpoint_specs(TINY_MODEL, dims, with_optimizer=True)
     gen = torch.Generator().manual_seed(0)
-    full = {f: torch.randn(s.shape, generator=gen).to(TORCH_DTYPES[s.dtype]) for f, s in specs.items()}
+    full = {
+        f: torch.randn(s.shape, generator=gen).to(TORCH_DTYPES[s.dtype]) for f, s in specs.items()
+    }
     for rank in (0, 1):
         tier = LocalTier(TrainConfig(model=TINY_MODEL, parallel=dims, checkpoint=ckpt), rank)
-        local = {f: full[f][tuple(slice(o, o + n) for o, n in zip(b.offsets, b.lengths))].clone()
-                 for f, b in rank_boxes(specs, dims, rank).items()}
-        tier.write(tier.plan(7, local), tier.rank_doc(7, state={"step": 7, "run": {"id": RUN}}, config={}))
+        local = {
+            f: full[f][tuple(slice(o, o + n) for o, n in zip(b.offsets, b.lengths))].clone()
+            for f, b in rank_boxes(specs, dims, rank).items()
+        }
+        tier.write(
+            tier.plan(7, local), tier.rank_doc(7, state={"step": 7, "run": {"id": RUN}}, config={})
+        )
     steps = reachable_steps(tier, Lineage(run=RUN))
     assert list(steps) == [7] and [c.rank for c, _ in steps[7]] == [0, 1]
     manifest = build_manifest(steps[7])
     assert manifest.layout["tp"] == 2 and manifest.state["step"] == 7
     one = checkpoint_specs(TINY_MODEL, ParallelDims(), with_optimizer=True)
     got = {f: torch.zeros(s.shape, dtype=TORCH_DTYPES[s.dtype]) for f, s in one.items()}
-    load_into(tier.top, manifest, got, rank_boxes(one, ParallelDims(), 0), {f: s.shape for f, s in one.items()})
+    load_into(
+        tier.top,
+        manifest,
+        got,
+        rank_boxes(one, ParallelDims(), 0),
+        {f: s.shape for f, s in one.items()},
+    )
     for fqn, want in full.items():
         assert torch.equal(got[fqn], want), fqn
 
@@ -145,18 +174,28 @@ def test_two_ranks_copies_merge_into_one_manifest_that_reshards_bitwise(tmp_path
 def test_the_recovery_event_is_the_line_benches_parse() -> None:
     from shardsmith.trainer.observe.console import event_line
 
-    line = event_line({"event": "recovery", "step": 6, "source": "local", "detail": "resharded", "seconds": 0.1})
-    assert line == "recovered step 6 from local (resharded)" and RECOVERED.findall(line) == [("6", "local")]
-    assert event_line({"event": "recovery", "step": 3, "source": "buddy", "detail": ""}) == "recovered step 3 from buddy"
+    line = event_line(
+        {"event": "recovery", "step": 6, "source": "local", "detail": "resharded", "seconds": 0.1}
+    )
+    assert line == "recovered step 6 from local (resharded)" and RECOVERED.findall(line) == [
+        ("6", "local")
+    ]
+    assert (
+        event_line({"event": "recovery", "step": 3, "source": "buddy", "detail": ""})
+        == "recovered step 3 from buddy"
+    )
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"local_ckpt": "/x"}, "needs --ckpt"),
-    ({"local_ckpt": "/x", "url": "/c", "async_save": False}, "--async-save"),
-    ({"local_ckpt": "s3://b/x", "url": "/c"}, "local directory"),
-    ({"local_replicas": 2}, "choose 0 or 1"),
-    ({"local_save_interval": 0}, "must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"local_ckpt": "/x"}, "needs --ckpt"),
+        ({"local_ckpt": "/x", "url": "/c", "async_save": False}, "--async-save"),
+        ({"local_ckpt": "s3://b/x", "url": "/c"}, "local directory"),
+        ({"local_replicas": 2}, "choose 0 or 1"),
+        ({"local_save_interval": 0}, "must be >= 1"),
+    ],
+)
 def test_local_tier_config_refuses_bad_values(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         CheckpointConfig(**kwargs)
@@ -168,11 +207,27 @@ STEPS = REFERENCE_STEPS
 LOCAL = ["--save-interval", "5", "--local-replicas", "1", "--simulate-nodes", "2"]
 
 
-def train(root: Path, nproc: int, data_path: str, *flags: str, steps: int = STEPS,
-          env: dict[str, str] | None = None) -> Run:
+def train(
+    root: Path,
+    nproc: int,
+    data_path: str,
+    *flags: str,
+    steps: int = STEPS,
+    env: dict[str, str] | None = None,
+) -> Run:
     """``shardsmith train`` (tp=2) with the persistent tier in ``root`` and the local one in ``root``-local."""
-    return train_tp2(root, nproc, data_path, "--steps", str(steps), "--local-ckpt", f"{root}-local", *LOCAL, *flags,
-                     env=env)
+    return train_tp2(
+        root,
+        nproc,
+        data_path,
+        "--steps",
+        str(steps),
+        "--local-ckpt",
+        f"{root}-local",
+        *LOCAL,
+        *flags,
+        env=env,
+    )
 
 
 def _assert_same_run(got: Run, want: Run, where: str) -> None:
@@ -180,8 +235,11 @@ def _assert_same_run(got: Run, want: Run, where: str) -> None:
     for r in got.records:
         if "event" not in r:
             assert r["loss"] == ref[r["step"]], f"{where}: step {r['step']}"
-    assert_tensors_bitwise_equal(read_full_tensors(str(got.root / step_dir(STEPS))),
-                                 read_full_tensors(str(want.root / step_dir(STEPS))), where)
+    assert_tensors_bitwise_equal(
+        read_full_tensors(str(got.root / step_dir(STEPS))),
+        read_full_tensors(str(want.root / step_dir(STEPS))),
+        where,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -193,58 +251,82 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def killed_then_node_lost(work: Path, data_path: str) -> Run:
     """One launch, two restarts: rank 1 SIGKILLs itself as step 4 starts, then node 1 (ranks
     2 and 3) loses its disk and dies as step 7 starts."""
-    env = {"SHARDSMITH_TEST_KILL_AT": "1:4", "SHARDSMITH_TEST_LOSE_NODE_AT": "2:7,3:7",
-           "SHARDSMITH_TEST_MARKER_DIR": str(work / "kill-markers")}
+    env = {
+        "SHARDSMITH_TEST_KILL_AT": "1:4",
+        "SHARDSMITH_TEST_LOSE_NODE_AT": "2:7,3:7",
+        "SHARDSMITH_TEST_MARKER_DIR": str(work / "kill-markers"),
+    }
     return train(work / "killed", 4, data_path, "--max-restarts", "2", env=env).check()
 
 
 @pytest.mark.distributed
-def test_a_killed_rank_resumes_from_the_local_tier_bitwise(tp2_reference: Run, killed_then_node_lost: Run) -> None:
+def test_a_killed_rank_resumes_from_the_local_tier_bitwise(
+    tp2_reference: Run, killed_then_node_lost: Run
+) -> None:
     run = killed_then_node_lost
     (step, source), _ = run.recovered()
-    assert source == "local" and step in (2, 3), run.output[-3000:]      # lost steps <= 1 (4 - 1 - step)
+    assert source == "local" and step in (2, 3), run.output[
+        -3000:
+    ]  # lost steps <= 1 (4 - 1 - step)
     resume = run.events("resume")[0]
-    assert resume["step"] == step and "-local/node-0000" in resume["from"] and not resume["resharded"]
+    assert (
+        resume["step"] == step and "-local/node-0000" in resume["from"] and not resume["resharded"]
+    )
     _assert_same_run(run, tp2_reference, "rank killed, then node lost")
 
 
 @pytest.mark.distributed
-def test_kills_during_a_local_save_and_a_replication_never_load_a_mixed_step(tp2_reference: Run, work: Path,
-                                                                             data_path: str) -> None:
-    env = {"SHARDSMITH_TEST_CRASH_AT": "1:local.before_commit:4,2:local.before_replicate:6",
-           "SHARDSMITH_TEST_MARKER_DIR": str(work / "chaos-markers")}
+def test_kills_during_a_local_save_and_a_replication_never_load_a_mixed_step(
+    tp2_reference: Run, work: Path, data_path: str
+) -> None:
+    env = {
+        "SHARDSMITH_TEST_CRASH_AT": "1:local.before_commit:4,2:local.before_replicate:6",
+        "SHARDSMITH_TEST_MARKER_DIR": str(work / "chaos-markers"),
+    }
     run = train(work / "chaos", 4, data_path, "--max-restarts", "2", env=env).check()
     assert run.output.count("test hook: SIGKILL at crash point local.") == 2, run.output[-3000:]
     # rank 1 never committed step 4: step 3 on every rank; rank 2 committed 6 but its buddy
     # copy may be missing: 6 if every rank committed it, else 5 (never a step some rank lacks)
     [(first, src1), (second, src2)] = run.recovered()
-    assert (first, src1) == (3, "local") and second in (5, 6) and src2 == "local", run.output[-3000:]
+    assert (first, src1) == (3, "local") and second in (5, 6) and src2 == "local", run.output[
+        -3000:
+    ]
     assert "partial: no commit marker rank-00001.json" in run.output
     _assert_same_run(run, tp2_reference, "killed during local saves")
 
 
 @pytest.mark.distributed
-def test_a_lost_node_recovers_from_buddy_copies_bitwise(tp2_reference: Run, killed_then_node_lost: Run) -> None:
+def test_a_lost_node_recovers_from_buddy_copies_bitwise(
+    tp2_reference: Run, killed_then_node_lost: Run
+) -> None:
     run = killed_then_node_lost
     # step 6 (the persistent tier has only 5), or 5 when node 1 died before its own save of 6
     # was written (a slow background save: seen under load in CI); never a step a rank lacks
     [(step, source)] = run.recovered()[1:]
     assert source == "buddy" and step in (5, 6), run.output[-3000:]
-    assert step == 6 or ("local tier: skipping" in run.output and "step-000000006 (rank " in run.output), \
-        run.output[-3000:]
+    assert step == 6 or (
+        "local tier: skipping" in run.output and "step-000000006 (rank " in run.output
+    ), run.output[-3000:]
     assert [e["step"] for e in run.events("resume")][1:] == [step]
     _assert_same_run(run, tp2_reference, "rank killed, then node lost")
 
 
 @pytest.mark.distributed
-def test_a_node_not_replaced_continues_on_fewer_ranks(tp2_reference: Run, work: Path, data_path: str) -> None:
-    env = {"SHARDSMITH_TEST_LOSE_NODE_AT": "2:7,3:7", "SHARDSMITH_TEST_MARKER_DIR": str(work / "shrink-markers")}
+def test_a_node_not_replaced_continues_on_fewer_ranks(
+    tp2_reference: Run, work: Path, data_path: str
+) -> None:
+    env = {
+        "SHARDSMITH_TEST_LOSE_NODE_AT": "2:7,3:7",
+        "SHARDSMITH_TEST_MARKER_DIR": str(work / "shrink-markers"),
+    }
     lost = train(work / "shrunk", 4, data_path, env=env)
     assert lost.returncode != 0
     run = train(work / "shrunk", 2, data_path).check()
     # step 6, or 5 when the survivors died before writing node 1's buddy copies of 6 to disk
     [(step, source)] = run.recovered()
-    assert step in (5, 6) and f"recovered step {step} from local (resharded)" in run.output, run.output[-3000:]
+    assert step in (5, 6) and f"recovered step {step} from local (resharded)" in run.output, (
+        run.output[-3000:]
+    )
     [resume] = [e for e in run.records if e.get("event") == "resume"]
     assert resume["resharded"] and resume["saved_layout"]["world_size"] == 4
     ref = tp2_reference.losses()
@@ -254,8 +336,9 @@ def test_a_node_not_replaced_continues_on_fewer_ranks(tp2_reference: Run, work: 
 
 
 @pytest.mark.distributed
-def test_a_damaged_local_tier_is_named_and_skipped_for_the_buddy_copy(tp2_reference: Run, work: Path,
-                                                                     data_path: str) -> None:
+def test_a_damaged_local_tier_is_named_and_skipped_for_the_buddy_copy(
+    tp2_reference: Run, work: Path, data_path: str
+) -> None:
     root = work / "damaged"
     train(root, 4, data_path, steps=4).check()
     node0 = Path(f"{root}-local") / "node-00000" / step_dir(4)
@@ -269,7 +352,10 @@ def test_a_damaged_local_tier_is_named_and_skipped_for_the_buddy_copy(tp2_refere
     (node1 / rank_manifest_name(2)).write_text(json.dumps({**doc, "run": "f" * 32}))
     run = train(root, 4, data_path).check()
     assert run.recovered() == [(4, "buddy")], run.output[-3000:]
-    assert f"skipping {node0} (rank 0): corrupt: CRC-32C of shards/rank-00000.safetensors" in run.output
+    assert (
+        f"skipping {node0} (rank 0): corrupt: CRC-32C of shards/rank-00000.safetensors"
+        in run.output
+    )
     assert f"skipping {node0} (rank 1): partial: no commit marker rank-00001.json" in run.output
     assert f"skipping {node1} (rank 2): from another run (run ffffffffffff" in run.output
     _assert_same_run(run, tp2_reference, "damaged local tier")

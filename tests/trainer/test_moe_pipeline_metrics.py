@@ -14,10 +14,10 @@ import math
 
 import pytest
 import torch
-
 from conftest import TINY_MODEL
-from shardsmith.layout import ParallelDims
 from spawn_ranks import run_ranks
+
+from shardsmith.layout import ParallelDims
 
 MOE = dataclasses.replace(TINY_MODEL, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01)
 
@@ -26,15 +26,25 @@ def _worker(rank: int, port: int, data_path: str, ckpt: str, results) -> None:
     import os
 
     import torch.distributed as dist
-
     from conftest import tiny_train_config
+
     from shardsmith.trainer.config import CheckpointConfig
     from shardsmith.trainer.train import Trainer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    cfg = dataclasses.replace(tiny_train_config(ParallelDims(pp=2), data_path), model=MOE, steps=2,
-                              checkpoint=CheckpointConfig(url=ckpt, async_save=False))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+    )
+    cfg = dataclasses.replace(
+        tiny_train_config(ParallelDims(pp=2), data_path),
+        model=MOE,
+        steps=2,
+        checkpoint=CheckpointConfig(url=ckpt, async_save=False),
+    )
     first = Trainer.create(cfg)
     batches: list[list] = []
     forward_backward = first.step_math.forward_backward
@@ -47,11 +57,23 @@ def _worker(rank: int, port: int, data_path: str, ckpt: str, results) -> None:
     step1 = first.train_step()
     first.save()
     step2 = first.train_step()
-    resumed = Trainer.create(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="auto")))
+    resumed = Trainer.create(
+        dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="auto"))
+    )
     assert resumed.resume() and resumed.step == 1
     again = resumed.train_step()
-    results.put((rank, {"step1": step1.moe, "step2": step2.moe, "resumed2": again.moe, "batch": batches[0],
-                        "microbatches": first.step_math.num_microbatches}))
+    results.put(
+        (
+            rank,
+            {
+                "step1": step1.moe,
+                "step2": step2.moe,
+                "resumed2": again.moe,
+                "batch": batches[0],
+                "microbatches": first.step_math.num_microbatches,
+            },
+        )
+    )
     dist.destroy_process_group()
 
 
@@ -75,10 +97,14 @@ def _one_process_stats(tokens: list, microbatches: int) -> tuple[list[float], fl
 
 
 @pytest.mark.distributed
-def test_first_step_after_start_and_resume_logs_the_computed_router_stats(tmp_path, data_path) -> None:
+def test_first_step_after_start_and_resume_logs_the_computed_router_stats(
+    tmp_path, data_path
+) -> None:
     got = run_ranks(_worker, 2, data_path, str(tmp_path / "ckpt"), timeout=300)
-    for rank in (0, 1):                                       # every stage logs the same, job-wide values
-        assert got[rank]["step1"] == got[0]["step1"] and got[rank]["resumed2"] == got[0]["resumed2"], rank
+    for rank in (0, 1):  # every stage logs the same, job-wide values
+        assert (
+            got[rank]["step1"] == got[0]["step1"] and got[rank]["resumed2"] == got[0]["resumed2"]
+        ), rank
     stats = got[0]
     imbalance, aux = _one_process_stats(stats["batch"], stats["microbatches"])
     assert math.isfinite(stats["step1"]["moe_aux_loss"]), stats["step1"]

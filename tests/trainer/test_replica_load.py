@@ -9,24 +9,24 @@ import os
 
 import pytest
 import torch
-
 from ckpt_factory import write_step
 from spawn_ranks import run_ranks, saved_tiny_run
+
 from shardsmith.layout import ParallelDims
+from shardsmith.layout.assignment import lpt_assign
 from shardsmith.layout.box import Box
 from shardsmith.storage.commit import read_manifest, step_dir
 from shardsmith.storage.store.fs import Store
-from shardsmith.layout.assignment import lpt_assign
 from shardsmith.trainer.checkpoint.shared_reads import SHARED_READ_MIN_NBYTES
 
 REPLICAS = 3
-ROWS = {"a": 512, "b": 300, "c": 700, "d": 640}               # x 1024 fp32: 1.2-2.8 MiB each
+ROWS = {"a": 512, "b": 300, "c": 700, "d": 640}  # x 1024 fp32: 1.2-2.8 MiB each
 
 
 def _state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     out = {f: torch.randn(n, 1024, generator=g) for f, n in ROWS.items()}
-    out["small"] = torch.randn(16, generator=g)               # under the threshold: read by all
+    out["small"] = torch.randn(16, generator=g)  # under the threshold: read by all
     return out
 
 
@@ -41,17 +41,19 @@ def test_lpt_assign_balances_bytes_deterministically() -> None:
     load = [sum(sizes[f] for f, r in readers.items() if r == m) for m in range(3)]
     assert load == [11, 11, 11]
     assert lpt_assign(sizes, 1) == dict.fromkeys(sizes, 0)
-    assert lpt_assign(dict(reversed(list(sizes.items()))), 3) == readers         # order-independent
+    assert lpt_assign(dict(reversed(list(sizes.items()))), 3) == readers  # order-independent
 
 
 def _worker(rank: int, port: int, root: str, results) -> None:
     import torch.distributed as dist
+    from ckpt_factory import memory_root
 
     from shardsmith.errors import IntegrityError
-    from ckpt_factory import memory_root
     from shardsmith.trainer.checkpoint.shared_reads import load_into_replicas, shares_reads
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=REPLICAS)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=REPLICAS
+    )
     full = _state()
     out: dict = {"shares": []}
     for per_node, store in (("3", Store(root)), ("1", Store(root)), ("3", memory_root())):
@@ -62,10 +64,19 @@ def _worker(rank: int, port: int, root: str, results) -> None:
         manifest = read_manifest(step_store)
         dest = {f: torch.zeros_like(t) for f, t in full.items()}
         try:
-            stats = load_into_replicas(step_store, manifest, dest, {f: _whole(t) for f, t in full.items()},
-                                       {f: tuple(t.shape) for f, t in full.items()}, dist.group.WORLD)
-            out[step] = {"equal": all(torch.equal(dest[f], full[f]) for f in full),
-                         "read": stats.nbytes_read, "needed": stats.nbytes_needed}
+            stats = load_into_replicas(
+                step_store,
+                manifest,
+                dest,
+                {f: _whole(t) for f, t in full.items()},
+                {f: tuple(t.shape) for f, t in full.items()},
+                dist.group.WORLD,
+            )
+            out[step] = {
+                "equal": all(torch.equal(dest[f], full[f]) for f in full),
+                "read": stats.nbytes_read,
+                "needed": stats.nbytes_needed,
+            }
         except IntegrityError as exc:
             out[step] = {"error": str(exc)}
     results.put((rank, out))
@@ -76,10 +87,14 @@ def _worker(rank: int, port: int, root: str, results) -> None:
 def test_replicas_read_once_and_fail_together(tmp_path) -> None:
     full = _state()
     root = Store(str(tmp_path))
-    files = {"rank-00000.safetensors": {f: (full[f], _whole(full[f])) for f in ("a", "b", "small")},
-             "rank-00001.safetensors": {f: (full[f], _whole(full[f])) for f in ("c", "d")}}
+    files = {
+        "rank-00000.safetensors": {f: (full[f], _whole(full[f])) for f in ("a", "b", "small")},
+        "rank-00001.safetensors": {f: (full[f], _whole(full[f])) for f in ("c", "d")},
+    }
     for step in (1, 2):
-        write_step(root, step, files, dims=ParallelDims(dp_replicate=REPLICAS), chunk_nbytes=1 << 16)
+        write_step(
+            root, step, files, dims=ParallelDims(dp_replicate=REPLICAS), chunk_nbytes=1 << 16
+        )
     broken = read_manifest(root.child(step_dir(2))).tensors["c"].shards[0]
     path = tmp_path / step_dir(2) / broken.file
     raw = bytearray(path.read_bytes())
@@ -95,11 +110,13 @@ def test_replicas_read_once_and_fail_together(tmp_path) -> None:
     assert all(got[r][1]["equal"] and got[r][1]["needed"] == total for r in range(REPLICAS))
     reads = [got[r][1]["read"] for r in range(REPLICAS)]
     big = total - small
-    assert big <= sum(reads) - REPLICAS * small <= big * 1.02     # every big byte read once (+ chunk margins)
-    assert max(reads) < total * 0.5                               # no member read the whole state
+    assert (
+        big <= sum(reads) - REPLICAS * small <= big * 1.02
+    )  # every big byte read once (+ chunk margins)
+    assert max(reads) < total * 0.5  # no member read the whole state
     assert all(ROWS[f] * 4096 >= SHARED_READ_MIN_NBYTES for f in ROWS)
 
-    errors = [got[r][2]["error"] for r in range(REPLICAS)]        # every member fails, naming the file
+    errors = [got[r][2]["error"] for r in range(REPLICAS)]  # every member fails, naming the file
     assert all(broken.file in e for e in errors), errors
     assert sum("failed to read its share" in e for e in errors) == REPLICAS - 1
 
@@ -116,12 +133,19 @@ def _trainer_worker(rank: int, port: int, data_path: str, ckpt: str, results) ->
 
     _, cfg, first = saved_tiny_run(rank, port, ParallelDims(dp_replicate=2), data_path, ckpt)
     want = {k: v.detach().clone() for k, v in first.model.state_dict().items()}
-    shared_reads_module.SHARED_READ_MIN_NBYTES = 0              # the tiny model's tensors are KiB
-    resumed = Trainer.create(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="auto")))
+    shared_reads_module.SHARED_READ_MIN_NBYTES = 0  # the tiny model's tensors are KiB
+    resumed = Trainer.create(
+        dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="auto"))
+    )
     assert resumed.resume() and resumed.step == 1
     got = resumed.model.state_dict()
-    same = all(torch.equal(got[k].full_tensor() if hasattr(got[k], "full_tensor") else got[k],
-                           v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in want.items())
+    same = all(
+        torch.equal(
+            got[k].full_tensor() if hasattr(got[k], "full_tensor") else got[k],
+            v.full_tensor() if hasattr(v, "full_tensor") else v,
+        )
+        for k, v in want.items()
+    )
     dist.barrier()
     event = None
     if rank == 0:
@@ -139,4 +163,6 @@ def test_trainer_resume_reads_once_per_replica_group(tmp_path, data_path) -> Non
     assert event["layout"]["dp_replicate"] == 2 and not event["resharded"]
     assert event["replicas_sharing_reads"] == 2 and not event["tp_siblings_share_reads"]
     # each replica read about half: the pair read the state once (chunk margins aside), not twice
-    assert event["nbytes_needed"] / 2 <= event["nbytes_read"] <= event["nbytes_needed"] / 2 * 1.1, event
+    assert event["nbytes_needed"] / 2 <= event["nbytes_read"] <= event["nbytes_needed"] / 2 * 1.1, (
+        event
+    )

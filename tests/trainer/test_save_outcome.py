@@ -18,20 +18,30 @@ from shardsmith.storage.store.fs import Store
 from shardsmith.trainer.checkpoint import save_load
 from shardsmith.trainer.checkpoint.async_save import AsyncCheckpointer
 
-MODEL = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_kv_heads=1,
-                    ffn_hidden_size=32, vocab_size=32, seq_length=8)
+MODEL = ModelConfig(
+    num_layers=1,
+    hidden_size=16,
+    num_attention_heads=2,
+    num_kv_heads=1,
+    ffn_hidden_size=32,
+    vocab_size=32,
+    seq_length=8,
+)
 DIMS = ParallelDims()
 
 
-def test_a_failure_after_the_commit_says_the_step_is_committed(gloo_group, tmp_path: Path, monkeypatch,
-                                                               caplog) -> None:
+def test_a_failure_after_the_commit_says_the_step_is_committed(
+    gloo_group, tmp_path: Path, monkeypatch, caplog
+) -> None:
     root = Store(str(tmp_path / "ckpt"))
     tensors = {fqn: torch.zeros(spec.shape) for fqn, spec in checkpoint_specs(MODEL, DIMS).items()}
     ckpt = AsyncCheckpointer(root, MODEL, DIMS)
     real_broadcast = save_load.broadcast_text
 
     def lost_confirmation(text: str, group=None) -> str:
-        raise RuntimeError("connection closed by peer")   # as a rank sees it when rank 0 died after committing
+        raise RuntimeError(
+            "connection closed by peer"
+        )  # as a rank sees it when rank 0 died after committing
 
     monkeypatch.setattr(save_load, "broadcast_text", lost_confirmation)
     with caplog.at_level(logging.WARNING, logger="shardsmith"):

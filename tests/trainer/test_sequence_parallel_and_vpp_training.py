@@ -17,11 +17,15 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-
-from conftest import (TINY_MODEL, assert_tensors_bitwise_equal, read_full_tensors, run_torchrun,
-                      tiny_train_config)
+from conftest import (
+    TINY_MODEL,
+    assert_tensors_bitwise_equal,
+    read_full_tensors,
+    run_torchrun,
+    tiny_train_config,
+)
 from dist_reference import assert_close, fixed_batch, load_rank_files, single_process_reference
+
 from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import step_dir
 
@@ -36,7 +40,9 @@ def _assert_bitwise_resume(tmp_path: Path) -> None:
     assert resumed[0]["loss"] == full[1]["loss"] and resumed[0]["grad_norm"] == full[1]["grad_norm"]
 
 
-def test_sequence_parallel_matches_tp_and_shares_checkpoints(tmp_path: Path, data_path: str) -> None:
+def test_sequence_parallel_matches_tp_and_shares_checkpoints(
+    tmp_path: Path, data_path: str
+) -> None:
     cfg = tiny_train_config(ParallelDims(tp=2), data_path)
     tokens, targets = fixed_batch()
     sp = {"sequence_parallel": True}
@@ -46,38 +52,75 @@ def test_sequence_parallel_matches_tp_and_shares_checkpoints(tmp_path: Path, dat
         {"kind": "logits", "tokens": tokens, "out": str(tmp_path / "logits-tp")},
         {"kind": "logits", "tokens": tokens, "out": str(tmp_path / "logits-sp"), "set": sp},
         {"kind": "grads", "tokens": tokens, "targets": targets, "out": str(tmp_path / "grads-tp")},
-        {"kind": "grads", "tokens": tokens, "targets": targets, "out": str(tmp_path / "grads-sp"), "set": sp},
+        {
+            "kind": "grads",
+            "tokens": tokens,
+            "targets": targets,
+            "out": str(tmp_path / "grads-sp"),
+            "set": sp,
+        },
         {"kind": "train", "steps": 2, "out": str(tmp_path / "full.json"), "set": sp},
-        {"kind": "train", "steps": 1, "ckpt": str(tmp_path / "sp1"), "out": str(tmp_path / "part.json"),
-         "set": sp},
-        {"kind": "train", "steps": 2, "ckpt": str(tmp_path / "sp2"), "resume": str(tmp_path / "sp1" / one),
-         "out": str(tmp_path / "resumed.json"), "set": {**sp, "profile_steps": [2]}},
+        {
+            "kind": "train",
+            "steps": 1,
+            "ckpt": str(tmp_path / "sp1"),
+            "out": str(tmp_path / "part.json"),
+            "set": sp,
+        },
+        {
+            "kind": "train",
+            "steps": 2,
+            "ckpt": str(tmp_path / "sp2"),
+            "resume": str(tmp_path / "sp1" / one),
+            "out": str(tmp_path / "resumed.json"),
+            "set": {**sp, "profile_steps": [2]},
+        },
         {"kind": "reload", "src": str(tmp_path / "sp2" / two), "dst": str(tmp_path / "as-tp")},
-        {"kind": "reload", "src": str(tmp_path / "as-tp" / two), "dst": str(tmp_path / "as-sp"), "set": sp},
+        {
+            "kind": "reload",
+            "src": str(tmp_path / "as-tp" / two),
+            "dst": str(tmp_path / "as-sp"),
+            "set": sp,
+        },
     ]
     run_torchrun({"config": cfg.to_json(), "tasks": tasks}, 2, tmp_path, "sp").check()
 
-    assert_close(load_rank_files(tmp_path / "logits-sp", "logits"), load_rank_files(tmp_path / "logits-tp", "logits"),
-                  "SP logits vs TP")
+    assert_close(
+        load_rank_files(tmp_path / "logits-sp", "logits"),
+        load_rank_files(tmp_path / "logits-tp", "logits"),
+        "SP logits vs TP",
+    )
     grads_tp = load_rank_files(tmp_path / "grads-tp", "grads")
     assert len(grads_tp) == 4 * 9 + 3 and all(g.abs().sum() > 0 for g in grads_tp.values())
-    assert_close(load_rank_files(tmp_path / "grads-sp", "grads"), grads_tp, "SP first-step grads vs TP")
+    assert_close(
+        load_rank_files(tmp_path / "grads-sp", "grads"), grads_tp, "SP first-step grads vs TP"
+    )
 
     _assert_bitwise_resume(tmp_path)
 
-    for rank in (0, 1):                                       # --profile-steps 2: a trace per rank
-        trace = json.loads((tmp_path / "sp2" / "profile" / "step-000000002" / f"rank-{rank:05d}.json").read_text())
+    for rank in (0, 1):  # --profile-steps 2: a trace per rank
+        trace = json.loads(
+            (tmp_path / "sp2" / "profile" / "step-000000002" / f"rank-{rank:05d}.json").read_text()
+        )
         assert trace["traceEvents"]
-    records = [json.loads(line) for line in (tmp_path / "sp2" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (tmp_path / "sp2" / "metrics.jsonl").read_text().splitlines()
+    ]
     steps = [r for r in records if r.get("step") == 2 and "loss" in r]
     assert steps and steps[-1]["peak_mem_nbytes"] > 10 * 2**20
 
     saved_sp = read_full_tensors(str(tmp_path / "sp2" / two))
-    assert_tensors_bitwise_equal(read_full_tensors(str(tmp_path / "as-tp" / two)), saved_sp, "SP -> TP load")
-    assert_tensors_bitwise_equal(read_full_tensors(str(tmp_path / "as-sp" / two)), saved_sp, "TP -> SP load")
+    assert_tensors_bitwise_equal(
+        read_full_tensors(str(tmp_path / "as-tp" / two)), saved_sp, "SP -> TP load"
+    )
+    assert_tensors_bitwise_equal(
+        read_full_tensors(str(tmp_path / "as-sp" / two)), saved_sp, "TP -> SP load"
+    )
 
 
-def test_interleaved_pipeline_matches_one_process_and_reshards(tmp_path: Path, data_path: str) -> None:
+def test_interleaved_pipeline_matches_one_process_and_reshards(
+    tmp_path: Path, data_path: str
+) -> None:
     """pp2 with 2 virtual stages (rank 0: layers 0 and 2, rank 1: layers 1 and 3) under
     ScheduleInterleaved1F1B: logits and first-step grads equal one process (1e-5); a
     same-layout resume is bitwise; its checkpoint loads into pp1 (dp_shard 2) and pp2 and back,
@@ -95,24 +138,48 @@ def test_interleaved_pipeline_matches_one_process_and_reshards(tmp_path: Path, d
         {"kind": "logits", "tokens": tokens, "out": str(tmp_path / "logits")},
         {"kind": "grads", "tokens": tokens, "targets": targets, "out": str(tmp_path / "grads")},
         {"kind": "train", "steps": 2, "out": str(tmp_path / "full.json")},
-        {"kind": "train", "steps": 1, "ckpt": str(tmp_path / "vp1"), "out": str(tmp_path / "part.json")},
-        {"kind": "train", "steps": 2, "ckpt": str(tmp_path / "vp2"), "resume": str(tmp_path / "vp1" / step_dir(1)),
-         "out": str(tmp_path / "resumed.json")},
-        {"kind": "reload", "src": str(tmp_path / "vp2" / two), "dst": str(tmp_path / "as-pp1"), "set": pp1},
-        {"kind": "reload", "src": str(tmp_path / "vp2" / two), "dst": str(tmp_path / "as-pp2"), "set": pp2},
+        {
+            "kind": "train",
+            "steps": 1,
+            "ckpt": str(tmp_path / "vp1"),
+            "out": str(tmp_path / "part.json"),
+        },
+        {
+            "kind": "train",
+            "steps": 2,
+            "ckpt": str(tmp_path / "vp2"),
+            "resume": str(tmp_path / "vp1" / step_dir(1)),
+            "out": str(tmp_path / "resumed.json"),
+        },
+        {
+            "kind": "reload",
+            "src": str(tmp_path / "vp2" / two),
+            "dst": str(tmp_path / "as-pp1"),
+            "set": pp1,
+        },
+        {
+            "kind": "reload",
+            "src": str(tmp_path / "vp2" / two),
+            "dst": str(tmp_path / "as-pp2"),
+            "set": pp2,
+        },
         {"kind": "reload", "src": str(tmp_path / "as-pp1" / two), "dst": str(tmp_path / "back")},
     ]
     run_torchrun({"config": cfg.to_json(), "tasks": tasks}, 2, tmp_path, "vp").check()
 
     logits, grads = single_process_reference(tokens, targets, cfg.num_microbatches())
-    assert_close(load_rank_files(tmp_path / "logits", "logits"), {"logits": logits}, "pp2·v2 logits")
+    assert_close(
+        load_rank_files(tmp_path / "logits", "logits"), {"logits": logits}, "pp2·v2 logits"
+    )
     assert_close(load_rank_files(tmp_path / "grads", "grads"), grads, "pp2·v2 first-step grads")
 
     _assert_bitwise_resume(tmp_path)
 
     saved = read_full_tensors(str(tmp_path / "vp2" / two))
     for name in ("as-pp1", "as-pp2", "back"):
-        assert_tensors_bitwise_equal(read_full_tensors(str(tmp_path / name / two)), saved, f"pp2·v2 -> {name}")
+        assert_tensors_bitwise_equal(
+            read_full_tensors(str(tmp_path / name / two)), saved, f"pp2·v2 -> {name}"
+        )
     offline = str(tmp_path / "offline" / two)
     reshard(Store(str(tmp_path / "vp2" / two)), offline, ParallelDims())
     assert_tensors_bitwise_equal(read_full_tensors(offline), saved, "offline reshard pp2·v2 -> pp1")
@@ -138,21 +205,51 @@ def test_moe_with_expert_parallelism_matches_one_process(tmp_path: Path, data_pa
         {"kind": "logits", "tokens": tokens, "out": str(tmp_path / "logits")},
         {"kind": "grads", "tokens": tokens, "targets": targets, "out": str(tmp_path / "grads")},
         {"kind": "logits", "tokens": tokens, "out": str(tmp_path / "logits-ep"), "set": ep2},
-        {"kind": "grads", "tokens": tokens, "targets": targets, "out": str(tmp_path / "grads-ep"), "set": ep2},
-        {"kind": "train", "steps": 2, "ckpt": str(tmp_path / "ep"), "out": str(tmp_path / "full.json"), "set": ep2},
+        {
+            "kind": "grads",
+            "tokens": tokens,
+            "targets": targets,
+            "out": str(tmp_path / "grads-ep"),
+            "set": ep2,
+        },
+        {
+            "kind": "train",
+            "steps": 2,
+            "ckpt": str(tmp_path / "ep"),
+            "out": str(tmp_path / "full.json"),
+            "set": ep2,
+        },
         {"kind": "reload", "src": str(tmp_path / "ep" / two), "dst": str(tmp_path / "ep1")},
     ]
     run_torchrun({"config": cfg.to_json(), "tasks": tasks}, 2, tmp_path, "moe").check()
 
     logits, grads = single_process_reference(tokens, targets, cfg.num_microbatches(), moe)
-    assert grads["layers.0.feed_forward.experts.w1"].shape == (4, moe.ffn_hidden_size, moe.hidden_size)
+    assert grads["layers.0.feed_forward.experts.w1"].shape == (
+        4,
+        moe.ffn_hidden_size,
+        moe.hidden_size,
+    )
     for suffix, what in (("", "dps2"), ("-ep", "EP2")):
-        assert_close(load_rank_files(tmp_path / f"logits{suffix}", "logits"), {"logits": logits}, f"MoE {what} logits")
-        assert_close(load_rank_files(tmp_path / f"grads{suffix}", "grads"), grads, f"MoE {what} first-step grads")
+        assert_close(
+            load_rank_files(tmp_path / f"logits{suffix}", "logits"),
+            {"logits": logits},
+            f"MoE {what} logits",
+        )
+        assert_close(
+            load_rank_files(tmp_path / f"grads{suffix}", "grads"),
+            grads,
+            f"MoE {what} first-step grads",
+        )
 
     saved = read_full_tensors(str(tmp_path / "ep" / two))
-    assert saved["layers.3.feed_forward.experts.w2"].shape == (4, moe.hidden_size, moe.ffn_hidden_size)
-    assert_tensors_bitwise_equal(read_full_tensors(str(tmp_path / "ep1" / two)), saved, "MoE EP2 -> EP1 load")
+    assert saved["layers.3.feed_forward.experts.w2"].shape == (
+        4,
+        moe.hidden_size,
+        moe.ffn_hidden_size,
+    )
+    assert_tensors_bitwise_equal(
+        read_full_tensors(str(tmp_path / "ep1" / two)), saved, "MoE EP2 -> EP1 load"
+    )
     offline = str(tmp_path / "one" / two)
     reshard(Store(str(tmp_path / "ep" / two)), offline, ParallelDims())
     assert_tensors_bitwise_equal(read_full_tensors(offline), saved, "MoE EP2 -> one process")

@@ -14,8 +14,13 @@ import pytest
 
 from shardsmith.errors import ConfigError
 from shardsmith.trainer.config import TrainConfig
-from shardsmith.trainer.data import (DataConfig, check_same_tokenizer, load_tokens, resolve_vocab_size,
-                                     tokenizer_identity)
+from shardsmith.trainer.data import (
+    DataConfig,
+    check_same_tokenizer,
+    load_tokens,
+    resolve_vocab_size,
+    tokenizer_identity,
+)
 from shardsmith.trainer.data.cache import cache_key
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -36,7 +41,9 @@ def hf_path(tmp_path_factory: pytest.TempPathFactory, text: str) -> Path:
 
 @pytest.fixture(scope="module")
 def tiktoken_path(tmp_path_factory: pytest.TempPathFactory, text: str) -> Path:
-    return train_tiktoken(tmp_path_factory.mktemp("tt") / "tiny.tiktoken", text[:8000], vocab_size=300)
+    return train_tiktoken(
+        tmp_path_factory.mktemp("tt") / "tiny.tiktoken", text[:8000], vocab_size=300
+    )
 
 
 def _jsonl(path: Path, docs: list[str], key: str = "text") -> Path:
@@ -52,12 +59,17 @@ DOCS = ["def f(x):\n    return x + 1\n", "import os\n\nprint(os.getcwd())", "hé
 
 def test_hf_identity_is_kind_sha_and_vocab(hf_path: Path) -> None:
     cfg = DataConfig(tokenizer=str(hf_path))
-    want = {"kind": "hf", "sha256": hashlib.sha256(hf_path.read_bytes()).hexdigest(),
-            "vocab_size": 400, "path": str(hf_path)}
+    want = {
+        "kind": "hf",
+        "sha256": hashlib.sha256(hf_path.read_bytes()).hexdigest(),
+        "vocab_size": 400,
+        "path": str(hf_path),
+    }
     assert tokenizer_identity(cfg) == want
     by_dir = DataConfig(tokenizer=str(hf_path.parent))  # a directory holding tokenizer.json
-    assert {k: v for k, v in tokenizer_identity(by_dir).items() if k != "path"} == \
-        {k: v for k, v in want.items() if k != "path"}
+    assert {k: v for k, v in tokenizer_identity(by_dir).items() if k != "path"} == {
+        k: v for k, v in want.items() if k != "path"
+    }
 
 
 def test_tiktoken_identity(tiktoken_path: Path) -> None:
@@ -75,8 +87,12 @@ def test_default_is_bytes_and_old_configs_read_as_bytes() -> None:
     assert tokenizer_identity(DataConfig()) == bytes_ident
     old_manifest_config = {"data": {"sources": [], "token_dtype": "auto", "seed": 1}}
     assert tokenizer_identity(old_manifest_config) == bytes_ident
-    assert TrainConfig.from_json({**TrainConfig().to_json(), "data": old_manifest_config["data"]}
-                                 ).data.tokenizer_kind == "bytes"
+    assert (
+        TrainConfig.from_json(
+            {**TrainConfig().to_json(), "data": old_manifest_config["data"]}
+        ).data.tokenizer_kind
+        == "bytes"
+    )
 
 
 def test_identity_survives_the_manifest_without_the_file(tmp_path: Path, hf_path: Path) -> None:
@@ -89,7 +105,9 @@ def test_identity_survives_the_manifest_without_the_file(tmp_path: Path, hf_path
     assert back.data.tokenizer_vocab_size == 400
 
 
-@pytest.mark.parametrize("bad, needle", [("nope.json", "no such file"), ("x.model", "unknown kind")])
+@pytest.mark.parametrize(
+    "bad, needle", [("nope.json", "no such file"), ("x.model", "unknown kind")]
+)
 def test_bad_tokenizer_path(tmp_path: Path, bad: str, needle: str) -> None:
     if bad.endswith(".model"):
         (tmp_path / bad).write_bytes(b"x")
@@ -116,14 +134,19 @@ def test_check_same_tokenizer_refuses_another(tmp_path: Path, hf_path: Path, tex
     saved = TrainConfig(data=DataConfig(tokenizer=str(hf_path))).to_json()
     sha_saved = hashlib.sha256(hf_path.read_bytes()).hexdigest()[:16]
     sha_job = hashlib.sha256(other.read_bytes()).hexdigest()[:16]
-    with pytest.raises(ConfigError, match=rf"trained with tokenizer {hf_path} \(hf, sha256 {sha_saved}.*"
-                                          rf"this job uses {other} \(hf, sha256 {sha_job}.*"
-                                          rf"pass the same --tokenizer {hf_path} or start a new run "
-                                          "with --init-from"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"trained with tokenizer {hf_path} \(hf, sha256 {sha_saved}.*"
+        rf"this job uses {other} \(hf, sha256 {sha_job}.*"
+        rf"pass the same --tokenizer {hf_path} or start a new run "
+        "with --init-from",
+    ):
         check_same_tokenizer(saved, TrainConfig(data=DataConfig(tokenizer=str(other))))
     with pytest.raises(ConfigError, match=r"this job uses bytes \(no --tokenizer\)"):
         check_same_tokenizer(saved, DataConfig())
-    with pytest.raises(ConfigError, match=r"trained with tokenizer bytes .*--tokenizer \(none: bytes\)"):
+    with pytest.raises(
+        ConfigError, match=r"trained with tokenizer bytes .*--tokenizer \(none: bytes\)"
+    ):
         check_same_tokenizer(TrainConfig().to_json(), DataConfig(tokenizer=str(hf_path)))
 
 
@@ -157,11 +180,15 @@ def test_tiktoken_tokens_are_the_library_encoding(tmp_path: Path, tiktoken_path:
     from shardsmith.trainer.data.tokenizer import CL100K_PATTERN
 
     src = _jsonl(tmp_path / "docs.jsonl", DOCS, key="body")
-    tokens = load_tokens(DataConfig(sources=(str(src),), tokenizer=str(tiktoken_path),
-                                    text_key="body", cache_dir="none"))
+    tokens = load_tokens(
+        DataConfig(
+            sources=(str(src),), tokenizer=str(tiktoken_path), text_key="body", cache_dir="none"
+        )
+    )
     ranks = load_tiktoken_bpe(str(tiktoken_path))
-    enc = tiktoken.Encoding("t", pat_str=CL100K_PATTERN, mergeable_ranks=ranks,
-                            special_tokens={"<|endoftext|>": 300})
+    enc = tiktoken.Encoding(
+        "t", pat_str=CL100K_PATTERN, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 300}
+    )
     want = enc.encode("<|endoftext|>".join(DOCS), allowed_special="all")
     assert tokens.tolist() == want
     assert enc.decode(tokens.tolist()) == "<|endoftext|>".join(DOCS)
@@ -170,15 +197,17 @@ def test_tiktoken_tokens_are_the_library_encoding(tmp_path: Path, tiktoken_path:
 def test_changed_tokenizer_file_is_refused(tmp_path: Path, hf_path: Path, text: str) -> None:
     path = tmp_path / "tokenizer.json"
     shutil.copy(hf_path, path)
-    cfg = DataConfig(sources=(str(_jsonl(tmp_path / "d.jsonl", DOCS)),), tokenizer=str(path),
-                     cache_dir="none")
+    cfg = DataConfig(
+        sources=(str(_jsonl(tmp_path / "d.jsonl", DOCS)),), tokenizer=str(path), cache_dir="none"
+    )
     train_hf_bpe(path, text, vocab_size=300)
     with pytest.raises(ConfigError, match="is now hf sha256 .* but the config recorded"):
         load_tokens(cfg)
 
 
-def test_cache_is_keyed_by_corpus_and_tokenizer(tmp_path: Path, hf_path: Path,
-                                                tiktoken_path: Path) -> None:
+def test_cache_is_keyed_by_corpus_and_tokenizer(
+    tmp_path: Path, hf_path: Path, tiktoken_path: Path
+) -> None:
     src = _jsonl(tmp_path / "docs.jsonl", DOCS)
     cache = tmp_path / "cache"
     cfg = DataConfig(sources=(str(src),), tokenizer=str(hf_path), cache_dir=str(cache))
@@ -186,7 +215,9 @@ def test_cache_is_keyed_by_corpus_and_tokenizer(tmp_path: Path, hf_path: Path,
     assert len(list(cache.glob("*.tokens"))) == 1
     again = load_tokens(cfg)
     assert isinstance(again, np.memmap) and np.array_equal(again, first)
-    uncached = load_tokens(DataConfig(sources=(str(src),), tokenizer=str(hf_path), cache_dir="none"))
+    uncached = load_tokens(
+        DataConfig(sources=(str(src),), tokenizer=str(hf_path), cache_dir="none")
+    )
     assert np.array_equal(uncached, first)
     load_tokens(DataConfig(sources=(str(src),), tokenizer=str(tiktoken_path), cache_dir=str(cache)))
     _jsonl(src, DOCS[::-1])  # same file name, new content: a new entry, not a stale hit
@@ -213,7 +244,7 @@ def test_concurrent_starts_tokenize_once(tmp_path: Path, monkeypatch: pytest.Mon
             try:
                 return real_flock(fd, op | fcntl.LOCK_NB)
             except BlockingIOError:
-                contended.set()                      # the other rank builds: wait for it below
+                contended.set()  # the other rank builds: wait for it below
         return real_flock(fd, op)
 
     monkeypatch.setattr(fcntl, "flock", flock)
@@ -222,7 +253,7 @@ def test_concurrent_starts_tokenize_once(tmp_path: Path, monkeypatch: pytest.Mon
 
     def build() -> np.ndarray:
         builds.append(1)
-        contended.wait(timeout=60)                   # hold the lock until the other rank waits
+        contended.wait(timeout=60)  # hold the lock until the other rank waits
         return np.arange(1000, dtype=np.uint16)
 
     def rank() -> None:

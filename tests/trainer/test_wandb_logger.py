@@ -24,36 +24,48 @@ def read_history(path: Path) -> list[dict[str, Any]]:
         if left < 7:
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0:                           # zero padding to the block's end
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:  # zero padding to the block's end
             pos += left
             continue
-        pending += data[pos + 7:pos + 7 + length]
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             record = pb.Record()
             record.ParseFromString(pending)
             pending = b""
             if record.WhichOneof("record_type") == "history":
-                out.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+                out.append(
+                    {
+                        i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                        for i in record.history.item
+                    }
+                )
     return out
 
 
 def test_wandb_offline_run_reads_back(tmp_path: Path, monkeypatch) -> None:
     pytest.importorskip("wandb", reason="wandb is not installed (pip install 'shardsmith[wandb]')")
-    monkeypatch.delenv("WANDB_MODE", raising=False)        # offline is the default
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # offline is the default
     monkeypatch.setenv("WANDB_SILENT", "true")
     writer = MetricsWriter(str(tmp_path), tensorboard=False, wandb=True, config={"steps": 2})
     writer.write({"step": 1, "loss": 3.5, "lr": 1e-3, "grad_norm": 1.25, "skipped": False})
     writer.write({"step": 2, "loss": 3.25, "lr": 2e-3, "grad_norm": None, "skipped": False})
-    writer.write({"event": "save", "step": 2, "seconds": 0.5, "blocked_seconds": 0.125, "nbytes": 100})
+    writer.write(
+        {"event": "save", "step": 2, "seconds": 0.5, "blocked_seconds": 0.125, "nbytes": 100}
+    )
     writer.write({"event": "goodput", "time": 5.0, "goodput": 0.75, "lost": 0.25, "restarts": 1})
     writer.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, list(tmp_path.rglob("*"))
     history = [{k: v for k, v in h.items() if not k.startswith("_")} for h in read_history(runs[0])]
-    assert history == [{"train/loss": 3.5, "train/lr": 1e-3, "train/grad_norm": 1.25, "train/step": 1},
-                       {"train/loss": 3.25, "train/lr": 2e-3, "train/step": 2},
-                       {"checkpoint/save_seconds": 0.5, "checkpoint/save_blocked_seconds": 0.125,
-                        "checkpoint/save_nbytes": 100},
-                       {"goodput/goodput": 0.75, "goodput/lost": 0.25, "goodput/restarts": 1}]
+    assert history == [
+        {"train/loss": 3.5, "train/lr": 1e-3, "train/grad_norm": 1.25, "train/step": 1},
+        {"train/loss": 3.25, "train/lr": 2e-3, "train/step": 2},
+        {
+            "checkpoint/save_seconds": 0.5,
+            "checkpoint/save_blocked_seconds": 0.125,
+            "checkpoint/save_nbytes": 100,
+        },
+        {"goodput/goodput": 0.75, "goodput/lost": 0.25, "goodput/restarts": 1},
+    ]

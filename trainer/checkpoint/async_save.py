@@ -32,12 +32,16 @@ import torch.distributed as dist
 
 from shardsmith.errors import SaveError
 from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.storage import step_dir
-from shardsmith.storage import crash_point
+from shardsmith.storage import crash_point, step_dir
 from shardsmith.storage.manifest import MANIFEST_NAME
 from shardsmith.storage.store import Store
-from shardsmith.trainer.checkpoint.save_load import SaveResult, WritePlan, plan_local_writes, write_and_commit
 from shardsmith.trainer.checkpoint.local_tier import LocalTier, replicate
+from shardsmith.trainer.checkpoint.save_load import (
+    SaveResult,
+    WritePlan,
+    plan_local_writes,
+    write_and_commit,
+)
 from shardsmith.trainer.parallel import device_type
 
 log = logging.getLogger(__name__)
@@ -60,9 +64,17 @@ class AsyncCheckpointer:
             (:meth:`wait_snapshot`, e.g. in the optimizer's step pre-hook).
     """
 
-    def __init__(self, root: Store, model_cfg: ModelConfig, dims: ParallelDims,
-                 on_commit: Callable[[SaveResult], None] | None = None, *,
-                 tensor_format: str = "safetensors", zarr_codec: str = "", local: LocalTier | None = None) -> None:
+    def __init__(
+        self,
+        root: Store,
+        model_cfg: ModelConfig,
+        dims: ParallelDims,
+        on_commit: Callable[[SaveResult], None] | None = None,
+        *,
+        tensor_format: str = "safetensors",
+        zarr_codec: str = "",
+        local: LocalTier | None = None,
+    ) -> None:
         self.root, self.model_cfg, self.dims, self.local = root, model_cfg, dims, local
         self.tensor_format, self.zarr_codec = tensor_format, zarr_codec
         self.group = dist.new_group(backend="gloo")
@@ -74,7 +86,9 @@ class AsyncCheckpointer:
         self._snapshot_done.set()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._stream = torch.cuda.Stream() if device_type() == "cuda" else None     # not on the CPU fallback
+        self._stream = (
+            torch.cuda.Stream() if device_type() == "cuda" else None
+        )  # not on the CPU fallback
         self._waited = 0.0
         self.last_result: SaveResult | None = None
         self.last_local_seconds = 0.0
@@ -114,8 +128,16 @@ class AsyncCheckpointer:
             self._stream.synchronize()
         return WritePlan(plan.step, plan.specs, entries)
 
-    def save(self, step: int, tensors: dict[str, torch.Tensor], *, config: dict[str, Any],
-             state: dict[str, Any], persistent: bool = True, local_doc: dict[str, Any] | None = None) -> float:
+    def save(
+        self,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        *,
+        config: dict[str, Any],
+        state: dict[str, Any],
+        persistent: bool = True,
+        local_doc: dict[str, Any] | None = None,
+    ) -> float:
         """Snapshot and start a background save. Collective over all ranks (same arguments'
         kinds on every rank: ``persistent`` and whether ``local_doc`` is given).
 
@@ -137,10 +159,17 @@ class AsyncCheckpointer:
         """
         t0 = time.perf_counter()
         self.wait()
-        plan = plan_local_writes(step, tensors, self.model_cfg, self.dims, dist.get_rank(self.group)) \
-            if persistent else None
-        local_plan = self.local.plan(step, tensors) if self.local is not None and local_doc is not None else None
-        staged = local_plan or plan                        # the local plan holds the persistent one's boxes
+        plan = (
+            plan_local_writes(step, tensors, self.model_cfg, self.dims, dist.get_rank(self.group))
+            if persistent
+            else None
+        )
+        local_plan = (
+            self.local.plan(step, tensors)
+            if self.local is not None and local_doc is not None
+            else None
+        )
+        staged = local_plan or plan  # the local plan holds the persistent one's boxes
         assert staged is not None, "save() with neither tier"
         self._waited = 0.0
         self._snapshot_done.clear()
@@ -149,19 +178,30 @@ class AsyncCheckpointer:
             ready = torch.cuda.Event()
             ready.record()
         if not self.overlap_snapshot:
-            crash_point("async.before_snapshot", step=step)       # test hooks (storage/crashpoints.py)
+            crash_point("async.before_snapshot", step=step)  # test hooks (storage/crashpoints.py)
             try:
                 staged = self._stage(staged, ready)
             finally:
                 self._snapshot_done.set()
         blocked = time.perf_counter() - t0
         job = (staged, plan, local_doc, config, state, blocked, t0, ready)
-        self._thread = threading.Thread(target=self._run, args=job, name=f"shardsmith-save-{step}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=job, name=f"shardsmith-save-{step}", daemon=True
+        )
         self._thread.start()
         return blocked
 
-    def _run(self, staged: WritePlan, plan: WritePlan | None, local_doc: dict[str, Any] | None,
-             config: dict[str, Any], state: dict[str, Any], blocked: float, t0: float, ready: Any) -> None:
+    def _run(
+        self,
+        staged: WritePlan,
+        plan: WritePlan | None,
+        local_doc: dict[str, Any] | None,
+        config: dict[str, Any],
+        state: dict[str, Any],
+        blocked: float,
+        t0: float,
+        ready: Any,
+    ) -> None:
         try:
             if not self._snapshot_done.is_set():
                 crash_point("async.before_snapshot", step=staged.step)
@@ -175,11 +215,23 @@ class AsyncCheckpointer:
             if plan is None:
                 return
             buffers = {fqn: t for fqn, t, _ in staged.entries}
-            plan = WritePlan(plan.step, plan.specs, [(fqn, buffers[fqn], box) for fqn, _, box in plan.entries])
-            nbytes = write_and_commit(self.root, plan, model_cfg=self.model_cfg, dims=self.dims,
-                                      config=config, state=state, group=self.group,
-                                      tensor_format=self.tensor_format, zarr_codec=self.zarr_codec)
-            self.last_result = SaveResult(plan.step, nbytes, time.perf_counter() - t0, blocked + self._waited)
+            plan = WritePlan(
+                plan.step, plan.specs, [(fqn, buffers[fqn], box) for fqn, _, box in plan.entries]
+            )
+            nbytes = write_and_commit(
+                self.root,
+                plan,
+                model_cfg=self.model_cfg,
+                dims=self.dims,
+                config=config,
+                state=state,
+                group=self.group,
+                tensor_format=self.tensor_format,
+                zarr_codec=self.zarr_codec,
+            )
+            self.last_result = SaveResult(
+                plan.step, nbytes, time.perf_counter() - t0, blocked + self._waited
+            )
             crash_point("async.after_commit")
             if self.on_commit is not None:
                 self.on_commit(self.last_result)
@@ -194,10 +246,17 @@ class AsyncCheckpointer:
         save: the step is committed, and the line and the error say so instead of "failed".
         """
         if persistent and self._committed(step):
-            log.warning("step %d is committed (rank 0 wrote its manifest), but this rank failed after the "
-                        "commit: %s: %s", step, type(exc).__name__, exc)
-            return SaveError(f"checkpoint step {step} is committed (complete and loadable); after the commit "
-                             f"this rank failed: {type(exc).__name__}: {exc}")
+            log.warning(
+                "step %d is committed (rank 0 wrote its manifest), but this rank failed after the "
+                "commit: %s: %s",
+                step,
+                type(exc).__name__,
+                exc,
+            )
+            return SaveError(
+                f"checkpoint step {step} is committed (complete and loadable); after the commit "
+                f"this rank failed: {type(exc).__name__}: {exc}"
+            )
         log.error("background save of step %d failed: %s", step, exc)
         return exc
 
@@ -241,6 +300,8 @@ class AsyncCheckpointer:
             if isinstance(exc, SaveError):
                 raise exc
             # Not a SaveError: a peer or the on_commit callback failed, possibly after the commit.
-            raise SaveError(f"background checkpoint save failed: {type(exc).__name__}: {exc}; its step "
-                            "may or may not be committed (`shardsmith ls` tells), the newest committed "
-                            "step is complete either way") from exc
+            raise SaveError(
+                f"background checkpoint save failed: {type(exc).__name__}: {exc}; its step "
+                "may or may not be committed (`shardsmith ls` tells), the newest committed "
+                "step is complete either way"
+            ) from exc

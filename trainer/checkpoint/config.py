@@ -9,7 +9,6 @@ from typing import Any
 from shardsmith.errors import ConfigError
 from shardsmith.storage.manifest import TENSOR_FORMATS
 
-
 #: ``--data-change`` values ("": not given).
 DATA_CHANGES = ("", "continue", "restart")
 
@@ -84,35 +83,53 @@ class CheckpointConfig:
         if self.save_interval < 0:
             raise ConfigError(f"checkpoint.save_interval={self.save_interval}: must be >= 0")
         if self.keep_last < 0 or self.keep_every < 0:
-            raise ConfigError(f"checkpoint.keep_last={self.keep_last}, keep_every={self.keep_every}: "
-                              "must be >= 0 (0 = keep all)")
+            raise ConfigError(
+                f"checkpoint.keep_last={self.keep_last}, keep_every={self.keep_every}: "
+                "must be >= 0 (0 = keep all)"
+            )
         if self.tensor_format not in TENSOR_FORMATS:
-            raise ConfigError(f"checkpoint.tensor_format={self.tensor_format!r}: choose one of {list(TENSOR_FORMATS)}")
+            raise ConfigError(
+                f"checkpoint.tensor_format={self.tensor_format!r}: choose one of {list(TENSOR_FORMATS)}"
+            )
         if self.zarr_codec:
             if self.tensor_format != "zarr":
-                raise ConfigError(f"checkpoint.zarr_codec={self.zarr_codec!r} needs tensor_format='zarr' "
-                                  "(safetensors checkpoints are not compressed)")
+                raise ConfigError(
+                    f"checkpoint.zarr_codec={self.zarr_codec!r} needs tensor_format='zarr' "
+                    "(safetensors checkpoints are not compressed)"
+                )
             from shardsmith.storage.formats import parse_codec
 
             parse_codec(self.zarr_codec)
         if self.data_change not in DATA_CHANGES:
-            raise ConfigError(f"checkpoint.data_change={self.data_change!r}: choose 'continue' (keep the global "
-                              "sample index) or 'restart' (the new data from sample 0)")
+            raise ConfigError(
+                f"checkpoint.data_change={self.data_change!r}: choose 'continue' (keep the global "
+                "sample index) or 'restart' (the new data from sample 0)"
+            )
         self._check_local_tier()
 
     def _check_local_tier(self) -> None:
         if self.local_save_interval < 1:
-            raise ConfigError(f"checkpoint.local_save_interval={self.local_save_interval}: must be >= 1")
+            raise ConfigError(
+                f"checkpoint.local_save_interval={self.local_save_interval}: must be >= 1"
+            )
         if self.local_replicas not in (0, 1):
-            raise ConfigError(f"checkpoint.local_replicas={self.local_replicas}: choose 0 or 1 (a copy on "
-                              "the buddy rank one node over)")
+            raise ConfigError(
+                f"checkpoint.local_replicas={self.local_replicas}: choose 0 or 1 (a copy on "
+                "the buddy rank one node over)"
+            )
         if self.simulate_nodes < 0:
-            raise ConfigError(f"checkpoint.simulate_nodes={self.simulate_nodes}: must be >= 0 (0 = real nodes)")
+            raise ConfigError(
+                f"checkpoint.simulate_nodes={self.simulate_nodes}: must be >= 0 (0 = real nodes)"
+            )
         if not self.local_ckpt:
             return
         if "://" in self.local_ckpt and not self.local_ckpt.startswith("file://"):
-            raise ConfigError(f"--local-ckpt {self.local_ckpt}: the local tier is a local directory "
-                              "(node-local disk or /dev/shm); object storage goes in --ckpt")
+            raise ConfigError(
+                f"--local-ckpt {self.local_ckpt}: the local tier is a local directory "
+                "(node-local disk or /dev/shm); object storage goes in --ckpt"
+            )
         if not self.url or not self.async_save:
-            raise ConfigError("--local-ckpt needs --ckpt (the persistent tier it sits in front of) and "
-                              "--async-save (it writes the async snapshot); give both")
+            raise ConfigError(
+                "--local-ckpt needs --ckpt (the persistent tier it sits in front of) and "
+                "--async-save (it writes the async snapshot); give both"
+            )

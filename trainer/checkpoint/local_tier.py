@@ -36,16 +36,19 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from shardsmith.errors import ConfigError, ManifestError
-from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout import Box
-from shardsmith.layout import TensorSpec, checkpoint_specs, rank_boxes, shard_file_name
-from shardsmith.storage import DEFAULT_CHUNK_NBYTES, crc32c
-from shardsmith.storage import parse_step_dir, step_dir
-from shardsmith.storage import crash_point
+from shardsmith.layout import (
+    Box,
+    ModelConfig,
+    ParallelDims,
+    TensorSpec,
+    checkpoint_specs,
+    rank_boxes,
+    shard_file_name,
+)
+from shardsmith.storage import DEFAULT_CHUNK_NBYTES, crash_point, crc32c, parse_step_dir, step_dir
 from shardsmith.storage.formats import SafetensorsFormat
+from shardsmith.storage.manifest import load_json, sidecar_name
 from shardsmith.storage.store import Store
-from shardsmith.storage.manifest import sidecar_name
-from shardsmith.storage.manifest import load_json
 from shardsmith.trainer.checkpoint.save_load import WritePlan, unpadded
 from shardsmith.trainer.rng import capture_rng, rng_role
 
@@ -73,7 +76,9 @@ def ranks_per_node(world: int, simulate_nodes: int = 0) -> int:
     """
     if simulate_nodes:
         if world % simulate_nodes:
-            raise ConfigError(f"--simulate-nodes {simulate_nodes} does not divide the world size {world}")
+            raise ConfigError(
+                f"--simulate-nodes {simulate_nodes} does not divide the world size {world}"
+            )
         return world // simulate_nodes
     per = int(os.environ.get("LOCAL_WORLD_SIZE", "") or world)
     return per if 1 <= per <= world and world % per == 0 else world
@@ -92,7 +97,9 @@ class Lineage:
     launch: str = ""
 
     def admits(self, doc: dict[str, Any]) -> bool:
-        return bool(self.run and doc.get("run") == self.run) or bool(self.launch and doc.get("launch") == self.launch)
+        return bool(self.run and doc.get("run") == self.run) or bool(
+            self.launch and doc.get("launch") == self.launch
+        )
 
     def describe(self) -> str:
         return f"run {self.run[:12]}" if self.run else f"launch {self.launch}"
@@ -131,18 +138,33 @@ def parse_rank_doc(raw: bytes, where: str, rank: int, step: int) -> dict[str, An
     doc = load_json(raw, where)
     if doc.get("format") != LOCAL_FORMAT or doc.get("version") != LOCAL_VERSION:
         raise ManifestError(f"{where}: not a version-{LOCAL_VERSION} {LOCAL_FORMAT} manifest")
-    for key, kind in (("step", int), ("rank", int), ("world_size", int), ("chunk_nbytes", int), ("run", str),
-                      ("launch", str), ("layout", dict), ("model", dict), ("config", dict), ("state", dict),
-                      ("rng", dict), ("records", dict)):
+    for key, kind in (
+        ("step", int),
+        ("rank", int),
+        ("world_size", int),
+        ("chunk_nbytes", int),
+        ("run", str),
+        ("launch", str),
+        ("layout", dict),
+        ("model", dict),
+        ("config", dict),
+        ("state", dict),
+        ("rng", dict),
+        ("records", dict),
+    ):
         if not isinstance(doc.get(key), kind) or isinstance(doc.get(key), bool):
             raise ManifestError(f"{where}: field {key!r} is missing or not a {kind.__name__}")
     if (doc["rank"], doc["step"]) != (rank, step):
-        raise ManifestError(f"{where}: says rank {doc['rank']} step {doc['step']}, its place says rank {rank} "
-                            f"step {step}")
+        raise ManifestError(
+            f"{where}: says rank {doc['rank']} step {doc['step']}, its place says rank {rank} "
+            f"step {step}"
+        )
     rec = doc["records"]
     try:
         name, nbytes, crc = rec["file"]
-        ok = name == shard_file_name(rank) and all(isinstance(v, int) for v in (nbytes, crc, *rec["sidecar"]))
+        ok = name == shard_file_name(rank) and all(
+            isinstance(v, int) for v in (nbytes, crc, *rec["sidecar"])
+        )
         ok = ok and all(isinstance(v, int) for s in rec["shards"].values() for v in s[:3])
     except (KeyError, TypeError, ValueError, AttributeError):
         ok = False
@@ -166,7 +188,9 @@ def check_copy_files(copy: RankCopy, *, crc: bool) -> str:
         if crc:
             got = crc32c(copy.store.read(key))
             if got != want:
-                return f"corrupt: CRC-32C of {key} is {got:#010x}, the rank manifest says {want:#010x}"
+                return (
+                    f"corrupt: CRC-32C of {key} is {got:#010x}, the rank manifest says {want:#010x}"
+                )
     return ""
 
 
@@ -186,19 +210,31 @@ class LocalTier:
 
     def __init__(self, cfg: TrainConfig, rank: int) -> None:
         ckpt, dims = cfg.checkpoint, cfg.parallel
-        self.model_cfg, self.dims, self.rank, self.interval = cfg.model, dims, rank, ckpt.local_save_interval
+        self.model_cfg, self.dims, self.rank, self.interval = (
+            cfg.model,
+            dims,
+            rank,
+            ckpt.local_save_interval,
+        )
         self.per_node = ranks_per_node(dims.world_size, ckpt.simulate_nodes)
         self.num_nodes = dims.world_size // self.per_node
         self.node = rank // self.per_node
-        path = ckpt.local_ckpt[len("file://"):] if ckpt.local_ckpt.startswith("file://") else ckpt.local_ckpt
+        path = (
+            ckpt.local_ckpt[len("file://") :]
+            if ckpt.local_ckpt.startswith("file://")
+            else ckpt.local_ckpt
+        )
         self.path = os.path.abspath(path)
         self.top = Store(self.path)
         self.root = self.top.child(f"node-{self.node:05d}")
         self.replica_root = self.root.child(REPLICAS_DIR)
         self.replicas = bool(ckpt.local_replicas) and self.num_nodes > 1
         if ckpt.local_replicas and not self.replicas and rank == 0:
-            log.warning("--local-replicas 1 with a single node (%d ranks per node): no buddy node to copy to; "
-                        "use --simulate-nodes K to test on one machine", self.per_node)
+            log.warning(
+                "--local-replicas 1 with a single node (%d ranks per node): no buddy node to copy to; "
+                "use --simulate-nodes K to test on one machine",
+                self.per_node,
+            )
         self.buddy = buddy_of(rank, dims.world_size, self.per_node) if self.replicas else None
         self.source = (rank - self.per_node) % dims.world_size if self.replicas else None
         self._plans: dict[bool, tuple[dict[str, TensorSpec], dict[str, Box]]] = {}
@@ -212,23 +248,37 @@ class LocalTier:
     def plan(self, step: int, tensors: dict[str, torch.Tensor]) -> WritePlan:
         """Every (fqn, local tensor, box) this rank holds (empty boxes left out): what it writes."""
         with_optim = any(k.startswith("optim.") for k in tensors)
-        if with_optim not in self._plans:               # pure in (model, layout, rank): once per run
+        if with_optim not in self._plans:  # pure in (model, layout, rank): once per run
             specs = checkpoint_specs(self.model_cfg, self.dims, with_optimizer=with_optim)
             self._plans[with_optim] = (specs, rank_boxes(specs, self.dims, self.rank))
         specs, boxes = self._plans[with_optim]
-        entries = [(fqn, unpadded(tensors[fqn], box), box) for fqn, box in boxes.items() if box.numel]
+        entries = [
+            (fqn, unpadded(tensors[fqn], box), box) for fqn, box in boxes.items() if box.numel
+        ]
         return WritePlan(step, specs, entries)
 
-    def rank_doc(self, step: int, *, state: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    def rank_doc(
+        self, step: int, *, state: dict[str, Any], config: dict[str, Any]
+    ) -> dict[str, Any]:
         """The rank manifest without its records (call on the training thread at the save: it
         captures this rank's RNG state). ``state`` holds ``state["run"]`` (the run record)."""
         coords = self.dims.coords(self.rank)
-        return {"format": LOCAL_FORMAT, "version": LOCAL_VERSION, "step": step, "rank": self.rank,
-                "world_size": self.dims.world_size, "run": state["run"]["id"],
-                "launch": os.environ.get("TORCHELASTIC_RUN_ID", ""), "layout": self.dims.to_json(),
-                "model": self.model_cfg.to_json(), "config": config, "state": state,
-                "rng": {"rank": self.rank, "role": rng_role(coords), "state": capture_rng()},
-                "chunk_nbytes": DEFAULT_CHUNK_NBYTES, "records": {}}
+        return {
+            "format": LOCAL_FORMAT,
+            "version": LOCAL_VERSION,
+            "step": step,
+            "rank": self.rank,
+            "world_size": self.dims.world_size,
+            "run": state["run"]["id"],
+            "launch": os.environ.get("TORCHELASTIC_RUN_ID", ""),
+            "layout": self.dims.to_json(),
+            "model": self.model_cfg.to_json(),
+            "config": config,
+            "state": state,
+            "rng": {"rank": self.rank, "role": rng_role(coords), "state": capture_rng()},
+            "chunk_nbytes": DEFAULT_CHUNK_NBYTES,
+            "records": {},
+        }
 
     def write(self, plan: WritePlan, doc: dict[str, Any]) -> dict[str, bytes]:
         """Write this rank's files of ``plan.step`` (data, sidecar, then the rank manifest: the
@@ -236,17 +286,21 @@ class LocalTier:
         (``{}`` without replicas)."""
         step_store = self.root.child(step_dir(plan.step))
         self.retain(self.root, self.rank, plan.step)
-        crash_point("local.before_write", step=plan.step)     # test hooks (storage/crashpoints.py)
-        records = SafetensorsFormat().write_rank(step_store, self.rank, plan.entries, plan.specs, self.dims,
-                                                 DEFAULT_CHUNK_NBYTES)
+        crash_point("local.before_write", step=plan.step)  # test hooks (storage/crashpoints.py)
+        records = SafetensorsFormat().write_rank(
+            step_store, self.rank, plan.entries, plan.specs, self.dims, DEFAULT_CHUNK_NBYTES
+        )
         raw = json.dumps({**doc, "records": records}).encode()
         crash_point("local.before_commit", step=plan.step)
         step_store.write(rank_manifest_name(self.rank), raw)
         if not self.replicas:
             return {}
-        name = records["file"][0]                        # read back from the page cache, for the buddy
-        return {name: step_store.read(name), sidecar_name(name): step_store.read(sidecar_name(name)),
-                rank_manifest_name(self.rank): raw}
+        name = records["file"][0]  # read back from the page cache, for the buddy
+        return {
+            name: step_store.read(name),
+            sidecar_name(name): step_store.read(sidecar_name(name)),
+            rank_manifest_name(self.rank): raw,
+        }
 
     def store_copy(self, root: Store, rank: int, step: int, files: dict[str, bytes]) -> Store:
         """Write a received copy of ``rank``'s files of ``step`` under ``root`` (data first,
@@ -288,22 +342,28 @@ class LocalTier:
             names = root.list_dir()
         except FileNotFoundError:
             return []
-        return [s for s in (parse_step_dir(n.rstrip("/").rsplit("/", 1)[-1]) for n in names) if s is not None]
+        return [
+            s
+            for s in (parse_step_dir(n.rstrip("/").rsplit("/", 1)[-1]) for n in names)
+            if s is not None
+        ]
 
     def _delete(self, root: Store, rank: int, step: int, remove_dir: bool = True) -> None:
         name = step_dir(step)
         data = shard_file_name(rank)
         for key in (rank_manifest_name(rank), data, sidecar_name(data)):
             root.delete(f"{name}/{key}")
-        for sub in (f"{name}/shards", name) if remove_dir else ():    # if empty; others' files stay
+        for sub in (f"{name}/shards", name) if remove_dir else ():  # if empty; others' files stay
             try:
-                os.rmdir(os.path.join(root.root, sub))          # a local store's root is its path
+                os.rmdir(os.path.join(root.root, sub))  # a local store's root is its path
             except OSError:
                 pass
 
     # ---- what a restart finds -----------------------------------------------------------------
 
-    def scan(self, root: Store, rank: int, lineage: Lineage, *, crc: bool = True) -> tuple[list[RankCopy], list[str]]:
+    def scan(
+        self, root: Store, rank: int, lineage: Lineage, *, crc: bool = True
+    ) -> tuple[list[RankCopy], list[str]]:
         """Committed, intact copies of ``rank`` under ``root`` written by ``lineage`` (newest
         first), and one warning per copy skipped (path and reason: partial, corrupt, another run)."""
         found, skipped = [], []
@@ -312,11 +372,15 @@ class LocalTier:
             if copy is not None:
                 found.append(copy)
             elif why:
-                skipped.append(f"local tier: skipping {root.url_of(step_dir(s))} (rank {rank}): {why}; "
-                               "falling back to the next tier")
+                skipped.append(
+                    f"local tier: skipping {root.url_of(step_dir(s))} (rank {rank}): {why}; "
+                    "falling back to the next tier"
+                )
         return found, skipped
 
-    def check(self, store: Store, rank: int, step: int, lineage: Lineage, crc: bool) -> tuple[RankCopy | None, str]:
+    def check(
+        self, store: Store, rank: int, step: int, lineage: Lineage, crc: bool
+    ) -> tuple[RankCopy | None, str]:
         """``rank``'s copy of ``step`` in step directory ``store`` if it is committed, of
         ``lineage`` and intact (``crc``: whole-file CRC-32C too); else None and why ("" when
         the rank has nothing there)."""
@@ -331,8 +395,10 @@ class LocalTier:
         except ManifestError as exc:
             return None, f"corrupt: {exc}"
         if not lineage.admits(doc):
-            return None, (f"from another run (run {doc['run'][:12]}, launch {doc['launch']}); this job "
-                          f"continues {lineage.describe()}")
+            return None, (
+                f"from another run (run {doc['run'][:12]}, launch {doc['launch']}); this job "
+                f"continues {lineage.describe()}"
+            )
         copy = RankCopy(step, rank, store, doc)
         why = check_copy_files(copy, crc=crc)
         return (None, why) if why else (copy, "")

@@ -31,7 +31,7 @@ def unpack_files(blob: bytes, source: str) -> dict[str, bytes]:
     """
     try:
         hlen = int.from_bytes(blob[:8], "little")
-        head = json.loads(blob[8:8 + hlen])
+        head = json.loads(blob[8 : 8 + hlen])
         names, sizes = head["names"], head["sizes"]
         if len(names) != len(sizes) or 8 + hlen + sum(sizes) != len(blob):
             raise ValueError("sizes do not add up")
@@ -39,13 +39,14 @@ def unpack_files(blob: bytes, source: str) -> dict[str, bytes]:
         raise CheckpointError(f"files received from {source} are malformed: {exc}") from exc
     out, pos = {}, 8 + hlen
     for name, size in zip(names, sizes):
-        out[str(name)] = blob[pos:pos + int(size)]
+        out[str(name)] = blob[pos : pos + int(size)]
         pos += int(size)
     return out
 
 
-def exchange_files(sends: dict[int, dict[str, bytes]], recvs: list[int],
-                   group: dist.ProcessGroup | None = None) -> dict[int, dict[str, bytes]]:
+def exchange_files(
+    sends: dict[int, dict[str, bytes]], recvs: list[int], group: dist.ProcessGroup | None = None
+) -> dict[int, dict[str, bytes]]:
     """Send files to some ranks and receive files from others, at once (no deadlock when
     two ranks send to each other). Point-to-point: only the ranks named call it, each with
     the matching ``sends`` and ``recvs`` (global ranks).
@@ -55,13 +56,18 @@ def exchange_files(sends: dict[int, dict[str, bytes]], recvs: list[int],
     """
     blobs = {dst: pack_files(files) for dst, files in sends.items()}
     sizes_in = {src: torch.zeros(1, dtype=torch.int64) for src in recvs}
-    works = [dist.isend(torch.tensor([len(b)], dtype=torch.int64), dst, group=group) for dst, b in blobs.items()]
+    works = [
+        dist.isend(torch.tensor([len(b)], dtype=torch.int64), dst, group=group)
+        for dst, b in blobs.items()
+    ]
     works += [dist.irecv(t, src, group=group) for src, t in sizes_in.items()]
     for w in works:
         if w is not None:
             w.wait()
     bufs_in = {src: torch.empty(int(t.item()), dtype=torch.uint8) for src, t in sizes_in.items()}
-    out_tensors = {dst: torch.frombuffer(bytearray(b), dtype=torch.uint8) for dst, b in blobs.items()}
+    out_tensors = {
+        dst: torch.frombuffer(bytearray(b), dtype=torch.uint8) for dst, b in blobs.items()
+    }
     works = [dist.isend(t, dst, group=group) for dst, t in out_tensors.items()]
     works += [dist.irecv(t, src, group=group) for src, t in bufs_in.items()]
     for w in works:

@@ -19,29 +19,49 @@ import torch
 import torch.distributed as dist
 
 from shardsmith.errors import IntegrityError, TrainingDiverged
-from shardsmith.layout import bounding_box
-from shardsmith.layout import checkpoint_specs, rank_boxes
-from shardsmith.storage import open_manifest, resolve_checkpoint, step_dir
-from shardsmith.storage.store import Store
-from shardsmith.storage import gc_after_commit
-from shardsmith.storage import check_new_run_root, remove_runs_except
-from shardsmith.storage.manifest import MANIFEST_NAME, Manifest
+from shardsmith.layout import bounding_box, checkpoint_specs, rank_boxes
+from shardsmith.storage import (
+    check_new_run_root,
+    gc_after_commit,
+    open_manifest,
+    remove_runs_except,
+    resolve_checkpoint,
+    step_dir,
+)
 from shardsmith.storage.formats import DTYPE_NAMES
-from shardsmith.storage.manifest import ManifestReader
+from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, ManifestReader
+from shardsmith.storage.store import Store
 from shardsmith.trainer.checkpoint.async_save import AsyncCheckpointer
-from shardsmith.trainer.checkpoint.save_load import (ReadStats, SaveResult, finish_upcast, init_optimizer_state,
-                                          model_state_tensors, raise_agreed, save_checkpoint, upcast_staging)
-from shardsmith.trainer.checkpoint.shared_reads import load_into_replicas, share_reader, shares_reads
+from shardsmith.trainer.checkpoint.local_tier import LocalTier
+from shardsmith.trainer.checkpoint.run_checks import (
+    RunIdentity,
+    check_before_load,
+    reset_due,
+    resume_changes,
+)
+from shardsmith.trainer.checkpoint.save_load import (
+    ReadStats,
+    SaveResult,
+    finish_upcast,
+    init_optimizer_state,
+    model_state_tensors,
+    raise_agreed,
+    save_checkpoint,
+    upcast_staging,
+)
+from shardsmith.trainer.checkpoint.shared_reads import (
+    load_into_replicas,
+    share_reader,
+    shares_reads,
+)
 from shardsmith.trainer.comm import any_rank, broadcast_text, gather_json
 from shardsmith.trainer.data import GlobalBatchSampler
 from shardsmith.trainer.fault.bad_steps import BadStepPolicy
-from shardsmith.trainer.checkpoint.local_tier import LocalTier
 from shardsmith.trainer.rng import apply_rng, gather_rng
-from shardsmith.trainer.checkpoint.run_checks import RunIdentity, check_before_load, reset_due, resume_changes
 
 if TYPE_CHECKING:
-    from shardsmith.trainer.config import TrainConfig
     from shardsmith.trainer.checkpoint.recovery import StaticManifest
+    from shardsmith.trainer.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +88,13 @@ class TrainState:
 
     def state_json(self) -> dict[str, Any]:
         """Non-tensor state saved in the manifest (without ``rng``: the save gathers it)."""
-        return {"step": self.step, "tokens_seen": self.tokens_seen,
-                "data": self.sampler.state_dict(), "lr_scheduler": self.scheduler.state_dict(),
-                "fault": self.bad_steps.state_json()}
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "data": self.sampler.state_dict(),
+            "lr_scheduler": self.scheduler.state_dict(),
+            "fault": self.bad_steps.state_json(),
+        }
 
     def load_state_json(self, state: dict[str, Any], *, rollback: bool) -> None:
         """Restore :meth:`state_json` (after a rollback the bad-step counters in memory win)."""
@@ -82,7 +106,9 @@ class TrainState:
         # LambdaLR.get_lr, so an unchanged schedule resumes bitwise); the saved _last_lr would
         # belong to the old schedule when --steps/--lr-decay-steps changed.
         sched = self.scheduler
-        sched._last_lr = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+        sched._last_lr = [
+            base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)
+        ]
         for group, lr in zip(self.optimizer.param_groups, sched._last_lr):
             group["lr"] = lr
         self.bad_steps.load_state_json(state.get("fault", {}), keep_counters=rollback)
@@ -113,8 +139,18 @@ class CheckpointPolicy:
         resumed_from: the persistent-tier step :meth:`resume` loaded (None: none).
     """
 
-    def __init__(self, cfg: TrainConfig, state: TrainState, *, rank: int, coords: dict[str, int],
-                 restarts: int, event: EventFn, replica_group: Any = None, sibling_group: Any = None) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        state: TrainState,
+        *,
+        rank: int,
+        coords: dict[str, int],
+        restarts: int,
+        event: EventFn,
+        replica_group: Any = None,
+        sibling_group: Any = None,
+    ) -> None:
         self.cfg, self.state, self.rank, self.coords = cfg, state, rank, coords
         self.replica_group, self.sibling_group = replica_group, sibling_group
         self.restarts, self.event = restarts, event
@@ -123,14 +159,22 @@ class CheckpointPolicy:
         self.last_saved_step = -1
         self._source: tuple[tuple[Store, int] | None] | None = None
         self.resumed_from: tuple[Store, int] | None = None
-        self.run = RunIdentity(id=broadcast_text(RunIdentity.new_id() if rank == 0 else ""), seed=cfg.seed)
+        self.run = RunIdentity(
+            id=broadcast_text(RunIdentity.new_id() if rank == 0 else ""), seed=cfg.seed
+        )
         self.checkpointer: AsyncCheckpointer | None = None
-        self.local = LocalTier(cfg, rank) if ckpt.local_ckpt else None      # the node-local tier
+        self.local = LocalTier(cfg, rank) if ckpt.local_ckpt else None  # the node-local tier
         if self.root is not None and ckpt.async_save:
-            self.checkpointer = AsyncCheckpointer(self.root, cfg.model, cfg.parallel, on_commit=self._on_commit,
-                                                  tensor_format=ckpt.tensor_format, zarr_codec=ckpt.zarr_codec,
-                                                  local=self.local)
-            self.checkpointer.overlap_with(state.optimizer)   # snapshot overlaps fwd/bwd; step waits
+            self.checkpointer = AsyncCheckpointer(
+                self.root,
+                cfg.model,
+                cfg.parallel,
+                on_commit=self._on_commit,
+                tensor_format=ckpt.tensor_format,
+                zarr_codec=ckpt.zarr_codec,
+                local=self.local,
+            )
+            self.checkpointer.overlap_with(state.optimizer)  # snapshot overlaps fwd/bwd; step waits
 
     # ---- saving ---------------------------------------------------------------------------
 
@@ -145,8 +189,11 @@ class CheckpointPolicy:
 
     def final_due(self) -> bool:
         """True when the end of the run should save (``save_final``, not saved at this step)."""
-        return (self.root is not None and self.cfg.checkpoint.save_final
-                and self.state.step != self.last_saved_step)
+        return (
+            self.root is not None
+            and self.cfg.checkpoint.save_final
+            and self.state.step != self.last_saved_step
+        )
 
     def save(self, *, persistent: bool = True) -> None:
         """Checkpoint the current step (collective). With ``async_save`` this returns after
@@ -167,19 +214,47 @@ class CheckpointPolicy:
             self._uncommit(state.step)
         init_optimizer_state(state.model, state.optimizer)
         tensors = model_state_tensors(state.model, state.optimizer)
-        local = self.local.rank_doc(state.step, state={**state.state_json(), "run": self.run.to_json()},
-                                    config=cfg.to_json()) if self.local and self.local.due(state.step) else None
-        saved = {**state.state_json(), "rng": gather_rng(self.rank, self.coords, cfg.parallel),
-                 "run": self.run.to_json()} if persistent else {}
+        local = (
+            self.local.rank_doc(
+                state.step,
+                state={**state.state_json(), "run": self.run.to_json()},
+                config=cfg.to_json(),
+            )
+            if self.local and self.local.due(state.step)
+            else None
+        )
+        saved = (
+            {
+                **state.state_json(),
+                "rng": gather_rng(self.rank, self.coords, cfg.parallel),
+                "run": self.run.to_json(),
+            }
+            if persistent
+            else {}
+        )
         if persistent:
             self.last_saved_step = state.step
         if self.checkpointer is not None:
-            self.checkpointer.save(state.step, tensors, config=cfg.to_json(), state=saved, persistent=persistent,
-                                   local_doc=local)
+            self.checkpointer.save(
+                state.step,
+                tensors,
+                config=cfg.to_json(),
+                state=saved,
+                persistent=persistent,
+                local_doc=local,
+            )
             return
-        result = save_checkpoint(self.root, state.step, tensors, model_cfg=cfg.model, dims=cfg.parallel,
-                                 config=cfg.to_json(), state=saved, tensor_format=cfg.checkpoint.tensor_format,
-                                 zarr_codec=cfg.checkpoint.zarr_codec)
+        result = save_checkpoint(
+            self.root,
+            state.step,
+            tensors,
+            model_cfg=cfg.model,
+            dims=cfg.parallel,
+            config=cfg.to_json(),
+            state=saved,
+            tensor_format=cfg.checkpoint.tensor_format,
+            zarr_codec=cfg.checkpoint.zarr_codec,
+        )
         self._on_commit(result)
 
     def lose_local_node(self) -> None:
@@ -196,8 +271,12 @@ class CheckpointPolicy:
         if self.rank == 0:
             key = f"{step_dir(step)}/{MANIFEST_NAME}"
             if self.root is not None and self.root.exists(key):
-                log.warning("step %d is already committed under %s: un-committing it before saving "
-                            "it again", step, self.root.url)
+                log.warning(
+                    "step %d is already committed under %s: un-committing it before saving "
+                    "it again",
+                    step,
+                    self.root.url,
+                )
                 self.root.delete(key)
                 existed = True
         any_rank(existed)
@@ -209,12 +288,24 @@ class CheckpointPolicy:
 
     def _on_commit(self, result: SaveResult) -> None:
         """After a commit (in the saving thread): log it; rank 0 collects old and incomplete steps."""
-        self.event({"event": "save", "step": result.step, "url": self.root.url_of(step_dir(result.step)) if self.root else "", "nbytes": result.nbytes,
-                    "seconds": round(result.seconds, 4), "blocked_seconds": round(result.blocked_seconds, 4)})
+        self.event(
+            {
+                "event": "save",
+                "step": result.step,
+                "url": self.root.url_of(step_dir(result.step)) if self.root else "",
+                "nbytes": result.nbytes,
+                "seconds": round(result.seconds, 4),
+                "blocked_seconds": round(result.blocked_seconds, 4),
+            }
+        )
         ckpt = self.cfg.checkpoint
         if self.rank == 0 and self.root is not None:
-            deleted = gc_after_commit(self.root, keep_last=ckpt.keep_last or None,
-                                      keep_every=ckpt.keep_every or None, runs=self.run.lineage())
+            deleted = gc_after_commit(
+                self.root,
+                keep_last=ckpt.keep_last or None,
+                keep_every=ckpt.keep_every or None,
+                runs=self.run.lineage(),
+            )
             if deleted:
                 self.event({"event": "gc", "deleted_steps": deleted})
 
@@ -262,12 +353,23 @@ class CheckpointPolicy:
         if ckpt.overwrite and self.restarts == 0 and self.rank == 0:
             deleted = remove_runs_except(self.root, None)
             if deleted:
-                log.warning("--overwrite: deleted steps %s of the previous run under %s", deleted, self.root.url)
+                log.warning(
+                    "--overwrite: deleted steps %s of the previous run under %s",
+                    deleted,
+                    self.root.url,
+                )
                 self.event({"event": "overwrite", "deleted_steps": deleted, "root": self.root.url})
         any_rank(bool(deleted))
 
-    def _read(self, step_store: Store, reader: ManifestReader | StaticManifest, tensors: dict[str, torch.Tensor],
-              with_optimizer: bool, shared: bool = True, upcast: bool = False) -> tuple[list[Any], dict[str, Any]]:
+    def _read(
+        self,
+        step_store: Store,
+        reader: ManifestReader | StaticManifest,
+        tensors: dict[str, torch.Tensor],
+        with_optimizer: bool,
+        shared: bool = True,
+        upcast: bool = False,
+    ) -> tuple[list[Any], dict[str, Any]]:
         """Fill ``tensors`` from the checkpoint by box intersection, reading only the manifest
         records of this rank's tensors (``shared``: once per replica group, see
         ``replica_group``, and per TP group where that saves reads, see ``sibling_group``);
@@ -282,10 +384,14 @@ class CheckpointPolicy:
         boxes = rank_boxes(specs, cfg.parallel, self.rank)
         group, siblings = (self.replica_group, self.sibling_group) if shared else (None, None)
         wanted = boxes
-        if siblings is not None:        # a sibling may read the TP group's union for all: their records too
-            member = [rank_boxes(specs, cfg.parallel, r) for r in dist.get_process_group_ranks(siblings)]
+        if (
+            siblings is not None
+        ):  # a sibling may read the TP group's union for all: their records too
+            member = [
+                rank_boxes(specs, cfg.parallel, r) for r in dist.get_process_group_ranks(siblings)
+            ]
             wanted = {f: bounding_box([m[f] for m in member]) for f in boxes}
-        manifest = reader.manifest(wanted)                    # the records of this rank's (group's) boxes only
+        manifest = reader.manifest(wanted)  # the records of this rank's (group's) boxes only
         shapes = {f: s.shape for f, s in specs.items()}
         read_share = share_reader(step_store, siblings, cfg.checkpoint.simulate_nodes)
         sharing: dict[str, Any] = {"replicas_sharing_reads": 1}
@@ -293,14 +399,23 @@ class CheckpointPolicy:
         staged = upcast_staging(manifest, tensors) if upcast else {}
         try:
             if shares_reads(step_store, group, cfg.checkpoint.simulate_nodes) and all(
-                    rank_boxes(specs, cfg.parallel, r) == boxes for r in dist.get_process_group_ranks(group)):
-                stats = load_into_replicas(step_store, manifest, {**tensors, **staged}, boxes, shapes, group,
-                                           reader=read_share)
+                rank_boxes(specs, cfg.parallel, r) == boxes
+                for r in dist.get_process_group_ranks(group)
+            ):
+                stats = load_into_replicas(
+                    step_store,
+                    manifest,
+                    {**tensors, **staged},
+                    boxes,
+                    shapes,
+                    group,
+                    reader=read_share,
+                )
                 sharing["replicas_sharing_reads"] = dist.get_world_size(group)
             else:
                 stats = read_share(step_store, manifest, {**tensors, **staged}, boxes, shapes)
-        except Exception as exc:                   # agreed below: every rank raises, nobody waits
-                stats, error = ReadStats(), f"{'I' if isinstance(exc, IntegrityError) else 'C'}{exc}"
+        except Exception as exc:  # agreed below: every rank raises, nobody waits
+            stats, error = ReadStats(), f"{'I' if isinstance(exc, IntegrityError) else 'C'}{exc}"
         read = gather_json([stats.nbytes_read, stats.nbytes_needed, stats.tensors_shared, error])
         raise_agreed([r[3] for r in read])
         if staged:
@@ -312,27 +427,44 @@ class CheckpointPolicy:
         """Load only the model weights of checkpoint ``url`` (any layout; optimizer state,
         counters and data position stay fresh). Collective."""
         _, step_store, step = resolve_checkpoint(url, self.cfg.checkpoint.storage_options)
-        reader = open_manifest(step_store)                    # the head: configs, layout, state, index
+        reader = open_manifest(step_store)  # the head: configs, layout, state, index
         manifest = reader.manifest(())
         self._warn(check_before_load(manifest, self.cfg, step_store.url, resume=False))
-        read, info = self._read(step_store, reader, model_state_tensors(self.state.model, None), False, upcast=True)
+        read, info = self._read(
+            step_store, reader, model_state_tensors(self.state.model, None), False, upcast=True
+        )
         self.run.initialized_from(manifest.state, step_store.url, step)
-        self.event({"event": "init_from", "from": step_store.url, "source_step": step,
-                    "saved_layout": reader.manifest(()).layout, "nbytes_read": sum(r[0] for r in read),
-                    **({"upcast_from": info["upcast_from"]} if info.get("upcast_from") else {})})
+        self.event(
+            {
+                "event": "init_from",
+                "from": step_store.url,
+                "source_step": step,
+                "saved_layout": reader.manifest(()).layout,
+                "nbytes_read": sum(r[0] for r in read),
+                **({"upcast_from": info["upcast_from"]} if info.get("upcast_from") else {}),
+            }
+        )
 
-    def load_step(self, step_store: Store, step: int, *, reason: str,
-              reader: ManifestReader | StaticManifest | None = None) -> None:
+    def load_step(
+        self,
+        step_store: Store,
+        step: int,
+        *,
+        reason: str,
+        reader: ManifestReader | StaticManifest | None = None,
+    ) -> None:
         """Load tensors (resharding by box intersection), counters, data position, LR
         schedule, bad-step state and RNG (restored, or re-derived on a new layout); ``reader``:
         a manifest already in memory (the local tier's), else the step's is read."""
         t0 = time.perf_counter()
         state, cfg = self.state, self.cfg
-        shared = reader is None                               # not the local tier's: once per replica group
-        reader = reader or open_manifest(step_store)          # the head: configs, layout, state, index
+        shared = reader is None  # not the local tier's: once per replica group
+        reader = reader or open_manifest(step_store)  # the head: configs, layout, state, index
         manifest = reader.manifest(())
         reset = reset_due(manifest, cfg.checkpoint.reset_optimizer) and reason != "rollback"
-        self._warn(check_before_load(manifest, cfg, step_store.url, resume=True, reset_optimizer=reset))
+        self._warn(
+            check_before_load(manifest, cfg, step_store.url, resume=True, reset_optimizer=reset)
+        )
         init_optimizer_state(state.model, state.optimizer)
         tensors = model_state_tensors(state.model, state.optimizer if not reset else None)
         read, sharing = self._read(step_store, reader, tensors, not reset, shared=shared)
@@ -341,21 +473,37 @@ class CheckpointPolicy:
         state.load_state_json(manifest.state, rollback=reason == "rollback")
         if reason != "rollback":
             self._changes(manifest, step_store.url, step)
-        rng = apply_rng(manifest.state.get("rng"), cfg.parallel, self.rank, self.coords, cfg.seed, state.step)
+        rng = apply_rng(
+            manifest.state.get("rng"), cfg.parallel, self.rank, self.coords, cfg.seed, state.step
+        )
         self.last_saved_step = step
         layout = cfg.parallel.to_json()
-        self.event({"event": "resume", "reason": reason, "step": step, "from": step_store.url,
-                    "saved_layout": manifest.layout, "layout": layout,
-                    "resharded": any(manifest.layout.get(k) != v for k, v in layout.items()),
-                    "restart_count": self.restarts, "rng": rng,
-                    "seconds": round(time.perf_counter() - t0, 4),
-                    "nbytes_read": sum(r[0] for r in read), "nbytes_needed": sum(r[1] for r in read),
-                    **sharing})
+        self.event(
+            {
+                "event": "resume",
+                "reason": reason,
+                "step": step,
+                "from": step_store.url,
+                "saved_layout": manifest.layout,
+                "layout": layout,
+                "resharded": any(manifest.layout.get(k) != v for k, v in layout.items()),
+                "restart_count": self.restarts,
+                "rng": rng,
+                "seconds": round(time.perf_counter() - t0, 4),
+                "nbytes_read": sum(r[0] for r in read),
+                "nbytes_needed": sum(r[1] for r in read),
+                **sharing,
+            }
+        )
         if reset:
             record = {"event": "reset_optimizer", "step": step, "from": step_store.url}
             self.run.events.append(record)
             self.event(record)
-            log.warning("--reset-optimizer: continuing from step %d of %s with a fresh AdamW", step, step_store.url)
+            log.warning(
+                "--reset-optimizer: continuing from step %d of %s with a fresh AdamW",
+                step,
+                step_store.url,
+            )
 
     def _changes(self, manifest: Manifest, url: str, step: int) -> None:
         """Report (and apply) another data config or batch size: see :func:`resume_changes`;
@@ -384,19 +532,31 @@ class CheckpointPolicy:
         bad_step, streak = self.state.step, bad_steps.consecutive
         window = bad_steps.start_rollback()
         if bad_steps.rollbacks > max_rollbacks:
-            raise TrainingDiverged(f"step {bad_step}: {streak} bad steps in a row after "
-                                   f"{max_rollbacks} rollbacks already; the run diverges. "
-                                   "Lower --lr, check the data, or raise --max-rollbacks")
+            raise TrainingDiverged(
+                f"step {bad_step}: {streak} bad steps in a row after "
+                f"{max_rollbacks} rollbacks already; the run diverges. "
+                "Lower --lr, check the data, or raise --max-rollbacks"
+            )
         self.wait()
         from shardsmith.trainer.checkpoint.recovery import rollback_step
 
-        latest = rollback_step(self)                  # rank 0 decides, every rank loads it
+        latest = rollback_step(self)  # rank 0 decides, every rank loads it
         if self.root is None or latest is None:
-            raise TrainingDiverged(f"steps {bad_step - streak + 1}..{bad_step} had a non-finite loss or "
-                                   "gradient norm and there is no committed checkpoint to roll back to; "
-                                   "set --ckpt and --save-interval, or lower --lr")
+            raise TrainingDiverged(
+                f"steps {bad_step - streak + 1}..{bad_step} had a non-finite loss or "
+                "gradient norm and there is no committed checkpoint to roll back to; "
+                "set --ckpt and --save-interval, or lower --lr"
+            )
         self.load_step(self.root.child(step_dir(latest)), latest, reason="rollback")
         if self.local is not None:
             self.local.forget_after(latest)
-        self.event({"event": "rollback", "from_step": bad_step, "to_step": latest, "skip_samples": window,
-                    "rollbacks": bad_steps.rollbacks, "skipped_steps": bad_steps.skipped_steps})
+        self.event(
+            {
+                "event": "rollback",
+                "from_step": bad_step,
+                "to_step": latest,
+                "skip_samples": window,
+                "rollbacks": bad_steps.rollbacks,
+                "skipped_steps": bad_steps.skipped_steps,
+            }
+        )

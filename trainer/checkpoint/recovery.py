@@ -28,19 +28,35 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from shardsmith.errors import CheckpointError, CheckpointNotFound, IntegrityError, ManifestError
 from shardsmith.layout import checkpoint_specs
-from shardsmith.storage import open_manifest, parse_step_dir, resolve_checkpoint, split_step_url, step_dir
+from shardsmith.storage import (
+    committed_runs,
+    loadable_steps,
+    mark_corrupt,
+    open_manifest,
+    parse_step_dir,
+    resolve_checkpoint,
+    run_id_of,
+    split_step_url,
+    step_dir,
+)
 from shardsmith.storage.formats import SafetensorsFormat
-from shardsmith.storage.store import Store
-from shardsmith.storage import committed_runs, loadable_steps, mark_corrupt, run_id_of
 from shardsmith.storage.manifest import Manifest, ManifestBuilder
-from shardsmith.trainer.comm import broadcast_text, gather_json
-from shardsmith.trainer.checkpoint.local_tier import (Lineage, LocalTier, RankCopy, buddy_of, check_copy_files,
-                                           parse_rank_doc, rank_manifest_name, saved_dims)
+from shardsmith.storage.store import Store
+from shardsmith.trainer.checkpoint.local_tier import (
+    Lineage,
+    LocalTier,
+    RankCopy,
+    buddy_of,
+    check_copy_files,
+    parse_rank_doc,
+    rank_manifest_name,
+    saved_dims,
+)
 from shardsmith.trainer.checkpoint.peer_copy import exchange_files
 from shardsmith.trainer.checkpoint.resume import choose_resume, way_forward
-from shardsmith.trainer.rng import pack_rng_states
-
 from shardsmith.trainer.checkpoint.run_checks import RunIdentity
+from shardsmith.trainer.comm import broadcast_text, gather_json
+from shardsmith.trainer.rng import pack_rng_states
 
 if TYPE_CHECKING:
     from shardsmith.storage.manifest import ManifestReader
@@ -66,8 +82,14 @@ class RecoveringPolicy(Protocol):
 
     def resume_source(self) -> tuple[Store, int] | None: ...
 
-    def load_step(self, step_store: Store, step: int, *, reason: str,
-                  reader: ManifestReader | StaticManifest | None = None) -> None: ...
+    def load_step(
+        self,
+        step_store: Store,
+        step: int,
+        *,
+        reason: str,
+        reader: ManifestReader | StaticManifest | None = None,
+    ) -> None: ...
 
 
 class StaticManifest:
@@ -81,14 +103,25 @@ class StaticManifest:
         return self._manifest
 
 
-def announce(policy: RecoveringPolicy, step: int, source: str, detail: str = "", seconds: float = 0.0) -> None:
+def announce(
+    policy: RecoveringPolicy, step: int, source: str, detail: str = "", seconds: float = 0.0
+) -> None:
     """The ``recovery`` event: which tier a (re)start loaded (rank 0 logs it as the line
     ``recovered step S from SOURCE[ (DETAIL)]``, :mod:`shardsmith.trainer.observe.console`)."""
-    policy.event({"event": "recovery", "step": step, "source": source, "detail": detail,
-                  "seconds": round(seconds, 4)})
+    policy.event(
+        {
+            "event": "recovery",
+            "step": step,
+            "source": source,
+            "detail": detail,
+            "seconds": round(seconds, 4),
+        }
+    )
 
 
-def agree(infos: list[dict[str, Any]], per_node: int, replicas: bool) -> tuple[int | None, list[str]]:
+def agree(
+    infos: list[dict[str, Any]], per_node: int, replicas: bool
+) -> tuple[int | None, list[str]]:
     """The newest step every rank can load in the current layout, and each rank's source.
 
     Args:
@@ -122,7 +155,9 @@ def lineage_for(policy: RecoveringPolicy, persistent: tuple[Store, int] | None) 
     if policy.restarts == 0 and (ckpt.resume != "auto" or ckpt.overwrite):
         return None
     launch = os.environ.get("TORCHELASTIC_RUN_ID", "") if policy.restarts > 0 else ""
-    run = run_id_of(open_manifest(persistent[0]).manifest(()).state) if persistent is not None else ""
+    run = (
+        run_id_of(open_manifest(persistent[0]).manifest(()).state) if persistent is not None else ""
+    )
     return Lineage(run=run, launch=launch) if run or launch else None
 
 
@@ -136,24 +171,41 @@ def build_manifest(copies: list[tuple[RankCopy, str]]) -> Manifest:
     first = copies[0][0].doc
     model, dims = saved_dims(first)
     specs = checkpoint_specs(model, dims, with_optimizer=True)
-    state = {**first["state"], "rng": pack_rng_states([c.doc["rng"] for c, _ in sorted(copies, key=lambda x: x[0].rank)],
-                                                      dims)}
-    builder = ManifestBuilder(step=copies[0][0].step, dims=dims, model=first["model"], config=first["config"],
-                              state=state, tensors={f: (s.shape, s.dtype) for f, s in specs.items()},
-                              chunk_nbytes=first["chunk_nbytes"])
+    state = {
+        **first["state"],
+        "rng": pack_rng_states(
+            [c.doc["rng"] for c, _ in sorted(copies, key=lambda x: x[0].rank)], dims
+        ),
+    }
+    builder = ManifestBuilder(
+        step=copies[0][0].step,
+        dims=dims,
+        model=first["model"],
+        config=first["config"],
+        state=state,
+        tensors={f: (s.shape, s.dtype) for f, s in specs.items()},
+        chunk_nbytes=first["chunk_nbytes"],
+    )
     seen: set[tuple[str, tuple[int, ...]]] = set()
     gathered = []
     for copy, prefix in copies:
         rec, shards = copy.doc["records"], {}
         for fqn, shard in rec["shards"].items():
             if fqn not in specs:
-                raise ManifestError(f"{copy.store.url}: rank {copy.rank} holds {fqn!r}, not in the saved model")
+                raise ManifestError(
+                    f"{copy.store.url}: rank {copy.rank} holds {fqn!r}, not in the saved model"
+                )
             key = (fqn, tuple(shard[3]))
             if key not in seen:
                 seen.add(key)
                 shards[fqn] = shard
-        gathered.append({"file": [prefix + rec["file"][0], *rec["file"][1:]], "sidecar": rec["sidecar"],
-                         "shards": shards})
+        gathered.append(
+            {
+                "file": [prefix + rec["file"][0], *rec["file"][1:]],
+                "sidecar": rec["sidecar"],
+                "shards": shards,
+            }
+        )
     SafetensorsFormat().add_records(builder, gathered, copies[0][0].store, specs, dims)
     manifest = builder.build()
     # A rank file holds every box of its rank, replicas included, and the duplicates are left
@@ -179,13 +231,22 @@ def recover_local(policy: RecoveringPolicy) -> bool:
     newest_persistent = persistent[1] if persistent is not None else -1
     dims = policy.cfg.parallel
     own, held = _scan_this_rank(policy, tier, lineage)
-    infos = gather_json({"own": [c.step for c in own if c.same_layout(dims)],
-                         "held": [c.step for c in held if c.same_layout(dims)],
-                         "other": any(not c.same_layout(dims) for c in own + held)})
+    infos = gather_json(
+        {
+            "own": [c.step for c in own if c.same_layout(dims)],
+            "held": [c.step for c in held if c.same_layout(dims)],
+            "other": any(not c.same_layout(dims) for c in own + held),
+        }
+    )
     step, sources = agree(infos, tier.per_node, tier.replicas)
     if step is not None and step >= newest_persistent:
         _load_same_layout(policy, step, sources, own, held)
-        announce(policy, step, "buddy" if "buddy" in sources else "local", seconds=time.perf_counter() - t0)
+        announce(
+            policy,
+            step,
+            "buddy" if "buddy" in sources else "local",
+            seconds=time.perf_counter() - t0,
+        )
     elif any(i["other"] for i in infos):
         step = _reshard_from_local(policy, lineage, newest_persistent)
         if step is None:
@@ -193,11 +254,13 @@ def recover_local(policy: RecoveringPolicy) -> bool:
         announce(policy, step, "local", "resharded", seconds=time.perf_counter() - t0)
     else:
         return False
-    policy.last_saved_step = newest_persistent       # the persistent tier still needs the final save
+    policy.last_saved_step = newest_persistent  # the persistent tier still needs the final save
     return True
 
 
-def _scan_this_rank(policy: RecoveringPolicy, tier: LocalTier, lineage: Lineage) -> tuple[list[RankCopy], list[RankCopy]]:
+def _scan_this_rank(
+    policy: RecoveringPolicy, tier: LocalTier, lineage: Lineage
+) -> tuple[list[RankCopy], list[RankCopy]]:
     """This rank's own copies and the buddy copies it holds; each skipped copy is warned about
     (path, reason). A scan that fails (an unreadable disk) counts as finding nothing, so the
     all-gather that follows still runs on every rank."""
@@ -211,37 +274,56 @@ def _scan_this_rank(policy: RecoveringPolicy, tier: LocalTier, lineage: Lineage)
             held, more = tier.scan(tier.replica_root, tier.source, lineage)
             skipped += more
     except Exception as exc:  # noqa: BLE001 — reported, and the next tier is used
-        skipped.append(f"local tier: cannot scan {tier.root.url}: {type(exc).__name__}: {exc}; "
-                       "falling back to the next tier")
+        skipped.append(
+            f"local tier: cannot scan {tier.root.url}: {type(exc).__name__}: {exc}; "
+            "falling back to the next tier"
+        )
     for line in skipped:
         log.warning("%s", line)
         policy.event({"event": "warning", "message": line})
     return own, held
 
 
-def _load_same_layout(policy: RecoveringPolicy, step: int, sources: list[str], own: list[RankCopy],
-                      held: list[RankCopy]) -> None:
+def _load_same_layout(
+    policy: RecoveringPolicy,
+    step: int,
+    sources: list[str],
+    own: list[RankCopy],
+    held: list[RankCopy],
+) -> None:
     """Every rank loads its own copy of ``step``; ranks without one first receive it from
     the rank holding their buddy copy (point-to-point) and store it as their own."""
     tier, rank = policy.local, policy.rank
     assert tier is not None
     world = len(sources)
     needers = [r for r, s in enumerate(sources) if s == "buddy"]
-    sends = {r: tier.read_copy(next(c for c in held if c.step == step)) for r in needers
-             if buddy_of(r, world, tier.per_node) == rank}
+    sends = {
+        r: tier.read_copy(next(c for c in held if c.step == step))
+        for r in needers
+        if buddy_of(r, world, tier.per_node) == rank
+    }
     recvs = [buddy_of(rank, world, tier.per_node)] if rank in needers else []
     if sends or recvs:
         got = exchange_files(sends, recvs)
     if recvs:
         files = got[recvs[0]]
         store = tier.store_copy(tier.root, rank, step, files)
-        copy = RankCopy(step, rank, store, parse_rank_doc(files[rank_manifest_name(rank)], store.url, rank, step))
+        copy = RankCopy(
+            step,
+            rank,
+            store,
+            parse_rank_doc(files[rank_manifest_name(rank)], store.url, rank, step),
+        )
         why = check_copy_files(copy, crc=True)
         if why:
-            raise CheckpointError(f"rank {rank}: the copy of step {step} received from rank {recvs[0]}: {why}")
+            raise CheckpointError(
+                f"rank {rank}: the copy of step {step} received from rank {recvs[0]}: {why}"
+            )
     else:
         copy = next(c for c in own if c.step == step)
-    policy.load_step(copy.store, step, reason="resume", reader=StaticManifest(build_manifest([(copy, "")])))
+    policy.load_step(
+        copy.store, step, reason="resume", reader=StaticManifest(build_manifest([(copy, "")]))
+    )
 
 
 def reachable_steps(tier: LocalTier, lineage: Lineage) -> dict[int, list[tuple[RankCopy, str]]]:
@@ -262,14 +344,20 @@ def reachable_steps(tier: LocalTier, lineage: Lineage) -> dict[int, list[tuple[R
                         found.setdefault(step, {}).setdefault(copy.rank, copy)
     out = {}
     for step, copies in found.items():
-        layouts = {(c.doc["world_size"], str(sorted(c.doc["layout"].items()))) for c in copies.values()}
+        layouts = {
+            (c.doc["world_size"], str(sorted(c.doc["layout"].items()))) for c in copies.values()
+        }
         world = next(iter(copies.values())).doc["world_size"]
         if len(layouts) == 1 and sorted(copies) == list(range(world)):
-            out[step] = [(c, c.store.url[len(tier.top.url) + 1:] + "/") for _, c in sorted(copies.items())]
+            out[step] = [
+                (c, c.store.url[len(tier.top.url) + 1 :] + "/") for _, c in sorted(copies.items())
+            ]
     return out
 
 
-def _reshard_from_local(policy: RecoveringPolicy, lineage: Lineage, newest_persistent: int) -> int | None:
+def _reshard_from_local(
+    policy: RecoveringPolicy, lineage: Lineage, newest_persistent: int
+) -> int | None:
     """The world changed: load the newest step every rank can reach completely (the same on
     every rank: one all-gather), resharding; None when there is none newer than persistent."""
     tier = policy.local
@@ -277,8 +365,12 @@ def _reshard_from_local(policy: RecoveringPolicy, lineage: Lineage, newest_persi
     try:
         steps = reachable_steps(tier, lineage)
     except Exception as exc:  # noqa: BLE001 — as in _scan_this_rank: nothing found, next tier
-        log.warning("local tier: cannot scan %s: %s: %s; falling back to the persistent tier",
-                    tier.top.url, type(exc).__name__, exc)
+        log.warning(
+            "local tier: cannot scan %s: %s: %s; falling back to the persistent tier",
+            tier.top.url,
+            type(exc).__name__,
+            exc,
+        )
         steps = {}
     common = set.intersection(*(set(s) for s in gather_json(sorted(steps))))
     step = max(common) if common else None
@@ -293,6 +385,7 @@ __all__ = ["recover_local", "agree", "build_manifest", "StaticManifest", "announ
 
 
 # ---- the persistent tier: the step the launcher resolved, and a corrupt one ------------------
+
 
 def persistent_source(policy: RecoveringPolicy) -> tuple[Store, int] | None:
     """The persistent-tier step a start loads (collective: every rank calls it once).
@@ -353,11 +446,18 @@ def load_resume(policy: RecoveringPolicy, src: tuple[Store, int]) -> tuple[Store
             if policy.rank == 0:
                 try:
                     mark_corrupt(step_store, step=step, error=str(exc), found_by="resume")
-                except OSError as mark_exc:               # read-only storage: the event still says it
+                except OSError as mark_exc:  # read-only storage: the event still says it
                     log.warning("cannot mark %s corrupt: %s", step_store.url, mark_exc)
             go_on = older is not None and fallback
-            policy.event({"event": "corrupt_step", "step": step, "url": step_store.url, "error": str(exc),
-                          "fallback_step": older[1] if go_on and older is not None else None})
+            policy.event(
+                {
+                    "event": "corrupt_step",
+                    "step": step,
+                    "url": step_store.url,
+                    "error": str(exc),
+                    "fallback_step": older[1] if go_on and older is not None else None,
+                }
+            )
             if not go_on:
                 raise IntegrityError(way_forward(str(exc), step_store.url, older)) from None
             assert older is not None

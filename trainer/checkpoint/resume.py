@@ -12,12 +12,22 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from shardsmith.errors import CheckpointNotFound, ConfigError
-from shardsmith.storage import find_latest_committed, list_steps, read_manifest, resolve_checkpoint, split_step_url, step_dir
-from shardsmith.storage.store import Store
-from shardsmith.storage import CORRUPT_NAME, corrupt_mark, loadable_steps, run_id_of
+from shardsmith.storage import (
+    CORRUPT_NAME,
+    corrupt_mark,
+    find_latest_committed,
+    list_steps,
+    loadable_steps,
+    read_manifest,
+    resolve_checkpoint,
+    run_id_of,
+    split_step_url,
+    step_dir,
+)
 from shardsmith.storage.manifest import Manifest
-from shardsmith.trainer.observe.console import short_url
+from shardsmith.storage.store import Store
 from shardsmith.trainer.data.config import data_changed, describe_data
+from shardsmith.trainer.observe.console import short_url
 
 if TYPE_CHECKING:
     from shardsmith.trainer.config import TrainConfig
@@ -28,11 +38,13 @@ def absolute_url(url: str) -> str:
     URLs unchanged. Every process then names the same directory the same way."""
     if not url or ("://" in url and not url.startswith("file://")):
         return url
-    path = url[len("file://"):] if url.startswith("file://") else url
+    path = url[len("file://") :] if url.startswith("file://") else url
     return os.path.normpath(os.path.abspath(path))
 
 
-def resume_source(cfg: TrainConfig, root: Store | None, notes: list[str]) -> tuple[Store, int] | None:
+def resume_source(
+    cfg: TrainConfig, root: Store | None, notes: list[str]
+) -> tuple[Store, int] | None:
     """The one step a resume loads (see :func:`~shardsmith.trainer.runtime.preflight.resolve`); ``notes`` gets a line for each step
     skipped because a load marked it corrupt.
 
@@ -56,31 +68,46 @@ def resume_source(cfg: TrainConfig, root: Store | None, notes: list[str]) -> tup
         explicit, inside = (step_store, step), root is not None and src_root.url == root.url
         mark = corrupt_mark(step_store)
         if mark is not None:
-            notes.append(f"{step_store.url} was marked corrupt by an earlier load ({mark.get('error', '?')}); "
-                         "loading it anyway, as --resume names it")
+            notes.append(
+                f"{step_store.url} was marked corrupt by an earlier load ({mark.get('error', '?')}); "
+                "loading it anyway, as --resume names it"
+            )
     if root is None or not (how == "auto" or (explicit is not None and not inside)):
         return explicit
     newest = find_latest_committed(root)
     if newest is None:
         return explicit
     if explicit is not None:
-        notes.append(f"--resume {how} lies outside --ckpt {short_url(root.url)}, which holds committed step {newest}: "
-                     "continuing from the root's own steps (a requeued job continues its run); to load "
-                     f"{how}, give another --ckpt")
+        notes.append(
+            f"--resume {how} lies outside --ckpt {short_url(root.url)}, which holds committed step {newest}: "
+            "continuing from the root's own steps (a requeued job continues its run); to load "
+            f"{how}, give another --ckpt"
+        )
     run = run_id_of(read_manifest(root.child(step_dir(newest))).state)
     steps = loadable_steps(root, {run}, below=newest + 1)
-    for skipped in [s.step for s in list_steps(root) if s.committed and s.step <= newest
-                    and (not steps or s.step > steps[0]) and root.exists(f"{s.name}/{CORRUPT_NAME}")]:
-        notes.append(f"skipping {root.url_of(step_dir(skipped))}: an earlier load found it corrupt "
-                     f"(`shardsmith ls` shows it; delete its {CORRUPT_NAME} after restoring its files)")
+    for skipped in [
+        s.step
+        for s in list_steps(root)
+        if s.committed
+        and s.step <= newest
+        and (not steps or s.step > steps[0])
+        and root.exists(f"{s.name}/{CORRUPT_NAME}")
+    ]:
+        notes.append(
+            f"skipping {root.url_of(step_dir(skipped))}: an earlier load found it corrupt "
+            f"(`shardsmith ls` shows it; delete its {CORRUPT_NAME} after restoring its files)"
+        )
     if not steps:
-        raise CheckpointNotFound(f"every committed step of the run under {root.url} is marked corrupt; restore "
-                                 f"one (then delete its {CORRUPT_NAME}) or start anew with --resume none --overwrite")
+        raise CheckpointNotFound(
+            f"every committed step of the run under {root.url} is marked corrupt; restore "
+            f"one (then delete its {CORRUPT_NAME}) or start anew with --resume none --overwrite"
+        )
     return root.child(step_dir(steps[0])), steps[0]
 
 
-def choose_resume(how: str, root: Store | None, restarts: int,
-                  storage_options: dict[str, Any] | None = None) -> tuple[Store, int] | None:
+def choose_resume(
+    how: str, root: Store | None, restarts: int, storage_options: dict[str, Any] | None = None
+) -> tuple[Store, int] | None:
     """Which step directory a job resumes from: what a restarted group's rank 0 decides
     (:func:`shardsmith.trainer.checkpoint.recovery.persistent_source`); the first start loads the
     launcher's :func:`~shardsmith.trainer.runtime.preflight.resolve` instead.
@@ -104,7 +131,7 @@ def choose_resume(how: str, root: Store | None, restarts: int,
     prefer_root = how == "auto" or restarts > 0 or (explicit is not None and not inside)
     if root is not None and prefer_root:
         latest = find_latest_committed(root)
-        if latest is not None:                        # of its run, the newest not marked corrupt
+        if latest is not None:  # of its run, the newest not marked corrupt
             run = run_id_of(read_manifest(root.child(step_dir(latest))).state)
             steps = loadable_steps(root, {run}, below=latest + 1) or [latest]
             return root.child(step_dir(steps[0])), steps[0]
@@ -135,7 +162,8 @@ def check_data_change(manifest: Manifest, cfg: TrainConfig, source: str) -> None
         f"{short_url(source)} was trained on {describe_data(saved)}; this job reads "
         f"{describe_data(dataclasses.asdict(cfg.data))}. Say how the data position maps: "
         f"--data-change continue (the new data from global sample index {index}) or --data-change "
-        "restart (the new data from sample 0; step, LR schedule and optimizer continue)")
+        "restart (the new data from sample 0; step, LR schedule and optimizer continue)"
+    )
 
 
 def schedule_change(saved_config: dict[str, Any], cfg: TrainConfig, step: int) -> str:
@@ -153,13 +181,20 @@ def schedule_change(saved_config: dict[str, Any], cfg: TrainConfig, step: int) -
     diffs = []
     if old_total != new_total:
         diffs.append(f"decay ends at step {old_total} -> {new_total}")
-    for name, flag in (("lr", "--lr"), ("warmup_steps", "--warmup-steps"), ("min_lr_ratio", "--min-lr-ratio")):
+    for name, flag in (
+        ("lr", "--lr"),
+        ("warmup_steps", "--warmup-steps"),
+        ("min_lr_ratio", "--min-lr-ratio"),
+    ):
         if name in optim and optim[name] != getattr(cfg.optim, name):
             diffs.append(f"{flag} {optim[name]:g} -> {getattr(cfg.optim, name):g}")
     if not diffs:
         return ""
-    hint = (f" (pass --lr-decay-steps {old_total} to keep it)" if old_total != new_total
-            and not cfg.optim.decay_steps else "")
+    hint = (
+        f" (pass --lr-decay-steps {old_total} to keep it)"
+        if old_total != new_total and not cfg.optim.decay_steps
+        else ""
+    )
     return f"the LR schedule changes at the resume of step {step}: {', '.join(diffs)}{hint}"
 
 
@@ -167,14 +202,17 @@ def check_exists(url: str, flag: str) -> None:
     """A local ``url`` that does not exist is named as such (not as "no committed checkpoint")."""
     if "://" in url and not url.startswith("file://"):
         return
-    path = url[len("file://"):] if url.startswith("file://") else url
+    path = url[len("file://") :] if url.startswith("file://") else url
     if not os.path.exists(path):
         raise CheckpointNotFound(f"{flag} {url}: {os.path.abspath(path)} does not exist")
     if not os.path.isdir(path):
-        raise CheckpointNotFound(f"{flag} {url}: {os.path.abspath(path)} is a file, not a checkpoint directory")
+        raise CheckpointNotFound(
+            f"{flag} {url}: {os.path.abspath(path)} is a file, not a checkpoint directory"
+        )
 
 
 # ---- messages: the way forward, in the user's own words -----------------------------------------
+
 
 def way_forward(error: str, url: str, older: tuple[Store, int] | None) -> str:
     """The error of a corrupt explicit ``--resume`` step: what is wrong, and the command that
@@ -182,8 +220,14 @@ def way_forward(error: str, url: str, older: tuple[Store, int] | None) -> str:
     root = split_step_url(url)[0]
     text = f"{error}. {short_url(url)} is now marked corrupt (`shardsmith ls {short_url(root)}` shows it)"
     if older is None:
-        return text + "; no older committed step of its run is left: restore its files from another copy"
-    return text + f"; go on from step {older[1]} with: {command_with('--resume', short_url(older[0].url))}"
+        return (
+            text
+            + "; no older committed step of its run is left: restore its files from another copy"
+        )
+    return (
+        text
+        + f"; go on from step {older[1]} with: {command_with('--resume', short_url(older[0].url))}"
+    )
 
 
 #: The launcher's command line, as a JSON list (set by ``shardsmith train``).

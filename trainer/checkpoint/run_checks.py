@@ -20,9 +20,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shardsmith.layout import check_has_optimizer_state, check_model_compatible, check_tensor_names
-from shardsmith.layout import checkpoint_specs
 from shardsmith.errors import CheckpointMismatch
+from shardsmith.layout import (
+    check_has_optimizer_state,
+    check_model_compatible,
+    check_tensor_names,
+    checkpoint_specs,
+)
 from shardsmith.storage import UNNAMED, run_record
 from shardsmith.storage.manifest import Manifest
 from shardsmith.trainer.checkpoint.resume import check_data_change, data_differs
@@ -35,8 +39,14 @@ log = logging.getLogger(__name__)
 OPTIM_PREFIX = "optim."
 
 
-def check_before_load(manifest: Manifest, cfg: TrainConfig, source: str, *, resume: bool,
-                      reset_optimizer: bool = False) -> list[str]:
+def check_before_load(
+    manifest: Manifest,
+    cfg: TrainConfig,
+    source: str,
+    *,
+    resume: bool,
+    reset_optimizer: bool = False,
+) -> list[str]:
     """Check that a checkpoint fits this job before a byte of tensor data is read.
 
     Args:
@@ -58,13 +68,19 @@ def check_before_load(manifest: Manifest, cfg: TrainConfig, source: str, *, resu
     warnings = check_model_compatible(manifest.model, cfg.model, source=source)
     if resume:
         check_resume_dtypes(manifest, source)
-    names = manifest.tensor_names                 # every tensor of the step (a partial read too)
+    names = manifest.tensor_names  # every tensor of the step (a partial read too)
     load_optim = resume and not reset_optimizer
     if load_optim:
-        check_has_optimizer_state(names, source=source, optimizer_prefix=OPTIM_PREFIX,
-                                  imported=manifest.state.get("source"))
+        check_has_optimizer_state(
+            names,
+            source=source,
+            optimizer_prefix=OPTIM_PREFIX,
+            imported=manifest.state.get("source"),
+        )
     expected = checkpoint_specs(cfg.model, cfg.parallel, with_optimizer=load_optim)
-    check_tensor_names(names, expected, source=source, optimizer_prefixes=() if load_optim else (OPTIM_PREFIX,))
+    check_tensor_names(
+        names, expected, source=source, optimizer_prefixes=() if load_optim else (OPTIM_PREFIX,)
+    )
     return warnings
 
 
@@ -95,7 +111,8 @@ def check_resume_dtypes(manifest: Manifest, source: str) -> None:
         raise CheckpointMismatch(
             f"{source} holds {'/'.join(other)} weights; a resume continues training in {JOB_DTYPE} with its "
             f"optimizer state: convert it first with `shardsmith reshard {source} NEW_DIR --dtype f32` "
-            f"(then --resume NEW_DIR), or start a new run from its weights with --init-from {source}")
+            f"(then --resume NEW_DIR), or start a new run from its weights with --init-from {source}"
+        )
 
 
 @dataclass
@@ -129,7 +146,12 @@ class RunIdentity:
 
     def to_json(self) -> dict[str, Any]:
         """The ``state["run"]`` record."""
-        return {"id": self.id, "seed": self.seed, "parent": self.parent, "events": list(self.events)}
+        return {
+            "id": self.id,
+            "seed": self.seed,
+            "parent": self.parent,
+            "events": list(self.events),
+        }
 
     def resumed(self, state: dict[str, Any], url: str, step: int) -> None:
         """Continue the run of a resumed checkpoint: adopt its id (an unnamed one keeps this
@@ -148,8 +170,9 @@ class RunIdentity:
         self.parent = {"run": run_record(state).get("id") or UNNAMED, "step": step, "url": url}
 
 
-def resume_changes(manifest: Manifest, cfg: TrainConfig, url: str, step: int,
-                   sample_index: int) -> list[dict[str, Any]]:
+def resume_changes(
+    manifest: Manifest, cfg: TrainConfig, url: str, step: int, sample_index: int
+) -> list[dict[str, Any]]:
     """What resuming ``step`` under ``cfg`` changes, as events (pure; every rank alike):
 
     * ``data_change``: other data than the checkpoint was trained on, mapped as
@@ -172,13 +195,28 @@ def resume_changes(manifest: Manifest, cfg: TrainConfig, url: str, step: int,
     if data_differs(manifest, cfg):
         check_data_change(manifest, cfg, url)
         how = cfg.checkpoint.data_change
-        out.append({"event": "data_change", "step": step, "how": how, "from": describe_data(saved.get("data") or {}),
-                    "to": describe_data(asdict(cfg.data)), "saved_sample_index": sample_index,
-                    "sample_index": 0 if how == "restart" else sample_index})
+        out.append(
+            {
+                "event": "data_change",
+                "step": step,
+                "how": how,
+                "from": describe_data(saved.get("data") or {}),
+                "to": describe_data(asdict(cfg.data)),
+                "saved_sample_index": sample_index,
+                "sample_index": 0 if how == "restart" else sample_index,
+            }
+        )
     old = saved.get("global_batch_size")
     if old is not None and old != cfg.global_batch_size:
-        out.append({"event": "batch_change", "step": step, "from": old, "to": cfg.global_batch_size,
-                    "sample_index": out[0]["sample_index"] if out else sample_index})
+        out.append(
+            {
+                "event": "batch_change",
+                "step": step,
+                "from": old,
+                "to": cfg.global_batch_size,
+                "sample_index": out[0]["sample_index"] if out else sample_index,
+            }
+        )
     return out
 
 

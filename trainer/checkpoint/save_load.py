@@ -22,27 +22,31 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from shardsmith.errors import CheckpointError, IntegrityError, SaveError
-from shardsmith.layout import ModelConfig, ParallelDims
-from shardsmith.layout import checkpoint_specs, rank_boxes, shard_file_name
-from shardsmith.layout import write_assignment
-from shardsmith.layout import Box
-from shardsmith.storage import DEFAULT_CHUNK_NBYTES
+from shardsmith.layout import (
+    Box,
+    ModelConfig,
+    ParallelDims,
+    checkpoint_specs,
+    rank_boxes,
+    shard_file_name,
+    write_assignment,
+)
+from shardsmith.storage import DEFAULT_CHUNK_NBYTES, crash_point, step_dir
 from shardsmith.storage.commit import commit
-from shardsmith.storage import step_dir
-from shardsmith.storage import crash_point
-from shardsmith.storage.store import Store
+from shardsmith.storage.formats import DTYPE_NAMES, TORCH_DTYPES, read_boxes
+from shardsmith.storage.formats import tensor_format as get_tensor_format
 from shardsmith.storage.manifest import Manifest, ManifestBuilder
 from shardsmith.storage.reading import ReadStats
-from shardsmith.storage.formats import read_boxes
-from shardsmith.storage.formats import tensor_format as get_tensor_format
-from shardsmith.storage.formats import DTYPE_NAMES, TORCH_DTYPES
+from shardsmith.storage.store import Store
 from shardsmith.trainer.comm import broadcast_text, gather_json_to_root
 from shardsmith.trainer.weight_init import local_tensor
 
 log = logging.getLogger(__name__)
 
 
-def model_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+def model_state_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, torch.Tensor]:
     """Global FQN -> local tensor, for parameters and (when given) AdamW state.
 
     Optimizer state is keyed ``optim.exp_avg.<fqn>``, ``optim.exp_avg_sq.<fqn>``,
@@ -64,8 +68,11 @@ def init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     parameter's placement, so a checkpoint can be loaded into it before the first step."""
     for p in model.parameters():
         if not optimizer.state[p]:
-            optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                  "exp_avg_sq": torch.zeros_like(p)}
+            optimizer.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }
 
 
 @dataclass
@@ -85,15 +92,20 @@ class SaveResult:
     blocked_seconds: float = 0.0
 
 
-def _check_boxes(tensors: dict[str, torch.Tensor], local_shapes: dict[str, tuple[int, ...]],
-                 rank: int) -> None:
+def _check_boxes(
+    tensors: dict[str, torch.Tensor], local_shapes: dict[str, tuple[int, ...]], rank: int
+) -> None:
     missing = set(local_shapes) ^ set(tensors)
     if missing:
-        raise CheckpointError(f"rank {rank}: model state and sharding plan disagree on {sorted(missing)[:5]}")
+        raise CheckpointError(
+            f"rank {rank}: model state and sharding plan disagree on {sorted(missing)[:5]}"
+        )
     for fqn, shape in local_shapes.items():
         if tuple(tensors[fqn].shape) != shape:
-            raise CheckpointError(f"rank {rank}: {fqn} holds local shape {tuple(tensors[fqn].shape)} but "
-                                  f"the sharding plan says {shape} (internal error)")
+            raise CheckpointError(
+                f"rank {rank}: {fqn} holds local shape {tuple(tensors[fqn].shape)} but "
+                f"the sharding plan says {shape} (internal error)"
+            )
 
 
 @dataclass
@@ -110,8 +122,9 @@ class WritePlan:
 _PLANS: dict[str, tuple[dict, dict[str, tuple[int, ...]], list[tuple[str, Box]]]] = {}
 
 
-def _rank_plan(model_cfg: ModelConfig, dims: ParallelDims, rank: int,
-               with_optim: bool) -> tuple[dict, dict[str, tuple[int, ...]], list[tuple[str, Box]]]:
+def _rank_plan(
+    model_cfg: ModelConfig, dims: ParallelDims, rank: int, with_optim: bool
+) -> tuple[dict, dict[str, tuple[int, ...]], list[tuple[str, Box]]]:
     key = json.dumps([model_cfg.to_json(), dims.to_json(), rank, with_optim], sort_keys=True)
     if key not in _PLANS:
         specs = checkpoint_specs(model_cfg, dims, with_optimizer=with_optim)
@@ -123,8 +136,13 @@ def _rank_plan(model_cfg: ModelConfig, dims: ParallelDims, rank: int,
     return _PLANS[key]
 
 
-def plan_local_writes(step: int, tensors: dict[str, torch.Tensor], model_cfg: ModelConfig,
-                      dims: ParallelDims, rank: int) -> WritePlan:
+def plan_local_writes(
+    step: int,
+    tensors: dict[str, torch.Tensor],
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    rank: int,
+) -> WritePlan:
     """Check this rank's tensors against the sharding plan and pick the ones it writes
     (each distinct box once over all ranks; see ``layout.sharding.write_assignment``).
     The plan is computed once per (model, layout, rank) and reused by later saves."""
@@ -142,10 +160,19 @@ def unpadded(local: torch.Tensor, box: Box) -> torch.Tensor:
     return local
 
 
-def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, dims: ParallelDims,
-                     config: dict[str, Any], state: dict[str, Any], group: dist.ProcessGroup | None,
-                     chunk_nbytes: int = DEFAULT_CHUNK_NBYTES, tensor_format: str = "safetensors",
-                     zarr_codec: str = "") -> int:
+def write_and_commit(
+    root: Store,
+    plan: WritePlan,
+    *,
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    config: dict[str, Any],
+    state: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+    tensor_format: str = "safetensors",
+    zarr_codec: str = "",
+) -> int:
     """Write this rank's boxes in ``tensor_format`` (:mod:`shardsmith.storage.formats.registry`),
     gather every rank's records on ``group`` (JSON, no pickle), and on rank 0 add them (and
     any format metadata) to the manifest, validate coverage and commit it, then ``latest``.
@@ -160,18 +187,29 @@ def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, di
     fmt = get_tensor_format(tensor_format, zarr_codec)
     file_name = shard_file_name(rank)
     error, records = "", {}
-    crash_point("save.begin", step=plan.step)              # test hooks (storage/crashpoints.py)
+    crash_point("save.begin", step=plan.step)  # test hooks (storage/crashpoints.py)
     try:
         records = fmt.write_rank(step_store, rank, plan.entries, plan.specs, dims, chunk_nbytes)
     except Exception as exc:  # reported to every rank below; nothing is committed
         log.exception("rank %d: writing %s failed", rank, step_store.url_of(file_name))
         error = f"rank {rank}: {type(exc).__name__}: {exc}"
-    gathered = gather_json_to_root({"error": error, **records}, group)   # rank 0 only: records of every rank
+    gathered = gather_json_to_root(
+        {"error": error, **records}, group
+    )  # rank 0 only: records of every rank
     crash_point("save.after_gather")
     outcome = {"error": "", "nbytes": 0}
     if gathered is not None:
-        outcome = _commit_gathered(root, plan, gathered, fmt, model_cfg=model_cfg, dims=dims, config=config,
-                                   state=state, chunk_nbytes=chunk_nbytes)
+        outcome = _commit_gathered(
+            root,
+            plan,
+            gathered,
+            fmt,
+            model_cfg=model_cfg,
+            dims=dims,
+            config=config,
+            state=state,
+            chunk_nbytes=chunk_nbytes,
+        )
     outcome = json.loads(broadcast_text(json.dumps(outcome), group))
     if outcome["error"]:
         raise SaveError(f"checkpoint step {plan.step} not committed: {outcome['error']}")
@@ -179,31 +217,56 @@ def write_and_commit(root: Store, plan: WritePlan, *, model_cfg: ModelConfig, di
     return int(outcome["nbytes"])
 
 
-def _commit_gathered(root: Store, plan: WritePlan, gathered: list[dict[str, Any]], fmt: Any, *, model_cfg: ModelConfig,
-                     dims: ParallelDims, config: dict[str, Any], state: dict[str, Any],
-                     chunk_nbytes: int) -> dict[str, Any]:
+def _commit_gathered(
+    root: Store,
+    plan: WritePlan,
+    gathered: list[dict[str, Any]],
+    fmt: Any,
+    *,
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    config: dict[str, Any],
+    state: dict[str, Any],
+    chunk_nbytes: int,
+) -> dict[str, Any]:
     """Rank 0 of a save: every rank's records into the manifest, validated and committed.
     Returns ``{"error": text or "", "nbytes": data bytes}`` (broadcast to every rank)."""
     errors = [g["error"] for g in gathered if g["error"]]
     if errors:
         return {"error": "; ".join(errors), "nbytes": 0}
     try:
-        builder = ManifestBuilder(step=plan.step, dims=dims, model=model_cfg.to_json(), config=config, state=state,
-                                  tensors={f: (s.shape, s.dtype) for f, s in plan.specs.items()},
-                                  chunk_nbytes=chunk_nbytes, tensor_format=fmt.name)
+        builder = ManifestBuilder(
+            step=plan.step,
+            dims=dims,
+            model=model_cfg.to_json(),
+            config=config,
+            state=state,
+            tensors={f: (s.shape, s.dtype) for f, s in plan.specs.items()},
+            chunk_nbytes=chunk_nbytes,
+            tensor_format=fmt.name,
+        )
         fmt.add_records(builder, gathered, root.child(step_dir(plan.step)), plan.specs, dims)
-        commit(root, builder.build())                       # validates (schema, coverage) before writing
+        commit(root, builder.build())  # validates (schema, coverage) before writing
     except Exception as exc:
         log.exception("committing step %d failed", plan.step)
         return {"error": f"commit: {type(exc).__name__}: {exc}", "nbytes": 0}
     return {"error": "", "nbytes": fmt.gathered_nbytes(gathered)}
 
 
-def save_checkpoint(root: Store, step: int, tensors: dict[str, torch.Tensor], *, model_cfg: ModelConfig,
-                    dims: ParallelDims, config: dict[str, Any], state: dict[str, Any],
-                    group: dist.ProcessGroup | None = None,
-                    chunk_nbytes: int = DEFAULT_CHUNK_NBYTES, tensor_format: str = "safetensors",
-                    zarr_codec: str = "") -> SaveResult:
+def save_checkpoint(
+    root: Store,
+    step: int,
+    tensors: dict[str, torch.Tensor],
+    *,
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    config: dict[str, Any],
+    state: dict[str, Any],
+    group: dist.ProcessGroup | None = None,
+    chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+    tensor_format: str = "safetensors",
+    zarr_codec: str = "",
+) -> SaveResult:
     """Write and commit one step synchronously. Called by every rank, in the same order.
 
     Args:
@@ -219,16 +282,31 @@ def save_checkpoint(root: Store, step: int, tensors: dict[str, torch.Tensor], *,
     """
     t0 = time.perf_counter()
     plan = plan_local_writes(step, tensors, model_cfg, dims, dist.get_rank(group))
-    nbytes = write_and_commit(root, plan, model_cfg=model_cfg, dims=dims, config=config, state=state,
-                              group=group, chunk_nbytes=chunk_nbytes, tensor_format=tensor_format,
-                              zarr_codec=zarr_codec)
+    nbytes = write_and_commit(
+        root,
+        plan,
+        model_cfg=model_cfg,
+        dims=dims,
+        config=config,
+        state=state,
+        group=group,
+        chunk_nbytes=chunk_nbytes,
+        tensor_format=tensor_format,
+        zarr_codec=zarr_codec,
+    )
     seconds = time.perf_counter() - t0
     return SaveResult(step, nbytes, seconds, seconds)
 
 
-def load_into(step_store: Store, manifest: Manifest, tensors: dict[str, torch.Tensor],
-              boxes: dict[str, Box], shapes: dict[str, tuple[int, ...]], *,
-              strict: bool = True) -> ReadStats:
+def load_into(
+    step_store: Store,
+    manifest: Manifest,
+    tensors: dict[str, torch.Tensor],
+    boxes: dict[str, Box],
+    shapes: dict[str, tuple[int, ...]],
+    *,
+    strict: bool = True,
+) -> ReadStats:
     """Fill this rank's local tensors from a checkpoint saved in any layout.
 
     Args:
@@ -245,14 +323,24 @@ def load_into(step_store: Store, manifest: Manifest, tensors: dict[str, torch.Te
     """
     stats = ReadStats()
     with torch.no_grad():
-        read_boxes(step_store, manifest, load_requests(step_store, manifest, tensors, boxes, shapes, strict=strict),
-                   stats=stats)                               # coalesced, concurrent reads
+        read_boxes(
+            step_store,
+            manifest,
+            load_requests(step_store, manifest, tensors, boxes, shapes, strict=strict),
+            stats=stats,
+        )  # coalesced, concurrent reads
     return stats
 
 
-def load_requests(step_store: Store, manifest: Manifest, tensors: dict[str, torch.Tensor],
-                  boxes: dict[str, Box], shapes: dict[str, tuple[int, ...]], *,
-                  strict: bool = True) -> list[tuple[str, Box, torch.Tensor]]:
+def load_requests(
+    step_store: Store,
+    manifest: Manifest,
+    tensors: dict[str, torch.Tensor],
+    boxes: dict[str, Box],
+    shapes: dict[str, tuple[int, ...]],
+    *,
+    strict: bool = True,
+) -> list[tuple[str, Box, torch.Tensor]]:
     """The ``(fqn, box, destination)`` reads that fill ``tensors`` (arguments as :func:`load_into`;
     destinations are the unpadded views), after checking each tensor against the checkpoint.
     Empty boxes and (``strict`` false) tensors the checkpoint lacks are left out.
@@ -269,12 +357,16 @@ def load_requests(step_store: Store, manifest: Manifest, tensors: dict[str, torc
             continue
         dest = unpadded(tensors[fqn], box)
         if tuple(rec.shape) != tuple(shapes[fqn]):
-            raise CheckpointError(f"{step_store.url}: {fqn} has global shape {tuple(rec.shape)} in the "
-                                  f"checkpoint but {tuple(shapes[fqn])} in this model; check the "
-                                  "model flags against `shardsmith inspect`")
+            raise CheckpointError(
+                f"{step_store.url}: {fqn} has global shape {tuple(rec.shape)} in the "
+                f"checkpoint but {tuple(shapes[fqn])} in this model; check the "
+                "model flags against `shardsmith inspect`"
+            )
         if DTYPE_NAMES.get(dest.dtype) != rec.dtype:
-            raise CheckpointError(f"{step_store.url}: {fqn} is {rec.dtype} in the checkpoint but "
-                                  f"{dest.dtype} in the job")
+            raise CheckpointError(
+                f"{step_store.url}: {fqn} is {rec.dtype} in the checkpoint but "
+                f"{dest.dtype} in the job"
+            )
         if box.numel:
             requests.append((fqn, box, dest))
     return requests
@@ -313,7 +405,9 @@ def upcast_staging(manifest: Manifest, tensors: dict[str, torch.Tensor]) -> dict
     return out
 
 
-def finish_upcast(staged: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], boxes: dict[str, Box]) -> None:
+def finish_upcast(
+    staged: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], boxes: dict[str, Box]
+) -> None:
     """Copy each staged tensor into its fp32 one (the unpadded part; see :func:`upcast_staging`)."""
     with torch.no_grad():
         for fqn, low in staged.items():

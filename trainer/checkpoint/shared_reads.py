@@ -25,14 +25,11 @@ import torch
 import torch.distributed as dist
 
 from shardsmith.errors import CheckpointError, IntegrityError
-from shardsmith.layout import Box
-from shardsmith.layout import DTYPE_NBYTES
-from shardsmith.layout import lpt_assign
+from shardsmith.layout import DTYPE_NBYTES, Box, lpt_assign
 from shardsmith.storage.formats import read_boxes
-from shardsmith.storage.store import Store
 from shardsmith.storage.manifest import Manifest
-from shardsmith.storage.reading import ReadStats
-from shardsmith.storage.reading import planned_read_nbytes
+from shardsmith.storage.reading import ReadStats, planned_read_nbytes
+from shardsmith.storage.store import Store
 from shardsmith.trainer.checkpoint.save_load import load_into, load_requests, unpadded
 from shardsmith.trainer.comm import any_rank, broadcast_into, gather_json
 
@@ -49,7 +46,9 @@ SIBLING_BLOCK_NBYTES = 256 << 20
 Reader = Callable[..., ReadStats]
 
 
-def shares_reads(step_store: Store, group: dist.ProcessGroup | None, simulate_nodes: int = 0) -> bool:
+def shares_reads(
+    step_store: Store, group: dist.ProcessGroup | None, simulate_nodes: int = 0
+) -> bool:
     """Whether a load should read once per group (:func:`load_into_replicas`,
     :func:`load_into_siblings`): yes for a group of more than one rank, unless the checkpoint
     is on a local filesystem and every member runs on this node (then the page cache already
@@ -62,13 +61,17 @@ def shares_reads(step_store: Store, group: dist.ProcessGroup | None, simulate_no
         return False
     if not step_store.is_posix:
         return True
-    from shardsmith.trainer.checkpoint.local_tier import ranks_per_node   # (local_tier imports checkpoint)
+    from shardsmith.trainer.checkpoint.local_tier import (
+        ranks_per_node,  # (local_tier imports checkpoint)
+    )
 
     per_node = ranks_per_node(dist.get_world_size(), simulate_nodes)
     return any_rank(len({r // per_node for r in dist.get_process_group_ranks(group)}) > 1, group)
 
 
-def share_reader(step_store: Store, siblings: dist.ProcessGroup | None, simulate_nodes: int = 0) -> Reader:
+def share_reader(
+    step_store: Store, siblings: dist.ProcessGroup | None, simulate_nodes: int = 0
+) -> Reader:
     """The function that reads a rank's boxes (``load_into``'s arguments): :func:`load_into_siblings`
     over ``siblings`` (the ``tp`` group) where :func:`shares_reads` holds for it, else
     :func:`~shardsmith.trainer.checkpoint.save_load.load_into`. Every member of ``siblings`` calls it."""
@@ -90,13 +93,23 @@ def _raise_together(error: Exception | None, group: dist.ProcessGroup, who: str)
         raise error
     member, failure = next((m, f) for m, f in enumerate(failures) if f is not None)
     kind = IntegrityError if failure[0] == "IntegrityError" else CheckpointError
-    raise kind(f"{who} {member} of this rank's group (global rank {dist.get_global_rank(group, member)}) "
-               f"failed to read its share: {failure[1]}")
+    raise kind(
+        f"{who} {member} of this rank's group (global rank {dist.get_global_rank(group, member)}) "
+        f"failed to read its share: {failure[1]}"
+    )
 
 
-def load_into_replicas(step_store: Store, manifest: Manifest, tensors: dict[str, torch.Tensor],
-                       boxes: dict[str, Box], shapes: dict[str, tuple[int, ...]], group: dist.ProcessGroup, *,
-                       strict: bool = True, reader: Reader = load_into) -> ReadStats:
+def load_into_replicas(
+    step_store: Store,
+    manifest: Manifest,
+    tensors: dict[str, torch.Tensor],
+    boxes: dict[str, Box],
+    shapes: dict[str, tuple[int, ...]],
+    group: dist.ProcessGroup,
+    *,
+    strict: bool = True,
+    reader: Reader = load_into,
+) -> ReadStats:
     """:func:`~shardsmith.trainer.checkpoint.save_load.load_into` for a group of replicas (ranks holding
     the same boxes, e.g. the ``dp_replicate`` group of HSDP): each member reads and verifies
     about 1/R of the bytes (:func:`~shardsmith.layout.sharding.lpt_assign` by bytes), then each
@@ -116,19 +129,25 @@ def load_into_replicas(step_store: Store, manifest: Manifest, tensors: dict[str,
         CheckpointError, IntegrityError: as ``load_into``, on every member when any member's
         share failed (see :func:`_raise_together`).
     """
-    nbytes = {f: b.numel * tensors[f].element_size() for f, b in boxes.items() if f in manifest.tensors}
-    readers = lpt_assign({f: n for f, n in nbytes.items() if n >= SHARED_READ_MIN_NBYTES}, dist.get_world_size(group))
+    nbytes = {
+        f: b.numel * tensors[f].element_size() for f, b in boxes.items() if f in manifest.tensors
+    }
+    readers = lpt_assign(
+        {f: n for f, n in nbytes.items() if n >= SHARED_READ_MIN_NBYTES}, dist.get_world_size(group)
+    )
     me = dist.get_rank(group)
     mine = {f: b for f, b in boxes.items() if readers.get(f, me) == me}
     error: Exception | None = None
     stats = ReadStats()
     try:
         stats = reader(step_store, manifest, tensors, mine, shapes, strict=strict)
-    except Exception as exc:                                  # shared below, then raised here
+    except Exception as exc:  # shared below, then raised here
         error = exc
     _raise_together(error, group, "replica")
     for fqn in sorted(readers):
-        broadcast_into(unpadded(tensors[fqn], boxes[fqn]), dist.get_global_rank(group, readers[fqn]), group)
+        broadcast_into(
+            unpadded(tensors[fqn], boxes[fqn]), dist.get_global_rank(group, readers[fqn]), group
+        )
     stats.nbytes_needed = sum(nbytes.values())
     return stats
 
@@ -160,7 +179,9 @@ def sibling_unions(manifest: Manifest, member_boxes: list[dict[str, Box]]) -> di
         if union.numel * DTYPE_NBYTES[rec.dtype] < SHARED_READ_MIN_NBYTES:
             continue
         apart = sum(planned_read_nbytes(rec, b, manifest.chunk_nbytes) for b in bs)
-        if apart >= planned_read_nbytes(rec, union, manifest.chunk_nbytes) * (1 + SIBLING_MIN_SAVING):
+        if apart >= planned_read_nbytes(rec, union, manifest.chunk_nbytes) * (
+            1 + SIBLING_MIN_SAVING
+        ):
             out[fqn] = union
     return out
 
@@ -169,17 +190,27 @@ def _row_blocks(box: Box, itemsize: int, max_nbytes: int) -> list[Box]:
     """``box`` cut along dim 0 into runs of whole rows of at most ``max_nbytes`` (one row at least)."""
     row = prod(box.lengths[1:]) * itemsize
     step = max(1, max_nbytes // max(row, 1))
-    return [Box((box.offsets[0] + r,) + box.offsets[1:], (min(step, box.lengths[0] - r),) + box.lengths[1:])
-            for r in range(0, box.lengths[0], step)]
+    return [
+        Box(
+            (box.offsets[0] + r,) + box.offsets[1:],
+            (min(step, box.lengths[0] - r),) + box.lengths[1:],
+        )
+        for r in range(0, box.lengths[0], step)
+    ]
 
 
-def _union_batches(unions: dict[str, Box], itemsize: dict[str, int], members: int,
-                   block_nbytes: int) -> list[list[tuple[str, Box, int]]]:
+def _union_batches(
+    unions: dict[str, Box], itemsize: dict[str, int], members: int, block_nbytes: int
+) -> list[list[tuple[str, Box, int]]]:
     """The unions' row blocks (:func:`_row_blocks`) in batches of consecutive blocks of at most
     ``members * block_nbytes`` (or one block), each block with the member that reads it:
     balanced by bytes within the batch (:func:`~shardsmith.layout.sharding.lpt_assign`), so every
     member reads about ``block_nbytes`` of each batch at the same time. Pure, deterministic."""
-    blocks = [(f, b, b.numel * itemsize[f]) for f in sorted(unions) for b in _row_blocks(unions[f], itemsize[f], block_nbytes)]
+    blocks = [
+        (f, b, b.numel * itemsize[f])
+        for f in sorted(unions)
+        for b in _row_blocks(unions[f], itemsize[f], block_nbytes)
+    ]
     batches: list[list[tuple[str, Box, int]]] = [[]]
     total = 0
     for f, b, n in blocks:
@@ -195,9 +226,17 @@ def _union_batches(unions: dict[str, Box], itemsize: dict[str, int], members: in
     return out
 
 
-def load_into_siblings(step_store: Store, manifest: Manifest, tensors: dict[str, torch.Tensor],
-                       boxes: dict[str, Box], shapes: dict[str, tuple[int, ...]], *, group: dist.ProcessGroup,
-                       strict: bool = True, block_nbytes: int = SIBLING_BLOCK_NBYTES) -> ReadStats:
+def load_into_siblings(
+    step_store: Store,
+    manifest: Manifest,
+    tensors: dict[str, torch.Tensor],
+    boxes: dict[str, Box],
+    shapes: dict[str, tuple[int, ...]],
+    *,
+    group: dist.ProcessGroup,
+    strict: bool = True,
+    block_nbytes: int = SIBLING_BLOCK_NBYTES,
+) -> ReadStats:
     """:func:`~shardsmith.trainer.checkpoint.save_load.load_into` for a group of siblings (ranks holding
     disjoint boxes of the same tensors: the ``tp`` group). The members exchange their boxes
     (one all-gather of JSON); for the tensors :func:`sibling_unions` selects, one member
@@ -227,22 +266,37 @@ def load_into_siblings(step_store: Store, manifest: Manifest, tensors: dict[str,
         error = exc
     _raise_together(error, group, "sibling")
     gathered = gather_json({f: b.to_json() for f, b, _ in requests}, group)
-    unions = sibling_unions(manifest, [{f: Box(tuple(b["offsets"]), tuple(b["lengths"])) for f, b in m.items()}
-                                       for m in gathered])
+    unions = sibling_unions(
+        manifest,
+        [
+            {f: Box(tuple(b["offsets"]), tuple(b["lengths"])) for f, b in m.items()}
+            for m in gathered
+        ],
+    )
     stats, dests = ReadStats(), {f: (b, d) for f, b, d in requests}
-    own = [r for r in requests if r[0] not in unions]         # read with the first batch (coalesced with it)
+    own = [
+        r for r in requests if r[0] not in unions
+    ]  # read with the first batch (coalesced with it)
     itemsize = {f: dests[f][1].element_size() for f in unions}
     for batch in _union_batches(unions, itemsize, dist.get_world_size(group), block_nbytes) or [[]]:
         _share_batch(step_store, manifest, batch, dests, group, stats, own)
         own = []
-    stats.nbytes_needed = sum(b.numel * d.element_size() for _, b, d in requests)   # (a union read counted it whole)
+    stats.nbytes_needed = sum(
+        b.numel * d.element_size() for _, b, d in requests
+    )  # (a union read counted it whole)
     stats.tensors_shared = len(unions)
     return stats
 
 
-def _share_batch(step_store: Store, manifest: Manifest, batch: list[tuple[str, Box, int]],
-                 dests: dict[str, tuple[Box, torch.Tensor]], group: dist.ProcessGroup, stats: ReadStats,
-                 own: list[tuple[str, Box, torch.Tensor]]) -> None:
+def _share_batch(
+    step_store: Store,
+    manifest: Manifest,
+    batch: list[tuple[str, Box, int]],
+    dests: dict[str, tuple[Box, torch.Tensor]],
+    group: dist.ProcessGroup,
+    stats: ReadStats,
+    own: list[tuple[str, Box, torch.Tensor]],
+) -> None:
     """One batch of :func:`load_into_siblings`: this member allocates its blocks and one
     receive buffer per device (as large as the largest block another member reads), reads its
     blocks and ``own`` requests (one concurrent :func:`read_boxes`, so touching ranges merge),
@@ -256,13 +310,18 @@ def _share_batch(step_store: Store, manifest: Manifest, batch: list[tuple[str, B
         for f, block, reader in batch:
             dest = dests[f][1]
             if reader == me:
-                reads.append((f, block, torch.empty(block.lengths, dtype=dest.dtype, device=dest.device)))
-            elif receive.get(dest.device, torch.empty(0)).numel() < block.numel * dest.element_size():
-                receive[dest.device] = torch.empty(block.numel * dest.element_size(), dtype=torch.uint8,
-                                                   device=dest.device)
+                reads.append(
+                    (f, block, torch.empty(block.lengths, dtype=dest.dtype, device=dest.device))
+                )
+            elif (
+                receive.get(dest.device, torch.empty(0)).numel() < block.numel * dest.element_size()
+            ):
+                receive[dest.device] = torch.empty(
+                    block.numel * dest.element_size(), dtype=torch.uint8, device=dest.device
+                )
         with torch.no_grad():
             read_boxes(step_store, manifest, own + reads, stats=stats)
-    except Exception as exc:                                  # torch.OutOfMemoryError included
+    except Exception as exc:  # torch.OutOfMemoryError included
         error = exc
     _raise_together(error, group, "sibling")
     mine = [t for _, _, t in reversed(reads)]
@@ -270,9 +329,13 @@ def _share_batch(step_store: Store, manifest: Manifest, batch: list[tuple[str, B
     for fqn, block, reader in batch:
         box, dest = dests[fqn]
         if reader == me:
-            buf = mine.pop()                                  # dropped after this iteration
+            buf = mine.pop()  # dropped after this iteration
         else:
-            buf = receive[dest.device][:block.numel * dest.element_size()].view(dest.dtype).view(block.lengths)
+            buf = (
+                receive[dest.device][: block.numel * dest.element_size()]
+                .view(dest.dtype)
+                .view(block.lengths)
+            )
         broadcast_into(buf, dist.get_global_rank(group, reader), group)
         part = block.intersect(box)
         if part is not None and part.numel:

@@ -5,8 +5,20 @@ all-gathers K/V over the group (:mod:`.attention`), and FSDP2 shards parameters 
 
 from shardsmith.trainer.context_parallel.attention import ContextParallel
 from shardsmith.trainer.context_parallel.mesh import attach, context_parallel, fsdp_mesh
-from shardsmith.trainer.context_parallel.sequence import (check_seq_length, local_positions, shard_sequence,
-                                                          unshard_sequence)
+from shardsmith.trainer.context_parallel.sequence import (
+    check_seq_length,
+    local_positions,
+    shard_sequence,
+    unshard_sequence,
+)
 
-__all__ = ["ContextParallel", "attach", "check_seq_length", "context_parallel", "fsdp_mesh", "local_positions",
-           "shard_sequence", "unshard_sequence"]
+__all__ = [
+    "ContextParallel",
+    "attach",
+    "check_seq_length",
+    "context_parallel",
+    "fsdp_mesh",
+    "local_positions",
+    "shard_sequence",
+    "unshard_sequence",
+]

@@ -42,8 +42,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from shardsmith.trainer.context_parallel.sequence import (chunk_ids, local_positions, shard_sequence,
-                                                          unshard_sequence)
+from shardsmith.trainer.context_parallel.sequence import (
+    chunk_ids,
+    local_positions,
+    shard_sequence,
+    unshard_sequence,
+)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -52,7 +56,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, cp: "ContextParallel") -> torch.Tensor:  # type: ignore[override]
         ctx.cp = cp
-        if x.is_meta:                                      # pipeline shape inference: no communication
+        if x.is_meta:  # pipeline shape inference: no communication
             return x.new_empty((x.shape[0], x.shape[1] * cp.size, *x.shape[2:]))
         parts = [torch.empty_like(x) for _ in range(cp.size)]
         dist.all_gather(parts, x.contiguous(), group=cp.group)
@@ -63,12 +67,12 @@ class _GatherSequence(torch.autograd.Function):
         cp: ContextParallel = ctx.cp
         if grad.is_meta:
             return grad.new_empty((grad.shape[0], grad.shape[1] // cp.size, *grad.shape[2:])), None
-        if grad.is_cuda:                                   # NCCL: reduce-scatter the rank-ordered shards
+        if grad.is_cuda:  # NCCL: reduce-scatter the rank-ordered shards
             by_rank = torch.cat([shard_sequence(grad, cp.size, r) for r in range(cp.size)], dim=0)
             out = grad.new_empty((grad.shape[0], grad.shape[1] // cp.size, *grad.shape[2:]))
             dist.reduce_scatter_tensor(out, by_rank.contiguous(), group=cp.group)
             return out, None
-        grad = grad.contiguous()                           # gloo has no reduce-scatter: all-reduce, keep ours
+        grad = grad.contiguous()  # gloo has no reduce-scatter: all-reduce, keep ours
         dist.all_reduce(grad, group=cp.group)
         return shard_sequence(grad, cp.size, cp.rank), None
 
@@ -121,6 +125,12 @@ class ContextParallel:
         outs = []
         for i, chunk in enumerate(chunk_ids(self.size, self.rank)):
             end = (chunk + 1) * c
-            outs.append(F.scaled_dot_product_attention(q[:, :, i * c:(i + 1) * c], k[:, :, :end], v[:, :, :end],
-                                                       attn_mask=causal_lower_right(c, end)))
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, i * c : (i + 1) * c],
+                    k[:, :, :end],
+                    v[:, :, :end],
+                    attn_mask=causal_lower_right(c, end),
+                )
+            )
         return torch.cat(outs, dim=2)

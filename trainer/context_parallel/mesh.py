@@ -8,10 +8,8 @@ import weakref
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardsmith.layout import ParallelDims
-from shardsmith.layout import FSDP_AXES, FSDP_MESH_DIM
+from shardsmith.layout import FSDP_AXES, FSDP_MESH_DIM, ParallelDims
 from shardsmith.trainer.context_parallel.attention import ContextParallel
-
 
 #: The flattened dp_shard × cp mesh of each global mesh (slicing a flattened dim out of the
 #: root mesh again is deprecated in torch; HSDP with cp still does, for its 2-D mesh).
@@ -33,7 +31,7 @@ def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     creates a process group); calling it again reuses the flattened dim."""
     if dims.cp == 1:
         return mesh["dp_replicate", FSDP_AXES[0]] if dims.dp_replicate > 1 else mesh[FSDP_AXES[0]]
-    if mesh not in _FLATTENED:                         # torch keeps the flattened mesh; we hand it back
+    if mesh not in _FLATTENED:  # torch keeps the flattened mesh; we hand it back
         _FLATTENED[mesh] = mesh[FSDP_AXES]._flatten(FSDP_MESH_DIM)
     return mesh["dp_replicate", FSDP_MESH_DIM] if dims.dp_replicate > 1 else _FLATTENED[mesh]
 

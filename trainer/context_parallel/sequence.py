@@ -18,8 +18,10 @@ def check_seq_length(seq_length: int, cp: int) -> None:
     """Raise :class:`~shardsmith.errors.ConfigError` unless ``2 * cp`` divides ``seq_length``."""
     if seq_length % (2 * cp):
         ok = 2 * cp * max(1, seq_length // (2 * cp))
-        raise ConfigError(f"seq_length={seq_length} with cp={cp}: context parallelism cuts each sequence into "
-                          f"2*cp={2 * cp} equal chunks; use a seq_length divisible by {2 * cp} (e.g. {ok})")
+        raise ConfigError(
+            f"seq_length={seq_length} with cp={cp}: context parallelism cuts each sequence into "
+            f"2*cp={2 * cp} equal chunks; use a seq_length divisible by {2 * cp} (e.g. {ok})"
+        )
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
@@ -27,7 +29,9 @@ def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
     return rank, 2 * cp - 1 - rank
 
 
-def local_positions(seq_length: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def local_positions(
+    seq_length: int, cp: int, rank: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Global token positions (int64, shape ``(T / cp,)``) held by ``rank``, in local order.
 
     Raises:
@@ -60,4 +64,4 @@ def unshard_sequence(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
         first, second = part.chunk(2, dim=dim)
         a, b = chunk_ids(cp, rank)
         chunks[a], chunks[b] = first, second
-    return torch.cat(chunks, dim=dim)      # type: ignore[arg-type]
+    return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]

@@ -21,16 +21,33 @@ degree; the only loader state in a checkpoint is ``{"sample_index": int}``.
 import importlib
 from typing import Any
 
-from shardsmith.trainer.data.config import BYTE_VOCAB_SIZE, TOKEN_DTYPES, DataConfig, parse_data_args
-from shardsmith.trainer.data.identity import (check_same_tokenizer, resolve_vocab_size,
-                                              tokenizer_identity)
+from shardsmith.trainer.data.config import (
+    BYTE_VOCAB_SIZE,
+    TOKEN_DTYPES,
+    DataConfig,
+    parse_data_args,
+)
+from shardsmith.trainer.data.identity import (
+    check_same_tokenizer,
+    resolve_vocab_size,
+    tokenizer_identity,
+)
 
 #: Names whose modules import torch, imported on first use (PEP 562), so that the config
 #: (and ``shardsmith train``'s checks before any worker starts) never imports torch.
-_LAZY = {"BlendedDataset": "blend", "blending_table": "blend", "GlobalBatchSampler": "dataset",
-         "TokenDataset": "dataset", "vocab_size_needed": "dataset", "build_dataset": "loading",
-         "load_tokens": "loading", "tokenize_documents": "loading", "stdlib_corpus": "sources",
-         "stdlib_documents": "sources", "expand_source": "sources"}
+_LAZY = {
+    "BlendedDataset": "blend",
+    "blending_table": "blend",
+    "GlobalBatchSampler": "dataset",
+    "TokenDataset": "dataset",
+    "vocab_size_needed": "dataset",
+    "build_dataset": "loading",
+    "load_tokens": "loading",
+    "tokenize_documents": "loading",
+    "stdlib_corpus": "sources",
+    "stdlib_documents": "sources",
+    "expand_source": "sources",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -40,9 +57,22 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BYTE_VOCAB_SIZE", "TOKEN_DTYPES", "BlendedDataset", "DataConfig", "GlobalBatchSampler",
+    "BYTE_VOCAB_SIZE",
+    "TOKEN_DTYPES",
+    "BlendedDataset",
+    "DataConfig",
+    "GlobalBatchSampler",
     "expand_source",
-    "TokenDataset", "blending_table", "build_dataset", "check_same_tokenizer", "load_tokens",
-    "parse_data_args", "resolve_vocab_size", "stdlib_corpus", "stdlib_documents",
-    "tokenize_documents", "tokenizer_identity", "vocab_size_needed",
+    "TokenDataset",
+    "blending_table",
+    "build_dataset",
+    "check_same_tokenizer",
+    "load_tokens",
+    "parse_data_args",
+    "resolve_vocab_size",
+    "stdlib_corpus",
+    "stdlib_documents",
+    "tokenize_documents",
+    "tokenizer_identity",
+    "vocab_size_needed",
 ]

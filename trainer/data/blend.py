@@ -31,7 +31,9 @@ def component_seed(seed: int, index: int) -> int:
     return (seed + index * _SEED_STRIDE) % 2**63
 
 
-def blending_table(weights: Sequence[float], size: int = BLOCK_SIZE) -> tuple[np.ndarray, np.ndarray]:
+def blending_table(
+    weights: Sequence[float], size: int = BLOCK_SIZE
+) -> tuple[np.ndarray, np.ndarray]:
     """Megatron's greedy blending table for one block (see the module doc).
 
     Args:
@@ -81,8 +83,10 @@ class BlendedDataset:
 
     def __init__(self, datasets: Sequence[TokenDataset], weights: Sequence[float]) -> None:
         if not datasets or len(datasets) != len(weights):
-            raise ConfigError(f"a blend needs one weight per dataset: {len(datasets)} datasets, "
-                              f"{len(weights)} weights")
+            raise ConfigError(
+                f"a blend needs one weight per dataset: {len(datasets)} datasets, "
+                f"{len(weights)} weights"
+            )
         lengths = {ds.seq_length for ds in datasets}
         if len(lengths) != 1:
             raise ConfigError(f"blend datasets have different seq_length {sorted(lengths)}")

@@ -46,8 +46,9 @@ def cache_key(description: dict[str, Any]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def cached_tokens(root: Path | None, description: dict[str, Any],
-                  build: Callable[[], np.ndarray]) -> np.ndarray:
+def cached_tokens(
+    root: Path | None, description: dict[str, Any], build: Callable[[], np.ndarray]
+) -> np.ndarray:
     """The token array for ``description``: from the cache, or built once and stored.
 
     Args:
@@ -75,7 +76,9 @@ def cached_tokens(root: Path | None, description: dict[str, Any],
             else:
                 log.info("token cache hit: %s", path)
     except OSError as e:
-        raise ConfigError(f"token cache {root}: {e}; pass --data-cache DIR (writable) or none") from e
+        raise ConfigError(
+            f"token cache {root}: {e}; pass --data-cache DIR (writable) or none"
+        ) from e
     return _open(path)
 
 
@@ -83,19 +86,23 @@ def _open(path: Path) -> np.ndarray:
     """Memory-maps a cached token file, with the dtype and count of its JSON sidecar."""
     meta = json.loads(path.with_suffix(".json").read_text())
     if meta.get("dtype") not in ("uint8", "uint16", "uint32"):
-        raise ConfigError(f"token cache file {path.with_suffix('.json')}: dtype "
-                          f"{meta.get('dtype')!r} is not a token dtype; delete it")
+        raise ConfigError(
+            f"token cache file {path.with_suffix('.json')}: dtype "
+            f"{meta.get('dtype')!r} is not a token dtype; delete it"
+        )
     dtype = np.dtype(meta["dtype"])
     if meta["count"] * dtype.itemsize != path.stat().st_size:
-        raise ConfigError(f"token cache file {path} does not match {path.with_suffix('.json')}; "
-                          "delete both")
+        raise ConfigError(
+            f"token cache file {path} does not match {path.with_suffix('.json')}; delete both"
+        )
     if meta["count"] == 0:  # np.memmap cannot map 0 bytes
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype.newbyteorder("<"), mode="r")
 
 
-def _build_and_store(path: Path, description: dict[str, Any],
-                     build: Callable[[], np.ndarray]) -> None:
+def _build_and_store(
+    path: Path, description: dict[str, Any], build: Callable[[], np.ndarray]
+) -> None:
     """Builds the tokens and writes them atomically, with the description beside them."""
     start = time.perf_counter()
     tokens = np.ascontiguousarray(build())
@@ -104,5 +111,9 @@ def _build_and_store(path: Path, description: dict[str, Any],
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tokens.astype(tokens.dtype.newbyteorder("<"), copy=False).tofile(tmp)
     os.replace(tmp, path)  # last: the token file's presence means the entry is complete
-    log.info("tokenized %d tokens in %.1f s; cached at %s", tokens.size,
-             time.perf_counter() - start, path)
+    log.info(
+        "tokenized %d tokens in %.1f s; cached at %s",
+        tokens.size,
+        time.perf_counter() - start,
+        path,
+    )

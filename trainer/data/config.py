@@ -131,8 +131,10 @@ def _check_weights(weights: object, num_sources: int) -> tuple[float, ...]:
         return ()
     out = []
     for w in weights:
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (
-            math.isfinite(w) and w > 0
+        if (
+            isinstance(w, bool)
+            or not isinstance(w, (int, float))
+            or not (math.isfinite(w) and w > 0)
         ):
             raise ConfigError(f"DataConfig.weights has {w!r}: each weight must be a number > 0")
         out.append(float(w))
@@ -205,7 +207,10 @@ def describe_data(data: Mapping[str, Any]) -> str:
         text = "--data " + " ".join(f"{w:g} {s}" for w, s in zip(weights, sources))
     else:
         text = "--data " + " ".join(sources)
-    for key, flag, default in (("text_key", "--text-key", "text"), ("token_dtype", "--token-dtype", "auto")):
+    for key, flag, default in (
+        ("text_key", "--text-key", "text"),
+        ("token_dtype", "--token-dtype", "auto"),
+    ):
         if data.get(key, default) != default:
             text += f" {flag} {data[key]}"
     return text
@@ -215,8 +220,16 @@ def data_changed(saved: Mapping[str, Any], job: DataConfig) -> bool:
     """True when ``job`` reads other samples than the run that saved ``saved`` (a manifest's
     ``config["data"]``) at the same global sample index: other sources, weights, text key or
     token dtype. Pure; every rank decides alike."""
-    now = {"sources": list(job.sources), "weights": [float(w) for w in job.weights],
-           "text_key": job.text_key, "token_dtype": job.token_dtype}
-    before = {"sources": list(saved.get("sources") or []), "weights": [float(w) for w in saved.get("weights") or []],
-              "text_key": saved.get("text_key", "text"), "token_dtype": saved.get("token_dtype", "auto")}
+    now = {
+        "sources": list(job.sources),
+        "weights": [float(w) for w in job.weights],
+        "text_key": job.text_key,
+        "token_dtype": job.token_dtype,
+    }
+    before = {
+        "sources": list(saved.get("sources") or []),
+        "weights": [float(w) for w in saved.get("weights") or []],
+        "text_key": saved.get("text_key", "text"),
+        "token_dtype": saved.get("token_dtype", "auto"),
+    }
     return now != before

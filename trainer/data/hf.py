@@ -48,15 +48,14 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     """
     if not spec.startswith(HF_PREFIX):
         return spec, {}
-    parts = urlsplit(spec[len(HF_PREFIX):])
+    parts = urlsplit(spec[len(HF_PREFIX) :])
     name = parts.path
     options = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown or not name:
         raise ConfigError(
             f"--data {spec!r}: expected hf:NAME[?name=CONFIG&split=SPLIT&streaming=1&revision=REV"
-            "&data_files=PATH]"
-            + (f"; unknown option {unknown[0]!r}" if unknown else "")
+            "&data_files=PATH]" + (f"; unknown option {unknown[0]!r}" if unknown else "")
         )
     return name, options
 
@@ -76,16 +75,21 @@ def open_dataset(spec: str) -> Any:
         if fs.isdir(path) and is_saved_dataset(fs, path):
             ds = datasets.load_from_disk(name)
         else:
-            ds = datasets.load_dataset(name, opts.get("name"), split=split,
-                                       streaming=opts.get("streaming", "0") in ("1", "true"),
-                                       revision=opts.get("revision"),
-                                       data_files=opts.get("data_files"))
+            ds = datasets.load_dataset(
+                name,
+                opts.get("name"),
+                split=split,
+                streaming=opts.get("streaming", "0") in ("1", "true"),
+                revision=opts.get("revision"),
+                data_files=opts.get("data_files"),
+            )
     except (FileNotFoundError, ValueError, ConnectionError, OSError) as e:
         raise ConfigError(f"--data {spec!r}: cannot load the Hugging Face dataset ({e})") from e
     if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         if split not in ds:
-            raise ConfigError(f"--data {spec!r}: no split {split!r} (has {sorted(ds)}); "
-                              f"add ?split=NAME")
+            raise ConfigError(
+                f"--data {spec!r}: no split {split!r} (has {sorted(ds)}); add ?split=NAME"
+            )
         ds = ds[split]
     return ds
 
@@ -99,7 +103,9 @@ def iter_texts(spec: str, text_key: str) -> Iterator[str]:
     ds = open_dataset(spec)
     columns = getattr(ds, "column_names", None)
     if columns is not None and text_key not in columns:
-        raise ConfigError(f"--data {spec!r}: no column {text_key!r} (has {columns}); pass --text-key")
+        raise ConfigError(
+            f"--data {spec!r}: no column {text_key!r} (has {columns}); pass --text-key"
+        )
     if hasattr(ds, "iter"):
         for batch in ds.iter(batch_size=1024):
             yield from _check_texts(batch[text_key], spec, text_key)
@@ -111,8 +117,10 @@ def iter_texts(spec: str, text_key: str) -> Iterator[str]:
 def _check_texts(texts: list[Any], spec: str, text_key: str) -> list[str]:
     for t in texts:
         if not isinstance(t, str):
-            raise ConfigError(f"--data {spec!r}: field {text_key!r} holds {type(t).__name__}, "
-                              "not text; pass --text-key")
+            raise ConfigError(
+                f"--data {spec!r}: field {text_key!r} holds {type(t).__name__}, "
+                "not text; pass --text-key"
+            )
     return texts
 
 

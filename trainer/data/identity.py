@@ -45,16 +45,21 @@ def tokenizer_identity(config: Any) -> dict[str, Any]:
     path = str(data.get("tokenizer") or "")
     if not path:
         return {"kind": BYTES_KIND, "sha256": "", "vocab_size": BYTE_VOCAB_SIZE, "path": ""}
-    return {"kind": str(data.get("tokenizer_kind") or ""),
-            "sha256": str(data.get("tokenizer_sha256") or ""),
-            "vocab_size": int(data.get("tokenizer_vocab_size") or 0), "path": path}
+    return {
+        "kind": str(data.get("tokenizer_kind") or ""),
+        "sha256": str(data.get("tokenizer_sha256") or ""),
+        "vocab_size": int(data.get("tokenizer_vocab_size") or 0),
+        "path": path,
+    }
 
 
 def _describe(ident: Mapping[str, Any]) -> str:
     if ident["kind"] == BYTES_KIND:
         return "bytes (no --tokenizer)"
-    return (f"{ident['path']} ({ident['kind']}, sha256 {ident['sha256'][:16]}…, "
-            f"vocab {ident['vocab_size']})")
+    return (
+        f"{ident['path']} ({ident['kind']}, sha256 {ident['sha256'][:16]}…, "
+        f"vocab {ident['vocab_size']})"
+    )
 
 
 def check_same_tokenizer(saved_config_json: Mapping[str, Any], job_config: Any) -> None:

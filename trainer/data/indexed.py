@@ -33,8 +33,16 @@ from shardsmith.errors import ConfigError
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, S, D: 34 bytes
-DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
-               6: np.float64, 7: np.float32, 8: np.uint16}
+DTYPE_CODES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 _TOKEN_CODES = (1, 3, 4, 5, 8)  # integer dtypes; int8 and floats cannot be token ids
 
 
@@ -72,8 +80,10 @@ def read_index(raw: bytes, where: str) -> tuple[np.dtype, np.ndarray, np.ndarray
     if version != 1:
         raise ConfigError(f"{where!r}: MMIDIDX version {version}; only version 1 is known")
     if code not in _TOKEN_CODES:
-        raise ConfigError(f"{where!r}: dtype code {code} is not an integer token type "
-                          f"(known codes {sorted(DTYPE_CODES)})")
+        raise ConfigError(
+            f"{where!r}: dtype code {code} is not an integer token type "
+            f"(known codes {sorted(DTYPE_CODES)})"
+        )
     need = _HEADER.size + 12 * num_seq + 8 * num_doc
     if len(raw) < need:
         raise ConfigError(f"{where!r} is truncated: {len(raw)} bytes, the header promises {need}")
@@ -84,8 +94,9 @@ def read_index(raw: bytes, where: str) -> tuple[np.dtype, np.ndarray, np.ndarray
     return np.dtype(DTYPE_CODES[code]), lengths, pointers, docs
 
 
-def _check_contiguous(lengths: np.ndarray, pointers: np.ndarray, itemsize: int,
-                      bin_nbytes: int, where: str) -> None:
+def _check_contiguous(
+    lengths: np.ndarray, pointers: np.ndarray, itemsize: int, bin_nbytes: int, where: str
+) -> None:
     """The sequences must tile ``.bin`` back to back from byte 0 (what the builder writes)."""
     ends = np.cumsum(lengths.astype(np.int64)) * itemsize
     starts = np.concatenate([[0], ends[:-1]]) if len(ends) else ends

@@ -20,9 +20,20 @@ from shardsmith.trainer.data.cache import cache_root, cached_tokens
 from shardsmith.trainer.data.config import DataConfig
 from shardsmith.trainer.data.dataset import TokenDataset, vocab_size_needed
 from shardsmith.trainer.data.indexed import load_indexed
-from shardsmith.trainer.data.sources import (Piece, expand_source, fingerprint, iter_documents,
-                                             stdlib_documents, stdlib_fingerprint)
-from shardsmith.trainer.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerIdentity, load_tokenizer
+from shardsmith.trainer.data.sources import (
+    Piece,
+    expand_source,
+    fingerprint,
+    iter_documents,
+    stdlib_documents,
+    stdlib_fingerprint,
+)
+from shardsmith.trainer.data.tokenizer import (
+    ByteTokenizer,
+    Tokenizer,
+    TokenizerIdentity,
+    load_tokenizer,
+)
 
 _ENCODE_BATCH = 64  # documents per tokenizer call
 
@@ -45,8 +56,9 @@ def _read_bin(piece: Piece, dtype: np.dtype) -> np.ndarray:
 def _token_pieces(pieces: list[Piece], token_dtype: str) -> np.ndarray:
     """Concatenated pre-tokenized pieces (one piece: its memory map, not a copy)."""
     dtype = np.dtype("uint16" if token_dtype == "auto" else token_dtype)
-    arrays = [load_indexed(p.fs, p.path) if p.kind == "indexed" else _read_bin(p, dtype)
-              for p in pieces]
+    arrays = [
+        load_indexed(p.fs, p.path) if p.kind == "indexed" else _read_bin(p, dtype) for p in pieces
+    ]
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
@@ -81,15 +93,25 @@ def tokenize_documents(documents: Any, tokenizer: Tokenizer) -> np.ndarray:
 def _text_tokens(cfg: DataConfig, pieces: list[Piece] | None, tokenizer: Tokenizer) -> np.ndarray:
     """Tokens of text pieces (None: the default corpus), via the cache for BPE tokenizers."""
     stdlib = stdlib_documents() if pieces is None else None
-    docs = stdlib if pieces is None else (d for p in pieces for d in iter_documents(p, cfg.text_key))
+    docs = (
+        stdlib if pieces is None else (d for p in pieces for d in iter_documents(p, cfg.text_key))
+    )
     if isinstance(tokenizer, ByteTokenizer):
         return tokenize_documents(docs, tokenizer)  # bytes need no work worth caching
-    prints = ([stdlib_fingerprint(stdlib)] if stdlib is not None
-              else [fingerprint(p) for p in pieces or []])
-    description = {"tokenizer_kind": cfg.tokenizer_kind, "tokenizer_sha256": cfg.tokenizer_sha256,
-                   "text_key": cfg.text_key, "pieces": prints}
-    return cached_tokens(cache_root(cfg.cache_dir), description,
-                         lambda: tokenize_documents(docs, tokenizer))
+    prints = (
+        [stdlib_fingerprint(stdlib)]
+        if stdlib is not None
+        else [fingerprint(p) for p in pieces or []]
+    )
+    description = {
+        "tokenizer_kind": cfg.tokenizer_kind,
+        "tokenizer_sha256": cfg.tokenizer_sha256,
+        "text_key": cfg.text_key,
+        "pieces": prints,
+    }
+    return cached_tokens(
+        cache_root(cfg.cache_dir), description, lambda: tokenize_documents(docs, tokenizer)
+    )
 
 
 def _load(cfg: DataConfig, sources: Sequence[str], tokenizer: Tokenizer) -> tuple[np.ndarray, bool]:
@@ -132,15 +154,20 @@ def load_tokens(cfg: DataConfig) -> np.ndarray:
     return _load(cfg, cfg.sources, _tokenizer(cfg))[0]
 
 
-def _check_vocab(tokens: np.ndarray, is_text: bool, tokenizer: Tokenizer, vocab_size: int,
-                 where: str) -> None:
+def _check_vocab(
+    tokens: np.ndarray, is_text: bool, tokenizer: Tokenizer, vocab_size: int, where: str
+) -> None:
     needed = tokenizer.vocab_size if is_text else vocab_size_needed(tokens)
     if needed > vocab_size:
-        raise ConfigError(f"{where} needs vocab_size >= {needed}, the model has {vocab_size}; "
-                          "pass --vocab-size (or a matching --tokenizer)")
+        raise ConfigError(
+            f"{where} needs vocab_size >= {needed}, the model has {vocab_size}; "
+            "pass --vocab-size (or a matching --tokenizer)"
+        )
 
 
-def build_dataset(cfg: DataConfig, seq_length: int, vocab_size: int) -> TokenDataset | BlendedDataset:
+def build_dataset(
+    cfg: DataConfig, seq_length: int, vocab_size: int
+) -> TokenDataset | BlendedDataset:
     """The dataset the trainer samples: one :class:`TokenDataset`, or a weighted blend.
 
     Every rank calls it with the same arguments and gets the same sample order.

@@ -167,7 +167,9 @@ def _parquet_documents(piece: Piece, text_key: str) -> Iterator[str]:
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
-        raise ConfigError(f"{piece.path}: Parquet needs pyarrow: pip install 'shardsmith[data]'") from e
+        raise ConfigError(
+            f"{piece.path}: Parquet needs pyarrow: pip install 'shardsmith[data]'"
+        ) from e
     assert piece.fs is not None
     with piece.fs.open(piece.path, "rb") as f:
         pf = pq.ParquetFile(f)

@@ -34,19 +34,26 @@ CL100K_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
     r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 )
-O200K_PATTERN = "|".join([
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
+O200K_PATTERN = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
 _PATTERNS = {"tiktoken:cl100k": CL100K_PATTERN, "tiktoken:o200k": O200K_PATTERN}
 _UPSTREAM_SPECIALS = {  # tiktoken_ext/openai_public.py
-    "cl100k_base": {"<|endoftext|>": 100257, "<|fim_prefix|>": 100258, "<|fim_middle|>": 100259,
-                    "<|fim_suffix|>": 100260, "<|endofprompt|>": 100276},
+    "cl100k_base": {
+        "<|endoftext|>": 100257,
+        "<|fim_prefix|>": 100258,
+        "<|fim_middle|>": 100259,
+        "<|fim_suffix|>": 100260,
+        "<|endofprompt|>": 100276,
+    },
     "o200k_base": {"<|endoftext|>": 199999, "<|endofprompt|>": 200018},
 }
 
@@ -137,7 +144,7 @@ class TiktokenTokenizer:
     """A tiktoken BPE file (``.tiktoken``) with a cl100k/o200k pre-tokenizer (module doc)."""
 
     def __init__(self, path: str, kind: str, sha256: str) -> None:
-        _import("tiktoken")         # a clear error when it is not installed
+        _import("tiktoken")  # a clear error when it is not installed
         import tiktoken.load
 
         try:  # expected_hash: tiktoken caches files by path; a changed file must not hit it
@@ -150,7 +157,9 @@ class TiktokenTokenizer:
         specials = _UPSTREAM_SPECIALS.get(stem) or {"<|endoftext|>": max(ranks.values()) + 1}
         self.kind = kind
         self._enc = tiktoken.Encoding(
-            name=f"shardsmith-{stem}", pat_str=_PATTERNS[kind], mergeable_ranks=ranks,
+            name=f"shardsmith-{stem}",
+            pat_str=_PATTERNS[kind],
+            mergeable_ranks=ranks,
             special_tokens=specials,
         )
         self.vocab_size = self._enc.n_vocab

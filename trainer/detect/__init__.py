@@ -62,11 +62,17 @@ class DetectConfig:
     def __post_init__(self) -> None:
         for name in ("straggler_every", "check_replay_every"):
             if getattr(self, name) < 0:
-                raise ConfigError(f"detect.{name}={getattr(self, name)}: must be >= 0 steps (0 = off)")
+                raise ConfigError(
+                    f"detect.{name}={getattr(self, name)}: must be >= 0 steps (0 = off)"
+                )
         if not self.straggler_factor > 1:
-            raise ConfigError(f"detect.straggler_factor={self.straggler_factor}: must be > 1 (a multiple "
-                              "of the median compute time)")
+            raise ConfigError(
+                f"detect.straggler_factor={self.straggler_factor}: must be > 1 (a multiple "
+                "of the median compute time)"
+            )
         if self.straggler_windows < 1:
             raise ConfigError(f"detect.straggler_windows={self.straggler_windows}: must be >= 1")
         if self.on_sdc not in SDC_POLICIES:
-            raise ConfigError(f"detect.on_sdc={self.on_sdc!r}: choose one of {', '.join(SDC_POLICIES)}")
+            raise ConfigError(
+                f"detect.on_sdc={self.on_sdc!r}: choose one of {', '.join(SDC_POLICIES)}"
+            )

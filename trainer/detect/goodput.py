@@ -44,7 +44,7 @@ def launch_time() -> float:
         return float(value)
     try:
         with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])     # field 22: starttime, clock ticks
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, clock ticks
         with open("/proc/stat") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
         return boot + ticks / os.sysconf("SC_CLK_TCK")
@@ -58,8 +58,10 @@ def _is_step(r: dict[str, Any]) -> bool:
 
 def current_job(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records of the last job: from its last first-attempt ``start`` event on."""
-    firsts = [i for i, r in enumerate(records) if r.get("event") == "start" and not r.get("restart_count")]
-    return records[firsts[-1]:] if firsts else list(records)
+    firsts = [
+        i for i, r in enumerate(records) if r.get("event") == "start" and not r.get("restart_count")
+    ]
+    return records[firsts[-1] :] if firsts else list(records)
 
 
 def _attempts(job: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -71,7 +73,9 @@ def _attempts(job: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return out
 
 
-def _step_intervals(attempt: list[dict[str, Any]], counted: set[int]) -> tuple[float, list[list[Any]]]:
+def _step_intervals(
+    attempt: list[dict[str, Any]], counted: set[int]
+) -> tuple[float, list[list[Any]]]:
     """(first step's start, [[kind, seconds, record] per step]) of one attempt."""
     steps = [r for r in attempt if _is_step(r)]
     if not steps:
@@ -85,19 +89,27 @@ def _step_intervals(attempt: list[dict[str, Any]], counted: set[int]) -> tuple[f
     return first, out
 
 
-def _take_pauses(attempt: list[dict[str, Any]], intervals: list[list[Any]], tail: list[float],
-                 seconds: dict[str, float]) -> None:
+def _take_pauses(
+    attempt: list[dict[str, Any]],
+    intervals: list[list[Any]],
+    tail: list[float],
+    seconds: dict[str, float],
+) -> None:
     """Move save blocking and rollback reloads out of the step interval they fell in."""
     position = {id(iv[2]): n for n, iv in enumerate(intervals)}
     last_of_step: dict[int, int] = {}
-    after = 0                       # the interval a synchronous event falls in: the next step's
+    after = 0  # the interval a synchronous event falls in: the next step's
     for r in attempt:
         if id(r) in position:
             last_of_step[r["step"]] = position[id(r)]
             after = position[id(r)] + 1
             continue
         if r.get("event") == "save":
-            where, kind, amount = last_of_step.get(r.get("step", -1), after - 1) + 1, "checkpoint", r.get("blocked_seconds", 0.0)
+            where, kind, amount = (
+                last_of_step.get(r.get("step", -1), after - 1) + 1,
+                "checkpoint",
+                r.get("blocked_seconds", 0.0),
+            )
         elif r.get("event") == "resume" and r.get("reason") == "rollback":
             where, kind, amount = after, "recovery", r.get("seconds", 0.0)
         else:
@@ -111,7 +123,9 @@ def _take_pauses(attempt: list[dict[str, Any]], intervals: list[list[Any]], tail
         seconds[kind] += moved
 
 
-def breakdown(records: Iterable[dict[str, Any]], *, end_time: float | None = None) -> dict[str, Any]:
+def breakdown(
+    records: Iterable[dict[str, Any]], *, end_time: float | None = None
+) -> dict[str, Any]:
     """Where the wall time of the last job in ``records`` went.
 
     Args:
@@ -146,7 +160,10 @@ def breakdown(records: Iterable[dict[str, Any]], *, end_time: float | None = Non
         seconds["other"] += tail[0]
         previous_end = max(final, first)
     wall = max(end - launch, 1e-9)
-    out: dict[str, Any] = {"wall_s": round(wall, 3), "goodput": round(seconds["productive"] / wall, 4)}
+    out: dict[str, Any] = {
+        "wall_s": round(wall, 3),
+        "goodput": round(seconds["productive"] / wall, 4),
+    }
     for kind in CATEGORIES:
         out[kind] = round(seconds[kind] / wall, 4)
         out[f"{kind}_s"] = round(seconds[kind], 3)

@@ -46,8 +46,14 @@ def attribution(step: int, found: list[str | None]) -> dict[str, Any]:
     where = {rank: what for rank, what in enumerate(found) if what is not None}
     by_loss = [rank for rank, what in where.items() if what == "loss"]
     first = by_loss[0] if by_loss else (min(where) if where else None)
-    return {"event": "nonfinite", "step": step, "rank": first, "tensor": where.get(first) if first is not None else None,
-            "ranks": sorted(where), "where": {str(r): w for r, w in where.items()}}
+    return {
+        "event": "nonfinite",
+        "step": step,
+        "rank": first,
+        "tensor": where.get(first) if first is not None else None,
+        "ranks": sorted(where),
+        "where": {str(r): w for r, w in where.items()},
+    }
 
 
 def attribute_nonfinite(step: int, model: torch.nn.Module, local_loss: float) -> dict[str, Any]:

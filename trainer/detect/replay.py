@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from shardsmith.errors import SilentDataCorruption
@@ -80,8 +79,13 @@ def compare(original: torch.Tensor, replay: torch.Tensor, rtol: float) -> dict[s
     return {"elements": count, "max_abs_diff": float((a.double() - b.double()).abs().max())}
 
 
-def replay_mismatches(model: torch.nn.Module, rerun: Callable[[], Any], rng: dict[str, Any], rtol: float,
-                      after_replay: Callable[[torch.nn.Module], None] | None = None) -> list[dict[str, Any]]:
+def replay_mismatches(
+    model: torch.nn.Module,
+    rerun: Callable[[], Any],
+    rng: dict[str, Any],
+    rtol: float,
+    after_replay: Callable[[torch.nn.Module], None] | None = None,
+) -> list[dict[str, Any]]:
     """Re-run the step (``rerun``: forward and backward on the same inputs) from RNG state
     ``rng`` and compare this rank's gradients with the ones it had; the original gradients
     are put back. Collective when ``rerun`` is (every rank of the step calls it).
@@ -116,8 +120,12 @@ def replay_mismatches(model: torch.nn.Module, rerun: Callable[[], Any], rng: dic
     return found
 
 
-def judge_replay(step: int, mine: list[dict[str, Any]], cfg: DetectConfig,
-                 event: Callable[[dict[str, Any]], None]) -> str:
+def judge_replay(
+    step: int,
+    mine: list[dict[str, Any]],
+    cfg: DetectConfig,
+    event: Callable[[dict[str, Any]], None],
+) -> str:
     """Gather every rank's mismatches (collective), report them, apply ``cfg.on_sdc``.
 
     Returns:
@@ -126,18 +134,28 @@ def judge_replay(step: int, mine: list[dict[str, Any]], cfg: DetectConfig,
     Raises:
         SilentDataCorruption: a mismatch under ``stop`` (on every rank).
     """
-    everyone = gather_json(mine[:16])        # at most 16 tensors a rank: bounded message
+    everyone = gather_json(mine[:16])  # at most 16 tensors a rank: bounded message
     found = [{"rank": rank, **m} for rank, items in enumerate(everyone) for m in items]
     if not found:
         return "ok"
     ranks = sorted({m["rank"] for m in found})
-    event({"event": "sdc", "step": step, "ranks": ranks, "rank": found[0]["rank"], "tensor": found[0]["tensor"],
-           "mismatches": found, "policy": cfg.on_sdc})
+    event(
+        {
+            "event": "sdc",
+            "step": step,
+            "ranks": ranks,
+            "rank": found[0]["rank"],
+            "tensor": found[0]["tensor"],
+            "mismatches": found,
+            "policy": cfg.on_sdc,
+        }
+    )
     if cfg.on_sdc == "stop":
         first = found[0]
         raise SilentDataCorruption(
             f"step {step}: replaying forward and backward from the same inputs gave different gradients on "
             f"rank(s) {ranks} (first: rank {first['rank']}, {first['tensor']}, {first['elements']} element(s), "
             f"max |diff| {first['max_abs_diff']:.3g}); suspect that rank's device: drain its node and restart "
-            "(--on-sdc continue only reports)")
+            "(--on-sdc continue only reports)"
+        )
     return "skip" if cfg.on_sdc == "skip-step" else "ok"

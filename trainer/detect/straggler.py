@@ -80,29 +80,45 @@ class StragglerWatch:
             (fields for the step record, see the module's docstring; the ``straggler`` event,
             or None).
         """
-        mine = torch.tensor([self._compute_s / self._steps, self._wait_s / self._steps], dtype=torch.float64)
+        mine = torch.tensor(
+            [self._compute_s / self._steps, self._wait_s / self._steps], dtype=torch.float64
+        )
         everyone = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
         self._compute_s = self._wait_s = 0.0
         self._steps = 0
         return self.judge(step, [float(t[0]) for t in everyone], [float(t[1]) for t in everyone])
 
-    def judge(self, step: int, compute_s: list[float], wait_s: list[float]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def judge(
+        self, step: int, compute_s: list[float], wait_s: list[float]
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """The window's verdict from every rank's mean compute and wait times (pure but for
         :attr:`streaks`); see :meth:`close_window`."""
         slow = slow_ranks(compute_s, self.cfg.straggler_factor)
         self.streaks = {r: self.streaks.get(r, 0) + 1 for r in slow}
         median = statistics.median(compute_s)
-        fields: dict[str, Any] = {"compute_s_median": round(median, 6), "compute_s_max": round(max(compute_s), 6),
-                                  "wait_s_max": round(max(wait_s), 6)}
+        fields: dict[str, Any] = {
+            "compute_s_median": round(median, 6),
+            "compute_s_max": round(max(compute_s), 6),
+            "wait_s_max": round(max(wait_s), 6),
+        }
         if slow:
             worst = max(slow, key=lambda r: compute_s[r])
-            fields.update(slowest_rank=worst, slowest_compute_ratio=round(compute_s[worst] / max(median, 1e-12), 2))
+            fields.update(
+                slowest_rank=worst,
+                slowest_compute_ratio=round(compute_s[worst] / max(median, 1e-12), 2),
+            )
         named = sorted(r for r, n in self.streaks.items() if n == self.cfg.straggler_windows)
         if not named:
             return fields, None
-        event = {"event": "straggler", "step": step, "ranks": named,
-                 "compute_s": {str(r): round(compute_s[r], 6) for r in named},
-                 "median_compute_s": round(median, 6), "max_wait_s": round(max(wait_s), 6),
-                 "windows": self.cfg.straggler_windows, "factor": self.cfg.straggler_factor}
+        event = {
+            "event": "straggler",
+            "step": step,
+            "ranks": named,
+            "compute_s": {str(r): round(compute_s[r], 6) for r in named},
+            "median_compute_s": round(median, 6),
+            "max_wait_s": round(max(wait_s), 6),
+            "windows": self.cfg.straggler_windows,
+            "factor": self.cfg.straggler_factor,
+        }
         return fields, event

@@ -42,8 +42,14 @@ class Detectors:
         """The RNG state to replay from, on replay steps (call before the forward)."""
         return rng_state() if self.replay_due(step) else None
 
-    def check_replay(self, step: int, model: torch.nn.Module, rerun: Callable[[], Any], rng: dict[str, Any] | None,
-                     after_replay: Callable[[torch.nn.Module], None] | None = None) -> str:
+    def check_replay(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        rerun: Callable[[], Any],
+        rng: dict[str, Any] | None,
+        after_replay: Callable[[torch.nn.Module], None] | None = None,
+    ) -> str:
         """On replay steps (``rng`` not None): re-run, compare, report, apply ``on_sdc``
         (collective); ``"ok"`` or ``"skip"``. See :mod:`.replay`."""
         if rng is None:

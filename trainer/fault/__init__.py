@@ -76,11 +76,15 @@ class FaultConfig:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"fault.{name}={getattr(self, name)}: must be > 0 seconds")
         if not self.hang_factor > 1:
-            raise ConfigError(f"fault.hang_factor={self.hang_factor}: must be > 1 (a multiple of the "
-                              "median step time)")
+            raise ConfigError(
+                f"fault.hang_factor={self.hang_factor}: must be > 1 (a multiple of the "
+                "median step time)"
+            )
         if self.max_bad_steps < 1:
             raise ConfigError(f"fault.max_bad_steps={self.max_bad_steps}: must be >= 1")
         if self.max_rollbacks < 0:
             raise ConfigError(f"fault.max_rollbacks={self.max_rollbacks}: must be >= 0")
         if self.peak_flops < 0:
-            raise ConfigError(f"fault.peak_flops={self.peak_flops}: must be >= 0 FLOP/s (0 = no MFU)")
+            raise ConfigError(
+                f"fault.peak_flops={self.peak_flops}: must be >= 0 FLOP/s (0 = no MFU)"
+            )

@@ -67,8 +67,13 @@ class BadStepPolicy:
 
     def state_json(self) -> dict[str, Any]:
         """Saved in the manifest's state (``fault``)."""
-        return {"consecutive": self.consecutive, "skipped_steps": self.skipped_steps,
-                "rollbacks": self.rollbacks, "streak": self.streak, "skip_windows": self.skip_windows}
+        return {
+            "consecutive": self.consecutive,
+            "skipped_steps": self.skipped_steps,
+            "rollbacks": self.rollbacks,
+            "streak": self.streak,
+            "skip_windows": self.skip_windows,
+        }
 
     def load_state_json(self, state: dict[str, Any], *, keep_counters: bool = False) -> None:
         """Restore :meth:`state_json`; with ``keep_counters`` (a rollback) the in-memory

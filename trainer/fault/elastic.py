@@ -31,8 +31,11 @@ def warn_if_restarts_unsafe() -> None:
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     if restarts > 0 and shared and os.environ.get("RANK", "0") == "0":
-        log.warning("torchrun --max-restarts %d with a shared agent TCPStore: restarted groups may fail "
-                    "to connect (pytorch#135712); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", restarts)
+        log.warning(
+            "torchrun --max-restarts %d with a shared agent TCPStore: restarted groups may fail "
+            "to connect (pytorch#135712); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+            restarts,
+        )
 
 
 def fit_world_size(cfg: TrainConfig, world_size: int) -> TrainConfig:
@@ -52,12 +55,19 @@ def fit_world_size(cfg: TrainConfig, world_size: int) -> TrainConfig:
     if not cfg.fault.derive_dp_shard:
         parallel.check_world_size(world_size)
     fixed = {axis: getattr(parallel, axis) for axis in MESH_AXES if axis != "dp_shard"}
-    fitted = ParallelDims.for_world_size(world_size, **fixed,
-                                         pipeline_split=parallel.pipeline_split,
-                                         virtual_stages=parallel.virtual_stages)
-    if parallel.expert_parallel > 1:                 # EP spans the (re-derived) dp_shard ranks
+    fitted = ParallelDims.for_world_size(
+        world_size,
+        **fixed,
+        pipeline_split=parallel.pipeline_split,
+        virtual_stages=parallel.virtual_stages,
+    )
+    if parallel.expert_parallel > 1:  # EP spans the (re-derived) dp_shard ranks
         fitted = replace(fitted, expert_parallel=fitted.dp_shard)
     if os.environ.get("RANK", "0") == "0":
-        log.warning("world size %d differs from layout %s: running as %s (dp_shard re-derived)",
-                    world_size, parallel.describe(), fitted.describe())
+        log.warning(
+            "world size %d differs from layout %s: running as %s (dp_shard re-derived)",
+            world_size,
+            parallel.describe(),
+            fitted.describe(),
+        )
     return replace(cfg, parallel=fitted)

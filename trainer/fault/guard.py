@@ -21,10 +21,16 @@ class FaultGuard:
         on_hang: see :class:`StepWatchdog`.
     """
 
-    def __init__(self, cfg: FaultConfig, *, dump_path: str = "",
-                 on_hang: Callable[[int, float, float], None] | None = None) -> None:
-        self.watchdog = StepWatchdog(factor=cfg.hang_factor, min_s=cfg.hang_min_seconds,
-                                     dump_path=dump_path, on_hang=on_hang)
+    def __init__(
+        self,
+        cfg: FaultConfig,
+        *,
+        dump_path: str = "",
+        on_hang: Callable[[int, float, float], None] | None = None,
+    ) -> None:
+        self.watchdog = StepWatchdog(
+            factor=cfg.hang_factor, min_s=cfg.hang_min_seconds, dump_path=dump_path, on_hang=on_hang
+        )
         self.preemption = PreemptionHandler(cfg.preempt_deadline, is_hung=self.watchdog.is_hung)
         self.preemption.install()
 

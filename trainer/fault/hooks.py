@@ -56,10 +56,18 @@ class FaultHooks:
         self.nan = self._parse(env.get("SHARDSMITH_TEST_NAN_AT", ""))
         self.lose_node = self._parse(env.get("SHARDSMITH_TEST_LOSE_NODE_AT", ""))
         self.marker_dir = env.get("SHARDSMITH_TEST_MARKER_DIR", "")
-        slow = [item.split(":") for item in env.get("SHARDSMITH_TEST_SLOW", "").split(",") if item.strip()]
+        slow = [
+            item.split(":")
+            for item in env.get("SHARDSMITH_TEST_SLOW", "").split(",")
+            if item.strip()
+        ]
         self.slow_s = sum(float(seconds) for r, seconds in slow if int(r) == rank)
         self.flip = self._parse(env.get("SHARDSMITH_TEST_FLIP_BIT_AT", ""))
-        every = [item.split(":") for item in env.get("SHARDSMITH_TEST_KILL_EVERY", "").split(",") if item.strip()]
+        every = [
+            item.split(":")
+            for item in env.get("SHARDSMITH_TEST_KILL_EVERY", "").split(",")
+            if item.strip()
+        ]
         self.kill_every_s = sum(float(seconds) for r, seconds in every if int(r) == rank)
         self._first_step_t: float | None = None
         self._fired: set[str] = set()
@@ -81,7 +89,9 @@ class FaultHooks:
             return True
         os.makedirs(self.marker_dir, exist_ok=True)
         try:
-            os.close(os.open(os.path.join(self.marker_dir, key), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(
+                os.open(os.path.join(self.marker_dir, key), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            )
         except FileExistsError:
             return False
         return True
@@ -96,9 +106,14 @@ class FaultHooks:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kill_every_s and self._first_step_t is None:
             self._first_step_t = time.time()
-        if self.kill_every_s and time.time() - (self._first_step_t or 0) >= self.kill_every_s \
-                and self._once("kill-every", step):
-            say(f"rank {self.rank}: test hook: SIGKILL at step {step} ({self.kill_every_s:g} s since the last)")
+        if (
+            self.kill_every_s
+            and time.time() - (self._first_step_t or 0) >= self.kill_every_s
+            and self._once("kill-every", step)
+        ):
+            say(
+                f"rank {self.rank}: test hook: SIGKILL at step {step} ({self.kill_every_s:g} s since the last)"
+            )
             os.kill(os.getpid(), signal.SIGKILL)
         if step in self.kill and self._once("kill", step):
             say(f"rank {self.rank}: test hook: SIGKILL at step {step}")
@@ -107,7 +122,7 @@ class FaultHooks:
             name, _, to_agent = self.signal[step].partition(":")
             sig = signal.Signals[name or "SIGTERM"]
             os.kill(os.getpid(), sig)
-            if to_agent == "agent":                    # torchrun's agent: it forwards to all
+            if to_agent == "agent":  # torchrun's agent: it forwards to all
                 os.kill(os.getppid(), sig)
 
     def in_step(self, step: int) -> None:
@@ -131,10 +146,11 @@ class FaultHooks:
         if target == "grad":
             for p in model.parameters():
                 if p.grad is not None:
-                    (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).fill_(float("nan"))
+                    (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).fill_(
+                        float("nan")
+                    )
                     break
         return local_loss
-
 
     def slow_down(self) -> None:
         """Sleep ``SHARDSMITH_TEST_SLOW``'s seconds for this rank (after forward and backward)."""
@@ -149,9 +165,13 @@ class FaultHooks:
         for name, p in model.named_parameters():
             if p.grad is not None and (not fqn or name == fqn):
                 g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                flat = g.view(-1)[:1].view({2: torch.int16, 4: torch.int32, 8: torch.int64}[g.element_size()])
+                flat = g.view(-1)[:1].view(
+                    {2: torch.int16, 4: torch.int32, 8: torch.int64}[g.element_size()]
+                )
                 flat ^= 1 << int(bit or 0)
-                say(f"rank {self.rank}: test hook: flipped bit {bit or 0} of {name}[0] in step {step}'s replay")
+                say(
+                    f"rank {self.rank}: test hook: flipped bit {bit or 0} of {name}[0] in step {step}'s replay"
+                )
                 return
 
 

@@ -38,9 +38,15 @@ class PreemptionHandler:
         clock: monotonic seconds (injectable for tests).
     """
 
-    def __init__(self, deadline_s: float, *, is_hung: Callable[[], bool] = lambda: False,
-                 exit_fn: Callable[[int], Any] = os._exit, repeat_grace_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        deadline_s: float,
+        *,
+        is_hung: Callable[[], bool] = lambda: False,
+        exit_fn: Callable[[int], Any] = os._exit,
+        repeat_grace_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.deadline_s = deadline_s
         self.requested: int | None = None
         self._is_hung = is_hung
@@ -79,7 +85,7 @@ class PreemptionHandler:
         name = "Ctrl-C" if ctrl_c else signal.Signals(signum).name
         grace = SIGINT_REPEAT_GRACE_S if ctrl_c else self._grace_s
         if self.requested is not None and not again and self._clock() - self._first_at < grace:
-            return                                   # the same notice, delivered twice
+            return  # the same notice, delivered twice
         # Ctrl-C reaches every rank at once: rank 0 speaks for all. Another signal may reach
         # one rank only (a scheduler's, or a rank's own): that rank says so.
         tell = say_once if ctrl_c else (lambda m: say(f"rank {os.environ.get('RANK', '?')}: {m}"))
@@ -91,15 +97,19 @@ class PreemptionHandler:
             self._exit(128 + signum)
             return
         self.requested, self._first_at = signum, self._clock()
-        tell(f"{name}: checkpointing at the next step boundary, then exiting (deadline "
-             f"{self.deadline_s:g}s; {'press it' if ctrl_c else 'send it'} again to exit now)")
+        tell(
+            f"{name}: checkpointing at the next step boundary, then exiting (deadline "
+            f"{self.deadline_s:g}s; {'press it' if ctrl_c else 'send it'} again to exit now)"
+        )
         self._timer = threading.Timer(self.deadline_s, self._deadline_passed)
         self._timer.daemon = True
         self._timer.start()
 
     def _deadline_passed(self) -> None:
-        say(f"rank {os.environ.get('RANK', '?')}: preemption checkpoint not committed within "
-             f"--preempt-deadline {self.deadline_s:g}s; exiting without it (stacks follow)")
+        say(
+            f"rank {os.environ.get('RANK', '?')}: preemption checkpoint not committed within "
+            f"--preempt-deadline {self.deadline_s:g}s; exiting without it (stacks follow)"
+        )
         faulthandler.dump_traceback(2, all_threads=True)
         self._exit(1)
 

@@ -79,10 +79,17 @@ class StepWatchdog:
         start_thread: False = no thread; call :meth:`check` yourself (tests).
     """
 
-    def __init__(self, *, factor: float, min_s: float, dump_path: str = "",
-                 on_hang: Callable[[int, float, float], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, window: int = 50,
-                 start_thread: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        factor: float,
+        min_s: float,
+        dump_path: str = "",
+        on_hang: Callable[[int, float, float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        window: int = 50,
+        start_thread: bool = True,
+    ) -> None:
         self.factor, self.min_s = factor, min_s
         self.dump_path, self.on_hang, self.clock = dump_path, on_hang, clock
         self.durations_s: deque[float] = deque(maxlen=window)
@@ -162,8 +169,10 @@ class StepWatchdog:
                 log.exception("watchdog: dumping stacks failed")
 
     def _dump(self, step: int, elapsed: float, limit: float) -> None:
-        header = (f"rank {os.environ.get('RANK', '?')}: step {step} has run {elapsed:.1f}s, over the "
-                  f"hang threshold {limit:.1f}s; stacks of all threads:\n")
+        header = (
+            f"rank {os.environ.get('RANK', '?')}: step {step} has run {elapsed:.1f}s, over the "
+            f"hang threshold {limit:.1f}s; stacks of all threads:\n"
+        )
         say(header.rstrip())
         faulthandler.dump_traceback(2, all_threads=True)
         if self.dump_path:

@@ -19,14 +19,19 @@ import sys
 from collections import deque
 from typing import Any
 
-from shardsmith.layout import MESH_AXIS_TABLE
-from shardsmith.layout import format_nbytes
+from shardsmith.layout import MESH_AXIS_TABLE, format_nbytes
 
 #: Dense bf16 peak FLOP/s of one device by name fragment (vendor data sheets), for MFU
 #: when ``--peak-flops`` is not given.
-KNOWN_PEAK_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
-                    ("A10G", 125e12), ("L4", 121e12), ("V100", 125e12))
-
+KNOWN_PEAK_FLOPS = (
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 125e12),
+    ("L4", 121e12),
+    ("V100", 125e12),
+)
 
 
 def peak_memory_nbytes() -> int:
@@ -34,7 +39,7 @@ def peak_memory_nbytes() -> int:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         return int(torch.cuda.max_memory_allocated())
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024    # Linux: KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def known_peak_flops() -> float:
@@ -64,14 +69,20 @@ def step_line(record: dict[str, Any]) -> str:
     ms/step, tokens seen, peak memory, MFU, the MoE router's load imbalance (max/mean routed
     tokens per expert, the worst layer) and aux loss, the slowest rank when one stands out
     (:mod:`shardsmith.trainer.detect.straggler`), and ETA (each when the record has it)."""
+
     def num(x: Any, fmt: str) -> str:
         return "nan" if x is None else format(x, fmt)
 
     total = record.get("steps")
     where = f"{record['step']:>{len(str(total))}}/{total}" if total else f"{record['step']:>6}"
-    parts = [f"step {where}", f"loss {num(record['loss'], '.4f')}", f"lr {record['lr']:.2e}",
-             f"grad {num(record['grad_norm'], '.3f')}", f"{record['tokens_per_s']:,.0f} tok/s",
-             f"{record['seconds'] * 1000:,.0f} ms/step"]
+    parts = [
+        f"step {where}",
+        f"loss {num(record['loss'], '.4f')}",
+        f"lr {record['lr']:.2e}",
+        f"grad {num(record['grad_norm'], '.3f')}",
+        f"{record['tokens_per_s']:,.0f} tok/s",
+        f"{record['seconds'] * 1000:,.0f} ms/step",
+    ]
     if "tokens_seen" in record:
         parts.append(f"{count(record['tokens_seen'])} tok")
     if "peak_mem_nbytes" in record:
@@ -79,9 +90,13 @@ def step_line(record: dict[str, Any]) -> str:
     if "mfu" in record:
         parts.append(f"MFU {record['mfu']:.1%}")
     if record.get("moe_load_imbalance"):
-        parts.append(f"experts max/mean {max(record['moe_load_imbalance']):.2f}  aux {record['moe_aux_loss']:.3f}")
+        parts.append(
+            f"experts max/mean {max(record['moe_load_imbalance']):.2f}  aux {record['moe_aux_loss']:.3f}"
+        )
     if "slowest_rank" in record:
-        parts.append(f"slowest rank {record['slowest_rank']} ({record['slowest_compute_ratio']:.1f}x median compute)")
+        parts.append(
+            f"slowest rank {record['slowest_rank']} ({record['slowest_compute_ratio']:.1f}x median compute)"
+        )
     if "eta_s" in record:
         parts.append(f"ETA {duration(record['eta_s'])}")
     return "  ".join(parts) + ("  SKIPPED (non-finite)" if record["skipped"] else "")
@@ -110,15 +125,20 @@ def layout_name(layout: dict[str, Any] | None) -> str:
     then virtual stages and expert parallelism when above 1 (``pp2·dps2·ep2``)."""
     if not layout:
         return "?"
-    parts = [f"{a.short}{layout[a.name]}" for a in MESH_AXIS_TABLE if int(layout.get(a.name, 1)) > 1]
-    parts += [f"{short}{layout[key]}" for key, short in (("virtual_stages", "v"), ("expert_parallel", "ep"))
-              if int(layout.get(key, 1)) > 1]
+    parts = [
+        f"{a.short}{layout[a.name]}" for a in MESH_AXIS_TABLE if int(layout.get(a.name, 1)) > 1
+    ]
+    parts += [
+        f"{short}{layout[key]}"
+        for key, short in (("virtual_stages", "v"), ("expert_parallel", "ep"))
+        if int(layout.get(key, 1)) > 1
+    ]
     return "·".join(parts) or "1 rank"
 
 
 def short_url(url: str) -> str:
     """A local URL relative to the working directory when under it; others as given."""
-    path = url[len("file://"):] if url.startswith("file://") else url
+    path = url[len("file://") :] if url.startswith("file://") else url
     if "://" in path or not os.path.isabs(path):
         return path
     rel = os.path.relpath(path)
@@ -131,7 +151,9 @@ def event_line(record: dict[str, Any]) -> str:
     kind = record.get("event")
     describe = _EVENT_LINES.get(str(kind))
     if describe is None:
-        return f"{kind}: " + ", ".join(f"{k} {v}" for k, v in record.items() if k not in ("time", "event"))
+        return f"{kind}: " + ", ".join(
+            f"{k} {v}" for k, v in record.items() if k not in ("time", "event")
+        )
     return describe(record)
 
 
@@ -143,14 +165,18 @@ def _resume(r: dict[str, Any]) -> str:
     shared = r.get("replicas_sharing_reads", 1)
     once = f", tensors of 1 MiB or more read by 1 of {shared} replicas" if shared > 1 else ""
     once += ", chunks the TP group shares read once" if r.get("tp_siblings_share_reads") else ""
-    return (f"resumed step {r['step']} from {short_url(r.get('from', '?'))} ({layout}; "
-            f"{format_nbytes(r.get('nbytes_read', 0))} read by all ranks{once} in {r.get('seconds', 0):.1f} s)")
+    return (
+        f"resumed step {r['step']} from {short_url(r.get('from', '?'))} ({layout}; "
+        f"{format_nbytes(r.get('nbytes_read', 0))} read by all ranks{once} in {r.get('seconds', 0):.1f} s)"
+    )
 
 
 def _save(r: dict[str, Any]) -> str:
     where = f" → {short_url(r['url'])}" if r.get("url") else ""
-    return (f"saved step {r['step']}{where} ({format_nbytes(r.get('nbytes', 0))}, "
-            f"{r.get('blocked_seconds', 0):.1f} s blocked)")
+    return (
+        f"saved step {r['step']}{where} ({format_nbytes(r.get('nbytes', 0))}, "
+        f"{r.get('blocked_seconds', 0):.1f} s blocked)"
+    )
 
 
 def _start(r: dict[str, Any]) -> str:
@@ -164,36 +190,63 @@ _EVENT_LINES = {
     "resume": _resume,
     "save": _save,
     "preempt": lambda r: "",
-    "warning": lambda r: "",                                  # logged once where it was raised
+    "warning": lambda r: "",  # logged once where it was raised
     "schedule_change": lambda r: f"warning: {r.get('message', 'the LR schedule changed')}",
-    "gc": lambda r: "deleted old checkpoints: steps " + ", ".join(map(str, r.get("deleted_steps", []))),
-    "init_from": lambda r: (f"initialized the weights from {short_url(r.get('from', '?'))} "
-                            f"(step {r.get('source_step')}, layout {layout_name(r.get('saved_layout'))}"
-                            + (f"; {'/'.join(r['upcast_from'])} upcast to F32, exact" if r.get("upcast_from") else "")
-                            + ")"),
-    "corrupt_step": lambda r: ("" if r.get("fallback_step") is None      # no fallback: the job's error says it
-                               else f"warning: step {r['step']} ({short_url(r.get('url', '?'))}) is corrupt: "
-                                    f"{r.get('error')}; loading step {r['fallback_step']}, the newest older committed "
-                                    "step of its run (the corrupt one is marked: `shardsmith ls` shows it)"),
-    "data_change": lambda r: (f"data change at step {r['step']} (--data-change {r['how']}): {r['from']} -> {r['to']}; "
-                              f"the new data starts at global sample {r['sample_index']}"),
-    "batch_change": lambda r: (f"global batch size changes at step {r['step']}: {r['from']} -> {r['to']} samples; "
-                               f"the data continues at global sample {r['sample_index']}"),
-    "bad_step": lambda r: (f"step {r['step']}: non-finite loss {r.get('loss')} or grad norm "
-                           f"{r.get('grad_norm')}; update skipped ({r.get('consecutive')} in a row)"),
-    "recovery": lambda r: (f"recovered step {r['step']} from {r.get('source')}"       # benches parse this
-                           + (f" ({r['detail']})" if r.get("detail") else "")),
-    "rollback": lambda r: (f"rolled back from step {r['from_step']} to {r['to_step']}, skipping "
-                           f"{r.get('skip_samples')} samples"),
-    "data_skip": lambda r: f"skipping samples {r['from_sample']}..{r['to_sample']} (marked bad by a rollback)",
-    "straggler": lambda r: (f"straggler: rank(s) {r['ranks']} computed {r['factor']}x the median "
-                            f"({r['median_compute_s'] * 1000:,.0f} ms) or more for {r['windows']} windows in a row "
-                            f"(step {r['step']})"),
-    "sdc": lambda r: (f"silent data corruption? step {r['step']} replayed gave other gradients on rank(s) "
-                      f"{r['ranks']} (first: rank {r['rank']}, {r['tensor']}); --on-sdc {r['policy']}"),
-    "nonfinite": lambda r: (f"step {r['step']}: first non-finite value on rank {r['rank']} in {r['tensor']} "
-                            f"(ranks {r['ranks']})"),
-    "goodput": lambda r: "",                                  # the final line says it
-    "hang_suspected": lambda r: (f"step {r['step']} has run {r['seconds']:.0f} s (> {r['threshold']:.0f} s): "
-                                 "stacks dumped under hang-stacks/"),
+    "gc": lambda r: (
+        "deleted old checkpoints: steps " + ", ".join(map(str, r.get("deleted_steps", [])))
+    ),
+    "init_from": lambda r: (
+        f"initialized the weights from {short_url(r.get('from', '?'))} "
+        f"(step {r.get('source_step')}, layout {layout_name(r.get('saved_layout'))}"
+        + (f"; {'/'.join(r['upcast_from'])} upcast to F32, exact" if r.get("upcast_from") else "")
+        + ")"
+    ),
+    "corrupt_step": lambda r: (
+        ""
+        if r.get("fallback_step") is None  # no fallback: the job's error says it
+        else f"warning: step {r['step']} ({short_url(r.get('url', '?'))}) is corrupt: "
+        f"{r.get('error')}; loading step {r['fallback_step']}, the newest older committed "
+        "step of its run (the corrupt one is marked: `shardsmith ls` shows it)"
+    ),
+    "data_change": lambda r: (
+        f"data change at step {r['step']} (--data-change {r['how']}): {r['from']} -> {r['to']}; "
+        f"the new data starts at global sample {r['sample_index']}"
+    ),
+    "batch_change": lambda r: (
+        f"global batch size changes at step {r['step']}: {r['from']} -> {r['to']} samples; "
+        f"the data continues at global sample {r['sample_index']}"
+    ),
+    "bad_step": lambda r: (
+        f"step {r['step']}: non-finite loss {r.get('loss')} or grad norm "
+        f"{r.get('grad_norm')}; update skipped ({r.get('consecutive')} in a row)"
+    ),
+    "recovery": lambda r: (
+        f"recovered step {r['step']} from {r.get('source')}"  # benches parse this
+        + (f" ({r['detail']})" if r.get("detail") else "")
+    ),
+    "rollback": lambda r: (
+        f"rolled back from step {r['from_step']} to {r['to_step']}, skipping "
+        f"{r.get('skip_samples')} samples"
+    ),
+    "data_skip": lambda r: (
+        f"skipping samples {r['from_sample']}..{r['to_sample']} (marked bad by a rollback)"
+    ),
+    "straggler": lambda r: (
+        f"straggler: rank(s) {r['ranks']} computed {r['factor']}x the median "
+        f"({r['median_compute_s'] * 1000:,.0f} ms) or more for {r['windows']} windows in a row "
+        f"(step {r['step']})"
+    ),
+    "sdc": lambda r: (
+        f"silent data corruption? step {r['step']} replayed gave other gradients on rank(s) "
+        f"{r['ranks']} (first: rank {r['rank']}, {r['tensor']}); --on-sdc {r['policy']}"
+    ),
+    "nonfinite": lambda r: (
+        f"step {r['step']}: first non-finite value on rank {r['rank']} in {r['tensor']} "
+        f"(ranks {r['ranks']})"
+    ),
+    "goodput": lambda r: "",  # the final line says it
+    "hang_suspected": lambda r: (
+        f"step {r['step']} has run {r['seconds']:.0f} s (> {r['threshold']:.0f} s): "
+        "stacks dumped under hang-stacks/"
+    ),
 }

@@ -29,22 +29,36 @@ import threading
 import time
 from typing import Any, Iterator
 
-from shardsmith.trainer.observe.console import event_line, step_line  # noqa: F401 (re-exported)
 from shardsmith.trainer.config import TrainConfig
+from shardsmith.trainer.observe.console import event_line, step_line  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 #: Step-record fields also written to TensorBoard as scalars (``train/<name>``).
-TB_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "skipped_steps", "rollbacks", "restarts")
+TB_SCALARS = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "mfu",
+    "skipped_steps",
+    "rollbacks",
+    "restarts",
+)
 #: Event fields written to TensorBoard as ``checkpoint/<tag>`` scalars: (event, field, tag).
-TB_EVENT_SCALARS = (("save", "seconds", "save_seconds"), ("save", "blocked_seconds", "save_blocked_seconds"),
-                    ("save", "nbytes", "save_nbytes"), ("resume", "seconds", "load_seconds"),
-                    ("resume", "nbytes_read", "load_nbytes"))
+TB_EVENT_SCALARS = (
+    ("save", "seconds", "save_seconds"),
+    ("save", "blocked_seconds", "save_blocked_seconds"),
+    ("save", "nbytes", "save_nbytes"),
+    ("resume", "seconds", "load_seconds"),
+    ("resume", "nbytes_read", "load_nbytes"),
+)
 
 
-def model_flops_utilization(tokens_per_s: float, flops_token: float, peak_flops: float,
-                            num_devices: int) -> float | None:
+def model_flops_utilization(
+    tokens_per_s: float, flops_token: float, peak_flops: float, num_devices: int
+) -> float | None:
     """MFU = achieved model FLOP/s / (peak FLOP/s per device * devices) (PaLM, section 4.1).
 
     Args:
@@ -80,8 +94,14 @@ class MetricsWriter:
         ImportError: ``wandb`` asked for and not installed.
     """
 
-    def __init__(self, run_dir: str, *, tensorboard: bool = True, wandb: bool = False,
-                 config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        tensorboard: bool = True,
+        wandb: bool = False,
+        config: dict[str, Any] | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, METRICS_FILE) if run_dir else ""
         self._lock = threading.Lock()
@@ -103,7 +123,7 @@ class MetricsWriter:
         with self._lock:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                os.write(fd, line)              # one write(): a kill never splits a line
+                os.write(fd, line)  # one write(): a kill never splits a line
             finally:
                 os.close(fd)
             if self._tb is not None:
@@ -116,7 +136,9 @@ class MetricsWriter:
         kind = record.get("event")
         if kind is None:
             for name in TB_SCALARS:
-                if isinstance(record.get(name), (int, float)) and not isinstance(record[name], bool):
+                if isinstance(record.get(name), (int, float)) and not isinstance(
+                    record[name], bool
+                ):
                     self._tb.add_scalar(f"train/{name}", record[name], step)
             return
         for event, name, tag in TB_EVENT_SCALARS:
@@ -133,7 +155,7 @@ class MetricsWriter:
             import wandb
 
             self._wandb.finish()
-            wandb.teardown()          # finish() returns before the wandb-core service wrote the run out
+            wandb.teardown()  # finish() returns before the wandb-core service wrote the run out
             self._wandb = None
 
 
@@ -170,13 +192,24 @@ def run_dir(cfg: TrainConfig) -> str:
         return cfg.run_dir
     url = cfg.checkpoint.url
     if url.startswith("file://"):
-        return url[len("file://"):]
+        return url[len("file://") :]
     return url if url and "://" not in url else ""
 
 
-def step_record(*, step: int, loss: float, lr: float, grad_norm: float, duration_s: float, tokens: int,
-                skipped: bool, flops_token: float, peak_flops: float, world_size: int,
-                counters: dict[str, int]) -> dict[str, Any]:
+def step_record(
+    *,
+    step: int,
+    loss: float,
+    lr: float,
+    grad_norm: float,
+    duration_s: float,
+    tokens: int,
+    skipped: bool,
+    flops_token: float,
+    peak_flops: float,
+    world_size: int,
+    counters: dict[str, int],
+) -> dict[str, Any]:
     """The metrics.jsonl record of one step (non-finite values become ``null``).
 
     Args:
@@ -189,9 +222,16 @@ def step_record(*, step: int, loss: float, lr: float, grad_norm: float, duration
     """
     tokens_per_s = tokens / max(duration_s, 1e-9)
     record: dict[str, Any] = {
-        "step": step, "loss": _finite(loss), "lr": lr, "grad_norm": _finite(grad_norm),
-        "tokens_per_s": round(tokens_per_s, 1), "flops_per_s": tokens_per_s * flops_token,
-        "seconds": round(duration_s, 4), "skipped": skipped, **counters}
+        "step": step,
+        "loss": _finite(loss),
+        "lr": lr,
+        "grad_norm": _finite(grad_norm),
+        "tokens_per_s": round(tokens_per_s, 1),
+        "flops_per_s": tokens_per_s * flops_token,
+        "seconds": round(duration_s, 4),
+        "skipped": skipped,
+        **counters,
+    }
     mfu = model_flops_utilization(tokens_per_s, flops_token, peak_flops, world_size)
     if mfu is not None:
         record["mfu"] = round(mfu, 6)
@@ -205,7 +245,7 @@ def _finite(x: float) -> float | None:
 def _tensorboard_writer(log_dir: str) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
-    except ImportError:                  # optional: `pip install tensorboard`
+    except ImportError:  # optional: `pip install tensorboard`
         return None
     return SummaryWriter(log_dir=log_dir)
 
@@ -215,13 +255,19 @@ def _wandb_run(run_dir: str, config: dict[str, Any]) -> Any:
         import wandb
     except ImportError as exc:
         raise ImportError("--wandb needs the wandb package: pip install wandb") from exc
-    return wandb.init(dir=run_dir, project=os.environ.get("WANDB_PROJECT", "shardsmith"), config=config,
-                      mode=os.environ.get("WANDB_MODE", "offline"))  # type: ignore[arg-type]       # compute nodes often have no network
+    return wandb.init(
+        dir=run_dir,
+        project=os.environ.get("WANDB_PROJECT", "shardsmith"),
+        config=config,
+        # compute nodes often have no network
+        mode=os.environ.get("WANDB_MODE", "offline"),  # type: ignore[arg-type]
+    )
 
 
 def _wandb_scalars(record: dict[str, Any]) -> dict[str, float]:
     """A record's scalars under TensorBoard's tags (``train/*``, ``checkpoint/*``), and every
     number of a ``goodput`` event as ``goodput/*``."""
+
     def number(x: Any) -> bool:
         return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -231,8 +277,11 @@ def _wandb_scalars(record: dict[str, Any]) -> dict[str, float]:
         return {**out, "train/step": record.get("step", 0)}
     if kind == "goodput":
         return {f"goodput/{k}": v for k, v in record.items() if number(v) and k != "time"}
-    return {f"checkpoint/{tag}": record[name] for event, name, tag in TB_EVENT_SCALARS
-            if kind == event and number(record.get(name))}
+    return {
+        f"checkpoint/{tag}": record[name]
+        for event, name, tag in TB_EVENT_SCALARS
+        if kind == event and number(record.get(name))
+    }
 
 
 def iter_json_lines(path: str) -> Iterator[dict[str, Any]]:

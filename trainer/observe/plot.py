@@ -12,12 +12,22 @@ from typing import Any
 from shardsmith.trainer.observe.metrics import METRICS_FILE, iter_json_lines
 
 #: Panels: (record field, axis label).
-PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "grad norm"), ("tokens_per_s", "tokens/s"))
-_STYLES = {"restarts": ("C1", "--", "restart"), "reshards": ("C2", ":", "reshard"),
-           "rollbacks": ("C3", "-.", "rollback")}
+PANELS = (
+    ("loss", "loss"),
+    ("lr", "learning rate"),
+    ("grad_norm", "grad norm"),
+    ("tokens_per_s", "tokens/s"),
+)
+_STYLES = {
+    "restarts": ("C1", "--", "restart"),
+    "reshards": ("C2", ":", "reshard"),
+    "rollbacks": ("C3", "-.", "rollback"),
+}
 
 
-def loss_segments(records: list[dict[str, Any]], key: str = "loss") -> list[list[tuple[int, float]]]:
+def loss_segments(
+    records: list[dict[str, Any]], key: str = "loss"
+) -> list[list[tuple[int, float]]]:
     """A curve in pieces: one piece as long as the steps go forward (across restarts,
     relaunches and reshards that continue from where the last piece ended); a new piece
     wherever the steps go back (a rollback, or steps lost since the last checkpoint). Each
@@ -63,8 +73,9 @@ def read_runs(run_dirs: list[str]) -> list[dict[str, Any]]:
     for run_dir in run_dirs:
         path = os.path.join(run_dir, METRICS_FILE)
         if not os.path.exists(path):
-            raise FileNotFoundError(f"{path} does not exist; pass the --run-dir (or local --ckpt) of a "
-                                    "training run")
+            raise FileNotFoundError(
+                f"{path} does not exist; pass the --run-dir (or local --ckpt) of a training run"
+            )
         records += iter_json_lines(path)
     if not loss_segments(records):
         raise ValueError(f"{', '.join(run_dirs)}: no step with a finite loss to plot")
@@ -100,12 +111,15 @@ def plot_runs(run_dirs: list[str], out_path: str = "") -> str:
     records = read_runs(run_dirs)
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError as exc:
-        raise ImportError("shardsmith plot needs matplotlib, which `pip install -e .` does not install: "
-                          "pip install -e \".[plot]\" in a clone (else: pip install \"shardsmith[plot]\")") from exc
+        raise ImportError(
+            "shardsmith plot needs matplotlib, which `pip install -e .` does not install: "
+            'pip install -e ".[plot]" in a clone (else: pip install "shardsmith[plot]")'
+        ) from exc
     markers = run_markers(records)
     markers["restarts"] = [s for s in markers["restarts"] if s not in markers["reshards"]]
     fig, axes = plt.subplots(2, 2, figsize=(11, 6.5), sharex=True)
@@ -119,11 +133,13 @@ def plot_runs(run_dirs: list[str], out_path: str = "") -> str:
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.text(0.5, 0.01, goodput_caption(records), ha="center", fontsize=9)
     out_path = out_path or os.path.join(run_dirs[-1], "loss.png")
-    fd, tmp = tempfile.mkstemp(prefix=".plot-", suffix=".png", dir=os.path.dirname(os.path.abspath(out_path)))
+    fd, tmp = tempfile.mkstemp(
+        prefix=".plot-", suffix=".png", dir=os.path.dirname(os.path.abspath(out_path))
+    )
     try:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format="png", dpi=100)
-        os.chmod(tmp, 0o666 & ~_umask())             # mkstemp's 0600 -> what any other output gets
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 -> what any other output gets
         os.replace(tmp, out_path)
     finally:
         plt.close(fig)
@@ -132,11 +148,18 @@ def plot_runs(run_dirs: list[str], out_path: str = "") -> str:
     return out_path
 
 
-def _draw_panel(ax: Any, segments: list[list[tuple[int, float]]], label: str,
-                markers: dict[str, list[int]]) -> None:
+def _draw_panel(
+    ax: Any, segments: list[list[tuple[int, float]]], label: str, markers: dict[str, list[int]]
+) -> None:
     for i, seg in enumerate(segments):
-        ax.plot([s for s, _ in seg], [v for _, v in seg], color="C0", lw=1.2,
-                alpha=1.0 if i == len(segments) - 1 else 0.55, label=label if i == 0 else None)
+        ax.plot(
+            [s for s, _ in seg],
+            [v for _, v in seg],
+            color="C0",
+            lw=1.2,
+            alpha=1.0 if i == len(segments) - 1 else 0.55,
+            label=label if i == 0 else None,
+        )
     for kind, steps in markers.items():
         color, ls, name = _STYLES[kind]
         for j, step in enumerate(steps):

@@ -28,7 +28,9 @@ def profile_step(step: int, steps: tuple[int, ...], directory: str, rank: int) -
         return
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    )
     with profile(activities=activities, record_shapes=True, profile_memory=True) as prof:
         yield
     path = trace_path(directory, step, rank)

@@ -3,4 +3,5 @@
 
 from .preflight import prepare as prepare
 from .supervisor import launch_in_process as launch_in_process
-from .worker import exit_process as exit_process, setup_process as setup_process
+from .worker import exit_process as exit_process
+from .worker import setup_process as setup_process

@@ -52,10 +52,20 @@ WORKER_ID_ENV = "SHARDSMITH_WORKER_ID"
 #: Substrings of the errors gloo (and the c10d store) raise when a peer is gone or silent, and
 #: those of NCCL after its communicators are aborted or a remote rank died (GPU jobs; not run
 #: on a GPU here: no device was lent to the session that added them).
-PEER_LOST_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-                     "gloo/transport", "Socket Timeout", "Timed out", "DistNetworkError",
-                     "Connection refused", "connection was closed",
-                     "NCCL communicator was aborted", "ncclRemoteError", "remote process exited")
+PEER_LOST_MARKERS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "gloo/transport",
+    "Socket Timeout",
+    "Timed out",
+    "DistNetworkError",
+    "Connection refused",
+    "connection was closed",
+    "NCCL communicator was aborted",
+    "ncclRemoteError",
+    "remote process exited",
+)
 
 
 def peer_lost(exc: BaseException) -> bool:
@@ -77,15 +87,20 @@ def peer_lost(exc: BaseException) -> bool:
 def connect(address: str, timeout_s: float) -> dist.TCPStore:
     """A client of the supervisor's TCPStore at ``HOST:PORT``."""
     host, _, port = address.rpartition(":")
-    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+    return dist.TCPStore(
+        host,
+        int(port),
+        is_master=False,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def next_assignment(store: dist.TCPStore, worker_id: str, k: int, parent: int) -> dict[str, Any]:
     """Block until the supervisor writes this worker's ``k``-th assignment; an exit order
     when the supervisor (``parent``) is gone."""
     key = f"assign/{worker_id}/{k}"
-    while not store.check([key]):                 # polling: a blocking wait logs every timeout
+    while not store.check([key]):  # polling: a blocking wait logs every timeout
         if os.getppid() != parent:
             return {"exit": 1, "why": "the supervisor is gone"}
         time.sleep(0.01)
@@ -101,8 +116,13 @@ def join_generation(cfg: TrainConfig, store: dist.TCPStore, job: dict[str, Any])
     from shardsmith.trainer.train import Trainer
 
     gen, rank, world = job["gen"], job["rank"], job["world"]
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      TORCHELASTIC_RESTART_COUNT=str(gen))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        TORCHELASTIC_RESTART_COUNT=str(gen),
+    )
     logging.getLogger().setLevel(logging.INFO if rank == 0 else logging.WARNING)
     # Crash points (tests) follow the rank; SHARDSMITH_TEST_CRASH_AT fires in generation 0,
     # SHARDSMITH_TEST_CRASH_AT_GEN{G} in generation G (a replayed save must not crash again).
@@ -111,11 +131,16 @@ def join_generation(cfg: TrainConfig, store: dist.TCPStore, job: dict[str, Any])
     timeout = max(cfg.fault.init_timeout, cfg.fault.collective_timeout)
     apply_collective_timeout(timeout)
     backend = "gloo"
-    if device_type() == "cuda":                           # as init_distributed: NCCL for GPU tensors
+    if device_type() == "cuda":  # as init_distributed: NCCL for GPU tensors
         torch.cuda.set_device(rank)
         backend = "cpu:gloo,cuda:nccl"
-    dist.init_process_group(backend, store=dist.PrefixStore(f"gen{gen}/", store), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=timeout))
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"gen{gen}/", store),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout),
+    )
     return Trainer.create(fit_world_size(cfg, world))
 
 
@@ -154,7 +179,7 @@ def sever_connections(keep_port: int | None = None) -> int:
             continue
         try:
             if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
-                if sock.getpeername()[1] != keep_port:       # a listening socket raises: skipped
+                if sock.getpeername()[1] != keep_port:  # a listening socket raises: skipped
                     sock.shutdown(socket.SHUT_RDWR)
                     count += 1
         except OSError:
@@ -166,7 +191,11 @@ def sever_connections(keep_port: int | None = None) -> int:
 
 def _uses_nccl() -> bool:
     """True when this process's default group runs NCCL for GPU tensors."""
-    return dist.is_initialized() and torch.cuda.is_available() and "nccl" in str(dist.get_backend()).lower()
+    return (
+        dist.is_initialized()
+        and torch.cuda.is_available()
+        and "nccl" in str(dist.get_backend()).lower()
+    )
 
 
 class AbortWatcher:
@@ -186,9 +215,11 @@ class AbortWatcher:
     def _loop(self) -> None:
         while not self._stop.wait(0.02):
             if os.path.exists(self.flag):
-                say(f"rank {os.environ.get('RANK', '?')}: generation aborted by the supervisor; "
-                    f"closed {sever_connections()} connection(s)")
-                if _uses_nccl():              # a wait on a CUDA stream ignores sockets: abort NCCL itself
+                say(
+                    f"rank {os.environ.get('RANK', '?')}: generation aborted by the supervisor; "
+                    f"closed {sever_connections()} connection(s)"
+                )
+                if _uses_nccl():  # a wait on a CUDA stream ignores sockets: abort NCCL itself
                     abort_groups()
                 return
 
@@ -227,7 +258,7 @@ def serve(cfg: TrainConfig, address: str, worker_id: str, flag_dir: str) -> int:
             trainer = join_generation(cfg, store, job)
             trainer.run()
             watcher.close()
-            dist.destroy_process_group()                  # the normal end: no abort
+            dist.destroy_process_group()  # the normal end: no abort
             return 0
         except Exception as exc:
             if not peer_lost(exc):
@@ -235,12 +266,14 @@ def serve(cfg: TrainConfig, address: str, worker_id: str, flag_dir: str) -> int:
                     raise
                 report_error(f"rank {job['rank']}: {type(exc).__name__}: {exc}")
                 return 1
-            say(f"rank {job['rank']}: a peer of generation {job['gen']} is gone ({_first_line(exc)}); "
-                "rejoining")
+            say(
+                f"rank {job['rank']}: a peer of generation {job['gen']} is gone ({_first_line(exc)}); "
+                "rejoining"
+            )
             watcher.close()
-            store = connect(address, timeout)             # the old connection may be severed
-            store.add(f"failed/{job['gen']}", 1)          # the supervisor may open the next generation
-            tear_down(trainer)                            # ...which waits in rendezvous for this rank
+            store = connect(address, timeout)  # the old connection may be severed
+            store.add(f"failed/{job['gen']}", 1)  # the supervisor may open the next generation
+            tear_down(trainer)  # ...which waits in rendezvous for this rank
         finally:
             watcher.close()
             abort_groups()
@@ -257,10 +290,14 @@ def main(argv: list[str]) -> int:
     setup_process()
     with open(argv[0]) as f:
         cfg = TrainConfig.from_json(json.load(f))
-    importlib.import_module("shardsmith.trainer.train")   # warm: the imports happen before any assignment
+    importlib.import_module(
+        "shardsmith.trainer.train"
+    )  # warm: the imports happen before any assignment
 
     try:
-        return serve(cfg, os.environ[SUPERVISOR_ENV], os.environ[WORKER_ID_ENV], os.path.dirname(argv[0]))
+        return serve(
+            cfg, os.environ[SUPERVISOR_ENV], os.environ[WORKER_ID_ENV], os.path.dirname(argv[0])
+        )
     except KeyboardInterrupt:
         return 130
 

@@ -34,9 +34,11 @@ from shardsmith.errors import ShardsmithError
 from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.fault.preemption import PREEMPT_SIGNALS
 from shardsmith.trainer.runtime.preflight import prepare
+
 #: Where a worker writes its error line; the first one to fail creates the file (O_EXCL) and
 #: the launcher prints it once, instead of every rank's echo of the same failure.
 from shardsmith.trainer.runtime.worker import ERROR_FILE_ENV
+
 #: Exit code of a job stopped by Ctrl-C (128 + SIGINT, as a shell reports it).
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 
@@ -47,7 +49,9 @@ class LaunchError(ShardsmithError, RuntimeError):
 
 def under_torchrun() -> bool:
     """True when this process was started by torchrun (or another torchelastic agent)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    )
 
 
 def config_payload(cfg: TrainConfig) -> dict:
@@ -61,7 +65,9 @@ def config_payload(cfg: TrainConfig) -> dict:
     """
     data = cfg.to_json()
     data["checkpoint"]["storage_options"] = cfg.checkpoint.storage_options
-    data["checkpoint"]["resume_step"] = cfg.checkpoint.resume_step      # resolved once, here (preflight.resolve)
+    data["checkpoint"]["resume_step"] = (
+        cfg.checkpoint.resume_step
+    )  # resolved once, here (preflight.resolve)
     for section, key in (("checkpoint", "url"), ("checkpoint", "local_ckpt"), (None, "run_dir")):
         holder = data[section] if section else data
         if holder.get(key) and "://" not in holder[key]:
@@ -98,16 +104,29 @@ def launch(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0) -> i
     _quiet_elastic_logs()
     set_worker_env()
     with job_files(cfg) as (path, error_file):
-        lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node,
-                          run_id=f"shardsmith-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-                          rdzv_endpoint="localhost:0", max_restarts=max_restarts,
-                          monitor_interval=0.1, start_method="spawn", **_shutdown_timeout(cfg))
+        lc = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc_per_node,
+            run_id=f"shardsmith-{uuid.uuid4().hex[:8]}",
+            rdzv_backend="c10d",
+            rdzv_endpoint="localhost:0",
+            max_restarts=max_restarts,
+            monitor_interval=0.1,
+            start_method="spawn",
+            **_shutdown_timeout(cfg),
+        )
         try:
-            elastic_launch(lc, entrypoint=sys.executable)("-m", "shardsmith.trainer.runtime.worker", path)
+            elastic_launch(lc, entrypoint=sys.executable)(
+                "-m", "shardsmith.trainer.runtime.worker", path
+            )
         except ChildFailedError as exc:
             rank, failure = exc.get_first_failure()
-            raise LaunchError(first_error(error_file) or f"worker rank {rank} failed with exit code "
-                              f"{failure.exitcode}; {len(exc.failures)} worker(s) failed") from None
+            raise LaunchError(
+                first_error(error_file)
+                or f"worker rank {rank} failed with exit code "
+                f"{failure.exitcode}; {len(exc.failures)} worker(s) failed"
+            ) from None
         except SignalException as exc:
             return _stopped_by(exc)
     return 0
@@ -162,7 +181,10 @@ def _quiet_elastic_logs() -> None:
         # parent's level alone did not reach them: a Ctrl-C printed "W... Received 2 death
         # signal, shutting down workers" above shardsmith's own line.
         prefix = "torch.distributed.elastic"
-        for name in [prefix, *(n for n in logging.root.manager.loggerDict if n.startswith(prefix + "."))]:
+        for name in [
+            prefix,
+            *(n for n in logging.root.manager.loggerDict if n.startswith(prefix + ".")),
+        ]:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
@@ -180,12 +202,22 @@ def _stopped_by(exc: SignalException) -> int:
     second = isinstance(exc.__context__, SignalException)
     if exc.sigval == signal.SIGINT:
         if second:
-            print("interrupted again: stopped the workers without a checkpoint", file=sys.stderr, flush=True)
+            print(
+                "interrupted again: stopped the workers without a checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
         return EXIT_INTERRUPTED
     if exc.sigval not in PREEMPT_SIGNALS or second:
-        raise LaunchError(f"stopped by {exc.sigval.name}; the workers were told to stop too") from None
-    print(f"preempted by {exc.sigval.name}: the workers checkpointed at their next step boundary "
-          "and exited", file=sys.stderr, flush=True)
+        raise LaunchError(
+            f"stopped by {exc.sigval.name}; the workers were told to stop too"
+        ) from None
+    print(
+        f"preempted by {exc.sigval.name}: the workers checkpointed at their next step boundary "
+        "and exited",
+        file=sys.stderr,
+        flush=True,
+    )
     return 0
 
 

@@ -29,13 +29,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from shardsmith.errors import StorageError
-from shardsmith.storage import read_manifest, resolve_checkpoint
-from shardsmith.storage.store import Store
-from shardsmith.storage import check_new_run_root
+from shardsmith.storage import check_new_run_root, read_manifest, resolve_checkpoint
 from shardsmith.storage.manifest import check_model_record
-from shardsmith.trainer.observe.console import short_url
-from shardsmith.trainer.checkpoint.resume import absolute_url, check_data_change, check_exists, resume_source
+from shardsmith.storage.store import Store
+from shardsmith.trainer.checkpoint.resume import (
+    absolute_url,
+    check_data_change,
+    check_exists,
+    resume_source,
+)
 from shardsmith.trainer.checkpoint.run_checks import check_before_load, reset_due
+from shardsmith.trainer.observe.console import short_url
 
 if TYPE_CHECKING:
     from shardsmith.trainer.config import TrainConfig
@@ -64,8 +68,11 @@ def resolve(cfg: TrainConfig) -> tuple[TrainConfig, Preflight]:
     exact step URL). Launcher only (or each process under an external torchrun, which decide
     alike from storage). Raises as :func:`preflight`."""
     found = preflight(cfg)
-    ckpt = dataclasses.replace(cfg.checkpoint, resume_step=found.resume_url,
-                               init_from=found.init_from or cfg.checkpoint.init_from)
+    ckpt = dataclasses.replace(
+        cfg.checkpoint,
+        resume_step=found.resume_url,
+        init_from=found.init_from or cfg.checkpoint.init_from,
+    )
     return dataclasses.replace(cfg, checkpoint=ckpt), found
 
 
@@ -80,14 +87,18 @@ def prepare(cfg: TrainConfig) -> TrainConfig | None:
     Raises:
         As :func:`preflight`.
     """
-    if cfg.checkpoint.resume_step is not None:          # resolved (the CLI did it before importing torch)
+    if cfg.checkpoint.resume_step is not None:  # resolved (the CLI did it before importing torch)
         return cfg
     cfg, found = resolve(cfg)
     for note in found.notes:
         print(f"warning: {note}", file=sys.stderr, flush=True)
     if found.resume_step is not None and found.resume_step >= cfg.steps:
-        print(f"{found.resume_url} is at step {found.resume_step}, at or past --steps {cfg.steps}: nothing "
-              "to train (raise --steps to continue)", file=sys.stderr, flush=True)
+        print(
+            f"{found.resume_url} is at step {found.resume_step}, at or past --steps {cfg.steps}: nothing "
+            "to train (raise --steps to continue)",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     return cfg
 
@@ -105,13 +116,17 @@ def preflight(cfg: TrainConfig) -> Preflight:
         StorageError: the checkpoint root is unreachable or not writable.
     """
     ckpt = cfg.checkpoint
-    local = absolute_url(ckpt.url) if ckpt.url and ("://" not in ckpt.url or ckpt.url.startswith("file://")) else ""
+    local = (
+        absolute_url(ckpt.url)
+        if ckpt.url and ("://" not in ckpt.url or ckpt.url.startswith("file://"))
+        else ""
+    )
     fresh = bool(local) and not os.path.exists(local.removeprefix("file://"))
     try:
         return _preflight(cfg)
     except Exception:
         if fresh and os.path.isdir(local) and not os.listdir(local):
-            os.rmdir(local)                          # a refused job leaves no trace of the root it created
+            os.rmdir(local)  # a refused job leaves no trace of the root it created
         raise
 
 
@@ -127,8 +142,12 @@ def _preflight(cfg: TrainConfig) -> Preflight:
         manifest = read_manifest(step_store)
         out.resume_step, out.resume_url = step, step_store.url
         reset = reset_due(manifest, ckpt.reset_optimizer)
-        out.notes += check_before_load(manifest, cfg, step_store.url, resume=True, reset_optimizer=reset)
-        check_model_record(manifest, short_url(step_store.url))      # a record that lies about its tensors
+        out.notes += check_before_load(
+            manifest, cfg, step_store.url, resume=True, reset_optimizer=reset
+        )
+        check_model_record(
+            manifest, short_url(step_store.url)
+        )  # a record that lies about its tensors
         check_data_change(manifest, cfg, step_store.url)
     elif ckpt.init_from:
         check_exists(ckpt.init_from, "--init-from")
@@ -149,7 +168,7 @@ def writable_root(url: str, storage_options: dict[str, Any]) -> Store:
     """
     root = Store(url, storage_options)
     if "://" not in url or url.startswith("file://"):
-        path = url[len("file://"):] if url.startswith("file://") else url
+        path = url[len("file://") :] if url.startswith("file://") else url
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as exc:
@@ -161,5 +180,3 @@ def writable_root(url: str, storage_options: dict[str, Any]) -> Store:
     root.write(probe, b"")
     root.delete(probe)
     return root
-
-

@@ -37,9 +37,14 @@ import torch.distributed as dist
 
 from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.runtime.inprocess import SUPERVISOR_ENV, WORKER_ID_ENV
+from shardsmith.trainer.runtime.launch import (
+    EXIT_INTERRUPTED,
+    LaunchError,
+    first_error,
+    job_files,
+    set_worker_env,
+)
 from shardsmith.trainer.runtime.preflight import prepare
-from shardsmith.trainer.runtime.launch import (EXIT_INTERRUPTED, LaunchError, first_error, job_files,
-                                       set_worker_env)
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +65,21 @@ class Supervisor:
         error_file: where the first failing worker writes its error line.
     """
 
-    def __init__(self, config_path: str, nproc: int, *, max_restarts: int, spares: int,
-                 refill_delay_s: float = 10.0, error_file: str = "") -> None:
+    def __init__(
+        self,
+        config_path: str,
+        nproc: int,
+        *,
+        max_restarts: int,
+        spares: int,
+        refill_delay_s: float = 10.0,
+        error_file: str = "",
+    ) -> None:
         self.config_path, self.nproc, self.max_restarts = config_path, nproc, max_restarts
         self.num_spares, self.refill_delay_s, self.error_file = spares, refill_delay_s, error_file
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=60))
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
         self.procs: dict[str, subprocess.Popen] = {}
         self.assigned: dict[str, int] = {}
         self.members: list[str] = []
@@ -79,10 +93,16 @@ class Supervisor:
 
     def _start_process(self) -> str:
         worker_id = f"w{len(self.procs)}"
-        env = {**os.environ, SUPERVISOR_ENV: f"127.0.0.1:{self.store.port}", WORKER_ID_ENV: worker_id,
-               "TORCHELASTIC_RUN_ID": self.run_id}           # the launch id the local tier checks
+        env = {
+            **os.environ,
+            SUPERVISOR_ENV: f"127.0.0.1:{self.store.port}",
+            WORKER_ID_ENV: worker_id,
+            "TORCHELASTIC_RUN_ID": self.run_id,
+        }  # the launch id the local tier checks
         self.procs[worker_id] = subprocess.Popen(
-            [sys.executable, "-m", "shardsmith.trainer.runtime.inprocess", self.config_path], env=env)
+            [sys.executable, "-m", "shardsmith.trainer.runtime.inprocess", self.config_path],
+            env=env,
+        )
         self.assigned[worker_id] = 0
         return worker_id
 
@@ -103,7 +123,7 @@ class Supervisor:
             worker_id = self.spares.pop(0)
             if self._alive(worker_id):
                 return worker_id
-        return self._start_process()                     # none left: a cold process (survivors stay)
+        return self._start_process()  # none left: a cold process (survivors stay)
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -139,12 +159,16 @@ class Supervisor:
             if any(code not in (None, 0) for code in codes) or self._reported():
                 if signal.SIGINT in self.signals:
                     return EXIT_INTERRUPTED
-                with open(os.path.join(os.path.dirname(self.config_path), f"abort-{self.gen}"), "w"):
-                    pass                                   # survivors drop their connections
+                with open(
+                    os.path.join(os.path.dirname(self.config_path), f"abort-{self.gen}"), "w"
+                ):
+                    pass  # survivors drop their connections
                 self._restart()
             if self.refill_at is not None and time.monotonic() >= self.refill_at:
                 self.refill_at = None
-                self.spares += [self._start_process() for _ in range(self.num_spares - len(self.spares))]
+                self.spares += [
+                    self._start_process() for _ in range(self.num_spares - len(self.spares))
+                ]
 
     def _reported(self) -> bool:
         """A member of this generation caught a peer failure (none died: e.g. a timeout)."""
@@ -156,7 +180,10 @@ class Supervisor:
         deadline = time.monotonic() + SETTLE_S
         while True:
             dead = [rank for rank, w in enumerate(self.members) if not self._alive(w)]
-            if len(dead) + self.store.add(f"failed/{self.gen}", 0) >= self.nproc or time.monotonic() > deadline:
+            if (
+                len(dead) + self.store.add(f"failed/{self.gen}", 0) >= self.nproc
+                or time.monotonic() > deadline
+            ):
                 return dead
             time.sleep(0.02)
 
@@ -170,9 +197,12 @@ class Supervisor:
             self.members[rank] = self._take_spare()
         self._open_generation()
         self.refill_at = time.monotonic() + self.refill_delay_s
-        print(f"restart {self.gen}/{self.max_restarts}: rank(s) {dead or 'none'} (exit codes "
-              f"{list(codes.values())}) replaced by warm spares; the others restart in place",
-              file=sys.stderr, flush=True)
+        print(
+            f"restart {self.gen}/{self.max_restarts}: rank(s) {dead or 'none'} (exit codes "
+            f"{list(codes.values())}) replaced by warm spares; the others restart in place",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _failure_line(self, dead: list[int]) -> str:
         line = first_error(self.error_file) if self.error_file else ""
@@ -201,14 +231,16 @@ class Supervisor:
 
     def _forward(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGINT and signal.SIGINT in self.signals:
-            raise KeyboardInterrupt                       # a second Ctrl-C: stop at once
+            raise KeyboardInterrupt  # a second Ctrl-C: stop at once
         self.signals.append(signum)
         for worker_id in self.members:
-            if self._alive(worker_id) and signum != signal.SIGINT:   # Ctrl-C reached them already
+            if self._alive(worker_id) and signum != signal.SIGINT:  # Ctrl-C reached them already
                 self.procs[worker_id].send_signal(signum)
 
 
-def launch_in_process(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0, spares: int = 1) -> int:
+def launch_in_process(
+    cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0, spares: int = 1
+) -> int:
     """Like :func:`shardsmith.trainer.runtime.launch.launch`, with in-process restarts and warm spares.
 
     Returns:
@@ -224,10 +256,15 @@ def launch_in_process(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: in
     cfg = resolved
     set_worker_env()
     with job_files(cfg) as (path, error_file):
-        supervisor = Supervisor(path, nproc_per_node, max_restarts=max_restarts, spares=spares,
-                                error_file=error_file)
+        supervisor = Supervisor(
+            path, nproc_per_node, max_restarts=max_restarts, spares=spares, error_file=error_file
+        )
         try:
             return supervisor.run()
         except KeyboardInterrupt:
-            print("interrupted again: stopped the workers without a checkpoint", file=sys.stderr, flush=True)
+            print(
+                "interrupted again: stopped the workers without a checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
             return EXIT_INTERRUPTED

@@ -32,11 +32,11 @@ def setup_process() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s")
-    logging.getLogger().setLevel(level)                   # also when the CLI configured logging first
-    if not os.environ.get("SHARDSMITH_DEBUG"):            # third-party log lines only with --debug
+    logging.getLogger().setLevel(level)  # also when the CLI configured logging first
+    if not os.environ.get("SHARDSMITH_DEBUG"):  # third-party log lines only with --debug
         for name in ("torch", "botocore", "s3fs", "fsspec", "urllib3", "aiobotocore"):
             logging.getLogger(name).setLevel(logging.ERROR)
-    faulthandler.enable()                                 # stacks on SIGSEGV/SIGABRT/...
+    faulthandler.enable()  # stacks on SIGSEGV/SIGABRT/...
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 PID` dumps stacks
 
 
@@ -45,10 +45,12 @@ def main(argv: list[str]) -> int:
     with open(argv[0]) as f:
         cfg = TrainConfig.from_json(json.load(f))
     try:
-        from shardsmith.trainer.train import run_training   # imports torch: seconds a Ctrl-C may land in
+        from shardsmith.trainer.train import (
+            run_training,  # imports torch: seconds a Ctrl-C may land in
+        )
 
         run_training(cfg)
-    except KeyboardInterrupt:                             # Ctrl-C before the loop's handlers
+    except KeyboardInterrupt:  # Ctrl-C before the loop's handlers
         if os.environ.get("RANK", "0") == "0":
             print("interrupted before the first step: nothing saved", file=sys.stderr, flush=True)
         return 130
@@ -86,10 +88,10 @@ def exit_process(code: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):                     # closed or broken pipe: nothing to keep
+        except (OSError, ValueError):  # closed or broken pipe: nothing to keep
             pass
     logging.shutdown()
-    try:                                                  # what native code printf'ed (libc's buffers)
+    try:  # what native code printf'ed (libc's buffers)
         ctypes.CDLL(None).fflush(None)
     except (OSError, AttributeError):
         pass
