@@ -394,6 +394,19 @@ def test_every_cited_repository_path_exists() -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_every_markdown_link_resolves() -> None:
+    """Relative links between documents (``[storage](docs/storage.md)``) point at a file."""
+    files = subprocess.run(
+        ["git", "ls-files", "*.md"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    bad = []
+    for name in files:
+        for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", (ROOT / name).read_text()):
+            if not ((ROOT / name).parent / target).exists():
+                bad.append(f"{name}: {target}")
+    assert not bad, "\n".join(bad)
+
+
 def test_the_path_check_sees_a_missing_path() -> None:
     gone = ["{}/test_gpu_paths.py".format("tests"), "{}/x/y.py".format("storage")]
     line = f"see {gone[0]} and {gone[1]}."
