@@ -545,8 +545,8 @@ def train(**flags: Any) -> None:
 
 
 def under_torchrun() -> bool:
-    """True when this process was started by torchrun (or another torchelastic agent); the
-    same test as :func:`shardsmith.trainer.runtime.launch.under_torchrun`, without importing torch."""
+    """True when this process was started by torchrun (or another torchelastic agent), tested
+    without importing torch."""
     return "TORCHELASTIC_RUN_ID" in os.environ or (
         "RANK" in os.environ and "WORLD_SIZE" in os.environ
     )

@@ -30,12 +30,27 @@ from .model_config import chunk_layers as chunk_layers
 from .model_config import stage_layers as stage_layers
 from .model_config import validate_layout as validate_layout
 from .sharding import COLWISE as COLWISE
+from .sharding import (
+    OPTIM_NAMESPACE as OPTIM_NAMESPACE,
+)
 from .sharding import ROWWISE as ROWWISE
 from .sharding import VOCAB_PARALLEL as VOCAB_PARALLEL
 from .sharding import TensorSpec as TensorSpec
 from .sharding import checkpoint_specs as checkpoint_specs
 from .sharding import grad_sum_groups as grad_sum_groups
+from .sharding import (
+    has_optim_state as has_optim_state,
+)
+from .sharding import (
+    is_optim_fqn as is_optim_fqn,
+)
 from .sharding import kv_replicas as kv_replicas
+from .sharding import (
+    optim_fqn as optim_fqn,
+)
+from .sharding import (
+    optim_state_of as optim_state_of,
+)
 from .sharding import padded_vocab_size as padded_vocab_size
 from .sharding import param_specs as param_specs
 from .sharding import rank_boxes as rank_boxes

@@ -16,6 +16,7 @@ from typing import Any
 
 from shardsmith.errors import CheckpointMismatch
 from shardsmith.layout.model_config import ModelConfig
+from shardsmith.layout.sharding import OPTIM_NAMESPACE
 
 #: Model fields that change the shape (or the set) of the stored tensors.
 SHAPE_FIELDS: tuple[str, ...] = (
@@ -135,7 +136,7 @@ def check_has_optimizer_state(
     saved: Iterable[str],
     *,
     source: str,
-    optimizer_prefix: str = "optim.",
+    optimizer_prefix: str = OPTIM_NAMESPACE,
     imported: dict | None = None,
 ) -> None:
     """Refuse to resume from a checkpoint without optimizer state (never invent a fresh one).

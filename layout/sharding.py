@@ -21,14 +21,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from typing import Iterable
 
-from shardsmith.layout import ModelConfig, ParallelDims, stage_layers, validate_layout
 from shardsmith.layout.box import Box, chunk_range
-from shardsmith.layout.dims import FSDP_AXES, MESH_AXES
+from shardsmith.layout.dims import FSDP_AXES, MESH_AXES, ParallelDims
 from shardsmith.layout.dtypes import DTYPE_NBYTES
+from shardsmith.layout.model_config import ModelConfig, stage_layers, validate_layout
 
+#: The namespace of optimizer state in a checkpoint: ``optim.<state>.<parameter fqn>``, with
+#: ``<state>`` one of AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``. Every package builds and
+#: parses those names through the helpers below.
+OPTIM_NAMESPACE = "optim."
+OPTIM_STATES: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "step")
 #: Prefixes of optimizer-state FQNs; the rest of the name is the parameter's FQN.
-OPTIM_PREFIXES: tuple[str, ...] = ("optim.exp_avg.", "optim.exp_avg_sq.", "optim.step.")
+OPTIM_PREFIXES: tuple[str, ...] = tuple(f"{OPTIM_NAMESPACE}{s}." for s in OPTIM_STATES)
+
+
+def optim_fqn(state: str, fqn: str) -> str:
+    """The checkpoint name of optimizer state ``state`` of parameter ``fqn``."""
+    return f"{OPTIM_NAMESPACE}{state}.{fqn}"
+
+
+def is_optim_fqn(name: str) -> bool:
+    """Whether ``name`` is optimizer state (not a parameter)."""
+    return name.startswith(OPTIM_NAMESPACE)
+
+
+def optim_state_of(name: str) -> str | None:
+    """``"exp_avg"`` for ``optim.exp_avg.<fqn>``; None for a parameter's name."""
+    return name.split(".", 2)[1] if is_optim_fqn(name) and name.count(".") >= 2 else None
+
+
+def has_optim_state(names: Iterable[str]) -> bool:
+    """Whether any of ``names`` is optimizer state (a checkpoint that can resume training)."""
+    return any(is_optim_fqn(n) for n in names)
+
 
 # The tensor-parallel plan (Megatron-LM, Shoeybi et al. 2019), the one table the trainer's
 # ``parallelize_module`` plan is built from (trainer/parallel.py::tp_plan). Block modules are
@@ -255,11 +282,11 @@ def optimizer_specs(params: dict[str, TensorSpec]) -> dict[str, TensorSpec]:
     specs: dict[str, TensorSpec] = {}
     for fqn, p in params.items():
         for kind in ("exp_avg", "exp_avg_sq"):
-            name = f"optim.{kind}.{fqn}"  # OPTIM_PREFIXES
+            name = optim_fqn(kind, fqn)
             specs[name] = TensorSpec(
                 name, p.shape, p.dtype, p.dim_axes, p.stages, p.pad_dim0_to, p.tp_replicas
             )
-        name = f"optim.step.{fqn}"
+        name = optim_fqn("step", fqn)
         specs[name] = TensorSpec(name, (), "F32", (), p.stages)
     return specs
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from shardsmith.errors import ConfigError, ShardsmithError
-from shardsmith.layout import ParallelDims
+from shardsmith.layout import ParallelDims, is_optim_fqn
 from shardsmith.reshard.engine import execute
 from shardsmith.reshard.planner import ReshardOptions, ReshardPlan, plan_reshard
 from shardsmith.reshard.progress import ReshardReport
@@ -85,9 +85,7 @@ class ReshardJob:
         if self.plan is not None:
             return list(self.plan.tensors)
         return [
-            f
-            for f in self.manifest.tensors
-            if not (self.options.model_only and f.startswith("optim."))
+            f for f in self.manifest.tensors if not (self.options.model_only and is_optim_fqn(f))
         ]
 
     def threads(self, processes: int = 1) -> int:

@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from shardsmith.layout import DTYPE_NBYTES, FLOAT_DTYPES, Box
+from shardsmith.layout import DTYPE_NBYTES, FLOAT_DTYPES, Box, optim_state_of
 from shardsmith.storage.formats import TORCH_DTYPES, read_box
 from shardsmith.storage.manifest import Manifest
 from shardsmith.storage.store import Store
@@ -122,7 +122,7 @@ def diff_tensor(
         return TensorDiff(fqn, math.nan, numel, numel, f"shape {ra.shape} vs {rb.shape}")
     dtype_a = (
         cast_a
-        if cast_a and ra.dtype in FLOAT_DTYPES and not fqn.startswith("optim.step.")
+        if cast_a and ra.dtype in FLOAT_DTYPES and not optim_state_of(fqn) == "step"
         else ra.dtype
     )
     if atol == 0 and dtype_a != rb.dtype:

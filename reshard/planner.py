@@ -31,6 +31,8 @@ from shardsmith.layout import (
     ModelConfig,
     ParallelDims,
     checkpoint_specs,
+    has_optim_state,
+    optim_state_of,
     shard_file_name,
     write_assignment,
 )
@@ -220,7 +222,7 @@ class ReshardPlan:
 
 def target_dtype(fqn: str, saved: str, options: ReshardOptions) -> str:
     """The dtype ``fqn`` is written in: ``options.dtype`` for floats, except step counters."""
-    if options.dtype and saved in FLOAT_DTYPES and not fqn.startswith("optim.step."):
+    if options.dtype and saved in FLOAT_DTYPES and not optim_state_of(fqn) == "step":
         return options.dtype
     return saved
 
@@ -273,7 +275,7 @@ def plan_reshard(
     options = options or ReshardOptions()
     check_model_record(manifest, source_url)  # a record that lies names its field
     model = ModelConfig.from_json(manifest.model)
-    with_optim = not options.model_only and any(k.startswith("optim.") for k in manifest.tensors)
+    with_optim = not options.model_only and has_optim_state(manifest.tensors)
     specs = checkpoint_specs(model, dims, with_optimizer=with_optim)  # validates the layout
     _check_source(manifest, specs, source_url)
     specs = {

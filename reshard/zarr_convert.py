@@ -29,6 +29,7 @@ from shardsmith.layout import (
     ParallelDims,
     TensorSpec,
     checkpoint_specs,
+    has_optim_state,
     shard_file_name,
     write_assignment,
 )
@@ -73,7 +74,7 @@ def _target_specs(
 ) -> dict[str, TensorSpec]:
     """Specs of the target layout, with the source's dtypes; checks the source fits."""
     model = ModelConfig.from_json(manifest.model)
-    with_optim = not model_only and any(k.startswith("optim.") for k in manifest.tensors)
+    with_optim = not model_only and has_optim_state(manifest.tensors)
     specs = checkpoint_specs(model, dims, with_optimizer=with_optim)  # validates the layout
     bad = [
         f

@@ -411,3 +411,39 @@ def test_the_path_check_sees_a_missing_path() -> None:
     gone = ["{}/test_gpu_paths.py".format("tests"), "{}/x/y.py".format("storage")]
     line = f"see {gone[0]} and {gone[1]}."
     assert [m.group(1) for m in _CITED.finditer(line)] == gone
+
+
+def _own_names(package_dir: Path) -> set[str]:
+    """A package's submodules and the names its ``__init__.py`` itself defines."""
+    names = {p.stem for p in package_dir.glob("*.py")} | {
+        p.name for p in package_dir.iterdir() if (p / "__init__.py").exists()
+    }
+    for node in ast.parse((package_dir / "__init__.py").read_text()).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def test_no_module_imports_its_own_face() -> None:
+    """Inside a package modules import each other directly (``from shardsmith.sizing import
+    activations`` imports a module, and is fine): a module importing a name through its own
+    package's lazy face would load the face's other modules and may close a cycle through it."""
+    bad = []
+    for package in PACKAGES:
+        for path in _modules(package):
+            if path.name == "__init__.py":
+                continue
+            own = _module_name(path).rsplit(".", 1)[0]
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
+                    continue
+                if own == node.module or own.startswith(node.module + "."):
+                    allowed = _own_names(ROOT / Path(*node.module.split(".")[1:]))
+                    bad += [
+                        f"{path.relative_to(ROOT)} imports {node.module}.{a.name}"
+                        for a in node.names
+                        if a.name not in allowed
+                    ]
+    assert not bad, "\n".join(bad)

@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 from shardsmith.errors import CheckpointError, ConfigError
-from shardsmith.layout import Box, ModelConfig, ParallelDims, param_specs
+from shardsmith.layout import Box, ModelConfig, ParallelDims, optim_fqn, param_specs
 from shardsmith.reshard.foreign.common import (
     MODEL_RECORD_KEY,
     ImportReport,
@@ -303,7 +303,7 @@ def _dcp_state_dict(
 ) -> tuple[dict[str, Any], dict[str, str], bool]:
     """(state dict of placeholders and values, DCP key -> our FQN, with optimizer)."""
     fqns = list(param_specs(model, ParallelDims()))
-    with_optim = all(f"optim.exp_avg.{fqn}" in manifest.tensors for fqn in fqns)
+    with_optim = all(optim_fqn("exp_avg", fqn) in manifest.tensors for fqn in fqns)
     ours = {fqn: fqn for fqn in fqns}
     if model.tie_embeddings:  # torchtitan's tied state dict names the shared weight twice
         ours["output.weight"] = "tok_embeddings.weight"

@@ -26,7 +26,7 @@ import torch
 from shardsmith.errors import CheckpointNotFound, IntegrityError
 from shardsmith.layout import Box
 from shardsmith.reshard.foreign.unpickler import (
-    TensorRecord,
+    PickledTensor,
     load_dcp_metadata,
     load_inert_value,
     load_plain_value,
@@ -276,7 +276,7 @@ def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _check_record(
-    rec: TensorRecord, lengths: tuple[int, ...], dtype: torch.dtype, source: str
+    rec: PickledTensor, lengths: tuple[int, ...], dtype: torch.dtype, source: str
 ) -> None:
     if rec.size != tuple(lengths) or rec.storage.dtype != dtype:
         raise IntegrityError(

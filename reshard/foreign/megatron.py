@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from shardsmith.errors import ConfigError
-from shardsmith.layout import Box, ModelConfig, ParallelDims
+from shardsmith.layout import Box, ModelConfig, ParallelDims, is_optim_fqn, optim_state_of
 from shardsmith.reshard.foreign.common import ImportReport, ModelHints, infer_model_config
 from shardsmith.reshard.foreign.dcp_reader import DCPCheckpoint
 from shardsmith.reshard.foreign.hf import permute_from_hf, permute_to_hf
@@ -216,12 +216,10 @@ def _reader(
     """``read(fqn, box)`` over our FQNs; ``sources`` by our prefix (``""``, ``"optim.exp_avg."`` ...)."""
 
     def read(fqn: str, box: Box) -> torch.Tensor:
-        if fqn.startswith("optim.step."):
+        if optim_state_of(fqn) == "step":
             assert step is not None and box.lengths == ()
             return step_tensor(step)
-        ours = (
-            next(p for p in sources if p and fqn.startswith(p)) if fqn.startswith("optim.") else ""
-        )
+        ours = next(p for p in sources if p and fqn.startswith(p)) if is_optim_fqn(fqn) else ""
         src, fqn = sources[ours], fqn[len(ours) :]
         if fqn in GLOBAL_MAP:
             return src.global_tensor(fqn, box)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from shardsmith.errors import CheckpointError
-from shardsmith.layout import Box, ModelConfig, ParallelDims, param_specs
+from shardsmith.layout import Box, ModelConfig, ParallelDims, optim_fqn, param_specs
 from shardsmith.reshard.foreign.dcp import lazy_planner, save_one_process
 from shardsmith.reshard.foreign.dcp_reader import METADATA_NAME
 from shardsmith.reshard.foreign.megatron import (
@@ -81,7 +81,7 @@ def _megatron_shapes(model: ModelConfig, padded: int) -> dict[str, tuple[int, ..
 
 
 #: Megatron state kind -> our prefix (``param``: the fp32 main copy, our weights).
-OUR_PREFIX = {"param": "", "exp_avg": "optim.exp_avg.", "exp_avg_sq": "optim.exp_avg_sq."}
+OUR_PREFIX = {"param": "", **{k: optim_fqn(k, "") for k in ("exp_avg", "exp_avg_sq")}}
 
 
 class _Reader:
@@ -195,7 +195,7 @@ def export_megatron(
     padded = megatron_padded_vocab(model.vocab_size, tp, divisible_by)
     shapes = _megatron_shapes(model, padded)
     with_optim = optimizer and all(
-        f"optim.exp_avg.{f}" in manifest.tensors for f in param_specs(model, ParallelDims())
+        optim_fqn("exp_avg", f) in manifest.tensors for f in param_specs(model, ParallelDims())
     )
     if with_optim:
         shapes.update(

@@ -36,10 +36,11 @@ from typing import Any
 import torch
 
 from shardsmith.errors import ConfigError
+from shardsmith.layout import optim_fqn
 
 STATE = "optimizer.state."
 #: Our prefix -> Megatron's state kind.
-KINDS = {"optim.exp_avg.": "exp_avg", "optim.exp_avg_sq.": "exp_avg_sq"}
+KINDS = {optim_fqn(k, ""): k for k in ("exp_avg", "exp_avg_sq")}
 BUCKET_SPACE = "optimizer.distributed."
 SHARDING_TYPE = "fully_reshardable"
 
@@ -171,9 +172,9 @@ def common_steps(
         ConfigError: the parameters are at different steps (Megatron keeps one per group).
     """
     steps = {
-        float(read_step(f"optim.step.{fqn}"))
+        float(read_step(optim_fqn("step", fqn)))
         for fqn in fqns
-        if f"optim.step.{fqn}" in manifest_tensors
+        if optim_fqn("step", fqn) in manifest_tensors
     }
     if len(steps) != 1:
         raise ConfigError(

@@ -17,7 +17,7 @@ Three allow-lists, one per kind of pickle:
   when unpickling a ``.metadata`` written by torch 2.13 (``dcp.save``) and by
   Megatron-Core 0.19 (``dist_checkpointing.save``).
 * a tensor item's ``data.pkl`` (:func:`load_tensor_record`): ``_rebuild_tensor_v2`` is
-  replaced by :class:`TensorRecord`, which only records storage key, offset, size and
+  replaced by :class:`PickledTensor`, which only records storage key, offset, size and
   stride; storages become :class:`StorageRef`; the bytes are then read raw.
 * a bytes item's ``data.pkl`` (:func:`load_plain_value`): no global at all (ints, floats,
   strings, bytes, lists, tuples, dicts).
@@ -111,7 +111,7 @@ class StorageRef:
 
 
 @dataclass(frozen=True)
-class TensorRecord:
+class PickledTensor:
     """What ``_rebuild_tensor_v2(storage, offset, size, stride, ...)`` would build, unbuilt."""
 
     storage: StorageRef
@@ -162,12 +162,12 @@ def _opaque(module: str, name: str) -> type:
 
 def _tensor_record(
     storage: Any, storage_offset: Any, size: Any, stride: Any, *_: Any
-) -> TensorRecord:
+) -> PickledTensor:
     if not isinstance(storage, StorageRef) or not isinstance(storage_offset, int):
         raise pickle.UnpicklingError(
             "tensor rebuild arguments are not (storage, offset, size, stride)"
         )
-    return TensorRecord(
+    return PickledTensor(
         storage, storage_offset, tuple(int(n) for n in size), tuple(int(n) for n in stride)
     )
 
@@ -255,14 +255,14 @@ def load_dcp_metadata(path: str) -> Any:
     return value
 
 
-def load_tensor_record(data: bytes, source: str) -> TensorRecord:
+def load_tensor_record(data: bytes, source: str) -> PickledTensor:
     """The tensor a ``torch.save`` archive's ``data.pkl`` describes, without its bytes.
 
     Raises:
         IntegrityError: anything but one plain CPU tensor.
     """
     value = _load(data, source, "tensor")
-    if not isinstance(value, TensorRecord):
+    if not isinstance(value, PickledTensor):
         raise IntegrityError(f"{source}: holds a {type(value).__name__}, not a tensor")
     return value
 

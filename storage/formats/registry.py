@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 import torch
 
 from shardsmith.errors import ConfigError
-from shardsmith.layout import Box, ParallelDims, TensorSpec, shard_file_name, write_assignment
+from shardsmith.layout import (
+    OPTIM_NAMESPACE,
+    Box,
+    ParallelDims,
+    TensorSpec,
+    shard_file_name,
+    write_assignment,
+)
 from shardsmith.storage.cycle_gc import cycle_gc_paused
 from shardsmith.storage.formats.tensor_files import write_shard_file
 from shardsmith.storage.manifest.records import (
@@ -44,7 +51,7 @@ if TYPE_CHECKING:
 # by the zarr code paths below only, so a safetensors job's ranks never load them.
 
 #: Prefix of the tensors the zarr codec compresses (optimizer state; parameters stay raw).
-COMPRESSED_PREFIX = "optim."
+COMPRESSED_PREFIX = OPTIM_NAMESPACE
 #: (fqn, local CPU tensor of shape ``box.lengths``, global box) of one shard a rank writes.
 Entry = tuple[str, torch.Tensor, Box]
 Request = tuple[str, Box, "torch.Tensor | None"]

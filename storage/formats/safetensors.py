@@ -64,7 +64,7 @@ def encode_header(
     return struct.pack("<Q", len(text)) + text, offsets
 
 
-def parse_header(prefix: bytes, url: str, file_nbytes: int) -> tuple[int, int]:
+def header_span(prefix: bytes, url: str, file_nbytes: int) -> tuple[int, int]:
     """The header length from a file's first bytes; (header length, data start).
 
     Raises:
@@ -101,7 +101,7 @@ def read_header(store: Store, file: str, file_nbytes: int) -> tuple[int, dict[st
     """
     url = store.url_of(file)
     prefix = store.read_range(file, 0, min(file_nbytes, _HEADER_PROBE_NBYTES))
-    header_len, data_start = parse_header(prefix, url, file_nbytes)
+    header_len, data_start = header_span(prefix, url, file_nbytes)
     raw = prefix[8:data_start]
     if len(raw) < header_len:
         raw += store.read_range(file, len(prefix), data_start)

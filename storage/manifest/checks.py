@@ -318,7 +318,7 @@ COMMON_FIELDS: tuple[tuple[str, type], ...] = (
 )
 
 
-def parse_header(
+def parse_manifest_head(
     data: dict[str, Any], source: str, versions: tuple[int, ...], more: tuple[tuple[str, type], ...]
 ) -> tuple[int, int]:
     """Format, version, checksum and the fields every version has (and ``more``, by

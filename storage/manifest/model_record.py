@@ -10,10 +10,16 @@ from __future__ import annotations
 import dataclasses
 
 from shardsmith.errors import CheckpointMismatch
-from shardsmith.layout import SHAPE_FIELDS, ModelConfig, ParallelDims, checkpoint_specs
+from shardsmith.layout import (
+    OPTIM_NAMESPACE,
+    SHAPE_FIELDS,
+    ModelConfig,
+    ParallelDims,
+    checkpoint_specs,
+)
 from shardsmith.storage.manifest.records import Manifest
 
-OPTIM_PREFIX = "optim."
+OPTIM_PREFIX = OPTIM_NAMESPACE
 
 
 def model_record_problems(manifest: Manifest) -> list[str]:

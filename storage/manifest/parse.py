@@ -21,7 +21,7 @@ from shardsmith.storage.manifest.checks import (
     fields,
     int_list,
     load_json,
-    parse_header,
+    parse_manifest_head,
     parse_tensor,
     reject_duplicate_keys,
     safe_relpath,
@@ -101,7 +101,7 @@ def parse_manifest(raw: bytes, source: str = "manifest.json") -> Manifest:
             "head_nbytes); this one does not",
             source,
         )
-    version, chunk = parse_header(data, source, (1,), (("tensors", dict), ("files", dict)))
+    version, chunk = parse_manifest_head(data, source, (1,), (("tensors", dict), ("files", dict)))
     files = _parse_files(data["files"], source)
     tensors = {
         fqn: parse_tensor(fqn, t, source, lambda d, w: _parse_shard(d, w, source))

@@ -60,7 +60,7 @@ from shardsmith.storage.manifest.checks import (
     int_ok,
     ints_ok,
     load_json,
-    parse_header,
+    parse_manifest_head,
     parse_tensor,
     relpath_ok,
     safe_relpath,
@@ -282,7 +282,7 @@ def parse_head(raw: bytes, source: str) -> Head:
             source,
         )
     data = load_json(raw[: -len(_HEAD_END)] + b"}", source)
-    version, chunk = parse_header(
+    version, chunk = parse_manifest_head(
         data, source, INDEXED_VERSIONS, (("files", list), ("index", dict))
     )
     names, files = _parse_files(data["files"], source)

@@ -3,7 +3,7 @@
 ``shardsmith train --nproc-per-node N`` calls :func:`launch`, which starts N workers
 with the elastic agent (c10d rendezvous on localhost, restarts up to ``max_restarts``);
 each worker runs :func:`shardsmith.trainer.train.run_training`. Under an external
-``torchrun`` the CLI runs the worker body directly instead (:func:`under_torchrun`).
+``torchrun`` the CLI runs the worker body directly instead (``cli/train_commands.py: under_torchrun``).
 
 Elastic restarts: when a worker dies, the agent stops the others (SIGTERM, then SIGKILL
 after 30 s) and starts the whole group again, up to ``max_restarts`` times; every rank
@@ -45,13 +45,6 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 class LaunchError(ShardsmithError, RuntimeError):
     """A worker process failed (its rank and exit code are named)."""
-
-
-def under_torchrun() -> bool:
-    """True when this process was started by torchrun (or another torchelastic agent)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    )
 
 
 def config_payload(cfg: TrainConfig) -> dict:
