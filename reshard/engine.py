@@ -398,8 +398,9 @@ def execute(
     dst = dst_root.child(step_dir(plan.source.step))
     ensure_not_committed(dst)
     created = _new_local_dirs(dst)
-    if dst.local_path("") and not created:
-        sweep_stale_tmp(dst.local_path(""))  # a killed run's hidden temporary files
+    dst_path = dst.local_path("")
+    if dst_path and not created:
+        sweep_stale_tmp(dst_path)  # a killed run's hidden temporary files
     mine = assign_files(plan.files, share.world_size)[share.rank]
     progress_name = (
         PROGRESS_NAME if share.world_size == 1 else f".reshard-progress-{share.rank:05d}.json"

@@ -256,7 +256,7 @@ def _assembled_crcs(
     (the writer checksums it)."""
     if not chunk_nbytes or slab_offset(entry, slab) % chunk_nbytes:
         return None
-    return chunk_crc32c(data, chunk_nbytes)
+    return chunk_crc32c(data.data, chunk_nbytes)
 
 
 def convert_dtype(raw: np.ndarray, src: str, dst: str) -> np.ndarray:

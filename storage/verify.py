@@ -139,8 +139,8 @@ def _check_pass(
     except ManifestError as exc:
         out.append((MANIFEST_NAME, str(exc), 0))
     manifest = reader.head.manifest(kept, partial=False)
-    for name, shards in _by_file(kept, wanted).items():
-        problems, nbytes = file_problems(reader.store, manifest, name, shards, block_nbytes)
+    for name, file_shards in _by_file(kept, wanted).items():
+        problems, nbytes = file_problems(reader.store, manifest, name, file_shards, block_nbytes)
         out += [(name, what, 0) for what in problems] + [("", "", nbytes)]
     return out
 

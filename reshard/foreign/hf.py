@@ -319,7 +319,7 @@ def model_config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> Mo
             head_dim,
             f"must equal hidden_size / num_attention_heads = {sizes['hidden_size'] / heads}",
         )
-    moe = {}
+    moe: dict[str, Any] = {}
     if model_type == HF_MOE_MODEL_TYPE:
         moe = {
             "num_experts": int(cfg.get("num_local_experts", 8)),

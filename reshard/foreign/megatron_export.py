@@ -100,9 +100,8 @@ class _Reader:
     def layer(self, name: str, i: int, prefix: str) -> torch.Tensor:
         p = f"{prefix}layers.{i}."
         if name == QKV:
-            return fuse_qkv(
-                *(self.ours(p + f"attention.{w}.weight") for w in ("wq", "wk", "wv")), self.model
-            )
+            q, k, v = (self.ours(p + f"attention.{w}.weight") for w in ("wq", "wk", "wv"))
+            return fuse_qkv(q, k, v, self.model)
         if name == FC1:
             return torch.cat(
                 [self.ours(p + "feed_forward.w1.weight"), self.ours(p + "feed_forward.w3.weight")]

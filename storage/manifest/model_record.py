@@ -8,6 +8,7 @@ instead of loading garbage or allocating the impossible. Pure: no torch, no I/O.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from shardsmith.errors import CheckpointMismatch
 from shardsmith.layout import (
@@ -100,7 +101,9 @@ def _shape_with(model: ModelConfig, name: str, value: int, fqn: str) -> tuple[in
     """``fqn``'s shape under ``model`` with field ``name`` set to ``value`` (None: invalid)."""
     try:
         spec = checkpoint_specs(
-            dataclasses.replace(model, **{name: value}), ParallelDims(), with_optimizer=False
+            dataclasses.replace(model, **dict[str, Any]({name: value})),
+            ParallelDims(),
+            with_optimizer=False,
         ).get(fqn)
     except (ValueError, TypeError, KeyError, ZeroDivisionError):
         return None

@@ -356,16 +356,13 @@ def _valid_shard(data: Any, itemsize: int) -> ShardRecord | None:
     nbytes = data["nbytes"] if "nbytes" in data else prod(lengths) * itemsize
     if not int_ok(nbytes):
         return None
-    return ShardRecord(
-        offsets=offsets,
-        lengths=lengths,
-        file=file,
-        key=key,
-        byte_offset=byte_offset,
-        nbytes=nbytes,
-        crc32c=crcs if inline else [],
-        crc_index=-1 if inline else crc,
-    )
+    checked: dict[str, Any] = {  # each validated above
+        "offsets": offsets,
+        "byte_offset": byte_offset,
+        "crc32c": crcs if inline else [],
+        "crc_index": -1 if inline else crc,
+    }
+    return ShardRecord(lengths=lengths, file=file, key=key, nbytes=nbytes, **checked)
 
 
 def _parse_positional_shard(

@@ -14,6 +14,7 @@ this module cleans roots that shardsmith is pointed at, the rule cleans everythi
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,8 +108,12 @@ def abort_stale_uploads(
             store._call(
                 "abort upload",
                 upload.key,
-                lambda u=upload: fs.call_s3(
-                    "abort_multipart_upload", Bucket=bucket, Key=u.key, UploadId=u.upload_id
+                functools.partial(
+                    fs.call_s3,
+                    "abort_multipart_upload",
+                    Bucket=bucket,
+                    Key=upload.key,
+                    UploadId=upload.upload_id,
                 ),
             )
         except FileNotFoundError:
