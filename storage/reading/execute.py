@@ -29,7 +29,7 @@ from shardsmith.storage.store.fs import Store
 
 # How many reads run at once, whether reads of one file may overlap and how much scratch a
 # call holds all come from the store's capabilities
-# (:func:`shardsmith.storage.store.backends.capabilities_of`): node-local page-cache disks read
+# (:func:`shardsmith.storage.store.capabilities.capabilities_of`): node-local page-cache disks read
 # each file as one task in file order, shared filesystems and object stores keep many ranged
 # reads in flight, within a file too.
 

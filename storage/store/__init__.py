@@ -3,7 +3,7 @@
 Public surface (what other packages use): :class:`~shardsmith.storage.store.fs.Store` (every
 read and write, under one retry policy and error mapping), its
 :attr:`~shardsmith.storage.store.fs.Store.capabilities`
-(:class:`~shardsmith.storage.store.backends.Capabilities`, :class:`~shardsmith.storage.store.backends.StorageKind`),
+(:class:`~shardsmith.storage.store.capabilities.Capabilities`, :class:`~shardsmith.storage.store.capabilities.StorageKind`),
 :func:`~shardsmith.storage.store.options.parse_storage_options`, and the POSIX helpers of
 :mod:`~shardsmith.storage.store.posix` for the resharder's local copies. The backends
 (:mod:`~shardsmith.storage.store.backends`) are reached only through the Store.

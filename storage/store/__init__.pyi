@@ -1,7 +1,11 @@
 # The face of shardsmith.storage.store: the names other packages import. Read at import time by lazy_loader
 # (attach_stub), so a name's module is imported on first use; type checkers read it as is.
 
-from .backends import usable_cores as usable_cores
+from .backends import Backend as Backend
+from .backends import register_backend as register_backend
+from .capabilities import Capabilities as Capabilities
+from .capabilities import StorageKind as StorageKind
+from .capabilities import usable_cores as usable_cores
 from .fs import Store as Store
 from .options import parse_storage_options as parse_storage_options
 from .posix import map_range as map_range

@@ -19,22 +19,29 @@ by the page cache unless its filesystem type is a shared or parallel one (Lustre
 BeeGFS, WekaFS, CephFS ...), read from ``/proc/self/mounts``; ``SHARDSMITH_STORAGE_KIND``
 (``node-local``, ``shared-fs``, ``object-store``) overrides the guess.
 
-A new backend (a GCS or parallel-filesystem fast path) is one subclass of
-:class:`FsspecBackend` here and one line in :func:`backend_for`; it passes
+A new backend (a GCS or parallel-filesystem fast path) is one subclass of :class:`Backend`
+(or of :class:`FsspecBackend`, to inherit its generic calls) that says which filesystems it
+serves in :meth:`Backend.claims`, registered with :func:`register_backend` (as DCP lets a
+storage class claim a URL with ``validate_checkpoint_id``); it passes
 ``tests/storage/test_store_conformance.py``.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
-import enum
-import os
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from fsspec.implementations.local import LocalFileSystem
 
 from shardsmith.storage.store import posix
+from shardsmith.storage.store.capabilities import (
+    Capabilities,
+    StorageKind,
+    capabilities_of,
+    kind_override,
+    posix_kind,
+)
 from shardsmith.storage.store.multipart import MultipartWriter, part_size
 from shardsmith.storage.store.s3_reads import ObstoreReads
 
@@ -42,150 +49,100 @@ Bytes = bytes | bytearray | memoryview
 #: Retry wrapper a backend runs one idempotent call under (the store's policy and errors).
 Call = Callable[[Callable[[], Any]], Any]
 
-#: Environment variable that overrides the storage kind guessed for a store.
-KIND_ENV = "SHARDSMITH_STORAGE_KIND"
-#: Filesystem types (``/proc/self/mounts``) whose files other nodes share: network and
-#: parallel filesystems, where one read stream per file cannot fill the link.
-SHARED_FS_TYPES = frozenset(
-    {
-        "lustre",
-        "gpfs",
-        "nfs",
-        "nfs4",
-        "cifs",
-        "smb3",
-        "smbfs",
-        "ceph",
-        "fuse.ceph",
-        "beegfs",
-        "wekafs",
-        "panfs",
-        "fuse.juicefs",
-        "fuse.gcsfuse",
-        "fuse.s3fs",
-        "fuse.mountpoint-s3",
-        "9p",
-        "glusterfs",
-        "fuse.glusterfs",
-        "orangefs",
-        "pvfs2",
-        "virtiofs",
-    }
-)
 
+class Backend(abc.ABC):
+    """How bytes move for one kind of storage, under :class:`~shardsmith.storage.store.fs.Store`.
 
-class StorageKind(enum.Enum):
-    """What a store's bytes sit on."""
+    The Store calls a backend from any rank, any thread, and wraps each call in its retry
+    policy (``call``: retried; ``call_once``: not retried, for steps that are not idempotent)
+    and error mapping, so a backend raises whatever its library raises. Call order, by role:
 
-    #: A disk of this node read through its page cache (NVMe, local SSD, tmpfs): reads are
-    #: CPU-bound copies, so one stream per file and at most a few per core.
-    NODE_LOCAL = "node-local"
-    #: A POSIX mount other nodes share (Lustre, GPFS, NFS, WekaFS ...): reads cross a network,
-    #: so several ranged reads per file are in flight at once.
-    SHARED_FS = "shared-fs"
-    #: An object store (S3, GCS, Azure Blob): every read is a ranged GET with tens of ms of
-    #: latency, so many are in flight at once and scratch is large.
-    OBJECT_STORE = "object-store"
+    * a reader: :meth:`read` / :meth:`read_range` / :meth:`read_into`, in any order and
+      concurrently as :attr:`capabilities` allow; :meth:`local_path` for mapped reads;
+    * a writer: :meth:`write_parts` (a whole object at once), or :meth:`open_writer` (a stream
+      whose object appears only when the ``with`` block exits cleanly). Either is atomic: a
+      reader sees the whole object or none.
 
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a backend can do, and the read strategy that follows from it.
+    A subclass that leaves any of these out cannot be constructed (``TypeError`` at
+    construction, not at first use).
 
     Attributes:
-        kind: what the bytes sit on.
-        posix: files have a local path (``preadv``/``pwrite``/mapped reads, rename commits).
-        concurrent_reads_per_file: several ranged reads of one file may run at once (False
-            on node-local disks, where concurrent reads of one page-cached file cost the
-            kernel more CPU than they save).
-        read_workers: ranged reads one load keeps in flight.
-        scratch_nbytes: scratch bytes one load holds for pieces that cannot be read in place.
+        posix: the backend's paths are POSIX paths (mapped reads, ``preadv``, rename commits).
+        capabilities: what the storage can do (:class:`Capabilities`), set at construction.
+        fast_reads: the obstore reader of an ``s3://`` store; None elsewhere.
     """
 
-    kind: StorageKind
-    posix: bool
-    concurrent_reads_per_file: bool
-    read_workers: int
-    scratch_nbytes: int
+    posix: bool = False
+    fast_reads: ObstoreReads | None = None
+    capabilities: Capabilities
 
-    @property
-    def node_local(self) -> bool:
-        """A disk of this node served by its page cache: copies between such files are
-        CPU-bound, with no latency to hide."""
-        return self.kind is StorageKind.NODE_LOCAL
+    @classmethod
+    @abc.abstractmethod
+    def claims(cls, fs: Any) -> bool:
+        """Whether this backend serves the fsspec filesystem ``fs``."""
 
+    @classmethod
+    def for_filesystem(cls, fs: Any, root: str, fast_reads: ObstoreReads | None) -> Backend:
+        """This backend for ``fs``, rooted at ``root`` (its path). Override to take the
+        arguments a subclass needs."""
+        return cls(fs)  # type: ignore[call-arg]
 
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask, else the machine's count)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
+    @abc.abstractmethod
+    def read(self, path: str) -> bytes | memoryview:
+        """The whole object."""
 
+    @abc.abstractmethod
+    def read_range(self, path: str, start: int, end: int) -> bytes | memoryview:
+        """Bytes ``[start, end)``; fewer when the object ends first."""
 
-def capabilities_of(kind: StorageKind, posix: bool, cores: int | None = None) -> Capabilities:
-    """The read strategy of a storage kind on a node with ``cores`` usable cores.
+    @abc.abstractmethod
+    def read_into(
+        self,
+        path: str,
+        start: int,
+        dests: Sequence[memoryview],
+        call: Call,
+        get_range: Callable[[int, int], bytes | memoryview],
+    ) -> int:
+        """Fill ``dests`` in order from byte ``start``; returns the bytes copied."""
 
-    * node-local: reads are memory copies, so at most 2 per core and 8 in all, one stream
-      per file, 32 MiB of scratch (kept mapped: no fresh pages to fault in);
-    * shared filesystem: 4 per core, 8 to 32, any number per file, 128 MiB;
-    * object store: latency-bound GETs, 32 in flight whatever the cores (AWS's guidance is
-      one connection per 85-90 MB/s of wanted throughput, so 32 fill ~25 Gb/s per process),
-      256 MiB of scratch.
-    """
-    cores = usable_cores() if cores is None else max(1, cores)
-    if kind is StorageKind.NODE_LOCAL:
-        return Capabilities(kind, posix, False, max(1, min(8, 2 * cores)), 32 * 2**20)
-    if kind is StorageKind.SHARED_FS:
-        return Capabilities(kind, posix, True, max(8, min(32, 4 * cores)), 128 * 2**20)
-    return Capabilities(kind, posix, True, 32, 256 * 2**20)
+    @abc.abstractmethod
+    def local_path(self, path: str) -> str | None:
+        """The filesystem path of ``path`` where the backend has one (mapped reads), else None."""
 
+    @abc.abstractmethod
+    def write_parts(
+        self, path: str, parts: Sequence[Bytes], call: Call, part_nbytes: int, max_concurrency: int
+    ) -> None:
+        """Create or replace ``path`` with the concatenation of ``parts``, atomically."""
 
-def mount_fstype(path: str, mounts: str | None = None) -> str | None:
-    """The filesystem type of the mount holding ``path`` (the longest mount point that is a
-    prefix of it, ``/proc/self/mounts``), or None where that cannot be read."""
-    if mounts is None:
-        try:
-            with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
-                mounts = f.read()
-        except OSError:
-            return None
-    path = os.path.realpath(path) if os.path.exists(path) else os.path.abspath(path)
-    best, fstype = "", None
-    for line in mounts.splitlines():
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and len(point) > len(best):
-            best, fstype = point, fields[2]
-    return fstype
+    @abc.abstractmethod
+    def open_writer(
+        self,
+        path: str,
+        call: Call,
+        call_once: Call,
+        nbytes_hint: int | None,
+        part_nbytes: int,
+        max_concurrency: int,
+    ) -> contextlib.AbstractContextManager[Any]:
+        """A writable stream whose object appears only when the block exits cleanly."""
 
 
-def posix_kind(path: str) -> StorageKind:
-    """Node-local unless the mount holding ``path`` is a shared or parallel filesystem."""
-    fstype = mount_fstype(path)
-    return StorageKind.SHARED_FS if fstype in SHARED_FS_TYPES else StorageKind.NODE_LOCAL
+#: Registered backends, most specific first; :func:`backend_for` takes the first that claims
+#: a filesystem. :class:`FsspecBackend` claims every filesystem and stays last.
+BACKENDS: list[type[Backend]] = []
 
 
-def kind_override() -> StorageKind | None:
-    """``SHARDSMITH_STORAGE_KIND``, when set.
-
-    Raises:
-        ValueError: naming the variable and the values it takes.
-    """
-    value = os.environ.get(KIND_ENV, "").strip()
-    if not value:
-        return None
-    try:
-        return StorageKind(value)
-    except ValueError:
-        raise ValueError(
-            f"{KIND_ENV}={value!r}: choose one of {[k.value for k in StorageKind]}"
-        ) from None
+def register_backend(cls: type[Backend]) -> type[Backend]:
+    """Class decorator: serve the filesystems ``cls.claims``, ahead of those registered before
+    it (the generic :class:`FsspecBackend` always last)."""
+    BACKENDS.insert(0, cls)
+    BACKENDS.sort(key=lambda b: b is FsspecBackend)
+    return cls
 
 
-class FsspecBackend:
+class FsspecBackend(Backend):
     """Any fsspec filesystem, through its generic calls (``cat_file``, ``pipe_file``, ``open``).
 
     Args:
@@ -193,9 +150,9 @@ class FsspecBackend:
         kind: what its bytes sit on.
     """
 
-    posix = False
-    #: The obstore reader of an ``s3://`` store (:class:`S3Backend`); None elsewhere.
-    fast_reads: ObstoreReads | None = None
+    @classmethod
+    def claims(cls, fs: Any) -> bool:
+        return True
 
     def __init__(self, fs: Any, kind: StorageKind = StorageKind.OBJECT_STORE) -> None:
         self.fs = fs
@@ -274,6 +231,14 @@ class PosixBackend(FsspecBackend):
 
     posix = True
 
+    @classmethod
+    def claims(cls, fs: Any) -> bool:
+        return isinstance(fs, LocalFileSystem)
+
+    @classmethod
+    def for_filesystem(cls, fs: Any, root: str, fast_reads: ObstoreReads | None) -> Backend:
+        return cls(fs, kind_override() or posix_kind(root))
+
     def read_into(
         self,
         path: str,
@@ -323,6 +288,14 @@ class S3Backend(FsspecBackend):
         super().__init__(fs, StorageKind.OBJECT_STORE)
         self.fast_reads = fast_reads
 
+    @classmethod
+    def claims(cls, fs: Any) -> bool:
+        return is_s3(fs)
+
+    @classmethod
+    def for_filesystem(cls, fs: Any, root: str, fast_reads: ObstoreReads | None) -> Backend:
+        return cls(fs, fast_reads)
+
     def _fast(self) -> ObstoreReads | None:
         """The obstore reader when this process may use it (not in a child forked after it started)."""
         return self.fast_reads if self.fast_reads is not None and self.fast_reads.usable else None
@@ -371,19 +344,20 @@ def is_s3(fs: Any) -> bool:
     return hasattr(fs, "call_s3") and hasattr(fs, "split_path")
 
 
-def backend_for(fs: Any, root: str, fast_reads: ObstoreReads | None = None) -> FsspecBackend:
-    """The backend of an fsspec filesystem whose store is rooted at ``root`` (its path).
+for _cls in (FsspecBackend, PosixBackend, S3Backend):
+    register_backend(_cls)
+
+
+def backend_for(fs: Any, root: str, fast_reads: ObstoreReads | None = None) -> Backend:
+    """The backend of an fsspec filesystem whose store is rooted at ``root`` (its path): the
+    first of :data:`BACKENDS` that claims ``fs``.
 
     Raises:
         ValueError: ``SHARDSMITH_STORAGE_KIND`` is set to an unknown kind.
     """
     override = kind_override()
-    if isinstance(fs, LocalFileSystem):
-        backend: FsspecBackend = PosixBackend(fs, override or posix_kind(root))
-    elif is_s3(fs):
-        backend = S3Backend(fs, fast_reads)
-    else:
-        backend = FsspecBackend(fs, StorageKind.OBJECT_STORE)
+    cls = next(b for b in BACKENDS if b.claims(fs))
+    backend = cls.for_filesystem(fs, root, fast_reads)
     if override is not None and override is not backend.capabilities.kind:
         backend.capabilities = capabilities_of(override, backend.posix)
     return backend

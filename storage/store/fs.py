@@ -34,7 +34,8 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from shardsmith.errors import BucketNotFound, StorageAccessDenied, StorageError, StorageNotFound
-from shardsmith.storage.store.backends import Bytes, Capabilities, FsspecBackend, backend_for
+from shardsmith.storage.store.backends import Backend, Bytes, backend_for
+from shardsmith.storage.store.capabilities import Capabilities
 from shardsmith.storage.store.retry import (
     RetryPolicy,
     Verdict,
@@ -136,14 +137,14 @@ class Store:
         self.part_nbytes = part_nbytes
         self.max_concurrency = max_concurrency
         try:
-            self.backend: FsspecBackend = backend_for(self.fs, self.root, fast_reads)
+            self.backend: Backend = backend_for(self.fs, self.root, fast_reads)
         except ValueError as exc:
             raise StorageError(f"cannot open {self.url}: {exc}") from None
 
     @property
     def capabilities(self) -> Capabilities:
         """What the backend can do and the read strategy that follows (see
-        :mod:`shardsmith.storage.store.backends`)."""
+        :mod:`shardsmith.storage.store.capabilities`)."""
         return self.backend.capabilities
 
     @property

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 
 from shardsmith.errors import StorageError
-from shardsmith.storage.store.backends import (
-    FsspecBackend,
-    PosixBackend,
+from shardsmith.storage.store.backends import FsspecBackend, PosixBackend
+from shardsmith.storage.store.capabilities import (
     StorageKind,
     capabilities_of,
     mount_fstype,
@@ -89,3 +88,36 @@ def test_an_unknown_storage_kind_is_refused_naming_the_choices(tmp_path, monkeyp
         StorageError, match="SHARDSMITH_STORAGE_KIND='lustre'.*node-local.*shared-fs.*object-store"
     ):
         Store(str(tmp_path))
+
+
+def test_a_backend_missing_a_call_fails_at_construction() -> None:
+    """The Backend ABC: a subclass that leaves out part of the contract cannot be built."""
+    from shardsmith.storage.store.backends import Backend
+
+    class Half(Backend):
+        @classmethod
+        def claims(cls, fs) -> bool:
+            return False
+
+        def read(self, path: str) -> bytes:
+            return b""
+
+    with pytest.raises(TypeError, match="abstract"):
+        Half()
+
+
+def test_a_registered_backend_claims_its_filesystems(tmp_path, monkeypatch) -> None:
+    """register_backend puts a backend ahead of the built-in ones for the filesystems it
+    claims; the generic fsspec backend stays last and serves the rest."""
+    from shardsmith.storage.store import backends
+
+    class MemoryFast(FsspecBackend):
+        @classmethod
+        def claims(cls, fs) -> bool:
+            return "memory" in getattr(fs, "protocol", ())
+
+    monkeypatch.setattr(backends, "BACKENDS", list(backends.BACKENDS))
+    backends.register_backend(MemoryFast)
+    assert backends.BACKENDS[0] is MemoryFast and backends.BACKENDS[-1] is FsspecBackend
+    assert type(Store("memory://claims-test").backend) is MemoryFast
+    assert isinstance(Store(str(tmp_path)).backend, PosixBackend)
