@@ -500,16 +500,13 @@ def train(**flags: Any) -> None:
     from shardsmith.trainer.data import expand_source
     from shardsmith.trainer.runtime import prepare
 
-    for (
-        source
-    ) in cfg.data.sources:  # a mistyped path or glob: here, not in every worker after start-up
+    # A mistyped path or glob: here, not in every worker after start-up.
+    for source in cfg.data.sources:
         expand_source(source)
 
     # The step to load is resolved here, once, and every check that a manifest allows is made
     # before torch is imported and before any worker starts.
-    os.environ[COMMAND_ENV] = json.dumps(
-        ["shardsmith", *sys.argv[1:]]
-    )  # for "go on with: ..." hints
+    os.environ[COMMAND_ENV] = json.dumps(["shardsmith", *sys.argv[1:]])  # "go on with" hints
     resolved = prepare(cfg)
     if resolved is None:
         return
@@ -521,9 +518,7 @@ def train(**flags: Any) -> None:
         setup_process()  # as the launcher's workers: log levels, stacks on fatal signals
         run_training(cfg)
         exit_process(0)  # finished and flushed: no teardown (see exit_process)
-    os.environ.setdefault(
-        "SHARDSMITH_LAUNCH_TIME", repr(time.time())
-    )  # goodput's start (detect/goodput.py)
+    os.environ.setdefault("SHARDSMITH_LAUNCH_TIME", repr(time.time()))  # goodput's start
     dims = cfg.parallel
     click.echo(
         f"training {dims.describe()} on {plural(dims.world_size, 'process')} to step {cfg.steps}"
