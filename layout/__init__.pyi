@@ -17,6 +17,7 @@ from .dims import FSDP_MESH_DIM as FSDP_MESH_DIM
 from .dims import MESH_AXES as MESH_AXES
 from .dims import MESH_AXIS_TABLE as MESH_AXIS_TABLE
 from .dims import REQUIRED_AXES as REQUIRED_AXES
+from .dims import MeshAxisName as MeshAxisName
 from .dims import ParallelDims as ParallelDims
 from .dtypes import DTYPE_CHOICES as DTYPE_CHOICES
 from .dtypes import DTYPE_NBYTES as DTYPE_NBYTES

@@ -13,6 +13,7 @@ from itertools import product
 
 from shardsmith.layout.box import Box
 from shardsmith.layout.dims import MESH_AXES
+from shardsmith.layout.dims import MeshAxisName as Axis
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.layout.model_config import ParallelDims
 from shardsmith.layout.sharding import TensorSpec
@@ -128,7 +129,7 @@ def _component_boxes(
         member = frontier.pop()
         coords = dims.coords(member)
         for fqn, spec in specs.items():
-            if coords["pp"] not in spec.stages:
+            if coords[Axis.pp] not in spec.stages:
                 continue
             key = tuple(index[coords[axis]] for index, axis in zip(where[fqn], MESH_AXES[1:]))
             if key in seen[fqn]:
@@ -158,12 +159,12 @@ def _axis_parts(spec: TensorSpec, dims: ParallelDims, axis: str) -> list[list[in
     """The coordinates of ``axis`` grouped by the part of ``spec`` they hold: one group per
     part when the axis splits the tensor (tp: ``tp_replicas`` consecutive ranks per part),
     else one group of every coordinate (a replicated axis); pp: the holding stages."""
-    if axis == "pp":
+    if axis == Axis.pp:
         return [list(spec.stages)]
     size = getattr(dims, axis)
     if not any(axis in axes for axes in spec.dim_axes):
         return [list(range(size))]
-    width = spec.tp_replicas if axis == "tp" else 1
+    width = spec.tp_replicas if axis == Axis.tp else 1
     return [list(range(p * width, (p + 1) * width)) for p in range(size // width)]
 
 
@@ -181,7 +182,7 @@ def box_holders(spec: TensorSpec, dims: ParallelDims) -> list[tuple[Box, list[in
     out = []
     for parts in product(*groups[1:]):
         coords = {axis: part[0] for axis, part in zip(MESH_AXES[1:], parts)}
-        coords["pp"] = spec.stages[0]
+        coords[Axis.pp] = spec.stages[0]
         box = spec.box(dims, coords)
         if box.is_empty:
             continue

@@ -17,11 +17,30 @@ resharder computes target layouts from them without a process group.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
 from shardsmith.errors import ConfigError, LayoutError
+
+
+class MeshAxisName(str, enum.Enum):
+    """A mesh axis's name, typed (as torchtitan's ``MeshAxisName``). Members are strings:
+    they compare, hash, format and serialize as the plain name, so dicts, manifests and
+    ``DeviceMesh`` dim names keyed by either agree (member names equal their values for that)."""
+
+    pp = "pp"
+    dp_replicate = "dp_replicate"
+    dp_shard = "dp_shard"
+    cp = "cp"
+    tp = "tp"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 @dataclass(frozen=True)
@@ -35,7 +54,7 @@ class MeshAxis:
             is not 1, so layouts without it keep the names and bytes they always had.
     """
 
-    name: str
+    name: MeshAxisName
     short: str
     optional: bool = False
 
@@ -44,17 +63,17 @@ class MeshAxis:
 #: Expert parallelism is not an axis: it is carved out of ``dp_shard`` (see
 #: :attr:`ParallelDims.expert_parallel`); virtual pipeline stages neither.
 MESH_AXIS_TABLE: tuple[MeshAxis, ...] = (
-    MeshAxis("pp", "pp"),
-    MeshAxis("dp_replicate", "dpr"),
-    MeshAxis("dp_shard", "dps"),
-    MeshAxis("cp", "cp", optional=True),
-    MeshAxis("tp", "tp"),
+    MeshAxis(MeshAxisName.pp, "pp"),
+    MeshAxis(MeshAxisName.dp_replicate, "dpr"),
+    MeshAxis(MeshAxisName.dp_shard, "dps"),
+    MeshAxis(MeshAxisName.cp, "cp", optional=True),
+    MeshAxis(MeshAxisName.tp, "tp"),
 )
 #: The axes FSDP2 shards parameters over, flattened in this order into one mesh dim named
 #: :data:`FSDP_MESH_DIM` (torchtitan's ``dp_shard_cp``): parameters are replicated over
 #: ``cp`` for compute, so sharding them over it too costs nothing and keeps every
 #: checkpoint box a function of ``dp_shard * cp`` alone.
-FSDP_AXES: tuple[str, ...] = ("dp_shard", "cp")
+FSDP_AXES: tuple[str, ...] = (MeshAxisName.dp_shard, MeshAxisName.cp)
 FSDP_MESH_DIM = "dp_shard_cp"
 #: Mesh axis names in :data:`MESH_AXIS_TABLE` order.
 MESH_AXES: tuple[str, ...] = tuple(a.name for a in MESH_AXIS_TABLE)

@@ -25,6 +25,7 @@ from typing import Iterable
 
 from shardsmith.layout.box import Box, chunk_range
 from shardsmith.layout.dims import FSDP_AXES, MESH_AXES, ParallelDims
+from shardsmith.layout.dims import MeshAxisName as Axis
 from shardsmith.layout.dtypes import DTYPE_NBYTES
 from shardsmith.layout.model_config import ModelConfig, stage_layers, validate_layout
 
@@ -149,7 +150,7 @@ class TensorSpec:
                 parts, index = getattr(dims, axis), coords[axis]
                 if axis == FSDP_AXES[0]:
                     parts, index = dims.fsdp, dims.fsdp_index(coords)
-                if axis == "tp":
+                if axis == Axis.tp:
                     parts, index = parts // self.tp_replicas, index // self.tp_replicas
                 sub_start, length = chunk_range(length, parts, index)
                 start += sub_start
@@ -233,7 +234,7 @@ def _dim_axes(fqn: str, ndim: int) -> tuple[tuple[str, ...], ...]:
     tp_dim = tp_split_dim(fqn)
     axes: list[tuple[str, ...]] = [() for _ in range(ndim)]
     if tp_dim is not None:
-        axes[tp_dim] = ("tp",)
+        axes[tp_dim] = (Axis.tp,)
     axes[0] = axes[0] + FSDP_AXES
     return tuple(axes)
 
@@ -302,7 +303,7 @@ def checkpoint_specs(
 def rank_boxes(specs: dict[str, TensorSpec], dims: ParallelDims, rank: int) -> dict[str, Box]:
     """Boxes of every tensor held by ``rank`` (those of its pipeline stage), empty ones included."""
     coords = dims.coords(rank)
-    return {fqn: s.box(dims, coords) for fqn, s in specs.items() if coords["pp"] in s.stages}
+    return {fqn: s.box(dims, coords) for fqn, s in specs.items() if coords[Axis.pp] in s.stages}
 
 
 def shard_file_name(rank: int) -> str:
@@ -328,10 +329,14 @@ def grad_sum_groups(spec: TensorSpec, dims: ParallelDims) -> list[list[int]]:
     groups: dict[tuple[int, ...], list[int]] = {}
     for rank in range(dims.world_size):
         c = dims.coords(rank)
-        if c["pp"] not in spec.stages:
+        if c[Axis.pp] not in spec.stages:
             continue
-        pp_key = c["pp"] if len(spec.stages) == 1 else -1
-        tp_key = c["tp"] // spec.tp_replicas if spec.tp_replicas > 1 else c["tp"]
-        key = (pp_key, *(c[a] for a in MESH_AXES if a not in ("pp", "tp")), tp_key)
+        pp_key = c[Axis.pp] if len(spec.stages) == 1 else -1
+        tp_key = c[Axis.tp] // spec.tp_replicas if spec.tp_replicas > 1 else c[Axis.tp]
+        key = (
+            pp_key,
+            *(c[a] for a in MESH_AXES if a not in (Axis.pp, Axis.tp)),
+            tp_key,
+        )
         groups.setdefault(key, []).append(rank)
     return [g for g in groups.values() if len(g) > 1]
