@@ -57,6 +57,8 @@ from .sharding import param_specs as param_specs
 from .sharding import rank_boxes as rank_boxes
 from .sharding import shard_file_name as shard_file_name
 from .sharding import tp_module_key as tp_module_key
+from .shrink import SHRINK_RULE as SHRINK_RULE
+from .shrink import shrink_layout as shrink_layout
 from .sizes import SIZE_HELP as SIZE_HELP
 from .sizes import format_nbytes as format_nbytes
 from .sizes import parse_nbytes as parse_nbytes

@@ -3,5 +3,6 @@
 
 from .execute import ReadStats as ReadStats
 from .ranges import planned_read_nbytes as planned_read_nbytes
+from .ranges import planned_spans as planned_spans
 from .spans import chunk_span as chunk_span
 from .spans import intersections as intersections

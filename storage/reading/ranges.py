@@ -204,22 +204,30 @@ def coalesce(parts: list[ReadPart]) -> list[list[ReadPart]]:
     return reads
 
 
+def planned_spans(
+    saved: Box, common: Box, itemsize: int, chunk: int, shard_nbytes: int
+) -> list[tuple[int, int]]:
+    """Byte ranges ``[start, end)`` of one saved shard's data (relative to its first byte) that
+    a read of ``common`` (the part of a requested box inside ``saved``) fetches: the checksum
+    chunks it touches, as :func:`plan_piece` widens them (pure). A shrink's sender and receiver
+    both use it (:mod:`shardsmith.trainer.checkpoint.peer_reshard`), so the ranges sent are
+    exactly those the receiving load reads."""
+    first, last = row_major_span(saved, common)
+    a, b = first * itemsize, last * itemsize
+    if last - first == common.numel:
+        return [chunk_span(a, b, chunk, shard_nbytes)]
+    groups = _chunk_groups(saved, common, itemsize, chunk, a, b)
+    return [(c0 * chunk, min(c1 * chunk, shard_nbytes)) for c0, c1 in groups]
+
+
 def planned_read_nbytes(rec: TensorRecord, box: Box, chunk: int) -> int:
     """Bytes a read of ``box`` of the tensor ``rec`` fetches from storage: the saved shards'
     checksum chunks it touches, as :func:`plan_piece` widens them (no I/O; safetensors
     checkpoints). Lets ranks compare reading boxes apart with reading their union once
     (:func:`shardsmith.trainer.checkpoint.shared_reads.load_into_siblings`)."""
     itemsize = DTYPE_NBYTES[rec.dtype]
-    total = 0
-    for shard, saved, common in intersections(rec, box):
-        first, last = row_major_span(saved, common)
-        a, b = first * itemsize, last * itemsize
-        if last - first == common.numel:
-            lo, hi = chunk_span(a, b, chunk, shard.nbytes)
-            total += hi - lo
-        else:
-            total += sum(
-                min(c1 * chunk, shard.nbytes) - c0 * chunk
-                for c0, c1 in _chunk_groups(saved, common, itemsize, chunk, a, b)
-            )
-    return total
+    return sum(
+        b - a
+        for shard, saved, common in intersections(rec, box)
+        for a, b in planned_spans(saved, common, itemsize, chunk, shard.nbytes)
+    )

@@ -135,7 +135,8 @@ def test_retention_keeps_two_committed_steps_below_the_one_written(tmp_path: Pat
 def test_two_ranks_copies_merge_into_one_manifest_that_reshards_bitwise(tmp_path: Path) -> None:
     """tp=2 copies (norms replicated in both files) read back whole by a 1-rank layout."""
     from shardsmith.layout.sharding import rank_boxes
-    from shardsmith.trainer.checkpoint.recovery import build_manifest, reachable_steps
+    from shardsmith.trainer.checkpoint.peer_reshard import held_copies
+    from shardsmith.trainer.checkpoint.recovery import build_manifest
     from shardsmith.trainer.checkpoint.save_load import load_into
 
     dims = ParallelDims(tp=2)
@@ -154,9 +155,12 @@ def test_two_ranks_copies_merge_into_one_manifest_that_reshards_bitwise(tmp_path
         tier.write(
             tier.plan(7, local), tier.rank_doc(7, state={"step": 7, "run": {"id": RUN}}, config={})
         )
-    steps = reachable_steps(tier, Lineage(run=RUN))
-    assert list(steps) == [7] and [c.rank for c, _ in steps[7]] == [0, 1]
-    manifest = build_manifest(steps[7])
+    held = held_copies(tier, Lineage(run=RUN))
+    assert list(held) == [7] and sorted(held[7]) == [0, 1]
+    top = tier.top.url
+    manifest = build_manifest(
+        [(c, c.store.url[len(top) + 1 :] + "/") for _, c in sorted(held[7].items())]
+    )
     assert manifest.layout["tp"] == 2 and manifest.state["step"] == 7
     one = checkpoint_specs(TINY_MODEL, ParallelDims(), with_optimizer=True)
     got = {f: torch.zeros(s.shape, dtype=TORCH_DTYPES[s.dtype]) for f, s in one.items()}

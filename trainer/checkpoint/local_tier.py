@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 LOCAL_FORMAT = "shardsmith-local-rank"
 LOCAL_VERSION = 1
 REPLICAS_DIR = "replicas"
+#: The simulated node a process stays on across in-process restarts (set by the worker from the
+#: supervisor's assignment; read only with ``--simulate-nodes``): the node whose tier it reaches.
+SIMULATED_NODE_ENV = "SHARDSMITH_SIMULATED_NODE"
 
 
 def rank_manifest_name(rank: int) -> str:
@@ -218,7 +221,9 @@ class LocalTier:
         )
         self.per_node = ranks_per_node(dims.world_size, ckpt.simulate_nodes)
         self.num_nodes = dims.world_size // self.per_node
-        self.node = rank // self.per_node
+        self.simulated = bool(ckpt.simulate_nodes)
+        sticky = os.environ.get(SIMULATED_NODE_ENV, "") if self.simulated else ""
+        self.node = int(sticky) if sticky.isdigit() else rank // self.per_node
         path = (
             ckpt.local_ckpt[len("file://") :]
             if ckpt.local_ckpt.startswith("file://")
@@ -409,7 +414,11 @@ class LocalTier:
 
     def node_dirs(self) -> Iterable[tuple[Store, int]]:
         """Every ``node-NNNNN`` directory (and its replicas) this process can reach, with the
-        node number: on one machine, all of them."""
+        node number: on a cluster, its node's (node-local disks). With ``--simulate-nodes``
+        only its own simulated node's (private node tiers, as on a cluster, although one
+        machine could reach them all); else every one under ``--local-ckpt``."""
+        if self.simulated:
+            return [(self.root, self.node), (self.replica_root, self.node)]
         try:
             names = self.top.list_dir()
         except FileNotFoundError:

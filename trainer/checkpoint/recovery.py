@@ -5,10 +5,10 @@ every rank, and that step wins when it is not older than the persistent tier's n
 rank then loads its own copy, or receives it from its buddy over the process group first.
 Never a mixed step: a step counts only when every rank has it.
 
-When the world changed (a node lost and not replaced), every rank looks for the old ranks'
-copies it can reach on its filesystem (all of them on one machine) and, when some step is
-complete, loads it by box intersection (resharding) from the local tier; else from the
-persistent tier.
+When the world changed (a node lost and not replaced: a shrink), the survivors reshard the
+newest local step whose every old rank's copy survives somewhere, receiving over the process
+group what their own node's tier lacks (:mod:`~shardsmith.trainer.checkpoint.peer_reshard`);
+else the persistent tier loads, after one line naming why.
 
 The persistent tier's step is the one the launcher resolved (:func:`persistent_source`); a
 step whose data fails verification while loading is marked corrupt and, with ``--resume
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -33,7 +34,6 @@ from shardsmith.storage import (
     loadable_steps,
     mark_corrupt,
     open_manifest,
-    parse_step_dir,
     resolve_checkpoint,
     run_id_of,
     split_step_url,
@@ -53,6 +53,12 @@ from shardsmith.trainer.checkpoint.local_tier import (
     saved_dims,
 )
 from shardsmith.trainer.checkpoint.peer_copy import exchange_files
+from shardsmith.trainer.checkpoint.peer_reshard import (
+    ShrinkPlan,
+    agree_shrink,
+    other_layout_reachable,
+)
+from shardsmith.trainer.checkpoint.peer_transfer import rebuild
 from shardsmith.trainer.checkpoint.resume import choose_resume, way_forward
 from shardsmith.trainer.checkpoint.run_checks import RunIdentity
 from shardsmith.trainer.comm import broadcast_text, gather_json
@@ -161,9 +167,12 @@ def lineage_for(policy: RecoveringPolicy, persistent: tuple[Store, int] | None) 
     return Lineage(run=run, launch=launch) if run or launch else None
 
 
-def build_manifest(copies: list[tuple[RankCopy, str]]) -> Manifest:
+def build_manifest(
+    copies: list[tuple[RankCopy, str]], rng: dict[str, Any] | None = None
+) -> Manifest:
     """One in-memory manifest over rank copies of one step (file names prefixed with where
-    each copy lies relative to the store the load reads); each distinct box once.
+    each copy lies relative to the store the load reads); each distinct box once. ``rng``: the
+    RNG entry (default: packed from the copies' states, which must then be every rank's).
 
     Raises:
         ManifestError: a copy names a tensor the saved model does not have.
@@ -171,12 +180,11 @@ def build_manifest(copies: list[tuple[RankCopy, str]]) -> Manifest:
     first = copies[0][0].doc
     model, dims = saved_dims(first)
     specs = checkpoint_specs(model, dims, with_optimizer=True)
-    state = {
-        **first["state"],
-        "rng": pack_rng_states(
+    if rng is None:
+        rng = pack_rng_states(
             [c.doc["rng"] for c, _ in sorted(copies, key=lambda x: x[0].rank)], dims
-        ),
-    }
+        )
+    state = {**first["state"], "rng": rng}
     builder = ManifestBuilder(
         step=copies[0][0].step,
         dims=dims,
@@ -235,7 +243,8 @@ def recover_local(policy: RecoveringPolicy) -> bool:
         {
             "own": [c.step for c in own if c.same_layout(dims)],
             "held": [c.step for c in held if c.same_layout(dims)],
-            "other": any(not c.same_layout(dims) for c in own + held),
+            "other": any(not c.same_layout(dims) for c in own + held)
+            or other_layout_reachable(tier, lineage),
         }
     )
     step, sources = agree(infos, tier.per_node, tier.replicas)
@@ -247,11 +256,9 @@ def recover_local(policy: RecoveringPolicy) -> bool:
             "buddy" if "buddy" in sources else "local",
             seconds=time.perf_counter() - t0,
         )
-    elif any(i["other"] for i in infos):
-        step = _reshard_from_local(policy, lineage, newest_persistent)
-        if step is None:
+    elif any(i["other"] for i in infos):  # the world changed: a shrink
+        if _reshard_from_peers(policy, lineage, newest_persistent) is None:
             return False
-        announce(policy, step, "local", "resharded", seconds=time.perf_counter() - t0)
     else:
         return False
     policy.last_saved_step = newest_persistent  # the persistent tier still needs the final save
@@ -326,59 +333,57 @@ def _load_same_layout(
     )
 
 
-def reachable_steps(tier: LocalTier, lineage: Lineage) -> dict[int, list[tuple[RankCopy, str]]]:
-    """Steps for which this process can reach a copy of every rank of the layout they were
-    saved in (own or replica directories of any node), each with those copies and their
-    paths relative to ``tier.top``. Whole-file CRCs are checked (a world change is rare; with
-    node-local disks a rank reaches only its own node's few copies)."""
-    found: dict[int, dict[int, RankCopy]] = {}
-    for store, _ in tier.node_dirs():
-        for name in store.list_dir():
-            step = parse_step_dir(name)
-            if step is None:
-                continue
-            for f in store.list_dir(name):
-                if f.startswith("rank-") and f.endswith(".json") and f[5:-5].isdigit():
-                    copy, _ = tier.check(store.child(name), int(f[5:-5]), step, lineage, True)
-                    if copy is not None:
-                        found.setdefault(step, {}).setdefault(copy.rank, copy)
-    out = {}
-    for step, copies in found.items():
-        layouts = {
-            (c.doc["world_size"], str(sorted(c.doc["layout"].items()))) for c in copies.values()
-        }
-        world = next(iter(copies.values())).doc["world_size"]
-        if len(layouts) == 1 and sorted(copies) == list(range(world)):
-            out[step] = [
-                (c, c.store.url[len(tier.top.url) + 1 :] + "/") for _, c in sorted(copies.items())
-            ]
-    return out
-
-
-def _reshard_from_local(
+def _reshard_from_peers(
     policy: RecoveringPolicy, lineage: Lineage, newest_persistent: int
 ) -> int | None:
-    """The world changed: load the newest step every rank can reach completely (the same on
-    every rank: one all-gather), resharding; None when there is none newer than persistent."""
+    """The world changed: reshard the newest local step whose every saved rank survives on
+    some rank, from the survivors' copies (:mod:`~shardsmith.trainer.checkpoint.peer_reshard`);
+    None when none is as new as the persistent tier's (after one line naming why).
+    Collective."""
+    t0 = time.perf_counter()
     tier = policy.local
     assert tier is not None
-    try:
-        steps = reachable_steps(tier, lineage)
-    except Exception as exc:  # noqa: BLE001 — as in _scan_this_rank: nothing found, next tier
-        log.warning(
-            "local tier: cannot scan %s: %s: %s; falling back to the persistent tier",
-            tier.top.url,
-            type(exc).__name__,
-            exc,
-        )
-        steps = {}
-    common = set.intersection(*(set(s) for s in gather_json(sorted(steps))))
-    step = max(common) if common else None
-    if step is None or step < newest_persistent:
+    plan, held = agree_shrink(tier, lineage, newest_persistent)
+    if plan.why:
+        _why_not_newest(policy, plan, newest_persistent)
+    if plan.step is None:
         return None
-    copies = steps[step]
-    policy.load_step(tier.top, step, reason="resume", reader=StaticManifest(build_manifest(copies)))
-    return step
+    dims = policy.cfg.parallel
+    rebuilt = rebuild(tier, plan, held, policy.cfg.model, dims, policy.rank)
+    try:
+        reader = StaticManifest(build_manifest(rebuilt.copies, rng=rebuilt.rng))
+        policy.load_step(tier.top, plan.step, reason="resume", reader=reader)
+    finally:
+        shutil.rmtree(rebuilt.scratch, ignore_errors=True)
+    received = gather_json(rebuilt.nbytes_received)
+    seconds = time.perf_counter() - t0
+    announce(policy, plan.step, "local", "resharded", seconds=seconds)
+    policy.event(
+        {
+            "event": "peer_reshard",
+            "step": plan.step,
+            "saved_layout": plan.layout,
+            "layout": dims.to_json(),
+            "nbytes_received": sum(received),
+            "ranks_receiving": sum(1 for n in received if n),
+            "seconds": round(seconds, 4),
+        }
+    )
+    return plan.step
+
+
+def _why_not_newest(policy: RecoveringPolicy, plan: ShrinkPlan, newest_persistent: int) -> None:
+    """One line (rank 0 logs it; an event): why the newest local step is not the one loaded."""
+    if plan.step is not None:
+        then = f"resharding step {plan.step} from the survivors instead"
+    elif newest_persistent >= 0:
+        then = f"loading step {newest_persistent} from the persistent tier"
+    else:
+        then = "no persistent step either: starting from scratch"
+    line = f"local tier: {plan.why}; {then}"
+    if policy.rank == 0:
+        log.warning("%s", line)
+    policy.event({"event": "warning", "message": line})
 
 
 __all__ = ["recover_local", "agree", "build_manifest", "StaticManifest", "announce"]

@@ -35,13 +35,16 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from shardsmith.layout import ParallelDims
 from shardsmith.storage import crashpoints
+from shardsmith.trainer.checkpoint.local_tier import SIMULATED_NODE_ENV
 from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.fault.preemption import say
 
@@ -141,7 +144,18 @@ def join_generation(cfg: TrainConfig, store: dist.TCPStore, job: dict[str, Any])
         world_size=world,
         timeout=timedelta(seconds=timeout),
     )
-    return Trainer.create(fit_world_size(cfg, world))
+    if "node" in job:  # the (simulated) node this process runs on, whatever its rank
+        os.environ[SIMULATED_NODE_ENV] = str(job["node"])
+    return Trainer.create(fit_world_size(assigned_config(cfg, job), world))
+
+
+def assigned_config(cfg: TrainConfig, job: dict[str, Any]) -> TrainConfig:
+    """``cfg`` in the layout a shrink assigned (``job["layout"]`` and the simulated nodes
+    left, ``job["simulate_nodes"]``), or ``cfg`` itself."""
+    if "layout" not in job:
+        return cfg
+    checkpoint = replace(cfg.checkpoint, simulate_nodes=int(job.get("simulate_nodes", 0)))
+    return replace(cfg, parallel=ParallelDims.from_json(job["layout"]), checkpoint=checkpoint)
 
 
 def abort_groups() -> None:

@@ -9,9 +9,17 @@ every generation rendezvouses on, and when a member dies it opens the next gener
 survivors keep their ranks (they notice through gloo, tear down their groups and rejoin, see
 :mod:`~shardsmith.trainer.runtime.inprocess`), a spare takes each dead rank's slot, and all of
 them load the newest complete checkpoint. Spares used up are replaced ``refill_delay_s``
-after a restart (their imports would compete for the CPU with the restart itself); with no
-spare left a dead slot goes to a freshly started process (the survivors still do not
-cold-start).
+after a restart (their imports would compete for the CPU with the restart itself); when
+they are used up before that, a dead slot goes to a freshly started process (the survivors
+still do not cold-start).
+
+With ``--spares 0`` nothing replaces the dead: the survivors **shrink**, continuing in the
+largest layout that fits them (:func:`~shardsmith.layout.shrink_layout`: tp, pp and cp stay,
+dp_shard gives way before dp_replicate; the restart line prints the rule), and reshard the
+newest local step from each other's tiers
+(:mod:`~shardsmith.trainer.checkpoint.peer_reshard`). Each assignment then carries the new
+layout and the worker's node (its simulated node stays its own across generations). A
+shrink that no layout allows ends the job with the reason.
 
 A worker exiting non-zero (a crash, SIGKILL, an error) counts like a death; after
 ``max_restarts`` restarts the job fails with the first worker's error line, as with torchrun.
@@ -35,6 +43,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardsmith.errors import LayoutError
+from shardsmith.layout import SHRINK_RULE, shrink_layout
 from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.runtime.inprocess import SUPERVISOR_ENV, WORKER_ID_ENV
 from shardsmith.trainer.runtime.launch import (
@@ -74,6 +84,7 @@ class Supervisor:
         spares: int,
         refill_delay_s: float = 10.0,
         error_file: str = "",
+        cfg: TrainConfig | None = None,
     ) -> None:
         self.config_path, self.nproc, self.max_restarts = config_path, nproc, max_restarts
         self.num_spares, self.refill_delay_s, self.error_file = spares, refill_delay_s, error_file
@@ -88,6 +99,11 @@ class Supervisor:
         self.refill_at: float | None = None
         self.signals: list[int] = []
         self.run_id = f"shardsmith-{uuid.uuid4().hex[:8]}"
+        self.cfg = cfg  # the job's layout, model and batch: what a shrink needs
+        self.layout = cfg.parallel if cfg is not None else None
+        self.shrunk = False
+        self.simulate_nodes = cfg.checkpoint.simulate_nodes if cfg is not None else 0
+        self.node_of: dict[str, int] = {}  # worker -> its (simulated) node
 
     # ---- processes ----------------------------------------------------------------------------
 
@@ -113,7 +129,12 @@ class Supervisor:
 
     def _open_generation(self) -> None:
         for rank, worker_id in enumerate(self.members):
-            self._assign(worker_id, {"gen": self.gen, "rank": rank, "world": self.nproc})
+            job: dict[str, Any] = {"gen": self.gen, "rank": rank, "world": self.nproc}
+            if self.shrunk and self.layout is not None:
+                job.update(layout=self.layout.to_json(), simulate_nodes=self.simulate_nodes)
+            if self.simulate_nodes:
+                job["node"] = self.node_of[worker_id]
+            self._assign(worker_id, job)
 
     def _alive(self, worker_id: str) -> bool:
         return self.procs[worker_id].poll() is None
@@ -138,6 +159,8 @@ class Supervisor:
             LaunchError: a member failed after ``max_restarts`` restarts (its error line).
         """
         self.members = [self._start_process() for _ in range(self.nproc)]
+        per_node = self.nproc // self.simulate_nodes if self.simulate_nodes else self.nproc
+        self.node_of = {w: rank // per_node for rank, w in enumerate(self.members)}
         self.spares = [self._start_process() for _ in range(self.num_spares)]
         self._open_generation()
         previous = self._install_signals()
@@ -193,15 +216,60 @@ class Supervisor:
         if self.gen >= self.max_restarts:
             raise LaunchError(self._failure_line(dead))
         self.gen += 1
-        for rank in dead:
-            self.members[rank] = self._take_spare()
+        if dead and self.num_spares == 0 and self.cfg is not None:
+            what = self._shrink(dead)
+        else:
+            for rank in dead:
+                worker_id = self._take_spare()
+                self.node_of[worker_id] = self.node_of.get(self.members[rank], 0)
+                self.members[rank] = worker_id
+            what = "replaced by warm spares; the others restart in place"
         self._open_generation()
         self.refill_at = time.monotonic() + self.refill_delay_s
         print(
             f"restart {self.gen}/{self.max_restarts}: rank(s) {dead or 'none'} (exit codes "
-            f"{list(codes.values())}) replaced by warm spares; the others restart in place",
+            f"{list(codes.values())}) {what}",
             file=sys.stderr,
             flush=True,
+        )
+
+    def _shrink(self, dead: list[int]) -> str:
+        """No spare (``--spares 0``): the survivors continue alone, in the largest layout that
+        fits them (:func:`~shardsmith.layout.shrink_layout`), grouped by node; survivors the
+        layout leaves over wait as spares. Returns what happened, for the restart line.
+
+        Raises:
+            LaunchError: no layout fits the survivors (the reason, and the way forward).
+        """
+        assert self.cfg is not None and self.layout is not None
+        old = self.layout
+        order = {w: rank for rank, w in enumerate(self.members)}
+        alive = [w for rank, w in enumerate(self.members) if rank not in dead]
+        alive.sort(key=lambda w: (self.node_of.get(w, 0), order[w]))
+        try:
+            new = shrink_layout(
+                old,
+                self.cfg.model,
+                len(alive),
+                global_batch_size=self.cfg.global_batch_size,
+                micro_batch_size=self.cfg.micro_batch_size,
+            )
+        except LayoutError as exc:
+            raise LaunchError(
+                f"rank(s) {dead} lost and no spare (--spares 0): cannot shrink: {exc}; run with "
+                "--spares N to replace lost ranks instead"
+            ) from None
+        self.members, left = alive[: new.world_size], alive[new.world_size :]
+        self.spares += left
+        self.layout, self.nproc, self.shrunk = new, new.world_size, True
+        if self.simulate_nodes:  # nodes left, if they hold equal numbers of ranks
+            counts = [self.node_of[w] for w in self.members]
+            sizes = {counts.count(n) for n in set(counts)}
+            self.simulate_nodes = len(set(counts)) if len(sizes) == 1 else 0
+        return (
+            f"lost, no spare left: shrinking {old.describe()} ({old.world_size} ranks) -> "
+            f"{new.describe()} ({new.world_size} ranks), {SHRINK_RULE}"
+            + (f"; {len(left)} survivor(s) wait as spares" if left else "")
         )
 
     def _failure_line(self, dead: list[int]) -> str:
@@ -257,7 +325,12 @@ def launch_in_process(
     set_worker_env()
     with job_files(cfg) as (path, error_file):
         supervisor = Supervisor(
-            path, nproc_per_node, max_restarts=max_restarts, spares=spares, error_file=error_file
+            path,
+            nproc_per_node,
+            max_restarts=max_restarts,
+            spares=spares,
+            error_file=error_file,
+            cfg=cfg,
         )
         try:
             return supervisor.run()

@@ -1,0 +1,337 @@
+"""A shrink: a node lost and not replaced, the job continuing on fewer ranks (issue 41).
+
+Unit tests first (no processes): the layout rule (tp, pp, cp stay; dp_shard gives way before
+dp_replicate; a shrink no layout allows is refused with the reason), the agreement on the step
+and its servers, which saved box each new rank reads from which copy, the transfer's batches,
+and private simulated node tiers.
+
+Then ``shardsmith train --restart in-process --spares 0`` on gloo (tiny model, the local tier
+every step with buddy copies, the persistent tier every 5 steps, 10 steps; node lost as step 6
+starts), each against a run resumed from the persistent copy of step 5 in the new layout
+(``--resume URL``, 2 processes): losses within 1e-5 and the step-10 checkpoint bitwise equal.
+
+* tp2·dp_shard2 on 2 simulated nodes -> tp2: the survivors share node 0, which holds every
+  copy (own and buddy): nothing crosses the network.
+* dp_shard4 on 4 simulated nodes (one rank each) -> dp_shard2: rank 1's node is lost; its
+  copy lies on node 2 (its buddy) and node 3's on node 0, so each survivor receives boxes
+  from the other over the process group.
+* dp_shard4 on 4 simulated nodes, nodes 1 and 2 lost: rank 1 and its buddy are gone, so the
+  job loads the persistent step, saying why in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TINY_MODEL, TINY_TRAIN_FLAGS, assert_tensors_bitwise_equal, read_full_tensors
+from train_runs import Run
+
+from shardsmith.errors import LayoutError
+from shardsmith.layout import ParallelDims, rank_boxes, shrink_layout
+from shardsmith.storage.commit import step_dir
+from shardsmith.trainer.checkpoint.config import CheckpointConfig
+from shardsmith.trainer.checkpoint.local_tier import SIMULATED_NODE_ENV, LocalTier
+from shardsmith.trainer.checkpoint.peer_reshard import SourcePlan, batches, plan_shrink
+from shardsmith.trainer.checkpoint.peer_transfer import transfer_of
+from shardsmith.trainer.config import TrainConfig
+
+STEPS = 10
+LOST_AT = 6
+
+
+# ---- unit tests ------------------------------------------------------------------------------
+
+
+def _shrink(dims: ParallelDims, ranks: int, global_batch: int = 8, micro: int = 2) -> ParallelDims:
+    return shrink_layout(
+        dims, TINY_MODEL, ranks, global_batch_size=global_batch, micro_batch_size=micro
+    )
+
+
+def test_shrink_layout_keeps_tp_and_shrinks_dp_shard_before_dp_replicate() -> None:
+    assert _shrink(ParallelDims(tp=2, dp_shard=2), 2) == ParallelDims(tp=2)
+    assert _shrink(ParallelDims(tp=2, dp_shard=2), 3) == ParallelDims(
+        tp=2
+    )  # 3 is no multiple of tp
+    assert _shrink(ParallelDims(dp_shard=4), 2) == ParallelDims(dp_shard=2)
+    assert _shrink(ParallelDims(dp_shard=4), 3) == ParallelDims(
+        dp_shard=2
+    )  # 8 samples, 2 per microbatch
+    assert _shrink(ParallelDims(dp_shard=4), 3, global_batch=6) == ParallelDims(dp_shard=3)
+    assert _shrink(ParallelDims(dp_replicate=2, dp_shard=2), 3) == ParallelDims(
+        dp_replicate=2
+    )  # replicas kept
+    assert _shrink(ParallelDims(dp_shard=4), 4) == ParallelDims(dp_shard=4)  # nothing to shrink
+
+
+def test_shrink_layout_refuses_what_no_layout_allows_naming_why() -> None:
+    with pytest.raises(
+        LayoutError, match=r"needs tp\*pp\*cp = 4 ranks for one copy of the model; 3 survive"
+    ):
+        _shrink(ParallelDims(tp=2, pp=2, dp_shard=2), 3)
+    with pytest.raises(LayoutError, match=r"needs tp\*pp\*cp = 2 ranks .* 1 survive"):
+        _shrink(ParallelDims(tp=2, dp_shard=2), 1)
+
+
+LAYOUT = ParallelDims(tp=2, dp_shard=2).to_json()
+
+
+def _offer(*ranks: int, layout: dict = LAYOUT, world: int = 4) -> dict:
+    return {"world": world, "layout": layout, "ranks": list(ranks)}
+
+
+def test_shrink_plan_takes_the_newest_step_every_saved_rank_survives() -> None:
+    # 4 nodes of one rank, node 1 lost: new rank 0 (old 0) holds its own copy and node 3's
+    # (buddy), new rank 1 (old 2) its own and node 1's
+    infos = [{"6": _offer(0, 3), "5": _offer(0, 3)}, {"6": _offer(1, 2), "5": _offer(1, 2)}]
+    plan = plan_shrink(infos, newest_persistent=5)
+    assert (plan.step, plan.servers, plan.holders, plan.why) == (
+        6,
+        [0, 1, 1, 0],
+        [[0], [1], [1], [0]],
+        "",
+    )
+    # both hold everything (one node's disk): serving is spread
+    assert plan_shrink([{"6": _offer(0, 1, 2, 3)}] * 2, 5).servers == [0, 1, 0, 1]
+    # rank 1's copy of step 6 is lost with its buddy's: step 5, and the line says why
+    lost = [{"6": _offer(0, 3), "5": _offer(0, 3)}, {"6": _offer(2), "5": _offer(1, 2)}]
+    plan = plan_shrink(lost, 5)
+    assert plan.step == 5 and plan.why == (
+        "step 6: no surviving copy of rank(s) 1 of its 4 (each one's own copy "
+        "and its buddy's were lost together)"
+    )
+    assert plan_shrink(lost, 6).step is None  # the persistent tier is newer than step 5
+    assert plan_shrink([{}, {}], -1).step is None
+    mixed = [{"6": _offer(0, 1)}, {"6": _offer(2, 3, layout=ParallelDims(dp_shard=4).to_json())}]
+    assert "disagree on its layout" in plan_shrink(mixed, -1).why
+
+
+def test_shrink_sources_read_each_saved_box_once_own_copies_first() -> None:
+    infos = [{"6": _offer(0, 3)}, {"6": _offer(1, 2)}]
+    plan = plan_shrink(infos, 5)
+    sources = SourcePlan(TINY_MODEL, plan, ParallelDims(tp=2))
+    wq, norm = "layers.0.attention.wq.weight", "layers.0.attention_norm.weight"
+    rank0 = sources.sources(0)
+    # tp0's rows of wq: the two dp_shard halves saved by ranks 0 and 2 (tp0); the norm (replicated
+    # over tp, halved over dp_shard) from the copies rank 0 holds: 0 and 3
+    assert sorted(s for s, reads in rank0.items() if any(f == wq for f, _, _ in reads)) == [0, 2]
+    assert sorted(s for s, reads in rank0.items() if any(f == norm for f, _, _ in reads)) == [0, 3]
+    move = transfer_of(sources, 0, 2)
+    assert sorted(move.own) == [0, 3] and sorted(move.recvs) == [1] and sorted(move.recvs[1]) == [2]
+    assert sorted(move.sends) == [1] and sorted(move.sends[1]) == [
+        3
+    ]  # rank 1 (tp1) needs rank 3's boxes
+    # every element of every box of rank 0 is read from exactly one saved box
+    total: dict[str, int] = {}
+    for reads in rank0.values():
+        for fqn, saved, box in reads:
+            common = saved.intersect(box) if box.lengths else saved
+            total[fqn] = total.get(fqn, 0) + common.numel
+    want = {
+        f: b.numel for f, b in rank_boxes(sources.specs, ParallelDims(tp=2), 0).items() if b.numel
+    }
+    assert total == want
+
+
+def test_shrink_transfer_batches_cut_ranges_alike_on_both_sides() -> None:
+    ranges = [(0, (0, 10)), (0, (20, 25)), (3, (0, 30))]
+    assert batches(ranges, limit=16) == [
+        [(0, 0, 10), (0, 20, 25), (3, 0, 1)],
+        [(3, 1, 17)],
+        [(3, 17, 30)],
+    ]
+    assert batches([], limit=16) == []
+
+
+def test_shrink_simulated_node_tiers_are_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = TrainConfig(
+        model=TINY_MODEL,
+        parallel=ParallelDims(dp_shard=4),
+        checkpoint=CheckpointConfig(
+            url=str(tmp_path / "ckpt"), local_ckpt=str(tmp_path / "local"), simulate_nodes=2
+        ),
+    )
+    for node in range(2):
+        (tmp_path / "local" / f"node-{node:05d}" / "replicas").mkdir(parents=True)
+    tier = LocalTier(cfg, 3)
+    assert [(s.root.rsplit("/", 2)[-2:], n) for s, n in tier.node_dirs()] == [
+        (["local", "node-00001"], 1),
+        (["node-00001", "replicas"], 1),
+    ]
+    monkeypatch.setenv(SIMULATED_NODE_ENV, "0")  # the process was on node 0 (in-process restart)
+    tier = LocalTier(cfg, 3)
+    assert tier.node == 0 and [n for _, n in tier.node_dirs()] == [0, 0]
+    monkeypatch.delenv(SIMULATED_NODE_ENV)
+    shared = TrainConfig(
+        model=TINY_MODEL,
+        parallel=ParallelDims(dp_shard=4),
+        checkpoint=CheckpointConfig(url=str(tmp_path / "ckpt"), local_ckpt=str(tmp_path / "local")),
+    )
+    assert sorted(n for _, n in LocalTier(shared, 3).node_dirs()) == [
+        0,
+        0,
+        1,
+        1,
+    ]  # one machine: all
+
+
+# ---- distributed runs ------------------------------------------------------------------------
+
+
+def _launch(
+    root: Path, data_path: str, nproc: int, *flags: str, env: dict[str, str] | None = None
+) -> Run:
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardsmith",
+        "train",
+        "--nproc-per-node",
+        str(nproc),
+        *TINY_TRAIN_FLAGS,
+        "--data",
+        data_path,
+        "--steps",
+        str(STEPS),
+        "--ckpt",
+        str(root),
+        "--save-interval",
+        "5",
+        *flags,
+    ]
+    proc = subprocess.run(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})},
+    )
+    (root.parent / f"{root.name}.log").write_text(proc.stdout)
+    metrics = root / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return Run(
+        proc.returncode, proc.stdout, root, [json.loads(line) for line in lines if line.strip()]
+    )
+
+
+def shrink(root: Path, data_path: str, tp: int, nodes: int, lost: list[int]) -> Run:
+    """4 processes in-process with no spare; the ranks ``lost`` lose their node as step 6 starts."""
+    env = {
+        "SHARDSMITH_TEST_LOSE_NODE_AT": ",".join(f"{r}:{LOST_AT}" for r in lost),
+        "SHARDSMITH_TEST_MARKER_DIR": str(root.parent / f"{root.name}-markers"),
+    }
+    return _launch(
+        root,
+        data_path,
+        4,
+        "--tp",
+        str(tp),
+        "--local-ckpt",
+        f"{root}-local",
+        "--local-replicas",
+        "1",
+        "--simulate-nodes",
+        str(nodes),
+        "--restart",
+        "in-process",
+        "--spares",
+        "0",
+        "--max-restarts",
+        "1",
+        env=env,
+    )
+
+
+def resumed(root: Path, data_path: str, source: Run, tp: int) -> Run:
+    """2 processes resuming ``source``'s persistent step 5 (the reference of a shrink)."""
+    return _launch(
+        root, data_path, 2, "--tp", str(tp), "--resume", str(source.root / step_dir(LOST_AT - 1))
+    )
+
+
+def _assert_continues_like(run: Run, ref: Run, where: str) -> None:
+    want = ref.losses()
+    assert sorted(want) == list(range(LOST_AT, STEPS + 1)), where
+    for step in range(LOST_AT, STEPS + 1):
+        assert abs(run.losses()[step] - want[step]) <= 1e-5, (
+            where,
+            step,
+            run.losses()[step],
+            want[step],
+        )
+    assert_tensors_bitwise_equal(
+        read_full_tensors(str(run.root / step_dir(STEPS))),
+        read_full_tensors(str(ref.root / step_dir(STEPS))),
+        where,
+    )
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("shrink")
+
+
+@pytest.fixture(scope="module")
+def dp4(work: Path, data_path: str) -> Run:
+    return shrink(work / "dp4", data_path, 1, 4, [1]).check()
+
+
+@pytest.mark.distributed
+def test_shrink_tp2_dp_shard2_to_tp2_on_the_survivors_of_a_node(work: Path, data_path: str) -> None:
+    run = shrink(work / "tp2", data_path, 2, 2, [2, 3]).check()
+    assert (
+        "no spare left: shrinking pp1·dpr1·dps2·tp2 (4 ranks) -> pp1·dpr1·dps1·tp2 (2 ranks)"
+        in run.output
+    ), run.output[-4000:]
+    assert run.recovered() == [(LOST_AT - 1, "local")] and "(resharded)" in run.output, run.output[
+        -4000:
+    ]
+    [resume] = [e for e in run.events("resume") if e["restart_count"] > 0]
+    assert (
+        resume["resharded"]
+        and resume["saved_layout"]["world_size"] == 4
+        and "-local" in resume["from"]
+    )
+    [peers] = run.events("peer_reshard")
+    assert peers["nbytes_received"] == 0  # both survivors read node 0's disk: own and buddy copies
+    _assert_continues_like(
+        run, resumed(work / "tp2-ref", data_path, run, 2).check(), "tp2·dp_shard2 -> tp2"
+    )
+
+
+@pytest.mark.distributed
+def test_shrink_dp_shard4_to_dp_shard2_receives_the_lost_nodes_boxes_from_peers(
+    work: Path, data_path: str, dp4: Run
+) -> None:
+    run = dp4
+    assert "-> pp1·dpr1·dps2·tp1 (2 ranks)" in run.output, run.output[-4000:]
+    assert run.recovered() == [(LOST_AT - 1, "local")], run.output[-4000:]
+    [peers] = run.events("peer_reshard")
+    assert peers["nbytes_received"] > 0 and peers["ranks_receiving"] == 2, peers
+    [resume] = [e for e in run.events("resume") if e["restart_count"] > 0]
+    assert "-local" in resume["from"] and resume["saved_layout"]["dp_shard"] == 4
+    _assert_continues_like(
+        run, resumed(work / "dp4-ref", data_path, run, 1).check(), "dp_shard4 -> dp_shard2"
+    )
+
+
+@pytest.mark.distributed
+def test_shrink_with_a_rank_and_its_buddy_lost_loads_the_persistent_step_saying_why(
+    work: Path, data_path: str, dp4: Run
+) -> None:
+    run = shrink(work / "dp4-buddy", data_path, 1, 4, [1, 2]).check()
+    why = [line for line in run.output.splitlines() if "no surviving copy of rank(s)" in line]
+    assert len(why) == 1 and "step 5: no surviving copy of rank(s) 1 of its 4" in why[0], (
+        run.output[-4000:]
+    )
+    assert "loading step 5 from the persistent tier" in why[0]
+    assert run.recovered() == [(LOST_AT - 1, "persistent")], run.output[-4000:]
+    _assert_continues_like(run, dp4, "dp_shard4 -> dp_shard2 from the persistent tier")
