@@ -140,16 +140,20 @@ def train(
     *flags: str,
     env: dict[str, str] | None = None,
     timeout: float = 900,
+    nproc: int = 4,
+    model_flags: list[str] = MODEL_FLAGS,
+    check: bool = True,
 ) -> list[dict[str, Any]]:
-    """One ``shardsmith train`` (4 processes); its metrics records. Raises on failure."""
+    """One ``shardsmith train`` (``nproc`` processes); its metrics records. Raises on failure
+    (unless not ``check``: a run meant to die)."""
     cmd = [
         sys.executable,
         "-m",
         "shardsmith",
         "train",
         "--nproc-per-node",
-        "4",
-        *MODEL_FLAGS,
+        str(nproc),
+        *model_flags,
         "--data",
         data,
         "--steps",
@@ -174,8 +178,9 @@ def train(
             **(env or {}),
         },
     )
-    (root.parent / f"{root.name}.log").write_text(proc.stdout)
-    if proc.returncode != 0:
+    log = root.parent / f"{root.name}.log"
+    log.write_text(log.read_text() + proc.stdout if log.exists() else proc.stdout)
+    if proc.returncode != 0 and check:
         raise SystemExit(f"{root.name} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
     return records(root)
 
@@ -406,6 +411,143 @@ def corpus(path: Path) -> str:
     return str(path)
 
 
+# ---- the shrink row: a node lost and not replaced (--shrink) -----------------------------------
+
+#: The shrink row's layout: tp2 x dp_shard2 on 4 simulated nodes of one rank each, so the lost
+#: node's copy (its buddy's) lies on another survivor and the peer path moves it over the network.
+SHRINK_NODES = ["--simulate-nodes", "4"]
+SHRINK_MODEL = MODEL_FLAGS[: MODEL_FLAGS.index("--simulate-nodes")]
+
+
+def shrink_run(
+    work: Path, data: str, args: argparse.Namespace, kind: str, r: int
+) -> dict[str, Any]:
+    """One run of the shrink row: node 1 (rank 1) is lost as step ``--kill-step`` starts and
+    not replaced. ``kind``: ``persistent`` (today: the job ends; the 2 survivors relaunch, a new
+    torchrun, and load the persistent step), ``inprocess-persistent`` (the survivors shrink in
+    place, no local tier: the persistent step) or ``peers`` (the survivors shrink in place and
+    reshard the newest local step from their tiers). Kill to the next finished step, steps
+    lost, bytes of checkpoint data read from the persistent store (the resume's ``nbytes_read``)
+    and bytes moved between ranks."""
+    root, markers = work / f"shrink-{kind}-{r}", work / f"shrink-{kind}-{r}-markers"
+    env = {
+        "SHARDSMITH_TEST_LOSE_NODE_AT": f"1:{args.kill_step}",
+        "SHARDSMITH_TEST_MARKER_DIR": str(markers),
+    }
+    flags = ["--ckpt", STORE.url(root), "--save-interval", str(args.save_interval)]
+    steps = args.kill_step + 2
+    if kind == "persistent":
+        model = SHRINK_MODEL
+        train(root, data, steps, *flags, *SHRINK_NODES, env=env, model_flags=model, check=False)
+        recs = train(root, data, steps, *flags, "--simulate-nodes", "2", nproc=2, model_flags=model)
+    else:
+        local = (
+            [
+                "--local-ckpt",
+                str(work / f"shrink-{kind}-{r}-local"),
+                "--local-save-interval",
+                "1",
+                "--local-replicas",
+                "1",
+            ]
+            if kind == "peers"
+            else []
+        )
+        recs = train(
+            root,
+            data,
+            steps,
+            *flags,
+            *SHRINK_NODES,
+            *local,
+            "--restart",
+            "in-process",
+            "--spares",
+            "0",
+            "--max-restarts",
+            "1",
+            env=env,
+            model_flags=SHRINK_MODEL,
+        )
+    killed = kill_time(markers, "lose-node", args.kill_step)
+    out = recovery(recs, killed, args.kill_step)
+    after = [x for x in recs if x.get("time", 0) > killed]
+    out["persistent_bytes_read"] = sum(
+        x.get("nbytes_read", 0)
+        for x in after
+        if x.get("event") == "resume" and str(x.get("from", "")).startswith("s3://")
+    )
+    out["peer_bytes"] = sum(
+        x.get("nbytes_received", 0) for x in after if x.get("event") == "peer_reshard"
+    )
+    out["layout"] = next((x["layout"] for x in after if x.get("event") == "resume"), None)
+    return out
+
+
+def run_shrink(work: Path, data: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The shrink row: ``--shrink-rounds`` rounds of the three runs, alternating (robust.py);
+    ``shrink_p2p_vs_persistent`` = the median of per-round (peers / persistent) times."""
+    kinds = ("persistent", "inprocess-persistent", "peers")
+    rounds = robust.alternate(
+        {k: (lambda r, k=k: shrink_run(work, data, args, k, r)) for k in kinds},
+        args.shrink_rounds,
+        log=lambda r, k, out: print(
+            f"round {r + 1} shrink {k}: {out}", file=sys.stderr, flush=True
+        ),
+    )
+    secs = {k: [x["mttr_s"] for x in rounds[k]] for k in kinds}
+    stats = {
+        "shrink_p2p_vs_persistent": robust.paired(secs["peers"], secs["persistent"]),
+        "shrink_p2p_vs_inprocess_persistent": robust.paired(
+            secs["peers"], secs["inprocess-persistent"]
+        ),
+    }
+    med = {k: round(statistics.median(v), 3) for k, v in secs.items()}
+    lost = {k: max(x["lost_steps"] for x in rounds[k]) for k in kinds}
+    read = {k: max(x["persistent_bytes_read"] for x in rounds[k]) for k in kinds}
+    peer = {k: max(x["peer_bytes"] for x in rounds[k]) for k in kinds}
+    print(
+        f"node lost, not replaced (tp2·dp_shard2 on 4 simulated nodes -> tp2; medians of {args.shrink_rounds} "
+        f"round(s); lost and bytes: the worst round)\n{'':34}{'kill->step s':>13}{'lost':>6}"
+        f"{'persistent B':>14}{'peer B':>10}"
+    )
+    for k, name in zip(
+        kinds,
+        (
+            "torchrun relaunch + persistent",
+            "in-process shrink + persistent",
+            "in-process shrink + peers",
+        ),
+    ):
+        print(f"{name:34}{med[k]:>13}{lost[k]:>6}{read[k]:>14}{peer[k]:>10}")
+    result = {
+        "shrink_p2p_persistent_bytes_read": read["peers"],
+        "shrink_p2p_steps_lost": lost["peers"],
+        **robust.medians(stats),
+        "shrink_p2p_s": med["peers"],
+        "shrink_persistent_s": med["persistent"],
+        "shrink_inprocess_persistent_s": med["inprocess-persistent"],
+        "shrink_persistent_steps_lost": lost["persistent"],
+        "shrink_persistent_bytes_read": read["persistent"],
+        "shrink_p2p_peer_bytes": peer["peers"],
+        "shrink_layouts": [rounds["peers"][0]["layout"]],
+    }
+    result.update(
+        robust.report(
+            "\npaired rounds (median of per-round ratios):",
+            {
+                "shrink_p2p_vs_persistent": (stats["shrink_p2p_vs_persistent"], "<=", 0.3),
+                "shrink_p2p_vs_inprocess_persistent": (
+                    stats["shrink_p2p_vs_inprocess_persistent"],
+                    None,
+                    None,
+                ),
+            },
+        )
+    )
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kill-step", type=int, default=8, help="rank 1 dies as this step starts")
@@ -453,9 +595,19 @@ def main() -> None:
     parser.add_argument(
         "--keep", action="store_true", help="keep the work directory (its path is printed)"
     )
+    parser.add_argument(
+        "--shrink",
+        action="store_true",
+        help="only the 'node lost, not replaced' row (the persistent store on the loopback S3)",
+    )
+    parser.add_argument(
+        "--shrink-rounds", type=int, default=3, help="shrink row: rounds of its three runs"
+    )
     args = parser.parse_args()
     global STORE
-    STORE = Persistent(args.persistent)
+    STORE = Persistent("s3" if args.shrink else args.persistent)
+    if args.shrink:
+        return shrink_main(args)
     work = Path(
         tempfile.mkdtemp(
             prefix="recovery-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -489,6 +641,26 @@ def main() -> None:
         load_avg_1m=round(os.getloadavg()[0], 2),
         wall_s=round(time.time() - t0, 1),
     )
+    print(json.dumps(result))
+
+
+def shrink_main(args: argparse.Namespace) -> None:
+    """``--shrink``: the shrink row alone; its JSON line last."""
+    work = Path(
+        tempfile.mkdtemp(
+            prefix="shrink-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+        )
+    )
+    t0 = time.time()
+    try:
+        result = run_shrink(work, corpus(work / "corpus.txt"), args)
+    finally:
+        STORE.stop()
+        if args.keep:
+            print(f"work directory: {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    result.update(persistent="s3", wall_s=round(time.time() - t0, 1))
     print(json.dumps(result))
 
 
