@@ -85,7 +85,7 @@ def _meta_files(copies: dict[int, RankCopy], saved_ranks: list[int]) -> dict[str
 
 
 def _store_meta(
-    tier: LocalTier, scratch: Any, step: int, files: dict[str, bytes], saved: int, server: int
+    scratch: Any, step: int, files: dict[str, bytes], saved: int, server: int
 ) -> RankCopy:
     """Write a received copy's sidecar (its CRC checked against the rank manifest) and a sparse
     data file holding its header; the ranges follow in later rounds."""
@@ -151,7 +151,7 @@ def move(
     received: dict[int, RankCopy] = {}
     for server, by_saved in move_plan.recvs.items():
         for saved in by_saved:
-            received[saved] = _store_meta(tier, scratch, step, got[server], saved, server)
+            received[saved] = _store_meta(scratch, step, got[server], saved, server)
     docs = {**{s: c.doc for s, c in held.items()}, **{s: c.doc for s, c in received.items()}}
 
     def rounds(
