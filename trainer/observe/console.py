@@ -171,6 +171,15 @@ def _resume(r: dict[str, Any]) -> str:
     )
 
 
+def _peer_reshard(r: dict[str, Any]) -> str:
+    saved, now = layout_name(r.get("saved_layout")), layout_name(r.get("layout"))
+    return (
+        f"shrink: step {r['step']} resharded {saved} → {now} from the survivors' tiers; "
+        f"{format_nbytes(r.get('nbytes_received', 0))} received over the process group by "
+        f"{r.get('ranks_receiving', 0)} rank(s), none from the persistent store ({r.get('seconds', 0):.2f} s)"
+    )
+
+
 def _save(r: dict[str, Any]) -> str:
     where = f" → {short_url(r['url'])}" if r.get("url") else ""
     return (
@@ -188,6 +197,7 @@ def _start(r: dict[str, Any]) -> str:
 _EVENT_LINES = {
     "start": _start,
     "resume": _resume,
+    "peer_reshard": _peer_reshard,
     "save": _save,
     "preempt": lambda r: "",
     "warning": lambda r: "",  # logged once where it was raised
