@@ -23,21 +23,36 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import TINY_MODEL, TINY_TRAIN_FLAGS, assert_tensors_bitwise_equal, read_full_tensors
 from train_runs import Run
 
-from shardsmith.errors import LayoutError
-from shardsmith.layout import ParallelDims, rank_boxes, shrink_layout
+from shardsmith.errors import IntegrityError, LayoutError
+from shardsmith.layout import Box, ParallelDims, checkpoint_specs, rank_boxes, shrink_layout
 from shardsmith.storage.commit import step_dir
+from shardsmith.storage.formats.tensor_files import TORCH_DTYPES
+from shardsmith.trainer.checkpoint import local_tier, peer_transfer
 from shardsmith.trainer.checkpoint.config import CheckpointConfig
-from shardsmith.trainer.checkpoint.local_tier import SIMULATED_NODE_ENV, LocalTier
-from shardsmith.trainer.checkpoint.peer_reshard import SourcePlan, batches, plan_shrink
+from shardsmith.trainer.checkpoint.local_tier import SIMULATED_NODE_ENV, Lineage, LocalTier
+from shardsmith.trainer.checkpoint.peer_copy import pack_files, unpack_files
+from shardsmith.trainer.checkpoint.peer_reshard import (
+    SourcePlan,
+    batches,
+    held_copies,
+    inventory,
+    plan_shrink,
+)
 from shardsmith.trainer.checkpoint.peer_transfer import transfer_of
+from shardsmith.trainer.checkpoint.recovery import build_manifest
+from shardsmith.trainer.checkpoint.save_load import load_into
 from shardsmith.trainer.config import TrainConfig
 
 STEPS = 10
@@ -180,6 +195,171 @@ def test_shrink_simulated_node_tiers_are_private(
         1,
         1,
     ]  # one machine: all
+
+
+class Mailbox:
+    """Point-to-point exchanges and all-gathers between threads standing in for ranks (the
+    transfer's own logic runs as is; only the process group is replaced). ``corrupt``: the
+    first data range sent has its last byte flipped in transit."""
+
+    def __init__(self, world: int, corrupt: bool = False) -> None:
+        self.queues = {(a, b): queue.Queue() for a in range(world) for b in range(world)}
+        self.barrier, self.slots = threading.Barrier(world), [None] * world
+        self.local, self.corrupt = threading.local(), corrupt
+
+    def exchange(self, sends: dict, recvs: list[int], group: object = None) -> dict:
+        me = self.local.rank
+        for dst, files in sends.items():
+            files = unpack_files(pack_files(files), "test")
+            data = [k for k in sorted(files) if "@" in k and not k.endswith("@header")]
+            if self.corrupt and data:
+                self.corrupt, raw = False, bytearray(files[data[0]])
+                raw[-1] ^= 0x01
+                files[data[0]] = bytes(raw)
+            self.queues[(me, dst)].put(files)
+        return {src: self.queues[(src, me)].get(timeout=60) for src in recvs}
+
+    def gather(self, obj: object, group: object = None) -> list:
+        self.slots[self.local.rank] = json.loads(json.dumps(obj))
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()
+        return out
+
+
+def _tier(tmp_path: Path, dims: ParallelDims, nodes: int, rank: int) -> LocalTier:
+    ckpt = CheckpointConfig(
+        url=str(tmp_path / "ckpt"),
+        local_ckpt=str(tmp_path / "local"),
+        local_replicas=1,
+        simulate_nodes=nodes,
+    )
+    return LocalTier(TrainConfig(model=TINY_MODEL, parallel=dims, checkpoint=ckpt), rank)
+
+
+def _full_tensors(dims: ParallelDims) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(41)
+    specs = checkpoint_specs(TINY_MODEL, dims, with_optimizer=True)
+    return {
+        f: torch.randn(s.shape, generator=gen).to(TORCH_DTYPES[s.dtype]) for f, s in specs.items()
+    }
+
+
+def _part(full: torch.Tensor, box: Box) -> torch.Tensor:
+    return full[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))].clone()
+
+
+def _save_copies(tmp_path: Path, full: dict[str, torch.Tensor], dims: ParallelDims) -> None:
+    """Step 5 of every rank of ``dims`` (one simulated node each) with its buddy copy."""
+    specs = checkpoint_specs(TINY_MODEL, dims, with_optimizer=True)
+    for rank in range(dims.world_size):
+        tier = _tier(tmp_path, dims, dims.world_size, rank)
+        local = {f: _part(full[f], b) for f, b in rank_boxes(specs, dims, rank).items()}
+        doc = tier.rank_doc(5, state={"step": 5, "run": {"id": "r" * 32}}, config={})
+        files = tier.write(tier.plan(5, local), doc)
+        buddy = _tier(tmp_path, dims, dims.world_size, tier.buddy)
+        buddy.store_copy(buddy.replica_root, rank, 5, files)
+
+
+def _rebuild_on_threads(
+    tmp_path: Path,
+    new: ParallelDims,
+    nodes: list[int],
+    box: Mailbox,
+    monkeypatch: pytest.MonkeyPatch,
+) -> list:
+    """Every new rank (on simulated node ``nodes[r]``) agrees and rebuilds step 5, each on a thread."""
+    tiers = []
+    for rank, node in enumerate(nodes):
+        monkeypatch.setenv(SIMULATED_NODE_ENV, str(node))
+        tiers.append(_tier(tmp_path, new, len(nodes), rank))
+    held = [held_copies(t, Lineage(run="r" * 32)) for t in tiers]
+    plan = plan_shrink([inventory(h) for h in held], -1)
+    assert plan.step == 5, plan
+    monkeypatch.setattr(peer_transfer, "exchange_files", box.exchange)
+    monkeypatch.setattr(peer_transfer, "gather_json", box.gather)
+    out: list = [None] * len(nodes)
+
+    def run(rank: int) -> None:
+        box.local.rank = rank
+        try:
+            out[rank] = peer_transfer.rebuild(
+                tiers[rank], plan, held[rank][5], TINY_MODEL, new, rank, batch_nbytes=700
+            )
+        except BaseException as exc:  # noqa: BLE001 — raised below, on the test's thread
+            out[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(nodes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for r in out:
+        if isinstance(r, BaseException):
+            raise r
+    return [(tiers[r], out[r]) for r in range(len(nodes))]
+
+
+@pytest.mark.parametrize(
+    "saved, new, nodes",
+    [
+        (ParallelDims(dp_shard=4), ParallelDims(dp_shard=2), [0, 2]),
+        (ParallelDims(tp=2, dp_shard=2), ParallelDims(tp=2), [0, 2]),
+        (ParallelDims(tp=2, dp_shard=2), ParallelDims(dp_shard=2), [0, 2]),  # partial rows
+    ],
+)
+def test_shrink_transfer_rebuilds_every_box_bitwise_from_the_survivors(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    saved: ParallelDims,
+    new: ParallelDims,
+    nodes: list[int],
+) -> None:
+    """Node 1 is lost; the survivors on ``nodes`` rebuild step 5 in ``new`` from their tiers and
+    each other (small chunks and batches: partial ranges, several rounds); every box loads
+    bitwise equal to the saved tensors, and the RNG entry is every saved rank's."""
+    monkeypatch.setattr(local_tier, "DEFAULT_CHUNK_NBYTES", 256)
+    full = _full_tensors(saved)
+    _save_copies(tmp_path, full, saved)
+    shutil.rmtree(tmp_path / "local" / "node-00001")
+    specs = checkpoint_specs(TINY_MODEL, new, with_optimizer=True)
+    rebuilt = _rebuild_on_threads(tmp_path, new, nodes, Mailbox(len(nodes)), monkeypatch)
+    assert all(r.nbytes_received > 0 for _, r in rebuilt)
+    for rank, (tier, r) in enumerate(rebuilt):
+        assert len(r.rng["roles"]) >= 1 and r.rng["layout"] == saved.to_json()
+        boxes = {f: b for f, b in rank_boxes(specs, new, rank).items()}
+        got = {f: torch.zeros(b.lengths, dtype=full[f].dtype) for f, b in boxes.items()}
+        manifest = build_manifest(r.copies, rng=r.rng)
+        load_into(tier.top, manifest, got, boxes, {f: s.shape for f, s in specs.items()})
+        for fqn, b in boxes.items():
+            assert torch.equal(got[fqn], _part(full[fqn], b)), (rank, fqn)
+
+
+def test_shrink_transfer_verifies_checksums_on_the_receiving_side(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(local_tier, "DEFAULT_CHUNK_NBYTES", 256)
+    saved, new = ParallelDims(dp_shard=4), ParallelDims(dp_shard=2)
+    full = _full_tensors(saved)
+    _save_copies(tmp_path, full, saved)
+    shutil.rmtree(tmp_path / "local" / "node-00001")
+    rebuilt = _rebuild_on_threads(tmp_path, new, [0, 2], Mailbox(2, corrupt=True), monkeypatch)
+    specs = checkpoint_specs(TINY_MODEL, new, with_optimizer=True)
+    failed = []
+    for rank, (tier, r) in enumerate(rebuilt):
+        boxes = rank_boxes(specs, new, rank)
+        got = {f: torch.zeros(b.lengths, dtype=full[f].dtype) for f, b in boxes.items()}
+        try:
+            load_into(
+                tier.top,
+                build_manifest(r.copies, rng=r.rng),
+                got,
+                boxes,
+                {f: s.shape for f, s in specs.items()},
+            )
+        except IntegrityError as exc:
+            failed.append((rank, str(exc)))
+    assert len(failed) == 1 and "peers-0000" in failed[0][1], failed
 
 
 # ---- distributed runs ------------------------------------------------------------------------

@@ -28,7 +28,13 @@ from shardsmith.trainer.checkpoint.local_tier import (
     rank_manifest_name,
 )
 from shardsmith.trainer.checkpoint.peer_copy import exchange_files
-from shardsmith.trainer.checkpoint.peer_reshard import PEERS_DIR, ShrinkPlan, SourcePlan, batches
+from shardsmith.trainer.checkpoint.peer_reshard import (
+    PEER_BATCH_NBYTES,
+    PEERS_DIR,
+    ShrinkPlan,
+    SourcePlan,
+    batches,
+)
 from shardsmith.trainer.comm import gather_json
 from shardsmith.trainer.rng import pack_rng_states
 
@@ -138,8 +144,10 @@ def move(
     move_plan: Transfer,
     step: int,
     rank: int,
+    batch_nbytes: int = PEER_BATCH_NBYTES,
 ) -> tuple[dict[int, RankCopy], int]:
-    """Run this rank's side of the transfer (every rank calls it; point to point only).
+    """Run this rank's side of the transfer (every rank calls it; point to point only), in
+    rounds of at most ``batch_nbytes`` per pair of ranks.
 
     Returns:
         (saved rank -> received copy, in ``tier``'s scratch directory; bytes received).
@@ -163,7 +171,8 @@ def move(
                     (s, span)
                     for s, reads in sorted(by_saved.items())
                     for span in sources.spans(docs[s], reads)
-                ]
+                ],
+                batch_nbytes,
             )
             for peer, by_saved in pairs.items()
         }
@@ -205,6 +214,7 @@ def rebuild(
     model: ModelConfig,
     dims: ParallelDims,
     rank: int,
+    batch_nbytes: int = PEER_BATCH_NBYTES,
 ) -> Rebuilt:
     """Steps 2 and 3 (collective): plan this rank's reads, run the transfer, gather the RNG
     states (one all-gather of the served saved ranks'), and describe the copies to load.
@@ -216,7 +226,7 @@ def rebuild(
     assert plan.step is not None
     sources = SourcePlan(model, plan, dims)
     move_plan = transfer_of(sources, rank, dims.world_size)
-    received, nbytes = move(tier, held, sources, move_plan, plan.step, rank)
+    received, nbytes = move(tier, held, sources, move_plan, plan.step, rank, batch_nbytes)
     rng = gather_json(
         [[s, held[s].doc["rng"]] for s, server in enumerate(plan.servers) if server == rank]
     )
