@@ -42,6 +42,21 @@ failure every ``--fail-every-s`` seconds (``periodic_goodput_no_failures`` the s
 holds those whose IQR straddles the goal; ``spread`` holds both and the goodputs' spread over
 the rounds; ``load_average`` the machine's load.
 
+``--shrink`` runs only the "node lost, not replaced" row (``--shrink-rounds`` rounds, default 3,
+the persistent store always on the loopback S3 server): tp2 x dp_shard2 on 4 simulated nodes of
+one rank each, ``--local-save-interval 1 --local-replicas 1`` where a local tier is used, rank 1's
+node lost as step ``--kill-step`` starts and not replaced, three runs per round: ``persistent``
+(today: the job ends; the 2 survivors relaunch, a new torchrun, and load the persistent step),
+``inprocess-persistent`` (``--restart in-process --spares 0`` without a local tier: the survivors
+shrink in place to tp2 and load the persistent step) and ``peers`` (the same with the local tier:
+they reshard the newest local step from each other's tiers). Per run: kill to the next finished
+step, steps lost, checkpoint bytes read from the persistent store (the ``resume`` events'
+``nbytes_read`` from ``s3://``; the listing and manifest head that say which tier is newer are
+not counted) and bytes moved between ranks (``peer_reshard``). The JSON line holds
+``shrink_p2p_vs_persistent`` (median of per-round peers / persistent times, goal <= 0.3),
+``shrink_p2p_vs_inprocess_persistent`` (the data path's share), ``shrink_p2p_steps_lost`` and
+``shrink_p2p_persistent_bytes_read`` (worst round), ``within_noise`` and ``spread``.
+
 ``--persistent s3``: every ``--ckpt`` (baseline, new, overhead) is an ``s3://`` prefix on the
 tests' loopback moto server (``tests/helpers/s3server.py``, in this process), reached by the workers
 through the standard ``AWS_*`` environment; the local tier stays on ``/dev/shm``. This is where
