@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardsmith.layout import flops_per_token, validate_layout
+from shardsmith.layout import flops_per_token
 from shardsmith.trainer.checkpoint.policy import CheckpointPolicy, TrainState
 from shardsmith.trainer.checkpoint.resume import schedule_change
 from shardsmith.trainer.config import TrainConfig
@@ -113,8 +113,7 @@ class Trainer:
         apply_collective_timeout(max(cfg.fault.init_timeout, cfg.fault.collective_timeout))
         init_distributed()
         parallel = cfg.parallel
-        validate_layout(cfg.model, parallel)
-        num_mb = cfg.num_microbatches()
+        num_mb = cfg.check_layout()  # the launcher checked it too (a library caller may not)
         mesh = build_mesh(parallel)
         rank = dist.get_rank()
         coords = parallel.coords(rank)
