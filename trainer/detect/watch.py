@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from shardsmith.layout import ParallelDims
 from shardsmith.trainer.detect import DetectConfig
 from shardsmith.trainer.detect.nonfinite import attribute_nonfinite
 from shardsmith.trainer.detect.replay import judge_replay, replay_mismatches, rng_state, tolerance
 from shardsmith.trainer.detect.straggler import StragglerWatch
+from shardsmith.trainer.detect.waits import StepClock, step_clock
 
 
 @dataclass
@@ -23,15 +26,26 @@ class Detectors:
         cfg: what to watch and how often.
         event: the run's event channel (rank 0 writes).
         device: where the model computes (picks the replay tolerance).
+        dims: the job's layout: a straggler is judged against the ranks of its pipeline stage.
     """
 
     cfg: DetectConfig
     event: Callable[[dict[str, Any]], None]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dims: ParallelDims | None = None
     straggler: StragglerWatch = field(init=False)
 
     def __post_init__(self) -> None:
-        self.straggler = StragglerWatch(self.cfg)
+        dims = self.dims
+        stages = [dims.coords(r)["pp"] for r in range(dims.world_size)] if dims else []
+        self.straggler = StragglerWatch(self.cfg, stages)
+
+    def step_clock(self) -> contextlib.AbstractContextManager[StepClock]:
+        """Time a step: its wall time and the part blocked in collectives (:mod:`.waits`;
+        local). Without straggler windows nothing is wrapped or timed."""
+        if self.cfg.straggler_every > 0:
+            return step_clock()
+        return contextlib.nullcontext(StepClock())
 
     def replay_due(self, step: int) -> bool:
         """Step ``step`` is re-run and compared (the same answer on every rank)."""
@@ -58,7 +72,7 @@ class Detectors:
         return judge_replay(step, mine, self.cfg, self.event)
 
     def timed(self, step: int, compute_s: float, wait_s: float) -> dict[str, Any]:
-        """Record a step's compute and wait times; at a window's end all-gather and judge
+        """Record a step's own-work and collective-wait times; at a window's end all-gather and judge
         (collective). Returns the fields for the step record (see :mod:`.straggler`)."""
         watch = self.straggler
         watch.record(compute_s, wait_s)
