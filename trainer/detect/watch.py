@@ -34,6 +34,7 @@ class Detectors:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dims: ParallelDims | None = None
     straggler: StragglerWatch = field(init=False)
+    replayed: str = field(default="", init=False)
 
     def __post_init__(self) -> None:
         dims = self.dims
@@ -65,23 +66,29 @@ class Detectors:
         after_replay: Callable[[torch.nn.Module], None] | None = None,
     ) -> str:
         """On replay steps (``rng`` not None): re-run, compare, report, apply ``on_sdc``
-        (collective); ``"ok"`` or ``"skip"``. See :mod:`.replay`."""
+        (collective); ``"ok"`` or ``"skip"``. The outcome (``match`` or ``mismatch``) goes
+        into the step's record as ``replay`` (:meth:`timed`). See :mod:`.replay`."""
         if rng is None:
             return "ok"
         mine = replay_mismatches(model, rerun, rng, tolerance(self.cfg, self.device), after_replay)
-        return judge_replay(step, mine, self.cfg, self.event)
+        verdict = judge_replay(step, mine, self.cfg, self.event)
+        self.replayed = "match" if verdict == "match" else "mismatch"
+        return "skip" if verdict == "skip" else "ok"
 
     def timed(self, step: int, compute_s: float, wait_s: float) -> dict[str, Any]:
         """Record a step's own-work and collective-wait times; at a window's end all-gather and judge
-        (collective). Returns the fields for the step record (see :mod:`.straggler`)."""
+        (collective). Returns the fields for the step record (see :mod:`.straggler`), and
+        ``replay`` after a replay check."""
+        replay = {"replay": self.replayed} if self.replayed else {}
+        self.replayed = ""
         watch = self.straggler
         watch.record(compute_s, wait_s)
         if not watch.due(step):
-            return {}
+            return replay
         fields, straggler = watch.close_window(step)
         if straggler is not None:
             self.event(straggler)
-        return fields
+        return {**fields, **replay}
 
     def bad_step(self, step: int, model: torch.nn.Module, local_loss: float) -> None:
         """Name where a non-finite loss or gradient norm came from (collective, on bad steps)."""
