@@ -231,7 +231,16 @@ def test_a_resume_refuses_other_weight_dtypes_before_workers_and_init_from_accep
     assert "BF16 weights" in str(
         exc.value
     ) and "shardsmith reshard b/step-000000004 NEW_DIR --dtype f32" in str(exc.value)
+    assert "(then --resume NEW_DIR --reset-optimizer)" in str(exc.value)  # a model-only copy
     assert not (tmp_path / "n").exists()  # the refused job's new root is not left behind
+    reshard(  # the advice, followed, resumes: no second refusal
+        src.child(step_dir(4)),
+        "f/step-000000004",
+        ParallelDims(),
+        options=ReshardOptions(dtype="F32", model_only=True),
+    )
+    _, found = resolve(_cfg("n", resume="f/step-000000004", reset_optimizer=True))
+    assert found.resume_step == 4
     cfg, found = resolve(_cfg("n", init_from="b"))
     assert (
         cfg.checkpoint.init_from == str(tmp_path / "b" / "step-000000004")
