@@ -257,6 +257,24 @@ def test_a_resume_refuses_other_weight_dtypes_before_workers_and_init_from_accep
     )
 
 
+def test_a_lying_model_record_is_named_before_another_shape(tmp_path, monkeypatch):
+    from shardsmith.storage.manifest.records import MANIFEST_NAME
+    from shardsmith.storage.manifest.v2 import dumps_manifest
+
+    monkeypatch.chdir(tmp_path)
+    root = _root(tmp_path / "r", steps=(4,), config=_cfg("r").to_json())
+    step = root.child(step_dir(4))
+    manifest = read_manifest(step)
+    manifest.model["ffn_hidden_size"] *= 2  # the record lies; the tensors and the job agree
+    step.write(MANIFEST_NAME, dumps_manifest(manifest))
+    for how in ({"resume": "r/step-000000004"}, {"init_from": "r/step-000000004"}):
+        with pytest.raises(CheckpointMismatch) as exc:
+            resolve(_cfg("n", **how))
+        message = str(exc.value)
+        assert "model record contradicts its tensors" in message and "ffn_hidden_size=" in message
+        assert "another shape" not in message, message
+
+
 #: Every command's --help, then a layout error, in one fresh interpreter; torch must stay out.
 _NO_TORCH = """
 import sys
