@@ -3,7 +3,7 @@ pipeline (:mod:`shardsmith.trainer.detect.waits`: own work = wall time less the 
 in collectives; the slow rank waits least).
 
 The runs are 4-process ``shardsmith train`` launches of the tiny model, 12 steps, windows of
-2 steps, a rank named after 2 slow windows in a row (so within K = 3 windows of the first):
+2 steps, a rank slow at 1.5x its peers named after 2 slow windows in a row (so within K = 3 windows of the first):
 rank 2 sleeps inside every attention forward (dp_shard 4), rank 1 after every feed-forward
 output matmul (tp 2 x dp_shard 2), rank 3 after every output matmul (pp 2 x dp_shard 2);
 the same pipeline layout unperturbed names no one.
@@ -19,7 +19,7 @@ from shardsmith.trainer.detect import DetectConfig
 from shardsmith.trainer.detect.straggler import StragglerWatch, slow_ranks
 
 FLAGS = ["--steps", "12", "--straggler-every", "2", "--straggler-windows", "2"]
-FLAGS += ["--straggler-factor", "1.2"]
+FLAGS += ["--straggler-factor", "1.5"]
 K = 3  # windows: named by the end of the third
 
 
