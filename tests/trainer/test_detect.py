@@ -279,6 +279,26 @@ def test_goodput_after_a_restart_and_no_straggler_unperturbed(restarted: Run) ->
     assert "goodput " in restarted.output and f"{g['goodput']:.1%}" in restarted.output
 
 
+def test_plot_of_two_runs_captions_each_runs_goodput_under_its_name(tmp_path: Path) -> None:
+    import json
+
+    from shardsmith.trainer.observe.plot import runs_caption
+
+    for name, end in (("a", 20.0), ("b", 40.0)):
+        (tmp_path / name).mkdir()
+        records = [
+            {"event": "start", "time": 10.0, "launch_time": 0.0, "restart_count": 0},
+            _step(1, end, 5.0),
+        ]
+        (tmp_path / name / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in records)
+        )
+    both = runs_caption([str(tmp_path / "a"), str(tmp_path / "b")]).split("\n")
+    assert [line.split(":")[0] for line in both] == ["a", "b"], both
+    assert both[0].startswith("a: goodput 25.0% ") and both[1].startswith("b: goodput 12.5% ")
+    assert runs_caption([str(tmp_path / "b")]).startswith("goodput 12.5% ")  # one run: no name
+
+
 def test_goodput_caption_of_the_plot() -> None:
     from shardsmith.trainer.observe.plot import goodput_caption
 
