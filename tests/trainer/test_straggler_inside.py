@@ -42,7 +42,7 @@ def _waits(rank: int, port: int, results) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Partial, Replicate, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate
 
     from shardsmith.trainer.detect.waits import step_clock
 
@@ -54,9 +54,10 @@ def _waits(rank: int, port: int, results) -> None:
         if rank == 1:
             time.sleep(0.5)
         dist.all_reduce(torch.ones(4))
+    warm = DTensor.from_local(torch.ones(4), mesh, [Partial()])  # first use: not a wait
+    warm.redistribute(mesh, [Replicate()]).to_local().sum().item()
     with step_clock() as dtensor:  # DTensor's functional collectives: wait_tensor
-        x = distribute_tensor(torch.ones(4), mesh, [Replicate()])
-        partial = x.redistribute(mesh, [Partial()])
+        partial = DTensor.from_local(torch.ones(4), mesh, [Partial()])
         if rank == 1:
             time.sleep(0.5)
         partial.redistribute(mesh, [Replicate()]).to_local().sum().item()
