@@ -61,13 +61,16 @@ def progress_bar(total: int, label: str, enabled: bool) -> Iterator[Callable[[in
 def print_plan(plan: Any, src_url: str, workers: int) -> None:
     """The ``--dry-run`` summary: files, bytes to read and write, peak buffer, per-rank sizes."""
     from shardsmith.layout import ParallelDims
+    from shardsmith.storage.manifest import SIDECAR_SUFFIX
 
     m, opts = plan.source, plan.options
     lay = m.layout
     src_layout = ParallelDims.from_json(lay).describe()
+    data_files = [f for f in m.files if not f.endswith(SIDECAR_SUFFIX)]  # both sides alike
     click.echo(
-        f"step {m.step}: {src_layout} ({plural(len(m.files), 'file')}) -> {plan.dims.describe()} "
-        f"({plural(len(plan.files), 'file')})   source {src_url}"
+        f"step {m.step}: {src_layout} ({plural(len(data_files), 'file')}) -> "
+        f"{plan.dims.describe()} ({plural(len(plan.files), 'file')}; checksum sidecars not "
+        f"counted)   source {src_url}"
     )
     click.echo(
         f"  tensors      {len(plan.tensors)}"

@@ -471,15 +471,12 @@ def train(**flags: Any) -> None:
     --model picks a published shape (llama3-8b ...); model flags override it. --dry-run
     starts nothing: it checks the configuration and prints per-rank parameters, memory,
     activations, the pipeline bubble and FLOPs per step."""
-    from shardsmith.layout import validate_layout
-
     external = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if external else flags["nproc_per_node"]
     cfg = train_config(flags, world)
-    validate_layout(cfg.model, cfg.parallel)  # refuse before any process starts (no torch yet)
+    cfg.check_layout()  # every layout and batch error, before any process starts (no torch yet)
     if cfg.wandb and importlib.util.find_spec("wandb") is None:
         raise click.UsageError("--wandb needs the wandb package: pip install wandb")
-    cfg.num_microbatches()
     if flags["dry_run"]:
         unsized = flags["dp_shard"] == -1 and world is None
         print_estimate(

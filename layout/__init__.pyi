@@ -27,6 +27,7 @@ from .dtypes import SAFETENSORS_DTYPE_ORDER as SAFETENSORS_DTYPE_ORDER
 from .dtypes import ZARR_DTYPES as ZARR_DTYPES
 from .flops import flops_per_token as flops_per_token
 from .model_config import ModelConfig as ModelConfig
+from .model_config import check_sequence_split as check_sequence_split
 from .model_config import chunk_layers as chunk_layers
 from .model_config import stage_layers as stage_layers
 from .model_config import validate_layout as validate_layout

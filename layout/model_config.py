@@ -7,6 +7,7 @@ everything the sharding plan needs.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,3 +274,32 @@ def validate_layout(model: ModelConfig, dims: ParallelDims) -> None:
             f"{model.num_experts} it divides (--num-experts)"
         )
     stage_layers(model, dims)
+
+
+def check_sequence_split(seq_length: int, dims: ParallelDims, sequence_parallel: bool) -> None:
+    """Check that every rank's share of a sequence is a whole number of tokens.
+
+    Context parallelism cuts each sequence into ``2 * cp`` equal chunks and gives every cp
+    rank two of them (the load balance of Megatron-LM's ``get_batch_on_this_cp_rank``), so
+    ``2 * cp`` must divide ``seq_length``; sequence parallelism then splits each rank's
+    ``seq_length / cp`` tokens over the TP group, so ``tp`` must divide that count.
+
+    Raises:
+        ConfigError: naming the sequence length, the degrees and a length that works.
+    """
+    cp, tp = dims.cp, dims.tp
+    if cp > 1 and seq_length % (2 * cp):
+        ok = 2 * cp * max(1, seq_length // (2 * cp))
+        raise ConfigError(
+            f"seq_length={seq_length} with cp={cp}: context parallelism cuts each sequence into "
+            f"2*cp={2 * cp} equal chunks; use a seq_length divisible by {2 * cp} (e.g. {ok})"
+        )
+    per_rank = seq_length // cp
+    if sequence_parallel and tp > 1 and per_rank % tp:
+        unit = cp * math.lcm(2, tp) if cp > 1 else tp  # the shortest length that splits
+        where = f"each cp rank's {per_rank} tokens" if cp > 1 else f"seq_length={seq_length}"
+        raise ConfigError(
+            f"--sequence-parallel with tp={tp} and cp={cp}: sequence parallelism splits {where} "
+            f"over the TP group, and {per_rank} tokens are not divisible by tp={tp}; use a "
+            f"seq_length divisible by {unit} (e.g. {unit * max(1, seq_length // unit)})"
+        )

@@ -109,6 +109,10 @@ def jobs(
         for mb in (1, 2, 4):
             if global_batch_size % (mb * dims.dp):
                 continue
+            m = global_batch_size // (mb * dims.dp)  # the default schedules' rules, as
+            rounds = max(1, m // dims.pp)  # trainer.config.check_pipeline_microbatches
+            if dims.pp > 1 and (m < dims.pp if dims.virtual_stages == 1 else m % rounds):
+                continue
             for ac in (False, True):
                 yield Job(
                     model,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardsmith.errors import ConfigError
-from shardsmith.layout import ModelConfig, ParallelDims
+from shardsmith.layout import ModelConfig, ParallelDims, check_sequence_split, validate_layout
 from shardsmith.trainer.checkpoint.config import CheckpointConfig
 from shardsmith.trainer.data import DataConfig
 from shardsmith.trainer.detect import DetectConfig
@@ -40,6 +40,47 @@ PIPELINE_SCHEDULES: tuple[str, ...] = (
     "interleaved-zb",
 )
 SINGLE_STAGE_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
+
+
+def default_schedule(virtual_stages: int) -> str:
+    """``interleaved-1f1b`` with virtual stages, else ``1f1b``."""
+    return "interleaved-1f1b" if virtual_stages > 1 else "1f1b"
+
+
+def check_pipeline_microbatches(
+    schedule: str, pp: int, virtual_stages: int, num_microbatches: int, samples: int
+) -> None:
+    """Refuse a number of microbatches that ``schedule``'s torch class refuses in every worker.
+
+    The rules are those of ``torch.distributed.pipelining.schedules``: ``Schedule1F1B`` needs
+    at least as many microbatches as stages; the interleaved schedules (``interleaved-1f1b``,
+    ``interleaved-zb``) run ``max(1, M // pp)`` rounds and need ``M`` to be a multiple of
+    them. ``gpipe`` and ``looped-bfs`` take any ``M``. ``pp`` = 1 has no schedule.
+    ``samples``: samples per microbatch step over the data-parallel ranks
+    (``micro_batch_size x dp``), to name the global batch sizes that work.
+
+    Raises:
+        ConfigError: naming the microbatches, the stages and the global batch sizes that work.
+    """
+    if pp < 2:
+        return
+    m = num_microbatches
+    if schedule == "1f1b" and m < pp:
+        raise ConfigError(
+            f"pipeline schedule 1f1b with pp={pp} stages needs at least {pp} microbatches per "
+            f"step, got {m} (global_batch_size / (micro_batch_size x dp)); use "
+            f"--global-batch-size >= {pp * samples}, a smaller --micro-batch-size, or "
+            "--pipeline-schedule gpipe"
+        )
+    rounds = max(1, m // pp)
+    if schedule in ("interleaved-1f1b", "interleaved-zb") and m % rounds:
+        good = sorted({(m // pp) * pp, (m // pp + 1) * pp})
+        raise ConfigError(
+            f"pipeline schedule {schedule} with pp={pp} x virtual_stages={virtual_stages} runs "
+            f"{m} microbatches in {rounds} rounds of pp, so it needs a multiple of {rounds}, or of "
+            f"pp={pp}; got {m}: use --global-batch-size "
+            f"{' or '.join(str(g * samples) for g in good)}"
+        )
 
 
 @dataclass(kw_only=True)
@@ -102,12 +143,7 @@ class TrainConfig:
             )
         if self.mixed_precision not in ("fp32", "bf16"):
             raise ConfigError(f"mixed_precision={self.mixed_precision!r}: use 'fp32' or 'bf16'")
-        tp = self.parallel.tp
-        if self.sequence_parallel and tp > 1 and self.model.seq_length % tp:
-            raise ConfigError(
-                f"--sequence-parallel: seq_length={self.model.seq_length} must be a multiple "
-                f"of tp={tp} (the sequence is split over the TP group)"
-            )
+        check_sequence_split(self.model.seq_length, self.parallel, self.sequence_parallel)
         schedule = self.pipeline_schedule
         if schedule and schedule not in PIPELINE_SCHEDULES:
             raise ConfigError(
@@ -120,6 +156,36 @@ class TrainConfig:
             )
         if self.log_interval < 0:
             raise ConfigError(f"log_interval={self.log_interval}: must be >= 0 (0 = never print)")
+
+    def check_layout(self) -> int:
+        """Every layout and batch condition a worker refuses, checked where no worker has
+        started yet: the dry run and the launcher call it, and so does every worker
+        (:meth:`shardsmith.trainer.train.Trainer.create`). The layout fits the model
+        (:func:`~shardsmith.layout.validate_layout`), the global batch splits into
+        microbatches, and the pipeline schedule takes that many
+        (:func:`check_pipeline_microbatches`), simulated nodes divide the world; the sequence
+        split over cp and sequence parallelism is checked as the config is built.
+
+        Returns:
+            microbatches per rank per step.
+
+        Raises:
+            LayoutError, ConfigError: naming the value and what would work.
+        """
+        validate_layout(self.model, self.parallel)
+        num_microbatches = self.num_microbatches()
+        schedule = self.pipeline_schedule or default_schedule(self.parallel.virtual_stages)
+        dims = self.parallel
+        samples = self.micro_batch_size * dims.dp
+        check_pipeline_microbatches(
+            schedule, dims.pp, dims.virtual_stages, num_microbatches, samples
+        )
+        nodes = self.checkpoint.simulate_nodes  # the rule of local_tier.ranks_per_node
+        if nodes and dims.world_size % nodes:
+            raise ConfigError(
+                f"--simulate-nodes {nodes} does not divide the world size {dims.world_size}"
+            )
+        return num_microbatches
 
     def num_microbatches(self) -> int:
         """Microbatches per rank per step; raises ConfigError when the batch does not divide."""

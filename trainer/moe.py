@@ -33,6 +33,18 @@ backward where it is computed (Megatron's ``MoEAuxLossAutoScaler``): its gradien
 :attr:`MoEFeedForward.aux_loss_scale`, is injected when the layer's output gradient
 arrives, so it is correct under pipeline parallelism, where the schedule's loss sees only
 the last stage. :func:`router_stats` reports the tokens per expert and the aux loss.
+
+Why ``demo --moe`` shows ``experts max/mean 2.00`` (every token's top-2 holds the same
+expert) in its last layers early on: the statistic is right and the load-balancing loss
+reaches every router (``tests/trainer/test_moe_pipeline_metrics.py`` compares a pipelined
+step's router gradients with one process's, with and without it). The router's inputs
+collapse: while the model first learns the unigram distribution, the FFN inputs of the last
+layers become nearly the same vector for every token (the per-token deviation from the mean
+input shrinks to a small fraction of the mean within the first steps), so every token gets
+nearly the same logits and the same top-K. The aux
+loss can only change which expert that is, not split tokens a linear router cannot tell
+apart; it evens out once the representations differ again (or with a far larger
+``moe_aux_loss_coeff``).
 """
 
 from __future__ import annotations

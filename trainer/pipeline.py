@@ -27,6 +27,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining._backward import stage_backward
 
 from shardsmith.errors import ConfigError
+from shardsmith.trainer.config import default_schedule
 from shardsmith.trainer.moe import uncounted
 
 #: ``--pipeline-schedule`` name -> (torch schedule class, runs several stages per rank).
@@ -37,11 +38,6 @@ SCHEDULES: dict[str, tuple[type, bool]] = {
     "looped-bfs": (ScheduleLoopedBFS, True),
     "interleaved-zb": (ScheduleInterleavedZeroBubble, True),
 }
-
-
-def default_schedule(virtual_stages: int) -> str:
-    """``interleaved-1f1b`` with virtual stages, else ``1f1b``."""
-    return "interleaved-1f1b" if virtual_stages > 1 else "1f1b"
 
 
 def check_schedule(name: str, virtual_stages: int) -> None:

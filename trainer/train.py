@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardsmith.layout import flops_per_token, validate_layout
+from shardsmith.layout import flops_per_token
 from shardsmith.trainer.checkpoint.policy import CheckpointPolicy, TrainState
 from shardsmith.trainer.checkpoint.resume import schedule_change
 from shardsmith.trainer.config import TrainConfig
@@ -107,14 +107,16 @@ class Trainer:
         repr=False,
     )
 
+    def __post_init__(self) -> None:
+        self.hooks.slow_inside(self.state.model)  # tests only: a rank slow inside its forward
+
     @classmethod
     def create(cls, cfg: TrainConfig) -> "Trainer":
         """Build everything for this rank; every rank must call it (collective)."""
         apply_collective_timeout(max(cfg.fault.init_timeout, cfg.fault.collective_timeout))
         init_distributed()
         parallel = cfg.parallel
-        validate_layout(cfg.model, parallel)
-        num_mb = cfg.num_microbatches()
+        num_mb = cfg.check_layout()  # the launcher checked it too (a library caller may not)
         mesh = build_mesh(parallel)
         rank = dist.get_rank()
         coords = parallel.coords(rank)
@@ -192,7 +194,7 @@ class Trainer:
             flops_token=flops_per_token(cfg.model),
             restarts=restarts,
             mesh=mesh,
-            detect=Detectors(cfg.detect, events, torch.device(device_type())),
+            detect=Detectors(cfg.detect, events, torch.device(device_type()), parallel),
         )
 
     # ---- what tests and callers read ---------------------------------------------------------
@@ -237,27 +239,24 @@ class Trainer:
         inputs, targets = state.sampler.next_local_batch()
         state.optimizer.zero_grad(set_to_none=True)
         rng = self.detect.rng_before(step)
-        t_compute = time.perf_counter()
-        local_loss = step_math.forward_backward(inputs, targets)
-        self.hooks.slow_down()
-        compute_s = time.perf_counter() - t_compute
-        moe = router_stats(state.model, self.cfg.model)
-        sdc = self.detect.check_replay(
-            step,
-            state.model,
-            lambda: step_math.forward_backward(inputs, targets),
-            rng,
-            lambda model: self.hooks.flip_bit(step, model),
-        )
-        t_wait = time.perf_counter()
-        finalize_grads(state.model, self.grad_sum_groups)
-        local_loss = self.hooks.corrupt(
-            start // self.cfg.global_batch_size, state.model, local_loss
-        )
-        self.hooks.in_step(step)
-        loss = step_math.global_loss(local_loss)
-        grad_norm = step_math.grad_norm_and_clip()
-        wait_s = time.perf_counter() - t_wait
+        with self.detect.step_clock() as clock:  # own work vs. blocked in collectives
+            local_loss = step_math.forward_backward(inputs, targets)
+            self.hooks.slow_down()
+            moe = router_stats(state.model, self.cfg.model)
+            sdc = self.detect.check_replay(
+                step,
+                state.model,
+                lambda: step_math.forward_backward(inputs, targets),
+                rng,
+                lambda model: self.hooks.flip_bit(step, model),
+            )
+            finalize_grads(state.model, self.grad_sum_groups)
+            local_loss = self.hooks.corrupt(
+                start // self.cfg.global_batch_size, state.model, local_loss
+            )
+            self.hooks.in_step(step)
+            loss = step_math.global_loss(local_loss)
+            grad_norm = step_math.grad_norm_and_clip()
         lr = state.optimizer.param_groups[0]["lr"]
         verdict = state.bad_steps.observe(loss, grad_norm, start, state.sampler.sample_index)
         if verdict != "ok":
@@ -270,7 +269,7 @@ class Trainer:
         else:
             state.optimizer.zero_grad(set_to_none=True)
         state.step = step
-        detect = self.detect.timed(step, compute_s, wait_s)
+        detect = self.detect.timed(step, clock.own_s, clock.blocked_s)
         metrics = StepMetrics(
             step,
             loss,

@@ -65,7 +65,8 @@ def test_one_file_is_not_one_files(tmp_path: Path) -> None:
     root = _root_with_steps(tmp_path, 10)
     dry = CliRunner().invoke(cli, ["reshard", str(root), str(tmp_path / "b"), "--dry-run"])
     assert dry.exit_code == 0, dry.output
-    assert "-> pp1·dpr1·dps1·tp1 (1 file)" in dry.output and "1 files" not in dry.output
+    assert "-> pp1·dpr1·dps1·tp1 (1 file;" in dry.output and "1 files" not in dry.output
+    assert "dps2·tp1 (2 files) ->" in dry.output  # data files on both sides, no sidecar
     done = CliRunner().invoke(cli, ["reshard", str(root), str(tmp_path / "b"), "-q"])
     assert done.exit_code == 0, done.output
     assert "to pp1·dpr1·dps1·tp1: 1 file, " in done.output

@@ -66,6 +66,13 @@ def train_tp2(
     """``shardsmith train`` of the tiny model on ``nproc`` processes (tp=2, dp_shard from the
     world size) with checkpoints in ``root``; ``flags`` add ``--steps`` and the rest. The
     output goes to ``root``-N.log beside ``root`` (N counts the launches into ``root``)."""
+    return train_tiny(root, nproc, data_path, "--tp", "2", *flags, env=env)
+
+
+def train_tiny(
+    root: Path, nproc: int, data_path: str, *flags: str, env: dict[str, str] | None = None
+) -> Run:
+    """As :func:`train_tp2`, with the layout left to ``flags``."""
     metrics = root / "metrics.jsonl"
     before = len(list(iter_json_lines(str(metrics)))) if metrics.exists() else 0
     cmd = [
@@ -75,8 +82,6 @@ def train_tp2(
         "train",
         "--nproc-per-node",
         str(nproc),
-        "--tp",
-        "2",
         *TINY_TRAIN_FLAGS,
         "--data",
         data_path,

@@ -130,6 +130,8 @@ def test_dry_run_json_carries_the_verdict() -> None:
         "4",
         "--dp-shard",
         "8",
+        "--global-batch-size",  # 4 microbatches: 1F1B over 4 stages takes no fewer
+        "64",
         "--dry-run",
         "--json",
         "--gpu-memory",

@@ -83,6 +83,41 @@ def test_sdc_replay_compare_is_bitwise_and_names_the_tensor() -> None:
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before))  # originals kept
 
 
+def test_replay_check_leaves_its_outcome_in_the_step_record(gloo_group: None) -> None:
+    from shardsmith.trainer.detect.watch import Detectors
+    from shardsmith.trainer.observe.console import step_line
+
+    events: list[dict] = []
+    detect = Detectors(DetectConfig(check_replay_every=2, on_sdc="continue"), events.append)
+    model = torch.nn.Linear(3, 1)
+
+    def step() -> None:
+        model(torch.ones(2, 3)).sum().backward()
+
+    assert detect.check_replay(1, model, step, detect.rng_before(1)) == "ok"  # not a replay step
+    assert detect.timed(1, 0.1, 0.0) == {}
+    step()
+    assert detect.check_replay(2, model, step, detect.rng_before(2)) == "ok"
+    record = detect.timed(2, 0.1, 0.0)
+    assert record == {"replay": "match"} and not events
+    line = {
+        "step": 2,
+        "loss": 1.0,
+        "lr": 1e-3,
+        "grad_norm": 1.0,
+        "tokens_per_s": 1.0,
+        "seconds": 1.0,
+    }
+    assert "replay match" in step_line({**line, **record, "skipped": False})
+
+    def flip(m: torch.nn.Module) -> None:
+        m.weight.grad.view(-1)[:1].view(torch.int32).bitwise_xor_(1)
+
+    assert detect.check_replay(4, model, step, detect.rng_before(4), flip) == "ok"  # continue
+    assert detect.timed(4, 0.1, 0.0) == {"replay": "mismatch"} and events[0]["event"] == "sdc"
+    assert detect.timed(5, 0.1, 0.0) == {}
+
+
 def test_nonfinite_attribution_names_first_rank_and_parameter() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     model(torch.ones(1, 2)).sum().backward()
@@ -207,6 +242,18 @@ def test_straggler_and_sdc_replay_named_in_a_run(perturbed: Run) -> None:
     assert [(e["step"], e["ranks"]) for e in sdc] == [(4, [2])], sdc  # replays of 2, 6, 8 match
     assert sdc[0]["tensor"] == "tok_embeddings.weight" or sdc[0]["tensor"].endswith("weight")
     assert sdc[0]["mismatches"][0]["elements"] == 1 and sdc[0]["policy"] == "continue"
+    replays = {s: r.get("replay") for s, r in steps.items()}
+    assert replays == {
+        1: None,
+        2: "match",
+        3: None,
+        4: "mismatch",
+        5: None,
+        6: "match",
+        7: None,
+        8: "match",
+    }, replays
+    assert "replay match" in perturbed.output and "replay mismatch" in perturbed.output
     nonfinite = perturbed.events("nonfinite")
     assert [(e["step"], e["rank"], e["ranks"]) for e in nonfinite] == [(7, 3, [3])], nonfinite
     assert nonfinite[0]["tensor"] == sdc[0]["tensor"]  # the hooks hit the first local gradient
@@ -230,6 +277,26 @@ def test_goodput_after_a_restart_and_no_straggler_unperturbed(restarted: Run) ->
         and 0 < g["goodput"] < 1
     )
     assert "goodput " in restarted.output and f"{g['goodput']:.1%}" in restarted.output
+
+
+def test_plot_of_two_runs_captions_each_runs_goodput_under_its_name(tmp_path: Path) -> None:
+    import json
+
+    from shardsmith.trainer.observe.plot import runs_caption
+
+    for name, end in (("a", 20.0), ("b", 40.0)):
+        (tmp_path / name).mkdir()
+        records = [
+            {"event": "start", "time": 10.0, "launch_time": 0.0, "restart_count": 0},
+            _step(1, end, 5.0),
+        ]
+        (tmp_path / name / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in records)
+        )
+    both = runs_caption([str(tmp_path / "a"), str(tmp_path / "b")]).split("\n")
+    assert [line.split(":")[0] for line in both] == ["a", "b"], both
+    assert both[0].startswith("a: goodput 25.0% ") and both[1].startswith("b: goodput 12.5% ")
+    assert runs_caption([str(tmp_path / "b")]).startswith("goodput 12.5% ")  # one run: no name
 
 
 def test_goodput_caption_of_the_plot() -> None:

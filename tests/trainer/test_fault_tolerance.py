@@ -728,3 +728,23 @@ def test_nan_steps_are_skipped_then_rolled_back_past_their_data(nan_run: Run) ->
     assert state["data"] == {"sample_index": 12 * 8}  # 10 steps + the 2 skipped batches
     final = read_full_tensors(str(nan_run.root / step_dir(10)))
     assert all(torch.isfinite(t).all() for t in final.values())
+
+
+def test_collective_timeout_set_again_after_init_warns_only_on_a_change(
+    gloo_group: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    from torch.distributed import distributed_c10d
+
+    from shardsmith.trainer.fault.watchdog import apply_collective_timeout
+
+    before = distributed_c10d.default_pg_timeout
+    try:
+        with caplog.at_level("WARNING", logger="shardsmith.trainer.fault.watchdog"):
+            apply_collective_timeout(before.total_seconds())  # an in-process generation's again
+            assert not caplog.records
+            apply_collective_timeout(before.total_seconds() + 1)
+            assert [r.getMessage() for r in caplog.records] == [
+                "collective timeout set after init_process_group: applies to new groups only"
+            ]
+    finally:
+        distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = before

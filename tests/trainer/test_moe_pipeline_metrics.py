@@ -49,9 +49,18 @@ def _worker(rank: int, port: int, data_path: str, ckpt: str, results) -> None:
     batches: list[list] = []
     forward_backward = first.step_math.forward_backward
 
+    routers: dict[str, list] = {}
+    pairs: list = []
+
     def spy(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         batches.append(inputs.tolist())
-        return forward_backward(inputs, targets)
+        pairs.append((inputs.tolist(), targets.tolist()))
+        out = forward_backward(inputs, targets)
+        for fqn, p in first.model.named_parameters():  # before the clip: the step's gradient
+            if fqn.endswith("router.weight") and not routers.get(fqn):
+                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                routers[fqn] = g.tolist()
+        return out
 
     first.step_math.forward_backward = spy
     step1 = first.train_step()
@@ -70,6 +79,8 @@ def _worker(rank: int, port: int, data_path: str, ckpt: str, results) -> None:
                 "step2": step2.moe,
                 "resumed2": again.moe,
                 "batch": batches[0],
+                "routers": routers,
+                "xy": pairs[0],
                 "microbatches": first.step_math.num_microbatches,
             },
         )
@@ -96,11 +107,49 @@ def _one_process_stats(tokens: list, microbatches: int) -> tuple[list[float], fl
     return imbalance, aux
 
 
+def _one_process_router_grads(tokens: list, microbatches: int, coeff: float) -> dict:
+    """Router weight gradients of the whole model in one process on ``tokens`` (the job's
+    inputs and targets), the aux loss injected at ``coeff`` per microbatch as the job does."""
+    from shardsmith.trainer.model import Transformer
+    from shardsmith.trainer.moe import set_aux_loss_scale
+    from shardsmith.trainer.step import loss_fn
+    from shardsmith.trainer.weight_init import init_weights
+
+    model = Transformer(MOE)
+    init_weights(model, 1234)
+    inputs, targets = torch.tensor(tokens[0]), torch.tensor(tokens[1])
+    set_aux_loss_scale(model, coeff)
+    for x, y in zip(inputs.chunk(microbatches), targets.chunk(microbatches)):
+        (loss_fn(model(x), y) / microbatches).backward()
+    return {f: p.grad for f, p in model.named_parameters() if f.endswith("router.weight")}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, data_path) -> dict:
+    ckpt = tmp_path_factory.mktemp("moe_pp") / "ckpt"
+    return run_ranks(_worker, 2, data_path, str(ckpt), timeout=300)
+
+
 @pytest.mark.distributed
-def test_first_step_after_start_and_resume_logs_the_computed_router_stats(
-    tmp_path, data_path
-) -> None:
-    got = run_ranks(_worker, 2, data_path, str(tmp_path / "ckpt"), timeout=300)
+def test_load_balancing_loss_reaches_every_router_under_pipelining(launched) -> None:
+    """Each stage's routers, the last stage's last layer included, get the aux loss's
+    gradient: the pipelined step's router gradients equal one process's with the aux loss,
+    and differ from one process's without it by far more than the tolerance."""
+    stats = launched[0]
+    mb = stats["microbatches"]
+    coeff = MOE.moe_aux_loss_coeff / mb
+    with_aux = _one_process_router_grads(stats["xy"], mb, coeff)
+    without = _one_process_router_grads(stats["xy"], mb, 0.0)
+    got = {**launched[0]["routers"], **launched[1]["routers"]}
+    assert sorted(got) == sorted(with_aux) and len(got) == MOE.num_layers
+    for fqn, grad in got.items():
+        torch.testing.assert_close(torch.tensor(grad), with_aux[fqn], rtol=1e-4, atol=1e-7, msg=fqn)
+        assert (with_aux[fqn] - without[fqn]).abs().max() > 100 * 1e-7, fqn
+
+
+@pytest.mark.distributed
+def test_first_step_after_start_and_resume_logs_the_computed_router_stats(launched) -> None:
+    got = launched
     for rank in (0, 1):  # every stage logs the same, job-wide values
         assert (
             got[rank]["step1"] == got[0]["step1"] and got[rank]["resumed2"] == got[0]["resumed2"]

@@ -231,7 +231,16 @@ def test_a_resume_refuses_other_weight_dtypes_before_workers_and_init_from_accep
     assert "BF16 weights" in str(
         exc.value
     ) and "shardsmith reshard b/step-000000004 NEW_DIR --dtype f32" in str(exc.value)
+    assert "(then --resume NEW_DIR --reset-optimizer)" in str(exc.value)  # a model-only copy
     assert not (tmp_path / "n").exists()  # the refused job's new root is not left behind
+    reshard(  # the advice, followed, resumes: no second refusal
+        src.child(step_dir(4)),
+        "f/step-000000004",
+        ParallelDims(),
+        options=ReshardOptions(dtype="F32", model_only=True),
+    )
+    _, found = resolve(_cfg("n", resume="f/step-000000004", reset_optimizer=True))
+    assert found.resume_step == 4
     cfg, found = resolve(_cfg("n", init_from="b"))
     assert (
         cfg.checkpoint.init_from == str(tmp_path / "b" / "step-000000004")
@@ -246,6 +255,24 @@ def test_a_resume_refuses_other_weight_dtypes_before_workers_and_init_from_accep
             "upcast_from": ["BF16"],
         }
     )
+
+
+def test_a_lying_model_record_is_named_before_another_shape(tmp_path, monkeypatch):
+    from shardsmith.storage.manifest.records import MANIFEST_NAME
+    from shardsmith.storage.manifest.v2 import dumps_manifest
+
+    monkeypatch.chdir(tmp_path)
+    root = _root(tmp_path / "r", steps=(4,), config=_cfg("r").to_json())
+    step = root.child(step_dir(4))
+    manifest = read_manifest(step)
+    manifest.model["ffn_hidden_size"] *= 2  # the record lies; the tensors and the job agree
+    step.write(MANIFEST_NAME, dumps_manifest(manifest))
+    for how in ({"resume": "r/step-000000004"}, {"init_from": "r/step-000000004"}):
+        with pytest.raises(CheckpointMismatch) as exc:
+            resolve(_cfg("n", **how))
+        message = str(exc.value)
+        assert "model record contradicts its tensors" in message and "ffn_hidden_size=" in message
+        assert "another shape" not in message, message
 
 
 #: Every command's --help, then a layout error, in one fresh interpreter; torch must stay out.

@@ -66,10 +66,10 @@ def check_before_load(
             a resume (names the difference and the way forward).
     """
     warnings = check_model_compatible(manifest.model, cfg.model, source=source)
-    if resume:
-        check_resume_dtypes(manifest, source)
     names = manifest.tensor_names  # every tensor of the step (a partial read too)
     load_optim = resume and not reset_optimizer
+    if resume:
+        check_resume_dtypes(manifest, source, reset_optimizer=reset_optimizer)
     if load_optim:
         check_has_optimizer_state(
             names,
@@ -96,23 +96,32 @@ def saved_dtypes(manifest: Manifest) -> set[str]:
     return {rec.dtype for fqn, rec in manifest.tensors.items() if not fqn.startswith(OPTIM_PREFIX)}
 
 
-def check_resume_dtypes(manifest: Manifest, source: str) -> None:
+def check_resume_dtypes(manifest: Manifest, source: str, *, reset_optimizer: bool = False) -> None:
     """Refuse to resume weights saved in another dtype than the job's (a resume continues
     the optimizer in place; an ``--init-from`` upcasts instead).
+
+    The way forward it names is one that works: a copy without optimizer state (``reshard
+    --model-only``) converted to f32 still needs ``--reset-optimizer`` to be resumed.
 
     Raises:
         CheckpointMismatch: naming the dtypes and the conversion command.
     """
     other = sorted(saved_dtypes(manifest) - {JOB_DTYPE})
-    if other:
-        from shardsmith.trainer.observe.console import short_url
+    if not other:
+        return
+    from shardsmith.trainer.observe.console import short_url
 
-        source = short_url(source)
-        raise CheckpointMismatch(
-            f"{source} holds {'/'.join(other)} weights; a resume continues training in {JOB_DTYPE} with its "
-            f"optimizer state: convert it first with `shardsmith reshard {source} NEW_DIR --dtype f32` "
-            f"(then --resume NEW_DIR), or start a new run from its weights with --init-from {source}"
-        )
+    source = short_url(source)
+    has_optim = any(n.startswith(OPTIM_PREFIX) for n in manifest.tensor_names)
+    then = (
+        "--resume NEW_DIR" if has_optim or reset_optimizer else "--resume NEW_DIR --reset-optimizer"
+    )
+    what = "with its optimizer state" if has_optim else "and holds no optimizer state"
+    raise CheckpointMismatch(
+        f"{source} holds {'/'.join(other)} weights; a resume continues training in {JOB_DTYPE} {what}: "
+        f"start a new run from its weights with --init-from {source} (upcast exactly), or convert it "
+        f"first with `shardsmith reshard {source} NEW_DIR --dtype f32` (then {then})"
+    )
 
 
 @dataclass

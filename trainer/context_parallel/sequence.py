@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from shardsmith.errors import ConfigError
+from shardsmith.layout import ParallelDims, check_sequence_split
 
 
 def check_seq_length(seq_length: int, cp: int) -> None:
-    """Raise :class:`~shardsmith.errors.ConfigError` unless ``2 * cp`` divides ``seq_length``."""
-    if seq_length % (2 * cp):
-        ok = 2 * cp * max(1, seq_length // (2 * cp))
-        raise ConfigError(
-            f"seq_length={seq_length} with cp={cp}: context parallelism cuts each sequence into "
-            f"2*cp={2 * cp} equal chunks; use a seq_length divisible by {2 * cp} (e.g. {ok})"
-        )
+    """Raise :class:`~shardsmith.errors.ConfigError` unless ``2 * cp`` divides ``seq_length``
+    (the rule of :func:`shardsmith.layout.check_sequence_split`, which the launcher applies)."""
+    check_sequence_split(seq_length, ParallelDims(cp=cp, dp_shard=1), sequence_parallel=False)
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:

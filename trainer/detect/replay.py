@@ -129,7 +129,8 @@ def judge_replay(
     """Gather every rank's mismatches (collective), report them, apply ``cfg.on_sdc``.
 
     Returns:
-        ``"ok"`` (no mismatch, or ``continue``) or ``"skip"`` (``skip-step``: drop the update).
+        ``"match"`` (no rank's gradients differ), ``"mismatch"`` (they do, under ``continue``)
+        or ``"skip"`` (they do, under ``skip-step``: drop the update).
 
     Raises:
         SilentDataCorruption: a mismatch under ``stop`` (on every rank).
@@ -137,7 +138,7 @@ def judge_replay(
     everyone = gather_json(mine[:16])  # at most 16 tensors a rank: bounded message
     found = [{"rank": rank, **m} for rank, items in enumerate(everyone) for m in items]
     if not found:
-        return "ok"
+        return "match"
     ranks = sorted({m["rank"] for m in found})
     event(
         {
@@ -158,4 +159,4 @@ def judge_replay(
             f"max |diff| {first['max_abs_diff']:.3g}); suspect that rank's device: drain its node and restart "
             "(--on-sdc continue only reports)"
         )
-    return "skip" if cfg.on_sdc == "skip-step" else "ok"
+    return "skip" if cfg.on_sdc == "skip-step" else "mismatch"

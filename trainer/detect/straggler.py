@@ -1,25 +1,26 @@
-"""Stragglers: which rank's compute is slow, from every rank's own step timings.
+"""Stragglers: which rank is slow at its own work, from every rank's own step timings.
 
-Each rank times, per step, its *compute* (forward and backward: :meth:`StepMath.forward_backward`)
-and its *collective wait* (the gradient reduction, the global loss and the gradient norm: the
-all-reduces where a rank waits for the slowest). Once per window of ``straggler_every``
-steps every rank contributes its window means to one all-gather (two float64 per rank), and
-every rank judges the same numbers:
+Each rank splits every step's wall time (forward, backward, gradient reduction, global loss
+and gradient norm) into its *own work* and its *collective wait*, the part it spends blocked
+in a collective waiting for peers (:mod:`.waits`). A rank slowed anywhere, also inside its
+forward or backward under FSDP2, TP or a pipeline, spends the extra time working while its
+peers spend it waiting, so its own work grows and theirs does not. Once per window of
+``straggler_every`` steps every rank contributes its window means to one all-gather (two
+float64 per rank), and every rank judges the same numbers:
 
-* a rank is *slow in a window* when its mean compute time exceeds the median over ranks by
-  ``straggler_factor``;
+* a rank is *slow in a window* when its mean own work exceeds ``straggler_factor`` x the
+  median over its *peers*: the other ranks of its pipeline stage (they run the same layers),
+  or all other ranks when it has none (``pp`` = world size);
 * after ``straggler_windows`` slow windows in a row, a ``straggler`` event names it (once per
-  streak), with each named rank's compute time and the median;
+  streak), with each named rank's own work, its collective wait and the median;
 * the step record of a window's last step carries ``compute_s_median``, ``compute_s_max``
-  and ``wait_s_max`` (seconds, window means), and ``slowest_rank`` and
-  ``slowest_compute_ratio`` when a rank is slow in it; the step line shows those two.
+  (own work) and ``wait_s_max`` (seconds, window means), and ``slowest_rank`` and
+  ``slowest_compute_ratio`` (own work over its peers' median) when a rank is slow in it;
+  the step line shows those two.
 
-Compute time includes the collectives inside forward and backward (TP all-reduces, FSDP
-all-gathers and reduce-scatters), which wait for peers too; the slow rank still stands out,
-because its peers spend its extra time waiting in the next collective outside compute.
-
-Cost per step at 1,024 ranks: two ``perf_counter`` calls, nothing else; per window one
-all-gather of 16 bytes per rank (16 KiB received per rank), a median over 1,024 numbers.
+Cost per step at 1,024 ranks: two ``perf_counter`` calls per step and per blocking wait,
+nothing else; per window one all-gather of 16 bytes per rank (16 KiB received per rank),
+medians over 1,024 numbers.
 """
 
 from __future__ import annotations
@@ -34,17 +35,27 @@ import torch.distributed as dist
 from shardsmith.trainer.detect import DetectConfig
 
 
-def slow_ranks(compute_s: list[float], factor: float) -> list[int]:
-    """Ranks whose compute time exceeds ``factor`` x the median over ranks (pure).
+def slow_ranks(compute_s: list[float], factor: float, stages: list[int] | None = None) -> list[int]:
+    """Ranks whose own work exceeds ``factor`` x the median of their peers' (pure).
 
     Args:
-        compute_s: one mean compute time per rank, seconds.
+        compute_s: one mean own-work time per rank, seconds.
         factor: > 1.
+        stages: each rank's pipeline stage (default: all the same); a rank's peers are the
+            other ranks of its stage, or every other rank when its stage has no other.
     """
     if len(compute_s) < 2:
         return []
-    median = statistics.median(compute_s)
-    return [r for r, t in enumerate(compute_s) if t > factor * median]
+    return [r for r, t in enumerate(compute_s) if t > factor * peer_median(compute_s, r, stages)]
+
+
+def peer_median(compute_s: list[float], rank: int, stages: list[int] | None = None) -> float:
+    """The median own work of ``rank``'s peers (see :func:`slow_ranks`); needs two ranks."""
+    others = [r for r in range(len(compute_s)) if r != rank]
+    if stages is not None:
+        same = [r for r in others if stages[r] == stages[rank]]
+        others = same or others
+    return statistics.median(compute_s[r] for r in others)
 
 
 @dataclass
@@ -53,17 +64,19 @@ class StragglerWatch:
 
     Attributes:
         cfg: the detect config (``straggler_*`` fields).
+        stages: each rank's pipeline stage (empty: one stage), to judge a rank by its peers.
         streaks: rank -> slow windows in a row.
     """
 
     cfg: DetectConfig
+    stages: list[int] = field(default_factory=list)
     streaks: dict[int, int] = field(default_factory=dict)
     _compute_s: float = 0.0
     _wait_s: float = 0.0
     _steps: int = 0
 
     def record(self, compute_s: float, wait_s: float) -> None:
-        """Add one step's compute and collective-wait times (seconds) to the window."""
+        """Add one step's own-work and collective-wait times (seconds) to the window."""
         self._compute_s += compute_s
         self._wait_s += wait_s
         self._steps += 1
@@ -92,9 +105,10 @@ class StragglerWatch:
     def judge(
         self, step: int, compute_s: list[float], wait_s: list[float]
     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """The window's verdict from every rank's mean compute and wait times (pure but for
+        """The window's verdict from every rank's mean own-work and wait times (pure but for
         :attr:`streaks`); see :meth:`close_window`."""
-        slow = slow_ranks(compute_s, self.cfg.straggler_factor)
+        stages = self.stages or None
+        slow = slow_ranks(compute_s, self.cfg.straggler_factor, stages)
         self.streaks = {r: self.streaks.get(r, 0) + 1 for r in slow}
         median = statistics.median(compute_s)
         fields: dict[str, Any] = {
@@ -102,12 +116,10 @@ class StragglerWatch:
             "compute_s_max": round(max(compute_s), 6),
             "wait_s_max": round(max(wait_s), 6),
         }
+        ratio = {r: compute_s[r] / max(peer_median(compute_s, r, stages), 1e-12) for r in slow}
         if slow:
-            worst = max(slow, key=lambda r: compute_s[r])
-            fields.update(
-                slowest_rank=worst,
-                slowest_compute_ratio=round(compute_s[worst] / max(median, 1e-12), 2),
-            )
+            worst = max(slow, key=lambda r: ratio[r])
+            fields.update(slowest_rank=worst, slowest_compute_ratio=round(ratio[worst], 2))
         named = sorted(r for r, n in self.streaks.items() if n == self.cfg.straggler_windows)
         if not named:
             return fields, None
@@ -116,6 +128,7 @@ class StragglerWatch:
             "step": step,
             "ranks": named,
             "compute_s": {str(r): round(compute_s[r], 6) for r in named},
+            "wait_s": {str(r): round(wait_s[r], 6) for r in named},
             "median_compute_s": round(median, 6),
             "max_wait_s": round(max(wait_s), 6),
             "windows": self.cfg.straggler_windows,

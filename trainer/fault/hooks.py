@@ -40,6 +40,10 @@ class FaultHooks:
     a failure after every SECONDS of training, however long start-up and recovery take.
     ``SHARDSMITH_TEST_SLOW="RANK:SECONDS,..."``: that rank sleeps SECONDS after every step's
     forward and backward (a straggler: its compute time grows, its peers wait).
+    ``SHARDSMITH_TEST_SLOW_IN="RANK:WHERE:SECONDS,..."``: that rank sleeps SECONDS inside every
+    forward of each ``attention`` module (before it computes) or each ``matmul`` (after the
+    feed-forward's output projection ``w2``, before its result goes on): a rank slow inside
+    its forward, whose peers wait in the collectives of that forward.
     ``SHARDSMITH_TEST_FLIP_BIT_AT="RANK:STEP[:FQN[:BIT]],..."``: in the replay of step STEP
     (``--check-replay-every``), flip bit BIT (default 0) of the first element of the local
     gradient FQN (default: the first parameter with one): a silent data corruption.
@@ -63,6 +67,10 @@ class FaultHooks:
         ]
         self.slow_s = sum(float(seconds) for r, seconds in slow if int(r) == rank)
         self.flip = self._parse(env.get("SHARDSMITH_TEST_FLIP_BIT_AT", ""))
+        inside = [
+            i.split(":") for i in env.get("SHARDSMITH_TEST_SLOW_IN", "").split(",") if i.strip()
+        ]
+        self.slow_in = {where: float(sec) for r, where, sec in inside if int(r) == rank}
         every = [
             item.split(":")
             for item in env.get("SHARDSMITH_TEST_KILL_EVERY", "").split(",")
@@ -156,6 +164,17 @@ class FaultHooks:
         """Sleep ``SHARDSMITH_TEST_SLOW``'s seconds for this rank (after forward and backward)."""
         if self.slow_s > 0:
             time.sleep(self.slow_s)
+
+    def slow_inside(self, model: torch.nn.Module) -> None:
+        """Make this rank's forward slow inside ``SHARDSMITH_TEST_SLOW_IN``'s modules."""
+        if not self.slow_in:
+            return
+        attention, matmul = self.slow_in.get("attention", 0.0), self.slow_in.get("matmul", 0.0)
+        for name, module in model.named_modules():
+            if attention and type(module).__name__ == "Attention":
+                module.register_forward_pre_hook(lambda *_: time.sleep(attention))
+            if matmul and name.endswith("feed_forward.w2"):
+                module.register_forward_hook(lambda *_: time.sleep(matmul))
 
     def flip_bit(self, step: int, model: torch.nn.Module) -> None:
         """Flip the asked bit of one local gradient element, in step ``step``'s replay."""

@@ -30,13 +30,16 @@ def apply_collective_timeout(timeout_s: float) -> None:
     collective_timeout)``: rendezvous waits for the slowest process to start) and tightens
     the training groups with :func:`set_group_timeouts` after the first step, as
     torchtitan does (``comm.init_timeout_seconds`` / ``comm.train_timeout_seconds``).
+    Called once a group exists, it warns only when it changes the timeout (an in-process
+    restart's generation sets it before its group, then the trainer again).
     """
     from torch.distributed import distributed_c10d
 
     timeout = timedelta(seconds=timeout_s)
+    unchanged = distributed_c10d.default_pg_timeout == timeout  # e.g. set again in-process
     distributed_c10d.default_pg_timeout = timeout
     distributed_c10d.default_pg_nccl_timeout = timeout
-    if dist.is_initialized():
+    if dist.is_initialized() and not unchanged:
         log.warning("collective timeout set after init_process_group: applies to new groups only")
 
 

@@ -68,7 +68,8 @@ def step_line(record: dict[str, Any]) -> str:
     """The console line of a step record: step/total, loss, LR, gradient norm, tokens/s,
     ms/step, tokens seen, peak memory, MFU, the MoE router's load imbalance (max/mean routed
     tokens per expert, the worst layer) and aux loss, the slowest rank when one stands out
-    (:mod:`shardsmith.trainer.detect.straggler`), and ETA (each when the record has it)."""
+    (:mod:`shardsmith.trainer.detect.straggler`), a replay check's outcome
+    (``--check-replay-every``), and ETA (each when the record has it)."""
 
     def num(x: Any, fmt: str) -> str:
         return "nan" if x is None else format(x, fmt)
@@ -97,6 +98,8 @@ def step_line(record: dict[str, Any]) -> str:
         parts.append(
             f"slowest rank {record['slowest_rank']} ({record['slowest_compute_ratio']:.1f}x median compute)"
         )
+    if "replay" in record:
+        parts.append(f"replay {record['replay']}")
     if "eta_s" in record:
         parts.append(f"ETA {duration(record['eta_s'])}")
     return "  ".join(parts) + ("  SKIPPED (non-finite)" if record["skipped"] else "")

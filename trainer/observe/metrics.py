@@ -9,7 +9,8 @@ SIGKILL never leaves half a line):
   "flops_per_s", "mfu"?, "skipped", "skipped_steps", "rollbacks", "restarts", "steps"?,
   "tokens_seen"?, "peak_mem_nbytes"?, "eta_s"?, "moe_load_imbalance"? (max/mean routed
   tokens per expert, one per MoE layer), "moe_aux_loss"?, and at a straggler window's end
-  "compute_s_median", "compute_s_max", "wait_s_max", "slowest_rank"?, "slowest_compute_ratio"?}``;
+  "compute_s_median", "compute_s_max", "wait_s_max", "slowest_rank"?, "slowest_compute_ratio"?,
+  and on a ``--check-replay-every`` step "replay" ("match" or "mismatch")}``;
 * events, with an ``"event"`` key: ``start`` (``restart_count``, ``world_size``, ``layout``),
   ``resume`` (``step``, ``saved_layout``, ``layout``, ``resharded``, ``reason``, ``seconds``,
   ``nbytes_read``, ``replicas_sharing_reads``, ``tp_siblings_share_reads``, ``rng``),

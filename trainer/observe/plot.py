@@ -92,10 +92,23 @@ def goodput_caption(records: list[dict[str, Any]]) -> str:
     return goodput_line(final[-1] if final else breakdown(job)) if job else ""
 
 
+def runs_caption(run_dirs: list[str]) -> str:
+    """The goodput line of each run directory's last job (:func:`goodput_caption`), one line
+    each, named by its directory when there are several (each job accounts its own time)."""
+    lines = []
+    for run_dir in run_dirs:
+        caption = goodput_caption(list(iter_json_lines(os.path.join(run_dir, METRICS_FILE))))
+        name = os.path.basename(os.path.abspath(run_dir))
+        if caption:
+            lines.append(caption if len(run_dirs) == 1 else f"{name}: {caption}")
+    return "\n".join(lines)
+
+
 def plot_runs(run_dirs: list[str], out_path: str = "") -> str:
     """Draw the runs' loss, LR, gradient norm and tokens/s as one PNG (one curve across the
     runs), resumes marked by vertical lines: a reshard (the layout changed), a restart (same
-    layout) or a rollback; the last job's goodput and where the rest of its time went below. The file is written atomically (temporary file, then rename).
+    layout) or a rollback; each run's last job's goodput and where the rest of its time went
+    below (:func:`runs_caption`). The file is written atomically (temporary file, then rename).
 
     Args:
         run_dirs: run directories holding ``metrics.jsonl``, oldest first.
@@ -130,8 +143,9 @@ def plot_runs(run_dirs: list[str], out_path: str = "") -> str:
         ax.set_xlabel("step")
     axes[0][0].legend(loc="upper right")
     fig.suptitle(" + ".join(os.path.basename(os.path.abspath(d)) for d in run_dirs))
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.text(0.5, 0.01, goodput_caption(records), ha="center", fontsize=9)
+    caption = runs_caption(run_dirs)
+    fig.tight_layout(rect=(0, 0.04 * max(1, caption.count("\n") + 1), 1, 1))
+    fig.text(0.5, 0.01, caption, ha="center", va="bottom", fontsize=9)
     out_path = out_path or os.path.join(run_dirs[-1], "loss.png")
     fd, tmp = tempfile.mkstemp(
         prefix=".plot-", suffix=".png", dir=os.path.dirname(os.path.abspath(out_path))

@@ -32,6 +32,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shardsmith.errors import ShardsmithError
 from shardsmith.trainer.config import TrainConfig
+from shardsmith.trainer.fault.elastic import fit_world_size
 from shardsmith.trainer.fault.preemption import PREEMPT_SIGNALS
 from shardsmith.trainer.runtime.preflight import prepare
 
@@ -88,8 +89,11 @@ def launch(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0) -> i
         LaunchError: a worker failed (after ``max_restarts`` restarts of the group; the
             message is the first failing rank's error line), or another signal (SIGHUP...)
             stopped the job.
+        LayoutError, ConfigError: a layout or batch a worker would refuse
+            (:meth:`TrainConfig.check_layout`).
         CheckpointNotFound, CheckpointMismatch, StorageError: from the preflight checks.
     """
+    fit_world_size(cfg, nproc_per_node).check_layout()  # before any worker starts
     resolved = prepare(cfg)
     if resolved is None:
         return 0

@@ -142,20 +142,19 @@ def _preflight(cfg: TrainConfig) -> Preflight:
         manifest = read_manifest(step_store)
         out.resume_step, out.resume_url = step, step_store.url
         reset = reset_due(manifest, ckpt.reset_optimizer)
+        # a record that lies about its tensors first: else its lie reads as "another shape"
+        check_model_record(manifest, short_url(step_store.url))
         out.notes += check_before_load(
             manifest, cfg, step_store.url, resume=True, reset_optimizer=reset
         )
-        check_model_record(
-            manifest, short_url(step_store.url)
-        )  # a record that lies about its tensors
         check_data_change(manifest, cfg, step_store.url)
     elif ckpt.init_from:
         check_exists(ckpt.init_from, "--init-from")
         _, step_store, _ = resolve_checkpoint(absolute_url(ckpt.init_from), ckpt.storage_options)
         out.init_from = step_store.url
         manifest = read_manifest(step_store)
-        out.notes += check_before_load(manifest, cfg, step_store.url, resume=False)
         check_model_record(manifest, short_url(step_store.url))
+        out.notes += check_before_load(manifest, cfg, step_store.url, resume=False)
     return out
 
 

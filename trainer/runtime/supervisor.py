@@ -46,6 +46,7 @@ import torch.distributed as dist
 from shardsmith.errors import LayoutError
 from shardsmith.layout import SHRINK_RULE, shrink_layout
 from shardsmith.trainer.config import TrainConfig
+from shardsmith.trainer.fault.elastic import fit_world_size
 from shardsmith.trainer.runtime.inprocess import SUPERVISOR_ENV, WORKER_ID_ENV
 from shardsmith.trainer.runtime.launch import (
     EXIT_INTERRUPTED,
@@ -316,8 +317,11 @@ def launch_in_process(
 
     Raises:
         LaunchError: a worker failed after ``max_restarts`` restarts (its error line).
+        LayoutError, ConfigError: a layout or batch a worker would refuse
+            (:meth:`TrainConfig.check_layout`).
         CheckpointNotFound, CheckpointMismatch, StorageError: from the preflight checks.
     """
+    fit_world_size(cfg, nproc_per_node).check_layout()  # before any worker starts
     resolved = prepare(cfg)
     if resolved is None:
         return 0
