@@ -94,7 +94,6 @@ OVER_CAP: dict[str, int] = {
     "cli/ckpt_commands.py::gc_command": 79,
     "cli/reshard_commands.py::reshard": 71,
     "cli/train_commands.py": 874,
-    "cli/train_commands.py::train": 77,
     "cli/train_commands.py::train_config": 103,
     "cli/train_commands.py::print_estimate": 84,
 }

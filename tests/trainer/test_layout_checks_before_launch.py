@@ -165,6 +165,8 @@ CAUGHT_BEFORE_LAUNCH: dict[str, list[tuple[list[str], str]]] = {
 BEFORE_WORKERS = {
     "layout/dims.py:for_world_size": "resolves --dp-shard -1 in the CLI (train_config)",
     "layout/dims.py:parse": "parses layout names the user types (CLI)",
+    "layout/shrink.py:shrink_layout": "a shrink after a lost node: the supervisor refuses it with "
+    "the reason when no smaller layout fits; no layout given at launch reaches it",
     "layout/model_config.py:from_json": "reads saved configs (the launcher's resume preflight)",
     "trainer/checkpoint/config.py:_check_local_tier": "runs as the config is built (__post_init__)",
     "trainer/checkpoint/resume.py:check_data_change": "the launcher's resume preflight (prepare)",
