@@ -137,6 +137,7 @@ class AsyncCheckpointer:
         state: dict[str, Any],
         persistent: bool = True,
         local_doc: dict[str, Any] | None = None,
+        started: float | None = None,
     ) -> float:
         """Snapshot and start a background save. Collective over all ranks (same arguments'
         kinds on every rank: ``persistent`` and whether ``local_doc`` is given).
@@ -148,10 +149,12 @@ class AsyncCheckpointer:
             persistent: write and commit the step under ``root``.
             local_doc: the rank manifest (:meth:`LocalTier.rank_doc`): also write the step to
                 the local tier, and to the buddy rank. Needs ``local``.
+            started: ``time.perf_counter()`` when the caller's save began (its own preparation
+                counts as blocked time too); None: when this call began.
 
         Returns:
-            Seconds the caller was blocked (waiting for the previous save + planning +
-            the snapshot when it is not overlapped).
+            Seconds the caller was blocked (since ``started``: waiting for the previous save +
+            planning + the snapshot when it is not overlapped).
 
         Raises:
             SaveError: the previous background save failed.
@@ -183,13 +186,17 @@ class AsyncCheckpointer:
                 staged = self._stage(staged, ready)
             finally:
                 self._snapshot_done.set()
-        blocked = time.perf_counter() - t0
+        now = time.perf_counter()
+        blocked = (
+            now - (t0 if started is None else started),
+            now - t0,
+        )  # the caller's, this call's
         job = (staged, plan, local_doc, config, state, blocked, t0, ready)
         self._thread = threading.Thread(
             target=self._run, args=job, name=f"shardsmith-save-{step}", daemon=True
         )
         self._thread.start()
-        return blocked
+        return blocked[0]
 
     def _run(
         self,
@@ -198,7 +205,7 @@ class AsyncCheckpointer:
         local_doc: dict[str, Any] | None,
         config: dict[str, Any],
         state: dict[str, Any],
-        blocked: float,
+        blocked: tuple[float, float],
         t0: float,
         ready: Any,
     ) -> None:
@@ -230,7 +237,11 @@ class AsyncCheckpointer:
                 zarr_codec=self.zarr_codec,
             )
             self.last_result = SaveResult(
-                plan.step, nbytes, time.perf_counter() - t0, blocked + self._waited
+                plan.step,
+                nbytes,
+                time.perf_counter() - t0,
+                blocked[0] + self._waited,
+                blocked[1] + self._waited,
             )
             crash_point("async.after_commit")
             if self.on_commit is not None:

@@ -209,7 +209,7 @@ class CheckpointPolicy:
             SaveError: this save failed (sync) or the previous background save failed (async).
         """
         assert self.root is not None
-        state, cfg = self.state, self.cfg
+        state, cfg, t0 = self.state, self.cfg, time.perf_counter()
         if persistent:
             self._uncommit(state.step)
         init_optimizer_state(state.model, state.optimizer)
@@ -242,6 +242,7 @@ class CheckpointPolicy:
                 state=saved,
                 persistent=persistent,
                 local_doc=local,
+                started=t0,
             )
             return
         result = save_checkpoint(
@@ -271,12 +272,7 @@ class CheckpointPolicy:
         if self.rank == 0:
             key = f"{step_dir(step)}/{MANIFEST_NAME}"
             if self.root is not None and self.root.exists(key):
-                log.warning(
-                    "step %d is already committed under %s: un-committing it before saving "
-                    "it again",
-                    step,
-                    self.root.url,
-                )
+                log.warning("step %d is committed under %s: un-committing it", step, self.root.url)
                 self.root.delete(key)
                 existed = True
         any_rank(existed)
@@ -296,6 +292,7 @@ class CheckpointPolicy:
                 "nbytes": result.nbytes,
                 "seconds": round(result.seconds, 4),
                 "blocked_seconds": round(result.blocked_seconds, 4),
+                "saver_blocked_seconds": round(result.saver_blocked_seconds, 4),
             }
         )
         ckpt = self.cfg.checkpoint

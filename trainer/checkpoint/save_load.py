@@ -83,13 +83,17 @@ class SaveResult:
         step: the step saved.
         nbytes: bytes of all data files.
         seconds: wall time of the whole save (write + commit).
-        blocked_seconds: time the training loop was blocked (the snapshot, for async saves).
+        blocked_seconds: time the training loop was blocked (for async saves: the trainer's
+            preparation, the snapshot and waits for it).
+        saver_blocked_seconds: the part of it inside ``AsyncCheckpointer.save`` and the
+            snapshot waits (what ``bench/checkpoint_vs_dcp.py`` measures); sync saves: all.
     """
 
     step: int
     nbytes: int
     seconds: float
     blocked_seconds: float = 0.0
+    saver_blocked_seconds: float = 0.0
 
 
 def _check_boxes(
@@ -295,7 +299,7 @@ def save_checkpoint(
         zarr_codec=zarr_codec,
     )
     seconds = time.perf_counter() - t0
-    return SaveResult(step, nbytes, seconds, seconds)
+    return SaveResult(step, nbytes, seconds, seconds, seconds)
 
 
 def load_into(
