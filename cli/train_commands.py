@@ -19,6 +19,7 @@ import click
 
 from shardsmith.cli.greedy import GreedyOption
 from shardsmith.cli.options import (
+    TIER_FIELDS,
     IntListType,
     dry_run_option,
     field_option,
@@ -609,11 +610,8 @@ def train_config(f: dict[str, Any], world: int | None):
                 "zarr_codec",
                 "reset_optimizer",
                 "overwrite",
-                "local_ckpt",
                 "data_change",
-                "local_save_interval",
-                "local_replicas",
-                "simulate_nodes",
+                *TIER_FIELDS,
             ),
         ),
         fault=FaultConfig(

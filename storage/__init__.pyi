@@ -33,6 +33,7 @@ from .lineage import remove_runs_except as remove_runs_except
 from .lineage import rewritten_state as rewritten_state
 from .lineage import run_id_of as run_id_of
 from .lineage import run_record as run_record
+from .steps import delete_step as delete_step
 from .steps import list_steps as list_steps
 from .steps import parse_step_dir as parse_step_dir
 from .steps import read_latest_hint as read_latest_hint

@@ -213,7 +213,7 @@ class Trainer:
 
     def wait_for_save(self) -> None:
         """Wait for an in-flight background save; raises SaveError if it failed."""
-        self.checkpointing.wait()
+        self.checkpointing.wait(final=True)
 
     def resume(self) -> bool:
         """Resume as configured (collective); see :meth:`CheckpointPolicy.resume`."""
@@ -436,7 +436,7 @@ class Trainer:
             log.warning(
                 "preempted with no checkpoint root (--ckpt): progress since the start is lost"
             )
-        elif self.step != self.checkpointing.last_saved_step:
+        elif self.checkpointing.final_due(preempted=True):
             self.save()
         self.wait_for_save()
         self.guard.preemption.done()
