@@ -54,12 +54,9 @@ class SaveOutcomes:
             self.failed_step, self.error = step, str(exc)
             count = self.failed_in_row
         if self.rank == 0:
+            then = "the job stops" if count >= self.max_failed else "the next save retries"
             log.error(
-                "%s; training goes on and the next save retries (%d in a row, "
-                "--max-failed-saves %d)",
-                exc,
-                count,
-                self.max_failed,
+                "%s; %s (%d in a row, --max-failed-saves %d)", exc, then, count, self.max_failed
             )
         self.event(
             {
