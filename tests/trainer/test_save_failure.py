@@ -18,13 +18,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import tiny_train_config
+
 from shardsmith.errors import SaveError
 from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import list_steps, read_manifest, step_dir
-from shardsmith.storage.store import Store
-from shardsmith.storage.store import faults  # noqa: F401  (registers the faulty:: protocol)
+from shardsmith.storage.store import (
+    Store,
+    faults,  # noqa: F401  (registers the faulty:: protocol)
+)
 from shardsmith.trainer.checkpoint.config import CheckpointConfig
 from shardsmith.trainer.rng import capture_rng
 from shardsmith.trainer.train import Trainer

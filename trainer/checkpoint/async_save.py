@@ -161,10 +161,8 @@ class AsyncCheckpointer:
             persistent: write and commit the step under ``root``.
             local_doc: the rank manifest (:meth:`LocalTier.rank_doc`): also write the step to
                 the local tier, and to the buddy rank. Needs ``local``.
-            started: ``time.perf_counter()`` when the caller's save began (its own preparation
-                counts as blocked time too); None: when this call began.
-            rng: this rank's RNG entry for the manifest (sent with the records, see
-                :func:`~shardsmith.trainer.checkpoint.save_load.write_and_commit`).
+            started: ``time.perf_counter()`` when the caller's blocking began (None: now).
+            rng: this rank's RNG entry (see ``save_load.write_and_commit``).
 
         Returns:
             Seconds the caller was blocked (since ``started``: waiting for the previous save +

@@ -183,13 +183,10 @@ def write_and_commit(
     gather every rank's records on ``group`` (JSON, no pickle), and on rank 0 add them (and
     any format metadata) to the manifest, validate coverage and commit it, then ``latest``.
 
-    Before any rank writes, rank 0 deletes the step's directory if it exists (a job sent
-    back to an earlier step saves it again: old manifest and old shard files go, manifest
-    first, so no reader ever sees an old manifest with new data, and the step holds only its
-    own files); one broadcast orders it before the writes. ``rng``: this rank's
-    :func:`~shardsmith.trainer.rng.rank_rng_entry`; the entries ride on the records' gather
-    and rank 0 packs them into ``state["rng"]``. So the agreement a save needs is all here,
-    in the part that runs in the background for async saves.
+    First rank 0 deletes the step's directory if it exists (a job sent back to an earlier
+    step: manifest first, so no reader sees an old manifest with new data, and the step
+    holds only its own files; one broadcast orders it before the writes). ``rng``
+    (:func:`~shardsmith.trainer.rng.rank_rng_entry`) rides on the records' gather.
 
     Every rank of ``group`` calls it with the same step. Returns total data bytes.
 
@@ -220,8 +217,7 @@ def write_and_commit(
     crash_point("save.after_gather")
     outcome = {"error": "", "nbytes": 0}
     if gathered is not None:
-        rngs = [g.pop("rng") for g in gathered if "rng" in g]
-        if rngs:
+        if rngs := [g.pop("rng") for g in gathered if "rng" in g]:
             state = {**state, "rng": pack_rng_states(rngs, dims)}
         outcome = _commit_gathered(
             root,
