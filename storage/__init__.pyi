@@ -22,11 +22,14 @@ from .crashpoints import crash_point as crash_point
 from .cycle_gc import cycle_gc_paused as cycle_gc_paused
 from .gc import describe_steps as describe_steps
 from .gc import gc_after_commit as gc_after_commit
+from .lineage import ABANDONED_NAME as ABANDONED_NAME
 from .lineage import CORRUPT_NAME as CORRUPT_NAME
 from .lineage import UNNAMED as UNNAMED
+from .lineage import abandon_after as abandon_after
 from .lineage import check_new_run_root as check_new_run_root
 from .lineage import committed_runs as committed_runs
 from .lineage import corrupt_mark as corrupt_mark
+from .lineage import is_abandoned as is_abandoned
 from .lineage import loadable_steps as loadable_steps
 from .lineage import mark_corrupt as mark_corrupt
 from .lineage import remove_runs_except as remove_runs_except

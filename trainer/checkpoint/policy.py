@@ -284,6 +284,7 @@ class CheckpointPolicy:
         weights of ``checkpoint.init_from`` (collective). Sets :attr:`resumed_from`; returns
         False when there is nothing to resume."""
         from shardsmith.trainer.checkpoint.recovery import announce, load_resume, recover_local
+        from shardsmith.trainer.checkpoint.resume import one_timeline
 
         self._check_root()
         if self.local is not None and recover_local(self):
@@ -297,6 +298,17 @@ class CheckpointPolicy:
         self.resumed_from = load_resume(self, src)
         if self.local is not None:
             announce(self, self.resumed_from[1], "persistent")
+        if self.rank == 0 and (left := one_timeline(self.root, self.resumed_from, self.run.id)):
+            log.warning(
+                "resumed step %d of %s: its newer steps %s are on the timeline this job left: "
+                "marked abandoned (`ls`), never resumed, deleted first by retention",
+                self.resumed_from[1],
+                self.root.url if self.root else "",
+                left,
+            )
+            self.event(
+                {"event": "timeline", "resumed_step": self.resumed_from[1], "abandoned_steps": left}
+            )
         return True
 
     def _check_root(self) -> None:

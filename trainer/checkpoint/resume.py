@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from shardsmith.errors import CheckpointNotFound, ConfigError
 from shardsmith.storage import (
     CORRUPT_NAME,
+    abandon_after,
     corrupt_mark,
     find_latest_committed,
     list_steps,
@@ -103,6 +104,19 @@ def resume_source(
             f"one (then delete its {CORRUPT_NAME}) or start anew with --resume none --overwrite"
         )
     return root.child(step_dir(steps[0])), steps[0]
+
+
+def one_timeline(root: Store | None, resumed: tuple[Store, int] | None, run: str) -> list[int]:
+    """After a resume of step N of the job's own root: the newer committed steps there are
+    on a timeline the job left, marked abandoned, and ``latest`` names N
+    (:func:`~shardsmith.storage.lineage.abandon_after`; rank 0 calls it once). Returns the
+    steps marked ([] when the step came from elsewhere or nothing is newer)."""
+    if root is None or resumed is None:
+        return []
+    step_store, step = resumed
+    if absolute_url(step_store.url) != absolute_url(root.child(step_dir(step)).url):
+        return []
+    return abandon_after(root, step, run=run)
 
 
 def choose_resume(
