@@ -499,18 +499,16 @@ def train(**flags: Any) -> None:
         return
     from shardsmith.trainer.checkpoint import COMMAND_ENV
     from shardsmith.trainer.data import expand_source
+    from shardsmith.trainer.observe import run_dir_note
     from shardsmith.trainer.runtime import prepare
 
-    for (
-        source
-    ) in cfg.data.sources:  # a mistyped path or glob: here, not in every worker after start-up
+    # a mistyped path or glob: here, not in every worker after start-up
+    for source in cfg.data.sources:
         expand_source(source)
 
     # The step to load is resolved here, once, and every check that a manifest allows is made
     # before torch is imported and before any worker starts.
-    os.environ[COMMAND_ENV] = json.dumps(
-        ["shardsmith", *sys.argv[1:]]
-    )  # for "go on with: ..." hints
+    os.environ[COMMAND_ENV] = json.dumps(["shardsmith", *sys.argv[1:]])  # "go on with: ..." hints
     resolved = prepare(cfg)
     if resolved is None:
         return
@@ -528,7 +526,8 @@ def train(**flags: Any) -> None:
     dims = cfg.parallel
     click.echo(
         f"training {dims.describe()} on {plural(dims.world_size, 'process')} to step {cfg.steps}"
-        + ("" if cfg.checkpoint.url else " (no --ckpt: no checkpoint will be saved)"),
+        + ("" if cfg.checkpoint.url else " (no --ckpt: no checkpoint will be saved)")
+        + run_dir_note(cfg),
         err=True,
     )
     if flags["restart_mode"] == "in-process":

@@ -50,6 +50,7 @@ from shardsmith.trainer.observe.console import (
 from shardsmith.trainer.observe.metrics import (
     EventLog,
     MetricsWriter,
+    announced_run_dir,
     iter_json_lines,
     run_dir,
     step_line,
@@ -159,7 +160,7 @@ class Trainer:
         )
         events = EventLog(
             MetricsWriter(
-                run_dir(cfg) if rank == 0 else "",
+                announced_run_dir(cfg) if rank == 0 else "",
                 wandb=cfg.wandb,
                 config=cfg.to_json() if cfg.wandb else None,
             ),
@@ -433,9 +434,7 @@ class Trainer:
         t0 = time.perf_counter()
         has_root = self.checkpointing.root is not None
         if not has_root:
-            log.warning(
-                "preempted with no checkpoint root (--ckpt): progress since the start is lost"
-            )
+            log.warning("preempted with no --ckpt: progress since the start is lost")
         elif self.checkpointing.final_due(preempted=True):
             self.save()
         self.wait_for_save()

@@ -161,3 +161,29 @@ def test_blocking_path_of_a_save_makes_no_collective_call(
     assert {"gather", "broadcast"} <= {name for name, _ in calls}  # the background part agreed
     manifest = read_manifest(Store(str(tmp_path / "ckpt")).child(step_dir(1)))
     assert manifest.state["rng"]["roles"]["pp0.tp0"] == expected
+
+
+def test_metrics_of_an_object_store_run_go_to_a_stated_local_run_dir(
+    data_path: str, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    from shardsmith.trainer.observe.metrics import announced_run_dir, run_dir, run_dir_note
+
+    monkeypatch.chdir(tmp_path)
+    base = tiny_train_config(ParallelDims(), data_path)
+    s3 = dataclasses.replace(base, checkpoint=CheckpointConfig(url="s3://bucket/runs/70b"))
+    assert run_dir(s3) == str(tmp_path / "shardsmith-runs" / "bucket-runs-70b")
+    assert run_dir_note(s3) == (
+        f"; metrics in {tmp_path}/shardsmith-runs/bucket-runs-70b (--ckpt is object storage; "
+        "--run-dir picks another directory)"
+    )
+    monkeypatch.delenv(
+        "SHARDSMITH_LAUNCH_TIME", raising=False
+    )  # an external torchrun: rank 0 says it
+    assert announced_run_dir(s3) == run_dir(s3)
+    assert capsys.readouterr().err.startswith(f"metrics in {tmp_path}/shardsmith-runs/")
+    chosen = dataclasses.replace(s3, run_dir=str(tmp_path / "mine"))
+    assert run_dir(chosen) == str(tmp_path / "mine") and run_dir_note(chosen) == ""
+    local = dataclasses.replace(base, checkpoint=CheckpointConfig(url=str(tmp_path / "ckpt")))
+    assert run_dir(local) == str(tmp_path / "ckpt") and run_dir_note(local) == ""
+    memory = dataclasses.replace(base, checkpoint=CheckpointConfig(url="memory://x"))
+    assert run_dir(memory) == "" and run_dir(dataclasses.replace(base)) == ""
