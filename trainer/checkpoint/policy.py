@@ -118,6 +118,7 @@ class CheckpointPolicy:
         )
         self.checkpointer: AsyncCheckpointer | None = None
         self.outcomes = SaveOutcomes(ckpt.max_failed_saves, rank, event)  # failed saves in a row
+        self._config = cfg.to_json()  # the manifests' config: fixed for the run, built once
         self.local = LocalTier(cfg, rank) if ckpt.local_ckpt else None  # the node-local tier
         if self.root is not None and ckpt.async_save:
             self.checkpointer = AsyncCheckpointer(
@@ -175,7 +176,7 @@ class CheckpointPolicy:
             self.local.rank_doc(
                 state.step,
                 state={**state.state_json(), "run": self.run.to_json()},
-                config=cfg.to_json(),
+                config=self._config,
             )
             if self.local and self.local.due(state.step)
             else None
@@ -188,7 +189,7 @@ class CheckpointPolicy:
             self.checkpointer.save(
                 state.step,
                 tensors,
-                config=cfg.to_json(),
+                config=self._config,
                 state=saved,
                 persistent=persistent,
                 local_doc=local,
@@ -203,7 +204,7 @@ class CheckpointPolicy:
                 tensors,
                 model_cfg=cfg.model,
                 dims=cfg.parallel,
-                config=cfg.to_json(),
+                config=self._config,
                 state=saved,
                 tensor_format=cfg.checkpoint.tensor_format,
                 zarr_codec=cfg.checkpoint.zarr_codec,
@@ -299,13 +300,6 @@ class CheckpointPolicy:
         if self.local is not None:
             announce(self, self.resumed_from[1], "persistent")
         if self.rank == 0 and (left := one_timeline(self.root, self.resumed_from, self.run.id)):
-            log.warning(
-                "resumed step %d of %s: its newer steps %s are on the timeline this job left: "
-                "marked abandoned (`ls`), never resumed, deleted first by retention",
-                self.resumed_from[1],
-                self.root.url if self.root else "",
-                left,
-            )
             self.event(
                 {"event": "timeline", "resumed_step": self.resumed_from[1], "abandoned_steps": left}
             )

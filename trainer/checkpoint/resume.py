@@ -8,6 +8,7 @@ recovery inside the job (:mod:`shardsmith.trainer.checkpoint.recovery`) both cal
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,8 @@ from shardsmith.storage.manifest import Manifest
 from shardsmith.storage.store import Store
 from shardsmith.trainer.data.config import data_changed, describe_data
 from shardsmith.trainer.observe.console import short_url
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from shardsmith.trainer.config import TrainConfig
@@ -116,7 +119,16 @@ def one_timeline(root: Store | None, resumed: tuple[Store, int] | None, run: str
     step_store, step = resumed
     if absolute_url(step_store.url) != absolute_url(root.child(step_dir(step)).url):
         return []
-    return abandon_after(root, step, run=run)
+    left = abandon_after(root, step, run=run)
+    if left:
+        log.warning(
+            "resumed step %d of %s: its newer steps %s are on the timeline this job left, marked "
+            "abandoned (`shardsmith ls`): never resumed, deleted first by retention",
+            step,
+            root.url,
+            left,
+        )
+    return left
 
 
 def choose_resume(
