@@ -198,11 +198,8 @@ class AsyncCheckpointer:
                 staged = self._stage(staged, ready)
             finally:
                 self._snapshot_done.set()
-        now = time.perf_counter()
-        blocked = (
-            now - (t0 if started is None else started),
-            now - t0,
-        )  # the caller's, this call's
+        now = time.perf_counter()  # blocked: the caller's time, this call's
+        blocked = (now - (t0 if started is None else started), now - t0)
         job = (staged, plan, local_doc, config, {"state": state, "rng": rng}, blocked, t0, ready)
         self._thread = threading.Thread(
             target=self._run, args=job, name=f"shardsmith-save-{step}", daemon=True
@@ -259,9 +256,7 @@ class AsyncCheckpointer:
             crash_point("async.after_commit")
             if self.on_commit is not None:
                 self.on_commit(self.last_result)
-        except (
-            SaveNotCommitted
-        ) as exc:  # every rank alike: the caller decides (or next call raises)
+        except SaveNotCommitted as exc:  # every rank alike: on_failure decides (else wait raises)
             if self.on_failure is None:
                 self._error = self._failure(staged.step, plan is not None, exc)
             else:
