@@ -63,6 +63,7 @@ from shardsmith.trainer.parallel import (
     build_mesh,
     build_stage_model,
     device_type,
+    end_distributed,
     finalize_grads,
     init_distributed,
 )
@@ -510,5 +511,4 @@ def run_training(cfg: TrainConfig) -> list[StepMetrics]:
     try:
         return trainer.run()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_distributed()
