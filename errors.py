@@ -62,6 +62,11 @@ class SaveError(CheckpointError, RuntimeError):
     not, unless a failure came after the manifest was written; `shardsmith ls` tells)."""
 
 
+class SaveNotCommitted(SaveError):
+    """A save that every rank of it saw fail before its commit (the outcome is broadcast):
+    nothing was committed, and every rank raises this same error at the same point."""
+
+
 class TrainingDiverged(ShardsmithError, RuntimeError):
     """Bad steps could not be recovered from (no checkpoint, or too many rollbacks)."""
 

@@ -406,7 +406,24 @@ def _local_option(field: str, *decls: str, **kwargs: Any) -> F:
     )
 
 
+#: The checkpoint fields that :data:`local_tier_options` fill (``train``'s config picks them).
+TIER_FIELDS = (
+    "local_ckpt",
+    "local_save_interval",
+    "local_replicas",
+    "simulate_nodes",
+    "max_failed_saves",
+)
+
 local_tier_options = stack(
+    _local_option(
+        "max_failed_saves",
+        "--max-failed-saves",
+        type=click.IntRange(min=1),
+        help="A failed checkpoint save is logged and retried at the next interval (the local "
+        "tier keeps saving); this many failures in a row stop the job, naming the newest "
+        "committed step. A failed final save (end of run, preemption) always exits non-zero.",
+    ),
     _local_option(
         "local_ckpt",
         "--local-ckpt",

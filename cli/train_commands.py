@@ -19,6 +19,7 @@ import click
 
 from shardsmith.cli.greedy import GreedyOption
 from shardsmith.cli.options import (
+    TIER_FIELDS,
     IntListType,
     dry_run_option,
     field_option,
@@ -495,6 +496,7 @@ def train(**flags: Any) -> None:
         return
     from shardsmith.trainer.checkpoint import COMMAND_ENV
     from shardsmith.trainer.data import expand_source
+    from shardsmith.trainer.observe import run_dir_note
     from shardsmith.trainer.runtime import prepare
 
     # A mistyped path or glob: here, not in every worker after start-up.
@@ -519,7 +521,8 @@ def train(**flags: Any) -> None:
     dims = cfg.parallel
     click.echo(
         f"training {dims.describe()} on {plural(dims.world_size, 'process')} to step {cfg.steps}"
-        + ("" if cfg.checkpoint.url else " (no --ckpt: no checkpoint will be saved)"),
+        + ("" if cfg.checkpoint.url else " (no --ckpt: no checkpoint will be saved)")
+        + run_dir_note(cfg),
         err=True,
     )
     if flags["restart_mode"] == "in-process":
@@ -601,11 +604,8 @@ def train_config(f: dict[str, Any], world: int | None):
                 "zarr_codec",
                 "reset_optimizer",
                 "overwrite",
-                "local_ckpt",
                 "data_change",
-                "local_save_interval",
-                "local_replicas",
-                "simulate_nodes",
+                *TIER_FIELDS,
             ),
         ),
         fault=FaultConfig(

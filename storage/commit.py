@@ -24,7 +24,7 @@ from shardsmith.errors import (
 )
 from shardsmith.storage.crashpoints import crash_point
 from shardsmith.storage.cycle_gc import cycle_gc_paused
-from shardsmith.storage.lineage import committed_runs, run_id_of
+from shardsmith.storage.lineage import ABANDONED_NAME, committed_runs, is_abandoned, run_id_of
 from shardsmith.storage.manifest.parse import parse_manifest
 from shardsmith.storage.manifest.read import ManifestReader
 from shardsmith.storage.manifest.records import MANIFEST_NAME, Manifest
@@ -53,7 +53,8 @@ def find_latest_committed(root: Store, runs: set[str] | None = None) -> int | No
 
     ``latest`` is only a hint: if it names a committed step newer than or equal to every
     other committed step of its run it is used; otherwise the newest committed step of
-    the run wins and a warning says why.
+    the run wins and a warning says why. Steps marked abandoned (a resume of an older step
+    left them, see :func:`~shardsmith.storage.lineage.abandon_after`) never win.
     """
 
     steps = [s.step for s in list_steps(root) if s.committed]
@@ -67,6 +68,8 @@ def find_latest_committed(root: Store, runs: set[str] | None = None) -> int | No
     elif hinted in steps and steps[-1] != hinted:
         by_run = committed_runs(root, [s for s in steps if s >= hinted])
         steps = [s for s in steps if s <= hinted or by_run.get(s) == by_run.get(hinted)]
+    while steps and is_abandoned(root, steps[-1]):  # a resume of an older step left it
+        steps.pop()
     if not steps:
         return None
     newest = steps[-1]
@@ -213,6 +216,7 @@ def commit(root: Store, manifest: Manifest, *, check_files: bool = True) -> None
             hinted is not None
             and hinted > manifest.step
             and root.exists(f"{hint}/{MANIFEST_NAME}")
+            and not root.exists(f"{hint}/{ABANDONED_NAME}")
             and _same_run(root, hinted, manifest)
         ):
             log.info("committed %s; %s/latest stays at the newer %s", name, root.url, hint)

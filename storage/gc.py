@@ -4,6 +4,9 @@ is no longer needed (``shardsmith gc``), also after each commit by the trainer.
 Rules of :func:`gc` (see :func:`plan_gc`):
 
 * the newest committed step is never deleted;
+* a step marked abandoned (on the timeline a resume of an older step of the root left, see
+  :func:`~shardsmith.storage.lineage.abandon_after`) is deleted first: by any retention, and
+  it never counts as one of the steps kept;
 * retention acts on one lineage (one run id, see :mod:`shardsmith.storage.lineage`):
   committed steps of other runs are kept;
 * retention (only when ``keep_last`` or ``keep_every`` is given): keep the last
@@ -30,6 +33,7 @@ from shardsmith.errors import ManifestError
 from shardsmith.layout import ParallelDims
 from shardsmith.storage.commit import read_manifest
 from shardsmith.storage.lineage import (
+    ABANDONED_NAME,
     CORRUPT_NAME,
     committed_runs,
     corrupt_mark,
@@ -47,6 +51,7 @@ log = logging.getLogger(__name__)
 DEFAULT_GRACE_SECONDS = 600.0
 
 COMMITTED, INCOMPLETE, INVALID, CORRUPT = "committed", "incomplete", "invalid", "corrupt"
+ABANDONED = "abandoned"
 
 
 @dataclass
@@ -58,7 +63,9 @@ class StepSummary:
         status: ``committed``; ``incomplete`` (no manifest: ignored by readers);
             ``invalid`` (a manifest that does not validate; see ``error``); or ``corrupt``
             (committed, but a load found its data corrupt and marked it, see
-            :data:`~shardsmith.storage.lineage.CORRUPT_NAME`; ``--resume auto`` skips it).
+            :data:`~shardsmith.storage.lineage.CORRUPT_NAME`; ``--resume auto`` skips it); or
+            ``abandoned`` (committed, on the timeline a resume of an older step of the root
+            left: never resumed by ``auto``, deleted first by retention).
         nbytes: bytes of all its files on storage.
         num_files: number of its files.
         layout: saving layout, e.g. ``pp2·dpr1·dps1·tp2`` (empty when unknown).
@@ -143,8 +150,10 @@ def describe_steps(root: Store, *, read_manifests: bool = True) -> list[StepSumm
                 CORRUPT,
                 f"found by a {mark.get('found_by', 'load')}: {mark.get('error', '')}",
             )
+        if summary.status == COMMITTED and ABANDONED_NAME in entries:
+            summary.status = ABANDONED
         out.append(summary)
-    with_manifest = [s for s in out if s.status not in (INCOMPLETE, CORRUPT)]
+    with_manifest = [s for s in out if s.status not in (INCOMPLETE, CORRUPT, ABANDONED)]
     if with_manifest:
         with_manifest[-1].latest = True
     return out
@@ -251,13 +260,17 @@ def plan_gc(
     mine, other_reason = _lineage(
         root, committed, runs, keep_last is not None or keep_every is not None
     )
-    lineage = [s for s in committed if s in mine]
+    abandoned = {s.step for s in steps if s.status == ABANDONED}
+    lineage = [s for s in committed if s in mine and s not in abandoned]
     newest = lineage[-1] if lineage else None
     last = set(lineage[-keep_last:]) if keep_last else set()
     out = []
     for s in steps:
         if s.status == INCOMPLETE:
             delete, reason = _incomplete_decision(s.step, newest_any, s.mtime, now, grace_seconds)
+        elif s.status == ABANDONED:
+            retention = keep_last is not None or keep_every is not None
+            delete, reason = retention, "abandoned: on the timeline a resume of an older step left"
         elif s.step not in mine or newest is None:
             delete, reason = False, other_reason
         else:

@@ -218,11 +218,63 @@ def corrupt_mark(step_store: Store) -> dict[str, Any] | None:
 
 def loadable_steps(root: Store, runs: set[str] | None, *, below: int | None = None) -> list[int]:
     """Committed steps under ``root`` of the runs ``runs`` (None: any run), newest first,
-    without the steps marked corrupt; ``below``: only steps older than it. One listing, one
-    manifest read per step (only when ``runs`` is given) and one marker probe per step."""
+    without the steps marked corrupt or abandoned; ``below``: only steps older than it. One
+    listing, one manifest read per step (only when ``runs`` is given) and two marker probes
+    per step."""
 
     steps = [s.step for s in list_steps(root) if s.committed and (below is None or s.step < below)]
     if runs is not None:
         by_step = committed_runs(root, steps)
         steps = [s for s in steps if by_step.get(s) in runs]
-    return [s for s in reversed(steps) if not root.exists(f"{step_dir(s)}/{CORRUPT_NAME}")]
+    return [
+        s
+        for s in reversed(steps)
+        if not any(root.exists(f"{step_dir(s)}/{mark}") for mark in (CORRUPT_NAME, ABANDONED_NAME))
+    ]
+
+
+# ---- one timeline per root ---------------------------------------------------------------------
+#
+# A job that resumes an older step of its own root (ROOT/step-20 of a root holding steps 5-40)
+# starts a new timeline there. Its descendants are the head: the newer committed steps (25-40)
+# belong to the timeline it left. They are marked, not deleted (the user may have resumed the
+# wrong step; deleting the marker undoes it): `ls` shows them `abandoned`, `--resume auto`,
+# restarts and rollbacks never choose them, retention deletes them first, and `latest` names
+# the resumed step until the new timeline commits. A step the new timeline saves again (25, 30)
+# is deleted whole before it is written (``trainer/checkpoint/save_load.py``), so it holds
+# only its own files.
+
+#: Written into each committed step of a timeline a resume left.
+ABANDONED_NAME = "abandoned.json"
+
+
+def abandon_after(root: Store, step: int, *, run: str = "") -> list[int]:
+    """Make ``step`` of ``root`` the head of its root: mark every newer committed step abandoned
+    (a marker beside its manifest) and point ``latest`` at ``step``. Single process (the
+    resuming job's rank 0, after loading ``step``). Returns the steps newly marked."""
+    import json
+    import time
+
+    newer = [s for s in list_steps(root) if s.committed and s.step > step]
+    marked = []
+    for s in newer:
+        if root.exists(f"{s.name}/{ABANDONED_NAME}"):
+            continue
+        record = {
+            "step": s.step,
+            "resumed_step": step,
+            "run": run,
+            "time": round(time.time(), 3),
+            "note": f"a job resumed {step_dir(step)} of this root; this step is on the timeline "
+            f"it left. Delete {ABANDONED_NAME} to make it eligible again",
+        }
+        root.child(s.name).write(ABANDONED_NAME, json.dumps(record, indent=1).encode())
+        marked.append(s.step)
+    if newer:
+        root.write(LATEST_NAME, (step_dir(step) + "\n").encode())
+    return marked
+
+
+def is_abandoned(root: Store, step: int) -> bool:
+    """True when ``step`` of ``root`` carries the marker :func:`abandon_after` writes."""
+    return root.exists(f"{step_dir(step)}/{ABANDONED_NAME}")

@@ -10,6 +10,7 @@ against the plan's ``dim_axes`` at every build (and the boxes at every save and 
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -86,6 +87,26 @@ def _warn_too_few_gpus(gpus: int, local: int) -> None:
         gpus,
         gpus,
     )
+
+
+def end_distributed() -> None:
+    """Destroy the process groups (if any) and collect reference cycles, while the interpreter
+    is fully alive (every rank, at its end).
+
+    A gloo worker thread drops its reference to a finished collective *after* the caller's
+    ``wait`` returned; when that is the last one, the work's (Python-owned) tensors are freed
+    on that thread, which must take the GIL. A group kept alive past ``destroy_process_group``
+    by a reference cycle (an exception's traceback frames holding the group, as a caught load
+    failure leaves) keeps such threads running into interpreter finalization, and a thread that
+    asks for the GIL then is ended by ``pthread_exit``, whose forced unwind meets a
+    ``noexcept`` frame: ``terminate called without an active exception`` (SIGABRT) after the
+    rank finished its work. Collecting the cycles here destroys the groups now; their
+    destructors (run without the GIL) join those threads. (Workers started by the launcher
+    also skip the teardown: :func:`~shardsmith.trainer.runtime.worker.exit_process`.)
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def init_distributed() -> None:

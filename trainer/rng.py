@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from shardsmith.layout import ParallelDims
-from shardsmith.trainer.comm import gather_json
 
 
 def rng_role(coords: dict[str, int]) -> str:
@@ -87,7 +86,8 @@ def _decode(value: str | list[int]) -> torch.Tensor:
 
 def pack_rng_states(gathered: list[dict[str, Any]], parallel: ParallelDims) -> dict[str, Any]:
     """The manifest's ``rng`` entry from every rank's ``{"rank", "role", "state"}``
-    (all-gathered, in rank order): one state per role, plus ranks that differ from it."""
+    (gathered to rank 0 with a save's records, in rank order): one state per role, plus ranks
+    that differ from it."""
     roles: dict[str, Any] = {}
     ranks: dict[str, Any] = {}
     for g in gathered:
@@ -117,11 +117,10 @@ def select_rng_state(
     return saved["roles"].get(rng_role(coords))
 
 
-def gather_rng(rank: int, coords: dict[str, int], parallel: ParallelDims) -> dict[str, Any]:
-    """The manifest's ``rng`` entry: every rank's state, all-gathered as JSON (collective:
-    every rank calls it, e.g. in the save)."""
-    states = gather_json({"rank": rank, "role": rng_role(coords), "state": capture_rng()})
-    return pack_rng_states(states, parallel)
+def rank_rng_entry(rank: int, coords: dict[str, int]) -> dict[str, Any]:
+    """This rank's ``{"rank", "role", "state"}`` for :func:`pack_rng_states` (local: no
+    collective; a save sends it with its shard records, see ``write_and_commit``)."""
+    return {"rank": rank, "role": rng_role(coords), "state": capture_rng()}
 
 
 def apply_rng(

@@ -50,6 +50,7 @@ from shardsmith.trainer.observe.console import (
 from shardsmith.trainer.observe.metrics import (
     EventLog,
     MetricsWriter,
+    announced_run_dir,
     iter_json_lines,
     run_dir,
     step_line,
@@ -62,6 +63,7 @@ from shardsmith.trainer.parallel import (
     build_mesh,
     build_stage_model,
     device_type,
+    end_distributed,
     finalize_grads,
     init_distributed,
 )
@@ -161,7 +163,7 @@ class Trainer:
         )
         events = EventLog(
             MetricsWriter(
-                run_dir(cfg) if rank == 0 else "",
+                announced_run_dir(cfg) if rank == 0 else "",
                 wandb=cfg.wandb,
                 config=cfg.to_json() if cfg.wandb else None,
             ),
@@ -215,7 +217,7 @@ class Trainer:
 
     def wait_for_save(self) -> None:
         """Wait for an in-flight background save; raises SaveError if it failed."""
-        self.checkpointing.wait()
+        self.checkpointing.wait(final=True)
 
     def resume(self) -> bool:
         """Resume as configured (collective); see :meth:`CheckpointPolicy.resume`."""
@@ -432,10 +434,8 @@ class Trainer:
         t0 = time.perf_counter()
         has_root = self.checkpointing.root is not None
         if not has_root:
-            log.warning(
-                "preempted with no checkpoint root (--ckpt): progress since the start is lost"
-            )
-        elif self.step != self.checkpointing.last_saved_step:
+            log.warning("preempted with no --ckpt: progress since the start is lost")
+        elif self.checkpointing.final_due(preempted=True):
             self.save()
         self.wait_for_save()
         self.guard.preemption.done()
@@ -510,5 +510,4 @@ def run_training(cfg: TrainConfig) -> list[StepMetrics]:
     try:
         return trainer.run()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_distributed()

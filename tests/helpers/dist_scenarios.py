@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
+from spawn_ranks import end_rank
 from torch.distributed.tensor import DTensor
 
 from shardsmith.trainer.config import TrainConfig
@@ -206,8 +207,7 @@ def main(argv: list[str]) -> int:
                     flush=True,
                 )
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_rank()  # process groups down and cycles collected before the interpreter's teardown
     return 0
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+from spawn_ranks import end_rank
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -76,7 +77,7 @@ def main(out: str) -> None:
     if dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in full.items()}, f"{out}/reference.safetensors")
     dist.barrier()
-    dist.destroy_process_group()
+    end_rank()  # process groups down and cycles collected before the interpreter's teardown
 
 
 if __name__ == "__main__":

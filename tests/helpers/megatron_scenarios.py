@@ -30,6 +30,7 @@ import sys
 import warnings
 
 import torch
+from spawn_ranks import end_rank
 
 torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
 torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
@@ -207,7 +208,7 @@ def main(mode: str, ckpt_dir: str, out: str) -> None:
         f"{out}-rank{dist.get_rank()}.safetensors",
     )
     dist.barrier()
-    dist.destroy_process_group()
+    end_rank()  # process groups down and cycles collected before the interpreter's teardown
 
 
 if __name__ == "__main__":

@@ -23,7 +23,10 @@ def run_ranks(
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, port, *args, results)) for r in range(nprocs)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(worker, r, port, *args, results))
+        for r in range(nprocs)
+    ]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=timeout) for _ in procs)
@@ -31,6 +34,21 @@ def run_ranks(
         p.join(timeout=60)
         assert p.exitcode == 0
     return got
+
+
+def _rank_main(worker: Callable[..., None], *args: Any) -> None:
+    """One spawned rank: the worker, then :func:`end_rank`."""
+    worker(*args)
+    end_rank()
+
+
+def end_rank() -> None:
+    """End a test rank's process groups while the interpreter is fully alive (see
+    :func:`shardsmith.trainer.parallel.end_distributed`: otherwise a rank can abort at exit
+    with ``terminate called without an active exception`` after returning its result)."""
+    from shardsmith.trainer.parallel import end_distributed
+
+    end_distributed()
 
 
 def saved_tiny_run(

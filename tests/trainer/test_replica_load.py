@@ -166,3 +166,47 @@ def test_trainer_resume_reads_once_per_replica_group(tmp_path, data_path) -> Non
     assert event["nbytes_needed"] / 2 <= event["nbytes_read"] <= event["nbytes_needed"] / 2 * 1.1, (
         event
     )
+
+
+def _fail_holding(group) -> None:
+    """A collective, then an exception whose traceback frame holds ``group`` (a cycle: the
+    exception -> its traceback -> this frame -> ``error``), as a failed share leaves."""
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(3), group=group)
+    error = RuntimeError("a share failed")
+    raise error
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _exit_worker(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    from shardsmith.trainer.parallel import end_distributed
+
+    before = _threads()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        _fail_holding(dist.group.WORLD)
+    except RuntimeError:
+        pass
+    dist.destroy_process_group()
+    kept = _threads()  # the cycle keeps the group, and its gloo threads, alive
+    end_distributed()
+    results.put((rank, (before, kept, _threads())))
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_a_rank_ends_its_gloo_threads_while_the_interpreter_is_alive() -> None:
+    """The cause of the exit-time abort (``terminate called without an active exception``
+    after a rank returned its result, see ``end_distributed``): a group kept alive past
+    ``destroy_process_group`` by a reference cycle keeps gloo threads into the interpreter's
+    teardown. ``end_distributed`` (every test rank's end, ``spawn_ranks.end_rank``) ends them."""
+    got = run_ranks(_exit_worker, 2)
+    for before, kept, after in got.values():
+        assert kept > before  # the condition of the abort, reproduced every time
+        assert after == before  # and ended while the interpreter is alive

@@ -359,8 +359,12 @@ def test_launched_jobs_load_exactly_the_step_asked_and_fall_back_only_from_auto(
     ][1]
     # A corrupt newest step: auto loads the run's previous step, says so, marks it; with a
     # batch change and a data change (restart) said on the command line.
+    # Resuming step 2 of its own root left step 4 on an abandoned timeline (issue 42); the copy
+    # below makes it eligible again (deleting the marker) to test the corrupt-step fallback.
+    assert (tmp_path / "r/step-000000004/abandoned.json").exists()
     subprocess.run(["cp", "-r", "r", "c"], cwd=tmp_path, check=True)
     subprocess.run(["rm", "-rf", "c/step-000000005"], cwd=tmp_path, check=True)
+    (tmp_path / "c/step-000000004/abandoned.json").unlink()
     shard = tmp_path / "c/step-000000004/shards/rank-00000.safetensors"
     raw = bytearray(shard.read_bytes())
     raw[-100] ^= 0xFF

@@ -16,7 +16,13 @@ the copy runs on its own stream, ordered after the work queued before ``save``.
 
 At most one save is in flight: the next :meth:`save` and :meth:`wait` join it first.
 A background failure is logged when it happens, never committed, and raised as
-:class:`~shardsmith.errors.SaveError` by the next :meth:`save` or :meth:`wait`.
+:class:`~shardsmith.errors.SaveError` by the next :meth:`save` or :meth:`wait`; except that,
+given ``on_failure``, a failure every rank agrees on (:class:`~shardsmith.errors.SaveNotCommitted`)
+goes to that callback instead (the caller decides whether the run goes on).
+
+``save`` itself makes no collective call: what the ranks must agree on (this rank's RNG
+state, clearing a step saved before) is exchanged in the background part
+(:func:`~shardsmith.trainer.checkpoint.save_load.write_and_commit`), on this saver's own group.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from shardsmith.errors import SaveError
+from shardsmith.errors import SaveError, SaveNotCommitted
 from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.storage import crash_point, step_dir
 from shardsmith.storage.manifest import MANIFEST_NAME
@@ -54,6 +60,9 @@ class AsyncCheckpointer:
         root: checkpoint root store.
         model_cfg, dims: model and layout.
         on_commit: called in the background thread after a successful commit.
+        on_failure: called in the background thread with ``(step, error, blocked seconds)``
+            when a persistent save failed on every rank alike (:class:`SaveNotCommitted`);
+            :meth:`wait` then raises nothing for it. None: :meth:`wait` raises it.
         tensor_format, zarr_codec: see :func:`~shardsmith.trainer.checkpoint.save_load.write_and_commit`.
         local: the node-local tier (:mod:`shardsmith.trainer.checkpoint.local_tier`): a save given a
             ``local_doc`` stages every box this rank holds, writes them there first (and to
@@ -74,8 +83,10 @@ class AsyncCheckpointer:
         tensor_format: str = "safetensors",
         zarr_codec: str = "",
         local: LocalTier | None = None,
+        on_failure: Callable[[int, SaveNotCommitted, float], None] | None = None,
     ) -> None:
         self.root, self.model_cfg, self.dims, self.local = root, model_cfg, dims, local
+        self.on_failure = on_failure
         self.tensor_format, self.zarr_codec = tensor_format, zarr_codec
         self.group = dist.new_group(backend="gloo")
         self.on_commit = on_commit
@@ -137,6 +148,8 @@ class AsyncCheckpointer:
         state: dict[str, Any],
         persistent: bool = True,
         local_doc: dict[str, Any] | None = None,
+        started: float | None = None,
+        rng: dict[str, Any] | None = None,
     ) -> float:
         """Snapshot and start a background save. Collective over all ranks (same arguments'
         kinds on every rank: ``persistent`` and whether ``local_doc`` is given).
@@ -148,10 +161,12 @@ class AsyncCheckpointer:
             persistent: write and commit the step under ``root``.
             local_doc: the rank manifest (:meth:`LocalTier.rank_doc`): also write the step to
                 the local tier, and to the buddy rank. Needs ``local``.
+            started: ``time.perf_counter()`` when the caller's blocking began (None: now).
+            rng: this rank's RNG entry (see ``save_load.write_and_commit``).
 
         Returns:
-            Seconds the caller was blocked (waiting for the previous save + planning +
-            the snapshot when it is not overlapped).
+            Seconds the caller was blocked (since ``started``: waiting for the previous save +
+            planning + the snapshot when it is not overlapped).
 
         Raises:
             SaveError: the previous background save failed.
@@ -183,13 +198,14 @@ class AsyncCheckpointer:
                 staged = self._stage(staged, ready)
             finally:
                 self._snapshot_done.set()
-        blocked = time.perf_counter() - t0
-        job = (staged, plan, local_doc, config, state, blocked, t0, ready)
+        now = time.perf_counter()  # blocked: the caller's time, this call's
+        blocked = (now - (t0 if started is None else started), now - t0)
+        job = (staged, plan, local_doc, config, {"state": state, "rng": rng}, blocked, t0, ready)
         self._thread = threading.Thread(
             target=self._run, args=job, name=f"shardsmith-save-{step}", daemon=True
         )
         self._thread.start()
-        return blocked
+        return blocked[0]
 
     def _run(
         self,
@@ -197,8 +213,8 @@ class AsyncCheckpointer:
         plan: WritePlan | None,
         local_doc: dict[str, Any] | None,
         config: dict[str, Any],
-        state: dict[str, Any],
-        blocked: float,
+        state: dict[str, Any],  # {"state": manifest state, "rng": this rank's entry}
+        blocked: tuple[float, float],
         t0: float,
         ready: Any,
     ) -> None:
@@ -224,17 +240,27 @@ class AsyncCheckpointer:
                 model_cfg=self.model_cfg,
                 dims=self.dims,
                 config=config,
-                state=state,
+                state=state["state"],
                 group=self.group,
                 tensor_format=self.tensor_format,
                 zarr_codec=self.zarr_codec,
+                rng=state["rng"],
             )
             self.last_result = SaveResult(
-                plan.step, nbytes, time.perf_counter() - t0, blocked + self._waited
+                plan.step,
+                nbytes,
+                time.perf_counter() - t0,
+                blocked[0] + self._waited,
+                blocked[1] + self._waited,
             )
             crash_point("async.after_commit")
             if self.on_commit is not None:
                 self.on_commit(self.last_result)
+        except SaveNotCommitted as exc:  # every rank alike: on_failure decides (else wait raises)
+            if self.on_failure is None:
+                self._error = self._failure(staged.step, plan is not None, exc)
+            else:
+                self.on_failure(staged.step, exc, blocked[0] + self._waited)
         except BaseException as exc:  # never dies silently: logged now, raised by the next call
             self._error = self._failure(staged.step, plan is not None, exc)
 

@@ -44,6 +44,10 @@ class CheckpointConfig:
             empty = none. Each rank writes its own state there (``node-NNNNN/`` per node, see
             :mod:`shardsmith.trainer.checkpoint.local_tier`); recovery prefers it to ``url``.
         local_save_interval: write the local tier every this many steps (>= 1).
+        max_failed_saves: a failed persistent save is a ``save_failed`` event and one line, and
+            training goes on (the next interval retries, the local tier keeps saving); this
+            many failures in a row stop the job, naming the newest committed step (>= 1). The
+            default, 3, bounds the work at risk to three save intervals.
         local_replicas: 0 or 1: also copy each rank's local-tier state to its buddy rank one
             node over (over the process group), so losing a whole node loses no local step.
         data_change: how the data position maps when a resume changes the data (``--data``,
@@ -74,6 +78,7 @@ class CheckpointConfig:
     overwrite: bool = False
     local_ckpt: str = ""
     local_save_interval: int = 1
+    max_failed_saves: int = 3
     local_replicas: int = 0
     simulate_nodes: int = 0
     data_change: str = ""
@@ -108,6 +113,8 @@ class CheckpointConfig:
         self._check_local_tier()
 
     def _check_local_tier(self) -> None:
+        if self.max_failed_saves < 1:
+            raise ConfigError(f"checkpoint.max_failed_saves={self.max_failed_saves}: must be >= 1")
         if self.local_save_interval < 1:
             raise ConfigError(
                 f"checkpoint.local_save_interval={self.local_save_interval}: must be >= 1"

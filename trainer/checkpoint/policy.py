@@ -12,13 +12,12 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from shardsmith.errors import IntegrityError, TrainingDiverged
+from shardsmith.errors import IntegrityError, SaveNotCommitted, TrainingDiverged
 from shardsmith.layout import bounding_box, checkpoint_specs, rank_boxes
 from shardsmith.storage import (
     check_new_run_root,
@@ -29,7 +28,7 @@ from shardsmith.storage import (
     step_dir,
 )
 from shardsmith.storage.formats import DTYPE_NAMES
-from shardsmith.storage.manifest import MANIFEST_NAME, Manifest, ManifestReader
+from shardsmith.storage.manifest import Manifest, ManifestReader
 from shardsmith.storage.store import Store
 from shardsmith.trainer.checkpoint.async_save import AsyncCheckpointer
 from shardsmith.trainer.checkpoint.local_tier import LocalTier
@@ -49,15 +48,15 @@ from shardsmith.trainer.checkpoint.save_load import (
     save_checkpoint,
     upcast_staging,
 )
+from shardsmith.trainer.checkpoint.save_outcomes import SaveOutcomes
 from shardsmith.trainer.checkpoint.shared_reads import (
     load_into_replicas,
     share_reader,
     shares_reads,
 )
+from shardsmith.trainer.checkpoint.train_state import TrainState
 from shardsmith.trainer.comm import any_rank, broadcast_text, gather_json
-from shardsmith.trainer.data import GlobalBatchSampler
-from shardsmith.trainer.fault.bad_steps import BadStepPolicy
-from shardsmith.trainer.rng import apply_rng, gather_rng
+from shardsmith.trainer.rng import apply_rng, rank_rng_entry
 
 if TYPE_CHECKING:
     from shardsmith.trainer.checkpoint.recovery import StaticManifest
@@ -67,51 +66,6 @@ log = logging.getLogger(__name__)
 
 #: Receives one metrics.jsonl record (see :class:`shardsmith.trainer.observe.metrics.EventLog`).
 EventFn = Callable[[dict[str, Any]], None]
-
-
-@dataclass
-class TrainState:
-    """What a checkpoint holds for one rank: the objects that own tensors and the counters.
-
-    Attributes:
-        step: optimizer steps taken (skipped bad steps count).
-        tokens_seen: tokens of the steps whose update was applied.
-    """
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    sampler: GlobalBatchSampler
-    bad_steps: BadStepPolicy
-    step: int = 0
-    tokens_seen: int = 0
-
-    def state_json(self) -> dict[str, Any]:
-        """Non-tensor state saved in the manifest (without ``rng``: the save gathers it)."""
-        return {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "data": self.sampler.state_dict(),
-            "lr_scheduler": self.scheduler.state_dict(),
-            "fault": self.bad_steps.state_json(),
-        }
-
-    def load_state_json(self, state: dict[str, Any], *, rollback: bool) -> None:
-        """Restore :meth:`state_json` (after a rollback the bad-step counters in memory win)."""
-        self.step = int(state["step"])
-        self.tokens_seen = int(state.get("tokens_seen", 0))
-        self.sampler.load_state_dict(state["data"])
-        self.scheduler.load_state_dict(state["lr_scheduler"])
-        # The LR at the resumed step comes from *this* run's schedule (same formula as
-        # LambdaLR.get_lr, so an unchanged schedule resumes bitwise); the saved _last_lr would
-        # belong to the old schedule when --steps/--lr-decay-steps changed.
-        sched = self.scheduler
-        sched._last_lr = [
-            base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)
-        ]
-        for group, lr in zip(self.optimizer.param_groups, sched._last_lr):
-            group["lr"] = lr
-        self.bad_steps.load_state_json(state.get("fault", {}), keep_counters=rollback)
 
 
 class CheckpointPolicy:
@@ -163,6 +117,8 @@ class CheckpointPolicy:
             id=broadcast_text(RunIdentity.new_id() if rank == 0 else ""), seed=cfg.seed
         )
         self.checkpointer: AsyncCheckpointer | None = None
+        self.outcomes = SaveOutcomes(ckpt.max_failed_saves, rank, event)  # failed saves in a row
+        self._config = cfg.to_json()  # the manifests' config: fixed for the run, built once
         self.local = LocalTier(cfg, rank) if ckpt.local_ckpt else None  # the node-local tier
         if self.root is not None and ckpt.async_save:
             self.checkpointer = AsyncCheckpointer(
@@ -173,6 +129,7 @@ class CheckpointPolicy:
                 tensor_format=ckpt.tensor_format,
                 zarr_codec=ckpt.zarr_codec,
                 local=self.local,
+                on_failure=self._on_failure,
             )
             self.checkpointer.overlap_with(state.optimizer)  # snapshot overlaps fwd/bwd; step waits
 
@@ -187,11 +144,13 @@ class CheckpointPolicy:
         interval = self.cfg.checkpoint.save_interval
         return self.root is not None and bool(interval) and step % interval == 0
 
-    def final_due(self) -> bool:
-        """True when the end of the run should save (``save_final``, not saved at this step)."""
+    def final_due(self, *, preempted: bool = False) -> bool:
+        """True when the end of the run (``save_final``) or a ``preempted`` one should save the
+        current step (not saved yet, or its save failed); joins the save in flight first."""
+        self.wait()
         return (
             self.root is not None
-            and self.cfg.checkpoint.save_final
+            and (self.cfg.checkpoint.save_final or preempted)
             and self.state.step != self.last_saved_step
         )
 
@@ -201,60 +160,60 @@ class CheckpointPolicy:
         ``persistent=False``: the local tier only (its interval is due; no collective).
         The local tier is written too whenever its interval is due.
 
-        The state includes every rank's RNG state by role (all-gathered, see
-        :mod:`shardsmith.trainer.rng`). A step that is already committed (a job sent back to
-        an older step) is un-committed first, so no reader ever sees old manifest + new data.
+        No collective before it returns (async): RNG states and clearing a step saved before
+        are agreed in the background (``save_load.write_and_commit``). A failed save is an
+        event and one line, and the run goes on (:mod:`.save_outcomes`).
 
         Raises:
-            SaveError: this save failed (sync) or the previous background save failed (async).
+            SaveError: see :meth:`wait`.
         """
         assert self.root is not None
-        state, cfg = self.state, self.cfg
-        if persistent:
-            self._uncommit(state.step)
+        state, cfg, t0 = self.state, self.cfg, time.perf_counter()
+        self.wait()
         init_optimizer_state(state.model, state.optimizer)
         tensors = model_state_tensors(state.model, state.optimizer)
         local = (
             self.local.rank_doc(
                 state.step,
                 state={**state.state_json(), "run": self.run.to_json()},
-                config=cfg.to_json(),
+                config=self._config,
             )
             if self.local and self.local.due(state.step)
             else None
         )
-        saved = (
-            {
-                **state.state_json(),
-                "rng": gather_rng(self.rank, self.coords, cfg.parallel),
-                "run": self.run.to_json(),
-            }
-            if persistent
-            else {}
-        )
+        saved = {**state.state_json(), "run": self.run.to_json()} if persistent else {}
+        rng = rank_rng_entry(self.rank, self.coords) if persistent else None
         if persistent:
             self.last_saved_step = state.step
         if self.checkpointer is not None:
             self.checkpointer.save(
                 state.step,
                 tensors,
-                config=cfg.to_json(),
+                config=self._config,
                 state=saved,
                 persistent=persistent,
                 local_doc=local,
+                started=t0,
+                rng=rng,
             )
             return
-        result = save_checkpoint(
-            self.root,
-            state.step,
-            tensors,
-            model_cfg=cfg.model,
-            dims=cfg.parallel,
-            config=cfg.to_json(),
-            state=saved,
-            tensor_format=cfg.checkpoint.tensor_format,
-            zarr_codec=cfg.checkpoint.zarr_codec,
-        )
+        try:
+            result = save_checkpoint(
+                self.root,
+                state.step,
+                tensors,
+                model_cfg=cfg.model,
+                dims=cfg.parallel,
+                config=self._config,
+                state=saved,
+                tensor_format=cfg.checkpoint.tensor_format,
+                zarr_codec=cfg.checkpoint.zarr_codec,
+                rng=rng,
+            )
+        except SaveNotCommitted as exc:
+            self._on_failure(state.step, exc, time.perf_counter() - t0)
+            self.outcomes.check(final=False)
+            return
         self._on_commit(result)
 
     def lose_local_node(self) -> None:
@@ -264,27 +223,22 @@ class CheckpointPolicy:
             self.wait()
             shutil.rmtree(self.local.root.root, ignore_errors=True)
 
-    def _uncommit(self, step: int) -> None:
-        """Rank 0 deletes the manifest of ``step`` if committed; the all-reduce keeps every
-        rank from writing that step's data before (collective)."""
-        existed = False
-        if self.rank == 0:
-            key = f"{step_dir(step)}/{MANIFEST_NAME}"
-            if self.root is not None and self.root.exists(key):
-                log.warning(
-                    "step %d is already committed under %s: un-committing it before saving "
-                    "it again",
-                    step,
-                    self.root.url,
-                )
-                self.root.delete(key)
-                existed = True
-        any_rank(existed)
+    def wait(self, *, final: bool = False) -> None:
+        """Join the save in flight (every rank decides alike here).
 
-    def wait(self) -> None:
-        """Wait for an in-flight background save; raises SaveError if it failed."""
+        Raises:
+            SaveError: ``checkpoint.max_failed_saves`` saves failed in a row, or (``final``:
+                the end of the run, a preemption) the last one did; or a background save
+                failed in a way the ranks may not agree on.
+        """
         if self.checkpointer is not None:
             self.checkpointer.wait()
+        self.outcomes.check(final=final)
+
+    def _on_failure(self, step: int, exc: SaveNotCommitted, blocked_seconds: float) -> None:
+        """A persistent save every rank saw fail (the saving thread, or the caller when sync)."""
+        self.outcomes.failed(step, exc, blocked_seconds)
+        self.last_saved_step = self.outcomes.committed[0] if self.outcomes.committed else -1
 
     def _on_commit(self, result: SaveResult) -> None:
         """After a commit (in the saving thread): log it; rank 0 collects old and incomplete steps."""
@@ -296,7 +250,11 @@ class CheckpointPolicy:
                 "nbytes": result.nbytes,
                 "seconds": round(result.seconds, 4),
                 "blocked_seconds": round(result.blocked_seconds, 4),
+                "saver_blocked_seconds": round(result.saver_blocked_seconds, 4),
             }
+        )
+        self.outcomes.succeeded(
+            result.step, self.root.url_of(step_dir(result.step)) if self.root else ""
         )
         ckpt = self.cfg.checkpoint
         if self.rank == 0 and self.root is not None:
@@ -327,6 +285,7 @@ class CheckpointPolicy:
         weights of ``checkpoint.init_from`` (collective). Sets :attr:`resumed_from`; returns
         False when there is nothing to resume."""
         from shardsmith.trainer.checkpoint.recovery import announce, load_resume, recover_local
+        from shardsmith.trainer.checkpoint.resume import one_timeline
 
         self._check_root()
         if self.local is not None and recover_local(self):
@@ -340,6 +299,10 @@ class CheckpointPolicy:
         self.resumed_from = load_resume(self, src)
         if self.local is not None:
             announce(self, self.resumed_from[1], "persistent")
+        if self.rank == 0 and (left := one_timeline(self.root, self.resumed_from, self.run.id)):
+            self.event(
+                {"event": "timeline", "resumed_step": self.resumed_from[1], "abandoned_steps": left}
+            )
         return True
 
     def _check_root(self) -> None:
@@ -477,6 +440,7 @@ class CheckpointPolicy:
             manifest.state.get("rng"), cfg.parallel, self.rank, self.coords, cfg.seed, state.step
         )
         self.last_saved_step = step
+        self.outcomes.succeeded(step, step_store.url)
         layout = cfg.parallel.to_json()
         self.event(
             {

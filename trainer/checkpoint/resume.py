@@ -8,12 +8,14 @@ recovery inside the job (:mod:`shardsmith.trainer.checkpoint.recovery`) both cal
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
 from shardsmith.errors import CheckpointNotFound, ConfigError
 from shardsmith.storage import (
     CORRUPT_NAME,
+    abandon_after,
     corrupt_mark,
     find_latest_committed,
     list_steps,
@@ -28,6 +30,8 @@ from shardsmith.storage.manifest import Manifest
 from shardsmith.storage.store import Store
 from shardsmith.trainer.data.config import data_changed, describe_data
 from shardsmith.trainer.observe.console import short_url
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from shardsmith.trainer.config import TrainConfig
@@ -103,6 +107,28 @@ def resume_source(
             f"one (then delete its {CORRUPT_NAME}) or start anew with --resume none --overwrite"
         )
     return root.child(step_dir(steps[0])), steps[0]
+
+
+def one_timeline(root: Store | None, resumed: tuple[Store, int] | None, run: str) -> list[int]:
+    """After a resume of step N of the job's own root: the newer committed steps there are
+    on a timeline the job left, marked abandoned, and ``latest`` names N
+    (:func:`~shardsmith.storage.lineage.abandon_after`; rank 0 calls it once). Returns the
+    steps marked ([] when the step came from elsewhere or nothing is newer)."""
+    if root is None or resumed is None:
+        return []
+    step_store, step = resumed
+    if absolute_url(step_store.url) != absolute_url(root.child(step_dir(step)).url):
+        return []
+    left = abandon_after(root, step, run=run)
+    if left:
+        log.warning(
+            "resumed step %d of %s: its newer steps %s are on the timeline this job left, marked "
+            "abandoned (`shardsmith ls`): never resumed, deleted first by retention",
+            step,
+            root.url,
+            left,
+        )
+    return left
 
 
 def choose_resume(

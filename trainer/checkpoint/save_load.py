@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from shardsmith.errors import CheckpointError, IntegrityError, SaveError
+from shardsmith.errors import CheckpointError, IntegrityError, SaveNotCommitted
 from shardsmith.layout import (
     Box,
     ModelConfig,
@@ -31,7 +31,7 @@ from shardsmith.layout import (
     shard_file_name,
     write_assignment,
 )
-from shardsmith.storage import DEFAULT_CHUNK_NBYTES, crash_point, step_dir
+from shardsmith.storage import DEFAULT_CHUNK_NBYTES, crash_point, delete_step, step_dir
 from shardsmith.storage.commit import commit
 from shardsmith.storage.formats import DTYPE_NAMES, TORCH_DTYPES, read_boxes
 from shardsmith.storage.formats import tensor_format as get_tensor_format
@@ -39,6 +39,7 @@ from shardsmith.storage.manifest import Manifest, ManifestBuilder
 from shardsmith.storage.reading import ReadStats
 from shardsmith.storage.store import Store
 from shardsmith.trainer.comm import broadcast_text, gather_json_to_root
+from shardsmith.trainer.rng import pack_rng_states
 from shardsmith.trainer.weight_init import local_tensor
 
 log = logging.getLogger(__name__)
@@ -83,13 +84,17 @@ class SaveResult:
         step: the step saved.
         nbytes: bytes of all data files.
         seconds: wall time of the whole save (write + commit).
-        blocked_seconds: time the training loop was blocked (the snapshot, for async saves).
+        blocked_seconds: time the training loop was blocked (for async saves: the trainer's
+            preparation, the snapshot and waits for it).
+        saver_blocked_seconds: the part of it inside ``AsyncCheckpointer.save`` and the
+            snapshot waits (what ``bench/checkpoint_vs_dcp.py`` measures); sync saves: all.
     """
 
     step: int
     nbytes: int
     seconds: float
     blocked_seconds: float = 0.0
+    saver_blocked_seconds: float = 0.0
 
 
 def _check_boxes(
@@ -172,33 +177,48 @@ def write_and_commit(
     chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
     tensor_format: str = "safetensors",
     zarr_codec: str = "",
+    rng: dict[str, Any] | None = None,
 ) -> int:
     """Write this rank's boxes in ``tensor_format`` (:mod:`shardsmith.storage.formats.registry`),
     gather every rank's records on ``group`` (JSON, no pickle), and on rank 0 add them (and
     any format metadata) to the manifest, validate coverage and commit it, then ``latest``.
 
+    First rank 0 deletes the step's directory if it exists (a job sent back to an earlier
+    step: manifest first, so no reader sees an old manifest with new data, and the step
+    holds only its own files; one broadcast orders it before the writes). ``rng``
+    (:func:`~shardsmith.trainer.rng.rank_rng_entry`) rides on the records' gather.
+
     Every rank of ``group`` calls it with the same step. Returns total data bytes.
 
     Raises:
-        SaveError: some rank failed to write or coverage did not validate; not committed.
+        SaveNotCommitted: clearing the old step, some rank's write or the commit failed, or
+            coverage did not validate; raised on every rank alike; nothing is committed.
     """
     rank = dist.get_rank(group)
     step_store = root.child(step_dir(plan.step))
     fmt = get_tensor_format(tensor_format, zarr_codec)
-    file_name = shard_file_name(rank)
-    error, records = "", {}
     crash_point("save.begin", step=plan.step)  # test hooks (storage/crashpoints.py)
+    error = broadcast_text(_clear_step(root, plan.step) if rank == 0 else "", group)
+    if error:
+        raise SaveNotCommitted(f"checkpoint step {plan.step} not committed: {error}")
+    records: dict[str, Any] = {}
     try:
         records = fmt.write_rank(step_store, rank, plan.entries, plan.specs, dims, chunk_nbytes)
     except Exception as exc:  # reported to every rank below; nothing is committed
-        log.exception("rank %d: writing %s failed", rank, step_store.url_of(file_name))
+        log.debug(
+            "rank %d: writing %s failed",
+            rank,
+            step_store.url_of(shard_file_name(rank)),
+            exc_info=True,
+        )
         error = f"rank {rank}: {type(exc).__name__}: {exc}"
-    gathered = gather_json_to_root(
-        {"error": error, **records}, group
-    )  # rank 0 only: records of every rank
+    payload = {"error": error, **records, **({"rng": rng} if rng is not None else {})}
+    gathered = gather_json_to_root(payload, group)  # rank 0 only: records of every rank
     crash_point("save.after_gather")
     outcome = {"error": "", "nbytes": 0}
     if gathered is not None:
+        if rngs := [g.pop("rng") for g in gathered if "rng" in g]:
+            state = {**state, "rng": pack_rng_states(rngs, dims)}
         outcome = _commit_gathered(
             root,
             plan,
@@ -212,9 +232,24 @@ def write_and_commit(
         )
     outcome = json.loads(broadcast_text(json.dumps(outcome), group))
     if outcome["error"]:
-        raise SaveError(f"checkpoint step {plan.step} not committed: {outcome['error']}")
+        raise SaveNotCommitted(f"checkpoint step {plan.step} not committed: {outcome['error']}")
     crash_point("save.end")
     return int(outcome["nbytes"])
+
+
+def _clear_step(root: Store, step: int) -> str:
+    """Rank 0 of a save: delete ``step``'s directory when it exists, manifest first (see
+    :func:`write_and_commit`). Returns ``""`` or what went wrong."""
+    name = step_dir(step)
+    try:
+        if root.exists(name):
+            log.warning(
+                "%s exists: deleting it (manifest first) to save the step anew", root.url_of(name)
+            )
+            delete_step(root, name)
+    except Exception as exc:  # the store failing: this save fails, on every rank
+        return f"clearing {root.url_of(name)}: {type(exc).__name__}: {exc}"
+    return ""
 
 
 def _commit_gathered(
@@ -248,7 +283,7 @@ def _commit_gathered(
         fmt.add_records(builder, gathered, root.child(step_dir(plan.step)), plan.specs, dims)
         commit(root, builder.build())  # validates (schema, coverage) before writing
     except Exception as exc:
-        log.exception("committing step %d failed", plan.step)
+        log.debug("committing step %d failed", plan.step, exc_info=True)
         return {"error": f"commit: {type(exc).__name__}: {exc}", "nbytes": 0}
     return {"error": "", "nbytes": fmt.gathered_nbytes(gathered)}
 
@@ -266,6 +301,7 @@ def save_checkpoint(
     chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
     tensor_format: str = "safetensors",
     zarr_codec: str = "",
+    rng: dict[str, Any] | None = None,
 ) -> SaveResult:
     """Write and commit one step synchronously. Called by every rank, in the same order.
 
@@ -276,9 +312,11 @@ def save_checkpoint(
         model_cfg, dims: the model and layout (the plan decides who writes what).
         config, state: JSON-safe root config and non-tensor state (scheduler, data, counters).
         tensor_format: ``"safetensors"`` or ``"zarr"``; zarr_codec: zarr compression of ``optim.*``.
+        rng: this rank's RNG entry (see :func:`write_and_commit`).
 
     Raises:
-        SaveError: any rank failed to write, or coverage did not validate; nothing is committed.
+        SaveNotCommitted: any rank failed to write, or coverage did not validate; nothing is
+            committed.
     """
     t0 = time.perf_counter()
     plan = plan_local_writes(step, tensors, model_cfg, dims, dist.get_rank(group))
@@ -293,9 +331,10 @@ def save_checkpoint(
         chunk_nbytes=chunk_nbytes,
         tensor_format=tensor_format,
         zarr_codec=zarr_codec,
+        rng=rng,
     )
     seconds = time.perf_counter() - t0
-    return SaveResult(step, nbytes, seconds, seconds)
+    return SaveResult(step, nbytes, seconds, seconds, seconds)
 
 
 def load_into(

@@ -12,7 +12,9 @@ tile it, each given to one category:
 * ``lost``: the same intervals of steps that did not count: recomputed after a restart or a
   rollback (work lost), or skipped as non-finite.
 * ``checkpoint``: the blocking part of each save (``save`` event's ``blocked_seconds``),
-  taken out of the interval it fell in: the one after the saved step's record.
+  taken out of the interval it fell in: the one after the saved step's record; a failed
+  save's too (``save_failed``: its blocking part was spent all the same), and the breakdown
+  counts them (``failed_saves``).
 * ``recovery``: from the last record of a failed attempt to the first step of the next
   (the failure, its detection, the restart, the resume; a step killed midway is in here),
   plus a rollback's reload (``resume`` with ``reason: rollback``).
@@ -104,7 +106,7 @@ def _take_pauses(
             last_of_step[r["step"]] = position[id(r)]
             after = position[id(r)] + 1
             continue
-        if r.get("event") == "save":
+        if r.get("event") in ("save", "save_failed"):
             where, kind, amount = (
                 last_of_step.get(r.get("step", -1), after - 1) + 1,
                 "checkpoint",
@@ -134,7 +136,8 @@ def breakdown(
 
     Returns:
         ``{"wall_s", "goodput", "<category>": fraction, "<category>_s": seconds (for each of
-        CATEGORIES), "steps_counted", "steps_lost", "restarts"}``; fractions sum to 1.
+        CATEGORIES), "steps_counted", "steps_lost", "restarts", "failed_saves"}``; fractions
+        sum to 1.
 
     Raises:
         ValueError: no records.
@@ -168,10 +171,13 @@ def breakdown(
         out[kind] = round(seconds[kind] / wall, 4)
         out[f"{kind}_s"] = round(seconds[kind], 3)
     out.update(steps_counted=len(counted), steps_lost=lost_steps, restarts=len(attempts) - 1)
+    out["failed_saves"] = sum(1 for r in job if r.get("event") == "save_failed")
     return out
 
 
 def goodput_line(g: dict[str, Any]) -> str:
     """``goodput 91.2% (lost 3.1%, checkpoint 1.0%, recovery 2.5%, startup 2.2%, other 0.0%) of 5m10s``."""
     parts = ", ".join(f"{kind} {g[kind]:.1%}" for kind in CATEGORIES[1:])
-    return f"goodput {g['goodput']:.1%} ({parts}) of {g['wall_s']:.1f} s"
+    failed = g.get("failed_saves", 0)
+    saves = f"; {failed} failed save{'s' if failed != 1 else ''}" if failed else ""
+    return f"goodput {g['goodput']:.1%} ({parts}) of {g['wall_s']:.1f} s{saves}"

@@ -3,4 +3,5 @@
 
 from .console import layout_name as layout_name
 from .metrics import iter_json_lines as iter_json_lines
+from .metrics import run_dir_note as run_dir_note
 from .plot import plot_runs as plot_runs

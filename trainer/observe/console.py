@@ -204,6 +204,8 @@ _EVENT_LINES = {
     "save": _save,
     "preempt": lambda r: "",
     "warning": lambda r: "",  # logged once where it was raised
+    "save_failed": lambda r: "",  # logged once, with its cause, where it was seen (rank 0)
+    "timeline": lambda r: "",  # logged once where the steps were marked
     "schedule_change": lambda r: f"warning: {r.get('message', 'the LR schedule changed')}",
     "gc": lambda r: (
         "deleted old checkpoints: steps " + ", ".join(map(str, r.get("deleted_steps", [])))

@@ -26,6 +26,8 @@ import json
 import logging
 import math
 import os
+import re
+import sys
 import threading
 import time
 from typing import Any, Iterator
@@ -187,14 +189,56 @@ class EventLog:
 
 
 def run_dir(cfg: TrainConfig) -> str:
-    """Where metrics.jsonl and hang stack dumps go: ``cfg.run_dir``, else a local
-    checkpoint root, else nowhere (``""``)."""
+    """Where metrics.jsonl and hang stack dumps go: ``cfg.run_dir``; else a local checkpoint
+    root; else, for a checkpoint root on object storage (nothing can be appended there), the
+    local directory :func:`object_store_run_dir` names; else nowhere (``""``: no ``--ckpt``)."""
     if cfg.run_dir:
         return cfg.run_dir
     url = cfg.checkpoint.url
     if url.startswith("file://"):
         return url[len("file://") :]
-    return url if url and "://" not in url else ""
+    if url and "://" not in url:
+        return url
+    return object_store_run_dir(url) if url and _protocol(url) not in _NOT_OBJECT_STORES else ""
+
+
+#: Protocols of a ``--ckpt`` that :func:`run_dir` does not treat as object storage.
+_NOT_OBJECT_STORES = ("file", "local", "memory")
+
+
+def _protocol(url: str) -> str:
+    """The storage protocol of a (possibly chained, ``faulty::s3://``) fsspec URL."""
+    return url.rsplit("::", 1)[-1].split("://", 1)[0]
+
+
+def object_store_run_dir(url: str) -> str:
+    """The run directory of a job whose ``--ckpt`` is on object storage and that gave no
+    ``--run-dir``: ``shardsmith-runs/<bucket-and-path>`` under the working directory (where a
+    SLURM job was submitted), absolute, e.g. ``s3://bucket/runs/70b`` ->
+    ``$PWD/shardsmith-runs/bucket-runs-70b``."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", url.rsplit("://", 1)[-1]).strip("-.") or "run"
+    return os.path.abspath(os.path.join("shardsmith-runs", name))
+
+
+def run_dir_note(cfg: TrainConfig) -> str:
+    """For a job's first line: ``; metrics in DIR (...)`` when its metrics go to a directory
+    other than its checkpoint root (an object-store ``--ckpt`` without ``--run-dir``), else ``""``."""
+    where = run_dir(cfg)
+    if cfg.run_dir or not where or not cfg.checkpoint.url or "://" not in cfg.checkpoint.url:
+        return ""
+    if cfg.checkpoint.url.startswith("file://"):
+        return ""
+    return f"; metrics in {where} (--ckpt is object storage; --run-dir picks another directory)"
+
+
+def announced_run_dir(cfg: TrainConfig) -> str:
+    """:func:`run_dir`, saying where it is (stderr) when :func:`run_dir_note` has something to
+    say and no shardsmith launcher said it already (an external torchrun, e.g. under SLURM).
+    Call on rank 0 only."""
+    note = run_dir_note(cfg)
+    if note and "SHARDSMITH_LAUNCH_TIME" not in os.environ:
+        print(note.removeprefix("; "), file=sys.stderr, flush=True)
+    return run_dir(cfg)
 
 
 def step_record(
