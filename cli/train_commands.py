@@ -710,15 +710,8 @@ def job_of(cfg: Any) -> Any:
     """The :class:`~shardsmith.sizing.verdict.Job` of a TrainConfig."""
     from shardsmith.sizing import Job
 
-    return Job(
-        cfg.model,
-        cfg.parallel,
-        micro_batch_size=cfg.micro_batch_size,
-        global_batch_size=cfg.global_batch_size,
-        activation_checkpointing=cfg.activation_checkpointing,
-        mixed_precision=cfg.mixed_precision,
-        sequence_parallel=cfg.sequence_parallel,
-    )
+    names = [f.name for f in dataclasses.fields(Job)][2:]  # the step's settings: TrainConfig's too
+    return Job(cfg.model, cfg.parallel, **{name: getattr(cfg, name) for name in names})
 
 
 def verdict_json(job: Any, est: Any, device: int | None) -> dict[str, Any]:
