@@ -27,7 +27,7 @@ from shardsmith.sizing.cost import StepCost, model_counts, step_cost
 from shardsmith.sizing.gpus import Gpu
 from shardsmith.sizing.verdict import Job, max_peak, warnings
 
-MAX_MEMORY_CHECKS = 400
+MAX_MEMORY_CHECKS = 3000
 #: The largest number of virtual stages (model chunks per pipeline rank) searched.
 MAX_VIRTUAL_STAGES = 8
 
