@@ -136,10 +136,10 @@ class FsdpPipelineStage(PipelineStage):
         fsdp.set_reshard_after_backward(reduce)
         fsdp.set_requires_gradient_sync(reduce)  # (also sets requires_all_reduce: set it after)
         fsdp.set_requires_all_reduce(reduce and last_backward)
-        out, inputs = bwd_kwargs["stage_output"], bwd_kwargs["input_values"]
-        if backward_type == "full":
-            return stage_backward(out, bwd_kwargs["output_grads"], inputs), None
-        if backward_type == "input":
+        if backward_type != "weight":
+            out, inputs = bwd_kwargs["stage_output"], bwd_kwargs["input_values"]
+            if backward_type == "full":
+                return stage_backward(out, bwd_kwargs["output_grads"], inputs), None
             return stage_backward_input(out, bwd_kwargs["output_grads"], inputs, fsdp.parameters())
         grads = stage_backward_weight(fsdp.parameters(), bwd_kwargs["param_groups"])
         for state in fully_shard.state(fsdp)._state_ctx.all_states:
