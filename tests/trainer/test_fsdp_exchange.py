@@ -3,7 +3,8 @@ pipeline schedule, on real gloo process groups.
 
 One launch of 8 processes trains every case for 4 fp32 steps: each pipeline schedule under HSDP
 (pp2, dp_replicate 2, dp_shard 2), two under context parallelism (pp2, dp_shard 2, cp 2), one
-under TP (pp2, dp_shard 2, tp2), and the unpipelined loop under HSDP with CP, each with the
+under TP (pp2, dp_shard 2, tp2), four chunks per rank (more than torch keeps gathered), and the
+unpipelined loop under HSDP with CP, each with the
 exchange once per step (``never``; ``default`` under pipelining) and once per microbatch
 (``always``). Their losses and gradient norms agree within 1e-5: the policies differ in when
 the gradients are reduced (their sum in fp32, in another order), never in what is computed.
@@ -27,6 +28,7 @@ CP = ParallelDims(pp=2, dp_shard=2, cp=2)
 CP_V2 = ParallelDims(pp=2, dp_shard=2, cp=2, virtual_stages=2)
 TP_V2 = ParallelDims(pp=2, dp_shard=2, tp=2, virtual_stages=2)
 NO_PP = ParallelDims(dp_replicate=2, dp_shard=2, cp=2)
+HSDP_V4 = ParallelDims(pp=2, dp_replicate=2, dp_shard=2, virtual_stages=4)  # 8 layers
 
 #: case name -> (layout, pipeline schedule); every case runs under both policies.
 CASES: dict[str, tuple[ParallelDims, str]] = {
@@ -39,6 +41,7 @@ CASES: dict[str, tuple[ParallelDims, str]] = {
     "interleaved-zb-cp": (CP_V2, "interleaved-zb"),
     "interleaved-1f1b-tp": (TP_V2, "interleaved-1f1b"),
     "no-pipeline-hsdp-cp": (NO_PP, ""),
+    "interleaved-1f1b-v4-hsdp": (HSDP_V4, "interleaved-1f1b"),  # beyond torch's 3 gathered chunks
 }
 POLICIES = ("never", "always")
 
@@ -59,6 +62,11 @@ def exchange_runs(tmp_path_factory: pytest.TempPathFactory, data_path: str) -> P
                 "fsdp_reshard_after_forward": policy,
                 "global_batch_size": 16,
                 "micro_batch_size": 1,
+                **(
+                    {"model": {**cfg.model.to_json(), "num_layers": 8}}
+                    if dims.num_chunks > 4
+                    else {}
+                ),
             },
         }
         for case, (dims, schedule) in CASES.items()
