@@ -17,7 +17,9 @@ is counted once, by its sender). What the trainer does, group by group:
   backward) when parameters are resharded after forward (``--fsdp-reshard-after-forward
   always``), one of each when they are not (``never``, and ``default`` under pipelining: the
   gradients accumulate unsharded in fp32 and are reduced once, after each chunk's last backward,
-  as PyTorch's ``PipelineStage.perform_reduce_grad`` does);
+  as PyTorch's ``PipelineStage.perform_reduce_grad`` does; schedules that split the backward
+  into input and weight halves, the zero-bubble ones, always do this:
+  ``trainer.pipeline.splits_backward``);
 * ``dp_replicate`` (HSDP): one all-reduce of the rank's fp32 gradient shards per step
   (``FSDPModule.set_requires_all_reduce`` holds it until the last microbatch);
 * ``pp``: per microbatch, each of the rank's chunks sends its output forward (unless it is the

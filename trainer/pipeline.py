@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -24,11 +24,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
 )
-from torch.distributed.pipelining._backward import (
-    stage_backward,
-    stage_backward_input,
-    stage_backward_weight,
-)
+from torch.distributed.pipelining._backward import stage_backward
 
 from shardsmith.errors import ConfigError
 from shardsmith.trainer.moe import uncounted
@@ -106,10 +102,10 @@ class FsdpPipelineStage(PipelineStage):
       (:func:`shardsmith.trainer.parallel.apply_fsdp`), one all-gather per step.
     * ``per_microbatch=True`` (``always``): every microbatch's backward reduce-scatters each
       unit's gradient into the sharded one (FSDP2 accumulates) and reshards, so only one
-      block's unsharded parameters and gradients exist at a time. Zero-bubble schedules split
-      the backward: the input half runs without sync, the weight half then reduces each unit
-      (``post_backward``, as ``perform_reduce_grad`` does). The HSDP replica all-reduce waits
-      for the chunk's last backward (``set_requires_all_reduce``), once per step.
+      block's unsharded parameters and gradients exist at a time. The HSDP replica all-reduce
+      waits for the chunk's last backward (``set_requires_all_reduce``), once per step.
+      Schedules that split the backward exchange once per step whatever the policy
+      (:func:`splits_backward`).
 
     Its shape-inference forward (upstream ``_forward_metadata_inference``, on the first step
     of every schedule: after each start and resume) runs under
@@ -129,23 +125,32 @@ class FsdpPipelineStage(PipelineStage):
         self, backward_type, bwd_kwargs: dict, last_backward: bool = False
     ):
         fsdp = self.submod
-        if not self.per_microbatch or not isinstance(fsdp, FSDPModule):
+        if not self.per_microbatch or backward_type != "full" or not isinstance(fsdp, FSDPModule):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        reduce = backward_type != "input"
         fsdp.set_is_last_backward(False)  # the schedule's final reduce step finishes
-        fsdp.set_reshard_after_backward(reduce)
-        fsdp.set_requires_gradient_sync(reduce)  # (also sets requires_all_reduce: set it after)
-        fsdp.set_requires_all_reduce(reduce and last_backward)
-        if backward_type != "weight":
-            out, inputs = bwd_kwargs["stage_output"], bwd_kwargs["input_values"]
-            if backward_type == "full":
-                return stage_backward(out, bwd_kwargs["output_grads"], inputs), None
-            return stage_backward_input(out, bwd_kwargs["output_grads"], inputs, fsdp.parameters())
-        grads = stage_backward_weight(fsdp.parameters(), bwd_kwargs["param_groups"])
-        for state in fully_shard.state(fsdp)._state_ctx.all_states:
-            for group in state._fsdp_param_groups:
-                group.post_backward()
+        fsdp.set_reshard_after_backward(True)
+        fsdp.set_requires_gradient_sync(True)  # (also sets requires_all_reduce: set it after)
+        fsdp.set_requires_all_reduce(last_backward)
+        grads = stage_backward(
+            bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
+        )
         return grads, None
+
+
+def splits_backward(schedule: Any) -> bool:
+    """Whether a torch schedule runs some backward as an input half and a later weight half
+    (zero-bubble schedules). Such a schedule cannot exchange parameters per microbatch: the
+    weight half maps gradients to the parameters the graph saw, which the next microbatch's
+    forward would have resharded (torch's ``stage_backward_weight``), so under every policy it
+    keeps them gathered and reduces the gradients once per step."""
+    from torch.distributed.pipelining.schedules import BACKWARD_WEIGHT
+
+    order = getattr(schedule, "pipeline_order", None) or {}
+    return any(
+        a is not None and a.computation_type == BACKWARD_WEIGHT
+        for acts in order.values()
+        for a in acts
+    )
 
 
 def keep_chunks_gathered(schedule: Any, num_chunks: int) -> None:
@@ -203,6 +208,12 @@ def build_schedule(
     ]
     if multi:
         schedule = cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn)
+        if reshard_after_forward and splits_backward(schedule):
+            for stage in stages:  # see splits_backward: such schedules exchange once per step
+                stage.per_microbatch = False
+                if isinstance(stage.submod, FSDPModule):
+                    stage.submod.set_reshard_after_forward(False)
+            reshard_after_forward = False
         if not reshard_after_forward:
             keep_chunks_gathered(schedule, len(stages))
         return schedule
