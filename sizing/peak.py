@@ -77,11 +77,12 @@ def stage_transient(
     ``unsharded``: the stage's gathered parameter elements when FSDP keeps them gathered for
     the step (``--fsdp-reshard-after-forward never``, the default under pipelining:
     :func:`shardsmith.sizing.traffic.fsdp_numel`). They are held all step with their unsharded
-    gradients accumulating in fp32 (``c + 4`` bytes each); above them only a block's gradient
-    as autograd produces it before it is added, the root gradients' TP-replicated part (the
-    embedding's) and the loss."""
+    gradients accumulating in fp32 (``c + 4`` bytes each), the vocab-parallel embedding's
+    gradient accumulating whole (``Replicate`` over tp, :func:`root_grad_numels`); above them
+    only a block's gradient as autograd produces it before it is added (or the embedding's)
+    and the loss."""
     if unsharded and dims.dp_replicate * dims.fsdp > 1:
-        held = unsharded * (c + 4)
+        held = unsharded * (c + 4) + 4 * max(0, root_grad - root)  # + the embedding's, whole
         loss = loss_nbytes(model, dims, micro_batch_size, c) if stage == dims.pp - 1 else 0
         top = max(c * block, c * max(0, root_grad - root), loss)
         return {

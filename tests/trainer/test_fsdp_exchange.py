@@ -4,8 +4,7 @@ pipeline schedule, on real gloo process groups.
 One launch of 8 processes trains every case for 4 fp32 steps: each pipeline schedule under HSDP
 (pp2, dp_replicate 2, dp_shard 2), two under context parallelism (pp2, dp_shard 2, cp 2), one
 under TP (pp2, dp_shard 2, tp2), four chunks per rank (more than torch keeps gathered), and the
-unpipelined loop under HSDP with CP, each with the
-exchange once per step (``never``; ``default`` under pipelining) and once per microbatch
+unpipelined loop under HSDP (dp_replicate 2, dp_shard 4), each with the exchange once per step (``never``; ``default`` under pipelining) and once per microbatch
 (``always``). Their losses and gradient norms agree within 1e-5: the policies differ in when
 the gradients are reduced (their sum in fp32, in another order), never in what is computed.
 ``bench/comm_volume.py`` shows the bytes each moves.
@@ -27,7 +26,7 @@ HSDP_V2 = ParallelDims(pp=2, dp_replicate=2, dp_shard=2, virtual_stages=2)
 CP = ParallelDims(pp=2, dp_shard=2, cp=2)
 CP_V2 = ParallelDims(pp=2, dp_shard=2, cp=2, virtual_stages=2)
 TP_V2 = ParallelDims(pp=2, dp_shard=2, tp=2, virtual_stages=2)
-NO_PP = ParallelDims(dp_replicate=2, dp_shard=2, cp=2)
+NO_PP = ParallelDims(dp_replicate=2, dp_shard=4)
 HSDP_V4 = ParallelDims(pp=2, dp_replicate=2, dp_shard=2, virtual_stages=4)  # 8 layers
 
 #: case name -> (layout, pipeline schedule); every case runs under both policies.
@@ -40,7 +39,7 @@ CASES: dict[str, tuple[ParallelDims, str]] = {
     "1f1b-cp": (CP, "1f1b"),
     "interleaved-zb-cp": (CP_V2, "interleaved-zb"),
     "interleaved-1f1b-tp": (TP_V2, "interleaved-1f1b"),
-    "no-pipeline-hsdp-cp": (NO_PP, ""),
+    "no-pipeline-hsdp": (NO_PP, ""),
     "interleaved-1f1b-v4-hsdp": (HSDP_V4, "interleaved-1f1b"),  # beyond torch's 3 gathered chunks
 }
 POLICIES = ("never", "always")
