@@ -31,6 +31,13 @@ The tracker (:func:`_tracker_class`), two changes to ``MemTracker`` that alter n
   (quadratic in layers); the bench looks up only the active modules by name. Profile:
   ``python -m cProfile -s cumtime bench/fake_scale.py --stage-of llama3-70b 1``.
 
+Every job runs under both FSDP exchange policies (``--fsdp-reshard-after-forward``): ``always``
+(parameters resharded after every forward, gradients reduced every microbatch) and ``never``
+(the default under pipelining: the stage's parameters stay gathered and its gradients accumulate
+unsharded for the step). Under ``never`` the stage runs two microbatches with gradient sync and
+reshard-after-backward off, as every microbatch before a step's last does, so the second's
+backward meets the first's accumulated unsharded gradients.
+
 What is not the trainer's own code path, and why:
 
 * the pipeline schedule's sends and receives cannot run on a fake group, so each stage runs its
@@ -54,12 +61,14 @@ What is not the trainer's own code path, and why:
   before it, as in every step after the first and every microbatch after the first.
 
     OMP_NUM_THREADS=1 python bench/fake_scale.py               # all configs, table + JSON last line
-    python bench/fake_scale.py --only llama3-8b                # one config
+    python bench/fake_scale.py --only llama3-8b                # one job, both policies
+    python bench/fake_scale.py --only llama3-8b:never          # one job, one policy
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -88,6 +97,7 @@ class Config:
     bf16: bool = False
     ac: bool = False
     sp: bool = False
+    policy: str = "always"
 
 
 def _configs() -> dict[str, Config]:
@@ -101,29 +111,32 @@ def _configs() -> dict[str, Config]:
         vocab_size=128256,
         seq_length=4096,
     )
+    jobs = (
+        Config("llama3-8b", resolve_model("llama3-8b", {}), ParallelDims(tp=2, dp_shard=4), 8),
+        Config(
+            "llama3-70b",
+            resolve_model("llama3-70b", {}),
+            ParallelDims(tp=8, pp=4, dp_shard=8),
+            512,
+            bf16=True,
+            ac=True,
+            sp=True,
+        ),
+        Config(
+            "410b-1024",
+            big,
+            ParallelDims(tp=8, pp=16, dp_shard=8),
+            1024,
+            bf16=True,
+            ac=True,
+            sp=True,
+        ),
+    )
+    # both FSDP exchange policies: per microbatch ("always") and once per step ("never")
     return {
-        c.name: c
-        for c in (
-            Config("llama3-8b", resolve_model("llama3-8b", {}), ParallelDims(tp=2, dp_shard=4), 8),
-            Config(
-                "llama3-70b",
-                resolve_model("llama3-70b", {}),
-                ParallelDims(tp=8, pp=4, dp_shard=8),
-                512,
-                bf16=True,
-                ac=True,
-                sp=True,
-            ),
-            Config(
-                "410b-1024",
-                big,
-                ParallelDims(tp=8, pp=16, dp_shard=8),
-                1024,
-                bf16=True,
-                ac=True,
-                sp=True,
-            ),
-        )
+        f"{c.name}:{policy}": dataclasses.replace(c, name=f"{c.name}:{policy}", policy=policy)
+        for c in jobs
+        for policy in ("always", "never")
     }
 
 
@@ -137,6 +150,7 @@ def estimate_of(c: Config) -> Any:
         activation_checkpointing=c.ac,
         mixed_precision="bf16" if c.bf16 else "fp32",
         sequence_parallel=c.sp,
+        fsdp_reshard_after_forward=c.policy,
     )
 
 
@@ -229,12 +243,19 @@ def run_stage(c: Config, stage: int) -> dict[str, Any]:
             padded_vocab=padded_vocab_size(m.vocab_size, dims.tp),
             kv_copies=kv_replicas(m, dims),
         )
+    keep = c.policy == "never"  # parameters gathered for the step, gradients accumulated unsharded
     parallelize(
-        model, mesh, dims, bf16=c.bf16, activation_checkpointing=c.ac, sequence_parallel=c.sp
+        model,
+        mesh,
+        dims,
+        bf16=c.bf16,
+        activation_checkpointing=c.ac,
+        sequence_parallel=c.sp,
+        reshard_after_forward=not keep,
     )
     check_placements(model, param_specs(m, dims), dims)
     in_flight = in_flight_of(c, stage)
-    run_k = 1
+    run_k = 2 if keep else 1  # the second microbatch's backward meets the first's accumulated grads
     math = StepMath(model, None, m, dims, dims.coords(rank), 1, bf16=c.bf16)
     b, s = c.micro_batch_size, m.seq_length
     seq = s // dims.tp if c.sp and dims.tp > 1 else s
@@ -260,6 +281,9 @@ def run_stage(c: Config, stage: int) -> dict[str, Any]:
         init_optimizer_state(model, optimizer)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
+        if keep:  # a microbatch before the step's last: no reduce, no reshard
+            model.set_requires_gradient_sync(False)
+            model.set_reshard_after_backward(False)
         tracker = _tracker_class()()
         tracker.track_external(model, optimizer)
         after: list[int] = []
@@ -371,7 +395,8 @@ def main() -> None:
         return
     t0 = time.perf_counter()
     results = []
-    for name in args.only or list(configs):
+    only = args.only or list(configs)  # a name, or its model part for both policies
+    for name in [n for n in configs if any(n == o or n.split(":")[0] == o for o in only)]:
         r = run_config(configs[name], args.workers)
         results.append(r)
         print(

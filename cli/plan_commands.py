@@ -98,6 +98,12 @@ def plan_command(**flags: Any) -> None:
             f"{d['peak_bytes'] / gib:.1f} GiB per GPU ({d['headroom_bytes'] / gib:.1f} GiB headroom), "
             f"bubble {d['bubble_fraction']:.0%}"
         )
+        parts = ("compute", "tp_comm", "pp_comm", "fsdp_exposed", "bubble", "dp_allreduce")
+        names = ("compute", "TP", "PP", "exposed FSDP", "bubble", "DP")
+        click.echo(
+            "   step: "
+            + ", ".join(f"{n} {d['cost_s'][p + '_s']:.2f} s" for n, p in zip(names, parts))
+        )
         click.echo(f"   {d['command']}")
         for line in plan_warnings(c):
             click.echo(f"   warning: {line}")

@@ -192,6 +192,15 @@ run_options = stack(
     ),
     field_option(
         T,
+        "fsdp_reshard_after_forward",
+        "--fsdp-reshard-after-forward",
+        type=click.Choice(["default", "always", "never"]),
+        help="FSDP parameter exchange (torchtitan's): 'always' regathers every microbatch (least "
+        "memory), 'never' once per step (stage params + fp32 grads unsharded for the step), "
+        "'default': never under pipelining, else always.",
+    ),
+    field_option(
+        T,
         "compile",
         "--compile",
         is_flag=True,
@@ -547,6 +556,10 @@ def under_torchrun() -> bool:
     )
 
 
+#: The flags :func:`make_dims` takes, in its order (the world size goes between the two parts).
+DIMS_FLAGS = ("tp", "pp", "dp_shard", "dp_replicate", "pipeline_split", "expert_parallel", "cp")
+
+
 def train_config(f: dict[str, Any], world: int | None):
     """Map ``train``'s flags onto :class:`~shardsmith.trainer.config.TrainConfig` (one field each)."""
     from shardsmith.storage.store import parse_storage_options
@@ -574,16 +587,7 @@ def train_config(f: dict[str, Any], world: int | None):
     return TrainConfig(
         model=model,
         parallel=dataclasses.replace(
-            make_dims(
-                f["tp"],
-                f["pp"],
-                f["dp_shard"],
-                f["dp_replicate"],
-                f["pipeline_split"],
-                world,
-                f["expert_parallel"],
-                f["cp"],
-            ),
+            make_dims(*map(f.get, DIMS_FLAGS[:5]), world, *map(f.get, DIMS_FLAGS[5:])),
             virtual_stages=virtual_stages(f, model),
         ),
         optim=OptimConfig(
@@ -640,6 +644,7 @@ def train_config(f: dict[str, Any], world: int | None):
             "activation_checkpointing",
             "sequence_parallel",
             "pipeline_schedule",
+            "fsdp_reshard_after_forward",
             "compile",
             "profile_steps",
             "log_interval",
@@ -702,15 +707,8 @@ def job_of(cfg: Any) -> Any:
     """The :class:`~shardsmith.sizing.verdict.Job` of a TrainConfig."""
     from shardsmith.sizing import Job
 
-    return Job(
-        cfg.model,
-        cfg.parallel,
-        micro_batch_size=cfg.micro_batch_size,
-        global_batch_size=cfg.global_batch_size,
-        activation_checkpointing=cfg.activation_checkpointing,
-        mixed_precision=cfg.mixed_precision,
-        sequence_parallel=cfg.sequence_parallel,
-    )
+    names = [f.name for f in dataclasses.fields(Job)][2:]  # the step's settings: TrainConfig's too
+    return Job(cfg.model, cfg.parallel, **{name: getattr(cfg, name) for name in names})
 
 
 def verdict_json(job: Any, est: Any, device: int | None) -> dict[str, Any]:

@@ -26,6 +26,8 @@ from .dtypes import FLOAT_DTYPES as FLOAT_DTYPES
 from .dtypes import SAFETENSORS_DTYPE_ORDER as SAFETENSORS_DTYPE_ORDER
 from .dtypes import ZARR_DTYPES as ZARR_DTYPES
 from .flops import flops_per_token as flops_per_token
+from .fsdp_policy import FSDP_RESHARD_POLICIES as FSDP_RESHARD_POLICIES
+from .fsdp_policy import reshards_after_forward as reshards_after_forward
 from .model_config import ModelConfig as ModelConfig
 from .model_config import check_sequence_split as check_sequence_split
 from .model_config import chunk_layers as chunk_layers

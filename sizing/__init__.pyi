@@ -9,6 +9,8 @@ from .presets import preset_of as preset_of
 from .presets import resolve_model as resolve_model
 from .search import plan as plan
 from .search import plan_warnings as plan_warnings
+from .traffic import GROUP_KINDS as GROUP_KINDS
+from .traffic import step_traffic as step_traffic
 from .verdict import Job as Job
 from .verdict import fixes as fixes
 from .verdict import judge as judge

@@ -12,17 +12,20 @@ stage is the sum of:
   per-rank matmul dimension (``h/tp``, ``ffn/tp``, tokens ``b*s``): large GEMMs reach ~75 %
   of the dense bf16 peak on A100/H100 (cuBLAS, NVIDIA's "Matrix Multiplication Background"
   guide), narrow ones much less;
-* tensor parallelism: Megatron's 2 all-reduces (or all-gather + reduce-scatter with sequence
-  parallelism, the same bytes) of ``b*s*h`` values per layer in the forward and 2 in the
-  backward (3 + 3 with recomputation), ring cost ``2 (t-1)/t * bytes`` over NVLink; not
-  overlapped (Korthikanti et al. 2022, sec. 3);
-* pipeline: one send of the stage's output and one of its input gradient, ``b*s*h`` values
-  (``/t`` per rank with sequence parallelism), over the network;
-* FSDP: the stage's parameters all-gathered twice (forward, backward) in the compute dtype and
-  the gradients reduce-scattered in fp32, per microbatch (the trainer reduce-scatters each
-  block's gradient every microbatch: ``ShardedGradPipelineStage``), ``(d-1)/d`` of the bytes,
-  over NVLink when the data-parallel group fits in a node, else the network; overlapped with
-  compute (FSDP2 prefetch), only the excess counts.
+* communication: the bytes of :func:`shardsmith.sizing.traffic.step_traffic` (what the
+  trainer moves, per rank and step, by group; ``bench/comm_volume.py`` checks it on the real
+  step), at ``LINK_EFFICIENCY`` of the link: TP over NVLink, not overlapped (Korthikanti et al.
+  2022, sec. 3); the pipeline's sends over the network (each chunk boundary of the rank);
+  FSDP over NVLink when the data-parallel group fits in a node, else the network;
+* FSDP, exchanged per microbatch (``--fsdp-reshard-after-forward always``): overlapped with
+  the microbatch's compute (FSDP2 prefetch), only the excess counts; exchanged once per step
+  (``never``, the default under pipelining): the all-gather overlaps the first microbatch's
+  forward (a third of its compute) and the reduce-scatter after the last backward is exposed.
+
+The HSDP all-reduce (once per step) is exposed. The bubble is ``(P - 1) / (V * M)`` of the
+busy time for every schedule when ``M >= P`` (``(P - 1) / M`` below: virtual stages then do
+not fill the pipeline) (the interleaved and zero-bubble schedules are charged as
+interleaved 1F1B: no further gain is claimed).
 
 MFU = model FLOPs of the step (no recomputation) / (GPUs x peak x step time) (Chowdhery et al.
 2022, appendix B). Constants are stated, not fitted to any published run.
@@ -33,8 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from shardsmith.layout import ModelConfig, ParallelDims, stage_layers
+from shardsmith.layout import ModelConfig, ParallelDims, reshards_after_forward, stage_layers
 from shardsmith.sizing.gpus import Gpu
+from shardsmith.sizing.traffic import step_traffic
 from shardsmith.sizing.verdict import Job
 
 #: Best fraction of the dense bf16 peak a large bf16 GEMM reaches (cuBLAS on A100/H100).
@@ -84,6 +88,38 @@ def model_counts(model: ModelConfig) -> tuple[int, int, float]:
     return max(layers.values()), rest, flops_per_token(model)
 
 
+def _traffic(job: Job) -> tuple[float, float, float, float, float]:
+    """Per step, the largest over pipeline ranks: (TP bytes of the rank with the most layers,
+    PP bytes, FSDP all-gather bytes, FSDP reduce-scatter bytes, HSDP all-reduce bytes)."""
+
+    d = job.dims
+    reshard = reshards_after_forward(job.fsdp_reshard_after_forward, d.pp)
+    per_rank = [
+        step_traffic(
+            job.model,
+            d,
+            pp_rank=r,
+            micro_batch_size=job.micro_batch_size,
+            num_microbatches=job.global_batch_size // (job.micro_batch_size * d.dp),
+            mixed_precision=job.mixed_precision,
+            reshard_after_forward=reshard,
+            sequence_parallel=job.sequence_parallel,
+            activation_checkpointing=job.activation_checkpointing,
+        )
+        for r in range(d.pp)
+    ]
+    c = 2 if job.mixed_precision == "bf16" else 4
+    gathers = 2 * c if reshard else c  # dp_shard bytes split into all-gather and reduce-scatter
+    fsdp = max(t["dp_shard"] for t in per_rank)
+    return (
+        max(t["tp"] for t in per_rank),
+        max(t["pp"] for t in per_rank),
+        fsdp * gathers / (gathers + 4),
+        fsdp * 4 / (gathers + 4),
+        max(t["dp_replicate"] for t in per_rank),
+    )
+
+
 def step_cost(
     job: Job, gpu: Gpu, gpus_per_node: int, counts: tuple[int, int, float] | None = None
 ) -> StepCost:
@@ -91,8 +127,7 @@ def step_cost(
     groups stay on NVLink: tp always (the planner keeps it in a node), data parallelism when
     ``tp * dp_shard <= gpus_per_node``. ``counts``: :func:`model_counts` of the job's model."""
     m, d = job.model, job.dims
-    layer_params, root_params, per_token = counts or model_counts(m)
-    c = 2 if job.mixed_precision == "bf16" else 4
+    per_token = (counts or model_counts(m))[2]
     mb = job.micro_batch_size
     num_mb = job.global_batch_size // (mb * d.dp)
     tokens_mb = mb * m.seq_length
@@ -107,37 +142,24 @@ def step_cost(
         gpu.nvlink_bytes_per_s * LINK_EFFICIENCY,
         gpu.network_bytes_per_s * LINK_EFFICIENCY,
     )
-    act_bytes = tokens_mb * m.hidden_size * c
-    tp_comm = 0.0
-    if d.tp > 1:
-        tp_comm = (
-            max(work)
-            * (6 if job.activation_checkpointing else 4)
-            * 2
-            * (d.tp - 1)
-            / d.tp
-            * act_bytes
-            / nvlink
-        )
-    pp_comm = 2 * act_bytes / (d.tp if job.sequence_parallel else 1) / net if d.pp > 1 else 0.0
-    stage_params = (max(len(ls) for ls in stage_layers(m, d)) * layer_params + root_params) / d.tp
-    fsdp = 0.0
-    if d.dp_shard > 1:
-        bw = nvlink if d.tp * d.dp_shard <= gpus_per_node else net
-        fsdp = (d.dp_shard - 1) / d.dp_shard * stage_params * (2 * c + 4) / bw
-    slot = compute + tp_comm + pp_comm + max(0.0, fsdp - compute)
-    busy = num_mb * slot
-    bubble = busy * (d.pp - 1) / (d.virtual_stages * num_mb)
-    dp_ar = 0.0
-    if d.dp_replicate > 1:
-        dp_ar = 2 * (d.dp_replicate - 1) / d.dp_replicate * stage_params / d.dp_shard * 4 / net
-    step = busy + bubble + dp_ar
+    tp_bytes, pp_bytes, gather_bytes, reduce_bytes, replica_bytes = _traffic(job)
+    tp_comm, pp_comm = tp_bytes / num_mb / nvlink, pp_bytes / num_mb / net
+    bw = nvlink if d.tp * d.fsdp <= gpus_per_node else net
+    if reshards_after_forward(job.fsdp_reshard_after_forward, d.pp):
+        fsdp_exposed = num_mb * max(0.0, (gather_bytes + reduce_bytes) / bw / num_mb - compute)
+    else:
+        fsdp_exposed = max(0.0, gather_bytes / bw - compute / 3) + reduce_bytes / bw
+    busy = num_mb * (compute + tp_comm + pp_comm)
+    # fewer microbatches than stages: a chunk's round leaves the rank idle, whatever V
+    bubble = busy * (d.pp - 1) / ((d.virtual_stages if num_mb >= d.pp else 1) * num_mb)
+    dp_ar = replica_bytes / net
+    step = busy + bubble + fsdp_exposed + dp_ar
     tokens = job.global_batch_size * m.seq_length
     return StepCost(
         compute_s=num_mb * compute,
         tp_comm_s=num_mb * tp_comm,
         pp_comm_s=num_mb * pp_comm,
-        fsdp_exposed_s=num_mb * max(0.0, fsdp - compute),
+        fsdp_exposed_s=fsdp_exposed,
         dp_allreduce_s=dp_ar,
         bubble_s=bubble,
         step_s=step,

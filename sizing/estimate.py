@@ -53,11 +53,13 @@ from shardsmith.layout import (
     flops_per_token,
     padded_vocab_size,
     param_specs,
+    reshards_after_forward,
     stage_layers,
 )
 from shardsmith.sizing import activations as act
 from shardsmith.sizing.gpus import process_groups, process_overhead_nbytes
 from shardsmith.sizing.peak import stage_transient
+from shardsmith.sizing.traffic import fsdp_numel
 
 #: Bytes per parameter element: fp32 weight, fp32 gradient, AdamW's two fp32 moments.
 PARAM_NBYTES, GRAD_NBYTES, OPTIM_NBYTES = 4, 4, 8
@@ -441,8 +443,13 @@ def estimate(
     mixed_precision: str = "fp32",
     sequence_parallel: bool = False,
     first_rank_only: bool = False,
+    fsdp_reshard_after_forward: str = "default",
 ) -> Estimate:
     """Per-role memory, FLOPs and bubble of training ``model`` under ``dims`` (module doc).
+
+    ``fsdp_reshard_after_forward``: the FSDP policy (:mod:`shardsmith.layout.fsdp_policy`);
+    when parameters stay gathered for the step, each stage holds them and their fp32
+    gradients unsharded (:func:`shardsmith.sizing.peak.stage_transient`).
 
     ``first_rank_only``: one role per stage, the rank with tp = dp_shard = 0, which holds the
     largest shares (``torch.chunk`` gives the remainder to the first chunks); its
@@ -471,6 +478,7 @@ def estimate(
     blocks, roots = unsharded_numels(model, dims)
     root_grads = root_grad_numels(model, dims)
     groups = process_groups(dims)
+    keep_gathered = not reshards_after_forward(fsdp_reshard_after_forward, dims.pp)
     roles = []
     for stage, cells in enumerate(_stage_numels(specs, dims, first_rank_only)):
         act_nbytes, in_flight = _activation_nbytes(
@@ -484,19 +492,12 @@ def estimate(
             activation_checkpointing,
             sequence_parallel,
         )
+        gathered = fsdp_numel(model, dims, stage) if keep_gathered else 0
+        numels = (blocks[stage], roots[stage], root_grads[stage])
         extra = {
             "activation_nbytes": act_nbytes,
             "microbatches_in_flight": in_flight,
-            **stage_transient(
-                model,
-                dims,
-                stage,
-                blocks[stage],
-                roots[stage],
-                root_grads[stage],
-                c,
-                micro_batch_size,
-            ),
+            **stage_transient(model, dims, stage, *numels, c, micro_batch_size, gathered),
             "process_nbytes": process_overhead_nbytes(groups),
         }
         roles.extend(_stage_roles(model, dims, specs, stage, cells, extra))
@@ -516,10 +517,8 @@ def estimate(
         flops_per_token=per_token,
         flops_per_step=per_token * tokens,
         roles=roles,
-        moe=moe_estimate(model, dims, micro_batch_size, 2 if mixed_precision == "bf16" else 4),
-        context_parallel=context_parallel_estimate(
-            model, dims, micro_batch_size, 2 if mixed_precision == "bf16" else 4
-        ),
+        moe=moe_estimate(model, dims, micro_batch_size, c),
+        context_parallel=context_parallel_estimate(model, dims, micro_batch_size, c),
     )
 
 

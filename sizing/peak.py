@@ -70,8 +70,27 @@ def stage_transient(
     root_grad: int,
     c: int,
     micro_batch_size: int,
+    unsharded: int = 0,
 ) -> dict[str, int]:
-    """The FSDP, root-gradient and loss fields of one stage's roles (:func:`transient_nbytes`)."""
+    """The FSDP, root-gradient and loss fields of one stage's roles (:func:`transient_nbytes`).
+
+    ``unsharded``: the stage's gathered parameter elements when FSDP keeps them gathered for
+    the step (``--fsdp-reshard-after-forward never``, the default under pipelining:
+    :func:`shardsmith.sizing.traffic.fsdp_numel`). They are held all step with their unsharded
+    gradients accumulating in fp32 (``c + 4`` bytes each), the vocab-parallel embedding's
+    gradient accumulating whole (``Replicate`` over tp, :func:`root_grad_numels`); above them
+    only a block's gradient as autograd produces it before it is added (or the embedding's)
+    and the loss."""
+    if unsharded and dims.dp_replicate * dims.fsdp > 1:
+        held = unsharded * (c + 4) + 4 * max(0, root_grad - root)  # + the embedding's, whole
+        loss = loss_nbytes(model, dims, micro_batch_size, c) if stage == dims.pp - 1 else 0
+        top = max(c * block, c * max(0, root_grad - root), loss)
+        return {
+            "fsdp_buffer_nbytes": held,
+            "root_grad_nbytes": c * root_grad,
+            "loss_nbytes": loss,
+            "transient_nbytes": held + top,
+        }
     buffers = fsdp_buffer_nbytes(block, root, dims, c == 2)
     root_param = c * root if buffers else 0
     embedding = (

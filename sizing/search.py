@@ -2,8 +2,12 @@
 the estimated step time of :mod:`shardsmith.sizing.cost`.
 
 Pure (no torch). The search space: tp in 1, 2, 4, 8 within a node (a divisor of
-``gpus_per_node``), pp a divisor of the GPUs up to the layer count, virtual stages 1, 2, 4
-(when the layers divide), dp_shard the whole data-parallel degree or HSDP with dp_shard = 8,
+``gpus_per_node``), pp a divisor of the GPUs up to the layer count, virtual stages 1 to
+:data:`MAX_VIRTUAL_STAGES` (up to one layer per chunk; when the chunks do not divide the layers,
+an uneven ``--pipeline-split`` with the first and last chunks one layer shorter:
+:func:`balanced_split`, as Llama 3 405B's 126 layers on 16 stages), both FSDP exchange
+policies (``--fsdp-reshard-after-forward``: the default, and the other one: ``always`` under
+pipelining, ``never`` without), dp_shard the whole data-parallel degree or HSDP with dp_shard = 8,
 16, 32, 64 replicated over the rest, micro-batch size 1, 2, 4, activation checkpointing off
 and on, sequence parallelism whenever tp > 1 (same communication, less memory), bf16, and
 expert parallelism over dp_shard for a MoE model. Every candidate is first ranked by the cost
@@ -23,7 +27,22 @@ from shardsmith.sizing.cost import StepCost, model_counts, step_cost
 from shardsmith.sizing.gpus import Gpu
 from shardsmith.sizing.verdict import Job, max_peak, warnings
 
-MAX_MEMORY_CHECKS = 400
+MAX_MEMORY_CHECKS = 3000
+#: The largest number of virtual stages (model chunks per pipeline rank) searched.
+MAX_VIRTUAL_STAGES = 8
+
+
+def balanced_split(num_layers: int, num_chunks: int) -> tuple[int, ...]:
+    """Layers per chunk, as even as they go, the shorter chunks first and last alternately
+    (the first stage also embeds, the last also projects and takes the loss); ``()`` when the
+    chunks divide the layers (the even split needs no flag)."""
+    base, extra = divmod(num_layers, num_chunks)
+    if not extra:
+        return ()
+    counts = [base + 1] * num_chunks
+    for i in range(num_chunks - extra):
+        counts[i // 2 if i % 2 == 0 else num_chunks - 1 - i // 2] -= 1
+    return tuple(counts)
 
 
 @dataclass(frozen=True)
@@ -77,9 +96,10 @@ def layouts(model: ModelConfig, gpus: int, gpus_per_node: int) -> Iterator[Paral
             dp = gpus // (tp * pp)
             shards = {dp} | {s for s in (8, 16, 32, 64) if s < dp and dp % s == 0}
             for dp_shard in sorted(shards):
-                for v in (1, 2, 4) if pp > 1 else (1,):
-                    if model.num_layers % (pp * v):
+                for v in range(1, MAX_VIRTUAL_STAGES + 1) if pp > 1 else (1,):
+                    if pp * v > model.num_layers:
                         continue
+                    split = balanced_split(model.num_layers, pp * v) if pp > 1 else ()
                     eps = (
                         (1, dp_shard)
                         if model.num_experts and dp_shard > 1 and model.num_experts % dp_shard == 0
@@ -93,6 +113,7 @@ def layouts(model: ModelConfig, gpus: int, gpus_per_node: int) -> Iterator[Paral
                             dp_replicate=dp // dp_shard,
                             virtual_stages=v,
                             expert_parallel=ep,
+                            pipeline_split=split,
                         )
                         try:
                             validate_layout(model, dims)
@@ -113,7 +134,8 @@ def jobs(
             rounds = max(1, m // dims.pp)  # trainer.config.check_pipeline_microbatches
             if dims.pp > 1 and (m < dims.pp if dims.virtual_stages == 1 else m % rounds):
                 continue
-            for ac in (False, True):
+            other = "always" if dims.pp > 1 else "never"
+            for ac, policy in ((a, p) for a in (False, True) for p in ("default", other)):
                 yield Job(
                     model,
                     dims,
@@ -122,6 +144,7 @@ def jobs(
                     activation_checkpointing=ac,
                     mixed_precision="bf16",
                     sequence_parallel=dims.tp > 1,
+                    fsdp_reshard_after_forward=policy,
                 )
 
 

@@ -33,6 +33,8 @@ class Job:
     activation_checkpointing: bool = False
     mixed_precision: str = "fp32"
     sequence_parallel: bool = False
+    fsdp_reshard_after_forward: str = "default"
+    pipeline_schedule: str = ""
 
     def estimate(self, first_rank_only: bool = False) -> Estimate:
         """:func:`shardsmith.sizing.estimate.estimate` of this job (raises as it does)."""
@@ -45,6 +47,7 @@ class Job:
             mixed_precision=self.mixed_precision,
             sequence_parallel=self.sequence_parallel,
             first_rank_only=first_rank_only,
+            fsdp_reshard_after_forward=self.fsdp_reshard_after_forward,
         )
 
     def flags(self) -> list[str]:
@@ -55,6 +58,12 @@ class Job:
             out += ["--dp-replicate", str(d.dp_replicate)]
         if d.virtual_stages > 1:
             out += ["--virtual-stages", str(d.virtual_stages)]
+        if d.pipeline_split:
+            out += ["--pipeline-split", ",".join(map(str, d.pipeline_split))]
+        if self.pipeline_schedule:
+            out += ["--pipeline-schedule", self.pipeline_schedule]
+        if self.fsdp_reshard_after_forward != "default":
+            out += ["--fsdp-reshard-after-forward", self.fsdp_reshard_after_forward]
         if d.expert_parallel > 1:
             out += ["--expert-parallel", str(d.expert_parallel)]
         if self.mixed_precision == "bf16":

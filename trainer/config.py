@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardsmith.errors import ConfigError
-from shardsmith.layout import ModelConfig, ParallelDims, check_sequence_split, validate_layout
+from shardsmith.layout import (
+    FSDP_RESHARD_POLICIES,
+    ModelConfig,
+    ParallelDims,
+    check_sequence_split,
+    validate_layout,
+)
 from shardsmith.trainer.checkpoint.config import CheckpointConfig
 from shardsmith.trainer.data import DataConfig
 from shardsmith.trainer.detect import DetectConfig
@@ -100,6 +106,11 @@ class TrainConfig:
         pipeline_schedule: ``1f1b``, ``gpipe``, ``interleaved-1f1b``, ``looped-bfs`` or
             ``interleaved-zb`` (:data:`shardsmith.trainer.pipeline.SCHEDULES`); empty =
             ``interleaved-1f1b`` with virtual stages, else ``1f1b``.
+        fsdp_reshard_after_forward: ``default``, ``always`` or ``never``
+            (:mod:`shardsmith.layout.fsdp_policy`; torchtitan's option of the same name):
+            ``default`` exchanges a stage's parameters and gradients once per step under
+            pipelining and resharding after every forward without it; ``always`` is the
+            memory-saving per-microbatch exchange.
         compile: ``torch.compile`` each block in place (checkpoint FQNs unchanged).
         profile_steps: steps to trace with the PyTorch profiler (one Chrome trace per rank
             under the run directory, :mod:`shardsmith.trainer.observe.profiling`).
@@ -126,6 +137,7 @@ class TrainConfig:
     activation_checkpointing: bool = False
     sequence_parallel: bool = False
     pipeline_schedule: str = ""
+    fsdp_reshard_after_forward: str = "default"
     compile: bool = False
     profile_steps: tuple[int, ...] = ()
     log_interval: int = 1
@@ -153,6 +165,11 @@ class TrainConfig:
             raise ConfigError(
                 f"pipeline_schedule={schedule!r} runs one stage per rank; with virtual_stages="
                 f"{self.parallel.virtual_stages} use interleaved-1f1b, looped-bfs or interleaved-zb"
+            )
+        if self.fsdp_reshard_after_forward not in FSDP_RESHARD_POLICIES:
+            raise ConfigError(
+                f"fsdp_reshard_after_forward={self.fsdp_reshard_after_forward!r}: choose one of "
+                f"{', '.join(FSDP_RESHARD_POLICIES)}"
             )
         if self.log_interval < 0:
             raise ConfigError(f"log_interval={self.log_interval}: must be >= 0 (0 = never print)")
@@ -227,6 +244,7 @@ class TrainConfig:
         for name, default in (
             ("sequence_parallel", False),
             ("pipeline_schedule", ""),
+            ("fsdp_reshard_after_forward", "default"),
             ("compile", False),
             ("profile_steps", ()),
             ("wandb", False),

@@ -166,6 +166,7 @@ def build_stage_model(
     activation_checkpointing: bool = False,
     sequence_parallel: bool = False,
     compile: bool = False,
+    reshard_after_forward: bool = True,
 ) -> tuple[Transformer | ChunkedStage, StageInfo]:
     """Build this rank's pipeline stage without ever holding more than its own shards.
 
@@ -175,6 +176,7 @@ def build_stage_model(
     FSDP2 are applied (:func:`parallelize`), then only the local shards are allocated
     (``to_empty``) and filled by the layout-independent init of
     :mod:`shardsmith.trainer.weight_init` (bitwise the same weights in every layout).
+    ``reshard_after_forward``: FSDP's policy (:func:`apply_fsdp`).
     Peak memory: this rank's parameter shards plus one 4 MiB generation block.
 
     Collective (TP/FSDP set-up): every rank calls it with the global ``mesh`` of
@@ -207,6 +209,7 @@ def build_stage_model(
             activation_checkpointing=activation_checkpointing,
             sequence_parallel=sequence_parallel,
             compile=compile,
+            reshard_after_forward=reshard_after_forward,
         )
         check_placements(chunk, specs, dims)
         chunk.to_empty(device=device_type())
@@ -317,14 +320,23 @@ def check_placements(model: Transformer, specs: dict[str, TensorSpec], dims: Par
 
 
 def apply_fsdp(
-    model: Transformer, dp_mesh: DeviceMesh, *, bf16: bool, ignored: set[nn.Parameter] | None = None
+    model: Transformer,
+    dp_mesh: DeviceMesh,
+    *,
+    bf16: bool,
+    ignored: set[nn.Parameter] | None = None,
+    reshard_after_forward: bool = True,
 ) -> None:
     """FSDP2 (ZeRO-3) over ``dp_shard``, HSDP replication over ``dp_replicate`` when the mesh is 2-D.
 
-    Each block is its own FSDP unit, then the root; parameters are resharded after every
-    forward, also with pipelining (with :class:`ShardedGradPipelineStage`, only one block's
-    unsharded parameters and gradients exist at a time, not the whole stage's). ``ignored``
-    parameters (expert-parallel experts, already split over dp_shard) are left alone.
+    Each block is its own FSDP unit, then the root. ``reshard_after_forward``
+    (:func:`shardsmith.layout.reshards_after_forward` of the job's policy): True frees every
+    unit's gathered parameters after its forward (gathered again for backward: the least
+    memory); False keeps them gathered until the step's gradients are reduced (one all-gather
+    per step; :class:`shardsmith.trainer.pipeline.FsdpPipelineStage` and
+    :meth:`shardsmith.trainer.step.StepMath.forward_backward` keep gradient sync off until the
+    last microbatch). Gradients are reduced in fp32 (``reduce_dtype``); ``ignored`` parameters
+    (expert-parallel experts, already split over dp_shard) are left alone.
     """
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -333,10 +345,18 @@ def apply_fsdp(
     )
     for block in model.layers.values():
         fully_shard(
-            block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True, ignored_params=ignored
+            block,
+            mesh=dp_mesh,
+            mp_policy=mp,
+            reshard_after_forward=reshard_after_forward,
+            ignored_params=ignored,
         )
     fully_shard(
-        model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True, ignored_params=ignored
+        model,
+        mesh=dp_mesh,
+        mp_policy=mp,
+        reshard_after_forward=reshard_after_forward,
+        ignored_params=ignored,
     )
 
 
@@ -357,9 +377,11 @@ def parallelize(
     activation_checkpointing: bool,
     sequence_parallel: bool = False,
     compile: bool = False,
+    reshard_after_forward: bool = True,
 ) -> Transformer:
     """Apply activation checkpointing, TP (with sequence parallelism when asked), per-block
-    ``torch.compile`` and FSDP2 to one stage's model, in place (torchtitan's order)."""
+    ``torch.compile`` and FSDP2 (:func:`apply_fsdp`, ``reshard_after_forward``) to one stage's
+    model, in place (torchtitan's order)."""
     for block in model.layers.values():
         block.activation_checkpointing = activation_checkpointing
     if dims.tp > 1:
@@ -374,7 +396,13 @@ def parallelize(
             if isinstance(module, MoEFeedForward):
                 experts.update(shard_experts(module, ep_group, tp_group))
     if dims.dp_replicate * dims.fsdp > 1:
-        apply_fsdp(model, fsdp_mesh(mesh, dims), bf16=bf16, ignored=experts)
+        apply_fsdp(
+            model,
+            fsdp_mesh(mesh, dims),
+            bf16=bf16,
+            ignored=experts,
+            reshard_after_forward=reshard_after_forward,
+        )
     attach(model, context_parallel(mesh, dims))
     return model
 

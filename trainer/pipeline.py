@@ -84,22 +84,34 @@ def chunks_of(model: nn.Module) -> list[tuple[int, nn.Module]]:
     return [(-1, model)]
 
 
-class ShardedGradPipelineStage(PipelineStage):
-    """``PipelineStage`` that keeps FSDP2 gradients sharded between microbatches.
+class FsdpPipelineStage(PipelineStage):
+    """``PipelineStage`` that exchanges FSDP2 parameters and gradients as the job's policy says
+    (:mod:`shardsmith.layout.fsdp_policy`). Same constructor as ``PipelineStage`` plus
+    ``per_microbatch``; every rank of a stage uses it.
 
-    Upstream (torch 2.13 ``_PipelineStageBase.backward_maybe_with_nosync``) turns FSDP's
-    gradient sync and reshard-after-backward off for every microbatch and reduces once at
-    the end: each rank then holds its whole stage's parameters *and* gradients unsharded
-    (``dp_shard`` times its share of each), which defeats ZeRO-3. Here every microbatch's
-    backward reduce-scatters each block's gradient into the sharded one (FSDP2 accumulates)
-    and reshards, at the price of one all-gather and one reduce-scatter per block and
-    microbatch. Same constructor as ``PipelineStage``; every rank of a stage uses it.
+    * ``per_microbatch=False`` (``never``; ``default`` under pipelining): upstream behaviour
+      (torch 2.13 ``_PipelineStageBase.backward_maybe_with_nosync``): no gradient sync and no
+      reshard after any microbatch's backward, the gradients accumulating unsharded in the
+      reduce dtype (fp32: FSDP2's ``to_accumulated_grad_if_needed``), and one reduce-scatter
+      (and HSDP all-reduce) per step in ``perform_reduce_grad``, which every torch schedule
+      calls after a chunk's last backward. With parameters kept gathered after forward
+      (:func:`shardsmith.trainer.parallel.apply_fsdp`), one all-gather per step.
+    * ``per_microbatch=True`` (``always``): every microbatch's backward reduce-scatters each
+      unit's gradient into the sharded one (FSDP2 accumulates) and reshards, so only one
+      block's unsharded parameters and gradients exist at a time. The HSDP replica all-reduce
+      waits for the chunk's last backward (``set_requires_all_reduce``), once per step.
+      Schedules that split the backward exchange once per step whatever the policy
+      (:func:`splits_backward`).
 
     Its shape-inference forward (upstream ``_forward_metadata_inference``, on the first step
     of every schedule: after each start and resume) runs under
     :func:`shardsmith.trainer.moe.uncounted`, so the MoE router statistics logged for that
     step are those of the training microbatches alone.
     """
+
+    def __init__(self, *args: Any, per_microbatch: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.per_microbatch = per_microbatch
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         with uncounted(self.submod):
@@ -108,15 +120,60 @@ class ShardedGradPipelineStage(PipelineStage):
     def backward_maybe_with_nosync(
         self, backward_type, bwd_kwargs: dict, last_backward: bool = False
     ):
-        if backward_type != "full" or not isinstance(self.submod, FSDPModule):
+        fsdp = self.submod
+        if not self.per_microbatch or backward_type != "full" or not isinstance(fsdp, FSDPModule):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        self.submod.set_is_last_backward(False)  # the schedule's final reduce step finishes
-        self.submod.set_reshard_after_backward(True)
-        self.submod.set_requires_gradient_sync(True)
+        fsdp.set_is_last_backward(False)  # the schedule's final reduce step finishes
+        fsdp.set_reshard_after_backward(True)
+        fsdp.set_requires_gradient_sync(True)  # (also sets requires_all_reduce: set it after)
+        fsdp.set_requires_all_reduce(last_backward)
         grads = stage_backward(
             bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
         )
         return grads, None
+
+
+def splits_backward(schedule: Any) -> bool:
+    """Whether a torch schedule runs some backward as an input half and a later weight half
+    (zero-bubble schedules). Such a schedule cannot exchange parameters per microbatch: the
+    weight half maps gradients to the parameters the graph saw, which the next microbatch's
+    forward would have resharded (torch's ``stage_backward_weight``), so under every policy it
+    keeps them gathered and reduces the gradients once per step."""
+    from torch.distributed.pipelining.schedules import BACKWARD_WEIGHT
+
+    order = getattr(schedule, "pipeline_order", None) or {}
+    return any(
+        a is not None and a.computation_type == BACKWARD_WEIGHT
+        for acts in order.values()
+        for a in acts
+    )
+
+
+def keep_chunks_gathered(schedule: Any, num_chunks: int) -> None:
+    """Lower a multi-chunk torch schedule again so that all ``num_chunks`` chunks of this rank
+    stay gathered through the step. torch's lowering (``_add_unshard_reshard``) keeps at most
+    ``max_active_stages=3`` chunks unsharded, re-gathering the others within the step; with
+    parameters kept gathered after forward that would all-gather a chunk several times per
+    step. Same passes as ``_PipelineScheduleRuntime._prepare_schedule_with_comms``, with the
+    window widened to every chunk. No-op for three chunks or fewer."""
+    if num_chunks <= 3 or not hasattr(schedule, "pipeline_order_with_comms"):
+        return
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    lowered = {
+        rank: torch_schedules._add_reduce_grad(
+            torch_schedules._add_unshard_reshard(actions, max_active_stages=num_chunks),
+            schedule._n_microbatches,
+        )
+        for rank, actions in schedule.pipeline_order.items()
+    }
+    stage_rank = schedule.stage_index_to_group_rank
+    order = torch_schedules._add_send_recv(
+        lowered, stage_to_rank=lambda s: stage_rank[s], num_stages=schedule._num_stages
+    )
+    if getattr(schedule, "_defer_pp_recv", False):
+        order = torch_schedules._defer_recv_ops(order, stage_to_rank=lambda s: stage_rank[s])
+    schedule.pipeline_order_with_comms = order
 
 
 def build_schedule(
@@ -128,15 +185,32 @@ def build_schedule(
     loss_fn: Any,
     device: torch.device,
     name: str = "",
+    reshard_after_forward: bool = True,
 ) -> Any:
     """The pipeline schedule of this rank's stage (or chunks): ``name`` from :data:`SCHEDULES`
     (default :func:`default_schedule`). Every rank of the pipeline group builds its own, with
-    the same ``num_microbatches``; chunk ``c`` is pipeline stage ``c`` of ``num_chunks``."""
+    the same ``num_microbatches``; chunk ``c`` is pipeline stage ``c`` of ``num_chunks``.
+    ``reshard_after_forward``: the FSDP policy the stage was built with
+    (:class:`FsdpPipelineStage`: per microbatch when True, once per step when False)."""
     chunks = [(pp_rank if c < 0 else c, m) for c, m in chunks_of(model)]
     name = name or default_schedule(len(chunks))
     check_schedule(name, len(chunks))
     cls, multi = SCHEDULES[name]
-    stages = [ShardedGradPipelineStage(m, c, num_chunks, device, group=pp_group) for c, m in chunks]
+    stages = [
+        FsdpPipelineStage(
+            m, c, num_chunks, device, group=pp_group, per_microbatch=reshard_after_forward
+        )
+        for c, m in chunks
+    ]
     if multi:
-        return cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn)
+        schedule = cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn)
+        if reshard_after_forward and splits_backward(schedule):
+            for stage in stages:  # see splits_backward: such schedules exchange once per step
+                stage.per_microbatch = False
+                if isinstance(stage.submod, FSDPModule):
+                    stage.submod.set_reshard_after_forward(False)
+            reshard_after_forward = False
+        if not reshard_after_forward:
+            keep_chunks_gathered(schedule, len(stages))
+        return schedule
     return cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn)

@@ -14,11 +14,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from shardsmith.layout import MESH_AXES, ModelConfig, ParallelDims, param_specs
+from shardsmith.layout import (
+    MESH_AXES,
+    ModelConfig,
+    ParallelDims,
+    param_specs,
+    reshards_after_forward,
+)
 from shardsmith.trainer import pipeline
+from shardsmith.trainer.config import TrainConfig
+from shardsmith.trainer.context_parallel import context_parallel
 from shardsmith.trainer.moe import set_aux_loss_scale
 from shardsmith.trainer.parallel import device_type
 
@@ -36,6 +45,7 @@ def schedule_for(
     pp_group: dist.ProcessGroup,
     num_microbatches: int,
     name: str = "",
+    reshard_after_forward: bool = True,
 ) -> Any:
     """This rank's pipeline schedule (see :func:`shardsmith.trainer.pipeline.build_schedule`)
     with :func:`loss_fn`."""
@@ -48,6 +58,7 @@ def schedule_for(
         loss_fn,
         torch.device(device_type()),
         name,
+        reshard_after_forward,
     )
 
 
@@ -92,6 +103,9 @@ class StepMath:
         grad_clip: clip the global gradient norm to this (0 = no clipping).
         cp: this rank's context-parallel group (None without): it feeds its tokens of the
             same samples (:meth:`ContextParallel.shard`).
+        reshard_after_forward: the FSDP policy the model was built with
+            (:func:`shardsmith.layout.reshards_after_forward`); False exchanges parameters
+            and gradients once per step in the plain microbatch loop too.
     """
 
     model: torch.nn.Module
@@ -103,6 +117,35 @@ class StepMath:
     bf16: bool = False
     grad_clip: float = 0.0
     cp: Any = None
+    reshard_after_forward: bool = True
+
+    @classmethod
+    def for_job(
+        cls, cfg: TrainConfig, model: torch.nn.Module, pp_rank: int, mesh: Any, coords: dict
+    ) -> "StepMath":
+        """The step math of a job's rank: its pipeline schedule when ``pp > 1``
+        (:func:`schedule_for`), its context-parallel group and the FSDP policy of ``cfg``
+        (collective only through the mesh's groups, which exist already)."""
+        parallel, num_mb = cfg.parallel, cfg.num_microbatches()
+        reshard = reshards_after_forward(cfg.fsdp_reshard_after_forward, parallel.pp)
+        schedule = None
+        if parallel.pp > 1:
+            group = mesh["pp"].get_group()
+            schedule = schedule_for(
+                model, pp_rank, parallel, group, num_mb, cfg.pipeline_schedule, reshard
+            )
+        return cls(
+            model,
+            schedule,
+            cfg.model,
+            parallel,
+            coords,
+            num_mb,
+            bf16=cfg.mixed_precision == "bf16",
+            grad_clip=cfg.optim.grad_clip,
+            cp=context_parallel(mesh, parallel),
+            reshard_after_forward=reshard,
+        )
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.bf16:
@@ -131,7 +174,9 @@ class StepMath:
         if self.schedule is not None:
             return self._pipelined(inputs, targets)
         total: torch.Tensor | float = 0.0
-        for x, y in zip(inputs.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)):
+        pairs = zip(inputs.chunk(self.num_microbatches), targets.chunk(self.num_microbatches))
+        for i, (x, y) in enumerate(pairs):
+            self._exchange_policy(last=i == self.num_microbatches - 1)
             with self._loss_ctx():
                 with self._autocast():
                     logits = self.model(x)
@@ -139,6 +184,19 @@ class StepMath:
                 loss.backward()
             total = total + _plain(loss.detach()).float()  # on the device: no sync per microbatch
         return torch.as_tensor(total, dtype=torch.float32).cpu()
+
+    def _exchange_policy(self, last: bool) -> None:
+        """FSDP's gradient exchange for the next microbatch of the plain (unpipelined) loop:
+        with parameters kept gathered after forward (``reshard_after_forward`` False) no sync
+        and no reshard until the last microbatch, the gradients accumulating unsharded (one
+        all-gather and one reduce-scatter per step); the HSDP replica all-reduce only after
+        the last microbatch, in both policies (FSDP2 holds the partial reduce-scatter outputs)."""
+        if not isinstance(self.model, FSDPModule):
+            return
+        sync = last or self.reshard_after_forward
+        self.model.set_requires_gradient_sync(sync)  # (also sets requires_all_reduce: set it after)
+        self.model.set_reshard_after_backward(sync)
+        self.model.set_requires_all_reduce(last)
 
     def _pipelined(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses: list[torch.Tensor] = []

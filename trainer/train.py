@@ -22,11 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardsmith.layout import flops_per_token
+from shardsmith.layout import flops_per_token, reshards_after_forward
 from shardsmith.trainer.checkpoint.policy import CheckpointPolicy, TrainState
 from shardsmith.trainer.checkpoint.resume import schedule_change
 from shardsmith.trainer.config import TrainConfig
-from shardsmith.trainer.context_parallel import context_parallel
 from shardsmith.trainer.data import GlobalBatchSampler, build_dataset
 from shardsmith.trainer.detect import DetectConfig
 from shardsmith.trainer.detect.goodput import breakdown, goodput_line, launch_time
@@ -68,7 +67,7 @@ from shardsmith.trainer.parallel import (
     init_distributed,
 )
 from shardsmith.trainer.rng import seed_rng
-from shardsmith.trainer.step import StepMath, StepMetrics, schedule_for
+from shardsmith.trainer.step import StepMath, StepMetrics
 
 __all__ = ["Trainer", "run_training"]
 
@@ -118,11 +117,12 @@ class Trainer:
         apply_collective_timeout(max(cfg.fault.init_timeout, cfg.fault.collective_timeout))
         init_distributed()
         parallel = cfg.parallel
-        num_mb = cfg.check_layout()  # the launcher checked it too (a library caller may not)
+        cfg.check_layout()  # the launcher checked it too (a library caller may not)
         mesh = build_mesh(parallel)
         rank = dist.get_rank()
         coords = parallel.coords(rank)
         sampler = _build_sampler(cfg, coords)
+        reshard = reshards_after_forward(cfg.fsdp_reshard_after_forward, parallel.pp)
         model, stage = build_stage_model(
             cfg.model,
             parallel,
@@ -132,17 +132,13 @@ class Trainer:
             activation_checkpointing=cfg.activation_checkpointing,
             sequence_parallel=cfg.sequence_parallel,
             compile=cfg.compile,
+            reshard_after_forward=reshard,
         )
         seed_rng(cfg.seed, 0, coords)
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(cfg.optim, cfg.optim.decay_steps or cfg.steps)
         )
-        schedule = None
-        if parallel.pp > 1:
-            schedule = schedule_for(
-                model, stage.index, parallel, mesh["pp"].get_group(), num_mb, cfg.pipeline_schedule
-            )
         state = TrainState(
             model=model,
             optimizer=optimizer,
@@ -150,17 +146,7 @@ class Trainer:
             sampler=sampler,
             bad_steps=BadStepPolicy(max_bad_steps=cfg.fault.max_bad_steps),
         )
-        step_math = StepMath(
-            model,
-            schedule,
-            cfg.model,
-            parallel,
-            coords,
-            num_mb,
-            bf16=cfg.mixed_precision == "bf16",
-            grad_clip=cfg.optim.grad_clip,
-            cp=context_parallel(mesh, parallel),
-        )
+        step_math = StepMath.for_job(cfg, model, stage.index, mesh, coords)
         events = EventLog(
             MetricsWriter(
                 announced_run_dir(cfg) if rank == 0 else "",

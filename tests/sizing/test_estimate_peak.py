@@ -29,7 +29,14 @@ def test_transient_is_root_plus_the_largest_phase() -> None:
 def test_last_stage_does_not_add_loss_to_block_buffers() -> None:
     # tp2 pp2 dp_shard2, bf16, mb 1: stage 1 (last) holds 4 blocks; root = norm 64 + output 256*64/2
     dims = ParallelDims(tp=2, pp=2, dp_shard=2)
-    est = estimate(TINY, dims, micro_batch_size=1, global_batch_size=4, mixed_precision="bf16")
+    est = estimate(
+        TINY,
+        dims,
+        micro_batch_size=1,
+        global_batch_size=4,
+        mixed_precision="bf16",
+        fsdp_reshard_after_forward="always",
+    )
     last = [r for r in est.roles if r.stage == 1][0]
     root = 64 + 256 * 64 // 2
     block = 18560  # one block's TP share (test_gpu_plan)
@@ -91,3 +98,20 @@ def test_dry_run_prints_the_loss_and_peak_formulas() -> None:
     flat = " ".join(out.output.split())
     assert "loss: last stage" in flat and "peak: weights + gradients" in flat
     assert "4*s*b*V/t" not in flat
+
+
+def test_parameters_kept_gathered_for_the_step_hold_the_stage_unsharded() -> None:
+    # default under pp: each stage holds its gathered parameters (bf16) and fp32 gradients
+    dims = ParallelDims(tp=2, pp=2, dp_shard=2)
+    kw = {"micro_batch_size": 1, "global_batch_size": 4, "mixed_precision": "bf16"}
+    never = [r for r in estimate(TINY, dims, **kw).roles if r.stage == 1][0]
+    always = [
+        r
+        for r in estimate(TINY, dims, **kw, fsdp_reshard_after_forward="always").roles
+        if r.stage == 1
+    ][0]
+    root, block = 64 + 256 * 64 // 2, 18560
+    stage = 4 * block + root  # 4 blocks and the root, TP shares (no padding at dp_shard 2)
+    assert never.fsdp_buffer_nbytes == stage * (2 + 4)
+    assert never.transient_nbytes == stage * 6 + max(2 * block, 0, never.loss_nbytes)
+    assert never.total_nbytes > always.total_nbytes
