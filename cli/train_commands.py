@@ -488,20 +488,8 @@ def train(**flags: Any) -> None:
     if cfg.wandb and importlib.util.find_spec("wandb") is None:
         raise click.UsageError("--wandb needs the wandb package: pip install wandb")
     if flags["dry_run"]:
-        unsized = flags["dp_shard"] == -1 and world is None
-        print_estimate(
-            cfg,
-            flags["model_preset"],
-            flags["as_json"],
-            device_nbytes(flags),
-            note=(
-                f"note: --dp-shard -1 (the default) takes the rest of the world size, which a dry "
-                f"run does not know: dp_shard {cfg.parallel.dp_shard} here; pass --dp-shard N (or "
-                "--nproc-per-node N) for the job you will launch"
-            )
-            if unsized
-            else "",
-        )
+        note = unsized_note(cfg) if flags["dp_shard"] == -1 and world is None else ""
+        print_estimate(cfg, flags["model_preset"], flags["as_json"], device_nbytes(flags), note)
         return
     from shardsmith.trainer.checkpoint import COMMAND_ENV
     from shardsmith.trainer.data import expand_source
@@ -546,6 +534,15 @@ def train(**flags: Any) -> None:
         code = launch(cfg, dims.world_size, max_restarts=flags["max_restarts"])
     if code:
         raise SystemExit(code)
+
+
+def unsized_note(cfg: Any) -> str:
+    """The dry run's line when --dp-shard -1 met no world size."""
+    return (
+        "note: --dp-shard -1 (the default) takes the rest of the world size, which a dry run "
+        f"does not know: dp_shard {cfg.parallel.dp_shard} here; pass --dp-shard N (or "
+        "--nproc-per-node N) for the job you will launch"
+    )
 
 
 def under_torchrun() -> bool:

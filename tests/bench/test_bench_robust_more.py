@@ -92,7 +92,9 @@ def test_train_overhead_ratio_is_the_median_of_per_round_ratios(capsys) -> None:
             "saves": 5,
             "nbytes": 1 << 20,
             "blocked_s": 0.001,
+            "saver_blocked_s": 0.0005,
             "save_s": 0.2,
+            "blocked_pairs": [(0.002, 0.001), (0.003, 0.001)],  # trainer blocked, checkpointer's
         }
 
     # per-round ckpt / none: 0.9, 1.0, 0.95 -> median 0.95 (the ratio of the medians would be 2.0 / 2.0 = 1.0)
@@ -115,6 +117,8 @@ def test_train_overhead_ratio_is_the_median_of_per_round_ratios(capsys) -> None:
         out["spread"]["throughput_ratio"]["min"] == pytest.approx(0.9)
         and len(out["load_average"]) == 3
     )
+    # per save: trainer blocked over the checkpointer's own save(): 2.0 and 3.0 -> median 2.5
+    assert out["blocked_vs_checkpointer"] == pytest.approx(2.5)
     printed = capsys.readouterr().out
     assert "within_run_ratio" in printed and "missed" in printed
 
