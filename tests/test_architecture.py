@@ -89,7 +89,6 @@ OVER_CAP: dict[str, int] = {
     "reshard/foreign/megatron_export.py::export_megatron": 81,
     "reshard/posix_copy.py::write_assembled_at": 80,
     "trainer/checkpoint/policy.py": 526,
-    "trainer/train.py": 515,
     "trainer/train.py::create": 86,
     "cli/ckpt_commands.py::gc_command": 79,
     "cli/reshard_commands.py::reshard": 71,
