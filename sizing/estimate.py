@@ -41,7 +41,7 @@ rank really holds. The rest are standard estimates, each with its source:
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from math import prod
 from typing import Any
 
@@ -355,12 +355,7 @@ def unsharded_numels(model: ModelConfig, dims: ParallelDims) -> tuple[list[int],
     """Per stage: (largest transformer block's, root's) parameter elements one rank holds
     while FSDP has them all-gathered (its TP share; expert-parallel experts, never gathered,
     left out). The root is what is not in a block: embedding, final norm, output."""
-    one = ParallelDims(
-        tp=dims.tp,
-        pp=dims.pp,
-        pipeline_split=dims.pipeline_split,
-        virtual_stages=dims.virtual_stages,
-    )
+    one = replace(dims, dp_replicate=1, dp_shard=1, cp=1, expert_parallel=1)
     coords = dict.fromkeys(MESH_AXES, 0)
     blocks: list[Counter] = [Counter() for _ in range(dims.pp)]
     roots = [0] * dims.pp

@@ -3,7 +3,8 @@
 
 Without virtual stages a rank holds one :class:`~shardsmith.trainer.model.Transformer`
 stage. With ``virtual_stages = V`` it holds V model chunks, ``r, r + P, r + 2P, ...``
-(Megatron's interleaved assignment, Narayanan et al. 2021 sec. 2.2.2), in a
+(Megatron's interleaved assignment, Narayanan et al. 2021 sec. 2.2.2), or ``r, 2P - 1 - r``
+under the V-shaped schedules (``zbv``, ``dualpipev``: ``ParallelDims.pipeline_style``), in a
 :class:`ChunkedStage` whose parameter names are the global FQNs, so checkpoints, the
 optimizer and the gradient math see one model, whatever the chunking.
 """
@@ -19,12 +20,22 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining._backward import stage_backward
+from torch.distributed.pipelining._utils import _make_tensor_from_meta
+from torch.distributed.pipelining.schedules import (
+    _add_reduce_grad,
+    _add_send_recv,
+    _add_unshard_reshard,
+    _defer_recv_ops,
+    _PipelineScheduleRuntime,
+)
 
 from shardsmith.errors import ConfigError
 from shardsmith.trainer.moe import uncounted
@@ -36,6 +47,8 @@ SCHEDULES: dict[str, tuple[type, bool]] = {
     "interleaved-1f1b": (ScheduleInterleaved1F1B, True),
     "looped-bfs": (ScheduleLoopedBFS, True),
     "interleaved-zb": (ScheduleInterleavedZeroBubble, True),
+    "zbv": (ScheduleZBVZeroBubble, True),
+    "dualpipev": (ScheduleDualPipeV, True),
 }
 
 
@@ -88,7 +101,71 @@ def chunks_of(model: nn.Module) -> list[tuple[int, nn.Module]]:
     return [(-1, model)]
 
 
-class ShardedGradPipelineStage(PipelineStage):
+class BufferReleasingStage(PipelineStage):
+    """``PipelineStage`` that frees a microbatch's received tensors once its backward ran.
+
+    Upstream (torch 2.13 ``PipelineStage._setup_forward_recv_info`` and
+    ``_setup_backward_recv_info``) allocates, at the first step, one activation receive
+    buffer and one gradient receive buffer per microbatch and keeps them, and the input
+    gradients computed into the activation buffers' ``.grad``, for the rest of the job:
+    ``3 * M`` tensors of the stage's input shape (``(b, s, h)``) on every stage but the
+    first, held through the optimizer step and the next step's forward, where a 1F1B stage
+    needs at most its microbatches in flight. Here a microbatch's buffers are dropped
+    after its backward (input gradients and all: the schedule's pending send keeps its own
+    reference until it completes, on gloo and NCCL alike) and allocated again, empty, when
+    the next step posts the receive. Torch already frees the rest: ``fwd_cache`` (the stage
+    output autograd needs and the inputs) is popped at each backward. Same constructor as
+    ``PipelineStage``.
+    """
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        for info in self.args_recv_info[fwd_chunk_id]:
+            if not info.is_root_arg and _released(info):
+                info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        for info in self.grad_recv_info.get(bwd_chunk_id, ()):
+            if _released(info):
+                info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def backward_one_chunk(
+        self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False
+    ):
+        out = super().backward_one_chunk(
+            bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+        )
+        for info in (
+            *self.args_recv_info.get(bwd_chunk_id, ()),
+            *self.grad_recv_info.get(bwd_chunk_id, ()),
+        ):
+            if not info.is_root_arg and info.buffer is not None and info.tensor_meta is not None:
+                info.buffer = _RELEASED
+        return out
+
+
+#: What a released receive buffer is replaced by (never sent or received into: the next
+#: receive of its microbatch allocates a buffer first).
+_RELEASED = torch.empty(0)
+
+
+def _released(info: Any) -> bool:
+    return info.buffer is _RELEASED and info.tensor_meta is not None
+
+
+def received_nbytes(stage: PipelineStage) -> int:
+    """Bytes of the receive buffers (and their ``.grad``) ``stage`` holds now."""
+    total = 0
+    for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+        for info in infos:
+            for t in (info.buffer, getattr(info.buffer, "grad", None)):
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+    return total
+
+
+class ShardedGradPipelineStage(BufferReleasingStage):
     """``PipelineStage`` that keeps FSDP2 gradients sharded between microbatches.
 
     Upstream (torch 2.13 ``_PipelineStageBase.backward_maybe_with_nosync``) turns FSDP's
@@ -142,5 +219,61 @@ def build_schedule(
     cls, multi = SCHEDULES[name]
     stages = [ShardedGradPipelineStage(m, c, num_chunks, device, group=pp_group) for c, m in chunks]
     if multi:
-        return cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn)
+        schedule = cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn)
+        prefetch_every_chunk(schedule)
+        return schedule
     return cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn)
+
+
+#: torch 2.13's ``_add_unshard_reshard`` default: chunks of a rank gathered at once.
+TORCH_MAX_ACTIVE_STAGES = 3
+
+
+def prefetch_every_chunk(schedule: Any) -> bool:
+    """Let a rank keep all its chunks gathered for the step when they keep their parameters
+    unsharded after forward (FSDP2 ``reshard_after_forward=False``, the one-exchange-per-step
+    policy under pipelining); returns whether the schedule was changed.
+
+    torch 2.13 lowers every multi-chunk runtime schedule with ``_add_unshard_reshard(...,
+    max_active_stages=3)``: with more than 3 chunks per rank, a chunk is resharded (RESHARD)
+    to make room and all-gathered again (UNSHARD) before its next microbatch, several times
+    a step. Lowered again here with ``max_active_stages`` = the rank's chunks: each
+    chunk is gathered once, before its first use, and resharded after its last. With a
+    per-microbatch reshard policy the limit stays (each block reshards after its forward
+    anyway, and gathering every chunk up front would only raise the peak). Called by every
+    rank of the pipeline after building its schedule.
+    """
+    stages = getattr(schedule, "_stages", [])
+    if not isinstance(schedule, _PipelineScheduleRuntime) or len(stages) <= TORCH_MAX_ACTIVE_STAGES:
+        return False
+    if not all(_keeps_unsharded(stage.submod) for stage in stages):
+        return False
+    lower_unshard_reshard(schedule, max_active_stages=len(stages))
+    return True
+
+
+def lower_unshard_reshard(schedule: Any, max_active_stages: int) -> None:
+    """Lower ``schedule``'s compute-only order (``pipeline_order``) again as torch 2.13's
+    ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` does (UNSHARD/RESHARD, the
+    gradient reduction after each chunk's last backward, sends and receives), with at most
+    ``max_active_stages`` chunks gathered at once instead of torch's 3."""
+    order = {
+        rank: _add_reduce_grad(
+            _add_unshard_reshard(actions, max_active_stages=max_active_stages),
+            schedule._n_microbatches,
+        )
+        for rank, actions in schedule.pipeline_order.items()
+    }
+    stage_to_rank = dict(schedule.stage_index_to_group_rank).__getitem__
+    order = _add_send_recv(order, stage_to_rank=stage_to_rank, num_stages=schedule._num_stages)
+    if schedule._defer_pp_recv:
+        order = _defer_recv_ops(order, stage_to_rank=stage_to_rank)
+    schedule.pipeline_order_with_comms = order
+
+
+def _keeps_unsharded(module: nn.Module) -> bool:
+    """Whether every FSDP2 unit in ``module`` keeps its parameters gathered after forward
+    (``reshard_after_forward=False``); False without FSDP (nothing to gather)."""
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    groups = [g for m in units for g in m._get_fsdp_state()._fsdp_param_groups]
+    return bool(groups) and all(g.post_forward_mesh_info is None for g in groups)

@@ -54,7 +54,8 @@ def _with_checkpoint(cfg: TrainConfig, **kwargs: Any) -> TrainConfig:
 
 def task_logits(cfg: TrainConfig, task: dict[str, Any]) -> None:
     """Forward ``task["tokens"]`` through the freshly initialized model; write last-stage logits.
-    Model chunks run in pipeline order; chunk ``c`` lives on pipeline rank ``c % pp``."""
+    Model chunks run in pipeline order; chunk ``c`` lives on pipeline rank
+    ``dims.chunk_rank(c)`` (consecutive chunks on one rank, as in the V style, pass locally)."""
     from shardsmith.trainer.pipeline import chunks_of
 
     trainer = Trainer.create(_with_checkpoint(cfg, resume="none"))
@@ -72,14 +73,18 @@ def task_logits(cfg: TrainConfig, task: dict[str, Any]) -> None:
                 continue
             if c == 0:
                 h = tokens
+            elif c - 1 in mine:  # the previous chunk ran here
+                h = out
             else:
                 h = torch.empty(batch, seq, cfg.model.hidden_size)  # (B, T, D)
-                dist.recv(h, src=dims.rank_of({**coords, "pp": (c - 1) % dims.pp}))
+                dist.recv(h, src=dims.rank_of({**coords, "pp": dims.chunk_rank(c - 1)}))
             out = mine[c](h)
             if isinstance(out, DTensor):  # vocab-sharded logits
                 out = out.full_tensor()
-            if c < dims.num_chunks - 1:
-                dist.send(out.contiguous(), dst=dims.rank_of({**coords, "pp": (c + 1) % dims.pp}))
+            if c < dims.num_chunks - 1 and c + 1 not in mine:
+                dist.send(
+                    out.contiguous(), dst=dims.rank_of({**coords, "pp": dims.chunk_rank(c + 1)})
+                )
         if dims.num_chunks - 1 in mine and cp is not None:  # the whole sequence again
             from shardsmith.trainer.context_parallel import unshard_sequence
 
