@@ -115,8 +115,11 @@ class BufferReleasingStage(PipelineStage):
     reference until it completes, on gloo and NCCL alike) and allocated again, empty, when
     the next step posts the receive. Torch already frees the rest: ``fwd_cache`` (the stage
     output autograd needs and the inputs) is popped at each backward. Same constructor as
-    ``PipelineStage``.
+    ``PipelineStage``; ``release_buffers = False`` on an instance keeps upstream's behaviour
+    (for measurements).
     """
+
+    release_buffers = True
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         for info in self.args_recv_info[fwd_chunk_id]:
@@ -136,6 +139,8 @@ class BufferReleasingStage(PipelineStage):
         out = super().backward_one_chunk(
             bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
         )
+        if not self.release_buffers:
+            return out
         for info in (
             *self.args_recv_info.get(bwd_chunk_id, ()),
             *self.grad_recv_info.get(bwd_chunk_id, ()),
