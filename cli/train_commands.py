@@ -713,7 +713,7 @@ def job_of(cfg: Any) -> Any:
         cfg.parallel,
         micro_batch_size=cfg.micro_batch_size,
         global_batch_size=cfg.global_batch_size,
-        activation_checkpointing=cfg.activation_checkpointing,
+        activation_checkpointing=cfg.ac_policy,
         mixed_precision=cfg.mixed_precision,
         sequence_parallel=cfg.sequence_parallel,
     )
