@@ -125,3 +125,43 @@ def test_every_schedule_trains_alike_and_reshards(tmp_path: Path, data_path: str
         buffers = json.loads((tmp_path / f"buffers-{name}.json").read_text())
         assert buffers["after_step_nbytes"] == [0, 0], name
         assert buffers["upstream_after_step_nbytes"][1] > 0, name
+
+
+SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")
+
+
+def test_v_schedules_with_fsdp_train_alike(tmp_path: Path, data_path: str) -> None:
+    """pp2 x dp_shard 2 (FSDP2), 4 microbatches per rank: interleaved 1F1B equals 1F1B (1e-5)
+    over two steps. The schedules that split backward into input and weight parts
+    (interleaved-zb, which predates the V ones, zbv, dualpipev) do not yet under FSDP: first
+    losses equal, gradient norms off (interleaved-zb 1.5675, zbv 1.5619, dualpipev 2.0213 vs
+    1F1B's 2.3010 at step 1), so they are an expected failure until the per-step gradient
+    exchange (issue 40 item 1) covers split backward."""
+    import dataclasses
+
+    cfg = dataclasses.replace(
+        tiny_train_config(ParallelDims(pp=2, dp_shard=2), data_path), global_batch_size=16
+    )
+    v2 = ParallelDims(pp=2, dp_shard=2, virtual_stages=2).to_json()
+    runs = {"zbv": {"parallel": v2, "pipeline_schedule": "zbv"}}
+    runs["dualpipev"] = {"parallel": v2, "pipeline_schedule": "dualpipev"}
+    loop2 = ParallelDims(pp=2, dp_shard=2, virtual_stages=2).to_json()
+    runs["interleaved-1f1b"] = {"parallel": loop2, "pipeline_schedule": "interleaved-1f1b"}
+    runs["interleaved-zb"] = {"parallel": loop2, "pipeline_schedule": "interleaved-zb"}
+    tasks = [{"kind": "train", "steps": 2, "out": str(tmp_path / "1f1b.json")}]
+    tasks += [
+        {"kind": "train", "steps": 2, "out": str(tmp_path / f"{n}.json"), "set": f}
+        for n, f in runs.items()
+    ]
+    run_torchrun({"config": cfg.to_json(), "tasks": tasks}, 4, tmp_path, "v-fsdp").check()
+    base = json.loads((tmp_path / "1f1b.json").read_text())
+    bad = []
+    for name in runs:
+        got = json.loads((tmp_path / f"{name}.json").read_text())
+        for want, have in zip(base, got, strict=True):
+            for key in ("loss", "grad_norm"):
+                if have[key] != pytest.approx(want[key], rel=1e-5, abs=1e-5):
+                    bad.append((name, want["step"], key, have[key], want[key]))
+    assert not [b for b in bad if b[0] not in SPLIT_BACKWARD], bad
+    if bad:
+        pytest.xfail(f"split backward under FSDP: {bad}")
