@@ -95,7 +95,7 @@ class Config:
     global_batch_size: int
     micro_batch_size: int = 1
     bf16: bool = False
-    ac: bool = False
+    ac: bool | str = False  # True: full; "op" / "N": selective (TrainConfig.ac_policy)
     sp: bool = False
     policy: str = "always"
 
@@ -113,6 +113,15 @@ def _configs() -> dict[str, Config]:
     )
     jobs = (
         Config("llama3-8b", resolve_model("llama3-8b", {}), ParallelDims(tp=2, dp_shard=4), 8),
+        Config(
+            "llama3-8b-sac",
+            resolve_model("llama3-8b", {}),
+            ParallelDims(tp=2, dp_shard=4),
+            8,
+            bf16=True,
+            ac="op",
+            sp=True,
+        ),
         Config(
             "llama3-70b",
             resolve_model("llama3-70b", {}),

@@ -147,12 +147,18 @@ run_options = stack(
         help="bf16 autocast compute with fp32 master weights.",
     ),
     click.option("--bf16", is_flag=True, help="Same as --mixed-precision bf16 (Megatron name)."),
+    click.option(
+        "--activation-checkpointing",
+        type=click.Choice(["full", "selective"]),
+        is_flag=False,
+        flag_value="full",
+        help="Recompute blocks in backward: full (the flag alone) or selective.",
+    ),
     field_option(
         T,
-        "activation_checkpointing",
-        "--activation-checkpointing",
-        is_flag=True,
-        help="Recompute each block in backward.",
+        "selective_ac_option",
+        "--selective-ac-option",
+        help="Selective: 'op' (default) keeps matmul/attention outputs, N recomputes every N-th layer.",
     ),
     field_option(
         T,
@@ -187,8 +193,9 @@ run_options = stack(
         "--pipeline-schedule",
         default="",
         metavar="NAME",
-        help="Pipeline schedule: 1f1b, gpipe, interleaved-1f1b, looped-bfs or interleaved-zb "
-        "(default: interleaved-1f1b with virtual stages, else 1f1b).",
+        help="Pipeline schedule: 1f1b, gpipe, interleaved-1f1b, looped-bfs, interleaved-zb, "
+        "or the V-shaped zbv and dualpipev (with --virtual-stages 2; rank r holds chunks r "
+        "and 2P-1-r) (default: interleaved-1f1b with virtual stages, else 1f1b).",
     ),
     field_option(
         T,
@@ -560,7 +567,7 @@ DIMS_FLAGS = ("tp", "pp", "dp_shard", "dp_replicate", "pipeline_split", "expert_
 def train_config(f: dict[str, Any], world: int | None):
     """Map ``train``'s flags onto :class:`~shardsmith.trainer.config.TrainConfig` (one field each)."""
     from shardsmith.storage.store import parse_storage_options
-    from shardsmith.trainer import DetectConfig, FaultConfig, OptimConfig, TrainConfig
+    from shardsmith.trainer import DetectConfig, FaultConfig, OptimConfig, TrainConfig, ac_fields
     from shardsmith.trainer.checkpoint import CheckpointConfig
     from shardsmith.trainer.data import DataConfig, parse_data_args, resolve_vocab_size
 
@@ -633,20 +640,11 @@ def train_config(f: dict[str, Any], world: int | None):
             )
         ),
         mixed_precision="bf16" if f["bf16"] else f["mixed_precision"],
+        **ac_fields(f["activation_checkpointing"], f["selective_ac_option"]),
         **pick(
-            "steps",
-            "global_batch_size",
-            "micro_batch_size",
-            "seed",
-            "activation_checkpointing",
-            "sequence_parallel",
-            "pipeline_schedule",
-            "fsdp_reshard_after_forward",
-            "compile",
-            "profile_steps",
-            "log_interval",
-            "run_dir",
-            "wandb",
+            *("steps", "global_batch_size", "micro_batch_size", "seed", "sequence_parallel"),
+            *("pipeline_schedule", "fsdp_reshard_after_forward", "compile", "profile_steps"),
+            *("log_interval", "run_dir", "wandb"),
         ),
     )
 
@@ -705,7 +703,9 @@ def job_of(cfg: Any) -> Any:
     from shardsmith.sizing import Job
 
     names = [f.name for f in dataclasses.fields(Job)][2:]  # the step's settings: TrainConfig's too
-    return Job(cfg.model, cfg.parallel, **{name: getattr(cfg, name) for name in names})
+    settings = {name: getattr(cfg, name) for name in names}
+    settings["activation_checkpointing"] = cfg.ac_policy  # full (True) or selective ("op", "N")
+    return Job(cfg.model, cfg.parallel, **settings)
 
 
 def verdict_json(job: Any, est: Any, device: int | None) -> dict[str, Any]:

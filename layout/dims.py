@@ -81,6 +81,11 @@ MESH_AXES: tuple[str, ...] = tuple(a.name for a in MESH_AXIS_TABLE)
 EXTRA_NAME_PARTS: tuple[tuple[str, str], ...] = (("virtual_stages", "v"), ("expert_parallel", "ep"))
 #: Axes every layout name, manifest and short form spells (the non-optional ones).
 REQUIRED_AXES: tuple[str, ...] = tuple(a.name for a in MESH_AXIS_TABLE if not a.optional)
+#: How model chunks are laid on pipeline ranks (torch's ``generate_stage_to_rank_mapping``
+#: styles): ``loop`` (Megatron's interleaving) or ``v`` (ZB-V, DualPipeV).
+PIPELINE_STYLES: tuple[str, ...] = ("loop", "v")
+#: The layout name's last part for ``pipeline_style="v"`` (after the virtual stages).
+V_STYLE_NAME_PART = "vshape"
 
 
 @dataclass(kw_only=True)
@@ -102,6 +107,12 @@ class ParallelDims:
             interleaved 1F1B schedule of Narayanan et al. 2021): rank ``r`` holds chunks
             ``r, r + pp, r + 2*pp, ...``. Not a mesh axis: it moves layers between pipeline
             ranks, never changes a tensor's box or name.
+        pipeline_style: ``loop`` (the above) or ``v``: the V shape of the ZB-V and
+            DualPipeV schedules (Qi et al. 2024 sec. 6; DeepSeek-V3 report sec. 3.2.1), rank
+            ``r`` holding chunks ``r, 2*pp - 1 - r``, then ``2*pp + r, 4*pp - 1 - r``, ...
+            (torch's ``generate_stage_to_rank_mapping(style="v")``): pipeline rank 0 holds
+            the first and the last chunk. Needs ``virtual_stages >= 2``; like virtual
+            stages it moves layers between ranks, never a tensor's box or name.
         expert_parallel: expert-parallel degree, carved out of the dp_shard ranks (1 or
             ``dp_shard``): each rank holds ``E / ep`` whole experts, the box FSDP2 would give
             it along the expert dim, so checkpoints do not change; tokens reach their experts
@@ -116,6 +127,7 @@ class ParallelDims:
     pipeline_split: tuple[int, ...] = field(default=())
     virtual_stages: int = 1
     expert_parallel: int = 1
+    pipeline_style: str = "loop"
 
     def __post_init__(self) -> None:
         for axis in (*MESH_AXES, "virtual_stages", "expert_parallel"):
@@ -126,6 +138,13 @@ class ParallelDims:
             raise ConfigError(
                 f"virtual_stages={self.virtual_stages} needs pp >= 2 (interleaved "
                 "pipeline chunks live on different pipeline ranks)"
+            )
+        if self.pipeline_style not in PIPELINE_STYLES or (
+            self.pipeline_style == "v" and self.virtual_stages < 2
+        ):
+            raise ConfigError(
+                f"pipeline_style={self.pipeline_style!r}: use 'loop', or 'v' with "
+                f"virtual_stages >= 2 (virtual_stages={self.virtual_stages})"
             )
         if self.expert_parallel not in (1, self.dp_shard) or (
             self.expert_parallel > 1 and self.dp_replicate > 1
@@ -153,8 +172,25 @@ class ParallelDims:
         return self.pp * self.virtual_stages
 
     def chunk_ids(self, pp_rank: int) -> tuple[int, ...]:
-        """Model chunks pipeline rank ``pp_rank`` holds: ``r, r + pp, ...`` (Megatron's order)."""
-        return tuple(range(pp_rank, self.num_chunks, self.pp))
+        """Model chunks pipeline rank ``pp_rank`` holds, ascending: ``r, r + pp, ...``
+        (Megatron's order) or, with ``pipeline_style="v"``, ``r, 2*pp - 1 - r, ...``."""
+        if self.pipeline_style == "loop":
+            return tuple(range(pp_rank, self.num_chunks, self.pp))
+        return tuple(
+            k * self.pp + (pp_rank if k % 2 == 0 else self.pp - 1 - pp_rank)
+            for k in range(self.virtual_stages)
+        )
+
+    def chunk_rank(self, chunk: int) -> int:
+        """The pipeline rank holding model chunk ``chunk`` (inverse of :meth:`chunk_ids`).
+
+        Raises:
+            ValueError: ``chunk`` is outside ``range(num_chunks)``.
+        """
+        if not 0 <= chunk < self.num_chunks:
+            raise ValueError(f"chunk {chunk} outside range({self.num_chunks})")
+        k, j = divmod(chunk, self.pp)
+        return j if self.pipeline_style == "loop" or k % 2 == 0 else self.pp - 1 - j
 
     @property
     def world_size(self) -> int:
@@ -214,6 +250,7 @@ class ParallelDims:
         pipeline_split: tuple[int, ...] = (),
         virtual_stages: int = 1,
         expert_parallel: int = 1,
+        pipeline_style: str = "loop",
         **axes: int,
     ) -> "ParallelDims":
         """The layout of a job with ``world_size`` ranks; ``dp_shard=-1`` takes the rest.
@@ -251,6 +288,7 @@ class ParallelDims:
             pipeline_split=pipeline_split,
             virtual_stages=virtual_stages,
             expert_parallel=expert_parallel,
+            pipeline_style=pipeline_style,
         )
         parallel.check_world_size(world_size)
         return parallel
@@ -266,7 +304,8 @@ class ParallelDims:
 
     def describe(self) -> str:
         """The layout name, e.g. ``pp2·dpr1·dps1·tp2``, then virtual stages and expert
-        parallelism when above 1 (``pp2·dpr1·dps4·tp1·ep4``; :meth:`parse` reads it back;
+        parallelism when above 1 (``pp2·dpr1·dps4·tp1·ep4``), then ``vshape`` for the V
+        pipeline style (``pp2·dpr1·dps1·tp1·v2·vshape``; :meth:`parse` reads it back;
         the pipeline split is not part of the name)."""
         parts = [
             f"{a.short}{getattr(self, a.name)}"
@@ -278,6 +317,8 @@ class ParallelDims:
             for name, short in EXTRA_NAME_PARTS
             if getattr(self, name) > 1
         ]
+        if self.pipeline_style == "v":
+            parts.append(V_STYLE_NAME_PART)
         return "·".join(parts)
 
     @classmethod
@@ -304,6 +345,9 @@ class ParallelDims:
             for field_name, short in EXTRA_NAME_PARTS if sizes else ():
                 if rest and rest[0].startswith(short) and rest[0][len(short) :].isdigit():
                     sizes[field_name] = int(rest.pop(0)[len(short) :])
+            if sizes and rest == [V_STYLE_NAME_PART]:
+                rest.pop()
+                sizes["pipeline_style"] = "v"
             sizes = sizes if not rest else {}
         if not sizes:
             raise ConfigError(
@@ -315,8 +359,8 @@ class ParallelDims:
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe dict of every field (optional axes, ``virtual_stages`` and
-        ``expert_parallel`` only when not 1, so layouts without them write the bytes they
-        always wrote)."""
+        ``expert_parallel`` only when not 1, ``pipeline_style`` only when not ``loop``, so
+        layouts without them write the bytes they always wrote)."""
         out: dict[str, Any] = {
             a.name: getattr(self, a.name)
             for a in MESH_AXIS_TABLE
@@ -327,6 +371,8 @@ class ParallelDims:
             out["virtual_stages"] = self.virtual_stages
         if self.expert_parallel > 1:
             out["expert_parallel"] = self.expert_parallel
+        if self.pipeline_style != "loop":
+            out["pipeline_style"] = self.pipeline_style
         return out
 
     @classmethod
@@ -341,4 +387,5 @@ class ParallelDims:
             pipeline_split=tuple(data.get("pipeline_split", ())),
             virtual_stages=int(data.get("virtual_stages", 1)),
             expert_parallel=int(data.get("expert_parallel", 1)),
+            pipeline_style=str(data.get("pipeline_style", "loop")),
         )

@@ -273,6 +273,11 @@ def validate_layout(model: ModelConfig, dims: ParallelDims) -> None:
             f"expert_parallel={dims.expert_parallel} needs a MoE model whose num_experts="
             f"{model.num_experts} it divides (--num-experts)"
         )
+    if model.tie_embeddings and dims.pipeline_style == "v":
+        raise LayoutError(
+            "tied embeddings with the V pipeline style (zbv, dualpipev) would put both copies "
+            "on pipeline rank 0 as two modules; untie them or use a loop schedule"
+        )
     stage_layers(model, dims)
 
 

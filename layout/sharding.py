@@ -251,7 +251,7 @@ def param_specs(
     validate_layout(model, dims)
     stages = stage_layers(model, dims)
     stage_of = {layer: s for s, layers in enumerate(stages) for layer in layers}
-    last = dims.pp - 1
+    last = dims.chunk_rank(dims.num_chunks - 1)  # the rank holding the output (V: rank 0)
     vocab_pad = padded_vocab_size(model.vocab_size, dims.tp)
     specs: dict[str, TensorSpec] = {}
     for fqn, shape, layer in _param_shapes(model):

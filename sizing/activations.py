@@ -19,6 +19,15 @@ autocast with FSDP's bf16 parameters, 4 in fp32), hidden ``h``, FFN width ``f``,
 * with activation checkpointing (``torch.utils.checkpoint``, non-reentrant) a layer keeps
   only its input, ``c*h`` (``/t`` under sequence parallelism), and the layer being
   recomputed in backward holds its full set once;
+* with per-op selective checkpointing (``--activation-checkpointing selective``, option
+  ``op``: :func:`shardsmith.trainer.model.op_sac_contexts`) a layer keeps its input
+  ``c*h`` (``/t`` under sequence parallelism) and the outputs of the matmuls and the
+  attention kernel the policy saves: ``wq`` ``c*q/t``, ``wv`` ``c*k`` (``k`` its TP-local
+  width, at least one head), the attention output ``c*q/t`` and its fp32 log-sum-exp
+  ``4*heads/t``, ``w1`` ``c*f/t``, ``w2``'s partial sums ``c*h`` and, under sequence
+  parallelism, the two reduce-scatter outputs ``2*c*h/t``; ``wk``, ``wo``, ``w3`` and every
+  elementwise op are recomputed (a MoE layer is counted as a dense one of width
+  ``topk * expert_ffn``); the layer being recomputed in backward holds its full set once;
 * the last stage's loss: logits ``(b, s, V/t)`` in ``c`` bytes, their fp32 copy
   (``loss_fn``'s ``.float()``; none in fp32), the log-softmax of the vocab-parallel cross
   entropy and its gradient, 4 bytes each.
@@ -54,6 +63,24 @@ def checkpointed_layer_nbytes_per_token(
 ) -> float:
     """Bytes a layer under activation checkpointing keeps, per token: its input (module doc)."""
     return c * model.hidden_size / (tp if sequence_parallel and tp > 1 else 1)
+
+
+def selective_layer_nbytes_per_token(
+    model: ModelConfig, tp: int, c: int, *, sequence_parallel: bool = False
+) -> float:
+    """Bytes a layer under per-op selective activation checkpointing keeps, per token
+    (module doc)."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    q = heads * model.head_dim
+    f = (
+        model.expert_ffn_size * model.moe_router_topk
+        if model.num_experts
+        else model.ffn_hidden_size
+    )
+    kv = max(model.num_kv_heads // tp, 1) * model.head_dim
+    sp = sequence_parallel and tp > 1
+    kept = c * h / (tp if sp else 1) + 2 * c * q / tp + c * kv + 4 * heads / tp + c * f / tp + c * h
+    return kept + (2 * c * h / tp if sp else 0)
 
 
 def loss_nbytes_per_token(vocab_per_rank: int, c: int) -> float:

@@ -41,7 +41,8 @@ rank really holds. The rest are standard estimates, each with its source:
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from math import prod
 from typing import Any
 
@@ -111,15 +112,21 @@ def activation_nbytes_per_layer(
     tp: int,
     *,
     bytes_per_value: int = 2,
-    recompute: bool = False,
+    recompute: bool | str = False,
     sequence_parallel: bool = False,
     cp: int = 1,
 ) -> int:
     """Activation bytes one transformer layer keeps for one microbatch: ``s/cp * b`` times the
     per-token counts of :mod:`shardsmith.sizing.activations` (``recompute``: only the layer
-    input, ``c*h``, over t with sequence parallelism); ``cp`` > 1 adds the K/V of the whole
+    input, ``c*h``, over t with sequence parallelism; ``"op"``: what per-op selective
+    checkpointing keeps); ``cp`` > 1 adds the K/V of the whole
     sequence that the layer's all-gather brought in and backward keeps."""
     tokens = model.seq_length // cp * micro_batch_size
+    if recompute == "op":
+        per_token = act.selective_layer_nbytes_per_token
+        return int(
+            tokens * per_token(model, tp, bytes_per_value, sequence_parallel=sequence_parallel)
+        )
     if recompute:
         return int(
             tokens
@@ -324,32 +331,30 @@ def _activation_nbytes(
     model: ModelConfig,
     dims: ParallelDims,
     stage: int,
-    num_layers: int,
+    layers: tuple[int, ...],
     micro_batch_size: int,
     num_microbatches: int,
     bytes_per_value: int,
-    recompute: bool,
+    recompute: bool | str,
     sequence_parallel: bool = False,
 ) -> tuple[int, int]:
-    """(activation bytes, microbatches in flight) of one rank of ``stage``: its layers'
-    saved activations times the 1F1B stage's ``min(P - stage, M)`` microbatches in flight
-    (x ``1 + (P-1)/(P*V)`` interleaved; Korthikanti et al. sec. 4.2.3), the stage's input of
-    each in-flight microbatch off stage 0, and with recomputation the one layer whose full set
-    backward rebuilds (:mod:`shardsmith.sizing.activations`)."""
-    in_flight = min(dims.pp - stage, num_microbatches)
+    """(activation bytes, microbatches in flight) of one rank of ``stage`` holding ``layers``
+    (recompute True, "op" or "N" as apply_ac): kept activations x ``min(P - stage, M)`` in
+    flight (x ``1 + (P-1)/(P*V)`` interleaved, Korthikanti et al. 4.2.3; V style ``min(P, M)``,
+    Qi et al. 2024 sec. 6), the received input, and the one layer backward rebuilds."""
+    in_flight = min(dims.pp if dims.pipeline_style == "v" else dims.pp - stage, num_microbatches)
     kw = {"bytes_per_value": bytes_per_value, "sequence_parallel": sequence_parallel, "cp": dims.cp}
-    per_layer = activation_nbytes_per_layer(
-        model, micro_batch_size, dims.tp, recompute=recompute, **kw
-    )
-    total = num_layers * per_layer * in_flight
-    if stage > 0 and not recompute:  # the received input (the first layer keeps only a copy)
-        total += in_flight * activation_nbytes_per_layer(
-            model, micro_batch_size, dims.tp, recompute=True, **kw
-        )
-    if dims.virtual_stages > 1:  # interleaved 1F1B (Korthikanti et al. sec. 4.2.3)
+    every = int(recompute) if isinstance(recompute, str) and recompute.isdigit() else 0
+    redone = [bool(recompute) and (not every or (i + 1) % every == 0) for i in layers]
+    per_layer = partial(activation_nbytes_per_layer, model, micro_batch_size, dims.tp, **kw)
+    kept, plain = per_layer(recompute=every > 0 or recompute), per_layer()
+    total = sum(kept if r else plain for r in redone) * in_flight
+    if stage > 0 and layers and not redone[0]:  # the received input (the first layer: a copy)
+        total += in_flight * per_layer(recompute=True)
+    if dims.virtual_stages > 1 and dims.pipeline_style == "loop":  # Korthikanti sec. 4.2.3
         total = int(total * (1 + (dims.pp - 1) / (dims.pp * dims.virtual_stages)))
-    if recompute and num_layers:
-        total += activation_nbytes_per_layer(model, micro_batch_size, dims.tp, **kw)
+    if any(redone):
+        total += plain
     return total, in_flight
 
 
@@ -357,12 +362,7 @@ def unsharded_numels(model: ModelConfig, dims: ParallelDims) -> tuple[list[int],
     """Per stage: (largest transformer block's, root's) parameter elements one rank holds
     while FSDP has them all-gathered (its TP share; expert-parallel experts, never gathered,
     left out). The root is what is not in a block: embedding, final norm, output."""
-    one = ParallelDims(
-        tp=dims.tp,
-        pp=dims.pp,
-        pipeline_split=dims.pipeline_split,
-        virtual_stages=dims.virtual_stages,
-    )
+    one = replace(dims, dp_replicate=1, dp_shard=1, cp=1, expert_parallel=1)
     coords = dict.fromkeys(MESH_AXES, 0)
     blocks: list[Counter] = [Counter() for _ in range(dims.pp)]
     roots = [0] * dims.pp
@@ -439,7 +439,7 @@ def estimate(
     *,
     micro_batch_size: int,
     global_batch_size: int,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | str = False,
     mixed_precision: str = "fp32",
     sequence_parallel: bool = False,
     first_rank_only: bool = False,
@@ -485,7 +485,7 @@ def estimate(
             model,
             dims,
             stage,
-            len(stage_layers(model, dims)[stage]),
+            stage_layers(model, dims)[stage],
             micro_batch_size,
             num_microbatches,
             c,

@@ -96,8 +96,9 @@ def stage_transient(
     embedding = (
         padded_vocab_size(model.vocab_size, dims.tp) * model.hidden_size if stage == 0 else 0
     )
-    loss = loss_nbytes(model, dims, micro_batch_size, c) if stage == dims.pp - 1 else 0
-    early = c * max(0, root_grad - embedding) if stage == dims.pp - 1 else 0
+    last = stage == dims.chunk_rank(dims.num_chunks - 1)  # the V pipeline style: rank 0
+    loss = loss_nbytes(model, dims, micro_batch_size, c) if last else 0
+    early = c * max(0, root_grad - embedding) if last else 0
     return {
         "fsdp_buffer_nbytes": buffers,
         "root_grad_nbytes": c * root_grad,

@@ -30,7 +30,7 @@ class Job:
     dims: ParallelDims
     micro_batch_size: int
     global_batch_size: int
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False  # True (full), "op" or "N" (selective)
     mixed_precision: str = "fp32"
     sequence_parallel: bool = False
     fsdp_reshard_after_forward: str = "default"
@@ -68,7 +68,9 @@ class Job:
             out += ["--expert-parallel", str(d.expert_parallel)]
         if self.mixed_precision == "bf16":
             out += ["--mixed-precision", "bf16"]
-        if self.activation_checkpointing:
+        if isinstance(self.activation_checkpointing, str) and self.activation_checkpointing:
+            out += ["--selective-ac-option", self.activation_checkpointing]
+        elif self.activation_checkpointing:
             out.append("--activation-checkpointing")
         if self.sequence_parallel:
             out.append("--sequence-parallel")
@@ -117,6 +119,9 @@ def _candidates(job: Job) -> list[tuple[str, Job]]:
             )
         )
     if not job.activation_checkpointing:
+        sac = replace(job, activation_checkpointing="op")
+        out.append(("--activation-checkpointing selective", sac))
+    if job.activation_checkpointing is not True:
         out.append(("--activation-checkpointing", replace(job, activation_checkpointing=True)))
     for axis, flag in (("tp", "--tp"), ("pp", "--pp")):
         if d.dp_shard % 2 == 0:

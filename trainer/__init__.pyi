@@ -2,6 +2,7 @@
 # (attach_stub), so a name's module is imported on first use; type checkers read it as is.
 
 from .config import TrainConfig as TrainConfig
+from .config import ac_fields as ac_fields
 from .detect import DetectConfig as DetectConfig
 from .fault import FaultConfig as FaultConfig
 from .optim import OptimConfig as OptimConfig

@@ -44,8 +44,22 @@ PIPELINE_SCHEDULES: tuple[str, ...] = (
     "interleaved-1f1b",
     "looped-bfs",
     "interleaved-zb",
+    "zbv",
+    "dualpipev",
 )
 SINGLE_STAGE_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
+#: Schedules whose two chunks per rank form a V (``ParallelDims.pipeline_style = "v"``):
+#: torch's ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``, both exactly 2 chunks per rank.
+V_SHAPED_SCHEDULES: tuple[str, ...] = ("zbv", "dualpipev")
+
+
+def ac_fields(mode: str | None, selective_option: str = "") -> dict[str, Any]:
+    """The :class:`TrainConfig` fields of ``--activation-checkpointing [full|selective]`` and
+    ``--selective-ac-option``: ``selective`` without an option is per op (``op``); an
+    option without a mode is selective."""
+    if mode == "selective" or (mode is None and selective_option):
+        return {"activation_checkpointing": False, "selective_ac_option": selective_option or "op"}
+    return {"activation_checkpointing": mode == "full", "selective_ac_option": selective_option}
 
 
 def default_schedule(virtual_stages: int) -> str:
@@ -100,12 +114,21 @@ class TrainConfig:
             microbatches) makes up the rest: ``global / (micro * dp)`` per rank.
         seed: model init and data order.
         mixed_precision: ``fp32`` or ``bf16`` (autocast compute, fp32 master weights).
-        activation_checkpointing: recompute each block in backward.
+        activation_checkpointing: recompute each block in backward (full activation
+            checkpointing).
+        selective_ac_option: selective activation checkpointing (torchtitan's
+            ``selective_ac_option``; ``--activation-checkpointing selective``): ``op``
+            recomputes each block but its matmul and attention outputs (every second matmul
+            recomputed too), ``N`` recomputes every N-th layer whole; empty = off. Exclusive
+            with ``activation_checkpointing``.
         sequence_parallel: with tp > 1, shard norms and the residual stream along the
             sequence over the TP group (Megatron's ``--sequence-parallel``); no checkpoint change.
-        pipeline_schedule: ``1f1b``, ``gpipe``, ``interleaved-1f1b``, ``looped-bfs`` or
-            ``interleaved-zb`` (:data:`shardsmith.trainer.pipeline.SCHEDULES`); empty =
-            ``interleaved-1f1b`` with virtual stages, else ``1f1b``.
+        pipeline_schedule: ``1f1b``, ``gpipe``, ``interleaved-1f1b``, ``looped-bfs``,
+            ``interleaved-zb``, ``zbv`` or ``dualpipev``
+            (:data:`shardsmith.trainer.pipeline.SCHEDULES`); empty = ``interleaved-1f1b``
+            with virtual stages (``zbv`` under the V pipeline style), else ``1f1b``. The
+            schedule decides ``parallel.pipeline_style``: ``v`` for :data:`V_SHAPED_SCHEDULES`
+            (set here), ``loop`` for the others.
         fsdp_reshard_after_forward: ``default``, ``always`` or ``never``
             (:mod:`shardsmith.layout.fsdp_policy`; torchtitan's option of the same name):
             ``default`` exchanges a stage's parameters and gradients once per step under
@@ -135,6 +158,7 @@ class TrainConfig:
     seed: int = 1234
     mixed_precision: str = "fp32"
     activation_checkpointing: bool = False
+    selective_ac_option: str = ""
     sequence_parallel: bool = False
     pipeline_schedule: str = ""
     fsdp_reshard_after_forward: str = "default"
@@ -171,6 +195,17 @@ class TrainConfig:
                 f"fsdp_reshard_after_forward={self.fsdp_reshard_after_forward!r}: choose one of "
                 f"{', '.join(FSDP_RESHARD_POLICIES)}"
             )
+        self._apply_pipeline_style()
+        option = self.selective_ac_option
+        if option and not (option == "op" or (option.isdigit() and int(option) >= 1)):
+            raise ConfigError(
+                f"selective_ac_option={option!r}: use 'op' (per op) or a layer frequency N >= 1"
+            )
+        if option and self.activation_checkpointing:
+            raise ConfigError(
+                "activation checkpointing is full or selective, not both: drop "
+                "--activation-checkpointing or --selective-ac-option"
+            )
         if self.log_interval < 0:
             raise ConfigError(f"log_interval={self.log_interval}: must be >= 0 (0 = never print)")
 
@@ -203,6 +238,38 @@ class TrainConfig:
                 f"--simulate-nodes {nodes} does not divide the world size {dims.world_size}"
             )
         return num_microbatches
+
+    @property
+    def ac_policy(self) -> bool | str:
+        """What :func:`shardsmith.trainer.parallel.apply_ac` does to each block: the selective
+        option when set, else whether full activation checkpointing is on."""
+        return self.selective_ac_option or self.activation_checkpointing
+
+    def _apply_pipeline_style(self) -> None:
+        """Make ``parallel.pipeline_style`` follow the schedule (:data:`V_SHAPED_SCHEDULES`:
+        ``v``; another named schedule: ``loop``; none named: the style decides, ``zbv`` for
+        ``v``), and check what the V-shaped schedules need (torch 2.13: exactly two chunks
+        per rank; DualPipeV at least ``2 * pp`` microbatches)."""
+        schedule, parallel = self.pipeline_schedule, self.parallel
+        if not schedule and parallel.pipeline_style == "v":
+            schedule = self.pipeline_schedule = V_SHAPED_SCHEDULES[0]
+        if schedule not in V_SHAPED_SCHEDULES:
+            if schedule and parallel.pipeline_style != "loop":
+                self.parallel = dataclasses.replace(parallel, pipeline_style="loop")
+            return
+        if parallel.virtual_stages != 2:
+            raise ConfigError(
+                f"pipeline_schedule={schedule!r} runs two model chunks per pipeline rank in a V; "
+                f"pass --virtual-stages 2 (virtual_stages={parallel.virtual_stages})"
+            )
+        if schedule == "dualpipev" and self.num_microbatches() < parallel.num_chunks:
+            raise ConfigError(
+                f"pipeline_schedule='dualpipev' needs at least 2 x pp = {parallel.num_chunks} "
+                f"microbatches per rank, got {self.num_microbatches()}; raise the global batch "
+                "or lower the micro batch size"
+            )
+        if parallel.pipeline_style != "v":
+            self.parallel = dataclasses.replace(parallel, pipeline_style="v")
 
     def num_microbatches(self) -> int:
         """Microbatches per rank per step; raises ConfigError when the batch does not divide."""
@@ -245,6 +312,7 @@ class TrainConfig:
             ("sequence_parallel", False),
             ("pipeline_schedule", ""),
             ("fsdp_reshard_after_forward", "default"),
+            ("selective_ac_option", ""),
             ("compile", False),
             ("profile_steps", ()),
             ("wandb", False),

@@ -18,7 +18,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 from shardsmith.layout import ModelConfig
 from shardsmith.trainer.moe import MoEFeedForward
@@ -124,9 +129,48 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+#: Ops whose outputs per-op selective activation checkpointing keeps (torchtitan's
+#: ``_save_list``, plus the CPU attention kernel): matmuls, attention, the sequence-parallel
+#: reduce-scatter and max; everything else is recomputed in backward.
+SAC_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops.aten.max.default,
+}
+
+
+def op_sac_contexts() -> tuple[Any, Any]:
+    """``torch.utils.checkpoint`` contexts of per-op selective activation checkpointing, one
+    pair per block call (torchtitan's ``apply_ac`` with ``selective_ac_option="op"``): keep
+    the outputs of :data:`SAC_SAVE_OPS` except every second matmul (counted from the block's
+    first; in shardsmith's dense block wq, wv, w1 and w2 are kept, wk, wo and w3 recomputed),
+    recompute the rest. The count restarts at every call, so forward and recomputation
+    agree and every microbatch keeps the same tensors."""
+    mm_count = {False: 0, True: 0}  # is_recompute -> matmuls seen in this call
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func == torch.ops.aten.mm.default:
+            mm_count[ctx.is_recompute] += 1
+            if mm_count[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        if func in SAC_SAVE_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x)); the FFN is a mixture of
-    experts (:mod:`shardsmith.trainer.moe`) when ``moe``."""
+    experts (:mod:`shardsmith.trainer.moe`) when ``moe``.
+
+    ``activation_checkpointing``: recompute the block in backward (``torch.utils.checkpoint``,
+    non-reentrant), keeping what ``checkpoint_contexts`` says (default: only its inputs;
+    :func:`op_sac_contexts` for per-op selective checkpointing)."""
 
     def __init__(self, cfg: ModelConfig, kv_copies: int = 1, moe: bool = False) -> None:
         super().__init__()
@@ -135,6 +179,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.feed_forward = MoEFeedForward(cfg) if moe else FeedForward(cfg)
         self.activation_checkpointing = False
+        self.checkpoint_contexts: Any = noop_context_fn
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -142,7 +187,9 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.activation_checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+            return checkpoint(
+                self._forward, x, cos, sin, use_reentrant=False, context_fn=self.checkpoint_contexts
+            )
         return self._forward(x, cos, sin)
 
 

@@ -50,7 +50,7 @@ from shardsmith.layout import (
     tp_module_key,
 )
 from shardsmith.trainer.context_parallel import attach, context_parallel, fsdp_mesh
-from shardsmith.trainer.model import Transformer
+from shardsmith.trainer.model import Transformer, op_sac_contexts
 from shardsmith.trainer.moe import (
     EXPERT_TP_DIMS,
     MoEFeedForward,
@@ -163,7 +163,7 @@ def build_stage_model(
     *,
     seed: int,
     bf16: bool = False,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | str = False,
     sequence_parallel: bool = False,
     compile: bool = False,
     reshard_after_forward: bool = True,
@@ -368,13 +368,28 @@ def apply_compile(model: Transformer, backend: str = "inductor") -> None:
         block.compile(backend=backend)
 
 
+def apply_ac(model: Transformer, policy: bool | str) -> None:
+    """Activation checkpointing of each block (torchtitan's ``apply_ac`` modes), in place:
+    ``True``/``"full"`` recomputes every block, ``"op"`` every block but the ops
+    :func:`shardsmith.trainer.model.op_sac_contexts` keeps, a number ``"N"`` every N-th
+    layer by global index (layers ``N-1, 2N-1, ...``, so every layout recomputes the same
+    layers), ``False``/``""`` none (:attr:`TrainConfig.ac_policy`)."""
+    for name, block in model.layers.items():
+        if policy == "op":
+            block.activation_checkpointing, block.checkpoint_contexts = True, op_sac_contexts
+        elif isinstance(policy, str) and policy.isdigit():
+            block.activation_checkpointing = (int(name) + 1) % int(policy) == 0
+        else:
+            block.activation_checkpointing = bool(policy)
+
+
 def parallelize(
     model: Transformer,
     mesh: DeviceMesh,
     dims: ParallelDims,
     *,
     bf16: bool,
-    activation_checkpointing: bool,
+    activation_checkpointing: bool | str,
     sequence_parallel: bool = False,
     compile: bool = False,
     reshard_after_forward: bool = True,
@@ -382,8 +397,7 @@ def parallelize(
     """Apply activation checkpointing, TP (with sequence parallelism when asked), per-block
     ``torch.compile`` and FSDP2 (:func:`apply_fsdp`, ``reshard_after_forward``) to one stage's
     model, in place (torchtitan's order)."""
-    for block in model.layers.values():
-        block.activation_checkpointing = activation_checkpointing
+    apply_ac(model, activation_checkpointing)
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel)
     if compile:

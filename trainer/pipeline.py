@@ -3,7 +3,8 @@
 
 Without virtual stages a rank holds one :class:`~shardsmith.trainer.model.Transformer`
 stage. With ``virtual_stages = V`` it holds V model chunks, ``r, r + P, r + 2P, ...``
-(Megatron's interleaved assignment, Narayanan et al. 2021 sec. 2.2.2), in a
+(Megatron's interleaved assignment, Narayanan et al. 2021 sec. 2.2.2), or ``r, 2P - 1 - r``
+under the V-shaped schedules (``zbv``, ``dualpipev``: ``ParallelDims.pipeline_style``), in a
 :class:`ChunkedStage` whose parameter names are the global FQNs, so checkpoints, the
 optimizer and the gradient math see one model, whatever the chunking.
 """
@@ -19,12 +20,22 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining._backward import stage_backward
+from torch.distributed.pipelining._utils import _make_tensor_from_meta
+from torch.distributed.pipelining.schedules import (
+    _add_reduce_grad,
+    _add_send_recv,
+    _add_unshard_reshard,
+    _defer_recv_ops,
+    _PipelineScheduleRuntime,
+)
 
 from shardsmith.errors import ConfigError
 from shardsmith.trainer.config import default_schedule
@@ -37,6 +48,8 @@ SCHEDULES: dict[str, tuple[type, bool]] = {
     "interleaved-1f1b": (ScheduleInterleaved1F1B, True),
     "looped-bfs": (ScheduleLoopedBFS, True),
     "interleaved-zb": (ScheduleInterleavedZeroBubble, True),
+    "zbv": (ScheduleZBVZeroBubble, True),
+    "dualpipev": (ScheduleDualPipeV, True),
 }
 
 
@@ -84,10 +97,80 @@ def chunks_of(model: nn.Module) -> list[tuple[int, nn.Module]]:
     return [(-1, model)]
 
 
-class FsdpPipelineStage(PipelineStage):
+class BufferReleasingStage(PipelineStage):
+    """``PipelineStage`` that frees a microbatch's received tensors once its backward ran.
+
+    Upstream (torch 2.13 ``PipelineStage._setup_forward_recv_info`` and
+    ``_setup_backward_recv_info``) allocates, at the first step, one activation receive
+    buffer and one gradient receive buffer per microbatch and keeps them, and the input
+    gradients computed into the activation buffers' ``.grad``, for the rest of the job:
+    ``3 * M`` tensors of the stage's input shape (``(b, s, h)``) on every stage but the
+    first, held through the optimizer step and the next step's forward, where a 1F1B stage
+    needs at most its microbatches in flight. Here a microbatch's buffers are dropped
+    after its backward (input gradients and all: the schedule's pending send keeps its own
+    reference until it completes, on gloo and NCCL alike) and allocated again, empty, when
+    the next step posts the receive. Torch already frees the rest: ``fwd_cache`` (the stage
+    output autograd needs and the inputs) is popped at each backward. Same constructor as
+    ``PipelineStage``; ``release_buffers = False`` on an instance keeps upstream's behaviour
+    (for measurements).
+    """
+
+    release_buffers = True
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        for info in self.args_recv_info[fwd_chunk_id]:
+            if not info.is_root_arg and _released(info):
+                info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        for info in self.grad_recv_info.get(bwd_chunk_id, ()):
+            if _released(info):
+                info.buffer = _make_tensor_from_meta(info.tensor_meta, self.device)
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def backward_one_chunk(
+        self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False
+    ):
+        out = super().backward_one_chunk(
+            bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+        )
+        if not self.release_buffers:
+            return out
+        for info in (
+            *self.args_recv_info.get(bwd_chunk_id, ()),
+            *self.grad_recv_info.get(bwd_chunk_id, ()),
+        ):
+            if not info.is_root_arg and info.buffer is not None and info.tensor_meta is not None:
+                info.buffer = _RELEASED
+        return out
+
+
+#: What a released receive buffer is replaced by (never sent or received into: the next
+#: receive of its microbatch allocates a buffer first).
+_RELEASED = torch.empty(0)
+
+
+def _released(info: Any) -> bool:
+    return info.buffer is _RELEASED and info.tensor_meta is not None
+
+
+def received_nbytes(stage: PipelineStage) -> int:
+    """Bytes of the receive buffers (and their ``.grad``) ``stage`` holds now."""
+    total = 0
+    for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+        for info in infos:
+            for t in (info.buffer, getattr(info.buffer, "grad", None)):
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+    return total
+
+
+class FsdpPipelineStage(BufferReleasingStage):
     """``PipelineStage`` that exchanges FSDP2 parameters and gradients as the job's policy says
     (:mod:`shardsmith.layout.fsdp_policy`). Same constructor as ``PipelineStage`` plus
-    ``per_microbatch``; every rank of a stage uses it.
+    ``per_microbatch``; every rank of a stage uses it. Frees received buffers as
+    :class:`BufferReleasingStage` does.
 
     * ``per_microbatch=False`` (``never``; ``default`` under pipelining): upstream behaviour
       (torch 2.13 ``_PipelineStageBase.backward_maybe_with_nosync``): no gradient sync and no
@@ -149,31 +232,21 @@ def splits_backward(schedule: Any) -> bool:
     )
 
 
-def keep_chunks_gathered(schedule: Any, num_chunks: int) -> None:
-    """Lower a multi-chunk torch schedule again so that all ``num_chunks`` chunks of this rank
-    stay gathered through the step. torch's lowering (``_add_unshard_reshard``) keeps at most
-    ``max_active_stages=3`` chunks unsharded, re-gathering the others within the step; with
-    parameters kept gathered after forward that would all-gather a chunk several times per
-    step. Same passes as ``_PipelineScheduleRuntime._prepare_schedule_with_comms``, with the
-    window widened to every chunk. No-op for three chunks or fewer."""
-    if num_chunks <= 3 or not hasattr(schedule, "pipeline_order_with_comms"):
-        return
-    from torch.distributed.pipelining import schedules as torch_schedules
+#: torch 2.13's ``_add_unshard_reshard`` default: chunks of a rank gathered at once.
+TORCH_MAX_ACTIVE_STAGES = 3
 
-    lowered = {
-        rank: torch_schedules._add_reduce_grad(
-            torch_schedules._add_unshard_reshard(actions, max_active_stages=num_chunks),
-            schedule._n_microbatches,
-        )
-        for rank, actions in schedule.pipeline_order.items()
-    }
-    stage_rank = schedule.stage_index_to_group_rank
-    order = torch_schedules._add_send_recv(
-        lowered, stage_to_rank=lambda s: stage_rank[s], num_stages=schedule._num_stages
-    )
-    if getattr(schedule, "_defer_pp_recv", False):
-        order = torch_schedules._defer_recv_ops(order, stage_to_rank=lambda s: stage_rank[s])
-    schedule.pipeline_order_with_comms = order
+
+def keep_chunks_gathered(schedule: Any, num_chunks: int) -> None:
+    """Let this rank keep all its ``num_chunks`` chunks gathered through the step (the
+    once-per-step exchange: FSDP2 ``reshard_after_forward=False``). torch 2.13 lowers every
+    multi-chunk runtime schedule with ``_add_unshard_reshard(..., max_active_stages=3)``: with
+    more than 3 chunks per rank a chunk is resharded to make room and all-gathered again before
+    its next microbatch, several times a step. Lowered again here with the window widened to
+    every chunk (:func:`lower_unshard_reshard`): each chunk is gathered once, before its first
+    use, and resharded after its last. No-op for three chunks or fewer. Called by every rank
+    of the pipeline after building its schedule."""
+    if num_chunks > TORCH_MAX_ACTIVE_STAGES and isinstance(schedule, _PipelineScheduleRuntime):
+        lower_unshard_reshard(schedule, max_active_stages=num_chunks)
 
 
 def build_schedule(
@@ -214,3 +287,22 @@ def build_schedule(
             keep_chunks_gathered(schedule, len(stages))
         return schedule
     return cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn)
+
+
+def lower_unshard_reshard(schedule: Any, max_active_stages: int) -> None:
+    """Lower ``schedule``'s compute-only order (``pipeline_order``) again as torch 2.13's
+    ``_PipelineScheduleRuntime._prepare_schedule_with_comms`` does (UNSHARD/RESHARD, the
+    gradient reduction after each chunk's last backward, sends and receives), with at most
+    ``max_active_stages`` chunks gathered at once instead of torch's 3."""
+    order = {
+        rank: _add_reduce_grad(
+            _add_unshard_reshard(actions, max_active_stages=max_active_stages),
+            schedule._n_microbatches,
+        )
+        for rank, actions in schedule.pipeline_order.items()
+    }
+    stage_to_rank = dict(schedule.stage_index_to_group_rank).__getitem__
+    order = _add_send_recv(order, stage_to_rank=stage_to_rank, num_stages=schedule._num_stages)
+    if schedule._defer_pp_recv:
+        order = _defer_recv_ops(order, stage_to_rank=stage_to_rank)
+    schedule.pipeline_order_with_comms = order

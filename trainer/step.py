@@ -200,16 +200,20 @@ class StepMath:
 
     def _pipelined(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses: list[torch.Tensor] = []
+        first, last = self._holds_first_and_last()
+        args = (inputs,) if first else ()
+        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if last else {}
         with self._loss_ctx(), self._autocast():
-            if self.coords["pp"] == 0:
-                self.schedule.step(inputs)
-            elif self.coords["pp"] == self.parallel.pp - 1:
-                self.schedule.step(target=targets, losses=losses)
-            else:
-                self.schedule.step()
+            self.schedule.step(*args, **kwargs)
         if not losses:
             return torch.zeros(())
         return torch.stack([_plain(loss).float() for loss in losses]).mean()
+
+    def _holds_first_and_last(self) -> tuple[bool, bool]:
+        """Whether this rank holds the first and the last model chunk (the V pipeline style
+        puts both on pipeline rank 0)."""
+        pp, parallel = self.coords["pp"], self.parallel
+        return parallel.chunk_rank(0) == pp, parallel.chunk_rank(parallel.num_chunks - 1) == pp
 
     def grad_norm_and_clip(self) -> float:
         """Global L2 norm of all gradients, then clip to :attr:`grad_clip` (collective).
@@ -247,7 +251,7 @@ class StepMath:
     def global_loss(self, local: torch.Tensor) -> float:
         """Mean loss over the global batch: last-stage, tp-rank-0 ranks contribute, divided by
         dp * cp (collective; every cp rank's mean is over the same number of tokens)."""
-        contributes = self.coords["pp"] == self.parallel.pp - 1 and self.coords["tp"] == 0
+        contributes = self._holds_first_and_last()[1] and self.coords["tp"] == 0
         t = (local.double().cpu() if contributes else torch.zeros((), dtype=torch.float64)).reshape(
             1
         )

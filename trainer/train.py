@@ -129,7 +129,7 @@ class Trainer:
             mesh,
             seed=cfg.seed,
             bf16=cfg.mixed_precision == "bf16",
-            activation_checkpointing=cfg.activation_checkpointing,
+            activation_checkpointing=cfg.ac_policy,
             sequence_parallel=cfg.sequence_parallel,
             compile=cfg.compile,
             reshard_after_forward=reshard,

@@ -55,7 +55,8 @@ def _with_checkpoint(cfg: TrainConfig, **kwargs: Any) -> TrainConfig:
 
 def task_logits(cfg: TrainConfig, task: dict[str, Any]) -> None:
     """Forward ``task["tokens"]`` through the freshly initialized model; write last-stage logits.
-    Model chunks run in pipeline order; chunk ``c`` lives on pipeline rank ``c % pp``."""
+    Model chunks run in pipeline order; chunk ``c`` lives on pipeline rank
+    ``dims.chunk_rank(c)`` (consecutive chunks on one rank, as in the V style, pass locally)."""
     from shardsmith.trainer.pipeline import chunks_of
 
     trainer = Trainer.create(_with_checkpoint(cfg, resume="none"))
@@ -73,14 +74,18 @@ def task_logits(cfg: TrainConfig, task: dict[str, Any]) -> None:
                 continue
             if c == 0:
                 h = tokens
+            elif c - 1 in mine:  # the previous chunk ran here
+                h = out
             else:
                 h = torch.empty(batch, seq, cfg.model.hidden_size)  # (B, T, D)
-                dist.recv(h, src=dims.rank_of({**coords, "pp": (c - 1) % dims.pp}))
+                dist.recv(h, src=dims.rank_of({**coords, "pp": dims.chunk_rank(c - 1)}))
             out = mine[c](h)
             if isinstance(out, DTensor):  # vocab-sharded logits
                 out = out.full_tensor()
-            if c < dims.num_chunks - 1:
-                dist.send(out.contiguous(), dst=dims.rank_of({**coords, "pp": (c + 1) % dims.pp}))
+            if c < dims.num_chunks - 1 and c + 1 not in mine:
+                dist.send(
+                    out.contiguous(), dst=dims.rank_of({**coords, "pp": dims.chunk_rank(c + 1)})
+                )
         if dims.num_chunks - 1 in mine and cp is not None:  # the whole sequence again
             from shardsmith.trainer.context_parallel import unshard_sequence
 
@@ -168,12 +173,69 @@ def task_reshard(cfg: TrainConfig, task: dict[str, Any]) -> None:
     dist.barrier()
 
 
+def _step_peak_nbytes(trainer: Trainer, stages: list[Any]) -> int:
+    """One training step; the most bytes of receive buffers the rank's stages held at once,
+    sampled before and after each forward and backward of a microbatch."""
+    from shardsmith.trainer.pipeline import received_nbytes
+
+    peak = 0
+
+    def sampled(method: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            nonlocal peak
+            peak = max(peak, sum(received_nbytes(s) for s in stages))
+            out = method(*args, **kwargs)
+            peak = max(peak, sum(received_nbytes(s) for s in stages))
+            return out
+
+        return run
+
+    for stage in stages:
+        stage.forward_one_chunk = sampled(stage.forward_one_chunk)
+        stage.backward_one_chunk = sampled(stage.backward_one_chunk)
+    try:
+        trainer.train_step()
+    finally:
+        for stage in stages:
+            del stage.forward_one_chunk, stage.backward_one_chunk
+    return peak
+
+
+def task_buffers(cfg: TrainConfig, task: dict[str, Any]) -> None:
+    """Pipeline receive buffers: step 1 as upstream torch keeps them, step 2 released;
+    after each, the bytes of receive buffers every stage of each pp rank holds, and each
+    step's peak of them (:func:`_step_peak_nbytes`). Rank 0 writes ``{"upstream_after_step_nbytes",
+    "after_step_nbytes", "upstream_peak_nbytes", "peak_nbytes"}`` (lists by pp rank) to ``out``."""
+    from shardsmith.trainer.pipeline import received_nbytes
+
+    trainer = Trainer.create(_with_checkpoint(cfg, resume="none"))
+    schedule = trainer.step_math.schedule
+    stages = list(getattr(schedule, "_stages", [])) or [schedule._stage]
+    out: dict[str, Any] = {}
+    for release, name in ((False, "upstream_"), (True, "")):
+        for stage in stages:
+            stage.release_buffers = release
+        peak = _step_peak_nbytes(trainer, stages)
+        held = torch.tensor([sum(received_nbytes(s) for s in stages), peak], dtype=torch.int64)
+        parts = [torch.zeros_like(held) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, held)
+        pp = [cfg.parallel.coords(r)["pp"] for r in range(dist.get_world_size())]
+        by_pp = {p: part for p, part in zip(pp, parts)}
+        out[f"{name}after_step_nbytes"] = [int(by_pp[p][0]) for p in sorted(by_pp)]
+        out[f"{name}peak_nbytes"] = [int(by_pp[p][1]) for p in sorted(by_pp)]
+    if trainer.rank == 0:
+        print(f"[scenario] buffers {cfg.pipeline_schedule or 'default'}: {out}", flush=True)
+        with open(task["out"], "w") as f:
+            json.dump(out, f)
+
+
 TASKS = {
     "logits": task_logits,
     "grads": task_grads,
     "reload": task_reload,
     "train": task_train,
     "reshard": task_reshard,
+    "buffers": task_buffers,
 }
 
 

@@ -60,6 +60,7 @@ def fit_world_size(cfg: TrainConfig, world_size: int) -> TrainConfig:
         **fixed,
         pipeline_split=parallel.pipeline_split,
         virtual_stages=parallel.virtual_stages,
+        pipeline_style=parallel.pipeline_style,
     )
     if parallel.expert_parallel > 1:  # EP spans the (re-derived) dp_shard ranks
         fitted = replace(fitted, expert_parallel=fitted.dp_shard)
