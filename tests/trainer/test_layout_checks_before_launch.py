@@ -25,6 +25,14 @@ MODEL += ["--num-kv-heads", "2", "--ffn-hidden-size", "128", "--steps", "1"]
 
 #: module:function raising in a worker -> [(train flags that trip it, words of the error)].
 CAUGHT_BEFORE_LAUNCH: dict[str, list[tuple[list[str], str]]] = {
+    "trainer/config.py:_apply_pipeline_style": [
+        (["--pp", "2", "--dp-shard", "1", "--pipeline-schedule", "zbv"], "--virtual-stages 2"),
+        (
+            [*("--pp", "2", "--dp-shard", "1", "--virtual-stages", "2"), "--pipeline-schedule"]
+            + ["dualpipev", "--global-batch-size", "2", "--micro-batch-size", "1"],
+            "needs at least 2 x pp = 4 microbatches",
+        ),
+    ],
     "layout/model_config.py:validate_layout": [
         (["--tp", "3", "--dp-shard", "1"], "tp=3 does not divide"),
         (["--tp", "8", "--dp-shard", "1", "--num-kv-heads", "4"], "does not divide"),
