@@ -127,16 +127,11 @@ def test_every_schedule_trains_alike_and_reshards(tmp_path: Path, data_path: str
         assert buffers["upstream_after_step_nbytes"][1] > 0, name
 
 
-SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")
-
-
 def test_v_schedules_with_fsdp_train_alike(tmp_path: Path, data_path: str) -> None:
-    """pp2 x dp_shard 2 (FSDP2), 4 microbatches per rank: interleaved 1F1B equals 1F1B (1e-5)
-    over two steps. The schedules that split backward into input and weight parts
-    (interleaved-zb, which predates the V ones, zbv, dualpipev) do not yet under FSDP: first
-    losses equal, gradient norms off (interleaved-zb 1.5675, zbv 1.5619, dualpipev 2.0213 vs
-    1F1B's 2.3010 at step 1), so they are an expected failure until the per-step gradient
-    exchange (issue 40 item 1) covers split backward."""
+    """pp2 x dp_shard 2 (FSDP2), 4 microbatches per rank: interleaved 1F1B, interleaved-zb,
+    zbv and dualpipev equal 1F1B (1e-5) in loss and gradient norm over two steps. Before the
+    split-backward schedules exchanged once per step their gradient norms were off
+    (interleaved-zb 1.5675, zbv 1.5619, dualpipev 2.0213 vs 1F1B's 2.3010 at step 1)."""
     import dataclasses
 
     cfg = dataclasses.replace(
@@ -162,6 +157,6 @@ def test_v_schedules_with_fsdp_train_alike(tmp_path: Path, data_path: str) -> No
             for key in ("loss", "grad_norm"):
                 if have[key] != pytest.approx(want[key], rel=1e-5, abs=1e-5):
                     bad.append((name, want["step"], key, have[key], want[key]))
-    assert not [b for b in bad if b[0] not in SPLIT_BACKWARD], bad
-    if bad:
-        pytest.xfail(f"split backward under FSDP: {bad}")
+    # the split-backward ones (interleaved-zb, zbv, dualpipev) too: their weight half reduces
+    # the gradients of the parameters its graph saw, once per step (pipeline.splits_backward)
+    assert not bad, bad
