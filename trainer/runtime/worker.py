@@ -1,7 +1,8 @@
 """Worker process body: ``python -m shardsmith.trainer.runtime.worker CONFIG.json`` (started by torchrun).
 
 Errors are reported as one line prefixed by the rank (once per job under the launcher, see
-:func:`report_error`), and the process exits 1; Ctrl-C before the loop exits 130. A run that
+:func:`report_error`), and the process exits 1; a Ctrl-C before the loop ends the process
+at once (:func:`die_on_interrupt`). A run that
 returns early after a preemption checkpoint exits 0. Fatal signals (SIGSEGV, SIGABRT...)
 print every thread's Python stack (:mod:`faulthandler`); ``kill -USR2 PID`` prints them
 on demand.
@@ -115,5 +116,16 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
+def die_on_interrupt() -> None:
+    """Leave SIGINT at the system's default (the process ends at once) until the trainer
+    installs its preemption handler at the start of its loop. Python's own handler only
+    raises ``KeyboardInterrupt`` when the main thread next runs Python code, which a worker
+    blocked in a rendezvous or a collective with a peer already gone did not do for minutes
+    (the launcher waited out its whole shutdown timeout). Before the loop nothing is
+    trained, so nothing is lost; the launcher says so."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 if __name__ == "__main__":
+    die_on_interrupt()
     exit_process(main(sys.argv[1:]))
