@@ -23,6 +23,7 @@ from shardsmith.cli import (
 )
 from shardsmith.cli.train_commands import train, train_config  # noqa: F401 (tests build configs)
 from shardsmith.errors import ShardsmithError
+from shardsmith.trainer.observe import user_spelling
 
 #: Libraries whose log lines stay off the console unless ``--debug``.
 THIRD_PARTY_LOGGERS = ("botocore", "aiobotocore", "s3fs", "fsspec", "urllib3", "asyncio", "torch")
@@ -53,26 +54,6 @@ class Group(click.Group):
                 f"error: {user_spelling(str(exc), ctx.meta.get('shardsmith.argv', []))}", err=True
             )
             ctx.exit(1)
-
-
-def user_spelling(text: str, argv: list[str]) -> str:
-    """``text`` with the absolute paths the code made of relative path arguments (``r`` ->
-    ``/home/me/r``, ``file:///home/me/r``) written back as the user typed them, including
-    paths inside them (``r/step-000000004``). Pure apart from the working directory."""
-    spelled: dict[str, str] = {}
-    for arg in argv:
-        value = arg.split("=", 1)[1] if arg.startswith("--") and "=" in arg else arg
-        if not value or value.startswith("-") or "://" in value or os.path.isabs(value):
-            continue
-        absolute = os.path.normpath(os.path.abspath(value))
-        if absolute != os.sep:
-            spelled.setdefault(absolute, os.path.normpath(value))
-    for absolute in sorted(spelled, key=len, reverse=True):
-        for form in ("file://" + absolute, absolute):
-            text = text.replace(form + os.sep, spelled[absolute] + os.sep).replace(
-                form, spelled[absolute]
-            )
-    return text
 
 
 @click.group(

@@ -181,7 +181,7 @@ def test_preflight_finds_the_resume_step(tmp_path: Path) -> None:
 def test_launch_checks_before_starting_workers_and_a_finished_run_starts_none(
     tmp_path, monkeypatch
 ) -> None:
-    monkeypatch.setattr(launcher, "elastic_launch", lambda *a, **k: pytest.fail("workers started"))
+    monkeypatch.setattr(launcher, "run_agent", lambda *a, **k: pytest.fail("workers started"))
     cfg = tiny_train_config(ParallelDims(dp_shard=2), "unused")
     missing = dataclasses.replace(
         cfg.checkpoint, url=str(tmp_path / "out"), resume=str(tmp_path / "nope")

@@ -244,6 +244,27 @@ def test_preemption_handler_exits_when_hung_or_past_the_deadline() -> None:
     assert exits[-1] == 1
 
 
+def test_restart_line_names_the_failed_ranks_and_how_they_ended() -> None:
+    from shardsmith.trainer.runtime.agent import restart_line
+
+    # rank 1 SIGKILLed; the agent then stopped rank 0 (SIGTERM): not named
+    assert restart_line(1, 3, {0: -15, 1: -9}, 2) == (
+        "restart 1 of 3: rank 1 died (SIGKILL); restarting 2 processes"
+    )
+    # two peers' collectives broke as rank 1 died (exit code 1): counted, not named
+    assert restart_line(2, 3, {3: -15, 2: 1, 1: -6, 0: 1}, 4) == (
+        "restart 2 of 3: rank 1 died (SIGABRT); 2 other ranks failed with it; restarting 4 "
+        "processes"
+    )
+    assert restart_line(1, 2, {0: -15, 1: 1}, 2) == (
+        "restart 1 of 2: rank 1 exited with code 1; restarting 2 processes"
+    )
+    # every worker ended by SIGTERM (sent from elsewhere): all of them are named
+    assert restart_line(1, 1, {0: -15, 1: -15}, 2) == (
+        "restart 1 of 1: rank 0 died (SIGTERM), rank 1 died (SIGTERM); restarting 2 processes"
+    )
+
+
 def test_launcher_sets_worker_malloc_env_unless_set(monkeypatch) -> None:
     from shardsmith.trainer.runtime import launch
 
@@ -568,6 +589,13 @@ def test_chaos_kills_restart_to_a_bitwise_identical_model(
     where = f"chaos seed {seed} (SHARDSMITH_CHAOS_SEED={seed} replays it), kills {kills}"
     assert chaos.returncode == 0, f"{where}:\n{chaos.output[-8000:]}"
     assert chaos.output.count("test hook: SIGKILL") == 3, where
+    restarts = [line for line in chaos.output.splitlines() if line.startswith("restart ")]
+    for n, (rank, _) in enumerate(kills, start=1):  # the agent names the rank and the signal
+        assert any(
+            line.startswith(f"restart {n} of 3: rank {rank} died (SIGKILL)")
+            and line.endswith("; restarting 4 processes")
+            for line in restarts
+        ), f"{where}: restart {n} not named: {restarts}"
     assert [e["restart_count"] for e in chaos.events("start")] == [0, 1, 2, 3], where
     for resumed in chaos.events("resume"):
         assert resumed["step"] % SAVE_EVERY == 0 and resumed["rng"] == "restored", where

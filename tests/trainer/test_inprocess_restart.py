@@ -32,7 +32,7 @@ from train_runs import Run  # a finished launch: exit code, output, root, record
 
 from shardsmith.errors import SaveError
 from shardsmith.storage.commit import step_dir
-from shardsmith.trainer.runtime.inprocess import peer_lost, sever_connections
+from shardsmith.trainer.runtime.inprocess import peer_gone_line, peer_lost, sever_connections
 
 STEPS = 12
 KINDS = ("rank", "node", "local-save", "replicate")
@@ -54,6 +54,18 @@ def test_peer_lost_knows_gloo_and_store_failures_and_nothing_else() -> None:
     assert not peer_lost(ValueError("Connection reset by peer"))  # not a collective's error
     assert not peer_lost(RuntimeError("CUDA out of memory"))
     assert not peer_lost(SaveError("disk full"))
+
+
+def test_the_rejoin_line_carries_the_whole_gloo_line() -> None:
+    # gloo's own line, as torch 2.13 raises it from a pair whose peer was SIGKILLed: 207
+    # characters, the words at its end included (it was cut at 160, mid-word)
+    gloo = "[/pytorch/" + GLOO_RESET[1:] + " or crashing, check the other ranks' logs."
+    exc = RuntimeError(
+        gloo + "\nException raised from recv at pair.cc:537 (most recent call first):"
+    )
+    assert peer_gone_line(1, 0, exc) == (
+        f"rank 1: a peer of generation 0 is gone ({gloo}); rejoining"
+    )
 
 
 FAR_END = """

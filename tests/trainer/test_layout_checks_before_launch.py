@@ -240,7 +240,7 @@ def test_launcher_refuses_before_a_worker_starts(monkeypatch, tmp_path: Path) ->
     def no_worker(*args, **kwargs):
         raise AssertionError("a worker was started")
 
-    monkeypatch.setattr(launch_module, "elastic_launch", no_worker)
+    monkeypatch.setattr(launch_module, "run_agent", no_worker)
     monkeypatch.setattr(supervisor.subprocess, "Popen", no_worker)
     cfg = TrainConfig(
         parallel=ParallelDims(pp=4, dp_shard=1),

@@ -13,11 +13,13 @@ Everything here is pure (no torch, no I/O), except :func:`peak_memory_nbytes` an
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import resource
 import sys
 from collections import deque
-from typing import Any
+from typing import Any, Sequence
 
 from shardsmith.layout import MESH_AXIS_TABLE, format_nbytes
 
@@ -146,6 +148,53 @@ def short_url(url: str) -> str:
         return path
     rel = os.path.relpath(path)
     return path if rel.startswith("..") else rel
+
+
+def user_spelling(text: str, argv: Sequence[str]) -> str:
+    """``text`` with the absolute paths the code made of relative path arguments (``r`` ->
+    ``/home/me/r``, ``file:///home/me/r``) written back as the user typed them, including
+    paths inside them (``r/step-000000004``). Pure apart from the working directory."""
+    spelled: dict[str, str] = {}
+    for arg in argv:
+        value = arg.split("=", 1)[1] if arg.startswith("--") and "=" in arg else arg
+        if not value or value.startswith("-") or "://" in value or os.path.isabs(value):
+            continue
+        absolute = os.path.normpath(os.path.abspath(value))
+        if absolute != os.sep:
+            spelled.setdefault(absolute, os.path.normpath(value))
+    for absolute in sorted(spelled, key=len, reverse=True):
+        for form in ("file://" + absolute, absolute):
+            text = text.replace(form + os.sep, spelled[absolute] + os.sep).replace(
+                form, spelled[absolute]
+            )
+    return text
+
+
+def console_paths(text: str, argv: Sequence[str] = ()) -> str:
+    """``text`` as the console shows it: the paths made of the user's arguments ``argv`` as
+    typed (:func:`user_spelling`: ``../runs/a`` stays ``../runs/a``), then every other
+    absolute path under the working directory relative to it (``/home/me/ckpt/step-4`` ->
+    ``ckpt/step-4``, ``file://`` URLs too); paths elsewhere and remote URLs as they are.
+    For console lines only: records (``metrics.jsonl``) keep their paths whole. Pure apart
+    from the working directory."""
+    text = user_spelling(text, argv)
+    cwd = os.getcwd()
+    if cwd == os.sep:
+        return text
+    # at a path's start only: /data/home/me/x is not under /home/me
+    under = re.compile(r"(?<![\w.~/-])(?:file://)?" + re.escape(cwd + os.sep))
+    return under.sub("", text)
+
+
+class PathsFormatter(logging.Formatter):
+    """A log formatter for the console that writes paths as :func:`console_paths` does."""
+
+    def __init__(self, fmt: str = "%(message)s", argv: Sequence[str] = ()) -> None:
+        super().__init__(fmt)
+        self.argv = list(argv)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return console_paths(super().format(record), self.argv)
 
 
 def event_line(record: dict[str, Any]) -> str:

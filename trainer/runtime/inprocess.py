@@ -280,10 +280,7 @@ def serve(cfg: TrainConfig, address: str, worker_id: str, flag_dir: str) -> int:
                     raise
                 report_error(f"rank {job['rank']}: {type(exc).__name__}: {exc}")
                 return 1
-            say(
-                f"rank {job['rank']}: a peer of generation {job['gen']} is gone ({_first_line(exc)}); "
-                "rejoining"
-            )
+            say(peer_gone_line(job["rank"], job["gen"], exc))
             watcher.close()
             store = connect(address, timeout)  # the old connection may be severed
             store.add(f"failed/{job['gen']}", 1)  # the supervisor may open the next generation
@@ -293,9 +290,11 @@ def serve(cfg: TrainConfig, address: str, worker_id: str, flag_dir: str) -> int:
             abort_groups()
 
 
-def _first_line(exc: BaseException) -> str:
+def peer_gone_line(rank: int, gen: int, exc: BaseException) -> str:
+    """The console line of a survivor that rejoins: its rank, the generation and the first
+    line of the error that told it a peer is gone, whole (a cut one ended mid-word)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text[:160]
+    return f"rank {rank}: a peer of generation {gen} is gone ({text}); rejoining"
 
 
 def main(argv: list[str]) -> int:

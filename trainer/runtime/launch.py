@@ -1,7 +1,9 @@
-"""Launching worker processes through torchrun's API (``torch.distributed.launcher``).
+"""Launching worker processes through torchrun's agent (``torch.distributed.elastic``).
 
 ``shardsmith train --nproc-per-node N`` calls :func:`launch`, which starts N workers
-with the elastic agent (c10d rendezvous on localhost, restarts up to ``max_restarts``);
+with the elastic agent (:mod:`shardsmith.trainer.runtime.agent`: c10d rendezvous on
+localhost, restarts up to ``max_restarts``, each named on the console with the ranks that
+failed and how);
 each worker runs :func:`shardsmith.trainer.train.run_training`. Under an external
 ``torchrun`` the CLI runs the worker body directly instead (``cli/train_commands.py: under_torchrun``).
 
@@ -28,12 +30,13 @@ from typing import Iterator
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.launcher.api import LaunchConfig
 
 from shardsmith.errors import ShardsmithError
 from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.fault.elastic import fit_world_size
 from shardsmith.trainer.fault.preemption import PREEMPT_SIGNALS
+from shardsmith.trainer.runtime.agent import failure_text, run_agent
 from shardsmith.trainer.runtime.preflight import prepare
 
 #: Where a worker writes its error line; the first one to fail creates the file (O_EXCL) and
@@ -74,9 +77,10 @@ def launch(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0) -> i
     (:func:`~shardsmith.trainer.runtime.preflight.prepare`; a config the CLI resolved is taken as
     is), then run training on ``nproc_per_node`` local worker processes and wait for them.
 
-    A SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) to this process is forwarded to the workers, which
-    checkpoint at their next step boundary and exit; the agent waits ``fault.preempt_deadline``
-    (+5 s) for them. A second Ctrl-C interrupts that wait: the agent then stops the workers
+    A SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) to this process, at any moment, is forwarded to the
+    workers, which checkpoint at their next step boundary and exit (a worker that has not
+    reached its training loop dies of it at once: nothing to save); the agent waits
+    ``fault.preempt_deadline`` (+5 s) for them. A second Ctrl-C interrupts that wait: the agent then stops the workers
     with SIGTERM (which a worker that got a Ctrl-C takes as the second signal and exits at
     once), SIGKILL after the same wait.
 
@@ -114,15 +118,13 @@ def launch(cfg: TrainConfig, nproc_per_node: int, *, max_restarts: int = 0) -> i
             **_shutdown_timeout(cfg),
         )
         try:
-            elastic_launch(lc, entrypoint=sys.executable)(
-                "-m", "shardsmith.trainer.runtime.worker", path
-            )
+            run_agent(lc, sys.executable, ("-m", "shardsmith.trainer.runtime.worker", path))
         except ChildFailedError as exc:
             rank, failure = exc.get_first_failure()
             raise LaunchError(
                 first_error(error_file)
-                or f"worker rank {rank} failed with exit code "
-                f"{failure.exitcode}; {len(exc.failures)} worker(s) failed"
+                or f"worker rank {rank} {failure_text(failure.exitcode)}; "
+                f"{len(exc.failures)} worker(s) failed"
             ) from None
         except SignalException as exc:
             return _stopped_by(exc)
@@ -165,9 +167,6 @@ def set_worker_env() -> None:
     # restarted group can read stale peer addresses and fail to connect (pytorch#135712);
     # let rank 0 of each group host a fresh store instead.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    # SLURM (--signal=USR1@N) and others preempt with SIGUSR1: the agent forwards it to
-    # the workers like SIGTERM, and waits up to the preemption deadline for them to exit.
-    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
 
 
 def _quiet_elastic_logs() -> None:

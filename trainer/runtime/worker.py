@@ -1,7 +1,8 @@
 """Worker process body: ``python -m shardsmith.trainer.runtime.worker CONFIG.json`` (started by torchrun).
 
 Errors are reported as one line prefixed by the rank (once per job under the launcher, see
-:func:`report_error`), and the process exits 1; Ctrl-C before the loop exits 130. A run that
+:func:`report_error`), and the process exits 1; a Ctrl-C before the loop ends the process
+at once (:func:`die_on_interrupt`). A run that
 returns early after a preemption checkpoint exits 0. Fatal signals (SIGSEGV, SIGABRT...)
 print every thread's Python stack (:mod:`faulthandler`); ``kill -USR2 PID`` prints them
 on demand.
@@ -19,7 +20,9 @@ import sys
 import warnings
 from typing import NoReturn
 
+from shardsmith.trainer.checkpoint.resume import COMMAND_ENV
 from shardsmith.trainer.config import TrainConfig
+from shardsmith.trainer.observe.console import PathsFormatter, console_paths
 
 #: Set by :func:`shardsmith.trainer.runtime.launch.launch` (kept in sync there).
 ERROR_FILE_ENV = "SHARDSMITH_ERROR_FILE"
@@ -33,6 +36,8 @@ def setup_process() -> None:
     level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s")
     logging.getLogger().setLevel(level)  # also when the CLI configured logging first
+    for handler in logging.getLogger().handlers:  # paths under the working directory, relative
+        handler.setFormatter(PathsFormatter(argv=user_argv()))
     if not os.environ.get("SHARDSMITH_DEBUG"):  # third-party log lines only with --debug
         for name in ("torch", "botocore", "s3fs", "fsspec", "urllib3", "aiobotocore"):
             logging.getLogger(name).setLevel(logging.ERROR)
@@ -65,7 +70,10 @@ def main(argv: list[str]) -> int:
 def report_error(line: str) -> None:
     """Print ``line`` once for the whole job: under the launcher, the first failing rank
     writes it to the launcher's error file (the others' echoes of the failure are dropped)
-    and the launcher prints it; elsewhere (external torchrun) each rank prints its own."""
+    and the launcher prints it; elsewhere (external torchrun) each rank prints its own.
+    Paths in it are written as the console writes them (:func:`console_paths`: relative
+    under the working directory, as typed when the user typed them)."""
+    line = console_paths(line, user_argv())
     path = os.environ.get(ERROR_FILE_ENV)
     if not path:
         print(f"error: {line}", file=sys.stderr, flush=True)
@@ -76,6 +84,16 @@ def report_error(line: str) -> None:
         return
     with os.fdopen(fd, "w") as f:
         f.write(line + "\n")
+
+
+def user_argv() -> list[str]:
+    """The arguments of the ``shardsmith`` command that launched this worker (the launcher
+    exports them as ``SHARDSMITH_COMMAND``), for writing paths as the user typed them."""
+    try:
+        command = json.loads(os.environ.get(COMMAND_ENV, "[]"))
+    except ValueError:
+        return []
+    return [str(a) for a in command[1:]] if isinstance(command, list) else []
 
 
 def exit_process(code: int) -> NoReturn:
@@ -98,5 +116,16 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
+def die_on_interrupt() -> None:
+    """Leave SIGINT at the system's default (the process ends at once) until the trainer
+    installs its preemption handler at the start of its loop. Python's own handler only
+    raises ``KeyboardInterrupt`` when the main thread next runs Python code, which a worker
+    blocked in a rendezvous or a collective with a peer already gone did not do for minutes
+    (the launcher waited out its whole shutdown timeout). Before the loop nothing is
+    trained, so nothing is lost; the launcher says so."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 if __name__ == "__main__":
+    die_on_interrupt()
     exit_process(main(sys.argv[1:]))
