@@ -17,16 +17,18 @@ from pathlib import Path
 
 import pytest
 from ckpt_factory import RESHARD_SRC_DIMS as SRC_DIMS
-from ckpt_factory import full_state, full_tensors, save_direct, save_offline
+from ckpt_factory import full_state, full_tensors, make_checkpoint, save_direct, save_offline
 from click.testing import CliRunner
 from conftest import TINY_MODEL, tiny_train_config
 
 from shardsmith.errors import CheckpointMismatch, CheckpointNotFound
 from shardsmith.layout import ParallelDims
-from shardsmith.storage.commit import commit, step_dir
+from shardsmith.storage.commit import commit, list_steps, step_dir
 from shardsmith.storage.manifest.v2 import dumps_manifest
 from shardsmith.storage.store.fs import Store
+from shardsmith.trainer.checkpoint.config import CheckpointConfig
 from shardsmith.trainer.checkpoint.resume import schedule_change
+from shardsmith.trainer.checkpoint.save_outcomes import retention_after_commit
 from shardsmith.trainer.fault.preemption import PreemptionHandler
 from shardsmith.trainer.observe.console import EtaClock, event_line, layout_name, step_line
 from shardsmith.trainer.observe.metrics import EventLog, MetricsWriter, iter_json_lines
@@ -193,6 +195,29 @@ def test_launch_checks_before_starting_workers_and_a_finished_run_starts_none(
         cfg, steps=4, checkpoint=dataclasses.replace(cfg.checkpoint, url=src)
     )
     assert launcher.launch(done, 2) == 0
+
+
+def test_retention_says_each_deleted_step_once_with_its_path(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--keep-last`` during training: one line per deleted step, its path as the root was
+    given (relative here), and no second report of it (the log line with the absolute path
+    gc used to add)."""
+    monkeypatch.chdir(tmp_path)
+    root = Store("r")
+    for step in (1, 2, 3):
+        make_checkpoint(root, step)
+    events = EventLog(MetricsWriter("", tensorboard=False), rank=0)
+    with caplog.at_level(logging.INFO):
+        record = retention_after_commit(root, CheckpointConfig(url="r", keep_last=1), None)
+        assert record is not None
+        events(record)
+    assert record["deleted_steps"] == [1, 2]
+    assert "\n".join(caplog.messages).splitlines() == [
+        "deleted r/step-000000001 (committed, outside the retention)",
+        "deleted r/step-000000002 (committed, outside the retention)",
+    ]
+    assert [s.step for s in list_steps(root)] == [3]
 
 
 def test_schedule_change_is_one_line_naming_the_fix() -> None:
