@@ -305,6 +305,47 @@ def test_plot_draws_several_runs_as_one_curve(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["a", "b", "p.png"]  # no temporary left behind
 
 
+def test_plot_legend_names_the_abandoned_timeline_of_a_rollback_in_the_same_root(
+    tmp_path: Path,
+) -> None:
+    """Steps 1-8, then a resume of step 4 in the same root (its later steps abandoned) that
+    trains 5-6, then a crash at 6 resumed from the checkpoint at 5: the legend says which
+    curve is which, with their steps (each stretch has a colour of its own)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from shardsmith.trainer.observe.plot import draw_runs, read_runs, timelines
+
+    run = tmp_path / "r"
+    writer = MetricsWriter(str(run), tensorboard=False)
+    for step in range(1, 9):
+        writer.write({"step": step, "loss": 10.0 - step})
+    writer.write({"event": "resume", "reason": "resume", "step": 4})
+    writer.write({"event": "timeline", "resumed_step": 4, "abandoned_steps": [6, 8]})
+    for step in (5, 6):
+        writer.write({"step": step, "loss": 20.0 - step})
+    writer.write({"event": "resume", "reason": "resume", "step": 5, "restart_count": 1})
+    writer.write({"step": 6, "loss": 13.5})
+    current, left = timelines(read_runs([str(run)]))
+    assert current == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 15.0), (6, 13.5)]
+    assert [(p.label, p.points) for p in left] == [
+        ("abandoned timeline (steps 5-8)", [(4, 6.0), (5, 5.0), (6, 4.0), (7, 3.0), (8, 2.0)]),
+        ("run again after a restart (step 6)", [(5, 15.0), (6, 14.0)]),
+    ]
+    fig = draw_runs([str(run)])
+    try:
+        legend = fig.axes[0].get_legend()
+        assert [t.get_text() for t in legend.get_texts()] == [
+            "abandoned timeline (steps 5-8)",
+            "run again after a restart (step 6)",
+            "loss (current timeline)",
+            "restart",
+        ]
+        assert len({h.get_color() for h in legend.legend_handles[:3]}) == 3
+    finally:
+        plt.close(fig)
+
+
 @pytest.mark.distributed
 def test_ctrl_c_saves_and_exits_130(tmp_path: Path, data_path: str) -> None:
     flags = [
