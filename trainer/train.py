@@ -388,8 +388,8 @@ class Trainer:
         from shardsmith.storage import read_manifest
 
         if self.rank == 0:
-            message = schedule_change(read_manifest(src[0]).config, self.cfg, self.step)
-            if message:
+            saved = read_manifest(src[0])
+            if message := schedule_change(saved.config, self.cfg, self.step, saved.state):
                 self.events({"event": "schedule_change", "step": self.step, "message": message})
 
     def _iteration(self) -> None:
