@@ -322,6 +322,10 @@ def test_an_imported_checkpoint_has_no_schedule_to_change(tmp_path):
     # the same check on a checkpoint of ours trained under another LR does warn
     ours = {**manifest.config, "optim": {**dataclasses.asdict(cfg.optim), "lr": 3e-4}, "steps": 6}
     assert "--lr 0.0003 -> 0.01" in schedule_change(ours, cfg, manifest.step, {})
+    shown = CliRunner().invoke(cli, ["inspect", str(tmp_path / "ck")])
+    assert shown.exit_code == 0, shown.output
+    assert "trained with" not in shown.output
+    assert f"imported from dcp {tmp_path / 'dcp'}: no LR schedule" in shown.output
 
 
 @pytest.mark.distributed
