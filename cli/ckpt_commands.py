@@ -120,7 +120,10 @@ def _print_summary(url: str, m: Any, groups: dict[str, dict[str, int]]) -> None:
         f"{groups.get('model', {}).get('numel', 0):,} parameters"
     )
     optim, steps = m.config.get("optim") or {}, m.config.get("steps")
-    if optim:
+    source = m.state.get("source") or {}
+    if source:  # its config's schedule is the importer's default, never trained on
+        click.echo(f"  imported from {source.get('format')} {source.get('path')}: no LR schedule")
+    elif optim:
         click.echo(
             f"  trained with lr {optim.get('lr')}, warmup {optim.get('warmup_steps')}, decay to step "
             f"{optim.get('decay_steps') or steps}, --steps {steps}"

@@ -293,8 +293,9 @@ def gc(
     """Delete incomplete steps and committed steps outside the retention.
 
     Single process (the coordinator, or the CLI). Arguments as :func:`plan_gc`;
-    ``on_decision`` is called with every step's decision, after its deletion (``shardsmith gc``
-    prints them); without it each deletion is logged (INFO) instead.
+    ``on_decision`` is called with every step's decision, after its deletion: the caller
+    reports them (``shardsmith gc`` prints them, the trainer's ``gc`` event says them); this
+    function logs nothing, so each deletion is said once.
 
     Returns:
         The steps deleted (or, with ``dry_run``, that would be), oldest first.
@@ -307,8 +308,6 @@ def gc(
     for d in plan_gc(root, keep_last, keep_every, grace_seconds=grace_seconds, now=now, runs=runs):
         if d.delete:
             if not dry_run:
-                if on_decision is None:  # a caller with one reports it itself
-                    log.info("gc: deleting %s (%s)", root.url_of(d.name), d.reason)
                 delete_step(root, d.name)
             deleted.append(d.step)
         if on_decision is not None:
@@ -323,9 +322,10 @@ def gc_after_commit(
     keep_every: int | None = None,
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
     runs: set[str] | None = None,
+    on_decision: Callable[[GcDecision], None] | None = None,
 ) -> list[int]:
     """Retention after a commit, for the trainer: call on the coordinator (rank 0) only,
-    after :func:`~shardsmith.storage.commit.commit` returned.
+    after :func:`~shardsmith.storage.commit.commit` returned. ``on_decision``: as :func:`gc`.
 
     Never raises on storage trouble: a failed collection is logged as a warning and
     simply retried after the next commit (the checkpoint just committed is safe either
@@ -339,7 +339,14 @@ def gc_after_commit(
     """
     _check_args(keep_last, keep_every, grace_seconds)
     try:
-        return gc(root, keep_last, keep_every, grace_seconds=grace_seconds, runs=runs)
+        return gc(
+            root,
+            keep_last,
+            keep_every,
+            grace_seconds=grace_seconds,
+            runs=runs,
+            on_decision=on_decision,
+        )
     except Exception as exc:  # noqa: BLE001 — housekeeping must not stop training
         log.warning(
             "gc of %s after commit failed (%s: %s); will retry after the next commit",

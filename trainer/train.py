@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shardsmith.layout import flops_per_token, reshards_after_forward
+from shardsmith.storage import read_manifest
 from shardsmith.trainer.checkpoint.policy import CheckpointPolicy, TrainState
 from shardsmith.trainer.checkpoint.resume import schedule_change
 from shardsmith.trainer.config import TrainConfig
@@ -342,10 +343,12 @@ class Trainer:
             TrainingDiverged: bad steps could not be rolled back.
             SaveError: a checkpoint failed.
         """
+        self.events.hold()  # a start whose resume is refused leaves metrics.jsonl as it was
         self._arm()
         t0 = time.perf_counter()
         try:
             self._resume_and_report()
+            self.events.release()
             while self.step < self.cfg.steps and not self.preempted:
                 self._iteration()
             if not self.preempted and self.checkpointing.final_due():
@@ -385,11 +388,9 @@ class Trainer:
                 file=sys.stderr,
                 flush=True,
             )
-        from shardsmith.storage import read_manifest
-
         if self.rank == 0:
-            message = schedule_change(read_manifest(src[0]).config, self.cfg, self.step)
-            if message:
+            saved = read_manifest(src[0])
+            if message := schedule_change(saved.config, self.cfg, self.step, saved.state):
                 self.events({"event": "schedule_change", "step": self.step, "message": message})
 
     def _iteration(self) -> None:

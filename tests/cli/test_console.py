@@ -17,16 +17,18 @@ from pathlib import Path
 
 import pytest
 from ckpt_factory import RESHARD_SRC_DIMS as SRC_DIMS
-from ckpt_factory import full_state, full_tensors, save_direct, save_offline
+from ckpt_factory import full_state, full_tensors, make_checkpoint, save_direct, save_offline
 from click.testing import CliRunner
 from conftest import TINY_MODEL, tiny_train_config
 
 from shardsmith.errors import CheckpointMismatch, CheckpointNotFound
 from shardsmith.layout import ParallelDims
-from shardsmith.storage.commit import commit, step_dir
+from shardsmith.storage.commit import commit, list_steps, step_dir
 from shardsmith.storage.manifest.v2 import dumps_manifest
 from shardsmith.storage.store.fs import Store
+from shardsmith.trainer.checkpoint.config import CheckpointConfig
 from shardsmith.trainer.checkpoint.resume import schedule_change
+from shardsmith.trainer.checkpoint.save_outcomes import retention_after_commit
 from shardsmith.trainer.fault.preemption import PreemptionHandler
 from shardsmith.trainer.observe.console import EtaClock, event_line, layout_name, step_line
 from shardsmith.trainer.observe.metrics import EventLog, MetricsWriter, iter_json_lines
@@ -195,6 +197,29 @@ def test_launch_checks_before_starting_workers_and_a_finished_run_starts_none(
     assert launcher.launch(done, 2) == 0
 
 
+def test_retention_says_each_deleted_step_once_with_its_path(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--keep-last`` during training: one line per deleted step, its path as the root was
+    given (relative here), and no second report of it (the log line with the absolute path
+    gc used to add)."""
+    monkeypatch.chdir(tmp_path)
+    root = Store("r")
+    for step in (1, 2, 3):
+        make_checkpoint(root, step)
+    events = EventLog(MetricsWriter("", tensorboard=False), rank=0)
+    with caplog.at_level(logging.INFO):
+        record = retention_after_commit(root, CheckpointConfig(url="r", keep_last=1), None)
+        assert record is not None
+        events(record)
+    assert record["deleted_steps"] == [1, 2]
+    assert "\n".join(caplog.messages).splitlines() == [
+        "deleted r/step-000000001 (committed, outside the retention)",
+        "deleted r/step-000000002 (committed, outside the retention)",
+    ]
+    assert [s.step for s in list_steps(root)] == [3]
+
+
 def test_schedule_change_is_one_line_naming_the_fix() -> None:
     cfg = tiny_train_config(ParallelDims(), "unused")  # decay_steps 6
     saved = cfg.to_json()
@@ -278,6 +303,47 @@ def test_plot_draws_several_runs_as_one_curve(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(os.listdir(tmp_path)) == ["a", "b", "p.png"]  # no temporary left behind
+
+
+def test_plot_legend_names_the_abandoned_timeline_of_a_rollback_in_the_same_root(
+    tmp_path: Path,
+) -> None:
+    """Steps 1-8, then a resume of step 4 in the same root (its later steps abandoned) that
+    trains 5-6, then a crash at 6 resumed from the checkpoint at 5: the legend says which
+    curve is which, with their steps (each stretch has a colour of its own)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from shardsmith.trainer.observe.plot import draw_runs, read_runs, timelines
+
+    run = tmp_path / "r"
+    writer = MetricsWriter(str(run), tensorboard=False)
+    for step in range(1, 9):
+        writer.write({"step": step, "loss": 10.0 - step})
+    writer.write({"event": "resume", "reason": "resume", "step": 4})
+    writer.write({"event": "timeline", "resumed_step": 4, "abandoned_steps": [6, 8]})
+    for step in (5, 6):
+        writer.write({"step": step, "loss": 20.0 - step})
+    writer.write({"event": "resume", "reason": "resume", "step": 5, "restart_count": 1})
+    writer.write({"step": 6, "loss": 13.5})
+    current, left = timelines(read_runs([str(run)]))
+    assert current == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 15.0), (6, 13.5)]
+    assert [(p.label, p.points) for p in left] == [
+        ("abandoned timeline (steps 5-8)", [(4, 6.0), (5, 5.0), (6, 4.0), (7, 3.0), (8, 2.0)]),
+        ("run again after a restart (step 6)", [(5, 15.0), (6, 14.0)]),
+    ]
+    fig = draw_runs([str(run)])
+    try:
+        legend = fig.axes[0].get_legend()
+        assert [t.get_text() for t in legend.get_texts()] == [
+            "abandoned timeline (steps 5-8)",
+            "run again after a restart (step 6)",
+            "loss (current timeline)",
+            "restart",
+        ]
+        assert len({h.get_color() for h in legend.legend_handles[:3]}) == 3
+    finally:
+        plt.close(fig)
 
 
 @pytest.mark.distributed

@@ -107,5 +107,10 @@ def test_init_from_imported_hf_model_and_keep_last(tmp_path: Path, data_path: st
     want = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
     assert abs(step1["loss"] - want) <= 1e-4 * want, (step1["loss"], want)
 
-    # --keep-last 1: only the newest committed step remains.
+    # --keep-last 1: only the newest committed step remains, and each deletion is said once,
+    # with the root as given (an absolute path outside the working directory here).
     assert [(s.step, s.committed) for s in list_steps(Store(str(run)))] == [(3, True)]
+    said = [line for line in proc.stdout.splitlines() if "delet" in line]
+    assert said == [
+        f"deleted {run}/step-00000000{step} (committed, outside the retention)" for step in (1, 2)
+    ], said

@@ -35,7 +35,8 @@ from shardsmith.reshard.foreign.unpickler import (
     load_tensor_record,
 )
 from shardsmith.storage.commit import read_manifest, resolve_checkpoint
-from shardsmith.trainer.config import TrainConfig
+from shardsmith.trainer.checkpoint.resume import schedule_change
+from shardsmith.trainer.config import OptimConfig, TrainConfig
 from shardsmith.trainer.model import Transformer
 from shardsmith.trainer.weight_init import init_weights
 
@@ -306,6 +307,27 @@ def test_metadata_allow_list_covers_real_dcp_metadata(tmp_path):
     )  # trusted: test only
 
 
+def test_an_imported_checkpoint_has_no_schedule_to_change(tmp_path):
+    """import-dcp records no LR schedule of the source's trainer; resuming it under any
+    schedule warns of no change (the check train runs on the resumed manifest)."""
+    state, _ = torchtitan_state()
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    result = CliRunner().invoke(
+        cli, ["import-dcp", str(tmp_path / "dcp"), str(tmp_path / "ck"), *HINT_FLAGS]
+    )
+    assert result.exit_code == 0, result.output
+    manifest = read_manifest(resolve_checkpoint(str(tmp_path / "ck"))[1])
+    cfg = TrainConfig(model=TINY_MODEL, steps=6, optim=OptimConfig(lr=1e-2, warmup_steps=1))
+    assert schedule_change(manifest.config, cfg, manifest.step, manifest.state) == ""
+    # the same check on a checkpoint of ours trained under another LR does warn
+    ours = {**manifest.config, "optim": {**dataclasses.asdict(cfg.optim), "lr": 3e-4}, "steps": 6}
+    assert "--lr 0.0003 -> 0.01" in schedule_change(ours, cfg, manifest.step, {})
+    shown = CliRunner().invoke(cli, ["inspect", str(tmp_path / "ck")])
+    assert shown.exit_code == 0, shown.output
+    assert "trained with" not in shown.output
+    assert f"imported from dcp {tmp_path / 'dcp'}: no LR schedule" in shown.output
+
+
 @pytest.mark.distributed
 def test_training_resumes_from_imported_dcp(tmp_path, data_path):
     """The imported step, AdamW state and LR position are what `train --resume` continues from."""
@@ -367,6 +389,9 @@ def test_training_resumes_from_imported_dcp(tmp_path, data_path):
     resume = [r for r in records if r.get("event") == "resume"]
     assert len(resume) == 1 and resume[0]["step"] == 5 and resume[0]["saved_layout"]["tp"] == 2
     assert [r["step"] for r in records if "loss" in r] == [6]
+    # The import had no LR schedule of ours to change: its first resume sets one, silently.
+    assert not [r for r in records if r.get("event") == "schedule_change"], records
+    assert "LR schedule" not in proc.stdout, proc.stdout[-4000:]
 
 
 def _native_checkpoint(ref: dict[str, torch.Tensor], root: Path, dims: ParallelDims) -> None:

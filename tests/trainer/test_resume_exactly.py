@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ckpt_factory import full_tensors, save_offline
+from ckpt_factory import flip_byte, full_tensors, save_offline
 from click.testing import CliRunner
 from conftest import TINY_MODEL, tiny_train_config
 
@@ -34,6 +34,7 @@ from shardsmith.trainer.checkpoint.resume import COMMAND_ENV, command_with, way_
 from shardsmith.trainer.checkpoint.run_checks import resume_changes
 from shardsmith.trainer.checkpoint.save_load import raise_agreed
 from shardsmith.trainer.observe.console import event_line
+from shardsmith.trainer.observe.metrics import EventLog, MetricsWriter, iter_json_lines
 from shardsmith.trainer.runtime.preflight import resolve
 
 RUN = "a" * 32
@@ -445,6 +446,44 @@ def test_launched_jobs_load_exactly_the_step_asked_and_fall_back_only_from_auto(
     assert init.returncode == 0 and "BF16 upcast to F32, exact" in init.stderr + init.stdout, (
         init.stderr[-3000:]
     )
+
+
+@pytest.mark.distributed
+def test_a_refused_explicit_resume_of_a_corrupt_step_writes_no_metrics(tmp_path, data_path):
+    """`train --resume r/step-000000004` of a step whose data fails its checksum (found while
+    loading): the error names the way forward, the step is marked corrupt, and the run
+    directory holds no metrics.jsonl: a refused start leaves no record of a run."""
+    root = _root(tmp_path / "r", config=_cfg("r", data_path).to_json())
+    flip_byte(root, f"{step_dir(4)}/shards/rank-00000.safetensors", -100, 0xFF)
+    out = _train(
+        tmp_path,
+        *("--nproc-per-node", "1", "--data", data_path, "--steps", "6", "--ckpt", "r"),
+        *("--resume", "r/step-000000004"),
+    )
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "checksum mismatch" in out.stderr and "go on from step 2 with: " in out.stderr
+    assert (tmp_path / "r" / step_dir(4) / CORRUPT_NAME).exists()
+    assert sorted(os.listdir(tmp_path / "r")) == ["latest", step_dir(2), step_dir(4)]
+
+
+def test_records_held_back_reach_the_file_only_when_released(tmp_path) -> None:
+    """EventLog.hold: records reach metrics.jsonl in order at release, and a close before it
+    (the start of a job whose resume failed) writes nothing."""
+    events = EventLog(MetricsWriter(str(tmp_path / "a"), tensorboard=False), rank=0)
+    events.hold()
+    events({"event": "start"})
+    events({"event": "resume", "step": 4})
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()
+    events.release()
+    events({"step": 5, "loss": 1.0})
+    events.close()
+    records = list(iter_json_lines(str(tmp_path / "a" / "metrics.jsonl")))
+    assert [r.get("event", r.get("step")) for r in records] == ["start", "resume", 5]
+    refused = EventLog(MetricsWriter(str(tmp_path / "b"), tensorboard=False), rank=0)
+    refused.hold()
+    refused({"event": "start"})
+    refused.close()
+    assert os.listdir(tmp_path / "b") == []
 
 
 def test_messages_name_the_nearest_valid_batch_sizes_and_every_manifest_version_read():

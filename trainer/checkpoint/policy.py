@@ -21,7 +21,6 @@ from shardsmith.errors import IntegrityError, SaveNotCommitted, TrainingDiverged
 from shardsmith.layout import bounding_box, checkpoint_specs, rank_boxes
 from shardsmith.storage import (
     check_new_run_root,
-    gc_after_commit,
     open_manifest,
     remove_runs_except,
     resolve_checkpoint,
@@ -48,7 +47,7 @@ from shardsmith.trainer.checkpoint.save_load import (
     save_checkpoint,
     upcast_staging,
 )
-from shardsmith.trainer.checkpoint.save_outcomes import SaveOutcomes
+from shardsmith.trainer.checkpoint.save_outcomes import SaveOutcomes, retention_after_commit
 from shardsmith.trainer.checkpoint.shared_reads import (
     load_into_replicas,
     share_reader,
@@ -256,16 +255,10 @@ class CheckpointPolicy:
         self.outcomes.succeeded(
             result.step, self.root.url_of(step_dir(result.step)) if self.root else ""
         )
-        ckpt = self.cfg.checkpoint
         if self.rank == 0 and self.root is not None:
-            deleted = gc_after_commit(
-                self.root,
-                keep_last=ckpt.keep_last or None,
-                keep_every=ckpt.keep_every or None,
-                runs=self.run.lineage(),
-            )
-            if deleted:
-                self.event({"event": "gc", "deleted_steps": deleted})
+            gone = retention_after_commit(self.root, self.cfg.checkpoint, self.run.lineage())
+            if gone:
+                self.event(gone)
 
     # ---- loading --------------------------------------------------------------------------
 

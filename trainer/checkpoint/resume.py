@@ -192,15 +192,23 @@ def check_data_change(manifest: Manifest, cfg: TrainConfig, source: str) -> None
     )
 
 
-def schedule_change(saved_config: dict[str, Any], cfg: TrainConfig, step: int) -> str:
+def schedule_change(
+    saved_config: dict[str, Any],
+    cfg: TrainConfig,
+    step: int,
+    saved_state: dict[str, Any] | None = None,
+) -> str:
     """One line when resuming ``step`` under ``cfg`` changes the LR schedule the checkpoint
     was trained on (its decay length, warmup, peak or final LR), else ``""``.
 
     The decay length is ``--lr-decay-steps``, or ``--steps`` when that is 0: extending
-    ``--steps`` alone stretches the cosine and makes the LR jump at the resume.
+    ``--steps`` alone stretches the cosine and makes the LR jump at the resume. A checkpoint
+    imported from another format (``saved_state``, the manifest's state, names its
+    ``source``: import-hf, import-dcp, import-megatron) was trained on no schedule of ours,
+    whatever its config records: its first resume sets the schedule, silently.
     """
     optim, steps = saved_config.get("optim") or {}, saved_config.get("steps")
-    if not optim or steps is None:
+    if not optim or steps is None or "source" in (saved_state or {}):
         return ""
     old_total = optim.get("decay_steps") or steps
     new_total = cfg.optim.decay_steps or cfg.steps

@@ -11,6 +11,9 @@ failed step is committed (readers ignore its directory; retention collects it); 
 interval saves again, and the node-local tier goes on saving meanwhile. Megatron-LM users
 asked for this in 2025 ("Distributed Checkpoint Saving Fault-Tolerant (Weak Dependency)",
 NVIDIA/Megatron-LM#1435).
+
+A save that commits is followed by the retention (:func:`retention_after_commit`): old and
+incomplete steps deleted, each said once.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import threading
 from typing import Any, Callable
 
 from shardsmith.errors import SaveError
+from shardsmith.storage import gc_after_commit
+from shardsmith.storage.store import Store
+from shardsmith.trainer.checkpoint.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 
@@ -102,3 +108,36 @@ class SaveOutcomes:
                 f"{self.max_failed}), the last of step {self.failed_step}: {self.error}; "
                 f"{self.newest()}: fix the storage, then resume from it"
             )
+
+
+def retention_after_commit(
+    root: Store, ckpt: CheckpointConfig, runs: set[str] | None
+) -> dict[str, Any] | None:
+    """Rank 0, after a commit: delete what ``--keep-last``/``--keep-every`` leave out and the
+    incomplete steps (:func:`~shardsmith.storage.gc.gc_after_commit`, never raising on storage
+    trouble), of the runs ``runs``.
+
+    Returns:
+        The ``gc`` event of what was deleted (``deleted_steps``; ``deleted``: each step's URL
+        and why), which the console says as one line per step; None when nothing was.
+    """
+    gone = []
+
+    def note(decision: Any) -> None:
+        if decision.delete:
+            gone.append(decision)
+
+    gc_after_commit(
+        root,
+        keep_last=ckpt.keep_last or None,
+        keep_every=ckpt.keep_every or None,
+        runs=runs,
+        on_decision=note,
+    )
+    if not gone:
+        return None
+    return {
+        "event": "gc",
+        "deleted_steps": [d.step for d in gone],
+        "deleted": [{"url": root.url_of(d.name), "reason": d.reason} for d in gone],
+    }

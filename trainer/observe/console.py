@@ -256,8 +256,9 @@ _EVENT_LINES = {
     "save_failed": lambda r: "",  # logged once, with its cause, where it was seen (rank 0)
     "timeline": lambda r: "",  # logged once where the steps were marked
     "schedule_change": lambda r: f"warning: {r.get('message', 'the LR schedule changed')}",
-    "gc": lambda r: (
-        "deleted old checkpoints: steps " + ", ".join(map(str, r.get("deleted_steps", [])))
+    "gc": lambda r: "\n".join(  # one line per step (records before "deleted": steps only)
+        [f"deleted {short_url(d['url'])} ({d['reason']})" for d in r.get("deleted", [])]
+        or [f"deleted step {s}" for s in r.get("deleted_steps", [])]
     ),
     "init_from": lambda r: (
         f"initialized the weights from {short_url(r.get('from', '?'))} "

@@ -167,11 +167,16 @@ class EventLog:
 
     Rank 0 stamps each record with ``time`` (Unix seconds), logs the ones with an
     ``"event"`` key and appends all to its :class:`MetricsWriter`; other ranks drop them.
+    Between :meth:`hold` and :meth:`release` the records are kept back from the writer (their
+    lines are logged at once): a job's start and resume reach metrics.jsonl only once the
+    resume succeeded, so a refused one (a corrupt ``--resume`` step) leaves the file as it was.
     Thread-safe (the background save and the watchdog report through it).
     """
 
     def __init__(self, writer: MetricsWriter, *, rank: int) -> None:
         self.writer, self.rank = writer, rank
+        self._held: list[dict[str, Any]] | None = None
+        self._lock = threading.Lock()
 
     def __call__(self, record: dict[str, Any]) -> None:
         if self.rank != 0:
@@ -181,10 +186,29 @@ class EventLog:
             line = event_line(record)
             if line:
                 log.info("%s", line)
+        with self._lock:
+            if self._held is not None:
+                self._held.append(record)
+                return
         self.writer.write(record)
 
+    def hold(self) -> None:
+        """Keep the records back from the writer until :meth:`release` (:meth:`close` before
+        it drops them)."""
+        with self._lock:
+            self._held = [] if self._held is None else self._held
+
+    def release(self) -> None:
+        """Write the records held back, in order, and write each later one at once."""
+        with self._lock:
+            held, self._held = self._held or [], None
+            for record in held:  # under the lock: a concurrent record waits behind them
+                self.writer.write(record)
+
     def close(self) -> None:
-        """Close the writer."""
+        """Close the writer; records still held back are dropped."""
+        with self._lock:
+            self._held = None
         self.writer.close()
 
 

@@ -5,8 +5,10 @@ after the move), drawn as one curve with restarts, reshards and rollbacks marked
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
+from dataclasses import dataclass
 from typing import Any
 
 from shardsmith.trainer.observe.metrics import METRICS_FILE, iter_json_lines
@@ -44,6 +46,70 @@ def loss_segments(
         segments[-1].append((int(r["step"]), float(value)))
         last = r["step"]
     return segments
+
+
+#: Why a stretch of steps was run again (the event seen between it and the steps that
+#: replaced it; the first that applies), for the legend.
+_LEFT_BECAUSE = (
+    ("timeline", "abandoned timeline"),  # a resume of an older step in the same root
+    ("rollback", "rolled back"),  # bad steps rolled back to a checkpoint
+)
+_RESTARTED = "run again after a restart"  # steps since the last checkpoint, lost to a failure
+
+
+@dataclass
+class LeftBehind:
+    """Steps the current timeline does not hold: run once, then run again from an older step.
+
+    Attributes:
+        label: the legend's words, e.g. ``abandoned timeline (steps 21-40)``.
+        points: ``[(step, value), ...]``, from the step they branched off (when drawn).
+    """
+
+    label: str
+    points: list[tuple[int, float]]
+
+
+def timelines(
+    records: list[dict[str, Any]], key: str = "loss"
+) -> tuple[list[tuple[int, float]], list[LeftBehind]]:
+    """The curve of :func:`loss_segments` split into the run's current timeline (the newest
+    value of every step it holds) and the stretches it left behind, each named by why it
+    was run again: a resume of an older step (``timeline`` event), a rollback, or else a
+    restart from the last checkpoint.
+
+    Returns:
+        ``(current, left_behind)``: the current timeline's ``[(step, value), ...]`` and the
+        stretches, oldest first.
+    """
+    pieces: list[tuple[str, list[tuple[int, float]]]] = []
+    events: set[str] = set()
+    last = None
+    for r in records:
+        value = r.get(key)
+        if "event" in r:
+            events.add(str(r["event"]))
+            continue
+        if not isinstance(value, (int, float)) or r.get("skipped"):
+            continue
+        if last is None or r["step"] <= last:
+            why = next((w for kind, w in _LEFT_BECAUSE if kind in events), _RESTARTED)
+            pieces.append((why, []))
+        events.clear()
+        pieces[-1][1].append((int(r["step"]), float(value)))
+        last = r["step"]
+    if not pieces:
+        return [], []
+    current, left = list(pieces[-1][1]), []
+    for (_, points), (why, _) in zip(reversed(pieces[:-1]), reversed(pieces[1:])):
+        start = current[0][0] if current else math.inf
+        kept = [p for p in points if p[0] < start]
+        gone = [p for p in points if p[0] >= start]
+        if gone:
+            steps = f"step {gone[0][0]}" if len(gone) == 1 else f"steps {gone[0][0]}-{gone[-1][0]}"
+            left.append(LeftBehind(f"{why} ({steps})", kept[-1:] + gone))
+        current = kept + current
+    return current, left[::-1]
 
 
 def run_markers(records: list[dict[str, Any]]) -> dict[str, list[int]]:
@@ -106,8 +172,9 @@ def runs_caption(run_dirs: list[str]) -> str:
 
 def plot_runs(run_dirs: list[str], out_path: str = "") -> str:
     """Draw the runs' loss, LR, gradient norm and tokens/s as one PNG (one curve across the
-    runs), resumes marked by vertical lines: a reshard (the layout changed), a restart (same
-    layout) or a rollback; each run's last job's goodput and where the rest of its time went
+    runs; steps run again after a resume of an older step, a rollback or a restart drawn and
+    named apart: :func:`draw_runs`), resumes marked by vertical lines: a reshard (the layout
+    changed), a restart (same layout) or a rollback; each run's last job's goodput and where the rest of its time went
     below (:func:`runs_caption`). The file is written atomically (temporary file, then rename).
 
     Args:
@@ -121,31 +188,8 @@ def plot_runs(run_dirs: list[str], out_path: str = "") -> str:
         FileNotFoundError, ValueError: see :func:`read_runs`.
         ImportError: matplotlib is missing (``pip install -e ".[plot]"`` in a clone).
     """
-    records = read_runs(run_dirs)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
-    except ImportError as exc:
-        raise ImportError(
-            "shardsmith plot needs matplotlib, which `pip install -e .` does not install: "
-            'pip install -e ".[plot]" in a clone (else: pip install "shardsmith[plot]")'
-        ) from exc
-    markers = run_markers(records)
-    markers["restarts"] = [s for s in markers["restarts"] if s not in markers["reshards"]]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 6.5), sharex=True)
-    for ax, (key, label) in zip(axes.flat, PANELS):
-        _draw_panel(ax, loss_segments(records, key), label, markers)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    for ax in axes[1]:
-        ax.set_xlabel("step")
-    axes[0][0].legend(loc="upper right")
-    fig.suptitle(" + ".join(os.path.basename(os.path.abspath(d)) for d in run_dirs))
-    caption = runs_caption(run_dirs)
-    fig.tight_layout(rect=(0, 0.04 * max(1, caption.count("\n") + 1), 1, 1))
-    fig.text(0.5, 0.01, caption, ha="center", va="bottom", fontsize=9)
+    fig = draw_runs(run_dirs)
+    plt = _pyplot()
     out_path = out_path or os.path.join(run_dirs[-1], "loss.png")
     fd, tmp = tempfile.mkstemp(
         prefix=".plot-", suffix=".png", dir=os.path.dirname(os.path.abspath(out_path))
@@ -162,18 +206,75 @@ def plot_runs(run_dirs: list[str], out_path: str = "") -> str:
     return out_path
 
 
+def draw_runs(run_dirs: list[str]) -> Any:
+    """The figure :func:`plot_runs` writes (a matplotlib ``Figure``; the caller closes it):
+    four panels, the current timeline solid and each stretch left behind (:func:`timelines`)
+    in its own colour, named in the first panel's legend with its steps.
+
+    Raises:
+        As :func:`plot_runs`.
+    """
+    records = read_runs(run_dirs)
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    markers = run_markers(records)
+    markers["restarts"] = [s for s in markers["restarts"] if s not in markers["reshards"]]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 6.5), sharex=True)
+    for ax, (key, label) in zip(axes.flat, PANELS):
+        _draw_panel(ax, timelines(records, key), label, markers)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    axes[0][0].legend(loc="upper right", fontsize=8)
+    fig.suptitle(" + ".join(os.path.basename(os.path.abspath(d)) for d in run_dirs))
+    caption = runs_caption(run_dirs)
+    fig.tight_layout(rect=(0, 0.04 * max(1, caption.count("\n") + 1), 1, 1))
+    fig.text(0.5, 0.01, caption, ha="center", va="bottom", fontsize=9)
+    return fig
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError(
+            "shardsmith plot needs matplotlib, which `pip install -e .` does not install: "
+            'pip install -e ".[plot]" in a clone (else: pip install "shardsmith[plot]")'
+        ) from exc
+    return plt
+
+
+#: Colours of the stretches left behind, in turn (the current timeline is C0).
+_LEFT_COLORS = ("C7", "C4", "C5", "C8", "C9")
+
+
 def _draw_panel(
-    ax: Any, segments: list[list[tuple[int, float]]], label: str, markers: dict[str, list[int]]
+    ax: Any,
+    curve: tuple[list[tuple[int, float]], list[LeftBehind]],
+    label: str,
+    markers: dict[str, list[int]],
 ) -> None:
-    for i, seg in enumerate(segments):
+    current, left = curve
+    for i, piece in enumerate(left):
         ax.plot(
-            [s for s, _ in seg],
-            [v for _, v in seg],
-            color="C0",
-            lw=1.2,
-            alpha=1.0 if i == len(segments) - 1 else 0.55,
-            label=label if i == 0 else None,
+            [s for s, _ in piece.points],
+            [v for _, v in piece.points],
+            color=_LEFT_COLORS[i % len(_LEFT_COLORS)],
+            lw=1.0,
+            alpha=0.8,
+            label=piece.label,
         )
+    ax.plot(
+        [s for s, _ in current],
+        [v for _, v in current],
+        color="C0",
+        lw=1.2,
+        label=f"{label} (current timeline)" if left else label,
+    )
     for kind, steps in markers.items():
         color, ls, name = _STYLES[kind]
         for j, step in enumerate(steps):
