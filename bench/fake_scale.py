@@ -36,7 +36,13 @@ Every job runs under both FSDP exchange policies (``--fsdp-reshard-after-forward
 (the default under pipelining: the stage's parameters stay gathered and its gradients accumulate
 unsharded for the step). Under ``never`` the stage runs two microbatches with gradient sync and
 reshard-after-backward off, as every microbatch before a step's last does, so the second's
-backward meets the first's accumulated unsharded gradients.
+backward meets the first's accumulated unsharded gradients. Both forwards run before the backwards (the
+tracker takes one root call), so the run's peak may hold both microbatches' activations, or one
+and a part: the bench takes the larger of that peak less the microbatches beyond those in
+flight, and the last backward's own peak (tracked from its start: the first microbatch's
+activations freed, its unsharded gradients accumulated, as in a step's every later microbatch)
+with the other in-flight microbatches added. Without the second reading a one-stage job looked
+14-21 % over-estimated: its peak held a microbatch and a part, and a whole one was taken off.
 
 What is not the trainer's own code path, and why:
 
@@ -60,9 +66,20 @@ What is not the trainer's own code path, and why:
   (:func:`shardsmith.trainer.checkpoint.save_load.init_optimizer_state`) and sharded gradients exist
   before it, as in every step after the first and every microbatch after the first.
 
+Any job, not only the built-in ones: ``--train-flags`` takes the flags of a ``shardsmith train``
+command, read by the command line's own parser (``cli/train_commands.py: train_config``, then
+``cli/dry_run.py: job_of``, the dry run's job), and ``--plan-json`` a ``shardsmith plan --json``
+answer (its ``--candidate``-th candidate's ``flags``), so the planner's choices can be checked.
+Give ``--dp-shard`` (or ``--nproc-per-node``): the world size is the layout's. Layouts with
+virtual stages, context parallelism or expert parallelism are refused: ``run_stage`` builds one
+model chunk per pipeline rank and runs no K/V exchange or token dispatch.
+
     OMP_NUM_THREADS=1 python bench/fake_scale.py               # all configs, table + JSON last line
     python bench/fake_scale.py --only llama3-8b                # one job, both policies
     python bench/fake_scale.py --only llama3-8b:never          # one job, one policy
+    python bench/fake_scale.py --train-flags "--model llama3-8b --tp 2 --dp-shard 4 --global-batch-size 8"
+    shardsmith plan --model llama3-8b --gpus 64 --gpu h100 --global-batch-size 256 --json > p.json
+    python bench/fake_scale.py --plan-json p.json --candidate 0
 """
 
 from __future__ import annotations
@@ -71,6 +88,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -147,6 +165,55 @@ def _configs() -> dict[str, Config]:
         for c in jobs
         for policy in ("always", "never")
     }
+
+
+def config_of_flags(flags: list[str], name: str = "flags") -> Config:
+    """The job of ``shardsmith train`` flags, read by the command line's own parser
+    (``train``'s click context, ``train_config``, ``check_layout``, ``job_of``), under the
+    FSDP exchange policy the flags resolve to (``default``: ``never`` under pipelining).
+
+    Raises:
+        click.UsageError / ConfigError / LayoutError: flags ``train`` itself refuses.
+        SystemExit: a layout this bench cannot build (module doc).
+    """
+    from shardsmith.cli.dry_run import job_of
+    from shardsmith.cli.train_commands import train, train_config
+    from shardsmith.layout import reshards_after_forward
+
+    params = train.make_context("train", list(flags)).params
+    cfg = train_config(params, params["nproc_per_node"])
+    cfg.check_layout()
+    job = job_of(cfg)
+    d = job.dims
+    if d.virtual_stages > 1 or d.cp > 1 or d.expert_parallel > 1:
+        raise SystemExit(
+            f"{name}: layout {d.describe()}: this bench builds one model chunk per pipeline rank "
+            "without context or expert parallelism; check a candidate with --virtual-stages 1, "
+            "--cp 1 and --expert-parallel 1"
+        )
+    return Config(
+        name,
+        job.model,
+        d,
+        job.global_batch_size,
+        job.micro_batch_size,
+        bf16=job.mixed_precision == "bf16",
+        ac=job.activation_checkpointing,
+        sp=job.sequence_parallel,
+        policy="always"
+        if reshards_after_forward(job.fsdp_reshard_after_forward, d.pp)
+        else "never",
+    )
+
+
+def plan_flags(path: str, candidate: int) -> tuple[str, list[str]]:
+    """(layout name, ``flags``) of candidate ``candidate`` of a ``shardsmith plan --json``
+    answer in ``path`` (``-``: standard input)."""
+    text = sys.stdin.read() if path == "-" else open(path).read()
+    cands = json.loads(text).get("candidates") or []
+    if not 0 <= candidate < len(cands):
+        raise SystemExit(f"{path}: no candidate {candidate} (it has {len(cands)})")
+    return cands[candidate]["layout"], list(cands[candidate]["flags"])
 
 
 def estimate_of(c: Config) -> Any:
@@ -308,33 +375,56 @@ def run_stage(c: Config, stage: int) -> dict[str, Any]:
             with math._loss_ctx() if last else contextlib.nullcontext():
                 with math._autocast():
                     outs = Microbatches()(xs)
-                for out in outs:
+                for i, out in enumerate(outs):
+                    if keep and i == len(outs) - 1:  # the last backward's own peak (module doc)
+                        peak = dict(tracker.get_tracker_snapshot("peak")[torch.device("cpu")])
+                        tracker._peak_mem_snap = tracker.get_tracker_snapshot()
+                        tracker._peak_mem = {
+                            d: v["Total"] for d, v in tracker._peak_mem_snap.items()
+                        }
                     if last:
                         loss_fn(out, torch.randint(0, m.vocab_size, (b, s))).backward()
                     else:
                         out.backward(torch.ones_like(out))
                 del outs
-            peak = dict(tracker.get_tracker_snapshot("peak")[torch.device("cpu")])
+            last_bw = dict(tracker.get_tracker_snapshot("peak")[torch.device("cpu")])
+            if not keep:
+                peak = last_bw
             optimizer.step()
         opt_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     per_mb = after[1] - after[0]
-    return {
+    out = {
         "stage": stage,
         "rank": rank,
         "in_flight": in_flight,
         "run_in_flight": run_k,
         "per_microbatch_bytes": per_mb,
         "tracker_peak_bytes": peak["Total"],
-        "measured_peak_bytes": peak["Total"] + (in_flight - run_k) * per_mb,
+        "last_backward_peak_bytes": last_bw["Total"] if keep else 0,
         "optimizer_step_tracker_peak_bytes": opt_peak,
         "by_kind": {str(k).split(".")[-1].strip("'>"): v for k, v in peak.items() if k != "Total"},
     }
+    out["measured_peak_bytes"] = measured_peak(out)
+    return out
 
 
-def _stage_subprocess(name: str, stage: int) -> dict[str, Any]:
+def measured_peak(got: dict[str, Any]) -> int:
+    """The stage's peak with its own microbatches in flight (module doc): the run's peak with
+    the activations of ``in_flight - run_in_flight`` more microbatches, and, for a run of two
+    microbatches (parameters kept gathered), the last backward's own peak (the first's
+    activations freed, its unsharded gradients accumulated: the state of every microbatch
+    after the step's first) with ``in_flight - 1`` more."""
+    k, per_mb = got["in_flight"], got["per_microbatch_bytes"]
+    out = got["tracker_peak_bytes"] + (k - got["run_in_flight"]) * per_mb
+    if got["last_backward_peak_bytes"]:
+        out = max(out, got["last_backward_peak_bytes"] + (k - 1) * per_mb)
+    return out
+
+
+def _stage_subprocess(name: str, stage: int, extra: tuple[str, ...]) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, __file__, "--stage-of", name, str(stage)],
+        [sys.executable, __file__, "--stage-of", name, str(stage), *extra],
         capture_output=True,
         text=True,
         env=env,
@@ -345,15 +435,16 @@ def _stage_subprocess(name: str, stage: int) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_config(c: Config, workers: int) -> dict[str, Any]:
-    """Every stage of ``c`` (in ``workers`` processes at a time) against the estimate."""
+def run_config(c: Config, workers: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Every stage of ``c`` (in ``workers`` processes at a time) against the estimate;
+    ``extra``: the arguments that name a flag job to the stage processes."""
     t0 = time.perf_counter()
     est = estimate_of(c)
     by_stage = {r.stage: r for r in est.roles}
     sigs = {p: signature(c, p) for p in range(c.dims.pp)}
     firsts = sorted({sig: p for p, sig in reversed(list(sigs.items()))}.values())
     with ThreadPoolExecutor(workers) as pool:
-        ran = dict(zip(firsts, pool.map(lambda p: _stage_subprocess(c.name, p), firsts)))
+        ran = dict(zip(firsts, pool.map(lambda p: _stage_subprocess(c.name, p, extra), firsts)))
     rows = []
     for p, sig in sigs.items():
         src = next(q for q in firsts if sigs[q] == sig)
@@ -364,10 +455,7 @@ def run_config(c: Config, workers: int) -> dict[str, Any]:
             "in_flight": in_flight_of(c, p),
             "same_run_as_stage": src,
         }
-        got["measured_peak_bytes"] = (
-            got["tracker_peak_bytes"]
-            + (got["in_flight"] - got["run_in_flight"]) * got["per_microbatch_bytes"]
-        )
+        got["measured_peak_bytes"] = measured_peak(got)
         want = by_stage[p].tracked_peak_nbytes
         rows.append(
             {
@@ -392,13 +480,29 @@ def run_config(c: Config, workers: int) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", action="append", help="config name(s); default all")
     ap.add_argument("--workers", type=int, default=2, help="stage processes at a time")
+    ap.add_argument("--train-flags", metavar="FLAGS", help="a `shardsmith train` job's flags")
+    ap.add_argument("--plan-json", metavar="FILE", help="a `shardsmith plan --json` answer")
+    ap.add_argument("--candidate", type=int, default=0, help="which of --plan-json's candidates")
     ap.add_argument("--stage-of", nargs=2, metavar=("CONFIG", "STAGE"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    configs = _configs()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = _arguments()
+    configs, extra = _configs(), ()
+    if args.plan_json:
+        name, flags = plan_flags(args.plan_json, args.candidate)
+        args.train_flags, args.plan_json = shlex.join(flags), None
+        args.only = [name]
+    if args.train_flags:  # this job only; the stage processes get the same flags
+        extra = ("--train-flags", args.train_flags)
+        name = args.stage_of[0] if args.stage_of else (args.only or ["flags"])[0]
+        configs = {name: config_of_flags(shlex.split(args.train_flags), name)}
+        args.only = [name]
     if args.stage_of:
         print(json.dumps(run_stage(configs[args.stage_of[0]], int(args.stage_of[1]))))
         return
@@ -406,7 +510,7 @@ def main() -> None:
     results = []
     only = args.only or list(configs)  # a name, or its model part for both policies
     for name in [n for n in configs if any(n == o or n.split(":")[0] == o for o in only)]:
-        r = run_config(configs[name], args.workers)
+        r = run_config(configs[name], args.workers, extra)
         results.append(r)
         print(
             f"{r['name']}: {r['layout']} = {r['ranks']:,} ranks, {r['params'] / 1e9:.1f}B params "

@@ -106,7 +106,7 @@ def tensor_groups(tensors: dict[str, Any]) -> dict[str, dict[str, int]]:
 
 
 def _print_summary(url: str, m: Any, groups: dict[str, dict[str, int]]) -> None:
-    from shardsmith.cli.train_commands import describe_model
+    from shardsmith.cli.dry_run import describe_model
     from shardsmith.layout import ModelConfig, ParallelDims, format_nbytes
     from shardsmith.sizing import preset_of
 

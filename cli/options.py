@@ -268,9 +268,12 @@ def make_dims(
     world: int | None,
     expert_parallel: int = 1,
     cp: int = 1,
+    virtual_stages: int = 1,
 ) -> ParallelDims:
     """ParallelDims from the layout flags; ``dp_shard=-1`` takes the rest of ``world``
     (:meth:`ParallelDims.for_world_size`; 1 when the world size is not known).
+    ``virtual_stages`` comes with the split (a split names every chunk: ``pp *
+    virtual_stages`` counts).
 
     Raises:
         LayoutError: the layout does not have ``world`` ranks.
@@ -282,6 +285,7 @@ def make_dims(
         "cp": cp,
         "pipeline_split": pipeline_split,
         "expert_parallel": expert_parallel,
+        "virtual_stages": virtual_stages,
     }
     if dp_shard == -1:
         return ParallelDims.for_world_size(

@@ -27,6 +27,26 @@ def _model_flags(flags: dict[str, Any]) -> list[str]:
     return out
 
 
+#: How the step's parts (``StepCost.PARTS``) are named in the text of ``plan`` and the dry run.
+PART_NAMES = {
+    "compute_s": "compute",
+    "tp_comm_s": "TP",
+    "pp_comm_s": "PP",
+    "cp_comm_s": "CP",
+    "fsdp_exposed_s": "exposed FSDP",
+    "bubble_s": "bubble",
+    "dp_allreduce_s": "DP",
+}
+
+
+def step_breakdown(cost_s: dict[str, float]) -> str:
+    """``compute 6.11 s, TP 1.00 s, ...``: a step's parts in seconds (CP only when the layout
+    has one), the same words in ``plan`` and ``train --dry-run``."""
+    return ", ".join(
+        f"{PART_NAMES[k]} {v:.2f} s" for k, v in cost_s.items() if v or k != "cp_comm_s"
+    )
+
+
 @click.command("plan")
 @model_options
 @click.option("--gpus", type=int, required=True, help="GPUs of the job (the world size).")
@@ -98,12 +118,7 @@ def plan_command(**flags: Any) -> None:
             f"{d['peak_bytes'] / gib:.1f} GiB per GPU ({d['headroom_bytes'] / gib:.1f} GiB headroom), "
             f"bubble {d['bubble_fraction']:.0%}"
         )
-        parts = ("compute", "tp_comm", "pp_comm", "fsdp_exposed", "bubble", "dp_allreduce")
-        names = ("compute", "TP", "PP", "exposed FSDP", "bubble", "DP")
-        click.echo(
-            "   step: "
-            + ", ".join(f"{n} {d['cost_s'][p + '_s']:.2f} s" for n, p in zip(names, parts))
-        )
+        click.echo(f"   step: {step_breakdown(d['cost_s'])}")
         click.echo(f"   {d['command']}")
         for line in plan_warnings(c):
             click.echo(f"   warning: {line}")

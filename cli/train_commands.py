@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import sys
-import textwrap
 import time
 from typing import Any
 
@@ -35,7 +34,6 @@ from shardsmith.cli.options import (
     tensor_format_option,
     zarr_codec_option,
 )
-from shardsmith.layout import format_nbytes
 
 T, OPT, C, FC = "TrainConfig", "OptimConfig", "CheckpointConfig", "FaultConfig"
 
@@ -496,7 +494,12 @@ def train(**flags: Any) -> None:
         raise click.UsageError("--wandb needs the wandb package: pip install wandb")
     if flags["dry_run"]:
         note = unsized_note(cfg) if flags["dp_shard"] == -1 and world is None else ""
-        print_estimate(cfg, flags["model_preset"], flags["as_json"], device_nbytes(flags), note)
+        from shardsmith.cli.dry_run import device_nbytes, gpu_of, print_estimate
+
+        accel = gpu_of(flags)
+        print_estimate(
+            cfg, flags["model_preset"], flags["as_json"], device_nbytes(flags), note, accel
+        )
         return
     from shardsmith.trainer.checkpoint import COMMAND_ENV
     from shardsmith.trainer.data import expand_source
@@ -590,8 +593,10 @@ def train_config(f: dict[str, Any], world: int | None):
         model = dataclasses.replace(model, vocab_size=resolve_vocab_size(data, f["vocab_size"]))
     return TrainConfig(
         model=model,
-        parallel=dataclasses.replace(
-            make_dims(*map(f.get, DIMS_FLAGS[:5]), world, *map(f.get, DIMS_FLAGS[5:])),
+        parallel=make_dims(
+            *map(f.get, DIMS_FLAGS[:5]),
+            world,
+            *map(f.get, DIMS_FLAGS[5:]),
             virtual_stages=virtual_stages(f, model),
         ),
         optim=OptimConfig(
@@ -686,176 +691,3 @@ def virtual_stages(f: dict[str, Any], model: Any) -> int:
             f"{per_chunk} ({model.num_layers} layers / pp {f['pp']} / {per_chunk} = {derived})"
         )
     return derived
-
-
-def device_nbytes(flags: dict[str, Any]) -> int | None:
-    """Bytes per GPU from ``--gpu-memory SIZE`` or ``--gpu NAME`` (the former wins); None without."""
-    from shardsmith.layout import parse_nbytes
-    from shardsmith.sizing import gpu
-
-    if flags.get("gpu_memory"):
-        return parse_nbytes(flags["gpu_memory"])
-    return gpu(flags["gpu_name"]).memory_nbytes if flags.get("gpu_name") else None
-
-
-def job_of(cfg: Any) -> Any:
-    """The :class:`~shardsmith.sizing.verdict.Job` of a TrainConfig."""
-    from shardsmith.sizing import Job
-
-    names = [f.name for f in dataclasses.fields(Job)][2:]  # the step's settings: TrainConfig's too
-    settings = {name: getattr(cfg, name) for name in names}
-    settings["activation_checkpointing"] = cfg.ac_policy  # full (True) or selective ("op", "N")
-    return Job(cfg.model, cfg.parallel, **settings)
-
-
-def verdict_json(job: Any, est: Any, device: int | None) -> dict[str, Any]:
-    """``fits``, ``headroom_bytes``, ``peak_bytes`` per rank group, the warnings and the fixes."""
-    from shardsmith.sizing import fixes, judge, warnings
-
-    out: dict[str, Any] = {"warnings": warnings(est)}
-    if device is None:
-        return out
-    groups = judge(est, device)
-    out.update(
-        {
-            "device_bytes": device,
-            "fits": all(g["fits"] for g in groups),
-            "headroom_bytes": min(g["headroom_bytes"] for g in groups),
-            "peak_bytes": max(g["peak_bytes"] for g in groups),
-            "rank_groups": groups,
-            "fixes": [] if all(g["fits"] for g in groups) else fixes(job, device),
-        }
-    )
-    return out
-
-
-def print_verdict(verdict: dict[str, Any]) -> None:
-    """The verdict lines of the text report (see :func:`verdict_json`)."""
-    for line in verdict["warnings"]:
-        click.echo(f"  warning: {line}")
-    if "fits" not in verdict:
-        return
-    gib = 2**30
-    for g in verdict["rank_groups"]:
-        how = (
-            f"fits with {g['headroom_bytes'] / gib:.1f} GiB headroom"
-            if g["fits"]
-            else f"does not fit by {-g['headroom_bytes'] / gib:.1f} GiB"
-        )
-        click.echo(
-            f"  stage {g['stage']} ({plural(g['num_ranks'], 'rank')}, e.g. rank {g['example_rank']}): needs "
-            f"{g['peak_bytes'] / gib:.1f} GiB of {verdict['device_bytes'] / gib:.1f} GiB: {how}"
-        )
-    for fix in verdict["fixes"]:
-        click.echo(
-            f"  to fit: {' '.join(fix['changes'])} -> {fix['peak_bytes'] / gib:.1f} GiB "
-            f"({fix['headroom_bytes'] / gib:.1f} GiB headroom)"
-        )
-    if not verdict["fits"] and not verdict["fixes"]:
-        click.echo(
-            "  to fit: no single change does; try `shardsmith plan` for this model and GPU count"
-        )
-
-
-def print_estimate(
-    cfg: Any, preset: str | None, as_json: bool, device: int | None = None, note: str = ""
-) -> None:
-    """The ``--dry-run`` report of ``cfg`` (a TrainConfig), as text or JSON; with ``device``
-    (bytes per GPU) a verdict per rank group and the changes that would make it fit; ``note``
-    (text only) follows the layout line."""
-    from shardsmith.sizing import FORMULAS, preset_of
-
-    job = job_of(cfg)
-    est = job.estimate()
-    verdict = verdict_json(job, est, device)
-    name = preset or preset_of(cfg.model)
-    if as_json:
-        click.echo(json.dumps({"preset": name, **est.to_json(), **verdict}, indent=1))
-        return
-    m, dims = cfg.model, cfg.parallel
-    click.echo(f"dry run: {name or 'custom model'}: {describe_model(m)}")
-    click.echo(
-        f"  {est.total_params:,} parameters ({est.total_params / 1e9:.2f}B); checkpoint "
-        f"{format_nbytes(est.checkpoint_nbytes)} (fp32 weights + AdamW state)"
-    )
-    click.echo(
-        f"  layout {dims.describe()} = {dims.world_size:,} ranks; batch {est.global_batch_size} = "
-        f"{est.micro_batch_size} per microbatch x {est.num_microbatches} microbatches x dp {dims.dp}; "
-        f"{est.tokens_per_step:,} tokens/step"
-    )
-    if note:
-        click.echo(f"  {note}")
-    click.echo(
-        f"  pipeline bubble (P-1)/(V*M) = {dims.pp - 1}/({dims.virtual_stages}*{est.num_microbatches}) = "
-        f"{est.pipeline_bubble_fraction:.1%} of the step"
-    )
-    click.echo(
-        f"  FLOPs/step {est.flops_per_step:.3e} ({est.flops_per_step / dims.world_size:.3e} per rank)"
-    )
-    if est.moe:
-        click.echo(
-            f"  MoE: {est.moe['num_moe_layers']} layers x {m.num_experts} experts (top-{m.moe_router_topk}); "
-            f"{est.moe['experts_per_rank']} experts x {est.moe['expert_ffn_per_rank']} hidden per rank; "
-            f"all-to-all {format_nbytes(est.moe['dispatch_nbytes_per_layer_microbatch'])} sent per rank, "
-            "layer and microbatch"
-        )
-    if est.context_parallel:
-        c = est.context_parallel
-        click.echo(
-            f"  context parallel: cp {c['cp']}, {c['tokens_per_rank']:,} tokens per rank; K/V all-gather "
-            f"{format_nbytes(c['kv_gather_nbytes_per_layer_microbatch'])} received per rank, layer and "
-            "microbatch (as much sent by the backward's reduce-scatter)"
-        )
-    if m.rope_scaling:
-        click.echo(
-            f"  RoPE scaling llama3: factor {m.rope_scaling_factor:g}, low/high frequency factors "
-            f"{m.rope_low_freq_factor:g}/{m.rope_high_freq_factor:g}, original context "
-            f"{m.rope_original_seq_length:,}"
-        )
-    click.echo(
-        f"  {'stage':>5} {'layers':>7} {'ranks':>6} {'e.g.':>6} {'params':>15} {'weights':>10} "
-        f"{'grads':>10} {'optim':>10} {'activ.':>10} {'total':>10} {'ckpt':>10}"
-    )
-    for r in est.roles:
-        click.echo(
-            f"  {r.stage:>5} {f'{r.layers[0]}-{r.layers[1]}':>7} {r.num_ranks:>6,} {r.example_rank:>6} "
-            f"{r.num_params:>15,} "
-            + " ".join(
-                f"{_short(n):>10}"
-                for n in (
-                    r.param_nbytes,
-                    r.grad_nbytes,
-                    r.optim_nbytes,
-                    r.activation_nbytes,
-                    r.total_nbytes,
-                    r.checkpoint_nbytes,
-                )
-            )
-        )
-    for what in ("memory", "activation", "loss", "peak", "bubble", "flops") + (
-        ("moe",) if est.moe else ()
-    ):
-        click.echo(
-            textwrap.fill(
-                f"{what}: {FORMULAS[what]}", 100, initial_indent="  ", subsequent_indent="    "
-            )
-        )
-    print_verdict(verdict)
-
-
-def _short(nbytes: int) -> str:
-    return format_nbytes(nbytes).replace(" ", "")
-
-
-def describe_model(m: Any) -> str:
-    """One line: layers, width, heads, FFN, vocab, sequence, RoPE base (and Llama 3.1 scaling), tying."""
-    scaled = (
-        f" (llama3 scaling x{m.rope_scaling_factor:g} from {m.rope_original_seq_length:,})"
-        if getattr(m, "rope_scaling_factor", 0)
-        else ""
-    )
-    return (
-        f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
-        f"({m.num_kv_heads} kv), ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_length}, "
-        f"rope_theta {m.rope_theta:g}{scaled}, {'tied' if m.tie_embeddings else 'untied'} embeddings"
-    )

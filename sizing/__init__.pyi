@@ -1,7 +1,9 @@
 # The face of shardsmith.sizing: the names other packages import. Read at import time by lazy_loader
 # (attach_stub), so a name's module is imported on first use; type checkers read it as is.
 
+from .cost import step_cost as step_cost
 from .estimate import FORMULAS as FORMULAS
+from .gpus import GPUS_PER_NODE as GPUS_PER_NODE
 from .gpus import gpu as gpu
 from .presets import DEFAULT_PRESET as DEFAULT_PRESET
 from .presets import PRESETS as PRESETS

@@ -16,7 +16,11 @@ stage is the sum of:
   trainer moves, per rank and step, by group; ``bench/comm_volume.py`` checks it on the real
   step), at ``LINK_EFFICIENCY`` of the link: TP over NVLink, not overlapped (Korthikanti et al.
   2022, sec. 3); the pipeline's sends over the network (each chunk boundary of the rank);
-  FSDP over NVLink when the data-parallel group fits in a node, else the network;
+  FSDP over NVLink when the data-parallel group fits in a node, else the network; CP's K/V
+  all-gather and its backward's reduce-scatter not overlapped (attention waits for them:
+  ``trainer/context_parallel/attention.py``), over NVLink when ``tp * cp`` fits in a node,
+  else the network. A CP rank computes ``s / cp`` tokens of each microbatch (its attention
+  share too: the load-balanced chunks give every rank the same causal work);
 * FSDP, exchanged per microbatch (``--fsdp-reshard-after-forward always``): overlapped with
   the microbatch's compute (FSDP2 prefetch), only the excess counts; exchanged once per step
   (``never``, the default under pipelining): the all-gather overlaps the first microbatch's
@@ -38,7 +42,7 @@ from math import prod
 
 from shardsmith.layout import ModelConfig, ParallelDims, reshards_after_forward, stage_layers
 from shardsmith.sizing.gpus import Gpu
-from shardsmith.sizing.traffic import step_traffic
+from shardsmith.sizing.traffic import rank_traffic
 from shardsmith.sizing.verdict import Job
 
 #: Best fraction of the dense bf16 peak a large bf16 GEMM reaches (cuBLAS on A100/H100).
@@ -57,6 +61,7 @@ class StepCost:
     compute_s: float
     tp_comm_s: float
     pp_comm_s: float
+    cp_comm_s: float
     fsdp_exposed_s: float
     dp_allreduce_s: float
     bubble_s: float
@@ -64,11 +69,27 @@ class StepCost:
     mfu: float
     tokens_per_s: float
 
+    #: The parts of the step, in the order ``plan`` and the dry run print them.
+    PARTS = (
+        "compute_s",
+        "tp_comm_s",
+        "pp_comm_s",
+        "cp_comm_s",
+        "fsdp_exposed_s",
+        "bubble_s",
+        "dp_allreduce_s",
+    )
 
-def matmul_efficiency(model: ModelConfig, tp: int, micro_batch_size: int) -> float:
+    def parts(self) -> dict[str, float]:
+        """Seconds of each part of the step (:attr:`PARTS`), by field name."""
+        return {k: getattr(self, k) for k in self.PARTS}
+
+
+def matmul_efficiency(model: ModelConfig, tp: int, micro_batch_size: int, cp: int = 1) -> float:
     """``MAX_MATMUL_EFFICIENCY * d / (d + MATMUL_HALF_SIZE)``, ``d`` the smallest per-rank
-    matmul dimension (module doc)."""
-    d = min(model.hidden_size / tp, model.ffn_hidden_size / tp, micro_batch_size * model.seq_length)
+    matmul dimension (module doc): a CP rank's matmuls see ``s / cp`` tokens."""
+    tokens = micro_batch_size * model.seq_length / cp
+    d = min(model.hidden_size / tp, model.ffn_hidden_size / tp, tokens)
     return MAX_MATMUL_EFFICIENCY * d / (d + MATMUL_HALF_SIZE)
 
 
@@ -88,26 +109,23 @@ def model_counts(model: ModelConfig) -> tuple[int, int, float]:
     return max(layers.values()), rest, flops_per_token(model)
 
 
-def _traffic(job: Job) -> tuple[float, float, float, float, float]:
+def _traffic(job: Job) -> tuple[float, float, float, float, float, float]:
     """Per step, the largest over pipeline ranks: (TP bytes of the rank with the most layers,
-    PP bytes, FSDP all-gather bytes, FSDP reduce-scatter bytes, HSDP all-reduce bytes)."""
+    PP bytes, FSDP all-gather bytes, FSDP reduce-scatter bytes, HSDP all-reduce bytes, CP
+    bytes)."""
 
     d = job.dims
     reshard = reshards_after_forward(job.fsdp_reshard_after_forward, d.pp)
-    per_rank = [
-        step_traffic(
-            job.model,
-            d,
-            pp_rank=r,
-            micro_batch_size=job.micro_batch_size,
-            num_microbatches=job.global_batch_size // (job.micro_batch_size * d.dp),
-            mixed_precision=job.mixed_precision,
-            reshard_after_forward=reshard,
-            sequence_parallel=job.sequence_parallel,
-            activation_checkpointing=job.activation_checkpointing,
-        )
-        for r in range(d.pp)
-    ]
+    per_rank = rank_traffic(
+        job.model,
+        d,
+        micro_batch_size=job.micro_batch_size,
+        num_microbatches=job.global_batch_size // (job.micro_batch_size * d.dp),
+        mixed_precision=job.mixed_precision,
+        reshard_after_forward=reshard,
+        sequence_parallel=job.sequence_parallel,
+        activation_checkpointing=job.activation_checkpointing,
+    )
     c = 2 if job.mixed_precision == "bf16" else 4
     gathers = 2 * c if reshard else c  # dp_shard bytes split into all-gather and reduce-scatter
     fsdp = max(t["dp_shard"] for t in per_rank)
@@ -117,6 +135,7 @@ def _traffic(job: Job) -> tuple[float, float, float, float, float]:
         fsdp * gathers / (gathers + 4),
         fsdp * 4 / (gathers + 4),
         max(t["dp_replicate"] for t in per_rank),
+        max(t["cp"] for t in per_rank),
     )
 
 
@@ -125,31 +144,33 @@ def step_cost(
 ) -> StepCost:
     """The step time of ``job`` on ``gpu`` (module doc). ``gpus_per_node`` decides which
     groups stay on NVLink: tp always (the planner keeps it in a node), data parallelism when
-    ``tp * dp_shard <= gpus_per_node``. ``counts``: :func:`model_counts` of the job's model."""
+    ``tp * dp_shard * cp <= gpus_per_node``, cp when ``tp * cp <= gpus_per_node``.
+    ``counts``: :func:`model_counts` of the job's model."""
     m, d = job.model, job.dims
     per_token = (counts or model_counts(m))[2]
     mb = job.micro_batch_size
     num_mb = job.global_batch_size // (mb * d.dp)
-    tokens_mb = mb * m.seq_length
+    tokens_mb = mb * m.seq_length / d.cp  # a CP rank's share of the microbatch
     work = [float(len(ls)) for ls in stage_layers(m, d)]
     per_layer_flops = (per_token / 3 - 2 * m.hidden_size * m.vocab_size) / m.num_layers
     work[-1] += 2 * m.hidden_size * m.vocab_size / per_layer_flops
     slowest = max(work) / (sum(work) / len(work))
     flops_mb = per_token * tokens_mb / (d.tp * d.pp) * slowest
     recompute = 4 / 3 if job.activation_checkpointing else 1.0
-    compute = flops_mb * recompute / (gpu.peak_bf16_flops * matmul_efficiency(m, d.tp, mb))
+    compute = flops_mb * recompute / (gpu.peak_bf16_flops * matmul_efficiency(m, d.tp, mb, d.cp))
     nvlink, net = (
         gpu.nvlink_bytes_per_s * LINK_EFFICIENCY,
         gpu.network_bytes_per_s * LINK_EFFICIENCY,
     )
-    tp_bytes, pp_bytes, gather_bytes, reduce_bytes, replica_bytes = _traffic(job)
+    tp_bytes, pp_bytes, gather_bytes, reduce_bytes, replica_bytes, cp_bytes = _traffic(job)
     tp_comm, pp_comm = tp_bytes / num_mb / nvlink, pp_bytes / num_mb / net
+    cp_comm = cp_bytes / num_mb / (nvlink if d.tp * d.cp <= gpus_per_node else net)
     bw = nvlink if d.tp * d.fsdp <= gpus_per_node else net
     if reshards_after_forward(job.fsdp_reshard_after_forward, d.pp):
         fsdp_exposed = num_mb * max(0.0, (gather_bytes + reduce_bytes) / bw / num_mb - compute)
     else:
         fsdp_exposed = max(0.0, gather_bytes / bw - compute / 3) + reduce_bytes / bw
-    busy = num_mb * (compute + tp_comm + pp_comm)
+    busy = num_mb * (compute + tp_comm + pp_comm + cp_comm)
     # fewer microbatches than stages: a chunk's round leaves the rank idle, whatever V
     bubble = busy * (d.pp - 1) / ((d.virtual_stages if num_mb >= d.pp else 1) * num_mb)
     dp_ar = replica_bytes / net
@@ -159,6 +180,7 @@ def step_cost(
         compute_s=num_mb * compute,
         tp_comm_s=num_mb * tp_comm,
         pp_comm_s=num_mb * pp_comm,
+        cp_comm_s=num_mb * cp_comm,
         fsdp_exposed_s=fsdp_exposed,
         dp_allreduce_s=dp_ar,
         bubble_s=bubble,

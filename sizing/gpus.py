@@ -22,6 +22,9 @@ from shardsmith.errors import ConfigError
 from shardsmith.layout import ParallelDims
 
 MiB, GiB = 1 << 20, 1 << 30
+#: GPUs per node of the reference systems above (DGX A100/H100/H200/B200): ``plan``'s default
+#: and the node the dry run's step time assumes.
+GPUS_PER_NODE = 8
 
 #: CUDA context, cuBLAS/cuDNN workspaces and loaded kernels of one PyTorch process: 0.5-1 GiB
 #: on Ampere/Hopper (PyTorch "CUDA semantics" notes; nvidia-smi of an idle ``torch.cuda.init()``

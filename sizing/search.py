@@ -8,7 +8,10 @@ an uneven ``--pipeline-split`` with the first and last chunks one layer shorter:
 :func:`balanced_split`, as Llama 3 405B's 126 layers on 16 stages), both FSDP exchange
 policies (``--fsdp-reshard-after-forward``: the default, and the other one: ``always`` under
 pipelining, ``never`` without), dp_shard the whole data-parallel degree or HSDP with dp_shard = 8,
-16, 32, 64 replicated over the rest, micro-batch size 1, 2, 4, activation checkpointing off
+16, 32, 64 replicated over the rest, context parallelism (cp) over powers of two that leave
+each CP rank :data:`MIN_TOKENS_PER_CP_RANK` tokens or more (long sequences only; the split
+checked by :func:`shardsmith.layout.check_sequence_split`), micro-batch size 1, 2, 4,
+activation checkpointing off
 and on, sequence parallelism whenever tp > 1 (same communication, less memory), bf16, and
 expert parallelism over dp_shard for a MoE model. Every candidate is first ranked by the cost
 model (no memory needed); the memory check (:func:`shardsmith.sizing.estimate.estimate`, fast
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from shardsmith.errors import ConfigError
-from shardsmith.layout import ModelConfig, ParallelDims, validate_layout
+from shardsmith.layout import ModelConfig, ParallelDims, check_sequence_split, validate_layout
 from shardsmith.sizing.cost import StepCost, model_counts, step_cost
 from shardsmith.sizing.gpus import Gpu
 from shardsmith.sizing.verdict import Job, max_peak, warnings
@@ -30,6 +33,11 @@ from shardsmith.sizing.verdict import Job, max_peak, warnings
 MAX_MEMORY_CHECKS = 3000
 #: The largest number of virtual stages (model chunks per pipeline rank) searched.
 MAX_VIRTUAL_STAGES = 8
+#: Context parallelism is searched only while every CP rank keeps at least this many tokens of
+#: each sequence: Llama 3 405B's long-context stage ran CP 16 at 131,072 tokens, 8,192 per rank
+#: (Llama 3 paper, sec. 3.3.2 and Table 4), and trained at 8,192 tokens without CP. Shorter
+#: shares only shrink every matmul while the K/V all-gather's bytes stay.
+MIN_TOKENS_PER_CP_RANK = 8192
 
 
 def balanced_split(num_layers: int, num_chunks: int) -> tuple[int, ...]:
@@ -67,22 +75,23 @@ class Candidate:
             "mfu": self.cost.mfu,
             "tokens_per_s": self.cost.tokens_per_s,
             "bubble_fraction": self.cost.bubble_s / self.cost.step_s if self.cost.step_s else 0.0,
-            "cost_s": {
-                k: getattr(self.cost, k)
-                for k in (
-                    "compute_s",
-                    "tp_comm_s",
-                    "pp_comm_s",
-                    "fsdp_exposed_s",
-                    "dp_allreduce_s",
-                    "bubble_s",
-                )
-            },
+            "cost_s": self.cost.parts(),
         }
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def cp_degrees(model: ModelConfig, ranks: int) -> list[int]:
+    """Context-parallel degrees searched on ``ranks`` ranks: 1, and the powers of two dividing
+    ``ranks`` that leave every CP rank :data:`MIN_TOKENS_PER_CP_RANK` tokens or more (the
+    sequence's split itself is :func:`shardsmith.layout.check_sequence_split`'s to judge)."""
+    out, cp = [1], 2
+    while ranks % cp == 0 and model.seq_length // cp >= MIN_TOKENS_PER_CP_RANK:
+        out.append(cp)
+        cp *= 2
+    return out
 
 
 def layouts(model: ModelConfig, gpus: int, gpus_per_node: int) -> Iterator[ParallelDims]:
@@ -93,33 +102,38 @@ def layouts(model: ModelConfig, gpus: int, gpus_per_node: int) -> Iterator[Paral
         for pp in _divisors(gpus // tp):
             if pp > min(model.num_layers, 64):
                 continue
-            dp = gpus // (tp * pp)
-            shards = {dp} | {s for s in (8, 16, 32, 64) if s < dp and dp % s == 0}
-            for dp_shard in sorted(shards):
-                for v in range(1, MAX_VIRTUAL_STAGES + 1) if pp > 1 else (1,):
-                    if pp * v > model.num_layers:
-                        continue
-                    split = balanced_split(model.num_layers, pp * v) if pp > 1 else ()
-                    eps = (
-                        (1, dp_shard)
-                        if model.num_experts and dp_shard > 1 and model.num_experts % dp_shard == 0
-                        else (1,)
-                    )
-                    for ep in eps:
-                        dims = ParallelDims(
-                            tp=tp,
-                            pp=pp,
-                            dp_shard=dp_shard,
-                            dp_replicate=dp // dp_shard,
-                            virtual_stages=v,
-                            expert_parallel=ep,
-                            pipeline_split=split,
-                        )
-                        try:
-                            validate_layout(model, dims)
-                        except (ValueError, ArithmeticError):
-                            continue
-                        yield dims
+            for cp in cp_degrees(model, gpus // (tp * pp)):
+                yield from _layouts_at(model, gpus // (tp * pp * cp), tp, pp, cp)
+
+
+def _layouts_at(model: ModelConfig, dp: int, tp: int, pp: int, cp: int) -> Iterator[ParallelDims]:
+    """The layouts of :func:`layouts` with ``tp``, ``pp`` and ``cp`` fixed, ``dp`` GPUs left
+    for data parallelism (the FSDP shapes of one (tp, pp) stay in ``traffic``'s cache)."""
+    shards = {dp} | {s for s in (8, 16, 32, 64) if s < dp and dp % s == 0}
+    for dp_shard in sorted(shards):
+        for v in range(1, MAX_VIRTUAL_STAGES + 1) if pp > 1 else (1,):
+            if pp * v > model.num_layers:
+                continue
+            split = balanced_split(model.num_layers, pp * v) if pp > 1 else ()
+            experts = model.num_experts and cp == 1 and dp_shard > 1
+            eps = (1, dp_shard) if experts and model.num_experts % dp_shard == 0 else (1,)
+            for ep in eps:
+                dims = ParallelDims(
+                    tp=tp,
+                    cp=cp,
+                    pp=pp,
+                    dp_shard=dp_shard,
+                    dp_replicate=dp // dp_shard,
+                    virtual_stages=v,
+                    expert_parallel=ep,
+                    pipeline_split=split,
+                )
+                try:
+                    validate_layout(model, dims)
+                    check_sequence_split(model.seq_length, dims, sequence_parallel=tp > 1)
+                except (ValueError, ArithmeticError):
+                    continue
+                yield dims
 
 
 def jobs(

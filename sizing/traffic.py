@@ -28,8 +28,10 @@ is counted once, by its sender). What the trainer does, group by group:
 * ``tp`` (Megatron, Korthikanti et al. 2022 sec. 3): per layer and microbatch two all-reduces of
   ``b * s/cp * h`` values forward and two backward, three and three with full recomputation
   (with sequence parallelism an all-gather and a reduce-scatter each, the same bus bytes);
-* ``cp``: per layer and microbatch the K/V all-gather, ``2 * s * b * k * d_head / t`` values
-  times ``(cp - 1) / cp``, and as many by the backward's reduce-scatter;
+* ``cp`` (``trainer/context_parallel/attention.py``): per layer and microbatch the K/V
+  all-gather, ``2 * s * b * k * d_head / t`` values times ``(cp - 1) / cp``, as many by the
+  backward's reduce-scatter, and a second all-gather with full recomputation (it sits inside
+  the checkpointed block);
 * ``ep``: per MoE layer and microbatch ``4 * s/cp * b * K * h * (ep - 1) / ep`` values
   (Megatron's all-to-all dispatcher: dispatch and combine, forward and backward).
 """
@@ -75,6 +77,11 @@ def _fsdp_shapes(
 def fsdp_numel(model: ModelConfig, dims: ParallelDims, pp_rank: int) -> int:
     """Elements of all FSDP units of ``pp_rank`` as FSDP2 gathers them: every TP-local tensor's
     dim 0 padded to a multiple of the FSDP degree (``dp_shard * cp``)."""
+    return _fsdp_numels(model, dims)[pp_rank]
+
+
+def _fsdp_numels(model: ModelConfig, dims: ParallelDims) -> list[int]:
+    """:func:`fsdp_numel` of every pipeline rank."""
     plain = ParallelDims(
         tp=dims.tp,
         pp=dims.pp,
@@ -82,8 +89,10 @@ def fsdp_numel(model: ModelConfig, dims: ParallelDims, pp_rank: int) -> int:
         pipeline_split=dims.pipeline_split,
     )
     d = dims.fsdp
-    shapes = _fsdp_shapes(model, plain, dims.expert_parallel > 1)[pp_rank]
-    return sum(-(-r // d) * d * c * n for r, c, n in shapes)
+    return [
+        sum(-(-r // d) * d * c * n for r, c, n in shapes)
+        for shapes in _fsdp_shapes(model, plain, dims.expert_parallel > 1)
+    ]
 
 
 def stage_rank(stage: int, pp: int, v_shaped: bool = False) -> int:
@@ -121,40 +130,68 @@ def step_traffic(
     mixed_precision: str = "fp32",
     reshard_after_forward: bool = True,
     sequence_parallel: bool = False,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | str = False,
     v_shaped: bool = False,
 ) -> dict[str, float]:
     """Bus bytes rank ``pp_rank`` (TP rank 0, the largest shares) moves per optimizer step, by
     :data:`GROUP_KINDS` (module doc). ``reshard_after_forward``: the resolved FSDP policy
     (:func:`shardsmith.layout.reshards_after_forward`); ``v_shaped``: the stage map of a V
     schedule."""
+    return rank_traffic(
+        model,
+        dims,
+        micro_batch_size=micro_batch_size,
+        num_microbatches=num_microbatches,
+        mixed_precision=mixed_precision,
+        reshard_after_forward=reshard_after_forward,
+        sequence_parallel=sequence_parallel,
+        activation_checkpointing=activation_checkpointing,
+        v_shaped=v_shaped,
+    )[pp_rank]
+
+
+def rank_traffic(
+    model: ModelConfig,
+    dims: ParallelDims,
+    *,
+    micro_batch_size: int,
+    num_microbatches: int,
+    mixed_precision: str = "fp32",
+    reshard_after_forward: bool = True,
+    sequence_parallel: bool = False,
+    activation_checkpointing: bool | str = False,
+    v_shaped: bool = False,
+) -> list[dict[str, float]]:
+    """:func:`step_traffic` of every pipeline rank, in pipeline-rank order (the layout's
+    stage map and FSDP shapes worked out once: the planner asks this thousands of times)."""
     c = 2 if mixed_precision == "bf16" else 4
     m, mb = num_microbatches, micro_batch_size
-    out = dict.fromkeys(GROUP_KINDS, 0.0)
-    if dims.dp_replicate * dims.fsdp > 1:
-        d, r = dims.fsdp, dims.dp_replicate
-        numel = fsdp_numel(model, dims, pp_rank)
-        gathers, reduces = (2 * m, m) if reshard_after_forward else (1, 1)
-        out["dp_shard"] = (d - 1) / d * numel * (gathers * c + reduces * 4)
-        out["dp_replicate"] = 2 * (r - 1) / r * numel / d * 4
+    layers_of = stage_layers(model, dims)
+    numels = _fsdp_numels(model, dims) if dims.dp_replicate * dims.fsdp > 1 else []
     tokens = mb * model.seq_length / dims.cp
-    layers = len(stage_layers(model, dims)[pp_rank])
     act = tokens * model.hidden_size * c
-    out["pp"] = (
-        m
-        * pp_sends(dims, pp_rank, v_shaped)
-        * act
-        / (dims.tp if sequence_parallel and dims.tp > 1 else 1)
-    )
-    if dims.tp > 1:
-        per_layer = (6 if activation_checkpointing else 4) * 2 * (dims.tp - 1) / dims.tp * act
-        out["tp"] = m * layers * per_layer
-    if dims.cp > 1:
-        kv = 2 * model.seq_length * mb * max(1, model.num_kv_heads // dims.tp) * model.head_dim * c
-        out["cp"] = m * layers * 2 * kv * (dims.cp - 1) / dims.cp
-    if model.num_experts and dims.expert_parallel > 1:
-        ep = dims.expert_parallel
-        moe = sum(1 for i in stage_layers(model, dims)[pp_rank] if model.is_moe_layer(i))
-        k, h = model.moe_router_topk, model.hidden_size
-        out["ep"] = m * moe * 4 * tokens * k * h * (ep - 1) / ep * c
+    recompute = bool(activation_checkpointing)  # the forward's collectives run again
+    kv = 2 * model.seq_length * mb * max(1, model.num_kv_heads // dims.tp) * model.head_dim * c
+    out = []
+    for pp_rank, layers in enumerate(layers_of):
+        row = dict.fromkeys(GROUP_KINDS, 0.0)
+        if numels:
+            d, r = dims.fsdp, dims.dp_replicate
+            gathers, reduces = (2 * m, m) if reshard_after_forward else (1, 1)
+            row["dp_shard"] = (d - 1) / d * numels[pp_rank] * (gathers * c + reduces * 4)
+            row["dp_replicate"] = 2 * (r - 1) / r * numels[pp_rank] / d * 4
+        sp = dims.tp if sequence_parallel and dims.tp > 1 else 1
+        row["pp"] = m * pp_sends(dims, pp_rank, v_shaped) * act / sp
+        if dims.tp > 1:
+            row["tp"] = (
+                m * len(layers) * (6 if recompute else 4) * 2 * (dims.tp - 1) / dims.tp * act
+            )
+        if dims.cp > 1:
+            row["cp"] = m * len(layers) * (3 if recompute else 2) * kv * (dims.cp - 1) / dims.cp
+        if model.num_experts and dims.expert_parallel > 1:
+            ep = dims.expert_parallel
+            moe = sum(1 for i in layers if model.is_moe_layer(i))
+            k, h = model.moe_router_topk, model.hidden_size
+            row["ep"] = m * moe * 4 * tokens * k * h * (ep - 1) / ep * c
+        out.append(row)
     return out

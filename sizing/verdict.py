@@ -56,6 +56,8 @@ class Job:
         out = ["--tp", str(d.tp), "--pp", str(d.pp), "--dp-shard", str(d.dp_shard)]
         if d.dp_replicate > 1:
             out += ["--dp-replicate", str(d.dp_replicate)]
+        if d.cp > 1:
+            out += ["--cp", str(d.cp)]
         if d.virtual_stages > 1:
             out += ["--virtual-stages", str(d.virtual_stages)]
         if d.pipeline_split:

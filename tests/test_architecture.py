@@ -92,9 +92,8 @@ OVER_CAP: dict[str, int] = {
     "trainer/train.py::create": 86,
     "cli/ckpt_commands.py::gc_command": 79,
     "cli/reshard_commands.py::reshard": 71,
-    "cli/train_commands.py": 874,
+    "cli/train_commands.py": 693,
     "cli/train_commands.py::train_config": 103,
-    "cli/train_commands.py::print_estimate": 84,
 }
 
 

@@ -68,7 +68,7 @@ def _with_world(flags: list[str], world: int | None) -> list[str]:
 def test_readme_preset_examples_fit_an_h100() -> None:
     examples = readme_train_examples()
     names = [" ".join(f) for f, _ in examples]
-    assert any("llama3-70b" in n and "--virtual-stages 4" in n for n in names), (
+    assert any("llama3-70b" in n and "--virtual-stages 8" in n for n in names), (
         names
     )  # the SLURM script
     assert sum("llama3-70b" in n for n in names) >= 3 and any(
