@@ -402,11 +402,22 @@ def _launch(
     )
 
 
-def shrink(root: Path, data_path: str, tp: int, nodes: int, lost: list[int]) -> Run:
-    """4 processes in-process with no spare; the ranks ``lost`` lose their node as step 6 starts."""
+def shrink(
+    root: Path,
+    data_path: str,
+    tp: int,
+    nodes: int,
+    lost: list[int],
+    spares: int = 0,
+    earlier: str = "",
+) -> Run:
+    """4 processes in-process with ``spares`` warm spares (never refilled); the ranks ``lost``
+    lose their node as step 6 starts, after the losses ``earlier`` ("RANK:STEP,...")."""
+    losses = ",".join(f"{r}:{LOST_AT}" for r in lost)
     env = {
-        "SHARDSMITH_TEST_LOSE_NODE_AT": ",".join(f"{r}:{LOST_AT}" for r in lost),
+        "SHARDSMITH_TEST_LOSE_NODE_AT": f"{earlier},{losses}" if earlier else losses,
         "SHARDSMITH_TEST_MARKER_DIR": str(root.parent / f"{root.name}-markers"),
+        "SHARDSMITH_SPARES_REFILL_S": "3600",
     }
     return _launch(
         root,
@@ -423,9 +434,9 @@ def shrink(root: Path, data_path: str, tp: int, nodes: int, lost: list[int]) -> 
         "--restart",
         "in-process",
         "--spares",
-        "0",
+        str(spares),
         "--max-restarts",
-        "1",
+        str(1 + len(earlier.split(",")) if earlier else 1),
         env=env,
     )
 
@@ -464,6 +475,20 @@ def dp4(work: Path, data_path: str) -> Run:
     return shrink(work / "dp4", data_path, 1, 4, [1]).check()
 
 
+@pytest.fixture(scope="module")
+def dp4_ref(work: Path, data_path: str, dp4: Run) -> Run:
+    """dp_shard2 resumed from the persistent step 5 of dp_shard4 (every dp_shard4 run here
+    trains steps 1-5 alike)."""
+    return resumed(work / "dp4-ref", data_path, dp4, 1).check()
+
+
+def _assert_no_persistent_read_after_the_loss(run: Run) -> None:
+    """Every resume after a restart read the local tier: 0 bytes from the persistent store."""
+    resumes = [e for e in run.events("resume") if e["restart_count"] > 0]
+    assert resumes and all("-local" in e["from"] for e in resumes), resumes
+    assert "no surviving copy" not in run.output, run.output[-4000:]
+
+
 @pytest.mark.distributed
 def test_shrink_tp2_dp_shard2_to_tp2_on_the_survivors_of_a_node(work: Path, data_path: str) -> None:
     run = shrink(work / "tp2", data_path, 2, 2, [2, 3]).check()
@@ -489,7 +514,7 @@ def test_shrink_tp2_dp_shard2_to_tp2_on_the_survivors_of_a_node(work: Path, data
 
 @pytest.mark.distributed
 def test_shrink_dp_shard4_to_dp_shard2_receives_the_lost_nodes_boxes_from_peers(
-    work: Path, data_path: str, dp4: Run
+    work: Path, data_path: str, dp4: Run, dp4_ref: Run
 ) -> None:
     run = dp4
     assert "-> pp1·dpr1·dps2·tp1 (2 ranks)" in run.output, run.output[-4000:]
@@ -498,9 +523,56 @@ def test_shrink_dp_shard4_to_dp_shard2_receives_the_lost_nodes_boxes_from_peers(
     assert peers["nbytes_received"] > 0 and peers["ranks_receiving"] == 2, peers
     [resume] = [e for e in run.events("resume") if e["restart_count"] > 0]
     assert "-local" in resume["from"] and resume["saved_layout"]["dp_shard"] == 4
-    _assert_continues_like(
-        run, resumed(work / "dp4-ref", data_path, run, 1).check(), "dp_shard4 -> dp_shard2"
+    _assert_continues_like(run, dp4_ref, "dp_shard4 -> dp_shard2")
+
+
+@pytest.mark.distributed
+def test_shrink_reads_the_only_copy_of_a_rank_from_a_survivor_the_new_layout_drops(
+    work: Path, data_path: str, dp4_ref: Run
+) -> None:
+    """Node 2 lost: rank 2's only surviving copy is the buddy copy on node 3, whose rank the
+    new layout (dp_shard2 on nodes 0 and 1) leaves out; it serves that copy over the
+    exchange, then leaves, and nothing is read from the persistent store."""
+    run = shrink(work / "dp4-leaver", data_path, 1, 4, [2]).check()
+    assert (
+        "-> pp1·dpr1·dps2·tp1 (2 ranks)" in run.output
+        and "1 survivor(s) outside it serve their copies, then wait as spares" in run.output
+    ), run.output[-4000:]
+    served = [line for line in run.output.splitlines() if "survivor outside the layout" in line]
+    assert len(served) == 1 and "of step 5 (the copies of saved rank(s) [2])" in served[0], (
+        run.output[-4000:]
     )
+    assert run.recovered() == [(LOST_AT - 1, "local")], run.output[-4000:]
+    _assert_no_persistent_read_after_the_loss(run)
+    [peers] = run.events("peer_reshard")
+    assert peers["leavers_serving"] == 1 and peers["nbytes_from_leavers"] > 0, peers
+    assert "1 survivor(s) outside the new layout served" in run.output
+    _assert_continues_like(run, dp4_ref, "dp_shard4 -> dp_shard2, a copy from outside it")
+
+
+@pytest.mark.distributed
+def test_shrink_when_the_spares_run_out_after_a_replacement(
+    work: Path, data_path: str, dp4_ref: Run
+) -> None:
+    """1 warm spare, never refilled: node 1 lost as step 3 starts (the spare takes its
+    slot, dp_shard4 goes on), then node 2 as step 6 starts (no spare left: the survivors
+    shrink to dp_shard2, and the survivor left out serves its copies)."""
+    run = shrink(work / "dp4-spare", data_path, 1, 4, [2], spares=1, earlier="1:3").check()
+    restarts = [line for line in run.output.splitlines() if line.startswith("restart ")]
+    assert len(restarts) == 2, run.output[-4000:]
+    assert (
+        restarts[0].startswith("restart 1/2: rank(s) [1]")
+        and "replaced by warm spares" in (restarts[0])
+    ), restarts
+    assert restarts[1].startswith("restart 2/2: rank(s) [2]") and (
+        "no spare left: shrinking pp1·dpr1·dps4·tp1 (4 ranks) -> pp1·dpr1·dps2·tp1 (2 ranks)"
+        in restarts[1]
+    ), restarts
+    starts = [(e["restart_count"], e["world_size"]) for e in run.events("start")]
+    assert starts == [(0, 4), (1, 4), (2, 2)], starts
+    assert [s for s, _ in run.recovered()] == [2, LOST_AT - 1], run.output[-4000:]
+    _assert_no_persistent_read_after_the_loss(run)
+    _assert_continues_like(run, dp4_ref, "dp_shard4, a spare, then dp_shard2")
 
 
 @pytest.mark.distributed

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from shardsmith.layout import ParallelDims
 from shardsmith.storage import crashpoints
 from shardsmith.trainer.checkpoint.local_tier import SIMULATED_NODE_ENV
+from shardsmith.trainer.checkpoint.peer_serve import release_exchange, use_exchange
 from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.fault.preemption import say
 
@@ -146,7 +147,52 @@ def join_generation(cfg: TrainConfig, store: dist.TCPStore, job: dict[str, Any])
     )
     if "node" in job:  # the (simulated) node this process runs on, whatever its rank
         os.environ[SIMULATED_NODE_ENV] = str(job["node"])
-    return Trainer.create(fit_world_size(assigned_config(cfg, job), world))
+    if job.get("exchange"):  # survivors outside the new layout serve the shrink with us
+        use_exchange(exchange_group(store, job, rank, job["exchange"], timeout))
+    try:  # the exchange is released after the resume (peer_serve.releases_exchange)
+        return Trainer.create(fit_world_size(assigned_config(cfg, job), world))
+    except BaseException:
+        release_exchange(False)
+        raise
+
+
+def exchange_group(
+    store: dist.TCPStore, job: dict[str, Any], rank: int, size: int, timeout: float
+) -> dist.ProcessGroup:
+    """The exchange of generation ``job["gen"]``: a gloo group of its own (not the default
+    group: its ranks past the members' are the survivors the new layout leaves out) over the
+    store prefix ``gen{G}/exchange/``; every member and serving survivor constructs it (the
+    constructor connects them all). See :mod:`~shardsmith.trainer.checkpoint.peer_serve`."""
+    prefixed = dist.PrefixStore(f"gen{job['gen']}/exchange/", store)
+    return dist.ProcessGroupGloo(prefixed, rank, size, timedelta(seconds=timeout))
+
+
+def serve_as_leaver(
+    cfg: TrainConfig, address: str, store: dist.TCPStore, job: dict[str, Any], flag_dir: str
+) -> dist.TCPStore:
+    """A survivor the shrink's layout leaves out (``job["serve"]``: its rank in the exchange
+    of ``job["exchange"]`` ranks): serve its copies to the members' transfer, then return to
+    wait as a spare. A failure (a member died meanwhile) is logged, not raised: the next
+    generation starts without this process. Returns the store client to go on with."""
+    from shardsmith.trainer.checkpoint.peer_serve import serve_copies
+
+    timeout = max(cfg.fault.init_timeout, cfg.fault.collective_timeout)
+    if "node" in job:
+        os.environ[SIMULATED_NODE_ENV] = str(job["node"])
+    watcher = AbortWatcher(os.path.join(flag_dir, f"abort-{job['gen']}"))
+    try:
+        group = exchange_group(store, job, job["serve"], job["exchange"], timeout)
+        line = serve_copies(assigned_config(cfg, job), group, job["serve"])
+        del group
+    except Exception as exc:
+        if os.environ.get("SHARDSMITH_DEBUG"):
+            raise
+        line = f"serving failed ({type(exc).__name__}: {_first_line(exc)})"
+        store = connect(address, timeout)  # the old connection may be severed
+    finally:
+        watcher.close()
+    say(f"survivor outside the layout of generation {job['gen']}: {line}; waiting as a spare")
+    return store
 
 
 def assigned_config(cfg: TrainConfig, job: dict[str, Any]) -> TrainConfig:
@@ -266,6 +312,9 @@ def serve(cfg: TrainConfig, address: str, worker_id: str, flag_dir: str) -> int:
         k += 1
         if "exit" in job:
             return int(job["exit"])
+        if "serve" in job:
+            store = serve_as_leaver(cfg, address, store, job, flag_dir)
+            continue
         trainer = None
         watcher = AbortWatcher(os.path.join(flag_dir, f"abort-{job['gen']}"))
         try:
