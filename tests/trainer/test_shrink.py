@@ -5,7 +5,7 @@ dp_replicate; a shrink no layout allows is refused with the reason), the agreeme
 and its servers, which saved box each new rank reads from which copy, the transfer's batches,
 and private simulated node tiers.
 
-Then ``shardsmith train --restart in-process --spares 0`` on gloo (tiny model, the local tier
+Then ``shardsmith train --restart in-process`` on gloo (tiny model, the local tier
 every step with buddy copies, the persistent tier every 5 steps, 10 steps; node lost as step 6
 starts), each against a run resumed from the persistent copy of step 5 in the new layout
 (``--resume URL``, 2 processes): losses within 1e-5 and the step-10 checkpoint bitwise equal.
@@ -15,6 +15,11 @@ starts), each against a run resumed from the persistent copy of step 5 in the ne
 * dp_shard4 on 4 simulated nodes (one rank each) -> dp_shard2: rank 1's node is lost; its
   copy lies on node 2 (its buddy) and node 3's on node 0, so each survivor receives boxes
   from the other over the process group.
+* dp_shard4 on 4 simulated nodes, node 2 lost: the 3 survivors shrink to dp_shard2 on nodes 0
+  and 1, and rank 2's only copy (its buddy copy on node 3) is served by the survivor the new
+  layout leaves out, over the shrink's exchange group.
+* dp_shard4 with ``--spares 1`` (never refilled): node 1 lost as step 3 starts is replaced by
+  the spare; node 2 lost as step 6 starts finds no spare left, so the job shrinks.
 * dp_shard4 on 4 simulated nodes, nodes 1 and 2 lost: rank 1 and its buddy are gone, so the
   job loads the persistent step, saying why in one line.
 """
@@ -271,9 +276,9 @@ def _rebuild_on_threads(
 ) -> list:
     """Every new rank (on simulated node ``nodes[r]``) agrees and rebuilds step 5, each on a thread."""
     tiers = []
-    for rank, node in enumerate(nodes):
+    for rank, node in enumerate(nodes):  # ranks past new.world_size: survivors left out
         monkeypatch.setenv(SIMULATED_NODE_ENV, str(node))
-        tiers.append(_tier(tmp_path, new, len(nodes), rank))
+        tiers.append(_tier(tmp_path, new, new.world_size, min(rank, new.world_size - 1)))
     held = [held_copies(t, Lineage(run="r" * 32)) for t in tiers]
     plan = plan_shrink([inventory(h) for h in held], -1)
     assert plan.step == 5, plan
@@ -284,9 +289,14 @@ def _rebuild_on_threads(
     def run(rank: int) -> None:
         box.local.rank = rank
         try:
-            out[rank] = peer_transfer.rebuild(
-                tiers[rank], plan, held[rank][5], TINY_MODEL, new, rank, batch_nbytes=700
-            )
+            if rank >= new.world_size:
+                out[rank] = peer_transfer.serve(
+                    tiers[rank], plan, held[rank][5], TINY_MODEL, new, rank, None, 700
+                )
+            else:
+                out[rank] = peer_transfer.rebuild(
+                    tiers[rank], plan, held[rank][5], TINY_MODEL, new, rank, batch_nbytes=700
+                )
         except BaseException as exc:  # noqa: BLE001 — raised below, on the test's thread
             out[rank] = exc
 
@@ -334,6 +344,36 @@ def test_shrink_transfer_rebuilds_every_box_bitwise_from_the_survivors(
         load_into(tier.top, manifest, got, boxes, {f: s.shape for f, s in specs.items()})
         for fqn, b in boxes.items():
             assert torch.equal(got[fqn], _part(full[fqn], b)), (rank, fqn)
+
+
+def test_shrink_transfer_takes_the_only_copy_of_a_rank_from_a_survivor_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node 2 is lost; dp_shard2 runs on nodes 0 and 1 while node 3's survivor (rank 2 of the
+    exchange) holds the only copy of saved rank 2 (its buddy copy): it serves it, receives
+    nothing, and the members load every box bitwise equal."""
+    monkeypatch.setattr(local_tier, "DEFAULT_CHUNK_NBYTES", 256)
+    saved, new = ParallelDims(dp_shard=4), ParallelDims(dp_shard=2)
+    full = _full_tensors(saved)
+    _save_copies(tmp_path, full, saved)
+    shutil.rmtree(tmp_path / "local" / "node-00002")
+    box = Mailbox(3)
+    rebuilt = _rebuild_on_threads(tmp_path, new, [0, 1, 3], box, monkeypatch)
+    (_, sent) = rebuilt[2]
+    members = rebuilt[:2]
+    assert sent > 0 and all(r.nbytes_from_leavers == sent for _, r in members), (sent, members)
+    specs = checkpoint_specs(TINY_MODEL, new, with_optimizer=True)
+    for rank, (tier, r) in enumerate(members):
+        boxes = rank_boxes(specs, new, rank)
+        got = {f: torch.zeros(b.lengths, dtype=full[f].dtype) for f, b in boxes.items()}
+        manifest = build_manifest(r.copies, rng=r.rng)
+        load_into(tier.top, manifest, got, boxes, {f: s.shape for f, s in specs.items()})
+        for fqn, b in boxes.items():
+            assert torch.equal(got[fqn], _part(full[fqn], b)), (rank, fqn)
+    without = plan_shrink(  # the members alone: rank 2's copy survives nowhere
+        [inventory(held_copies(t, Lineage(run="r" * 32))) for t, _ in members], -1
+    )
+    assert without.step is None and "no surviving copy of rank(s) 2" in without.why
 
 
 def test_shrink_transfer_verifies_checksums_on_the_receiving_side(

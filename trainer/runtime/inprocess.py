@@ -4,8 +4,12 @@
 (:mod:`shardsmith.trainer.runtime.supervisor`, ``shardsmith train --restart in-process``) with
 ``SHARDSMITH_SUPERVISOR=HOST:PORT`` (its TCPStore) and ``SHARDSMITH_WORKER_ID``. The process
 imports torch and the trainer once, then serves *assignments* the supervisor writes under
-``assign/{worker id}/{k}`` (k = 0, 1, ...): ``{"gen": G, "rank": R, "world": W}`` or
-``{"exit": code}``. A process waiting for its first one is a *warm spare*.
+``assign/{worker id}/{k}`` (k = 0, 1, ...): ``{"gen": G, "rank": R, "world": W}`` (after a
+shrink also ``layout``, ``simulate_nodes``, ``node``, and ``exchange``: the size of the
+shrink's exchange group), ``{"gen": G, "serve": X, "exchange": N, ...}`` (a survivor the
+shrink's layout leaves out: serve its copies as rank X of the exchange, then wait again:
+:mod:`~shardsmith.trainer.checkpoint.peer_serve`) or ``{"exit": code}``. A process waiting
+for its next one is a *warm spare*.
 
 For each assignment the worker joins generation G: a gloo process group (``cpu:gloo,cuda:nccl``
 with GPUs) over a

@@ -9,17 +9,19 @@ every generation rendezvouses on, and when a member dies it opens the next gener
 survivors keep their ranks (they notice through gloo, tear down their groups and rejoin, see
 :mod:`~shardsmith.trainer.runtime.inprocess`), a spare takes each dead rank's slot, and all of
 them load the newest complete checkpoint. Spares used up are replaced ``refill_delay_s``
-after a restart (their imports would compete for the CPU with the restart itself); when
-they are used up before that, a dead slot goes to a freshly started process (the survivors
-still do not cold-start).
+after a restart (their imports would compete for the CPU with the restart itself;
+``SHARDSMITH_SPARES_REFILL_S``).
 
-With ``--spares 0`` nothing replaces the dead: the survivors **shrink**, continuing in the
-largest layout that fits them (:func:`~shardsmith.layout.shrink_layout`: tp, pp and cp stay,
-dp_shard gives way before dp_replicate; the restart line prints the rule), and reshard the
-newest local step from each other's tiers
-(:mod:`~shardsmith.trainer.checkpoint.peer_reshard`). Each assignment then carries the new
-layout and the worker's node (its simulated node stays its own across generations). A
-shrink that no layout allows ends the job with the reason.
+When fewer warm spares are alive than ranks were lost (``--spares 0``, or spares used up
+before their refill), nothing waits for a replacement: the survivors **shrink**, continuing,
+with the spares left, in the largest layout that fits them
+(:func:`~shardsmith.layout.shrink_layout`: tp, pp and cp stay, dp_shard gives way before
+dp_replicate; the restart line prints the rule), and reshard the newest local step from each
+other's tiers (:mod:`~shardsmith.trainer.checkpoint.peer_reshard`). Each assignment then
+carries the new layout and the worker's node (its simulated node stays its own across
+generations). Survivors the new layout leaves out first serve their copies to that reshard
+(a *serving* assignment: :mod:`~shardsmith.trainer.checkpoint.peer_serve`), then wait as
+spares. A shrink that no layout allows ends the job with the reason.
 
 A worker exiting non-zero (a crash, SIGKILL, an error) counts like a death; after
 ``max_restarts`` restarts the job fails with the first worker's error line, as with torchrun.
