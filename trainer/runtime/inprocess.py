@@ -191,7 +191,8 @@ def serve_as_leaver(
     except Exception as exc:
         if os.environ.get("SHARDSMITH_DEBUG"):
             raise
-        line = f"serving failed ({type(exc).__name__}: {_first_line(exc)})"
+        first = (str(exc).strip().splitlines() or [""])[0]  # the line that names the cause
+        line = f"serving failed ({type(exc).__name__}: {first})"
         store = connect(address, timeout)  # the old connection may be severed
     finally:
         watcher.close()

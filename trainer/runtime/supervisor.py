@@ -150,7 +150,7 @@ class Supervisor:
                 job["exchange"] = exchange
             if self.shrunk and self.layout is not None:
                 job.update(layout=self.layout.to_json(), simulate_nodes=self.simulate_nodes)
-            if worker_id in self.node_of:
+            if self.simulate_nodes:
                 job["node"] = self.node_of[worker_id]
             self._assign(worker_id, job)
 
