@@ -311,6 +311,8 @@ def goodput_runs(work: Path, data: str, args: argparse.Namespace, rate: float) -
             {
                 "SHARDSMITH_TEST_KILL_EVERY": f"1:{args.fail_every_s}",
                 "SHARDSMITH_TEST_MARKER_DIR": str(markers),
+                # spares refilled at once: failures faster than the refill would shrink the job
+                "SHARDSMITH_SPARES_REFILL_S": "0",
             }
             if kind == "failing"
             else {}

@@ -162,7 +162,11 @@ def chaos_env(seed: int, markers: Path) -> tuple[dict[str, str], list[tuple[str,
     ]  # 2 apart: a crash in the save of step s happens before step s + 2 starts
     kinds = [*KINDS, rng.choice(KINDS)]
     rng.shuffle(kinds)
-    env: dict[str, str] = {"SHARDSMITH_TEST_MARKER_DIR": str(markers)}
+    # spares refilled at once: a restart finding fewer warm spares than lost ranks would shrink
+    env: dict[str, str] = {
+        "SHARDSMITH_TEST_MARKER_DIR": str(markers),
+        "SHARDSMITH_SPARES_REFILL_S": "0",
+    }
     kills, lose, plan = [], [], []
     for gen, (kind, step) in enumerate(zip(kinds, steps)):
         if kind == "rank":

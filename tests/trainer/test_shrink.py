@@ -5,7 +5,7 @@ dp_replicate; a shrink no layout allows is refused with the reason), the agreeme
 and its servers, which saved box each new rank reads from which copy, the transfer's batches,
 and private simulated node tiers.
 
-Then ``shardsmith train --restart in-process --spares 0`` on gloo (tiny model, the local tier
+Then ``shardsmith train --restart in-process`` on gloo (tiny model, the local tier
 every step with buddy copies, the persistent tier every 5 steps, 10 steps; node lost as step 6
 starts), each against a run resumed from the persistent copy of step 5 in the new layout
 (``--resume URL``, 2 processes): losses within 1e-5 and the step-10 checkpoint bitwise equal.
@@ -15,6 +15,11 @@ starts), each against a run resumed from the persistent copy of step 5 in the ne
 * dp_shard4 on 4 simulated nodes (one rank each) -> dp_shard2: rank 1's node is lost; its
   copy lies on node 2 (its buddy) and node 3's on node 0, so each survivor receives boxes
   from the other over the process group.
+* dp_shard4 on 4 simulated nodes, node 2 lost: the 3 survivors shrink to dp_shard2 on nodes 0
+  and 1, and rank 2's only copy (its buddy copy on node 3) is served by the survivor the new
+  layout leaves out, over the shrink's exchange group.
+* dp_shard4 with ``--spares 1`` (never refilled): node 1 lost as step 3 starts is replaced by
+  the spare; node 2 lost as step 6 starts finds no spare left, so the job shrinks.
 * dp_shard4 on 4 simulated nodes, nodes 1 and 2 lost: rank 1 and its buddy are gone, so the
   job loads the persistent step, saying why in one line.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
@@ -270,9 +276,9 @@ def _rebuild_on_threads(
 ) -> list:
     """Every new rank (on simulated node ``nodes[r]``) agrees and rebuilds step 5, each on a thread."""
     tiers = []
-    for rank, node in enumerate(nodes):
+    for rank, node in enumerate(nodes):  # ranks past new.world_size: survivors left out
         monkeypatch.setenv(SIMULATED_NODE_ENV, str(node))
-        tiers.append(_tier(tmp_path, new, len(nodes), rank))
+        tiers.append(_tier(tmp_path, new, new.world_size, min(rank, new.world_size - 1)))
     held = [held_copies(t, Lineage(run="r" * 32)) for t in tiers]
     plan = plan_shrink([inventory(h) for h in held], -1)
     assert plan.step == 5, plan
@@ -283,9 +289,14 @@ def _rebuild_on_threads(
     def run(rank: int) -> None:
         box.local.rank = rank
         try:
-            out[rank] = peer_transfer.rebuild(
-                tiers[rank], plan, held[rank][5], TINY_MODEL, new, rank, batch_nbytes=700
-            )
+            if rank >= new.world_size:
+                out[rank] = peer_transfer.serve(
+                    tiers[rank], plan, held[rank][5], TINY_MODEL, new, rank, None, 700
+                )
+            else:
+                out[rank] = peer_transfer.rebuild(
+                    tiers[rank], plan, held[rank][5], TINY_MODEL, new, rank, batch_nbytes=700
+                )
         except BaseException as exc:  # noqa: BLE001 — raised below, on the test's thread
             out[rank] = exc
 
@@ -333,6 +344,36 @@ def test_shrink_transfer_rebuilds_every_box_bitwise_from_the_survivors(
         load_into(tier.top, manifest, got, boxes, {f: s.shape for f, s in specs.items()})
         for fqn, b in boxes.items():
             assert torch.equal(got[fqn], _part(full[fqn], b)), (rank, fqn)
+
+
+def test_shrink_transfer_takes_the_only_copy_of_a_rank_from_a_survivor_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node 2 is lost; dp_shard2 runs on nodes 0 and 1 while node 3's survivor (rank 2 of the
+    exchange) holds the only copy of saved rank 2 (its buddy copy): it serves it, receives
+    nothing, and the members load every box bitwise equal."""
+    monkeypatch.setattr(local_tier, "DEFAULT_CHUNK_NBYTES", 256)
+    saved, new = ParallelDims(dp_shard=4), ParallelDims(dp_shard=2)
+    full = _full_tensors(saved)
+    _save_copies(tmp_path, full, saved)
+    shutil.rmtree(tmp_path / "local" / "node-00002")
+    box = Mailbox(3)
+    rebuilt = _rebuild_on_threads(tmp_path, new, [0, 1, 3], box, monkeypatch)
+    (_, sent) = rebuilt[2]
+    members = rebuilt[:2]
+    assert sent > 0 and all(r.nbytes_from_leavers == sent for _, r in members), (sent, members)
+    specs = checkpoint_specs(TINY_MODEL, new, with_optimizer=True)
+    for rank, (tier, r) in enumerate(members):
+        boxes = rank_boxes(specs, new, rank)
+        got = {f: torch.zeros(b.lengths, dtype=full[f].dtype) for f, b in boxes.items()}
+        manifest = build_manifest(r.copies, rng=r.rng)
+        load_into(tier.top, manifest, got, boxes, {f: s.shape for f, s in specs.items()})
+        for fqn, b in boxes.items():
+            assert torch.equal(got[fqn], _part(full[fqn], b)), (rank, fqn)
+    without = plan_shrink(  # the members alone: rank 2's copy survives nowhere
+        [inventory(held_copies(t, Lineage(run="r" * 32))) for t, _ in members], -1
+    )
+    assert without.step is None and "no surviving copy of rank(s) 2" in without.why
 
 
 def test_shrink_transfer_verifies_checksums_on_the_receiving_side(
@@ -402,11 +443,22 @@ def _launch(
     )
 
 
-def shrink(root: Path, data_path: str, tp: int, nodes: int, lost: list[int]) -> Run:
-    """4 processes in-process with no spare; the ranks ``lost`` lose their node as step 6 starts."""
+def shrink(
+    root: Path,
+    data_path: str,
+    tp: int,
+    nodes: int,
+    lost: list[int],
+    spares: int = 0,
+    earlier: str = "",
+) -> Run:
+    """4 processes in-process with ``spares`` warm spares (never refilled); the ranks ``lost``
+    lose their node as step 6 starts, after the losses ``earlier`` ("RANK:STEP,...")."""
+    losses = ",".join(f"{r}:{LOST_AT}" for r in lost)
     env = {
-        "SHARDSMITH_TEST_LOSE_NODE_AT": ",".join(f"{r}:{LOST_AT}" for r in lost),
+        "SHARDSMITH_TEST_LOSE_NODE_AT": f"{earlier},{losses}" if earlier else losses,
         "SHARDSMITH_TEST_MARKER_DIR": str(root.parent / f"{root.name}-markers"),
+        "SHARDSMITH_SPARES_REFILL_S": "3600",
     }
     return _launch(
         root,
@@ -423,9 +475,9 @@ def shrink(root: Path, data_path: str, tp: int, nodes: int, lost: list[int]) -> 
         "--restart",
         "in-process",
         "--spares",
-        "0",
+        str(spares),
         "--max-restarts",
-        "1",
+        str(1 + len(earlier.split(",")) if earlier else 1),
         env=env,
     )
 
@@ -464,6 +516,20 @@ def dp4(work: Path, data_path: str) -> Run:
     return shrink(work / "dp4", data_path, 1, 4, [1]).check()
 
 
+@pytest.fixture(scope="module")
+def dp4_ref(work: Path, data_path: str, dp4: Run) -> Run:
+    """dp_shard2 resumed from the persistent step 5 of dp_shard4 (every dp_shard4 run here
+    trains steps 1-5 alike)."""
+    return resumed(work / "dp4-ref", data_path, dp4, 1).check()
+
+
+def _assert_no_persistent_read_after_the_loss(run: Run) -> None:
+    """Every resume after a restart read the local tier: 0 bytes from the persistent store."""
+    resumes = [e for e in run.events("resume") if e["restart_count"] > 0]
+    assert resumes and all("-local" in e["from"] for e in resumes), resumes
+    assert "no surviving copy" not in run.output, run.output[-4000:]
+
+
 @pytest.mark.distributed
 def test_shrink_tp2_dp_shard2_to_tp2_on_the_survivors_of_a_node(work: Path, data_path: str) -> None:
     run = shrink(work / "tp2", data_path, 2, 2, [2, 3]).check()
@@ -489,7 +555,7 @@ def test_shrink_tp2_dp_shard2_to_tp2_on_the_survivors_of_a_node(work: Path, data
 
 @pytest.mark.distributed
 def test_shrink_dp_shard4_to_dp_shard2_receives_the_lost_nodes_boxes_from_peers(
-    work: Path, data_path: str, dp4: Run
+    work: Path, data_path: str, dp4: Run, dp4_ref: Run
 ) -> None:
     run = dp4
     assert "-> pp1·dpr1·dps2·tp1 (2 ranks)" in run.output, run.output[-4000:]
@@ -498,9 +564,56 @@ def test_shrink_dp_shard4_to_dp_shard2_receives_the_lost_nodes_boxes_from_peers(
     assert peers["nbytes_received"] > 0 and peers["ranks_receiving"] == 2, peers
     [resume] = [e for e in run.events("resume") if e["restart_count"] > 0]
     assert "-local" in resume["from"] and resume["saved_layout"]["dp_shard"] == 4
-    _assert_continues_like(
-        run, resumed(work / "dp4-ref", data_path, run, 1).check(), "dp_shard4 -> dp_shard2"
+    _assert_continues_like(run, dp4_ref, "dp_shard4 -> dp_shard2")
+
+
+@pytest.mark.distributed
+def test_shrink_reads_the_only_copy_of_a_rank_from_a_survivor_the_new_layout_drops(
+    work: Path, data_path: str, dp4_ref: Run
+) -> None:
+    """Node 2 lost: rank 2's only surviving copy is the buddy copy on node 3, whose rank the
+    new layout (dp_shard2 on nodes 0 and 1) leaves out; it serves that copy over the
+    exchange, then leaves, and nothing is read from the persistent store."""
+    run = shrink(work / "dp4-leaver", data_path, 1, 4, [2]).check()
+    assert (
+        "-> pp1·dpr1·dps2·tp1 (2 ranks)" in run.output
+        and "1 survivor(s) outside it serve their copies, then wait as spares" in run.output
+    ), run.output[-4000:]
+    served = [line for line in run.output.splitlines() if "survivor outside the layout" in line]
+    assert len(served) == 1 and "of step 5 (the copies of saved rank(s) [2])" in served[0], (
+        run.output[-4000:]
     )
+    assert run.recovered() == [(LOST_AT - 1, "local")], run.output[-4000:]
+    _assert_no_persistent_read_after_the_loss(run)
+    [peers] = run.events("peer_reshard")
+    assert peers["leavers_serving"] == 1 and peers["nbytes_from_leavers"] > 0, peers
+    assert "1 survivor(s) outside the new layout served" in run.output
+    _assert_continues_like(run, dp4_ref, "dp_shard4 -> dp_shard2, a copy from outside it")
+
+
+@pytest.mark.distributed
+def test_shrink_when_the_spares_run_out_after_a_replacement(
+    work: Path, data_path: str, dp4_ref: Run
+) -> None:
+    """1 warm spare, never refilled: node 1 lost as step 3 starts (the spare takes its
+    slot, dp_shard4 goes on), then node 2 as step 6 starts (no spare left: the survivors
+    shrink to dp_shard2, and the survivor left out serves its copies)."""
+    run = shrink(work / "dp4-spare", data_path, 1, 4, [2], spares=1, earlier="1:3").check()
+    restarts = [line for line in run.output.splitlines() if re.match(r"restart \d+/\d+:", line)]
+    assert len(restarts) == 2, run.output[-4000:]
+    assert (
+        restarts[0].startswith("restart 1/2: rank(s) [1]")
+        and "replaced by warm spares" in (restarts[0])
+    ), restarts
+    assert restarts[1].startswith("restart 2/2: rank(s) [2]") and (
+        "no spare left: shrinking pp1·dpr1·dps4·tp1 (4 ranks) -> pp1·dpr1·dps2·tp1 (2 ranks)"
+        in restarts[1]
+    ), restarts
+    starts = [(e["restart_count"], e["world_size"]) for e in run.events("start")]
+    assert starts == [(0, 4), (1, 4), (2, 2)], starts
+    assert [s for s, _ in run.recovered()] == [2, LOST_AT - 1], run.output[-4000:]
+    _assert_no_persistent_read_after_the_loss(run)
+    _assert_continues_like(run, dp4_ref, "dp_shard4, a spare, then dp_shard2")
 
 
 @pytest.mark.distributed

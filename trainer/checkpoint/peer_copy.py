@@ -49,7 +49,10 @@ def exchange_files(
 ) -> dict[int, dict[str, bytes]]:
     """Send files to some ranks and receive files from others, at once (no deadlock when
     two ranks send to each other). Point-to-point: only the ranks named call it, each with
-    the matching ``sends`` and ``recvs`` (global ranks).
+    the matching ``sends`` and ``recvs`` (ranks of ``group``: global ranks for the default
+    group). ``group`` may also be a gloo group made outside ``init_process_group`` (a
+    ``ProcessGroupGloo`` of its own, as a shrink's exchange with survivors outside the new
+    layout: :mod:`~shardsmith.trainer.checkpoint.peer_serve`).
 
     Returns:
         source rank -> the files it sent.
@@ -57,10 +60,10 @@ def exchange_files(
     blobs = {dst: pack_files(files) for dst, files in sends.items()}
     sizes_in = {src: torch.zeros(1, dtype=torch.int64) for src in recvs}
     works = [
-        dist.isend(torch.tensor([len(b)], dtype=torch.int64), dst, group=group)
+        dist.isend(torch.tensor([len(b)], dtype=torch.int64), group=group, group_dst=dst)
         for dst, b in blobs.items()
     ]
-    works += [dist.irecv(t, src, group=group) for src, t in sizes_in.items()]
+    works += [dist.irecv(t, group=group, group_src=src) for src, t in sizes_in.items()]
     for w in works:
         if w is not None:
             w.wait()
@@ -68,8 +71,8 @@ def exchange_files(
     out_tensors = {
         dst: torch.frombuffer(bytearray(b), dtype=torch.uint8) for dst, b in blobs.items()
     }
-    works = [dist.isend(t, dst, group=group) for dst, t in out_tensors.items()]
-    works += [dist.irecv(t, src, group=group) for src, t in bufs_in.items()]
+    works = [dist.isend(t, group=group, group_dst=dst) for dst, t in out_tensors.items()]
+    works += [dist.irecv(t, group=group, group_src=src) for src, t in bufs_in.items()]
     for w in works:
         if w is not None:
             w.wait()

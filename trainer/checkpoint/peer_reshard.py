@@ -198,7 +198,10 @@ class SourcePlan:
         self.saved_boxes = {f: list(b.values()) for f, b in boxes.items()}
 
     def sources(self, rank: int) -> dict[int, list[tuple[str, Box, Box]]]:
-        """Saved rank -> ``(fqn, saved box, this rank's box)`` that ``rank`` reads from its copy."""
+        """Saved rank -> ``(fqn, saved box, this rank's box)`` that ``rank`` reads from its copy
+        (nothing for a rank outside the new layout: a survivor that only serves)."""
+        if rank >= self.dims.world_size:
+            return {}
         mine = {s for s, h in enumerate(self.plan.holders) if rank in h}
         out: dict[int, list[tuple[str, Box, Box]]] = {}
         for fqn, box in rank_boxes(self.specs, self.dims, rank).items():
@@ -260,17 +263,20 @@ def batches(
 
 
 def agree_shrink(
-    tier: LocalTier, lineage: Lineage, newest_persistent: int
+    tier: LocalTier, lineage: Lineage, newest_persistent: int, group: Any = None
 ) -> tuple[ShrinkPlan, dict[int, RankCopy]]:
-    """Step 1 (collective: every rank calls it): this rank's copies and one all-gather of
-    every rank's offer; returns the agreed :class:`ShrinkPlan` and the copies of its step
-    this rank holds (saved rank -> copy)."""
+    """Step 1 (collective: every rank of ``group`` calls it; default: the default group):
+    this rank's copies and one all-gather of every rank's offer; returns the agreed
+    :class:`ShrinkPlan` and the copies of its step this rank holds (saved rank -> copy).
+    ``group`` is the shrink's exchange when survivors outside the new layout serve too
+    (:mod:`~shardsmith.trainer.checkpoint.peer_serve`): its ranks past the new world size
+    are those survivors."""
     try:
         held = held_copies(tier, lineage)
     except Exception as exc:  # noqa: BLE001 — an unreadable disk offers nothing; the all-gather still runs
         log.warning("local tier: cannot scan %s: %s: %s", tier.path, type(exc).__name__, exc)
         held = {}
-    plan = plan_shrink(gather_json(inventory(held)), newest_persistent)
+    plan = plan_shrink(gather_json(inventory(held), group), newest_persistent)
     return plan, held.get(plan.step, {}) if plan.step is not None else {}
 
 

@@ -145,17 +145,19 @@ def move(
     step: int,
     rank: int,
     batch_nbytes: int = PEER_BATCH_NBYTES,
-) -> tuple[dict[int, RankCopy], int]:
-    """Run this rank's side of the transfer (every rank calls it; point to point only), in
-    rounds of at most ``batch_nbytes`` per pair of ranks.
+    group: Any = None,
+) -> tuple[dict[int, RankCopy], int, int]:
+    """Run this rank's side of the transfer (every rank of ``group`` calls it; point to point
+    only), in rounds of at most ``batch_nbytes`` per pair of ranks.
 
     Returns:
-        (saved rank -> received copy, in ``tier``'s scratch directory; bytes received).
+        (saved rank -> received copy, in ``tier``'s scratch directory; bytes received; bytes
+        of ranges sent).
     """
     scratch = tier.root.child(f"{PEERS_DIR}-{rank:05d}/{step_dir(step)}")
     shutil.rmtree(scratch.root, ignore_errors=True)
     meta = {r: _meta_files(held, sorted(by_saved)) for r, by_saved in move_plan.sends.items()}
-    got = exchange_files(meta, sorted(move_plan.recvs))
+    got = exchange_files(meta, sorted(move_plan.recvs), group)
     received: dict[int, RankCopy] = {}
     for server, by_saved in move_plan.recvs.items():
         for saved in by_saved:
@@ -178,7 +180,7 @@ def move(
         }
 
     out_rounds, in_rounds = rounds(move_plan.sends), rounds(move_plan.recvs)
-    nbytes = 0
+    nbytes = sent = 0
     for k in range(max([len(b) for b in (*out_rounds.values(), *in_rounds.values())], default=0)):
         sends = {
             r: {
@@ -189,22 +191,25 @@ def move(
             if k < len(rb)
         }
         recvs = [server for server, rb in in_rounds.items() if k < len(rb)]
-        got = exchange_files(sends, recvs)
+        sent += sum(len(data) for files in sends.values() for data in files.values())
+        got = exchange_files(sends, recvs, group)
         for server in recvs:
             nbytes += _write_ranges(scratch, received, in_rounds[server][k], got[server], server)
-    return received, nbytes
+    return received, nbytes, sent
 
 
 @dataclass
 class Rebuilt:
     """A step rebuilt on this rank: the copies its load reads (each with its path relative to
     the tier's top, records only of the boxes read from it), the RNG entry of every saved rank,
-    the bytes received and the scratch directory to remove after the load."""
+    the bytes received, the scratch directory to remove after the load, and the bytes the
+    survivors outside the new layout sent (all ranks: the same number)."""
 
     copies: list[tuple[RankCopy, str]]
     rng: dict[str, Any]
     nbytes_received: int
     scratch: str
+    nbytes_from_leavers: int = 0
 
 
 def rebuild(
@@ -215,9 +220,12 @@ def rebuild(
     dims: ParallelDims,
     rank: int,
     batch_nbytes: int = PEER_BATCH_NBYTES,
+    group: Any = None,
 ) -> Rebuilt:
-    """Steps 2 and 3 (collective): plan this rank's reads, run the transfer, gather the RNG
-    states (one all-gather of the served saved ranks'), and describe the copies to load.
+    """Steps 2 and 3 (collective over ``group``, default: the default group): plan this
+    rank's reads, run the transfer, gather the RNG states (one all-gather of the served saved
+    ranks'), and describe the copies to load. Ranks of ``group`` past ``dims.world_size``
+    (survivors outside the new layout) call :func:`serve` instead.
 
     Raises:
         CheckpointError: a peer sent malformed or short data (received chunks are verified by
@@ -226,14 +234,8 @@ def rebuild(
     assert plan.step is not None
     sources = SourcePlan(model, plan, dims)
     move_plan = transfer_of(sources, rank, dims.world_size)
-    received, nbytes = move(tier, held, sources, move_plan, plan.step, rank, batch_nbytes)
-    rng = gather_json(
-        [[s, held[s].doc["rng"]] for s, server in enumerate(plan.servers) if server == rank]
-    )
-    packed = pack_rng_states(
-        [d for _, d in sorted((s, d) for part in rng for s, d in part)],
-        ParallelDims.from_json(plan.layout),
-    )
+    received, nbytes, _ = move(tier, held, sources, move_plan, plan.step, rank, batch_nbytes, group)
+    packed, leavers = _gather_rng(plan, held, rank, 0, dims.world_size, group)
     reads = {
         **move_plan.own,
         **{s: r for by_saved in move_plan.recvs.values() for s, r in by_saved.items()},
@@ -246,7 +248,52 @@ def rebuild(
         raise CheckpointError(
             f"rank {rank}: the shrink of step {plan.step} planned nothing to read (internal error)"
         )
-    return Rebuilt(copies, packed, nbytes, os.path.join(tier.root.root, f"{PEERS_DIR}-{rank:05d}"))
+    scratch = os.path.join(tier.root.root, f"{PEERS_DIR}-{rank:05d}")
+    return Rebuilt(copies, packed, nbytes, scratch, leavers)
+
+
+def serve(
+    tier: LocalTier,
+    plan: ShrinkPlan,
+    held: dict[int, RankCopy],
+    model: ModelConfig,
+    dims: ParallelDims,
+    rank: int,
+    group: Any,
+    batch_nbytes: int = PEER_BATCH_NBYTES,
+) -> int:
+    """The side of a survivor outside the new layout (``rank >= dims.world_size`` of
+    ``group``) in steps 2 and 3: it sends the ranges of the copies it serves, as any server,
+    receives nothing, and joins the RNG all-gather. Collective over ``group``.
+
+    Returns:
+        Bytes of ranges it sent.
+    """
+    assert plan.step is not None and rank >= dims.world_size
+    sources = SourcePlan(model, plan, dims)
+    move_plan = transfer_of(sources, rank, dims.world_size)
+    _, _, sent = move(tier, held, sources, move_plan, plan.step, rank, batch_nbytes, group)
+    _gather_rng(plan, held, rank, sent, dims.world_size, group)
+    return sent
+
+
+def _gather_rng(
+    plan: ShrinkPlan, held: dict[int, RankCopy], rank: int, sent: int, world: int, group: Any
+) -> tuple[dict[str, Any], int]:
+    """One all-gather: the RNG states of the saved ranks each rank serves, and the bytes each
+    rank outside the new layout sent. Returns (the packed RNG entry, those bytes in all)."""
+    parts = gather_json(
+        {
+            "rng": [[s, held[s].doc["rng"]] for s, srv in enumerate(plan.servers) if srv == rank],
+            "sent": sent if rank >= world else 0,
+        },
+        group,
+    )
+    packed = pack_rng_states(
+        [d for _, d in sorted((s, d) for part in parts for s, d in part["rng"])],
+        ParallelDims.from_json(plan.layout),
+    )
+    return packed, sum(part["sent"] for part in parts)
 
 
 def _only(copy: RankCopy, reads: list[tuple[str, Box, Box]]) -> RankCopy:
@@ -259,4 +306,4 @@ def _only(copy: RankCopy, reads: list[tuple[str, Box, Box]]) -> RankCopy:
     )
 
 
-__all__ = ["rebuild", "Rebuilt", "Transfer", "transfer_of", "move"]
+__all__ = ["rebuild", "serve", "Rebuilt", "Transfer", "transfer_of", "move"]

@@ -58,6 +58,7 @@ from shardsmith.trainer.checkpoint.peer_reshard import (
     agree_shrink,
     other_layout_reachable,
 )
+from shardsmith.trainer.checkpoint.peer_serve import open_exchange, releases_exchange
 from shardsmith.trainer.checkpoint.peer_transfer import rebuild
 from shardsmith.trainer.checkpoint.resume import choose_resume, way_forward
 from shardsmith.trainer.checkpoint.run_checks import RunIdentity
@@ -222,6 +223,7 @@ def build_manifest(
     return manifest
 
 
+@releases_exchange
 def recover_local(policy: RecoveringPolicy) -> bool:
     """Load the newest step complete in the local tier when it is not older than the
     persistent tier's (collective; every rank calls it, after ``_check_root``).
@@ -343,13 +345,14 @@ def _reshard_from_peers(
     t0 = time.perf_counter()
     tier = policy.local
     assert tier is not None
-    plan, held = agree_shrink(tier, lineage, newest_persistent)
+    group = open_exchange(lineage, newest_persistent)  # survivors outside the layout serve too
+    plan, held = agree_shrink(tier, lineage, newest_persistent, group)
     if plan.why:
         _why_not_newest(policy, plan, newest_persistent)
     if plan.step is None:
         return None
     dims = policy.cfg.parallel
-    rebuilt = rebuild(tier, plan, held, policy.cfg.model, dims, policy.rank)
+    rebuilt = rebuild(tier, plan, held, policy.cfg.model, dims, policy.rank, group=group)
     try:
         reader = StaticManifest(build_manifest(rebuilt.copies, rng=rebuilt.rng))
         policy.load_step(tier.top, plan.step, reason="resume", reader=reader)
@@ -366,6 +369,8 @@ def _reshard_from_peers(
             "layout": dims.to_json(),
             "nbytes_received": sum(received),
             "ranks_receiving": sum(1 for n in received if n),
+            "nbytes_from_leavers": rebuilt.nbytes_from_leavers,
+            "leavers_serving": len({s for s in plan.servers if s >= dims.world_size}),
             "seconds": round(seconds, 4),
         }
     )

@@ -229,6 +229,12 @@ def _peer_reshard(r: dict[str, Any]) -> str:
         f"shrink: step {r['step']} resharded {saved} → {now} from the survivors' tiers; "
         f"{format_nbytes(r.get('nbytes_received', 0))} received over the process group by "
         f"{r.get('ranks_receiving', 0)} rank(s), none from the persistent store ({r.get('seconds', 0):.2f} s)"
+        + (
+            f"; {r['leavers_serving']} survivor(s) outside the new layout served "
+            f"{format_nbytes(r.get('nbytes_from_leavers', 0))}, then left"
+            if r.get("leavers_serving")
+            else ""
+        )
     )
 
 

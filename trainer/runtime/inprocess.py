@@ -4,8 +4,12 @@
 (:mod:`shardsmith.trainer.runtime.supervisor`, ``shardsmith train --restart in-process``) with
 ``SHARDSMITH_SUPERVISOR=HOST:PORT`` (its TCPStore) and ``SHARDSMITH_WORKER_ID``. The process
 imports torch and the trainer once, then serves *assignments* the supervisor writes under
-``assign/{worker id}/{k}`` (k = 0, 1, ...): ``{"gen": G, "rank": R, "world": W}`` or
-``{"exit": code}``. A process waiting for its first one is a *warm spare*.
+``assign/{worker id}/{k}`` (k = 0, 1, ...): ``{"gen": G, "rank": R, "world": W}`` (after a
+shrink also ``layout``, ``simulate_nodes``, ``node``, and ``exchange``: the size of the
+shrink's exchange group), ``{"gen": G, "serve": X, "exchange": N, ...}`` (a survivor the
+shrink's layout leaves out: serve its copies as rank X of the exchange, then wait again:
+:mod:`~shardsmith.trainer.checkpoint.peer_serve`) or ``{"exit": code}``. A process waiting
+for its next one is a *warm spare*.
 
 For each assignment the worker joins generation G: a gloo process group (``cpu:gloo,cuda:nccl``
 with GPUs) over a
@@ -45,6 +49,7 @@ import torch.distributed as dist
 from shardsmith.layout import ParallelDims
 from shardsmith.storage import crashpoints
 from shardsmith.trainer.checkpoint.local_tier import SIMULATED_NODE_ENV
+from shardsmith.trainer.checkpoint.peer_serve import release_exchange, use_exchange
 from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.fault.preemption import say
 
@@ -146,7 +151,53 @@ def join_generation(cfg: TrainConfig, store: dist.TCPStore, job: dict[str, Any])
     )
     if "node" in job:  # the (simulated) node this process runs on, whatever its rank
         os.environ[SIMULATED_NODE_ENV] = str(job["node"])
-    return Trainer.create(fit_world_size(assigned_config(cfg, job), world))
+    if job.get("exchange"):  # survivors outside the new layout serve the shrink with us
+        use_exchange(exchange_group(store, job, rank, job["exchange"], timeout))
+    try:  # the exchange is released after the resume (peer_serve.releases_exchange)
+        return Trainer.create(fit_world_size(assigned_config(cfg, job), world))
+    except BaseException:
+        release_exchange(False)
+        raise
+
+
+def exchange_group(
+    store: dist.TCPStore, job: dict[str, Any], rank: int, size: int, timeout: float
+) -> dist.ProcessGroup:
+    """The exchange of generation ``job["gen"]``: a gloo group of its own (not the default
+    group: its ranks past the members' are the survivors the new layout leaves out) over the
+    store prefix ``gen{G}/exchange/``; every member and serving survivor constructs it (the
+    constructor connects them all). See :mod:`~shardsmith.trainer.checkpoint.peer_serve`."""
+    prefixed = dist.PrefixStore(f"gen{job['gen']}/exchange/", store)
+    return dist.ProcessGroupGloo(prefixed, rank, size, timedelta(seconds=timeout))
+
+
+def serve_as_leaver(
+    cfg: TrainConfig, address: str, store: dist.TCPStore, job: dict[str, Any], flag_dir: str
+) -> dist.TCPStore:
+    """A survivor the shrink's layout leaves out (``job["serve"]``: its rank in the exchange
+    of ``job["exchange"]`` ranks): serve its copies to the members' transfer, then return to
+    wait as a spare. A failure (a member died meanwhile) is logged, not raised: the next
+    generation starts without this process. Returns the store client to go on with."""
+    from shardsmith.trainer.checkpoint.peer_serve import serve_copies
+
+    timeout = max(cfg.fault.init_timeout, cfg.fault.collective_timeout)
+    if "node" in job:
+        os.environ[SIMULATED_NODE_ENV] = str(job["node"])
+    watcher = AbortWatcher(os.path.join(flag_dir, f"abort-{job['gen']}"))
+    try:
+        group = exchange_group(store, job, job["serve"], job["exchange"], timeout)
+        line = serve_copies(assigned_config(cfg, job), group, job["serve"])
+        del group
+    except Exception as exc:
+        if os.environ.get("SHARDSMITH_DEBUG"):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0]  # the line that names the cause
+        line = f"serving failed ({type(exc).__name__}: {first})"
+        store = connect(address, timeout)  # the old connection may be severed
+    finally:
+        watcher.close()
+    say(f"survivor outside the layout of generation {job['gen']}: {line}; waiting as a spare")
+    return store
 
 
 def assigned_config(cfg: TrainConfig, job: dict[str, Any]) -> TrainConfig:
@@ -266,6 +317,9 @@ def serve(cfg: TrainConfig, address: str, worker_id: str, flag_dir: str) -> int:
         k += 1
         if "exit" in job:
             return int(job["exit"])
+        if "serve" in job:
+            store = serve_as_leaver(cfg, address, store, job, flag_dir)
+            continue
         trainer = None
         watcher = AbortWatcher(os.path.join(flag_dir, f"abort-{job['gen']}"))
         try:

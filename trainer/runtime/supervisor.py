@@ -9,17 +9,19 @@ every generation rendezvouses on, and when a member dies it opens the next gener
 survivors keep their ranks (they notice through gloo, tear down their groups and rejoin, see
 :mod:`~shardsmith.trainer.runtime.inprocess`), a spare takes each dead rank's slot, and all of
 them load the newest complete checkpoint. Spares used up are replaced ``refill_delay_s``
-after a restart (their imports would compete for the CPU with the restart itself); when
-they are used up before that, a dead slot goes to a freshly started process (the survivors
-still do not cold-start).
+after a restart (their imports would compete for the CPU with the restart itself;
+``SHARDSMITH_SPARES_REFILL_S``).
 
-With ``--spares 0`` nothing replaces the dead: the survivors **shrink**, continuing in the
-largest layout that fits them (:func:`~shardsmith.layout.shrink_layout`: tp, pp and cp stay,
-dp_shard gives way before dp_replicate; the restart line prints the rule), and reshard the
-newest local step from each other's tiers
-(:mod:`~shardsmith.trainer.checkpoint.peer_reshard`). Each assignment then carries the new
-layout and the worker's node (its simulated node stays its own across generations). A
-shrink that no layout allows ends the job with the reason.
+When fewer warm spares are alive than ranks were lost (``--spares 0``, or spares used up
+before their refill), nothing waits for a replacement: the survivors **shrink**, continuing,
+with the spares left, in the largest layout that fits them
+(:func:`~shardsmith.layout.shrink_layout`: tp, pp and cp stay, dp_shard gives way before
+dp_replicate; the restart line prints the rule), and reshard the newest local step from each
+other's tiers (:mod:`~shardsmith.trainer.checkpoint.peer_reshard`). Each assignment then
+carries the new layout and the worker's node (its simulated node stays its own across
+generations). Survivors the new layout leaves out first serve their copies to that reshard
+(a *serving* assignment: :mod:`~shardsmith.trainer.checkpoint.peer_serve`), then wait as
+spares. A shrink that no layout allows ends the job with the reason.
 
 A worker exiting non-zero (a crash, SIGKILL, an error) counts like a death; after
 ``max_restarts`` restarts the job fails with the first worker's error line, as with torchrun.
@@ -58,6 +60,10 @@ from shardsmith.trainer.runtime.launch import (
 from shardsmith.trainer.runtime.preflight import prepare
 
 log = logging.getLogger(__name__)
+
+#: Seconds after a restart before used-up spares are replaced (default 10): their imports would
+#: compete for the CPU with the restart itself. Tests set it to keep spares used up.
+SPARES_REFILL_ENV = "SHARDSMITH_SPARES_REFILL_S"
 
 #: Seconds the supervisor waits at most, after a failure, for every member to be dead or to
 #: have rejoined before it opens the next generation.
@@ -128,9 +134,20 @@ class Supervisor:
         self.assigned[worker_id] = k + 1
         self.store.set(f"assign/{worker_id}/{k}", json.dumps(job))
 
-    def _open_generation(self) -> None:
-        for rank, worker_id in enumerate(self.members):
-            job: dict[str, Any] = {"gen": self.gen, "rank": rank, "world": self.nproc}
+    def _open_generation(self, leavers: list[str] | None = None) -> None:
+        """Assign every member its rank; ``leavers`` (survivors a shrink leaves out) serve
+        their copies over the generation's exchange, ranks after the members'
+        (:mod:`~shardsmith.trainer.checkpoint.peer_serve`)."""
+        leavers = leavers or []
+        exchange = len(self.members) + len(leavers) if leavers else 0
+        for rank, worker_id in enumerate([*self.members, *leavers]):
+            job: dict[str, Any] = {"gen": self.gen, "world": self.nproc}
+            if rank < len(self.members):
+                job["rank"] = rank
+            else:
+                job["serve"] = rank
+            if exchange:
+                job["exchange"] = exchange
             if self.shrunk and self.layout is not None:
                 job.update(layout=self.layout.to_json(), simulate_nodes=self.simulate_nodes)
             if self.simulate_nodes:
@@ -217,15 +234,17 @@ class Supervisor:
         if self.gen >= self.max_restarts:
             raise LaunchError(self._failure_line(dead))
         self.gen += 1
-        if dead and self.num_spares == 0 and self.cfg is not None:
-            what = self._shrink(dead)
+        warm = [w for w in self.spares if self._alive(w)]
+        leavers: list[str] = []
+        if dead and len(warm) < len(dead) and self.cfg is not None:
+            what, leavers = self._shrink(dead, warm)
         else:
             for rank in dead:
                 worker_id = self._take_spare()
                 self.node_of[worker_id] = self.node_of.get(self.members[rank], 0)
                 self.members[rank] = worker_id
             what = "replaced by warm spares; the others restart in place"
-        self._open_generation()
+        self._open_generation(leavers)
         self.refill_at = time.monotonic() + self.refill_delay_s
         print(
             f"restart {self.gen}/{self.max_restarts}: rank(s) {dead or 'none'} (exit codes "
@@ -234,10 +253,13 @@ class Supervisor:
             flush=True,
         )
 
-    def _shrink(self, dead: list[int]) -> str:
-        """No spare (``--spares 0``): the survivors continue alone, in the largest layout that
-        fits them (:func:`~shardsmith.layout.shrink_layout`), grouped by node; survivors the
-        layout leaves over wait as spares. Returns what happened, for the restart line.
+    def _shrink(self, dead: list[int], warm: list[str]) -> tuple[str, list[str]]:
+        """Fewer warm spares than lost ranks (none with ``--spares 0``, or all used up before
+        the refill): the survivors continue with the spares left, in the largest layout that
+        fits them all (:func:`~shardsmith.layout.shrink_layout`), survivors first (they hold
+        the copies), grouped by node. Survivors the layout leaves over serve their copies to
+        the shrink, then wait as spares, as do spares left over. Returns the restart line's
+        words and those serving survivors.
 
         Raises:
             LaunchError: no layout fits the survivors (the reason, and the way forward).
@@ -251,27 +273,44 @@ class Supervisor:
             new = shrink_layout(
                 old,
                 self.cfg.model,
-                len(alive),
+                len(alive) + len(warm),
                 global_batch_size=self.cfg.global_batch_size,
                 micro_batch_size=self.cfg.micro_batch_size,
             )
         except LayoutError as exc:
             raise LaunchError(
-                f"rank(s) {dead} lost and no spare (--spares 0): cannot shrink: {exc}; run with "
-                "--spares N to replace lost ranks instead"
+                f"rank(s) {dead} lost and {len(warm)} warm spare(s) left: cannot shrink: {exc}; "
+                "run with more --spares to replace lost ranks instead"
             ) from None
-        self.members, left = alive[: new.world_size], alive[new.world_size :]
-        self.spares += left
+        for worker_id, rank in zip(warm, dead):  # a spare joining takes a lost rank's node
+            self.node_of[worker_id] = self.node_of.get(self.members[rank], 0)
+        pool = alive + warm
+        members, left = pool[: new.world_size], pool[new.world_size :]
+        self.members = sorted(members, key=lambda w: (self.node_of.get(w, 0), pool.index(w)))
+        self.spares = [w for w in self.spares if w not in members and w not in left] + left
+        # with a local tier, survivors left out serve their copies to the shrink first
+        leavers = [w for w in left if w in alive] if self.cfg.checkpoint.local_ckpt else []
         self.layout, self.nproc, self.shrunk = new, new.world_size, True
         if self.simulate_nodes:  # nodes left, if they hold equal numbers of ranks
             counts = [self.node_of[w] for w in self.members]
             sizes = {counts.count(n) for n in set(counts)}
             self.simulate_nodes = len(set(counts)) if len(sizes) == 1 else 0
+        joined = len([w for w in members if w in warm])
         return (
             f"lost, no spare left: shrinking {old.describe()} ({old.world_size} ranks) -> "
             f"{new.describe()} ({new.world_size} ranks), {SHRINK_RULE}"
-            + (f"; {len(left)} survivor(s) wait as spares" if left else "")
-        )
+            + (f"; {joined} warm spare(s) joined the survivors" if joined else "")
+            + (
+                f"; {len(leavers)} survivor(s) outside it serve their copies, then wait as spares"
+                if leavers
+                else ""
+            )
+            + (
+                f"; {len(left) - len(leavers)} spare(s) left over"
+                if len(left) > len(leavers)
+                else ""
+            )
+        ), leavers
 
     def _failure_line(self, dead: list[int]) -> str:
         line = first_error(self.error_file) if self.error_file else ""
@@ -333,6 +372,7 @@ def launch_in_process(
             nproc_per_node,
             max_restarts=max_restarts,
             spares=spares,
+            refill_delay_s=float(os.environ.get(SPARES_REFILL_ENV) or 10.0),
             error_file=error_file,
             cfg=cfg,
         )
