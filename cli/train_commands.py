@@ -334,7 +334,7 @@ fault_options = stack(
         type=click.IntRange(min=0),
         default=1,
         show_default=True,
-        help="With --restart in-process: warm spare processes kept ready to replace dead ranks.",
+        help="With --restart in-process: warm spares that replace dead ranks; none left: shrink.",
     ),
     field_option(
         FC,
