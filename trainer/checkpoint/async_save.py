@@ -166,7 +166,7 @@ class AsyncCheckpointer:
 
         Returns:
             Seconds the caller was blocked (since ``started``: waiting for the previous save +
-            planning + the snapshot when it is not overlapped).
+            planning + the snapshot when it is not overlapped + starting the background thread).
 
         Raises:
             SaveError: the previous background save failed.
@@ -198,13 +198,16 @@ class AsyncCheckpointer:
                 staged = self._stage(staged, ready)
             finally:
                 self._snapshot_done.set()
-        now = time.perf_counter()  # blocked: the caller's time, this call's
-        blocked = (now - (t0 if started is None else started), now - t0)
+        blocked: list[float] = []  # the caller's time and this call's, filled once started
+        handed_over = threading.Event()
         job = (staged, plan, local_doc, config, {"state": state, "rng": rng}, blocked, t0, ready)
         self._thread = threading.Thread(
-            target=self._run, args=job, name=f"shardsmith-save-{step}", daemon=True
+            target=self._run, args=(*job, handed_over), name=f"shardsmith-save-{step}", daemon=True
         )
-        self._thread.start()
+        self._thread.start()  # waits for the thread to run: part of the caller's blocked time
+        now = time.perf_counter()
+        blocked += [now - (t0 if started is None else started), now - t0]
+        handed_over.set()
         return blocked[0]
 
     def _run(
@@ -214,9 +217,10 @@ class AsyncCheckpointer:
         local_doc: dict[str, Any] | None,
         config: dict[str, Any],
         state: dict[str, Any],  # {"state": manifest state, "rng": this rank's entry}
-        blocked: tuple[float, float],
+        blocked: list[float],
         t0: float,
         ready: Any,
+        handed_over: threading.Event,
     ) -> None:
         try:
             if not self._snapshot_done.is_set():
@@ -246,6 +250,7 @@ class AsyncCheckpointer:
                 zarr_codec=self.zarr_codec,
                 rng=state["rng"],
             )
+            handed_over.wait()  # ``blocked`` is filled once save() is back from starting this thread
             self.last_result = SaveResult(
                 plan.step,
                 nbytes,
@@ -260,6 +265,7 @@ class AsyncCheckpointer:
             if self.on_failure is None:
                 self._error = self._failure(staged.step, plan is not None, exc)
             else:
+                handed_over.wait()
                 self.on_failure(staged.step, exc, blocked[0] + self._waited)
         except BaseException as exc:  # never dies silently: logged now, raised by the next call
             self._error = self._failure(staged.step, plan is not None, exc)

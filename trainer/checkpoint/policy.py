@@ -248,8 +248,8 @@ class CheckpointPolicy:
                 "url": self.root.url_of(step_dir(result.step)) if self.root else "",
                 "nbytes": result.nbytes,
                 "seconds": round(result.seconds, 4),
-                "blocked_seconds": round(result.blocked_seconds, 4),
-                "saver_blocked_seconds": round(result.saver_blocked_seconds, 4),
+                "blocked_seconds": round(result.blocked_seconds, 6),  # sub-ms: microseconds
+                "saver_blocked_seconds": round(result.saver_blocked_seconds, 6),
             }
         )
         self.outcomes.succeeded(

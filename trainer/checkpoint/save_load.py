@@ -45,10 +45,11 @@ from shardsmith.trainer.weight_init import local_tensor
 log = logging.getLogger(__name__)
 
 
+@torch.no_grad()  # views of the local shards: no autograd node per DTensor.to_local
 def model_state_tensors(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, torch.Tensor]:
-    """Global FQN -> local tensor, for parameters and (when given) AdamW state.
+    """Global FQN -> local tensor (a view, no copy), for parameters and (when given) AdamW state.
 
     Optimizer state is keyed ``optim.exp_avg.<fqn>``, ``optim.exp_avg_sq.<fqn>``,
     ``optim.step.<fqn>``; it must exist (see :func:`init_optimizer_state`).
@@ -66,9 +67,10 @@ def model_state_tensors(
 
 def init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Create AdamW state (zeros, step 0) for every parameter that has none, matching the
-    parameter's placement, so a checkpoint can be loaded into it before the first step."""
+    parameter's placement, so a checkpoint can be loaded into it before the first step.
+    Once every parameter has state (every save after the first) it only checks."""
     for p in model.parameters():
-        if not optimizer.state[p]:
+        if not optimizer.state.get(p):
             optimizer.state[p] = {
                 "step": torch.tensor(0.0),
                 "exp_avg": torch.zeros_like(p),
