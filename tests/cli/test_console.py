@@ -127,6 +127,15 @@ def test_events_are_human_lines_on_the_console_and_json_in_the_file(tmp_path: Pa
     assert layout_name({"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1}) == "1 rank"
 
 
+def test_a_restart_is_said_by_the_launcher_alone() -> None:
+    """The launcher prints a restart's line (which attempt, which rank died and how); the
+    restarted workers' ``start`` event adds no second line for the same restart."""
+    dps4 = {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 1}
+    for restart in (0, 1, 3):
+        record = {"event": "start", "restart_count": restart, "world_size": 4, "layout": dps4}
+        assert event_line(record) == "", restart
+
+
 def _checkpoint(tmp_path: Path, model: dict, config: dict) -> str:
     """A committed step 4 of TINY_MODEL's tensors (optimizer state included) with the model
     record ``model`` and the training config ``config``."""

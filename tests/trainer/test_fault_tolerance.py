@@ -590,6 +590,7 @@ def test_chaos_kills_restart_to_a_bitwise_identical_model(
     assert chaos.returncode == 0, f"{where}:\n{chaos.output[-8000:]}"
     assert chaos.output.count("test hook: SIGKILL") == 3, where
     restarts = [line for line in chaos.output.splitlines() if line.startswith("restart ")]
+    assert len(restarts) == len(kills), f"{where}: one line per restart: {restarts}"
     for n, (rank, _) in enumerate(kills, start=1):  # the agent names the rank and the signal
         assert any(
             line.startswith(f"restart {n} of 3: rank {rank} died (SIGKILL)")

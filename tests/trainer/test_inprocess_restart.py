@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -94,6 +95,52 @@ def test_sever_connections_closes_peers_but_keeps_the_supervisor() -> None:
         cut.close()
     finally:
         far.wait(timeout=10)
+
+
+def test_the_supervisor_restart_line_says_what_the_launcher_line_says(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A restart of the supervisor, on real processes (no worker code: 3 members sleep, rank 1
+    is SIGKILLed, one warm spare waits): its line has the launcher's form (attempt of how
+    many, which rank died and of what), then what the supervisor did."""
+    from shardsmith.trainer.runtime import supervisor as sup_module
+    from shardsmith.trainer.runtime.supervisor import Supervisor
+
+    monkeypatch.setattr(sup_module, "SETTLE_S", 0.5)  # rank 1 is dead, the others never die
+    sup = Supervisor(str(tmp_path / "job.json"), 4, max_restarts=2, spares=1)
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+    sup.procs = {f"w{i}": subprocess.Popen(sleep) for i in range(5)}
+    sup.assigned = dict.fromkeys(sup.procs, 0)
+    sup.members, sup.spares = ["w0", "w1", "w2", "w3"], ["w4"]
+    try:
+        sup.procs["w1"].kill()
+        sup.procs["w1"].wait(timeout=30)
+        sup._restart()
+    finally:
+        sup._stop_all()
+    assert capsys.readouterr().err.splitlines() == [
+        "restart 1 of 2: rank 1 died (SIGKILL); replaced by a warm spare, the other 3 ranks "
+        "restart in place"
+    ]
+    assert sup.members == ["w0", "w4", "w2", "w3"]
+
+
+def test_restart_lines_without_a_shrink_say_who_replaced_whom() -> None:
+    from shardsmith.trainer.runtime.agent import restart_line
+    from shardsmith.trainer.runtime.supervisor import replaced_words
+
+    # a node's two ranks, one warm spare left: a new process takes the second slot
+    assert restart_line(3, 5, {0: -9, 1: -9}, 4, then=replaced_words(2, 1, 4)) == (
+        "restart 3 of 5: rank 0 died (SIGKILL), rank 1 died (SIGKILL); replaced by a warm "
+        "spare and a new process, the other 2 ranks restart in place"
+    )
+    # no rank died: a member caught a failed collective (a timeout) and said so
+    assert restart_line(1, 1, {}, 2, then=replaced_words(0, 1, 2)) == (
+        "restart 1 of 1: no rank died (a member reported a failure); all 2 ranks restart in place"
+    )
+    assert replaced_words(3, 3, 4) == (
+        "replaced by 3 warm spares, the other rank restarts in place"
+    )
 
 
 # ---- gloo: chaos vs reference ----------------------------------------------------------------
@@ -230,12 +277,11 @@ def test_chaos_in_process_restarts_end_bitwise_equal_to_an_uninterrupted_run(
     assert chaos.output.count("test hook: node lost") == 2 * kinds.count("node"), (
         where
     )  # both ranks
-    restarts = [
-        line
-        for line in chaos.output.splitlines()
-        if line.startswith("restart ") and "in place" in line
-    ]
-    assert len(restarts) == len(plan), f"{where}: {restarts}"
+    restarts = [line for line in chaos.output.splitlines() if line.startswith("restart ")]
+    assert len(restarts) == len(plan), f"{where}: {restarts}"  # one line per restart
+    named = r"restart \d+ of \d+: rank \d+ died \(SIGKILL\)"
+    assert all(re.match(named, r) for r in restarts), f"{where}: {restarts}"
+    assert all("restart in place" in r for r in restarts), f"{where}: {restarts}"
     assert [e["restart_count"] for e in chaos.events("start")] == list(range(len(plan) + 1)), where
     lost = lost_steps(chaos.records)
     assert len(lost) == len(plan) and max(lost) <= 1, f"{where}: steps lost per restart {lost}"

@@ -486,6 +486,32 @@ def test_records_held_back_reach_the_file_only_when_released(tmp_path) -> None:
     assert os.listdir(tmp_path / "b") == []
 
 
+@pytest.mark.parametrize("writer", ["tensorboard", "wandb"])
+def test_a_refused_start_creates_no_tensorboard_or_wandb_files(tmp_path, monkeypatch, writer):
+    """The TensorBoard and wandb writers are made at the first record that reaches the file:
+    a start refused while its records are held back (a corrupt ``--resume`` step) leaves the
+    run directory as it was; a run that starts gets them (``<run_dir>/<writer>``)."""
+    pytest.importorskip(writer, reason=f"{writer} is not installed")
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # offline is the default
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "r").mkdir()
+
+    def events() -> EventLog:
+        on = {"tensorboard": writer == "tensorboard", "wandb": writer == "wandb"}
+        return EventLog(MetricsWriter(str(tmp_path / "r"), **on, config={"steps": 1}), rank=0)
+
+    refused = events()
+    refused.hold()
+    refused({"event": "start"})
+    refused.close()
+    assert os.listdir(tmp_path / "r") == []
+    started = events()
+    started({"event": "start"})
+    started({"step": 1, "loss": 1.0})
+    started.close()
+    assert sorted(os.listdir(tmp_path / "r")) == ["metrics.jsonl", writer]
+
+
 def test_messages_name_the_nearest_valid_batch_sizes_and_every_manifest_version_read():
     from shardsmith.errors import ManifestError
     from shardsmith.storage.manifest.parse import parse_manifest

@@ -199,7 +199,8 @@ class PathsFormatter(logging.Formatter):
 
 def event_line(record: dict[str, Any]) -> str:
     """One human line for an event record, or ``""`` for events the console leaves out
-    (``start`` of a first attempt; ``preempt``, which rank 0 reports itself)."""
+    (``start``, whose restarts the launcher reports; ``preempt``, which rank 0 reports
+    itself)."""
     kind = record.get("event")
     describe = _EVENT_LINES.get(str(kind))
     if describe is None:
@@ -246,14 +247,9 @@ def _save(r: dict[str, Any]) -> str:
     )
 
 
-def _start(r: dict[str, Any]) -> str:
-    if not r.get("restart_count"):
-        return ""
-    return f"restart {r['restart_count']}: {r.get('world_size')} processes, layout {layout_name(r.get('layout'))}"
-
-
 _EVENT_LINES = {
-    "start": _start,
+    # a restart is said once, by the launcher (trainer/runtime/agent.py, supervisor.py)
+    "start": lambda r: "",
     "resume": _resume,
     "peer_reshard": _peer_reshard,
     "save": _save,

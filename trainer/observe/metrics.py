@@ -85,7 +85,10 @@ class MetricsWriter:
     to a Weights & Biases run under ``<run_dir>/wandb`` (the same scalars; ``goodput/*``).
 
     Only rank 0 makes one (the others pass ``run_dir=""``, which writes nothing).
-    Thread-safe: the watchdog and the background save report through it too.
+    Thread-safe: the watchdog and the background save report through it too. Nothing is
+    created in the run directory before the first record (metrics.jsonl, the TensorBoard
+    file, the wandb run): a job refused before it writes one (:meth:`EventLog.hold`) leaves
+    the run directory as it was.
 
     Args:
         run_dir: directory of the run; empty = write nothing.
@@ -110,12 +113,13 @@ class MetricsWriter:
         self._lock = threading.Lock()
         self._tb: Any = None
         self._wandb: Any = None
+        self._tensorboard = tensorboard
+        self._wandb_config = (config or {}) if wandb else None
+        self._opened = False  # the writers are made at the first record
         if run_dir:
             os.makedirs(run_dir, exist_ok=True)
-            if tensorboard:
-                self._tb = _tensorboard_writer(os.path.join(run_dir, "tensorboard"))
-            if wandb:
-                self._wandb = _wandb_run(run_dir, config or {})
+        if run_dir and wandb:
+            _import_wandb()  # a missing package is said at the start, not at the first record
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record (a JSON-safe dict) as one line; scalars of step records go to
@@ -124,6 +128,8 @@ class MetricsWriter:
             return
         line = (json.dumps(record) + "\n").encode()
         with self._lock:
+            if not self._opened:
+                self._open()
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 os.write(fd, line)  # one write(): a kill never splits a line
@@ -133,6 +139,14 @@ class MetricsWriter:
                 self._write_tensorboard(record)
             if self._wandb is not None:
                 self._wandb.log(_wandb_scalars(record))
+
+    def _open(self) -> None:
+        """Make the TensorBoard writer and the wandb run, at the first record (under the lock)."""
+        self._opened = True
+        if self._tensorboard:
+            self._tb = _tensorboard_writer(os.path.join(self.run_dir, "tensorboard"))
+        if self._wandb_config is not None:
+            self._wandb = _wandb_run(self.run_dir, self._wandb_config)
 
     def _write_tensorboard(self, record: dict[str, Any]) -> None:
         step = record.get("step", 0)
@@ -319,12 +333,16 @@ def _tensorboard_writer(log_dir: str) -> Any:
     return SummaryWriter(log_dir=log_dir)
 
 
-def _wandb_run(run_dir: str, config: dict[str, Any]) -> Any:
+def _import_wandb() -> Any:
     try:
         import wandb
     except ImportError as exc:
         raise ImportError("--wandb needs the wandb package: pip install wandb") from exc
-    return wandb.init(
+    return wandb
+
+
+def _wandb_run(run_dir: str, config: dict[str, Any]) -> Any:
+    return _import_wandb().init(
         dir=run_dir,
         project=os.environ.get("WANDB_PROJECT", "shardsmith"),
         config=config,

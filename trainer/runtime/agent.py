@@ -96,10 +96,13 @@ def failure_text(exitcode: int) -> str:
     return f"exited with code {exitcode}"
 
 
-def restart_line(restart: int, max_restarts: int, exitcodes: Mapping[int, int], nproc: int) -> str:
-    """The console line of an elastic restart: ``restart`` of ``max_restarts``, the ranks
-    that failed (``exitcodes``: rank -> exit code, torchelastic's ``RunResult.failures``)
-    and how many processes start again.
+def restart_line(
+    restart: int, max_restarts: int, exitcodes: Mapping[int, int], nproc: int, *, then: str = ""
+) -> str:
+    """The console line of a restart: ``restart`` of ``max_restarts``, the ranks that failed
+    (``exitcodes``: rank -> exit code, torchelastic's ``RunResult.failures``; empty: no rank
+    died, a member reported the failure) and what happens next: ``then``, by default
+    torchelastic's ``restarting {nproc} processes`` (the in-process supervisor says its own).
 
     The ranks named are those a signal killed (SIGKILL, SIGSEGV, SIGABRT...), else those
     that exited non-zero; the others that failed in the same moment (peers whose collective
@@ -113,10 +116,12 @@ def restart_line(restart: int, max_restarts: int, exitcodes: Mapping[int, int], 
     others = sum(1 for r, c in exitcodes.items() if r not in named and c != term)
     failed = ", ".join(f"rank {r} {failure_text(c)}" for r, c in sorted(named.items()))
     if not failed:
-        failed = "the worker group failed"
+        failed = "no rank died (a member reported a failure)"
     if others:
         failed += f"; {others} other rank{'s' if others > 1 else ''} failed with it"
-    return f"restart {restart} of {max_restarts}: {failed}; restarting {nproc} processes"
+    return (
+        f"restart {restart} of {max_restarts}: {failed}; {then or f'restarting {nproc} processes'}"
+    )
 
 
 class ConsoleAgent(LocalElasticAgent):

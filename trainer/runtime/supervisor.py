@@ -49,6 +49,7 @@ from shardsmith.errors import LayoutError
 from shardsmith.layout import SHRINK_RULE, shrink_layout
 from shardsmith.trainer.config import TrainConfig
 from shardsmith.trainer.fault.elastic import fit_world_size
+from shardsmith.trainer.runtime.agent import restart_line
 from shardsmith.trainer.runtime.inprocess import SUPERVISOR_ENV, WORKER_ID_ENV
 from shardsmith.trainer.runtime.launch import (
     EXIT_INTERRUPTED,
@@ -243,15 +244,11 @@ class Supervisor:
                 worker_id = self._take_spare()
                 self.node_of[worker_id] = self.node_of.get(self.members[rank], 0)
                 self.members[rank] = worker_id
-            what = "replaced by warm spares; the others restart in place"
+            what = replaced_words(len(dead), len(warm), self.nproc)
         self._open_generation(leavers)
         self.refill_at = time.monotonic() + self.refill_delay_s
-        print(
-            f"restart {self.gen}/{self.max_restarts}: rank(s) {dead or 'none'} (exit codes "
-            f"{list(codes.values())}) {what}",
-            file=sys.stderr,
-            flush=True,
-        )
+        line = restart_line(self.gen, self.max_restarts, codes, self.nproc, then=what)
+        print(line, file=sys.stderr, flush=True)
 
     def _shrink(self, dead: list[int], warm: list[str]) -> tuple[str, list[str]]:
         """Fewer warm spares than lost ranks (none with ``--spares 0``, or all used up before
@@ -297,7 +294,7 @@ class Supervisor:
             self.simulate_nodes = len(set(counts)) if len(sizes) == 1 else 0
         joined = len([w for w in members if w in warm])
         return (
-            f"lost, no spare left: shrinking {old.describe()} ({old.world_size} ranks) -> "
+            f"no spare left: shrinking {old.describe()} ({old.world_size} ranks) -> "
             f"{new.describe()} ({new.world_size} ranks), {SHRINK_RULE}"
             + (f"; {joined} warm spare(s) joined the survivors" if joined else "")
             + (
@@ -344,6 +341,29 @@ class Supervisor:
         for worker_id in self.members:
             if self._alive(worker_id) and signum != signal.SIGINT:  # Ctrl-C reached them already
                 self.procs[worker_id].send_signal(signum)
+
+
+def replaced_words(num_dead: int, num_warm: int, nproc: int) -> str:
+    """What a restart without a shrink does, for its line: ``num_dead`` of ``nproc`` ranks
+    replaced by warm spares (``num_warm`` alive; new processes for the rest), the other ranks
+    restart in place."""
+    if not num_dead:
+        return f"all {nproc} ranks restart in place"
+    warm = min(num_dead, num_warm)
+    cold = num_dead - warm
+    by = [
+        *(["a warm spare" if warm == 1 else f"{warm} warm spares"] if warm else []),
+        *(["a new process" if cold == 1 else f"{cold} new processes"] if cold else []),
+    ]
+    others = nproc - num_dead
+    rest = (
+        ""
+        if not others
+        else ", the other rank restarts in place"
+        if others == 1
+        else f", the other {others} ranks restart in place"
+    )
+    return f"replaced by {' and '.join(by)}{rest}"
 
 
 def launch_in_process(
