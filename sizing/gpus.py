@@ -95,6 +95,10 @@ def process_overhead_nbytes(num_groups: int) -> int:
 
 def process_groups(dims: ParallelDims) -> int:
     """NCCL communicators a rank belongs to: one per mesh axis of degree > 1 (tp, pp,
-    dp_shard, dp_replicate), plus the HSDP pair's flattened data-parallel group."""
-    axes = [dims.tp, dims.pp, dims.dp_shard, dims.dp_replicate]
-    return sum(1 for d in axes if d > 1) + (1 if dims.dp_shard > 1 and dims.dp_replicate > 1 else 0)
+    dp_shard, dp_replicate, cp), the flattened ``dp_shard_cp`` group FSDP shards over when
+    cp > 1 (``trainer/context_parallel/mesh.py fsdp_mesh``), plus the HSDP pair's flattened
+    data-parallel group. Expert parallelism reuses the dp_shard ranks' group."""
+    axes = [dims.tp, dims.pp, dims.dp_shard, dims.dp_replicate, dims.cp]
+    flattened_cp = 1 if dims.cp > 1 else 0
+    hsdp = 1 if dims.dp_shard * dims.cp > 1 and dims.dp_replicate > 1 else 0
+    return sum(1 for d in axes if d > 1) + flattened_cp + hsdp

@@ -72,6 +72,9 @@ def test_fsdp_buffer_and_process_terms_by_hand() -> None:
     assert fsdp_buffer_nbytes(1000, 500, ParallelDims(tp=2), True) == 0
     assert process_groups(ParallelDims(tp=8, pp=4, dp_shard=8)) == 3
     assert process_groups(ParallelDims(tp=8, dp_shard=8, dp_replicate=2)) == 4
+    # context parallelism: its own group and the dp_shard x cp group FSDP shards over
+    assert process_groups(ParallelDims(tp=8, pp=16, cp=16, dp_shard=1)) == 4
+    assert process_groups(ParallelDims(tp=8, cp=2, dp_shard=4, dp_replicate=2)) == 6
     assert process_overhead_nbytes(3) == CUDA_CONTEXT_NBYTES + 3 * NCCL_COMM_NBYTES
     est = Job(TINY, dims, micro_batch_size=1, global_batch_size=8).estimate()
     role = est.roles[0]
