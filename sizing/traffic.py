@@ -27,7 +27,9 @@ is counted once, by its sender). What the trainer does, group by group:
   (``/ tp`` under sequence parallelism), except between two stages on the same rank;
 * ``tp`` (Megatron, Korthikanti et al. 2022 sec. 3): per layer and microbatch two all-reduces of
   ``b * s/cp * h`` values forward and two backward, three and three with full recomputation
-  (with sequence parallelism an all-gather and a reduce-scatter each, the same bus bytes);
+  (with sequence parallelism an all-gather and a reduce-scatter each, the same bus bytes), and one
+  more on the first stage (the vocab-parallel embedding's forward) and on the last (the output
+  projection's input gradient); the loss-parallel scalars are left out;
 * ``cp`` (``trainer/context_parallel/attention.py``): per layer and microbatch the K/V
   all-gather, ``2 * s * b * k * d_head / t`` values times ``(cp - 1) / cp``, as many by the
   backward's reduce-scatter, and a second all-gather with full recomputation (it sits inside
@@ -183,9 +185,11 @@ def rank_traffic(
         sp = dims.tp if sequence_parallel and dims.tp > 1 else 1
         row["pp"] = m * pp_sends(dims, pp_rank, v_shaped) * act / sp
         if dims.tp > 1:
-            row["tp"] = (
-                m * len(layers) * (6 if recompute else 4) * 2 * (dims.tp - 1) / dims.tp * act
-            )
+            ends = sum(
+                stage_rank(k, dims.pp, v_shaped) == pp_rank for k in (0, dims.num_chunks - 1)
+            )  # the embedding's forward, the output projection's backward
+            per_mb = len(layers) * (6 if recompute else 4) + ends
+            row["tp"] = m * per_mb * 2 * (dims.tp - 1) / dims.tp * act
         if dims.cp > 1:
             row["cp"] = m * len(layers) * (3 if recompute else 2) * kv * (dims.cp - 1) / dims.cp
         if model.num_experts and dims.expert_parallel > 1:

@@ -232,7 +232,10 @@ def tp_plan(model: Transformer, *, sequence_parallel: bool = False) -> dict[str,
     ``sequence_parallel`` (Korthikanti et al. 2022; torchtitan's ``apply_tp``): the residual
     stream and the norms run on sequence shards (B, T/tp, D): the embedding and the row-wise
     linears reduce-scatter along T (``Shard(1)``), the norms are ``SequenceParallel``, and
-    attention, FFN and output all-gather T first (``PrepareModuleInput``). No parameter
+    attention, FFN and output all-gather T first (``PrepareModuleInput``). Either way attention
+    and FFN take their input as one DTensor, so the backward sums the column-parallel linears'
+    input gradients before one collective (four per layer and microbatch, as Megatron's fused
+    QKV and gate/up; seven with a DTensor per linear). No parameter
     changes placement (norm weights stay replicated over tp), so checkpoints are the same.
     A MoE FFN gets its whole sequence (all-gathered) and keeps its sequence shard of the output.
     """
@@ -252,20 +255,24 @@ def tp_plan(model: Transformer, *, sequence_parallel: bool = False) -> dict[str,
             )
         elif sequence_parallel and key in ("attention_norm", "ffn_norm", "norm"):
             plan[name] = SequenceParallel()
-        elif sequence_parallel and isinstance(module, MoEFeedForward):
-            # the experts run on the whole sequence (split over tp inside each expert) and
-            # keep their rank's sequence shard of the TP-reduced output
-            plan[name] = PrepareModuleInputOutput(
-                input_layouts=Shard(1),
-                desired_input_layouts=Replicate(),
-                use_local_input=True,
-                output_layouts=Replicate(),
-                desired_output_layouts=Shard(1),
-            )
-        elif sequence_parallel and key in ("attention", "feed_forward"):
+        elif isinstance(module, MoEFeedForward):
+            if sequence_parallel:
+                # the experts run on the whole sequence (split over tp inside each expert) and
+                # keep their rank's sequence shard of the TP-reduced output
+                plan[name] = PrepareModuleInputOutput(
+                    input_layouts=Shard(1),
+                    desired_input_layouts=Replicate(),
+                    use_local_input=True,
+                    output_layouts=Replicate(),
+                    desired_output_layouts=Shard(1),
+                )
+        elif key in ("attention", "feed_forward"):
+            # one input DTensor per block: its column-parallel linears' input gradients add up
+            # before one all-reduce (reduce-scatter under SP), Megatron's fused-QKV count,
+            # instead of one per linear
             extra = (None, None) if key == "attention" else ()  # rope cos, sin
             plan[name] = PrepareModuleInput(
-                input_layouts=(Shard(1), *extra), desired_input_layouts=(Replicate(), *extra)
+                input_layouts=(seq, *extra), desired_input_layouts=(Replicate(), *extra)
             )
     return plan
 

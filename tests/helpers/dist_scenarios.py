@@ -25,6 +25,9 @@ Tasks (``kind``):
 * ``train``: a fresh Trainer runs to ``steps`` with checkpoint root ``ckpt`` (may be
   empty), ``resume`` (``none`` or a URL) and ``save_interval``; rank 0 writes the
   per-step metrics to ``out`` as JSON ``[{"step", "loss", "grad_norm", "lr"}, ...]``.
+* ``bus_bytes``: a fresh Trainer takes one step (the schedule's shape inference), then one
+  more under ``bench/comm_volume.py``'s recorder; rank 0 writes that step's bus bytes by
+  process-group kind to ``out`` (JSON ``{"tp": ..., "dp_shard": ..., ...}``).
 """
 
 from __future__ import annotations
@@ -162,6 +165,20 @@ def task_train(cfg: TrainConfig, task: dict[str, Any]) -> None:
             )
 
 
+def task_bus_bytes(cfg: TrainConfig, task: dict[str, Any]) -> None:
+    """One step's bus bytes by group kind, as ``bench/comm_volume.py`` counts them."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    from comm_volume import recorder
+
+    trainer = Trainer.create(cfg)
+    trainer.train_step()  # the schedule's shape inference
+    with recorder(cfg.parallel) as rec:
+        trainer.train_step()
+    if trainer.rank == 0:
+        with open(task["out"], "w") as f:
+            json.dump(rec.nbytes, f)
+
+
 def task_reshard(cfg: TrainConfig, task: dict[str, Any]) -> None:
     """Rank 0 reshards ``src`` to ``dst`` offline (the engine of ``shardsmith reshard``)."""
     from shardsmith.layout import ParallelDims
@@ -236,6 +253,7 @@ TASKS = {
     "train": task_train,
     "reshard": task_reshard,
     "buffers": task_buffers,
+    "bus_bytes": task_bus_bytes,
 }
 
 
