@@ -308,3 +308,29 @@ def test_chaos_in_process_restarts_end_bitwise_equal_to_an_uninterrupted_run(
         text=True,
     )
     assert diff.returncode == 0, f"{where}: shardsmith diff:\n{diff.stdout}{diff.stderr}"
+
+
+@pytest.mark.distributed
+def test_a_node_lost_right_after_a_cut_replication_loses_no_step(
+    work: Path, data_path: str, reference: Run
+) -> None:
+    """Rank 1 dies inside step 3's save, after writing its local copy and before sending it
+    to its buddy: the restart loads step 3 from the node's own copies, but no buddy holds
+    node 0's. The recovery sends them again, so losing all of node 0 as the re-run step 4
+    starts (no save in flight) still loads step 3 from the survivors; without that it fell back
+    to step 2 (and, with step 4's save in flight at the loss, lost two steps: the chaos test's
+    seed 1912402129)."""
+    markers = work / "markers-cut"
+    env = {
+        "SHARDSMITH_TEST_MARKER_DIR": str(markers),
+        "SHARDSMITH_SPARES_REFILL_S": "0",
+        "SHARDSMITH_TEST_CRASH_AT": "1:local.before_replicate:3",
+        "SHARDSMITH_TEST_LOSE_NODE_AT": "0:4:1,1:4:1",  # step 4 re-run after the restart
+    }
+    run = train(work / "cut", data_path, env, 2, spares=2)
+    assert run.returncode == 0, run.output[-8000:]
+    assert run.output.count("test hook: node lost") == 2, run.output[-8000:]
+    recovered = [r["step"] for r in run.records if r.get("event") == "recovery"]
+    assert recovered == [3, 3], run.output[-8000:]
+    ref = reference.losses()
+    assert run.losses() == ref

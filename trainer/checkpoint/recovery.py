@@ -251,7 +251,9 @@ def recover_local(policy: RecoveringPolicy) -> bool:
     )
     step, sources = agree(infos, tier.per_node, tier.replicas)
     if step is not None and step >= newest_persistent:
-        _load_same_layout(policy, step, sources, own, held)
+        copy = _load_same_layout(policy, step, sources, own, held)
+        if tier.replicas:
+            _restore_replicas(policy, step, infos, copy)
         announce(
             policy,
             step,
@@ -299,9 +301,10 @@ def _load_same_layout(
     sources: list[str],
     own: list[RankCopy],
     held: list[RankCopy],
-) -> None:
+) -> RankCopy:
     """Every rank loads its own copy of ``step``; ranks without one first receive it from
-    the rank holding their buddy copy (point-to-point) and store it as their own."""
+    the rank holding their buddy copy (point-to-point) and store it as their own. Returns
+    this rank's own copy."""
     tier, rank = policy.local, policy.rank
     assert tier is not None
     world = len(sources)
@@ -333,6 +336,32 @@ def _load_same_layout(
     policy.load_step(
         copy.store, step, reason="resume", reader=StaticManifest(build_manifest([(copy, "")]))
     )
+    return copy
+
+
+def _restore_replicas(
+    policy: RecoveringPolicy, step: int, infos: list[dict[str, Any]], copy: RankCopy
+) -> None:
+    """Give back the redundancy a failure took: every rank whose buddy holds no copy of the
+    recovered ``step`` (its node was lost, or the failure cut that step's replication short)
+    sends its own ``copy`` to its buddy again, so that the next failure, even of a whole node
+    while the next save is in flight, still finds ``step`` on a survivor. Point-to-point
+    between the pairs concerned; the same decision on every rank (``infos`` is all-gathered).
+    """
+    tier, rank = policy.local, policy.rank
+    assert tier is not None
+    world = len(infos)
+    missing = {
+        r for r in range(world) if step not in infos[buddy_of(r, world, tier.per_node)]["held"]
+    }
+    source = (rank - tier.per_node) % world  # the rank whose buddy this rank is
+    sends = {buddy_of(rank, world, tier.per_node): tier.read_copy(copy)} if rank in missing else {}
+    recvs = [source] if source in missing else []
+    if not (sends or recvs):
+        return
+    got = exchange_files(sends, recvs)
+    if recvs:
+        tier.store_copy(tier.replica_root, source, step, got[source])
 
 
 def _reshard_from_peers(

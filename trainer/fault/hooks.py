@@ -34,7 +34,8 @@ class FaultHooks:
     batch size) NaN.
     ``SHARDSMITH_TEST_LOSE_NODE_AT="RANK:STEP,..."``: as step STEP starts, that rank waits for
     its save in flight, deletes its node's local checkpoint tier (the node's disk is gone) and
-    SIGKILLs itself; name every rank of a node to lose the whole node.
+    SIGKILLs itself; name every rank of a node to lose the whole node. ``RANK:STEP:GEN``: only
+    in restart generation GEN (``TORCHELASTIC_RESTART_COUNT``), e.g. a step re-run after a restart.
     ``SHARDSMITH_TEST_KILL_EVERY="RANK:SECONDS"``: that rank SIGKILLs itself as the first step
     starts that is SECONDS after the first step of its trainer (each restart makes a new one):
     a failure after every SECONDS of training, however long start-up and recovery take.
@@ -60,6 +61,7 @@ class FaultHooks:
         self.nan = self._parse(env.get("SHARDSMITH_TEST_NAN_AT", ""))
         self.lose_node = self._parse(env.get("SHARDSMITH_TEST_LOSE_NODE_AT", ""))
         self.marker_dir = env.get("SHARDSMITH_TEST_MARKER_DIR", "")
+        self.generation = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         slow = [
             item.split(":")
             for item in env.get("SHARDSMITH_TEST_SLOW", "").split(",")
@@ -107,7 +109,12 @@ class FaultHooks:
     def at_step_start(self, step: int, on_node_loss: Callable[[], None] | None = None) -> None:
         """Kill or signal this rank as step ``step`` starts, if asked (a node loss calls
         ``on_node_loss`` first: wipe the local tier)."""
-        if step in self.lose_node and self._once("lose-node", step):
+        gen = self.lose_node.get(step, "")
+        if (
+            step in self.lose_node
+            and (not gen or int(gen) == self.generation)
+            and self._once("lose-node", step)
+        ):
             say(f"rank {self.rank}: test hook: node lost at step {step}")
             if on_node_loss is not None:
                 on_node_loss()
