@@ -204,7 +204,9 @@ class StepMath:
         args = (inputs,) if first else ()
         kwargs: dict[str, Any] = {"target": targets, "losses": losses} if last else {}
         with self._loss_ctx(), self._autocast():
-            self.schedule.step(*args, **kwargs)
+            # return_outputs=False: the last stage keeps no microbatch's logits for a merged
+            # output we never use (M of them, (b, s, V/t) each, held to the step's end).
+            self.schedule.step(*args, return_outputs=False, **kwargs)
         if not losses:
             return torch.zeros(())
         return torch.stack([_plain(loss).float() for loss in losses]).mean()

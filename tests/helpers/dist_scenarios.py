@@ -222,7 +222,8 @@ def task_buffers(cfg: TrainConfig, task: dict[str, Any]) -> None:
     """Pipeline receive buffers: step 1 as upstream torch keeps them, step 2 released;
     after each, the bytes of receive buffers every stage of each pp rank holds, and each
     step's peak of them (:func:`_step_peak_nbytes`). Rank 0 writes ``{"upstream_after_step_nbytes",
-    "after_step_nbytes", "upstream_peak_nbytes", "peak_nbytes"}`` (lists by pp rank) to ``out``."""
+    "after_step_nbytes", "upstream_peak_nbytes", "peak_nbytes", "output_chunks"}`` (lists by pp
+    rank; ``output_chunks``: stage outputs the schedule still holds after the step) to ``out``."""
     from shardsmith.trainer.pipeline import received_nbytes
 
     trainer = Trainer.create(_with_checkpoint(cfg, resume="none"))
@@ -233,13 +234,17 @@ def task_buffers(cfg: TrainConfig, task: dict[str, Any]) -> None:
         for stage in stages:
             stage.release_buffers = release
         peak = _step_peak_nbytes(trainer, stages)
-        held = torch.tensor([sum(received_nbytes(s) for s in stages), peak], dtype=torch.int64)
+        outputs = sum(len(s.output_chunks) for s in stages)  # logits kept for a merged output
+        held = torch.tensor(
+            [sum(received_nbytes(s) for s in stages), peak, outputs], dtype=torch.int64
+        )
         parts = [torch.zeros_like(held) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, held)
         pp = [cfg.parallel.coords(r)["pp"] for r in range(dist.get_world_size())]
         by_pp = {p: part for p, part in zip(pp, parts)}
         out[f"{name}after_step_nbytes"] = [int(by_pp[p][0]) for p in sorted(by_pp)]
         out[f"{name}peak_nbytes"] = [int(by_pp[p][1]) for p in sorted(by_pp)]
+        out[f"{name}output_chunks"] = [int(by_pp[p][2]) for p in sorted(by_pp)]
     if trainer.rank == 0:
         print(f"[scenario] buffers {cfg.pipeline_schedule or 'default'}: {out}", flush=True)
         with open(task["out"], "w") as f:

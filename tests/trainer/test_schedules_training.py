@@ -124,6 +124,8 @@ def test_every_schedule_trains_alike_and_reshards(tmp_path: Path, data_path: str
     for name in ("1f1b", "zbv"):
         buffers = json.loads((tmp_path / f"buffers-{name}.json").read_text())
         assert buffers["after_step_nbytes"] == [0, 0], name
+        # the last stage keeps no microbatch's logits after the step (return_outputs=False)
+        assert buffers["output_chunks"] == [0, 0], name
         assert buffers["upstream_after_step_nbytes"][1] > 0, name
 
 
