@@ -329,7 +329,9 @@ def test_a_node_lost_right_after_a_cut_replication_loses_no_step(
     }
     run = train(work / "cut", data_path, env, 2, spares=2)
     assert run.returncode == 0, run.output[-8000:]
-    assert run.output.count("test hook: node lost") == 2, run.output[-8000:]
+    # rank 1 may die of rank 0's loss before it reaches the hook: node 0 is gone either way
+    assert "test hook: node lost at step 4" in run.output, run.output[-8000:]
+    assert "replaced by 2 warm spares" in run.output, run.output[-8000:]
     recovered = [r["step"] for r in run.records if r.get("event") == "recovery"]
     assert recovered == [3, 3], run.output[-8000:]
     ref = reference.losses()

@@ -23,6 +23,7 @@ from shardsmith.trainer.checkpoint.local_tier import (
     saved_dims,
 )
 from shardsmith.trainer.checkpoint.peer_copy import exchange_files
+from shardsmith.trainer.comm import any_rank
 from shardsmith.trainer.rng import pack_rng_states
 
 if TYPE_CHECKING:
@@ -205,7 +206,8 @@ def restore_replicas(
     recovered ``step`` (its node was lost, or the failure cut that step's replication short)
     sends its own ``copy`` to its buddy again, so that the next failure, even of a whole node
     while the next save is in flight, still finds ``step`` on a survivor. Point-to-point
-    between the pairs concerned; the same decision on every rank (``infos`` is all-gathered).
+    between the pairs concerned, the same decision on every rank (``infos`` is all-gathered),
+    then one small all-reduce: no rank trains on (and may fail) before every copy is stored.
     """
     tier, rank = policy.local, policy.rank
     assert tier is not None
@@ -213,11 +215,13 @@ def restore_replicas(
     missing = {
         r for r in range(world) if step not in infos[buddy_of(r, world, tier.per_node)]["held"]
     }
+    if not missing:
+        return
     source = (rank - tier.per_node) % world  # the rank whose buddy this rank is
     sends = {buddy_of(rank, world, tier.per_node): tier.read_copy(copy)} if rank in missing else {}
     recvs = [source] if source in missing else []
-    if not (sends or recvs):
-        return
-    got = exchange_files(sends, recvs)
-    if recvs:
-        tier.store_copy(tier.replica_root, source, step, got[source])
+    if sends or recvs:
+        got = exchange_files(sends, recvs)
+        if recvs:
+            tier.store_copy(tier.replica_root, source, step, got[source])
+    any_rank(False)  # every rank: the copies are stored before anyone goes on
