@@ -242,10 +242,12 @@ def plan_flags(path: str, candidate: int) -> tuple[str, list[str]]:
 
 
 def estimate_of(c: Config) -> Any:
-    """The dry run's estimate of ``c`` (:func:`shardsmith.sizing.estimate.estimate`)."""
+    """The dry run's estimate of ``c`` (:func:`shardsmith.sizing.estimate.estimate`) for the
+    sampled rank of each stage (``first_rank_only``: tp = dp_shard = 0, as :func:`run_stage`)."""
     return estimate(
         c.model,
         c.dims,
+        first_rank_only=True,
         micro_batch_size=c.micro_batch_size,
         global_batch_size=c.global_batch_size,
         activation_checkpointing=c.ac,
