@@ -39,13 +39,17 @@ Every job runs under both FSDP exchange policies (``--fsdp-reshard-after-forward
 (the default under pipelining: the stage's parameters stay gathered and its gradients accumulate
 unsharded for the step). Under ``never`` the stage runs two microbatches with gradient sync and
 reshard-after-backward off, as every microbatch before a step's last does, so the second's
-backward meets the first's accumulated unsharded gradients. Both forwards run before the backwards (the
-tracker takes one root call), so the run's peak may hold both microbatches' activations, or one
-and a part: the bench takes the larger of that peak less the microbatches beyond those in
-flight, and the last backward's own peak (tracked from its start: the first microbatch's
-activations freed, its unsharded gradients accumulated, as in a step's every later microbatch)
-with the other in-flight microbatches added. Without the second reading a one-stage job looked
-14-21 % over-estimated: its peak held a microbatch and a part, and a whole one was taken off.
+backward meets the first's accumulated unsharded gradients. All forwards run before the
+backwards (the tracker takes one root call); each microbatch's chunks then run backward, the
+last chunk first, as torch's interleaved 1F1B orders them. The bench reads the tracker's peak
+once for the forwards and once per backward (the peak tracked from that backward's start), and
+in each reading puts the microbatches the schedule holds in that phase (just before a backward
+of that chunk) in place of those the run holds then; the measured peak is the largest reading
+(``fake_step.measured_peak``; ``peak in`` names its phase). A single peak for the whole run
+with every chunk's in-flight microbatches added put the 405B plan's embedding-gradient
+backward (rank 0) beside 112 chunk microbatches where torch holds 16 there; without a reading
+per backward a one-stage ``never`` job looked 14-21 % over-estimated (its peak held a
+microbatch and a part, and a whole one was taken off).
 
 What is not the trainer's own code path, and why:
 
@@ -54,13 +58,12 @@ What is not the trainer's own code path, and why:
   ``(b, s, h)``, ``(b, s/tp, h)`` under sequence parallelism; tokens on stage 0) and, off the
   last stage, a gradient of the output's shape;
 * the microbatches a stage holds in flight: ``k = min(P - p, M)`` under 1F1B; with virtual
-  stages one count per chunk, read from torch's own schedule (``fake_step.in_flight_counts``:
-  the job's torch schedule class built on stand-in stages, its ``pipeline_order`` walked to
-  the point of most held bytes). The stage runs one microbatch per chunk; the activation bytes
-  each chunk keeps (measured: the tracker's activation total after its forward minus before
-  it) are added for the chunk's other ``k - 1``, which keeps the bench's CPU time to a few
-  minutes on 2 cores. The chunks' forwards all run before their backwards, so the run holds
-  one microbatch of every chunk, as every point of an interleaved step past its warm-up does;
+  stages one count per chunk and phase, read from torch's own schedule
+  (``fake_step.in_flight_counts``: the job's torch schedule class built on stand-in stages,
+  its ``pipeline_order`` walked to the point of most held bytes after a forward and before each
+  chunk's backwards). The stage runs one microbatch per chunk; the activation bytes each chunk
+  keeps (measured: the tracker's activation total after its forward minus before it) stand
+  for the chunk's other microbatches, which keeps the bench's CPU time to a minute or two;
 * stages whose run would be the same (:func:`signature`: per chunk first, last, number of
   layers; e.g. the 14 middle stages of the 1,024-rank job) run once, and each is reported with
   its own microbatches in flight;
@@ -302,7 +305,8 @@ def run_config(c: Config, workers: int, extra: tuple[str, ...] = ()) -> dict[str
             "in_flight": in_flight_counts(c, p, ran[src]["per_microbatch_bytes"]),
             "same_run_as_stage": src,
         }
-        got["measured_peak_bytes"] = measured_peak(got)
+        got["measured_peak_bytes"], at = measured_peak(got)
+        got.update(peak_phase=at["phase"], by_kind=at["by_kind"])
         want = by_stage[p].tracked_peak_nbytes
         rows.append(
             {
@@ -370,7 +374,7 @@ def main() -> None:
         )
         for s in r["stages"]:
             print(
-                f"  stage {s['stage']:>2} (rank {s['rank']:>4}, {_counts(s['in_flight'])} in flight): measured "
+                f"  stage {s['stage']:>2} (rank {s['rank']:>4}, {_counts(s['in_flight']['fwd'])} in flight, peak in {s['peak_phase']}): measured "
                 f"{s['measured_peak_bytes'] / 2**30:7.2f} GiB, estimate {s['estimate_bytes'] / 2**30:7.2f} GiB, "
                 f"{s['rel_error']:+.1%}",
                 flush=True,

@@ -72,15 +72,21 @@ def schedule_events(c: Any, pp_rank: int) -> list[tuple[int, int]]:
     return events
 
 
-def in_flight_counts(c: Any, pp_rank: int, chunk_nbytes: list[int]) -> tuple[int, ...]:
-    """Microbatches of each of the rank's chunks in flight at its activation peak: the point of
-    :func:`schedule_events` where ``sum(held[k] * chunk_nbytes[k])`` is largest (module doc);
-    ``(min(P - pp_rank, M),)`` without virtual stages."""
+def in_flight_counts(c: Any, pp_rank: int, chunk_nbytes: list[int]) -> dict[str, tuple[int, ...]]:
+    """Microbatches of each of the rank's chunks in flight, per phase of the step: ``"fwd"`` at
+    the point of :func:`schedule_events` where ``sum(held[k] * chunk_nbytes[k])`` is largest
+    after a forward, ``"bwd<k>"`` at the largest such point just before a backward of local
+    chunk ``k`` (module doc). Without virtual stages ``min(P - pp_rank, M)`` in every phase
+    (1F1B's steady state: a backward follows a forward)."""
     from shardsmith.sizing.activations import peak_in_flight
 
+    v = len(chunk_nbytes)
     if c.dims.virtual_stages == 1:
-        return (min(c.dims.pp - pp_rank, c.num_microbatches),)
-    return peak_in_flight(schedule_events(c, pp_rank), chunk_nbytes)
+        return dict.fromkeys(("fwd", "bwd0"), (min(c.dims.pp - pp_rank, c.num_microbatches),))
+    events = schedule_events(c, pp_rank)
+    out = {"fwd": peak_in_flight(events, chunk_nbytes)}
+    out.update({f"bwd{k}": peak_in_flight(events, chunk_nbytes, backward_of=k) for k in range(v)})
+    return out
 
 
 def _tracker_class() -> type:
@@ -219,25 +225,25 @@ def run_stage(c: Any, stage: int) -> dict[str, Any]:
                 for _ in range(run_k)
                 for k in ids
             ]
-            last_chunk = dims.num_chunks - 1
+            last_chunk, v = dims.num_chunks - 1, len(ids)
+            readings: list[dict[str, Any]] = []
             with math._loss_ctx() if last_chunk in ids else contextlib.nullcontext():
                 with math._autocast():
                     outs = Microbatches()(xs)
-                for i, out in enumerate(outs):
-                    if keep and i == len(outs) - len(ids):  # the last microbatch's own peak
-                        peak = dict(tracker.get_tracker_snapshot("peak")[cpu])
-                        tracker._peak_mem_snap = tracker.get_tracker_snapshot()
-                        tracker._peak_mem = {
-                            d: v["Total"] for d, v in tracker._peak_mem_snap.items()
-                        }
-                    if ids[i % len(ids)] == last_chunk:
-                        loss_fn(out, torch.randint(0, m.vocab_size, (b, s))).backward()
-                    else:
-                        out.backward(torch.ones_like(out))
-                del outs
-            last_bw = dict(tracker.get_tracker_snapshot("peak")[cpu])
-            if not keep:
-                peak = last_bw
+                readings.append(_reading(tracker, "fwd", [run_k] * v))
+                held = [run_k] * v
+                for mb in range(run_k):  # each microbatch's chunks backward, the last chunk first
+                    for k in reversed(range(v)):
+                        _reset_peak(tracker)
+                        out = outs[mb * v + k]
+                        if ids[k] == last_chunk:
+                            loss_fn(out, torch.randint(0, m.vocab_size, (b, s))).backward()
+                        else:
+                            out.backward(torch.ones_like(out))
+                        readings.append(_reading(tracker, f"bwd{k}", held))
+                        held[k] -= 1
+                del outs, out
+            _reset_peak(tracker)
             optimizer.step()
         opt_peak = tracker.get_tracker_snapshot("peak")[cpu]["Total"]
     return {
@@ -246,22 +252,41 @@ def run_stage(c: Any, stage: int) -> dict[str, Any]:
         "chunk_ids": list(ids),
         "run_in_flight": run_k,
         "per_microbatch_bytes": [after[2 * k + 1] - after[2 * k] for k in range(len(ids))],
-        "tracker_peak_bytes": peak["Total"],
-        "last_backward_peak_bytes": last_bw["Total"] if keep else 0,
+        "readings": readings,
         "optimizer_step_tracker_peak_bytes": opt_peak,
-        "by_kind": {str(k).split(".")[-1].strip("'>"): v for k, v in peak.items() if k != "Total"},
     }
 
 
-def measured_peak(got: dict[str, Any]) -> int:
-    """The rank's peak with its own microbatches in flight (``got["in_flight"]``, one count per
-    chunk): the run's peak with the activations of ``in_flight[k] - run_in_flight`` more
-    microbatches of each chunk ``k``, and, for a run of two microbatches (parameters kept
-    gathered), the last microbatch's own peak (the first's activations freed, its unsharded
-    gradients accumulated: the state of every microbatch after the step's first) with
-    ``in_flight[k] - 1`` more."""
-    run_k, pairs = got["run_in_flight"], list(zip(got["in_flight"], got["per_microbatch_bytes"]))
-    out = got["tracker_peak_bytes"] + sum((k - run_k) * n for k, n in pairs)
-    if got["last_backward_peak_bytes"]:
-        out = max(out, got["last_backward_peak_bytes"] + sum((k - 1) * n for k, n in pairs))
-    return out
+def _reset_peak(tracker: Any) -> None:
+    """Start the tracker's peak afresh from what is held now."""
+    tracker._peak_mem_snap = tracker.get_tracker_snapshot()
+    tracker._peak_mem = {d: v["Total"] for d, v in tracker._peak_mem_snap.items()}
+
+
+def _reading(tracker: Any, phase: str, held: list[int]) -> dict[str, Any]:
+    """The tracker's peak since its last reset, the phase it was in, the microbatches of each
+    chunk the run held then, and the peak's bytes by kind."""
+    import torch
+
+    peak = dict(tracker.get_tracker_snapshot("peak")[torch.device("cpu")])
+    return {
+        "phase": phase,
+        "peak_bytes": peak["Total"],
+        "held": list(held),
+        "by_kind": {str(k).split(".")[-1].strip("'>"): n for k, n in peak.items() if k != "Total"},
+    }
+
+
+def measured_peak(got: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """The rank's peak with its own microbatches in flight, and the reading it came from: each
+    reading of the run (the forwards' peak, each chunk's backward's own peak) with the
+    activations the schedule holds in that phase (``got["in_flight"][phase]``, one count per
+    chunk) instead of those the run held then: ``in_flight[k] - held[k]`` more microbatches of
+    each chunk ``k``. Under ``never`` the second microbatch's backwards meet the first's
+    accumulated unsharded gradients, the state of every microbatch after the step's first."""
+    per_mb, best = got["per_microbatch_bytes"], (-1, {})
+    for r in got["readings"]:
+        want = got["in_flight"][r["phase"]]
+        total = r["peak_bytes"] + sum((w - h) * n for w, h, n in zip(want, r["held"], per_mb))
+        best = max(best, (total, r), key=lambda t: t[0])
+    return best

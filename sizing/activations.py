@@ -113,15 +113,23 @@ def interleaved_1f1b_events(
     return events
 
 
-def peak_in_flight(events: list[tuple[int, int]], chunk_nbytes: list[float]) -> tuple[int, ...]:
+def peak_in_flight(
+    events: list[tuple[int, int]], chunk_nbytes: list[float], backward_of: int | None = None
+) -> tuple[int, ...]:
     """Microbatches of each chunk held at the point of ``events`` (:func:`interleaved_1f1b_events`)
     where the held activation bytes ``sum(held[k] * chunk_nbytes[k])`` are largest; a chunk's
-    microbatch is held from its forward to its backward."""
+    microbatch is held from its forward to its backward. The points looked at: just after each
+    forward, or with ``backward_of=k`` just before each backward of chunk ``k`` (the microbatch
+    being backpropagated still held)."""
     held, best, at = [0] * len(chunk_nbytes), -1.0, tuple([0] * len(chunk_nbytes))
     for k, step in events:
+        if step < 0 and k == backward_of:
+            total = sum(h * n for h, n in zip(held, chunk_nbytes))
+            if total > best:
+                best, at = total, tuple(held)
         held[k] += step
         total = sum(h * n for h, n in zip(held, chunk_nbytes))
-        if step > 0 and total > best:
+        if step > 0 and backward_of is None and total > best:
             best, at = total, tuple(held)
     return at
 
@@ -141,3 +149,25 @@ def microbatches_in_flight(
         return (min(p, m),) * dims.virtual_stages
     events = interleaved_1f1b_events(p, dims.virtual_stages, m, rank)
     return peak_in_flight(events, chunk_nbytes)
+
+
+def binding_phase(
+    dims: ParallelDims,
+    rank: int,
+    num_microbatches: int,
+    chunk_nbytes: list[float],
+    chunk_extra: list[float],
+) -> tuple[tuple[int, ...], int]:
+    """(microbatches of each chunk in flight, local chunk ``k``) at the backward where the held
+    activations plus ``chunk_extra[k]`` (what chunk ``k``'s backward adds above the others', e.g.
+    its FSDP prefetch) are largest. Under interleaved 1F1B the held set is torch's just before
+    a backward of ``k`` (:func:`peak_in_flight` with ``backward_of``), so a heavy backward of a
+    chunk that runs late meets fewer microbatches; otherwise :func:`microbatches_in_flight`."""
+    if dims.virtual_stages == 1 or dims.pipeline_style == "v":
+        k = max(range(len(chunk_extra)), key=chunk_extra.__getitem__)
+        return microbatches_in_flight(dims, rank, num_microbatches, chunk_nbytes), k
+    events = interleaved_1f1b_events(dims.pp, dims.virtual_stages, num_microbatches, rank)
+    held = [peak_in_flight(events, chunk_nbytes, k) for k in range(len(chunk_nbytes))]
+    scores = [sum(h * n for h, n in zip(hk, chunk_nbytes)) + e for hk, e in zip(held, chunk_extra)]
+    k = max(range(len(scores)), key=scores.__getitem__)
+    return held[k], k

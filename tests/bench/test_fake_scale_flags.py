@@ -72,17 +72,22 @@ def test_in_flight_comes_from_torchs_schedule_and_adds_to_the_run() -> None:
     c = fake_scale.config_of_flags(shlex.split(V2), "v2")
     # torch's interleaved 1F1B, R = 2 per round: rank 0 warms up 2*(2-1-0) + 2 = 4 forwards
     assert schedule_events(c, 0)[:6] == [(0, 1), (0, 1), (1, 1), (1, 1), (0, 1), (1, -1)]
-    assert in_flight_counts(c, 0, [1, 1]) == (3, 2)
-    assert in_flight_counts(c, 1, [1, 1]) == (2, 1)
-    assert in_flight_counts(c, 0, [10, 1]) == (4, 1)  # weighted: the heavy chunk's peak
-    # a run of two microbatches of each chunk: 3 - 2 more of chunk 0, none of chunk 1, and
-    # the last microbatch's own peak with 2 and 1 more
+    assert in_flight_counts(c, 0, [1, 1]) == {"fwd": (3, 2), "bwd0": (4, 1), "bwd1": (3, 2)}
+    assert in_flight_counts(c, 1, [1, 1])["fwd"] == (2, 1)
+    assert in_flight_counts(c, 0, [10, 1])["fwd"] == (4, 1)  # weighted: the heavy chunk's peak
+    # without virtual stages, 1F1B: min(P - p, M) in every phase
+    one = fake_scale._configs()["llama3-70b:never"]
+    assert in_flight_counts(one, 1, [5]) == {"fwd": (3,), "bwd0": (3,)}
+    # each reading gets the schedule's microbatches of its phase in place of the run's
     got = {
-        "in_flight": (3, 2),
-        "run_in_flight": 2,
         "per_microbatch_bytes": [10, 100],
-        "tracker_peak_bytes": 1000,
-        "last_backward_peak_bytes": 900,
+        "in_flight": {"fwd": (3, 2), "bwd0": (3, 1), "bwd1": (3, 2)},
+        "readings": [
+            {"phase": "fwd", "peak_bytes": 1000, "held": [1, 1]},  # 1000 + 2*10 + 1*100
+            {"phase": "bwd1", "peak_bytes": 1050, "held": [1, 1]},  # 1050 + 2*10 + 1*100
+            {"phase": "bwd0", "peak_bytes": 1500, "held": [1, 0]},  # 1500 + 2*10 + 1*100
+        ],
     }
-    assert measured_peak(got) == max(1000 + 10, 900 + 2 * 10 + 100)
-    assert measured_peak({**got, "last_backward_peak_bytes": 0}) == 1010
+    assert measured_peak(got) == (1620, got["readings"][2])
+    got["readings"][2]["peak_bytes"] = 1000
+    assert measured_peak(got)[0] == 1170

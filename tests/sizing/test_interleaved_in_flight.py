@@ -13,6 +13,7 @@ from torch.distributed.pipelining import schedules
 from shardsmith.layout import ParallelDims
 from shardsmith.sizing import activations as act
 from shardsmith.sizing.estimate import estimate
+from shardsmith.sizing.peak import fsdp_buffer_nbytes
 
 
 def _torch_events(pp: int, v: int, m: int, rank: int) -> list[tuple[int, int]]:
@@ -55,7 +56,8 @@ def test_every_rank_holds_most_of_its_chunks_microbatches() -> None:
 
 def test_estimate_counts_each_chunks_microbatches() -> None:
     # pp2 v2, M = 4, fp32, no recompute: chunks of 1 layer; rank 0 holds chunks 0 and 2,
-    # rank 1 chunks 1 and 3. torch's order: rank 0 peaks at (3, 2), rank 1 at (2, 1).
+    # rank 1 chunks 1 and 3. torch's order, just before a backward: rank 0 holds at most
+    # (3, 2) (before chunk 2's), rank 1 (3, 0) or (2, 1), as many bytes (chunks of one size).
     dims = ParallelDims(pp=2, virtual_stages=2)
     est = estimate(MODEL, dims, micro_batch_size=1, global_batch_size=4)
     plain = act.layer_nbytes_per_token(MODEL, 1, 4) * 16  # a layer, a microbatch of 16 tokens
@@ -63,4 +65,20 @@ def test_estimate_counts_each_chunks_microbatches() -> None:
     by_rank = {r.stage: r for r in est.roles}
     assert by_rank[0].activation_nbytes == int(3 * plain + 2 * (plain + received))
     assert by_rank[1].activation_nbytes == int(3 * (plain + received))
-    assert (by_rank[0].microbatches_in_flight, by_rank[1].microbatches_in_flight) == (3, 2)
+    assert (by_rank[0].microbatches_in_flight, by_rank[1].microbatches_in_flight) == (3, 3)
+
+
+def test_a_prefetching_chunk_binds_with_what_torch_holds_at_its_backward() -> None:
+    # the 405B plan's rank 1: chunks of one layer but local chunk 3 (two layers: FSDP prefetches
+    # a block in its backward). All 112 forwards run first, then backwards from chunk 6 down,
+    # so chunk 3's backwards meet chunks 0-3 only.
+    dims = ParallelDims(pp=16, virtual_stages=7, dp_shard=128, tp=8)
+    ones = [1.0] * 7
+    assert act.binding_phase(dims, 1, 16, ones, [0.0] * 7) == ((16,) * 7, 6)
+    held, k = act.binding_phase(dims, 1, 16, ones, [0, 0, 0, 50.0, 0, 0, 0])
+    assert (held, k) == ((16, 16, 16, 16, 0, 0, 0), 3)  # 64 + 50 > 112
+    assert act.binding_phase(dims, 1, 16, ones, [0, 0, 0, 40.0, 0, 0, 0])[1] == 6  # 104 < 112
+    # the prefetched block is the one buffer a one-layer chunk lacks: 2c + 4 bytes per element
+    # (bf16: gathered parameters and gradient, fp32 reduce-scatter input) instead of 3c + 4
+    assert fsdp_buffer_nbytes(100, 10, dims, True, prefetch=False) == 10 * 2 + 100 * 8
+    assert fsdp_buffer_nbytes(100, 10, dims, True) == 10 * 2 + 100 * 10
