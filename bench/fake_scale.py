@@ -89,6 +89,8 @@ K/V exchange or token dispatch.
     python bench/fake_scale.py --only llama3-8b                # one job, both policies
     python bench/fake_scale.py --only llama3-8b:never          # one job, one policy
     python bench/fake_scale.py --train-flags "--model llama3-8b --tp 2 --dp-shard 4 --global-batch-size 8"
+    python bench/fake_scale.py --train-flags "--model llama3-8b --tp 2 --pp 2 --virtual-stages 2 \\
+        --dp-shard 2 --global-batch-size 8 --micro-batch-size 1"    # V = 2: two chunks a rank
     shardsmith plan --model llama3-8b --gpus 64 --gpu h100 --global-batch-size 256 --json > p.json
     python bench/fake_scale.py --plan-json p.json --candidate 0
 """
