@@ -1,9 +1,12 @@
 """The dry run's memory estimate against what the real trainer code allocates, at full world size.
 
-For each configuration, one rank of every pipeline stage (each in its own process) builds the
-real stage (:class:`shardsmith.trainer.model.Transformer` on ``meta``, then
-:func:`shardsmith.trainer.parallel.parallelize`: TP, sequence parallelism, activation
-checkpointing, FSDP2) on a fake process group of the job's full world size
+For each configuration, one rank of every pipeline rank (each in its own process:
+``bench/fake_step.py``) builds every model chunk that rank holds, as the trainer does
+(:func:`shardsmith.trainer.parallel.chunk_model` on ``meta``, then
+:func:`shardsmith.trainer.parallel.parallelize` per chunk: TP, sequence parallelism, activation
+checkpointing, FSDP2; with ``--virtual-stages V`` the V chunks ``ParallelDims.chunk_ids`` names,
+``r, r + P, ...`` or the V shape of ``zbv`` / ``dualpipev``, over ``--pipeline-split``) on a fake
+process group of the job's full world size
 (``torch.testing._internal.distributed.fake_pg``), materializes it under ``FakeTensorMode``
 (nothing is allocated), and runs one training step under PyTorch's memory tracker
 (``torch.distributed._tools.mem_tracker.MemTracker``): forward, backward (the trainer's
@@ -17,9 +20,9 @@ What it proves: for every pipeline stage of each job (8, 256 and 1,024 ranks), t
 real model and parallel code hold at the step's peak (tracked per storage by PyTorch, nothing
 allocated) are within :data:`TOLERANCE` of the estimate, term by term visible in ``by_kind``.
 What it samples: one rank per stage (tp = dp_shard = 0, the rank with the largest shares), one
-microbatch per stage, and one run per distinct stage (below).
+microbatch per chunk, and one run per distinct stage (below).
 
-The tracker (:func:`_tracker_class`), two changes to ``MemTracker`` that alter no figure:
+The tracker (``fake_step._tracker_class``), two changes to ``MemTracker`` that alter no figure:
 
 * DTensor's sharding propagation computes each op's output shape on fake tensors of the
   *global* shape (``_sharding_prop``: ``detect_fake_mode() or FakeTensorMode()``). In an eager
@@ -36,13 +39,17 @@ Every job runs under both FSDP exchange policies (``--fsdp-reshard-after-forward
 (the default under pipelining: the stage's parameters stay gathered and its gradients accumulate
 unsharded for the step). Under ``never`` the stage runs two microbatches with gradient sync and
 reshard-after-backward off, as every microbatch before a step's last does, so the second's
-backward meets the first's accumulated unsharded gradients. Both forwards run before the backwards (the
-tracker takes one root call), so the run's peak may hold both microbatches' activations, or one
-and a part: the bench takes the larger of that peak less the microbatches beyond those in
-flight, and the last backward's own peak (tracked from its start: the first microbatch's
-activations freed, its unsharded gradients accumulated, as in a step's every later microbatch)
-with the other in-flight microbatches added. Without the second reading a one-stage job looked
-14-21 % over-estimated: its peak held a microbatch and a part, and a whole one was taken off.
+backward meets the first's accumulated unsharded gradients. All forwards run before the
+backwards (the tracker takes one root call); each microbatch's chunks then run backward, the
+last chunk first, as torch's interleaved 1F1B orders them. The bench reads the tracker's peak
+once for the forwards and once per backward (the peak tracked from that backward's start), and
+in each reading puts the microbatches the schedule holds in that phase (just before a backward
+of that chunk) in place of those the run holds then; the measured peak is the largest reading
+(``fake_step.measured_peak``; ``peak in`` names its phase). A single peak for the whole run
+with every chunk's in-flight microbatches added put the 405B plan's embedding-gradient
+backward (rank 0) beside 112 chunk microbatches where torch holds 16 there; without a reading
+per backward a one-stage ``never`` job looked 14-21 % over-estimated (its peak held a
+microbatch and a part, and a whole one was taken off).
 
 What is not the trainer's own code path, and why:
 
@@ -50,13 +57,16 @@ What is not the trainer's own code path, and why:
   forward and backward directly on inputs of the stage's input shape (hidden states
   ``(b, s, h)``, ``(b, s/tp, h)`` under sequence parallelism; tokens on stage 0) and, off the
   last stage, a gradient of the output's shape;
-* the microbatches a 1F1B stage holds in flight (``k = min(P - p, M)``): the stage runs one
-  microbatch; the activation bytes it keeps (measured: the tracker's activation total after
-  the forward minus before it) are added for the other ``k - 1``, which keeps the bench's CPU
-  time to a few minutes on 2 cores;
-* stages whose run would be the same (:func:`signature`: first, last, number of layers; e.g.
-  the 14 middle stages of the 1,024-rank job) run once, and each is reported with its own
-  microbatches in flight;
+* the microbatches a stage holds in flight: ``k = min(P - p, M)`` under 1F1B; with virtual
+  stages one count per chunk and phase, read from torch's own schedule
+  (``fake_step.in_flight_counts``: the job's torch schedule class built on stand-in stages,
+  its ``pipeline_order`` walked to the point of most held bytes after a forward and before each
+  chunk's backwards). The stage runs one microbatch per chunk; the activation bytes each chunk
+  keeps (measured: the tracker's activation total after its forward minus before it) stand
+  for the chunk's other microbatches, which keeps the bench's CPU time to a minute or two;
+* stages whose run would be the same (:func:`signature`: per chunk first, last, number of
+  layers; e.g. the 14 middle stages of the 1,024-rank job) run once, and each is reported with
+  its own microbatches in flight;
 * the optimizer step runs under the tracker, but its peak is reported apart and not compared:
   under fake tensors the tracker keeps every temporary of the single-tensor AdamW counted
   (``exp_avg_sq.sqrt()`` and the like: optimizer memory 4.9x the parameter bytes on a small
@@ -70,14 +80,17 @@ Any job, not only the built-in ones: ``--train-flags`` takes the flags of a ``sh
 command, read by the command line's own parser (``cli/train_commands.py: train_config``, then
 ``cli/dry_run.py: job_of``, the dry run's job), and ``--plan-json`` a ``shardsmith plan --json``
 answer (its ``--candidate``-th candidate's ``flags``), so the planner's choices can be checked.
-Give ``--dp-shard`` (or ``--nproc-per-node``): the world size is the layout's. Layouts with
-virtual stages, context parallelism or expert parallelism are refused: ``run_stage`` builds one
-model chunk per pipeline rank and runs no K/V exchange or token dispatch.
+Give ``--dp-shard`` (or ``--nproc-per-node``): the world size is the layout's. Virtual stages
+follow ``--virtual-stages``, ``--pipeline-split`` and ``--pipeline-schedule`` (default
+``interleaved-1f1b``). Layouts with context or expert parallelism are refused: the bench runs no
+K/V exchange or token dispatch.
 
     OMP_NUM_THREADS=1 python bench/fake_scale.py               # all configs, table + JSON last line
     python bench/fake_scale.py --only llama3-8b                # one job, both policies
     python bench/fake_scale.py --only llama3-8b:never          # one job, one policy
     python bench/fake_scale.py --train-flags "--model llama3-8b --tp 2 --dp-shard 4 --global-batch-size 8"
+    python bench/fake_scale.py --train-flags "--model llama3-8b --tp 2 --pp 2 --virtual-stages 2 \\
+        --dp-shard 2 --global-batch-size 8 --micro-batch-size 1"    # V = 2: two chunks a rank
     shardsmith plan --model llama3-8b --gpus 64 --gpu h100 --global-batch-size 256 --json > p.json
     python bench/fake_scale.py --plan-json p.json --candidate 0
 """
@@ -100,6 +113,9 @@ from shardsmith.layout import ModelConfig, ParallelDims
 from shardsmith.sizing.estimate import estimate
 from shardsmith.sizing.presets import resolve_model
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fake_step import in_flight_counts, measured_peak, run_stage, stand_in_schedule  # noqa: E402
+
 TOLERANCE = 0.15
 
 
@@ -116,6 +132,12 @@ class Config:
     ac: bool | str = False  # True: full; "op" / "N": selective (TrainConfig.ac_policy)
     sp: bool = False
     policy: str = "always"
+    schedule: str = ""  # --pipeline-schedule with virtual stages (trainer/pipeline.py SCHEDULES)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per data-parallel rank and step, ``M``."""
+        return self.global_batch_size // (self.micro_batch_size * self.dims.dp)
 
 
 def _configs() -> dict[str, Config]:
@@ -170,7 +192,8 @@ def _configs() -> dict[str, Config]:
 def config_of_flags(flags: list[str], name: str = "flags") -> Config:
     """The job of ``shardsmith train`` flags, read by the command line's own parser
     (``train``'s click context, ``train_config``, ``check_layout``, ``job_of``), under the
-    FSDP exchange policy the flags resolve to (``default``: ``never`` under pipelining).
+    FSDP exchange policy the flags resolve to (``default``: ``never`` under pipelining;
+    ``never`` under a zero-bubble schedule, as ``trainer/pipeline.py: build_schedule`` does).
 
     Raises:
         click.UsageError / ConfigError / LayoutError: flags ``train`` itself refuses.
@@ -179,19 +202,20 @@ def config_of_flags(flags: list[str], name: str = "flags") -> Config:
     from shardsmith.cli.dry_run import job_of
     from shardsmith.cli.train_commands import train, train_config
     from shardsmith.layout import reshards_after_forward
+    from shardsmith.trainer.config import default_schedule
+    from shardsmith.trainer.pipeline import splits_backward
 
     params = train.make_context("train", list(flags)).params
     cfg = train_config(params, params["nproc_per_node"])
     cfg.check_layout()
     job = job_of(cfg)
     d = job.dims
-    if d.virtual_stages > 1 or d.cp > 1 or d.expert_parallel > 1:
+    if d.cp > 1 or d.expert_parallel > 1:
         raise SystemExit(
-            f"{name}: layout {d.describe()}: this bench builds one model chunk per pipeline rank "
-            "without context or expert parallelism; check a candidate with --virtual-stages 1, "
-            "--cp 1 and --expert-parallel 1"
+            f"{name}: layout {d.describe()}: this bench runs no K/V exchange or token dispatch; "
+            "check a candidate with --cp 1 and --expert-parallel 1"
         )
-    return Config(
+    c = Config(
         name,
         job.model,
         d,
@@ -203,7 +227,13 @@ def config_of_flags(flags: list[str], name: str = "flags") -> Config:
         policy="always"
         if reshards_after_forward(job.fsdp_reshard_after_forward, d.pp)
         else "never",
+        schedule=(cfg.pipeline_schedule or default_schedule(d.virtual_stages))
+        if d.virtual_stages > 1
+        else "",
     )
+    if c.schedule and splits_backward(stand_in_schedule(c, 0)):
+        c = dataclasses.replace(c, policy="never")  # as build_schedule: once per step
+    return c
 
 
 def plan_flags(path: str, candidate: int) -> tuple[str, list[str]]:
@@ -217,10 +247,12 @@ def plan_flags(path: str, candidate: int) -> tuple[str, list[str]]:
 
 
 def estimate_of(c: Config) -> Any:
-    """The dry run's estimate of ``c`` (:func:`shardsmith.sizing.estimate.estimate`)."""
+    """The dry run's estimate of ``c`` (:func:`shardsmith.sizing.estimate.estimate`) for the
+    sampled rank of each stage (``first_rank_only``: tp = dp_shard = 0, as :func:`run_stage`)."""
     return estimate(
         c.model,
         c.dims,
+        first_rank_only=True,
         micro_batch_size=c.micro_batch_size,
         global_batch_size=c.global_batch_size,
         activation_checkpointing=c.ac,
@@ -230,195 +262,15 @@ def estimate_of(c: Config) -> Any:
     )
 
 
-def in_flight_of(c: Config, stage: int) -> int:
-    """Microbatches a 1F1B stage holds in flight: ``min(P - stage, M)``."""
-    return min(c.dims.pp - stage, c.global_batch_size // (c.micro_batch_size * c.dims.dp))
-
-
-def signature(c: Config, stage: int) -> tuple[bool, bool, int, int]:
-    """What a stage's run depends on: first, last, its layers (and the one microbatch run).
-    Stages with equal signatures build the same modules on the same shapes (only the rank's
-    mesh coordinates differ), so one run stands for all of them."""
-    from shardsmith.layout import stage_layers
-
-    return (stage == 0, stage == c.dims.pp - 1, len(stage_layers(c.model, c.dims)[stage]), 1)
-
-
-def _tracker_class() -> type:
-    """PyTorch's ``MemTracker`` with two changes that alter no figure it reports (module doc,
-    "The tracker"): DTensor's sharding propagation runs under a fake mode of its own, as it
-    does in an eager run, so the tracker's own rule skips its global-shape tensors; and each
-    op updates the peaks of the modules it runs in, found by name, instead of scanning every
-    module seen so far."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
-    from torch.distributed.tensor import _sharding_prop
-
-    propagation_mode = FakeTensorMode()
-    _sharding_prop.detect_fake_mode = lambda *_: propagation_mode
-
-    class Tracker(MemTracker):
-        """``MemTracker`` whose per-op peak update looks at the active modules only."""
-
-        _by_fqn: dict[str, list] = {}
-        _indexed = -1
-
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            if self._indexed != len(self.memory_tracking):
-                self._by_fqn = {}
-                for stats in self.memory_tracking.values():
-                    self._by_fqn.setdefault(stats.mod_fqn, []).append(stats)
-                self._indexed = len(self.memory_tracking)
-            curr = self._curr_mem_snap
-            for fqn in self._mod_tracker.parents:
-                for stats in self._by_fqn.get(fqn, ()):
-                    if peak_state not in stats.snapshots:
-                        continue
-                    for dev, snap in curr.items():
-                        if stats.local_peak.get(dev, 0) < snap[_TOTAL_KEY]:
-                            stats.local_peak[dev] = snap[_TOTAL_KEY]
-                            stats.snapshots[peak_state][-1][dev] = dict(snap)
-            for dev, snap in curr.items():
-                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
-                    self._peak_mem[dev] = snap[_TOTAL_KEY]
-                    self._peak_mem_snap[dev] = dict(snap)
-
-    return Tracker
-
-
-def run_stage(c: Config, stage: int) -> dict[str, Any]:
-    """Build and step one rank of ``stage`` under fake tensors (module doc); in this process."""
-    import contextlib
-
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import _MemRefType
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+def signature(c: Config, stage: int) -> tuple[tuple[bool, bool, int], ...]:
+    """What a pipeline rank's run depends on: for each of its chunks (in order), first, last
+    and its number of layers. Ranks with equal signatures build the same modules on the same
+    shapes (only the rank's mesh coordinates differ), so one run stands for all of them; each
+    is reported with its own microbatches in flight."""
     from shardsmith.layout import chunk_layers
-    from shardsmith.layout.sharding import kv_replicas, padded_vocab_size, param_specs
-    from shardsmith.trainer.checkpoint.save_load import init_optimizer_state
-    from shardsmith.trainer.model import Transformer
-    from shardsmith.trainer.optim import OptimConfig, build_optimizer
-    from shardsmith.trainer.parallel import build_mesh, check_placements, parallelize
-    from shardsmith.trainer.step import StepMath, loss_fn
 
-    dims, m = c.dims, c.model
-    rank = dims.rank_of({"pp": stage, "dp_replicate": 0, "dp_shard": 0, "tp": 0})
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dims.world_size)
-    mesh = build_mesh(dims, "cpu")
-    first, last = stage == 0, stage == dims.pp - 1
-    with torch.device("meta"):
-        model = Transformer(
-            m,
-            chunk_layers(m, dims)[stage],
-            first=first,
-            last=last,
-            padded_vocab=padded_vocab_size(m.vocab_size, dims.tp),
-            kv_copies=kv_replicas(m, dims),
-        )
-    keep = c.policy == "never"  # parameters gathered for the step, gradients accumulated unsharded
-    parallelize(
-        model,
-        mesh,
-        dims,
-        bf16=c.bf16,
-        activation_checkpointing=c.ac,
-        sequence_parallel=c.sp,
-        reshard_after_forward=not keep,
-    )
-    check_placements(model, param_specs(m, dims), dims)
-    in_flight = in_flight_of(c, stage)
-    run_k = 2 if keep else 1  # the second microbatch's backward meets the first's accumulated grads
-    math = StepMath(model, None, m, dims, dims.coords(rank), 1, bf16=c.bf16)
-    b, s = c.micro_batch_size, m.seq_length
-    seq = s // dims.tp if c.sp and dims.tp > 1 else s
-
-    class Microbatches(nn.Module):
-        """Root module: the stage runs ``run_k`` forwards (the tracker refuses a root called twice)."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.stage = model
-
-        def forward(self, xs: list) -> list:
-            outs = []
-            for x in xs:
-                after.append(tracker.get_tracker_snapshot()[torch.device("cpu")][_MemRefType.ACT])
-                outs.append(self.stage(x))
-                after.append(tracker.get_tracker_snapshot()[torch.device("cpu")][_MemRefType.ACT])
-            return outs
-
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
-        optimizer = build_optimizer(model, OptimConfig())
-        init_optimizer_state(model, optimizer)
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        if keep:  # a microbatch before the step's last: no reduce, no reshard
-            model.set_requires_gradient_sync(False)
-            model.set_reshard_after_backward(False)
-        tracker = _tracker_class()()
-        tracker.track_external(model, optimizer)
-        after: list[int] = []
-        act_dtype = torch.bfloat16 if c.bf16 else torch.float32
-        with tracker:
-            if first:
-                xs = [torch.randint(0, m.vocab_size, (b, s)) for _ in range(run_k)]
-            else:
-                xs = [
-                    torch.randn(b, seq, m.hidden_size, dtype=act_dtype, requires_grad=True)
-                    for _ in range(run_k)
-                ]
-            with math._loss_ctx() if last else contextlib.nullcontext():
-                with math._autocast():
-                    outs = Microbatches()(xs)
-                for i, out in enumerate(outs):
-                    if keep and i == len(outs) - 1:  # the last backward's own peak (module doc)
-                        peak = dict(tracker.get_tracker_snapshot("peak")[torch.device("cpu")])
-                        tracker._peak_mem_snap = tracker.get_tracker_snapshot()
-                        tracker._peak_mem = {
-                            d: v["Total"] for d, v in tracker._peak_mem_snap.items()
-                        }
-                    if last:
-                        loss_fn(out, torch.randint(0, m.vocab_size, (b, s))).backward()
-                    else:
-                        out.backward(torch.ones_like(out))
-                del outs
-            last_bw = dict(tracker.get_tracker_snapshot("peak")[torch.device("cpu")])
-            if not keep:
-                peak = last_bw
-            optimizer.step()
-        opt_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-    per_mb = after[1] - after[0]
-    out = {
-        "stage": stage,
-        "rank": rank,
-        "in_flight": in_flight,
-        "run_in_flight": run_k,
-        "per_microbatch_bytes": per_mb,
-        "tracker_peak_bytes": peak["Total"],
-        "last_backward_peak_bytes": last_bw["Total"] if keep else 0,
-        "optimizer_step_tracker_peak_bytes": opt_peak,
-        "by_kind": {str(k).split(".")[-1].strip("'>"): v for k, v in peak.items() if k != "Total"},
-    }
-    out["measured_peak_bytes"] = measured_peak(out)
-    return out
-
-
-def measured_peak(got: dict[str, Any]) -> int:
-    """The stage's peak with its own microbatches in flight (module doc): the run's peak with
-    the activations of ``in_flight - run_in_flight`` more microbatches, and, for a run of two
-    microbatches (parameters kept gathered), the last backward's own peak (the first's
-    activations freed, its unsharded gradients accumulated: the state of every microbatch
-    after the step's first) with ``in_flight - 1`` more."""
-    k, per_mb = got["in_flight"], got["per_microbatch_bytes"]
-    out = got["tracker_peak_bytes"] + (k - got["run_in_flight"]) * per_mb
-    if got["last_backward_peak_bytes"]:
-        out = max(out, got["last_backward_peak_bytes"] + (k - 1) * per_mb)
-    return out
+    layers, last = chunk_layers(c.model, c.dims), c.dims.num_chunks - 1
+    return tuple((k == 0, k == last, len(layers[k])) for k in c.dims.chunk_ids(stage))
 
 
 def _stage_subprocess(name: str, stage: int, extra: tuple[str, ...]) -> dict[str, Any]:
@@ -452,10 +304,11 @@ def run_config(c: Config, workers: int, extra: tuple[str, ...] = ()) -> dict[str
             **ran[src],
             "stage": p,
             "rank": c.dims.rank_of({"pp": p, "dp_replicate": 0, "dp_shard": 0, "tp": 0}),
-            "in_flight": in_flight_of(c, p),
+            "in_flight": in_flight_counts(c, p, ran[src]["per_microbatch_bytes"]),
             "same_run_as_stage": src,
         }
-        got["measured_peak_bytes"] = measured_peak(got)
+        got["measured_peak_bytes"], at = measured_peak(got)
+        got.update(peak_phase=at["phase"], by_kind=at["by_kind"])
         want = by_stage[p].tracked_peak_nbytes
         rows.append(
             {
@@ -478,6 +331,10 @@ def run_config(c: Config, workers: int, extra: tuple[str, ...] = ()) -> dict[str
         "max_rel_error": max(abs(r["rel_error"]) for r in rows),
         "seconds": time.perf_counter() - t0,
     }
+
+
+def _counts(in_flight: list[int]) -> str:
+    return str(in_flight[0]) if len(in_flight) == 1 else "+".join(map(str, in_flight))
 
 
 def _arguments() -> argparse.Namespace:
@@ -519,7 +376,7 @@ def main() -> None:
         )
         for s in r["stages"]:
             print(
-                f"  stage {s['stage']:>2} (rank {s['rank']:>4}, {s['in_flight']} in flight): measured "
+                f"  stage {s['stage']:>2} (rank {s['rank']:>4}, {_counts(s['in_flight']['fwd'])} in flight, peak in {s['peak_phase']}): measured "
                 f"{s['measured_peak_bytes'] / 2**30:7.2f} GiB, estimate {s['estimate_bytes'] / 2**30:7.2f} GiB, "
                 f"{s['rel_error']:+.1%}",
                 flush=True,

@@ -11,9 +11,8 @@ rank really holds. The rest are standard estimates, each with its source:
   ``c`` bytes per value; fused attention, no dropout, so not Korthikanti et al. 2022's
   ``sbh(34 + 5as/h)``); with full activation recomputation (``--activation-checkpointing``,
   their section 4.1) ``c*h`` per token and layer (``/t`` with sequence parallelism) plus one
-  layer's full set. A 1F1B stage ``p`` of ``P`` holds ``min(P - p, M)`` microbatches in
-  flight (their section 4.2.3), times ``1 + (P - 1)/(P*V)`` under the interleaved schedule
-  with V virtual stages (the same section);
+  layer's full set. 1F1B stage ``p`` of ``P`` holds ``min(P - p, M)`` microbatches (their
+  sec. 4.2.3); with V chunks, what torch's interleaved 1F1B holds (``activations.binding_phase``);
 * the last stage's logits and loss per microbatch, ``s*b*V/t*(c + 4 + 4 + 4)`` bytes under bf16
   (``s*b*V/t*(4 + 4 + 4)`` in fp32): logits, their fp32 copy, the log-softmax and its
   gradient (:func:`shardsmith.sizing.activations.loss_nbytes_per_token`);
@@ -51,6 +50,7 @@ from shardsmith.layout import (
     ModelConfig,
     ParallelDims,
     TensorSpec,
+    chunk_layers,
     flops_per_token,
     padded_vocab_size,
     param_specs,
@@ -71,8 +71,8 @@ FORMULAS = {
     "sequence parallelism (counted from shardsmith's block: fused attention keeps no s x s scores, "
     "no dropout; Korthikanti et al. 2022 eq. 2 counts sbh(34 + 5as/h) for GPT with both); with "
     "activation checkpointing c*h per layer (/t with SP) + one full layer (their sec. 4.1); off "
-    "stage 0 the stage input; min(P - stage, M) microbatches in flight under 1F1B, x(1 + "
-    "(P-1)/(P*V)) interleaved (sec. 4.2.3)",
+    "stage 0 the stage input; min(P - stage, M) microbatches in flight under 1F1B (sec. 4.2.3), "
+    "per chunk as torch 2.13's interleaved 1F1B orders them with V virtual stages",
     "loss": "last stage, per microbatch: s*b*V/t*(c + 4 + 4 + 4) bytes at c = 2 (bf16), s*b*V/t*(4 + 4 + 4) in "
     "fp32: logits, their fp32 copy (bf16 only), log-softmax, its gradient",
     "peak": "weights + gradients + AdamW state + kept activations + gathered root parameters + the largest of: "
@@ -331,31 +331,32 @@ def _activation_nbytes(
     model: ModelConfig,
     dims: ParallelDims,
     stage: int,
-    layers: tuple[int, ...],
     micro_batch_size: int,
     num_microbatches: int,
     bytes_per_value: int,
     recompute: bool | str,
     sequence_parallel: bool = False,
-) -> tuple[int, int]:
-    """(activation bytes, microbatches in flight) of one rank of ``stage`` holding ``layers``
-    (recompute True, "op" or "N" as apply_ac): kept activations x ``min(P - stage, M)`` in
-    flight (x ``1 + (P-1)/(P*V)`` interleaved, Korthikanti et al. 4.2.3; V style ``min(P, M)``,
-    Qi et al. 2024 sec. 6), the received input, and the one layer backward rebuilds."""
-    in_flight = min(dims.pp if dims.pipeline_style == "v" else dims.pp - stage, num_microbatches)
+    block_nbytes: int = 0,
+) -> tuple[int, int, bool]:
+    """(activation bytes, most microbatches of a chunk in flight, whether the binding backward's
+    chunk prefetches a block: :func:`act.binding_phase`) of a rank of ``stage`` (module doc)."""
+    layers = stage_layers(model, dims)[stage]
     kw = {"bytes_per_value": bytes_per_value, "sequence_parallel": sequence_parallel, "cp": dims.cp}
     every = int(recompute) if isinstance(recompute, str) and recompute.isdigit() else 0
     redone = [bool(recompute) and (not every or (i + 1) % every == 0) for i in layers]
     per_layer = partial(activation_nbytes_per_layer, model, micro_batch_size, dims.tp, **kw)
     kept, plain = per_layer(recompute=every > 0 or recompute), per_layer()
-    total = sum(kept if r else plain for r in redone) * in_flight
-    if stage > 0 and layers and not redone[0]:  # the received input (the first layer: a copy)
-        total += in_flight * per_layer(recompute=True)
-    if dims.virtual_stages > 1 and dims.pipeline_style == "loop":  # Korthikanti sec. 4.2.3
-        total = int(total * (1 + (dims.pp - 1) / (dims.pp * dims.virtual_stages)))
-    if any(redone):
-        total += plain
-    return total, in_flight
+    redo, chunks = dict(zip(layers, redone)), chunk_layers(model, dims)
+    nbytes = [  # per chunk: its layers, and off chunk 0 the received input (a copy) unless redone
+        sum(kept if redo[i] else plain for i in chunks[k])
+        + (per_layer(recompute=True) if k and not redo[chunks[k][0]] else 0)
+        for k in dims.chunk_ids(stage)
+    ]
+    prefetch = [len(chunks[k]) > 1 for k in dims.chunk_ids(stage)]
+    extra = [block_nbytes * p for p in prefetch]  # a chunk of 2+ layers: FSDP's prefetched block
+    counts, k = act.binding_phase(dims, stage, num_microbatches, nbytes, extra)
+    total = int(sum(n * b for n, b in zip(counts, nbytes))) + (plain if any(redone) else 0)
+    return total, max(counts), prefetch[k]
 
 
 def unsharded_numels(model: ModelConfig, dims: ParallelDims) -> tuple[list[int], list[int]]:
@@ -481,23 +482,23 @@ def estimate(
     keep_gathered = not reshards_after_forward(fsdp_reshard_after_forward, dims.pp)
     roles = []
     for stage, cells in enumerate(_stage_numels(specs, dims, first_rank_only)):
-        act_nbytes, in_flight = _activation_nbytes(
+        act_nbytes, in_flight, prefetch = _activation_nbytes(
             model,
             dims,
             stage,
-            stage_layers(model, dims)[stage],
             micro_batch_size,
             num_microbatches,
             c,
             activation_checkpointing,
             sequence_parallel,
+            0 if keep_gathered else c * blocks[stage],
         )
         gathered = fsdp_numel(model, dims, stage) if keep_gathered else 0
         numels = (blocks[stage], roots[stage], root_grads[stage])
         extra = {
             "activation_nbytes": act_nbytes,
             "microbatches_in_flight": in_flight,
-            **stage_transient(model, dims, stage, *numels, c, micro_batch_size, gathered),
+            **stage_transient(model, dims, stage, *numels, c, micro_batch_size, gathered, prefetch),
             "process_nbytes": process_overhead_nbytes(groups),
         }
         roles.extend(_stage_roles(model, dims, specs, stage, cells, extra))

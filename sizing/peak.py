@@ -25,17 +25,22 @@ def loss_nbytes(
     )
 
 
-def fsdp_buffer_nbytes(block_numel: int, root_numel: int, dims: ParallelDims, bf16: bool) -> int:
+def fsdp_buffer_nbytes(
+    block_numel: int, root_numel: int, dims: ParallelDims, bf16: bool, prefetch: bool = True
+) -> int:
     """FSDP2's unsharded buffers at the backward peak (``parallel.apply_fsdp``): the root's
     parameters stay gathered from forward to backward (FSDP2 does not reshard the root after
-    forward), the current and the prefetched block's parameters in the compute dtype, and the
+    forward), the current and (``prefetch``: the stage or chunk has another block, which
+    FSDP2's backward prefetch gathers early; a one-layer chunk has none, measured by
+    ``bench/fake_scale.py`` on the 405B plan's v7 chunks) the prefetched block's parameters in
+    the compute dtype, and the
     current block's unsharded gradient in the compute dtype plus its fp32 reduce-scatter
     input under bf16 (``reduce_dtype=float32``). 0 without FSDP: ``parallel.parallelize``
     applies it when ``dp_replicate * dp_shard * cp > 1`` (it shards over ``dp_shard * cp``)."""
     if dims.dp_replicate * dims.fsdp == 1:
         return 0
     c = 2 if bf16 else 4
-    return root_numel * c + block_numel * (3 * c + (4 if bf16 else 0))
+    return root_numel * c + block_numel * ((3 if prefetch else 2) * c + (4 if bf16 else 0))
 
 
 def transient_nbytes(
@@ -71,6 +76,7 @@ def stage_transient(
     c: int,
     micro_batch_size: int,
     unsharded: int = 0,
+    prefetch: bool = True,
 ) -> dict[str, int]:
     """The FSDP, root-gradient and loss fields of one stage's roles (:func:`transient_nbytes`).
 
@@ -91,7 +97,7 @@ def stage_transient(
             "loss_nbytes": loss,
             "transient_nbytes": held + top,
         }
-    buffers = fsdp_buffer_nbytes(block, root, dims, c == 2)
+    buffers = fsdp_buffer_nbytes(block, root, dims, c == 2, prefetch)
     root_param = c * root if buffers else 0
     embedding = (
         padded_vocab_size(model.vocab_size, dims.tp) * model.hidden_size if stage == 0 else 0

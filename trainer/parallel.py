@@ -189,18 +189,9 @@ def build_stage_model(
     coords = dims.coords(dist.get_rank())
     info = StageInfo(coords["pp"], dims.pp, stage_layers(cfg, dims)[coords["pp"]])
     specs = param_specs(cfg, dims)
-    layers = chunk_layers(cfg, dims)
     chunks = []
     for c in dims.chunk_ids(coords["pp"]):
-        with torch.device("meta"):
-            chunk = Transformer(
-                cfg,
-                layers[c],
-                first=c == 0,
-                last=c == dims.num_chunks - 1,
-                padded_vocab=padded_vocab_size(cfg.vocab_size, dims.tp),
-                kv_copies=kv_replicas(cfg, dims),
-            )
+        chunk = chunk_model(cfg, dims, c)
         parallelize(
             chunk,
             mesh,
@@ -219,6 +210,22 @@ def build_stage_model(
     if len(chunks) == 1:
         return chunks[0], info
     return ChunkedStage(chunks, dims.chunk_ids(coords["pp"])), info
+
+
+def chunk_model(cfg: ModelConfig, dims: ParallelDims, chunk: int) -> Transformer:
+    """Pipeline model chunk ``chunk`` (of ``dims.num_chunks``; the whole model without
+    pipelining) on the ``meta`` device, not parallelized: its layers (:func:`chunk_layers`),
+    the embedding on chunk 0, norm and output on the last, the vocabulary padded to a multiple
+    of tp, kv heads copied as the sharding plan says. Local, no collective."""
+    with torch.device("meta"):
+        return Transformer(
+            cfg,
+            chunk_layers(cfg, dims)[chunk],
+            first=chunk == 0,
+            last=chunk == dims.num_chunks - 1,
+            padded_vocab=padded_vocab_size(cfg.vocab_size, dims.tp),
+            kv_copies=kv_replicas(cfg, dims),
+        )
 
 
 def tp_plan(model: Transformer, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
