@@ -20,6 +20,7 @@ from shardsmith.trainer.checkpoint.local_tier import (
     check_copy_files,
     parse_rank_doc,
     rank_manifest_name,
+    replicate,
     saved_dims,
 )
 from shardsmith.trainer.checkpoint.peer_copy import exchange_files
@@ -217,11 +218,8 @@ def restore_replicas(
     }
     if not missing:
         return
-    source = (rank - tier.per_node) % world  # the rank whose buddy this rank is
-    sends = {buddy_of(rank, world, tier.per_node): tier.read_copy(copy)} if rank in missing else {}
-    recvs = [source] if source in missing else []
-    if sends or recvs:
-        got = exchange_files(sends, recvs)
-        if recvs:
-            tier.store_copy(tier.replica_root, source, step, got[source])
+    send, receive = rank in missing, tier.source in missing
+    if send or receive:
+        files = tier.read_copy(copy) if send else {}
+        replicate(tier, step, files, None, send=send, receive=receive)
     any_rank(False)  # every rank: the copies are stored before anyone goes on

@@ -437,11 +437,24 @@ def saved_dims(doc: dict[str, Any]) -> tuple[ModelConfig, ParallelDims]:
     return ModelConfig.from_json(doc["model"]), ParallelDims.from_json(doc["layout"])
 
 
-def replicate(tier: LocalTier, step: int, files: dict[str, bytes], group: Any) -> None:
+def replicate(
+    tier: LocalTier,
+    step: int,
+    files: dict[str, bytes],
+    group: Any,
+    *,
+    send: bool = True,
+    receive: bool = True,
+) -> None:
     """Send this rank's files of ``step`` to its buddy and store the copy received from its
-    source rank under ``replica_root`` (save thread; every rank of ``group`` calls it)."""
+    source rank under ``replica_root`` (save thread; every rank of ``group`` calls it). After
+    a recovery only the pairs whose copy is missing take part: ``send`` / ``receive`` False
+    leave out either half (point-to-point, so the peer of a half left out leaves it out too)."""
     from shardsmith.trainer.checkpoint.peer_copy import exchange_files
 
     assert tier.buddy is not None and tier.source is not None
-    got = exchange_files({tier.buddy: files}, [tier.source], group)
-    tier.store_copy(tier.replica_root, tier.source, step, got[tier.source])
+    got = exchange_files(
+        {tier.buddy: files} if send else {}, [tier.source] if receive else [], group
+    )
+    if receive:
+        tier.store_copy(tier.replica_root, tier.source, step, got[tier.source])
